@@ -1,0 +1,170 @@
+"""The `kvoffload` command line: demo, bench, stats."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+
+import kvoffload
+from kvoffload.errors import KVOffloadError
+
+__all__ = ["main"]
+
+
+def _console() -> Console:
+    console = Console()
+    # Piped output gets 80 columns by default, too narrow for the result tables.
+    return console if console.is_terminal else Console(width=120)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvoffload.bench import demo
+
+    console = _console()
+
+    if args.synthetic:
+        report = demo.run_synthetic(
+            args.url,
+            turns=args.turns,
+            new_tokens=args.new_tokens,
+            block_tokens=args.block_tokens,
+            console=console,
+        )
+    else:
+        report = demo.run_demo(
+            args.url,
+            turns=args.turns,
+            new_tokens=args.new_tokens,
+            block_tokens=args.block_tokens,
+            dtype=args.dtype,
+            console=console,
+        )
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(
+                {
+                    "model": report.model,
+                    "url": report.url,
+                    "synthetic": report.synthetic,
+                    "turns": [vars(t) for t in report.turns],
+                    "store": report.store_stats,
+                },
+                fh,
+                indent=2,
+                default=str,
+            )
+    if not report.all_same:
+        Console(stderr=True).print("[red]outputs differ between the store and recompute runs[/]")
+        return 1
+    return 0
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    from kvoffload.bench import engine
+
+    result = engine.run(working_set=args.working_set << 20, rounds=args.rounds)
+    result.print(_console())
+    if args.json:
+        result.write_json(args.json)
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from kvoffload.client_sdk import Client
+
+    with Client.connect(args.url) as client:
+        stats = client.stats().as_dict()
+    if args.json:
+        print(json.dumps(stats, indent=2, default=str))
+        return 0
+    console = Console()
+    store = stats.pop("store")
+    console.print(f"[bold]store[/] {args.url}")
+    assert isinstance(store, dict)
+    for tier in store.pop("tiers", ()):
+        console.print(
+            f"  tier {tier['name']}: {tier['entries']:,} blocks, "
+            f"{tier['used_bytes'] / 2**20:,.1f} / {tier['capacity_bytes'] / 2**20:,.1f} MiB, "
+            f"hits {tier['hits']:,}, misses {tier['misses']:,}, evictions {tier['evictions']:,}"
+        )
+    for name, value in store.items():
+        console.print(f"  {name}: {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvoffload", description="KV-cache offload store: demo, benchmarks, stats."
+    )
+    parser.add_argument("--version", action="version", version=f"kvoffload {kvoffload.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser(
+        "demo",
+        help="multi-turn chat with SmolLM2-135M, prefix KV served from the store",
+        description="Runs a multi-turn chat twice per turn (prefix from the store vs full "
+        "recompute) and reports TTFT, hit tokens, bytes moved and whether outputs match.",
+    )
+    demo.add_argument("--url", help="store URL (default: embedded local://?dram=1GiB)")
+    demo.add_argument("--turns", type=int, default=4, help="conversation turns (max 5)")
+    demo.add_argument("--new-tokens", type=int, default=32, help="tokens generated per turn")
+    demo.add_argument("--block-tokens", type=int, default=16, help="tokens per stored block")
+    demo.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="model dtype; bfloat16 rounding can flip near-tie tokens",
+    )
+    demo.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="random KV, no model, modelled TTFT (needs no torch)",
+    )
+    demo.add_argument("--json", metavar="FILE", help="also write the per-turn report as JSON")
+    demo.set_defaults(func=_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks that measure their reference in the same run")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    eng = bench_sub.add_parser(
+        "engine",
+        help="DRAM tier put/get/get_into vs memcpy",
+        description="put, get and get_into at 64 KiB, 512 KiB, 2 MiB and 8 MiB next to memcpy.",
+    )
+    eng.add_argument("--json", metavar="FILE", help="write results as JSON (DESIGN §9 shape)")
+    eng.add_argument(
+        "--working-set",
+        type=int,
+        default=256,
+        metavar="MiB",
+        help="distinct bytes per size (default 256)",
+    )
+    eng.add_argument("--rounds", type=int, default=5, help="timed rounds per case (median)")
+    eng.set_defaults(func=_bench_engine)
+
+    stats = sub.add_parser(
+        "stats",
+        help="print a store's counters",
+        description="Print the counters of the store at URL.",
+    )
+    stats.add_argument("url", nargs="?", default="local://", help="store URL")
+    stats.add_argument("--json", action="store_true", help="print raw JSON")
+    stats.set_defaults(func=_stats)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except KVOffloadError as exc:
+        Console(stderr=True).print(f"[red]kvoffload: {exc}[/]")
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""What every benchmark shares: result rows, machine description, JSON output, tables, timing."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+import kvoffload
+
+__all__ = ["BenchResult", "Row", "machine_info", "time_median"]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measurement next to its reference (DESIGN §9).
+
+    `ratio` is kvoffload / reference for rates and reference / kvoffload for times, so above 1
+    always means kvoffload is better.
+    """
+
+    case: str
+    value: float
+    unit: str
+    ref: str | None = None
+    ref_value: float | None = None
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        if self.ref_value is None or not self.value or not self.ref_value:
+            return None
+        if self.unit in ("s", "ms", "us"):
+            return self.ref_value / self.value
+        return self.value / self.ref_value
+
+    def as_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {k: v for k, v in asdict(self).items() if k != "note" or v}
+        out["ratio"] = None if self.ratio is None else round(self.ratio, 3)
+        return out
+
+
+def machine_info() -> dict[str, object]:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpus": os.cpu_count(),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "numpy": np.__version__,
+        "kvoffload": kvoffload.__version__,
+    }
+
+
+@dataclass
+class BenchResult:
+    bench: str
+    rows: list[Row] = field(default_factory=list)
+    date: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat())
+    machine: dict[str, object] = field(default_factory=machine_info)
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "bench": self.bench,
+            "date": self.date,
+            "machine": self.machine,
+            "notes": self.notes,
+            "rows": [r.as_dict() for r in self.rows],
+        }
+
+    def write_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.as_dict(), indent=2) + "\n")
+
+    def print(self, console: Console | None = None) -> None:
+        console = console or Console()
+        table = Table(
+            title=f"kvoffload bench {self.bench}  ({self.machine['cpus']} CPUs, "
+            f"{self.machine['cpu'] or platform.machine()})"
+        )
+        for name in ("case", "kvoffload", "reference", "ref value", "ratio"):
+            table.add_column(name, justify="left" if name in ("case", "reference") else "right")
+        for r in self.rows:
+            ratio = r.ratio
+            table.add_row(
+                r.case,
+                f"{r.value:,.3g} {r.unit}",
+                r.ref or "",
+                "" if r.ref_value is None else f"{r.ref_value:,.3g} {r.unit}",
+                "n/a" if ratio is None else f"{ratio:.2f}x",
+            )
+        console.print(table)
+        for note in self.notes:
+            console.print(f"[dim]{note}[/]")
+
+
+def time_median(fn: Callable[[], object], rounds: int) -> float:
+    """Median seconds of `rounds` calls to `fn` after one warm-up call."""
+    fn()
+    samples = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)

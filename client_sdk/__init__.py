@@ -1,0 +1,55 @@
+"""The client SDK: block keys, `Client` / `AsyncClient`, transports and the wire formats.
+
+Exports resolve lazily (PEP 562) so that importing `kvoffload.client_sdk.wire` — as the daemon
+does — does not pull in the transports or the engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvoffload.client_sdk.client import AsyncClient, Client, ClientStats
+    from kvoffload.client_sdk.keys import (
+        BlockHash,
+        BlockKey,
+        Namespace,
+        block_hashes,
+        block_keys,
+    )
+
+__all__ = [
+    "AsyncClient",
+    "BlockHash",
+    "BlockKey",
+    "Client",
+    "ClientStats",
+    "Namespace",
+    "block_hashes",
+    "block_keys",
+]
+
+_HOME = {
+    "AsyncClient": "client",
+    "Client": "client",
+    "ClientStats": "client",
+    "BlockHash": "keys",
+    "BlockKey": "keys",
+    "Namespace": "keys",
+    "block_hashes": "keys",
+    "block_keys": "keys",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

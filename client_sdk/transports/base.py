@@ -1,0 +1,101 @@
+"""What every transport offers the SDK's request layer (raw stored blocks, no integrity logic)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Protocol
+
+__all__ = ["AsyncTransport", "HeldBlock", "ThreadedAsyncTransport", "Transport"]
+
+
+class HeldBlock(Protocol):
+    """A stored block (header + payload) held for reading until released."""
+
+    @property
+    def data(self) -> memoryview: ...
+
+    def release(self) -> None: ...
+
+
+class Transport(Protocol):
+    """Moves stored blocks to and from one store. Keys are 16 bytes, already validated."""
+
+    @property
+    def max_value_bytes(self) -> int: ...
+
+    def put(self, key: bytes, parts: Sequence[object], parent: bytes | None) -> None: ...
+
+    def get(self, key: bytes) -> HeldBlock | None: ...
+
+    def exists(self, key: bytes) -> bool: ...
+
+    def lookup(self, keys: Sequence[bytes]) -> int: ...
+
+    def prefetch(self, keys: Sequence[bytes]) -> int: ...
+
+    def delete(self, key: bytes) -> bool: ...
+
+    def stats(self) -> dict[str, object]: ...
+
+    def close(self) -> None: ...
+
+
+class AsyncTransport(Protocol):
+    """The coroutine form of `Transport`."""
+
+    @property
+    def max_value_bytes(self) -> int: ...
+
+    async def put(self, key: bytes, parts: Sequence[object], parent: bytes | None) -> None: ...
+
+    async def get(self, key: bytes) -> HeldBlock | None: ...
+
+    async def exists(self, key: bytes) -> bool: ...
+
+    async def lookup(self, keys: Sequence[bytes]) -> int: ...
+
+    async def prefetch(self, keys: Sequence[bytes]) -> int: ...
+
+    async def delete(self, key: bytes) -> bool: ...
+
+    async def stats(self) -> dict[str, object]: ...
+
+    async def close(self) -> None: ...
+
+
+class ThreadedAsyncTransport:
+    """Serves the async API from a sync transport: calls that move value bytes run in a worker
+    thread (copies release the GIL), index-only calls run inline because they take microseconds.
+    """
+
+    def __init__(self, inner: Transport) -> None:
+        self._inner = inner
+
+    @property
+    def max_value_bytes(self) -> int:
+        return self._inner.max_value_bytes
+
+    async def put(self, key: bytes, parts: Sequence[object], parent: bytes | None) -> None:
+        await asyncio.to_thread(self._inner.put, key, parts, parent)
+
+    async def get(self, key: bytes) -> HeldBlock | None:
+        return await asyncio.to_thread(self._inner.get, key)
+
+    async def exists(self, key: bytes) -> bool:
+        return self._inner.exists(key)
+
+    async def lookup(self, keys: Sequence[bytes]) -> int:
+        return self._inner.lookup(keys)
+
+    async def prefetch(self, keys: Sequence[bytes]) -> int:
+        return await asyncio.to_thread(self._inner.prefetch, keys)
+
+    async def delete(self, key: bytes) -> bool:
+        return self._inner.delete(key)
+
+    async def stats(self) -> dict[str, object]:
+        return self._inner.stats()
+
+    async def close(self) -> None:
+        self._inner.close()

@@ -1,0 +1,92 @@
+"""`local://`: the engine runs inside the caller's process; no daemon, no extra copies."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvoffload.client_sdk.transports.base import HeldBlock
+from kvoffload.client_sdk.url import StoreURL
+from kvoffload.errors import ConfigError
+from kvoffload.kvstore import DramConfig, Engine, EngineConfig, parse_size
+
+__all__ = ["LocalTransport", "open_local"]
+
+_PARAMS = {
+    "dram": "DRAM arena size, e.g. 1GiB",
+    "max_value": "largest stored value, e.g. 64MiB",
+    "slab": "slab size",
+    "policy": "eviction policy: lru, s3fifo or prefix",
+    "prefault": "populate the arena at start: 1 or 0",
+}
+_BOOL = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
+def engine_config_from_url(url: StoreURL) -> EngineConfig:
+    """Build the engine config from `local://` query parameters.
+
+    Raises:
+        ConfigError: unknown parameter or bad value.
+    """
+    params = url.take(_PARAMS)
+    kwargs: dict[str, object] = {}
+    if "dram" in params:
+        kwargs["capacity_bytes"] = parse_size(params["dram"])
+    if "max_value" in params:
+        kwargs["max_value_bytes"] = parse_size(params["max_value"])
+    if "slab" in params:
+        kwargs["slab_bytes"] = parse_size(params["slab"])
+    if "policy" in params:
+        kwargs["policy"] = params["policy"]
+    if "prefault" in params:
+        if params["prefault"].lower() not in _BOOL:
+            raise ConfigError(f"prefault must be 1 or 0, got {params['prefault']!r}")
+        kwargs["prefault"] = _BOOL[params["prefault"].lower()]
+    return EngineConfig(dram=DramConfig(**kwargs))  # type: ignore[arg-type]
+
+
+class LocalTransport:
+    """Adapts an in-process `Engine` to the `Transport` protocol."""
+
+    def __init__(self, engine: Engine, *, owned: bool = True) -> None:
+        self.engine = engine
+        self._owned = owned
+
+    @property
+    def max_value_bytes(self) -> int:
+        return self.engine.max_value_bytes
+
+    def put(self, key: bytes, parts: Sequence[object], parent: bytes | None) -> None:
+        self.engine.put_parts(key, parts, parent=parent)
+
+    def get(self, key: bytes) -> HeldBlock | None:
+        return self.engine.get(key)
+
+    def exists(self, key: bytes) -> bool:
+        return self.engine.contains(key)
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        return self.engine.lookup(keys)
+
+    def prefetch(self, keys: Sequence[bytes]) -> int:
+        return self.engine.prefetch(keys)
+
+    def delete(self, key: bytes) -> bool:
+        return self.engine.delete(key)
+
+    def stats(self) -> dict[str, object]:
+        return self.engine.stats().as_dict()
+
+    def close(self) -> None:
+        if self._owned:
+            self.engine.close()
+
+
+def open_local(url: StoreURL) -> LocalTransport:
+    """Open `local:///dir?dram=1GiB`. The directory will hold the SSD tier; a DRAM-only store
+    keeps nothing on disk."""
+    if url.host:
+        raise ConfigError(
+            f"local:// URLs take a path, not a host ({url.host!r}); write local:///{url.host}"
+            f"{url.path}"
+        )
+    return LocalTransport(Engine(engine_config_from_url(url)))

@@ -1,0 +1,25 @@
+"""The storage engine: keys to slots, DRAM arena, eviction policies, stats.
+
+No sockets and no asyncio here; the daemon and the SDK drive the engine.
+"""
+
+from kvoffload.kvstore.config import DramConfig, EngineConfig, format_size, parse_size
+from kvoffload.kvstore.engine import KEY_BYTES, BlockView, Engine, EngineStats, TierStats
+from kvoffload.kvstore.eviction import POLICIES, EvictionPolicy, Rank, make_policy, register_policy
+
+__all__ = [
+    "KEY_BYTES",
+    "POLICIES",
+    "BlockView",
+    "DramConfig",
+    "Engine",
+    "EngineConfig",
+    "EngineStats",
+    "EvictionPolicy",
+    "Rank",
+    "TierStats",
+    "format_size",
+    "make_policy",
+    "parse_size",
+    "register_policy",
+]

@@ -1,0 +1,136 @@
+"""Engine configuration: frozen dataclasses, validated on construction, plus size parsing."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvoffload.errors import ConfigError
+
+__all__ = ["PAGE", "DramConfig", "EngineConfig", "format_size", "parse_size"]
+
+PAGE = 4096
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "ki": 1 << 10,
+    "kib": 1 << 10,
+    "mi": 1 << 20,
+    "mib": 1 << 20,
+    "gi": 1 << 30,
+    "gib": 1 << 30,
+    "ti": 1 << 40,
+    "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """Parse ``"1GiB"``, ``"512MiB"``, ``"4096"`` or an int into a byte count.
+
+    Raises:
+        ConfigError: the text is not a non-negative size with a known unit.
+    """
+    if isinstance(text, bool):
+        raise ConfigError(f"size must be a number of bytes or a string like '1GiB', not {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ConfigError(f"size must not be negative, got {text}")
+        return text
+    match = _SIZE_RE.match(text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ConfigError(
+            f"cannot parse size {text!r}: use a number with an optional unit "
+            "(B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB), e.g. '1GiB'"
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_size(n: int) -> str:
+    """Render a byte count the way `parse_size` reads it back (``"1.5 GiB"``)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class DramConfig:
+    """The DRAM tier: one preallocated arena cut into slabs of size-classed slots."""
+
+    # Arena size in bytes; a hard bound on what the tier holds (slot sizes included).
+    capacity_bytes: int = 1 << 30
+    # Largest value the tier accepts (what the engine sees, i.e. header plus payload);
+    # 0 derives it from the capacity: a sixteenth of it, clamped to [1 MiB, 64 MiB].
+    max_value_bytes: int = 0
+    # Slab size; 0 derives it from max_value_bytes. Every slab serves one size class at a time.
+    slab_bytes: int = 0
+    # Eviction policy name: "lru", "s3fifo" or "prefix" (see kvstore.eviction.POLICIES).
+    policy: str = "lru"
+    # Touch every page at start so that the first puts do not pay for page faults.
+    prefault: bool = True
+    # Ratio between neighbouring size classes; bounds internal waste per slot.
+    class_growth: float = 1.05
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes <= 0:
+            raise ConfigError(f"dram.capacity_bytes must be positive, got {self.capacity_bytes}")
+        if self.max_value_bytes < 0:
+            raise ConfigError(
+                f"dram.max_value_bytes must not be negative, got {self.max_value_bytes}"
+            )
+        if self.slab_bytes < 0:
+            raise ConfigError(f"dram.slab_bytes must not be negative, got {self.slab_bytes}")
+        if self.slab_bytes and self.slab_bytes < self.effective_max_value_bytes:
+            raise ConfigError(
+                f"dram.slab_bytes ({self.slab_bytes}) must hold the largest value "
+                f"(dram.max_value_bytes = {self.effective_max_value_bytes})"
+            )
+        if not 1.01 <= self.class_growth <= 2.0:
+            raise ConfigError(f"dram.class_growth must be in [1.01, 2.0], got {self.class_growth}")
+        if self.capacity_bytes < self.effective_slab_bytes:
+            raise ConfigError(
+                f"dram capacity {format_size(self.capacity_bytes)} is smaller than one slab "
+                f"({format_size(self.effective_slab_bytes)}); raise the capacity or lower "
+                "max_value_bytes"
+            )
+        from kvoffload.kvstore.eviction import POLICIES
+
+        if self.policy not in POLICIES:
+            raise ConfigError(
+                f"unknown eviction policy {self.policy!r}; choose one of {sorted(POLICIES)}"
+            )
+
+    @property
+    def effective_max_value_bytes(self) -> int:
+        if self.max_value_bytes:
+            return self.max_value_bytes
+        return min(64 << 20, max(1 << 20, _round_up(self.capacity_bytes // 16, PAGE)))
+
+    @property
+    def effective_slab_bytes(self) -> int:
+        if self.slab_bytes:
+            return _round_up(self.slab_bytes, PAGE)
+        return _round_up(self.effective_max_value_bytes, PAGE)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs; the daemon's config tree embeds it."""
+
+    dram: DramConfig = DramConfig()

@@ -1,0 +1,22 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvoffload.bench import engine
+from kvoffload.bench.cli import main
+
+
+def test_engine_bench_rows_and_json(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    assert main(["bench", "engine", "--working-set", "4", "--rounds", "1", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["bench"] == "engine" and data["machine"]["cpus"]
+    cases = {row["case"] for row in data["rows"]}
+    for op in ("put", "get", "get_into"):
+        for size in engine.SIZES:
+            assert f"{op}/{size}" in cases
+    for row in data["rows"]:
+        assert row["ref"] == "memcpy" and row["unit"] == "GB/s"
+        assert row["value"] > 0 and row["ref_value"] > 0
+        assert abs(row["ratio"] - row["value"] / row["ref_value"]) < 1e-2

@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvoffload
+from kvoffload.bench.cli import main
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert kvoffload.__version__ in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [[], ["demo"], ["bench"], ["bench", "engine"], ["stats"]])
+def test_help_on_every_command(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--help"])
+    assert exit_info.value.code == 0
+    assert "usage: kvoffload" in capsys.readouterr().out
+
+
+def test_stats_of_a_store(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["stats", "local://?dram=8MiB&prefault=0", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["store"]["tiers"][0]["capacity_bytes"] == 8 << 20
+    assert main(["stats", "local://?dram=8MiB&prefault=0"]) == 0
+    assert "tier dram" in capsys.readouterr().out
+
+
+def test_bad_url_is_a_clean_error_exit(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["stats", "gopher://x"]) == 2
+    assert "unknown URL scheme" in capsys.readouterr().err
+
+
+def test_console_script_is_installed(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvoffload.bench.cli", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0 and kvoffload.__version__ in proc.stdout
