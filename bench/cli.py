@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Sequence
@@ -12,7 +13,14 @@ from rich.console import Console
 import kvoffload
 from kvoffload.errors import KVOffloadError
 
-__all__ = ["main"]
+__all__ = ["BENCHES", "main"]
+
+# `kvoffload bench <name>`: name -> module defining HELP, add_arguments(parser) and
+# run_from_args(args) -> BenchResult. Modules are imported to build the parser, so they must not
+# import heavy optional packages (torch, peers) at module level.
+BENCHES: dict[str, str] = {
+    "engine": "kvoffload.bench.engine",
+}
 
 
 def _console() -> Console:
@@ -63,10 +71,8 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_engine(args: argparse.Namespace) -> int:
-    from kvoffload.bench import engine
-
-    result = engine.run(working_set=args.working_set << 20, rounds=args.rounds)
+def _bench(args: argparse.Namespace) -> int:
+    result = importlib.import_module(BENCHES[args.bench]).run_from_args(args)
     result.print(_console())
     if args.json:
         result.write_json(args.json)
@@ -129,21 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks that measure their reference in the same run")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    eng = bench_sub.add_parser(
-        "engine",
-        help="DRAM tier put/get/get_into vs memcpy",
-        description="put, get and get_into at 64 KiB, 512 KiB, 2 MiB and 8 MiB next to memcpy.",
-    )
-    eng.add_argument("--json", metavar="FILE", help="write results as JSON (DESIGN §9 shape)")
-    eng.add_argument(
-        "--working-set",
-        type=int,
-        default=256,
-        metavar="MiB",
-        help="distinct bytes per size (default 256)",
-    )
-    eng.add_argument("--rounds", type=int, default=5, help="timed rounds per case (median)")
-    eng.set_defaults(func=_bench_engine)
+    for name, module_name in BENCHES.items():
+        module = importlib.import_module(module_name)
+        parser_ = bench_sub.add_parser(name, help=module.HELP, description=module.__doc__)
+        parser_.add_argument("--json", metavar="FILE", help="write results as JSON (DESIGN §9)")
+        module.add_arguments(parser_)
+        parser_.set_defaults(func=_bench)
 
     stats = sub.add_parser(
         "stats",

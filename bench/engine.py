@@ -8,6 +8,7 @@ pre-faulted, so neither side pays for first-touch page faults.
 
 from __future__ import annotations
 
+import argparse
 import mmap
 import os
 from collections.abc import Callable
@@ -19,7 +20,9 @@ from kvoffload.client_sdk import Client
 from kvoffload.client_sdk.transports.local import LocalTransport
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig
 
-__all__ = ["SIZES", "run"]
+__all__ = ["HELP", "SIZES", "add_arguments", "run", "run_from_args"]
+
+HELP = "DRAM tier put/get/get_into vs memcpy"
 
 SIZES = {"64KiB": 64 << 10, "512KiB": 512 << 10, "2MiB": 2 << 20, "8MiB": 8 << 20}
 
@@ -99,3 +102,14 @@ def run(
         "get returns a pinned zero-copy view, so its ratio exceeds 1 by design."
     )
     return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--working-set", type=int, default=256, metavar="MiB", help="distinct MiB per size"
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per case (median)")
+
+
+def run_from_args(args: argparse.Namespace) -> BenchResult:
+    return run(working_set=args.working_set << 20, rounds=args.rounds)

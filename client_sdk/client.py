@@ -191,15 +191,21 @@ class Client:
     def transport(self) -> Transport:
         return self._transport
 
-    def put(self, key: bytes, value: object, *, parent: bytes | None = None) -> None:
+    def put(
+        self, key: bytes, value: object, *, parent: bytes | None = None, durable: bool = False
+    ) -> None:
         """Store `value` under `key`; `parent` is the previous block of the same chain.
+
+        Args:
+            durable: return only once the block is on stable storage (needs an SSD tier);
+                the default returns once the block is in the store's memory.
 
         Raises:
             InvalidArgumentError: bad key, parent or value (nothing was stored).
             CapacityError: the store cannot make room.
         """
         put = self._requests.prepare_put(key, value, parent)
-        self._transport.put(put.key, (put.header, put.payload), put.parent)
+        self._transport.put(put.key, (put.header, put.payload), put.parent, durable)
         self._requests.put_done(put)
 
     def put_many(
@@ -278,9 +284,11 @@ class AsyncClient:
     def namespace(self) -> Namespace | None:
         return self._requests.namespace
 
-    async def put(self, key: bytes, value: object, *, parent: bytes | None = None) -> None:
+    async def put(
+        self, key: bytes, value: object, *, parent: bytes | None = None, durable: bool = False
+    ) -> None:
         put = self._requests.prepare_put(key, value, parent)
-        await self._transport.put(put.key, (put.header, put.payload), put.parent)
+        await self._transport.put(put.key, (put.header, put.payload), put.parent, durable)
         self._requests.put_done(put)
 
     async def put_many(

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from kvoffload.errors import ConfigError
 
-__all__ = ["PAGE", "DramConfig", "EngineConfig", "format_size", "parse_size"]
+__all__ = ["PAGE", "DramConfig", "EngineConfig", "SsdConfig", "format_size", "parse_size"]
 
 PAGE = 4096
 
@@ -130,7 +130,28 @@ class DramConfig:
 
 
 @dataclass(frozen=True)
+class SsdConfig:
+    """The SSD tier: one preallocated file (or block device) of 4 KiB-aligned slots."""
+
+    # Bytes of SSD space; 0 disables the tier.
+    capacity_bytes: int = 0
+    # File or raw block device holding the slots; "" puts `ssd.slots` in the data directory.
+    path: str = ""
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes < 0:
+            raise ConfigError(f"ssd.capacity_bytes must not be negative, got {self.capacity_bytes}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs; the daemon's config tree embeds it."""
 
     dram: DramConfig = DramConfig()
+    ssd: SsdConfig = SsdConfig()
+    # Directory for the SSD tier, its journal and checkpoints; "" for a DRAM-only store.
+    data_dir: str = ""
+
+    def __post_init__(self) -> None:
+        if self.ssd.capacity_bytes and not (self.data_dir or self.ssd.path):
+            raise ConfigError("the SSD tier needs a data directory (data_dir) or an ssd.path")

@@ -35,6 +35,7 @@ class _Entry:
     cls: int
     parent: bytes | None
     tick: int
+    tenant: str = ""
     pins: int = 0
     # False once deleted, replaced or evicted; a pinned dead entry keeps its slot until released.
     live: bool = False
@@ -70,6 +71,8 @@ class EngineStats:
     evictions: int
     slab_steals: int
     tiers: tuple[TierStats, ...] = field(default_factory=tuple)
+    # Slot bytes held per tenant (all tenants that hold anything or have a quota).
+    tenant_bytes: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -147,6 +150,10 @@ class Engine:
         self._slab_members: list[set[_Entry]] = [set() for _ in range(n_slabs)]
         self._tick = 0
         self._closed = False
+        self._quotas: dict[str, int] = {}
+        self._tenant_used: dict[str, int] = {}
+        # Per-tenant recency, to evict a tenant's own coldest blocks when it hits its quota.
+        self._tenant_recency: dict[str, OrderedDict[bytes, None]] = {}
         self._puts = self._gets = self._hits = self._misses = self._deletes = 0
         self._evictions = self._steals = self._bytes_in = self._bytes_out = self._stored = 0
 
@@ -161,7 +168,15 @@ class Engine:
     def capacity_bytes(self) -> int:
         return self._arena.size
 
-    def put(self, key: bytes, value: object, *, parent: bytes | None = None) -> None:
+    def put(
+        self,
+        key: bytes,
+        value: object,
+        *,
+        parent: bytes | None = None,
+        durable: bool = False,
+        tenant: str = "",
+    ) -> None:
         """Store `value` (any contiguous buffer) under `key`, replacing an older value.
 
         Args:
@@ -169,15 +184,27 @@ class Engine:
             value: bytes-like, numpy array or CPU tensor; copied into the arena.
             parent: the key of the previous block in the same chain, if any; lets the
                 prefix-aware policy evict chain tails before their parents.
+            durable: return only once the block is on stable storage (needs the SSD tier).
+            tenant: whose block this is; a tenant with a quota evicts its own coldest blocks
+                to stay within it. Keys are not separated by tenant here: callers that share
+                an engine between tenants mix the tenant into the key.
 
         Raises:
-            InvalidArgumentError: bad key or parent, value larger than `max_value_bytes`.
-            CapacityError: no slot can be freed because every candidate is pinned.
+            InvalidArgumentError: bad key or parent, value larger than `max_value_bytes`, a
+                durable put without an SSD tier.
+            CapacityError: no slot can be freed because every candidate is pinned, or the
+                value alone exceeds the tenant's quota.
         """
-        self.put_parts(key, (value,), parent=parent)
+        self.put_parts(key, (value,), parent=parent, durable=durable, tenant=tenant)
 
     def put_parts(
-        self, key: bytes, parts: Sequence[object], *, parent: bytes | None = None
+        self,
+        key: bytes,
+        parts: Sequence[object],
+        *,
+        parent: bytes | None = None,
+        durable: bool = False,
+        tenant: str = "",
     ) -> None:
         """Store the concatenation of `parts` under `key` without joining them first.
 
@@ -187,6 +214,10 @@ class Engine:
         _check_key(key)
         if parent is not None:
             _check_key(parent, "parent")
+        if durable:
+            raise InvalidArgumentError(
+                "a durable put needs the SSD tier; open the store with an SSD capacity"
+            )
         arrays = [as_readable(p) for p in parts]
         length = sum(a.size for a in arrays)
         if length > self.max_value_bytes:
@@ -197,8 +228,11 @@ class Engine:
         with self._lock:
             self._check_open()
             cls = self._classes.class_of(length)
-            entry = _Entry(key, self._reserve(cls), length, cls, parent, self._next_tick(), pins=1)
-            self._slab_members[self._alloc.slab_of(entry.offset)].add(entry)
+            self._fit_quota(tenant, key, self._classes.sizes[cls])
+            offset = self._reserve(cls)
+            entry = _Entry(key, offset, length, cls, parent, self._next_tick(), tenant, pins=1)
+            self._slab_members[self._alloc.slab_of(offset)].add(entry)
+            self._charge(entry, +1)
         try:
             pos = entry.offset
             for array in arrays:
@@ -206,7 +240,7 @@ class Engine:
                 pos += array.size
         except BaseException:
             with self._lock:
-                self._unpin_locked(entry)
+                self._unpin_locked(entry)  # not live: frees the slot
             raise
         with self._lock:
             self._publish(entry)
@@ -313,6 +347,23 @@ class Engine:
             self._deletes += 1
             return True
 
+    def set_quota(self, tenant: str, quota_bytes: int | None) -> None:
+        """Limit the slot bytes `tenant` may hold (None removes the limit).
+
+        A put over the quota first evicts the tenant's own least recently used blocks. Lowering
+        a quota does not evict at once; the tenant's next puts bring it back under.
+
+        Raises:
+            InvalidArgumentError: a negative quota.
+        """
+        if quota_bytes is not None and quota_bytes < 0:
+            raise InvalidArgumentError(f"quota must not be negative, got {quota_bytes}")
+        with self._lock:
+            if quota_bytes is None:
+                self._quotas.pop(tenant, None)
+            else:
+                self._quotas[tenant] = quota_bytes
+
     def stats(self) -> EngineStats:
         with self._lock:
             dram = TierStats(
@@ -338,6 +389,10 @@ class Engine:
                 evictions=self._evictions,
                 slab_steals=self._steals,
                 tiers=(dram,),
+                tenant_bytes={
+                    t: self._tenant_used.get(t, 0)
+                    for t in self._tenant_used.keys() | self._quotas.keys()
+                },
             )
 
     def close(self) -> None:
@@ -382,6 +437,7 @@ class Engine:
         entry.tick = self._next_tick()
         self._policies[entry.cls].touch(key)
         self._recency[entry.cls].move_to_end(key)
+        self._tenant_recency[entry.tenant].move_to_end(key)
         entry.pins += 1
         self._pinned.add(key)
         return entry
@@ -402,6 +458,35 @@ class Engine:
     def _free(self, entry: _Entry) -> None:
         self._slab_members[self._alloc.slab_of(entry.offset)].discard(entry)
         self._alloc.free(entry.offset)
+        self._charge(entry, -1)
+
+    def _charge(self, entry: _Entry, sign: int) -> None:
+        used = self._tenant_used.get(entry.tenant, 0) + sign * self._classes.sizes[entry.cls]
+        if used:
+            self._tenant_used[entry.tenant] = used
+        else:
+            self._tenant_used.pop(entry.tenant, None)
+
+    def _fit_quota(self, tenant: str, key: bytes, size: int) -> None:
+        """Evict the tenant's coldest unpinned blocks until `size` more bytes fit its quota."""
+        quota = self._quotas.get(tenant)
+        if quota is None:
+            return
+        if size > quota:
+            raise CapacityError(f"a {size}-byte slot exceeds tenant {tenant!r}'s quota of {quota}")
+        old = self._index.get(key)
+        # The value this put replaces is freed on publish; do not evict on its account.
+        credit = self._classes.sizes[old.cls] if old is not None and old.tenant == tenant else 0
+        order = self._tenant_recency.get(tenant, OrderedDict())
+        while self._tenant_used.get(tenant, 0) - credit + size > quota:
+            victim = next((k for k in order if k not in self._pinned and k != key), None)
+            if victim is None:
+                raise CapacityError(
+                    f"tenant {tenant!r} is at its quota of {quota} bytes and every block it "
+                    "holds is pinned"
+                )
+            self._evictions += 1
+            self._drop(self._index[victim])
 
     def _rank(self, key: bytes, parent: bytes | None) -> Rank:
         if parent is not None and parent not in self._index:
@@ -426,6 +511,7 @@ class Engine:
         self._stored += entry.length
         self._policies[entry.cls].insert(key, self._rank(key, entry.parent))
         self._recency[entry.cls][key] = None
+        self._tenant_recency.setdefault(entry.tenant, OrderedDict())[key] = None
         if entry.parent is not None:
             self._children.setdefault(entry.parent, set()).add(key)
             self._rerank(entry.parent)
@@ -440,6 +526,10 @@ class Engine:
         self._stored -= entry.length
         self._policies[entry.cls].remove(key)
         del self._recency[entry.cls][key]
+        tenant_order = self._tenant_recency[entry.tenant]
+        del tenant_order[key]
+        if not tenant_order:
+            del self._tenant_recency[entry.tenant]
         self._pinned.discard(key)
         if entry.parent is not None:
             siblings = self._children.get(entry.parent)

@@ -24,7 +24,9 @@ class Transport(Protocol):
     @property
     def max_value_bytes(self) -> int: ...
 
-    def put(self, key: bytes, parts: Sequence[object], parent: bytes | None) -> None: ...
+    def put(
+        self, key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool = False
+    ) -> None: ...
 
     def get(self, key: bytes) -> HeldBlock | None: ...
 
@@ -47,7 +49,9 @@ class AsyncTransport(Protocol):
     @property
     def max_value_bytes(self) -> int: ...
 
-    async def put(self, key: bytes, parts: Sequence[object], parent: bytes | None) -> None: ...
+    async def put(
+        self, key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool = False
+    ) -> None: ...
 
     async def get(self, key: bytes) -> HeldBlock | None: ...
 
@@ -76,8 +80,10 @@ class ThreadedAsyncTransport:
     def max_value_bytes(self) -> int:
         return self._inner.max_value_bytes
 
-    async def put(self, key: bytes, parts: Sequence[object], parent: bytes | None) -> None:
-        await asyncio.to_thread(self._inner.put, key, parts, parent)
+    async def put(
+        self, key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool = False
+    ) -> None:
+        await asyncio.to_thread(self._inner.put, key, parts, parent, durable)
 
     async def get(self, key: bytes) -> HeldBlock | None:
         return await asyncio.to_thread(self._inner.get, key)

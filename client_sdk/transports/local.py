@@ -55,8 +55,10 @@ class LocalTransport:
     def max_value_bytes(self) -> int:
         return self.engine.max_value_bytes
 
-    def put(self, key: bytes, parts: Sequence[object], parent: bytes | None) -> None:
-        self.engine.put_parts(key, parts, parent=parent)
+    def put(
+        self, key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool = False
+    ) -> None:
+        self.engine.put_parts(key, parts, parent=parent, durable=durable)
 
     def get(self, key: bytes) -> HeldBlock | None:
         return self.engine.get(key)

@@ -244,3 +244,42 @@ def test_stats_count_bytes_and_operations(engine: Engine) -> None:
     assert (stats.puts, stats.hits, stats.deletes) == (1, 1, 1)
     assert tier.bytes_written == 1000 and tier.bytes_read == 1000
     assert stats.as_dict()["tiers"][0]["name"] == "dram"  # type: ignore[index]
+
+
+def test_tenant_quota_evicts_only_that_tenants_blocks(engine: Engine) -> None:
+    value = bytes(8000)  # an 8 KiB slot
+    engine.set_quota("a", 3 * 8192)
+    for i in range(5):
+        engine.put(key(100 + i), value, tenant="b")
+    for i in range(6):
+        engine.put(key(i), value, tenant="a")
+    stats = engine.stats()
+    assert stats.tenant_bytes["a"] <= 3 * 8192
+    assert stats.tenant_bytes["b"] == 5 * 8192
+    assert [engine.contains(key(i)) for i in range(6)] == [False] * 3 + [True] * 3
+    assert all(engine.contains(key(100 + i)) for i in range(5))
+    # Overwriting a key of the tenant does not evict on account of the value it replaces.
+    engine.put(key(5), value, tenant="a")
+    assert engine.lookup([key(3), key(4), key(5)]) == 3
+
+
+def test_tenant_quota_limits(engine: Engine) -> None:
+    engine.set_quota("a", 4096)  # one small slot
+    with pytest.raises(CapacityError, match="quota"):
+        engine.put(key(1), bytes(5000), tenant="a")
+    engine.put(key(1), bytes(100), tenant="a")
+    with engine.get(key(1)), pytest.raises(CapacityError, match="pinned"):
+        engine.put(key(2), bytes(100), tenant="a")
+    engine.put(key(2), bytes(100), tenant="a")
+    assert not engine.contains(key(1)) and engine.contains(key(2))
+    engine.set_quota("a", None)
+    engine.put(key(3), bytes(100), tenant="a")
+    assert engine.stats().tenant_bytes["a"] == 2 * 4096
+    with pytest.raises(InvalidArgumentError):
+        engine.set_quota("a", -1)
+
+
+def test_durable_put_without_ssd_is_refused(engine: Engine) -> None:
+    with pytest.raises(InvalidArgumentError, match="SSD tier"):
+        engine.put(key(1), b"v", durable=True)
+    assert not engine.contains(key(1))

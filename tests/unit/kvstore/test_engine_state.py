@@ -21,6 +21,7 @@ from kvoffload.kvstore import POLICIES, BlockView, DramConfig, Engine, EngineCon
 KEYS = [bytes([i]) * 16 for i in range(24)]
 # Sizes across several size classes, so slabs are shared, reclaimed and stolen.
 SIZES = st.sampled_from([0, 1, 100, 4096, 4097, 9000, 20_000, 40_000, 65_000])
+QUOTA = 160 << 10  # tenant "q" may hold this many slot bytes
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -32,6 +33,7 @@ class EngineMachine(RuleBasedStateMachine):
             capacity_bytes=512 << 10, max_value_bytes=64 << 10, policy=self.policy, prefault=False
         )
         self.engine = Engine(EngineConfig(dram=config))
+        self.engine.set_quota("q", QUOTA)
         self.model: dict[bytes, bytes] = {}
         self.counter = 0
         # held view -> (key, expected bytes, still the live value of key?)
@@ -49,11 +51,16 @@ class EngineMachine(RuleBasedStateMachine):
             if k == key:
                 self.live_pins[vid] = False
 
-    @rule(key=st.sampled_from(KEYS), size=SIZES, parent=st.none() | st.sampled_from(KEYS))
-    def put(self, key: bytes, size: int, parent: bytes | None) -> None:
+    @rule(
+        key=st.sampled_from(KEYS),
+        size=SIZES,
+        parent=st.none() | st.sampled_from(KEYS),
+        tenant=st.sampled_from(["", "q"]),
+    )
+    def put(self, key: bytes, size: int, parent: bytes | None, tenant: str) -> None:
         value = self._value(size)
         try:
-            self.engine.put(key, value, parent=parent)
+            self.engine.put(key, value, parent=parent, tenant=tenant)
         except CapacityError:
             # Only legal when pins block every way to make room.
             assert self.held
@@ -105,6 +112,10 @@ class EngineMachine(RuleBasedStateMachine):
                 break
             expected += 1
         assert n == expected
+
+    @invariant()
+    def quota_is_a_hard_bound(self) -> None:
+        assert self.engine.stats().tenant_bytes["q"] <= QUOTA
 
     @invariant()
     def capacity_is_a_hard_bound(self) -> None:
