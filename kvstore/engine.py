@@ -467,20 +467,28 @@ class Engine:
         else:
             self._tenant_used.pop(entry.tenant, None)
 
-    def _fit_quota(self, tenant: str, key: bytes, size: int) -> None:
-        """Evict the tenant's coldest unpinned blocks until `size` more bytes fit its quota."""
+    def _fit_quota(self, tenant: str, key: bytes, size: int, *, strict: bool = True) -> None:
+        """Evict the tenant's coldest unpinned blocks until `size` more bytes fit its quota.
+
+        With `strict` False, stop quietly when only pinned blocks are left.
+        """
         quota = self._quotas.get(tenant)
         if quota is None:
             return
         if size > quota:
             raise CapacityError(f"a {size}-byte slot exceeds tenant {tenant!r}'s quota of {quota}")
         old = self._index.get(key)
-        # The value this put replaces is freed on publish; do not evict on its account.
-        credit = self._classes.sizes[old.cls] if old is not None and old.tenant == tenant else 0
+        # The value this put replaces is freed on publish (unless a view pins it); do not evict
+        # on its account.
+        credit = 0
+        if old is not None and old.tenant == tenant and old.pins == 0:
+            credit = self._classes.sizes[old.cls]
         order = self._tenant_recency.get(tenant, OrderedDict())
         while self._tenant_used.get(tenant, 0) - credit + size > quota:
             victim = next((k for k in order if k not in self._pinned and k != key), None)
             if victim is None:
+                if not strict:
+                    return
                 raise CapacityError(
                     f"tenant {tenant!r} is at its quota of {quota} bytes and every block it "
                     "holds is pinned"
@@ -503,6 +511,9 @@ class Engine:
         old = self._index.get(key)
         if old is not None:
             self._drop(old)
+            if old.pins and entry.tenant in self._quotas:
+                # A reader pinned the old value after _fit_quota counted it as freed.
+                self._fit_quota(entry.tenant, key, 0, strict=False)
         entry.live = True
         entry.pins -= 1
         self._index[key] = entry
