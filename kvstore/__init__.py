@@ -4,12 +4,20 @@ No sockets and no asyncio here; the daemon and the SDK drive the engine.
 """
 
 from kvoffload.kvstore.config import DramConfig, EngineConfig, format_size, parse_size
-from kvoffload.kvstore.engine import KEY_BYTES, BlockView, Engine, EngineStats, TierStats
+from kvoffload.kvstore.engine import (
+    KEY_BYTES,
+    BlockView,
+    Engine,
+    EngineStats,
+    PutReservation,
+    TierStats,
+)
 from kvoffload.kvstore.eviction import POLICIES, EvictionPolicy, Rank, make_policy, register_policy
 
 __all__ = [
     "KEY_BYTES",
     "POLICIES",
+    "PutReservation",
     "BlockView",
     "DramConfig",
     "Engine",

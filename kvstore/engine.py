@@ -11,12 +11,12 @@ from types import TracebackType
 
 from kvoffload.errors import CapacityError, InvalidArgumentError, KVOffloadError
 from kvoffload.kvstore.arena import Arena
-from kvoffload.kvstore.buffers import as_readable, as_writable
+from kvoffload.kvstore.buffers import Bytes, as_readable, as_writable
 from kvoffload.kvstore.config import EngineConfig
 from kvoffload.kvstore.eviction import EvictionPolicy, Rank, make_policy
 from kvoffload.kvstore.slabs import SizeClasses, SlabAllocator
 
-__all__ = ["KEY_BYTES", "BlockView", "Engine", "EngineStats", "TierStats"]
+__all__ = ["KEY_BYTES", "BlockView", "Engine", "EngineStats", "PutReservation", "TierStats"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,54 @@ class EngineStats:
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+class PutReservation:
+    """A claimed, not yet visible slot; see `Engine.reserve`."""
+
+    __slots__ = ("_engine", "_entry", "array", "buffer")
+
+    def __init__(self, engine: Engine, entry: _Entry) -> None:
+        self._engine: Engine | None = engine
+        self._entry = entry
+        end = entry.offset + entry.length
+        # Writable views of exactly the value's bytes (the slot may be larger).
+        self.array: Bytes = engine._arena.array[entry.offset : end]
+        self.buffer: memoryview = engine._arena.view[entry.offset : end]
+
+    def __len__(self) -> int:
+        return self._entry.length
+
+    def commit(self) -> None:
+        """Publish the value under its key, replacing any older value."""
+        engine = self._finish()
+        with engine._lock:
+            engine._publish(self._entry)
+
+    def abort(self) -> None:
+        """Give the slot back; the key keeps its old value. Idempotent."""
+        if self._engine is not None:
+            engine = self._finish()
+            engine._unpin(self._entry)  # never published: this frees the slot
+
+    def _finish(self) -> Engine:
+        engine = self._engine
+        if engine is None:
+            raise KVOffloadError("this reservation was already committed or aborted")
+        self._engine = None
+        self.buffer.release()
+        return engine
+
+    def __enter__(self) -> PutReservation:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.abort()
 
 
 class BlockView:
@@ -211,6 +259,36 @@ class Engine:
         Raises:
             InvalidArgumentError, CapacityError: as for `put`.
         """
+        arrays = [as_readable(p) for p in parts]
+        reservation = self.reserve(
+            key, sum(a.size for a in arrays), parent=parent, durable=durable, tenant=tenant
+        )
+        with reservation:
+            pos = 0
+            for array in arrays:
+                reservation.array[pos : pos + array.size] = array
+                pos += array.size
+            reservation.commit()
+
+    def reserve(
+        self,
+        key: bytes,
+        length: int,
+        *,
+        parent: bytes | None = None,
+        durable: bool = False,
+        tenant: str = "",
+    ) -> PutReservation:
+        """Claim a slot for a `length`-byte value and hand out its memory to fill in place.
+
+        The value becomes visible only at `commit()`; until then readers see the old value
+        (or a miss). A reservation that is neither committed nor aborted holds its slot, so use
+        it as a context manager: leaving the block without a commit aborts. This lets a
+        network front receive payload bytes straight into the arena.
+
+        Raises:
+            InvalidArgumentError, CapacityError: as for `put`.
+        """
         _check_key(key)
         if parent is not None:
             _check_key(parent, "parent")
@@ -218,8 +296,8 @@ class Engine:
             raise InvalidArgumentError(
                 "a durable put needs the SSD tier; open the store with an SSD capacity"
             )
-        arrays = [as_readable(p) for p in parts]
-        length = sum(a.size for a in arrays)
+        if length < 0:
+            raise InvalidArgumentError(f"value length must not be negative, got {length}")
         if length > self.max_value_bytes:
             raise InvalidArgumentError(
                 f"value of {length} bytes exceeds the largest slot ({self.max_value_bytes} bytes);"
@@ -233,17 +311,7 @@ class Engine:
             entry = _Entry(key, offset, length, cls, parent, self._next_tick(), tenant, pins=1)
             self._slab_members[self._alloc.slab_of(offset)].add(entry)
             self._charge(entry, +1)
-        try:
-            pos = entry.offset
-            for array in arrays:
-                self._arena.array[pos : pos + array.size] = array
-                pos += array.size
-        except BaseException:
-            with self._lock:
-                self._unpin_locked(entry)  # not live: frees the slot
-            raise
-        with self._lock:
-            self._publish(entry)
+        return PutReservation(self, entry)
 
     def put_many(
         self,

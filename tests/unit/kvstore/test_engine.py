@@ -283,3 +283,29 @@ def test_durable_put_without_ssd_is_refused(engine: Engine) -> None:
     with pytest.raises(InvalidArgumentError, match="SSD tier"):
         engine.put(key(1), b"v", durable=True)
     assert not engine.contains(key(1))
+
+
+def test_reservation_fills_in_place_and_publishes_on_commit(engine: Engine) -> None:
+    engine.put(key(1), b"old")
+    with engine.reserve(key(1), 5, parent=key(0)) as res:
+        res.buffer[:] = b"hello"
+        assert engine.get_into(key(1), bytearray(8)) == 3  # still the old value
+        res.commit()
+    with engine.get(key(1)) as view:
+        assert bytes(view.data) == b"hello"
+    with pytest.raises(KVOffloadError, match="already"):
+        res.commit()
+
+
+def test_reservation_left_uncommitted_changes_nothing(engine: Engine) -> None:
+    engine.put(key(1), b"old")
+    before = engine.stats().tiers[0].used_bytes
+    with pytest.raises(RuntimeError), engine.reserve(key(1), 10_000) as res:
+        res.array[:] = 7
+        raise RuntimeError("connection dropped mid-payload")
+    assert engine.stats().tiers[0].used_bytes == before
+    with engine.get(key(1)) as view:
+        assert bytes(view.data) == b"old"
+    res.abort()  # idempotent
+    with pytest.raises(InvalidArgumentError, match="negative"):
+        engine.reserve(key(2), -1)
