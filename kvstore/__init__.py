@@ -3,13 +3,14 @@
 No sockets and no asyncio here; the daemon and the SDK drive the engine.
 """
 
-from kvoffload.kvstore.config import DramConfig, EngineConfig, format_size, parse_size
+from kvoffload.kvstore.config import DramConfig, EngineConfig, SsdConfig, format_size, parse_size
 from kvoffload.kvstore.engine import (
     KEY_BYTES,
     BlockView,
     Engine,
     EngineStats,
     PutReservation,
+    Recovery,
     TierStats,
 )
 from kvoffload.kvstore.eviction import POLICIES, EvictionPolicy, Rank, make_policy, register_policy
@@ -18,6 +19,8 @@ __all__ = [
     "KEY_BYTES",
     "POLICIES",
     "PutReservation",
+    "Recovery",
+    "SsdConfig",
     "BlockView",
     "DramConfig",
     "Engine",

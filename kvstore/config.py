@@ -137,10 +137,39 @@ class SsdConfig:
     capacity_bytes: int = 0
     # File or raw block device holding the slots; "" puts `ssd.slots` in the data directory.
     path: str = ""
+    # Eviction policy of the SSD tier; "" uses the DRAM tier's.
+    policy: str = ""
+    # Largest value the tier holds; fixed when the store is created (recorded on disk).
+    # 0 takes the DRAM tier's limit.
+    max_value_bytes: int = 0
+    # A block evicted from DRAM is written to the SSD once it was used this many times (puts,
+    # lookups and reads count); 1 admits every block. Durable puts always go to the SSD.
+    admission_min_uses: int = 2
+    # Threads for background promotions (prefetch) from the SSD.
+    io_threads: int = 4
+    # Longest time a journal record of a non-durable change waits for its fsync.
+    sync_interval_s: float = 0.05
+    # On a clean close, write every DRAM block that is not on the SSD yet (so a restart keeps it).
+    flush_on_close: bool = True
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 0:
             raise ConfigError(f"ssd.capacity_bytes must not be negative, got {self.capacity_bytes}")
+        if self.policy:
+            from kvoffload.kvstore.eviction import POLICIES
+
+            if self.policy not in POLICIES:
+                raise ConfigError(
+                    f"unknown ssd.policy {self.policy!r}; choose one of {sorted(POLICIES)}"
+                )
+        if self.max_value_bytes < 0:
+            raise ConfigError("ssd.max_value_bytes must not be negative")
+        if self.admission_min_uses < 1:
+            raise ConfigError("ssd.admission_min_uses must be at least 1")
+        if self.io_threads < 1:
+            raise ConfigError("ssd.io_threads must be at least 1")
+        if not 0 < self.sync_interval_s <= 10:
+            raise ConfigError("ssd.sync_interval_s must be in (0, 10]")
 
 
 @dataclass(frozen=True)
@@ -153,5 +182,13 @@ class EngineConfig:
     data_dir: str = ""
 
     def __post_init__(self) -> None:
-        if self.ssd.capacity_bytes and not (self.data_dir or self.ssd.path):
-            raise ConfigError("the SSD tier needs a data directory (data_dir) or an ssd.path")
+        if self.ssd.capacity_bytes and not self.data_dir:
+            raise ConfigError("the SSD tier needs a data directory (data_dir)")
+        if (
+            self.ssd.max_value_bytes
+            and self.dram.effective_max_value_bytes > self.ssd.max_value_bytes
+        ):
+            raise ConfigError(
+                f"dram.max_value_bytes ({self.dram.effective_max_value_bytes}) exceeds "
+                f"ssd.max_value_bytes ({self.ssd.max_value_bytes}): DRAM blocks must fit on SSD"
+            )

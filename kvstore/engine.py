@@ -1,4 +1,10 @@
-"""The engine facade: index, lineage, eviction and the DRAM arena behind one lock."""
+"""The engine facade: index, lineage, eviction, the DRAM arena and the SSD tier behind one lock.
+
+Tiering: new blocks land in DRAM. A block evicted from DRAM is written to the SSD (write-back)
+if the admission filter lets it; a block found only on the SSD is read back into DRAM (promoted)
+and served from there; `prefetch` does the same ahead of time on background threads. A durable
+put writes through to the SSD and waits for its journal record before it returns.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +12,36 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from types import TracebackType
 
-from kvoffload.errors import CapacityError, InvalidArgumentError, KVOffloadError
+from kvoffload.errors import (
+    CapacityError,
+    ConfigError,
+    InvalidArgumentError,
+    KVOffloadError,
+    StorageIOError,
+)
+from kvoffload.kvstore.admission import FrequencySketch
 from kvoffload.kvstore.arena import Arena
 from kvoffload.kvstore.buffers import Bytes, as_readable, as_writable
-from kvoffload.kvstore.config import EngineConfig
+from kvoffload.kvstore.config import PAGE, EngineConfig
 from kvoffload.kvstore.eviction import EvictionPolicy, Rank, make_policy
 from kvoffload.kvstore.slabs import SizeClasses, SlabAllocator
+from kvoffload.kvstore.ssd import META_NAME, Recovery, SsdTier
+from kvoffload.kvstore.ssdindex import EMPTY, SsdIndex
 
-__all__ = ["KEY_BYTES", "BlockView", "Engine", "EngineStats", "PutReservation", "TierStats"]
+__all__ = [
+    "KEY_BYTES",
+    "BlockView",
+    "Engine",
+    "EngineStats",
+    "PutReservation",
+    "Recovery",
+    "TierStats",
+]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +64,9 @@ class _Entry:
     pins: int = 0
     # False once deleted, replaced or evicted; a pinned dead entry keeps its slot until released.
     live: bool = False
+    # The SSD holds the same value, so evicting this block from DRAM needs no write.
+    on_ssd: bool = False
+    durable: bool = False
 
 
 @dataclass(frozen=True)
@@ -56,6 +84,11 @@ class TierStats:
     evictions: int
     bytes_written: int
     bytes_read: int
+    demotions: int = 0  # blocks written to the next tier down when evicted (DRAM -> SSD)
+    promotions: int = 0  # blocks read back up into DRAM (SSD -> DRAM), prefetches included
+    prefetches: int = 0  # promotions started by prefetch
+    corrupt_blocks: int = 0  # blocks that failed their checksum here (served as misses)
+    io_errors: int = 0  # device or journal failures
 
 
 @dataclass(frozen=True)
@@ -71,8 +104,12 @@ class EngineStats:
     evictions: int
     slab_steals: int
     tiers: tuple[TierStats, ...] = field(default_factory=tuple)
-    # Slot bytes held per tenant (all tenants that hold anything or have a quota).
+    # DRAM slot bytes held per tenant (all tenants that hold anything or have a quota).
     tenant_bytes: dict[str, int] = field(default_factory=dict)
+    durable_puts: int = 0
+    admission_rejected: int = 0  # DRAM evictions the admission filter kept off the SSD
+    checkpoints: int = 0
+    recovery: dict[str, object] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -81,11 +118,12 @@ class EngineStats:
 class PutReservation:
     """A claimed, not yet visible slot; see `Engine.reserve`."""
 
-    __slots__ = ("_engine", "_entry", "array", "buffer")
+    __slots__ = ("_durable", "_engine", "_entry", "array", "buffer")
 
-    def __init__(self, engine: Engine, entry: _Entry) -> None:
+    def __init__(self, engine: Engine, entry: _Entry, durable: bool) -> None:
         self._engine: Engine | None = engine
         self._entry = entry
+        self._durable = durable
         end = entry.offset + entry.length
         # Writable views of exactly the value's bytes (the slot may be larger).
         self.array: Bytes = engine._arena.array[entry.offset : end]
@@ -95,10 +133,17 @@ class PutReservation:
         return self._entry.length
 
     def commit(self) -> None:
-        """Publish the value under its key, replacing any older value."""
+        """Publish the value under its key, replacing any older value.
+
+        A durable reservation first writes the value to the SSD and waits for its journal
+        record; if that fails the put fails and the key keeps its old value.
+
+        Raises:
+            StorageIOError: a durable write failed (EIO, ENOSPC, journal failure).
+            CapacityError: no SSD slot could be freed for a durable write.
+        """
         engine = self._finish()
-        with engine._lock:
-            engine._publish(self._entry)
+        engine._commit(self._entry, self._durable)
 
     def abort(self) -> None:
         """Give the slot back; the key keeps its old value. Idempotent."""
@@ -170,11 +215,12 @@ def _check_key(key: object, what: str = "key") -> bytes:
 
 
 class Engine:
-    """A KV block store: opaque values under 16-byte keys, in a preallocated DRAM arena.
+    """A KV block store: opaque values under 16-byte keys, in a DRAM arena and (optionally) an
+    SSD tier that survives restarts and crashes.
 
-    Thread-safe: one lock guards the index and the policies; value bytes are copied outside it,
-    with the slot pinned, so copies on several threads overlap. A miss is None/False, never an
-    exception.
+    Thread-safe: one lock guards indexes, policies and allocators. Value bytes move outside it
+    (copies, SSD reads and writes) on slots that are pinned meanwhile, so work on several
+    threads overlaps. A miss is None/False, never an exception.
     """
 
     def __init__(self, config: EngineConfig | None = None) -> None:
@@ -184,10 +230,9 @@ class Engine:
         n_slabs = dram.capacity_bytes // slab
         self._classes = SizeClasses(dram.effective_max_value_bytes, dram.class_growth)
         self._alloc = SlabAllocator(n_slabs, slab, self._classes)
-        self._arena = Arena(n_slabs * slab, prefault=dram.prefault)
         self._lock = threading.Lock()
         self._index: dict[bytes, _Entry] = {}
-        # parent key -> stored children; parents need not be stored themselves.
+        # parent key -> stored children in DRAM; parents need not be stored themselves.
         self._children: dict[bytes, set[bytes]] = {}
         self._pinned: set[bytes] = set()
         self._policies: list[EvictionPolicy] = [
@@ -202,8 +247,36 @@ class Engine:
         self._tenant_used: dict[str, int] = {}
         # Per-tenant recency, to evict a tenant's own coldest blocks when it hits its quota.
         self._tenant_recency: dict[str, OrderedDict[bytes, None]] = {}
-        self._puts = self._gets = self._hits = self._misses = self._deletes = 0
-        self._evictions = self._steals = self._bytes_in = self._bytes_out = self._stored = 0
+        self._n = dict.fromkeys(
+            ("puts", "gets", "hits", "misses", "deletes", "evictions", "steals", "bytes_in",
+             "bytes_out", "stored", "demotions", "promotions", "prefetches", "durable",
+             "admission_rejected", "ssd_hits", "ssd_misses", "corrupt", "io_errors"),
+            0,
+        )  # fmt: skip
+        self._ssd: SsdTier | None = None
+        self._sketch: FrequencySketch | None = None
+        self._inflight: dict[bytes, threading.Event] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        data_dir = self.config.data_dir
+        # A data directory that already holds a store is opened with its own geometry.
+        if self.config.ssd.capacity_bytes or (data_dir and (Path(data_dir) / META_NAME).exists()):
+            self._ssd = SsdTier(self.config, rank=self._ssd_rank, on_removed=self._ssd_removed)
+            if self._ssd.max_value_bytes < self.max_value_bytes:
+                self._ssd.close(checkpoint=False)
+                raise ConfigError(
+                    f"dram.max_value_bytes ({self.max_value_bytes}) exceeds the store's SSD slot "
+                    f"limit ({self._ssd.max_value_bytes}); lower it"
+                )
+            self._sketch = FrequencySketch()
+            self._pool = ThreadPoolExecutor(
+                self.config.ssd.io_threads, thread_name_prefix="kvoffload-prefetch"
+            )
+        try:
+            self._arena = Arena(n_slabs * slab, prefault=dram.prefault)
+        except BaseException:
+            if self._ssd is not None:
+                self._ssd.close(checkpoint=False)
+            raise
 
     # ------------------------------------------------------------------ public API
 
@@ -215,6 +288,11 @@ class Engine:
     @property
     def capacity_bytes(self) -> int:
         return self._arena.size
+
+    @property
+    def recovery(self) -> Recovery | None:
+        """What opening the SSD tier found (None without an SSD tier)."""
+        return self._ssd.recovery if self._ssd is not None else None
 
     def put(
         self,
@@ -232,7 +310,8 @@ class Engine:
             value: bytes-like, numpy array or CPU tensor; copied into the arena.
             parent: the key of the previous block in the same chain, if any; lets the
                 prefix-aware policy evict chain tails before their parents.
-            durable: return only once the block is on stable storage (needs the SSD tier).
+            durable: return only once the block and its journal record are on stable storage
+                (needs the SSD tier). Without it a put returns once the block is in DRAM.
             tenant: whose block this is; a tenant with a quota evicts its own coldest blocks
                 to stay within it. Keys are not separated by tenant here: callers that share
                 an engine between tenants mix the tenant into the key.
@@ -242,6 +321,8 @@ class Engine:
                 durable put without an SSD tier.
             CapacityError: no slot can be freed because every candidate is pinned, or the
                 value alone exceeds the tenant's quota.
+            StorageIOError: a durable put could not reach stable storage; the key keeps its
+                old value.
         """
         self.put_parts(key, (value,), parent=parent, durable=durable, tenant=tenant)
 
@@ -257,7 +338,7 @@ class Engine:
         """Store the concatenation of `parts` under `key` without joining them first.
 
         Raises:
-            InvalidArgumentError, CapacityError: as for `put`.
+            InvalidArgumentError, CapacityError, StorageIOError: as for `put`.
         """
         arrays = [as_readable(p) for p in parts]
         reservation = self.reserve(
@@ -292,7 +373,7 @@ class Engine:
         _check_key(key)
         if parent is not None:
             _check_key(parent, "parent")
-        if durable:
+        if durable and self._ssd is None:
             raise InvalidArgumentError(
                 "a durable put needs the SSD tier; open the store with an SSD capacity"
             )
@@ -311,7 +392,9 @@ class Engine:
             entry = _Entry(key, offset, length, cls, parent, self._next_tick(), tenant, pins=1)
             self._slab_members[self._alloc.slab_of(offset)].add(entry)
             self._charge(entry, +1)
-        return PutReservation(self, entry)
+            if self._sketch is not None:
+                self._sketch.add(key)
+        return PutReservation(self, entry, durable)
 
     def put_many(
         self,
@@ -324,7 +407,10 @@ class Engine:
             self.put(key, value, parent=parents[i] if parents is not None else None)
 
     def get(self, key: bytes) -> BlockView | None:
-        """A pinned read-only view of the value, or None on a miss. Release it when done."""
+        """A pinned read-only view of the value, or None on a miss. Release it when done.
+
+        A block found only on the SSD is first read back into DRAM (and verified).
+        """
         _check_key(key)
         with self._lock:
             entry = self._acquire(key)
@@ -370,10 +456,11 @@ class Engine:
         return [self.get_into(k, b) for k, b in zip(keys, buffers, strict=True)]
 
     def contains(self, key: bytes) -> bool:
+        """Whether any tier holds `key`."""
         _check_key(key)
         with self._lock:
             self._check_open()
-            return key in self._index
+            return self._stored(key)
 
     def size_of(self, key: bytes) -> int | None:
         """Length of the stored value, or None on a miss."""
@@ -381,42 +468,68 @@ class Engine:
         with self._lock:
             self._check_open()
             entry = self._index.get(key)
-            return None if entry is None else entry.length
+            if entry is not None:
+                return entry.length
+            row = self._ssd.find(key) if self._ssd is not None else EMPTY
+            return None if row == EMPTY else int(self._ssd.index.rows["length"][row])  # type: ignore[union-attr]
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """How many leading keys of a chain are stored (the usable prefix length in blocks)."""
+        """How many leading keys of a chain are stored in any tier (the usable prefix)."""
         for key in keys:
             _check_key(key)
         with self._lock:
             self._check_open()
             for n, key in enumerate(keys):
-                if key not in self._index:
+                if not self._stored(key):
                     return n
+                if self._sketch is not None:
+                    self._sketch.add(key)
             return len(keys)
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
-        """Bring keys into DRAM ahead of use. With only the DRAM tier every stored key already
-        is; returns how many of `keys` are resident."""
+        """Start reading SSD-only blocks of `keys` into DRAM in the background.
+
+        Reads already in flight (from another prefetch or a get) are not repeated. Returns how
+        many of `keys` are stored in either tier.
+        """
         for key in keys:
             _check_key(key)
+        found = 0
         with self._lock:
             self._check_open()
-            return sum(1 for key in keys if key in self._index)
+            todo = []
+            for key in keys:
+                if key in self._index:
+                    found += 1
+                elif self._ssd is not None and self._ssd.find(key) != EMPTY:
+                    found += 1
+                    if key not in self._inflight:
+                        todo.append(key)
+        if self._pool is not None:
+            for key in todo:
+                self._pool.submit(self._prefetch_one, key)
+        return found
 
     def delete(self, key: bytes) -> bool:
-        """Remove `key`; True if it was stored. A pinned view of it stays valid."""
+        """Remove `key` from every tier; True if it was stored. A pinned view stays valid."""
         _check_key(key)
         with self._lock:
             self._check_open()
+            found = False
             entry = self._index.get(key)
-            if entry is None:
-                return False
-            self._drop(entry)
-            self._deletes += 1
-            return True
+            if entry is not None:
+                self._drop(entry)
+                found = True
+            if self._ssd is not None:
+                row = self._ssd.find(key)
+                if row != EMPTY:
+                    self._ssd.remove_row(row)
+                    found = True
+            self._n["deletes"] += found
+            return found
 
     def set_quota(self, tenant: str, quota_bytes: int | None) -> None:
-        """Limit the slot bytes `tenant` may hold (None removes the limit).
+        """Limit the DRAM slot bytes `tenant` may hold (None removes the limit).
 
         A put over the quota first evicts the tenant's own least recently used blocks. Lowering
         a quota does not evict at once; the tenant's next puts bring it back under.
@@ -432,45 +545,103 @@ class Engine:
             else:
                 self._quotas[tenant] = quota_bytes
 
-    def stats(self) -> EngineStats:
+    def checkpoint(self) -> None:
+        """Snapshot the SSD index now (it also happens on its own as the journal grows)."""
+        if self._ssd is None:
+            return
         with self._lock:
-            dram = TierStats(
-                name="dram",
-                capacity_bytes=self._arena.size,
-                used_bytes=self._alloc.used_bytes,
-                stored_bytes=self._stored,
-                entries=len(self._index),
-                pinned=len(self._pinned),
-                hits=self._hits,
-                misses=self._misses,
-                evictions=self._evictions,
-                bytes_written=self._bytes_in,
-                bytes_read=self._bytes_out,
-            )
+            self._check_open()
+            finish = self._ssd.begin_checkpoint()
+        finish()
+
+    def stats(self) -> EngineStats:
+        n = self._n
+        with self._lock:
+            tiers = [
+                TierStats(
+                    name="dram",
+                    capacity_bytes=self._arena.size,
+                    used_bytes=self._alloc.used_bytes,
+                    stored_bytes=n["stored"],
+                    entries=len(self._index),
+                    pinned=len(self._pinned),
+                    hits=n["hits"],
+                    misses=n["misses"] + n["ssd_hits"],
+                    evictions=n["evictions"],
+                    bytes_written=n["bytes_in"],
+                    bytes_read=n["bytes_out"],
+                    demotions=n["demotions"],
+                    promotions=n["promotions"],
+                    prefetches=n["prefetches"],
+                )
+            ]
+            ssd = self._ssd
+            if ssd is not None:
+                c = ssd.counters
+                tiers.append(
+                    TierStats(
+                        name="ssd",
+                        capacity_bytes=ssd.capacity,
+                        used_bytes=ssd.used_bytes,
+                        stored_bytes=ssd.stored_bytes(),
+                        entries=len(ssd.index),
+                        pinned=len(ssd.pinned),
+                        hits=n["ssd_hits"],
+                        misses=n["misses"],
+                        evictions=c.evictions,
+                        bytes_written=c.bytes_written,
+                        bytes_read=c.bytes_read,
+                        demotions=n["demotions"],
+                        promotions=n["promotions"],
+                        prefetches=n["prefetches"],
+                        corrupt_blocks=n["corrupt"],
+                        io_errors=n["io_errors"],
+                    )
+                )
             return EngineStats(
                 policy=self.config.dram.policy,
-                puts=self._puts,
-                gets=self._gets,
-                hits=self._hits,
-                misses=self._misses,
-                deletes=self._deletes,
-                evictions=self._evictions,
-                slab_steals=self._steals,
-                tiers=(dram,),
+                puts=n["puts"],
+                gets=n["gets"],
+                hits=n["hits"] + n["ssd_hits"],
+                misses=n["misses"],
+                deletes=n["deletes"],
+                evictions=n["evictions"],
+                slab_steals=n["steals"],
+                tiers=tuple(tiers),
                 tenant_bytes={
                     t: self._tenant_used.get(t, 0)
                     for t in self._tenant_used.keys() | self._quotas.keys()
                 },
+                durable_puts=n["durable"],
+                admission_rejected=n["admission_rejected"],
+                checkpoints=ssd.counters.checkpoints if ssd is not None else 0,
+                recovery=asdict(ssd.recovery) if ssd is not None else {},
             )
 
     def close(self) -> None:
-        """Drop everything and unmap the arena. Later calls raise KVOffloadError."""
+        """Stop background work, write DRAM-only blocks to the SSD (`ssd.flush_on_close`),
+        checkpoint the SSD index and unmap the arena. Later calls raise KVOffloadError.
+
+        Raises:
+            StorageIOError: the final flush or checkpoint failed (what was acknowledged as
+                durable stays durable; the next open replays the journal).
+        """
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
-            self._index.clear()
-            self._arena.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        try:
+            if self._ssd is not None and self.config.ssd.flush_on_close:
+                self._flush_to_ssd()
+        finally:
+            with self._lock:
+                self._closed = True
+                self._index.clear()
+                self._arena.close()
+                ssd, self._ssd = self._ssd, None
+            if ssd is not None:
+                ssd.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -493,21 +664,33 @@ class Engine:
         self._tick += 1
         return self._tick
 
+    def _stored(self, key: bytes) -> bool:
+        if key in self._index:
+            return True
+        return self._ssd is not None and self._ssd.find(key) != EMPTY
+
     def _acquire(self, key: bytes) -> _Entry | None:
+        """Pin and return the DRAM entry of `key`, promoting it from the SSD if need be."""
         self._check_open()
-        self._gets += 1
+        self._n["gets"] += 1
         entry = self._index.get(key)
+        if entry is not None:
+            self._n["hits"] += 1
+        elif self._ssd is not None:
+            entry = self._promote(key)
+            self._n["ssd_hits"] += entry is not None
         if entry is None:
-            self._misses += 1
+            self._n["misses"] += 1
             return None
-        self._hits += 1
-        self._bytes_out += entry.length
+        self._n["bytes_out"] += entry.length
         entry.tick = self._next_tick()
-        self._policies[entry.cls].touch(key)
-        self._recency[entry.cls].move_to_end(key)
-        self._tenant_recency[entry.tenant].move_to_end(key)
+        self._policies[entry.cls].touch(entry.key)
+        self._recency[entry.cls].move_to_end(entry.key)
+        self._tenant_recency[entry.tenant].move_to_end(entry.key)
+        if self._sketch is not None:
+            self._sketch.add(key)
         entry.pins += 1
-        self._pinned.add(key)
+        self._pinned.add(entry.key)
         return entry
 
     def _unpin(self, entry: _Entry) -> None:
@@ -544,6 +727,8 @@ class Engine:
         if quota is None:
             return
         if size > quota:
+            if not strict:
+                return
             raise CapacityError(f"a {size}-byte slot exceeds tenant {tenant!r}'s quota of {quota}")
         old = self._index.get(key)
         # The value this put replaces is freed on publish (unless a view pins it); do not evict
@@ -561,20 +746,82 @@ class Engine:
                     f"tenant {tenant!r} is at its quota of {quota} bytes and every block it "
                     "holds is pinned"
                 )
-            self._evictions += 1
-            self._drop(self._index[victim])
+            self._n["evictions"] += 1
+            self._evict(self._index[victim])
 
     def _rank(self, key: bytes, parent: bytes | None) -> Rank:
-        if parent is not None and parent not in self._index:
+        if parent is not None and not self._stored(parent):
             return Rank.ORPHAN
         return Rank.INTERIOR if self._children.get(key) else Rank.LEAF
+
+    def _ssd_rank(self, index: SsdIndex, row: int) -> int:
+        """The prefix policy's view of an SSD block, across both tiers."""
+        parent = index.parent_of(row)
+        if parent is not None and not self._stored(parent):
+            return int(Rank.ORPHAN)
+        key = index.key_of(row)
+        if index.has_child(key) or self._children.get(key):
+            return int(Rank.INTERIOR)
+        return int(Rank.LEAF)
+
+    def _ssd_removed(self, key: bytes) -> None:
+        entry = self._index.get(key)
+        if entry is not None:
+            entry.on_ssd = False  # the SSD copy is gone: evicting the DRAM copy must write it
 
     def _rerank(self, key: bytes) -> None:
         entry = self._index.get(key)
         if entry is not None:
             self._policies[entry.cls].set_rank(key, self._rank(key, entry.parent))
 
-    def _publish(self, entry: _Entry) -> None:
+    def _commit(self, entry: _Entry, durable: bool) -> None:
+        """Publish a filled reservation; durable ones go through the SSD first."""
+        if durable:
+            assert self._ssd is not None
+            try:
+                self._write_through(entry)
+            except BaseException:
+                self._unpin(entry)  # never published: frees the slot
+                raise
+        with self._lock:
+            self._publish(entry, put=True)
+
+    def _write_through(self, entry: _Entry) -> None:
+        """Write a pending entry to the SSD and wait until it and its record are durable."""
+        ssd = self._ssd
+        assert ssd is not None
+        with self._lock:
+            self._check_open()
+            plan = ssd.plan_write(entry.key, entry.length, entry.parent, entry.tenant)
+        try:
+            ssd.write_slot(plan, self._slot_pages(entry))
+        except StorageIOError:
+            with self._lock:
+                ssd.abort_write(plan)
+                self._n["io_errors"] += 1
+            raise
+        with self._lock:
+            ticket = ssd.commit_write(plan, durable=True)
+            journal = ssd.journal
+        assert journal is not None
+        try:
+            journal.wait(ticket)
+        except StorageIOError:
+            with self._lock:
+                self._n["io_errors"] += 1
+                row = ssd.find(entry.key)
+                if row != EMPTY and int(ssd.index.rows["seq"][row]) == plan.seq:
+                    ssd.remove_row(row)
+            raise
+        entry.on_ssd = entry.durable = True
+        self._n["durable"] += 1
+
+    def _slot_pages(self, entry: _Entry) -> memoryview:
+        """The entry's value rounded up to whole pages (its slot is at least that large)."""
+        end = entry.offset + -(-entry.length // PAGE) * PAGE
+        return self._arena.view[entry.offset : end]
+
+    def _publish(self, entry: _Entry, *, put: bool) -> None:
         key = entry.key
         old = self._index.get(key)
         if old is not None:
@@ -582,12 +829,17 @@ class Engine:
             if old.pins and entry.tenant in self._quotas:
                 # A reader pinned the old value after _fit_quota counted it as freed.
                 self._fit_quota(entry.tenant, key, 0, strict=False)
+        if self._ssd is not None and not entry.on_ssd:
+            row = self._ssd.find(key)
+            if row != EMPTY:
+                self._ssd.remove_row(row)  # an older value of this key
         entry.live = True
         entry.pins -= 1
         self._index[key] = entry
-        self._puts += 1
-        self._bytes_in += entry.length
-        self._stored += entry.length
+        if put:
+            self._n["puts"] += 1
+            self._n["bytes_in"] += entry.length
+        self._n["stored"] += entry.length
         self._policies[entry.cls].insert(key, self._rank(key, entry.parent))
         self._recency[entry.cls][key] = None
         self._tenant_recency.setdefault(entry.tenant, OrderedDict())[key] = None
@@ -596,13 +848,17 @@ class Engine:
             self._rerank(entry.parent)
         for child in self._children.get(key, ()):
             self._rerank(child)  # orphans found their parent again
+        if entry.pins == 0:
+            self._pinned.discard(key)
+        else:
+            self._pinned.add(key)
 
     def _drop(self, entry: _Entry) -> None:
-        """Take a live entry out of the index; free its slot unless a view pins it."""
+        """Take a live entry out of the DRAM index; free its slot unless a view pins it."""
         key = entry.key
         del self._index[key]
         entry.live = False
-        self._stored -= entry.length
+        self._n["stored"] -= entry.length
         self._policies[entry.cls].remove(key)
         del self._recency[entry.cls][key]
         tenant_order = self._tenant_recency[entry.tenant]
@@ -618,12 +874,164 @@ class Engine:
                     del self._children[entry.parent]
                 self._rerank(entry.parent)
         for child in self._children.get(key, ()):
-            self._rerank(child)  # now orphans
+            self._rerank(child)  # now orphans unless the SSD holds the parent
         if entry.pins == 0:
             self._free(entry)
 
+    def _evict(self, entry: _Entry) -> None:
+        """Make a live, unpinned entry leave DRAM: dropped, or first written to the SSD.
+
+        May release the lock while the SSD write runs; the entry is pinned meanwhile.
+        """
+        ssd = self._ssd
+        if ssd is None or entry.on_ssd:
+            self._drop(entry)
+            return
+        assert self._sketch is not None
+        if self._sketch.estimate(entry.key) < self.config.ssd.admission_min_uses:
+            self._n["admission_rejected"] += 1
+            self._drop(entry)
+            return
+        self._demote(entry, drop=True)
+
+    def _demote(self, entry: _Entry, *, drop: bool) -> None:
+        """Write a DRAM block to the SSD (lock held on entry and exit, released for the I/O)."""
+        ssd = self._ssd
+        assert ssd is not None
+        try:
+            plan = ssd.plan_write(entry.key, entry.length, entry.parent, entry.tenant)
+        except (CapacityError, StorageIOError) as exc:
+            log.warning("cannot demote block %s: %s", entry.key.hex(), exc)
+            if drop:
+                self._drop(entry)
+            return
+        entry.pins += 1
+        self._pinned.add(entry.key)
+        self._lock.release()
+        try:
+            ssd.write_slot(plan, self._slot_pages(entry))
+            failed = False
+        except StorageIOError as exc:
+            log.error("demotion of block %s failed: %s", entry.key.hex(), exc)
+            failed = True
+        finally:
+            self._lock.acquire()
+        if failed or not entry.live:
+            ssd.abort_write(plan)  # failed, or deleted / overwritten while writing
+            self._n["io_errors"] += failed
+        else:
+            ssd.commit_write(plan, durable=False)
+            entry.on_ssd = True
+            self._n["demotions"] += 1
+        self._unpin_locked(entry)
+        if drop and entry.live:
+            if entry.pins:
+                # A reader got here first; keep it evictable later (now a clean copy).
+                self._policies[entry.cls].insert(entry.key, self._rank(entry.key, entry.parent))
+            else:
+                self._drop(entry)
+        if ssd.checkpoint_due():
+            self._checkpoint_in_background()
+
+    def _checkpoint_in_background(self) -> None:
+        assert self._ssd is not None
+        finish = self._ssd.begin_checkpoint()
+        threading.Thread(target=finish, name="kvoffload-checkpoint", daemon=True).start()
+
+    def _promote(self, key: bytes, *, prefetch: bool = False) -> _Entry | None:
+        """Read an SSD-only block into DRAM; the published entry, or None if it is gone or
+        fails verification. Lock held on entry and exit, released for the read."""
+        ssd = self._ssd
+        assert ssd is not None
+        while key in self._inflight:
+            event = self._inflight[key]
+            self._lock.release()
+            try:
+                event.wait()
+            finally:
+                self._lock.acquire()
+            done = self._index.get(key)
+            if done is not None:
+                return done
+        row = ssd.find(key)
+        if row == EMPTY:
+            return None
+        snap = ssd.snapshot(row)
+        tenant = ssd.tenants[int(ssd.index.rows["tenant"][row])]
+        parent = ssd.index.parent_of(row)
+        length = snap[2]
+        if length > self.max_value_bytes:
+            return None  # written under a larger DRAM limit; cannot be staged in DRAM
+        ssd.pinned[row] = ssd.pinned.get(row, 0) + 1
+        event = threading.Event()
+        self._inflight[key] = event
+        entry: _Entry | None = None
+        try:
+            cls = self._classes.class_of(length)
+            self._fit_quota(tenant, key, self._classes.sizes[cls], strict=False)
+            offset = self._reserve(cls)
+            entry = _Entry(key, offset, length, cls, parent, self._next_tick(), tenant, pins=1)
+            entry.on_ssd = True
+            self._slab_members[self._alloc.slab_of(offset)].add(entry)
+            self._charge(entry, +1)
+            self._lock.release()
+            try:
+                ok = ssd.read_slot(snap, self._slot_pages(entry))
+                io_error = False
+            except StorageIOError as exc:
+                log.error("reading block %s from the SSD failed: %s", key.hex(), exc)
+                ok, io_error = False, True
+            finally:
+                self._lock.acquire()
+        finally:
+            left = ssd.pinned.pop(row) - 1
+            if left:
+                ssd.pinned[row] = left
+            del self._inflight[key]
+            event.set()
+        current = ssd.find(key)
+        same = current == row and ssd.snapshot(current) == snap
+        if not ok:
+            self._n["io_errors" if io_error else "corrupt"] += 1
+            if not io_error:
+                log.warning(
+                    "SSD block %s failed its checksum; dropped, served as a miss", key.hex()
+                )
+            if same and not io_error:
+                ssd.remove_row(row)
+            self._unpin_locked(entry)
+            return None
+        ssd.counters.bytes_read += length
+        if key in self._index or not same:
+            self._unpin_locked(entry)  # written or deleted while we read: ours is stale
+            return self._index.get(key)
+        ssd.index.touch(row, ssd.next_tick())
+        self._n["promotions"] += 1
+        self._n["prefetches"] += prefetch
+        self._publish(entry, put=False)
+        return entry
+
+    def _prefetch_one(self, key: bytes) -> None:
+        try:
+            with self._lock:
+                if self._closed or key in self._index:
+                    return
+                self._promote(key, prefetch=True)
+        except Exception:  # a background task: report and carry on
+            log.exception("prefetch of block %s failed", key.hex())
+
+    def _flush_to_ssd(self) -> None:
+        """Write every live DRAM block without an SSD copy to the SSD (clean shutdown)."""
+        with self._lock:
+            for entry in list(self._index.values()):
+                if entry.live and not entry.on_ssd:
+                    self._demote(entry, drop=False)
+
     def _reserve(self, cls: int) -> int:
-        """Find a free slot of class `cls`, evicting or reclaiming a slab when needed."""
+        """Find a free slot of class `cls`, evicting or reclaiming a slab when needed.
+
+        May release the lock while evicted blocks are written to the SSD.
+        """
         while True:
             offset = self._alloc.alloc(cls)
             if offset is not None:
@@ -642,8 +1050,8 @@ class Engine:
                     )
                 self._steal(donor)
                 continue
-            self._evictions += 1
-            self._drop(self._index[victims[0]])
+            self._n["evictions"] += 1
+            self._evict(self._index[victims[0]])
 
     def _donor_slab(self, cls: int, *, force: bool = False) -> int | None:
         """A slab of another class worth reclaiming for `cls`, or None to evict within `cls`.
@@ -677,7 +1085,9 @@ class Engine:
     def _steal(self, slab: int) -> None:
         members = list(self._slab_members[slab])
         log.debug("reclaiming slab %d: evicting %d blocks", slab, len(members))
-        self._steals += 1
+        self._n["steals"] += 1
         for entry in members:
-            self._evictions += 1
-            self._drop(entry)
+            # Demotions release the lock: skip what changed meanwhile.
+            if entry.live and entry.pins == 0 and entry in self._slab_members[slab]:
+                self._n["evictions"] += 1
+                self._evict(entry)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import bisect
+from array import array
+
+import numpy as np
+import numpy.typing as npt
 
 from kvoffload.kvstore.config import PAGE
 
@@ -45,7 +49,8 @@ class SlabAllocator:
         self.n_slabs = n_slabs
         self.slab_class = [-1] * n_slabs
         self._free_slabs = list(range(n_slabs - 1, -1, -1))
-        self._free_slots: list[list[int]] = [[] for _ in range(n_slabs)]
+        # Free slot indices per slab as C arrays: 4 bytes a slot, no int objects.
+        self._free_slots: list[array[int]] = [array("I") for _ in range(n_slabs)]
         self._partial: list[dict[int, None]] = [{} for _ in classes.sizes]
         self._slabs_of: list[set[int]] = [set() for _ in classes.sizes]
         self.used_bytes = 0
@@ -74,7 +79,7 @@ class SlabAllocator:
             self.slab_class[slab] = cls
             self._slabs_of[cls].add(slab)
             # Hand out low slots first: a short-lived class touches as little memory as it can.
-            self._free_slots[slab] = list(range(self.slots_per_slab(cls) - 1, -1, -1))
+            self._free_slots[slab] = array("I", range(self.slots_per_slab(cls) - 1, -1, -1))
             partial[slab] = None
         else:
             return None
@@ -97,7 +102,43 @@ class SlabAllocator:
             self._partial[cls].pop(slab, None)
             self._slabs_of[cls].discard(slab)
             self.slab_class[slab] = -1
-            self._free_slots[slab] = []
+            self._free_slots[slab] = array("I")
             self._free_slabs.append(slab)
         else:
             self._partial[cls][slab] = None
+
+    def restore(
+        self, offsets: npt.NDArray[np.int64], classes: npt.NDArray[np.int64]
+    ) -> npt.NDArray[np.bool_]:
+        """Rebuild the free lists of an empty allocator from the slots in use (after a restart).
+
+        Returns a mask of the rows accepted; a row is refused when its slab already serves
+        another class, its offset is not a slot boundary of its class, it lies outside the
+        slabs, or another row claimed the same slot first.
+        """
+        ok = np.zeros(len(offsets), dtype=bool)
+        slabs = offsets // self.slab_bytes
+        sizes = np.asarray(self.classes.sizes, dtype=np.int64)[classes]
+        within = offsets - slabs * self.slab_bytes
+        candidates = (slabs < self.n_slabs) & (within % sizes == 0) & (offsets >= 0)
+        for slab in np.unique(slabs[candidates]):
+            rows = np.flatnonzero(candidates & (slabs == slab))
+            cls = int(classes[rows[0]])
+            rows = rows[classes[rows] == cls]
+            index = within[rows] // self.classes.sizes[cls]
+            _, first = np.unique(index, return_index=True)
+            rows, index = rows[first], index[first]
+            rows, index = (
+                rows[index < self.slots_per_slab(cls)],
+                index[index < self.slots_per_slab(cls)],
+            )
+            ok[rows] = True
+            free = np.setdiff1d(np.arange(self.slots_per_slab(cls)), index)[::-1]
+            self._free_slabs.remove(int(slab))
+            self.slab_class[slab] = cls
+            self._slabs_of[cls].add(int(slab))
+            self._free_slots[slab] = array("I", free.tolist())
+            if len(free):
+                self._partial[cls][int(slab)] = None
+            self.used_bytes += len(rows) * self.classes.sizes[cls]
+        return ok

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from kvoffload.client_sdk.transports.base import HeldBlock
 from kvoffload.client_sdk.url import StoreURL
 from kvoffload.errors import ConfigError
-from kvoffload.kvstore import DramConfig, Engine, EngineConfig, parse_size
+from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig, parse_size
 
 __all__ = ["LocalTransport", "open_local"]
 
@@ -17,6 +17,10 @@ _PARAMS = {
     "slab": "slab size",
     "policy": "eviction policy: lru, s3fifo or prefix",
     "prefault": "populate the arena at start: 1 or 0",
+    "ssd": "SSD tier size, e.g. 8GiB (needs a directory: local:///path?ssd=...)",
+    "ssd_path": "file or block device for the SSD slots (default: <dir>/ssd.slots)",
+    "ssd_policy": "SSD eviction policy (default: the DRAM policy)",
+    "admit": "uses before a block evicted from DRAM is written to the SSD (1 = all)",
 }
 _BOOL = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
@@ -41,7 +45,22 @@ def engine_config_from_url(url: StoreURL) -> EngineConfig:
         if params["prefault"].lower() not in _BOOL:
             raise ConfigError(f"prefault must be 1 or 0, got {params['prefault']!r}")
         kwargs["prefault"] = _BOOL[params["prefault"].lower()]
-    return EngineConfig(dram=DramConfig(**kwargs))  # type: ignore[arg-type]
+    ssd: dict[str, object] = {}
+    if "ssd" in params:
+        ssd["capacity_bytes"] = parse_size(params["ssd"])
+    if "ssd_path" in params:
+        ssd["path"] = params["ssd_path"]
+    if "ssd_policy" in params:
+        ssd["policy"] = params["ssd_policy"]
+    if "admit" in params:
+        if not params["admit"].isdigit():
+            raise ConfigError(f"admit must be a positive integer, got {params['admit']!r}")
+        ssd["admission_min_uses"] = int(params["admit"])
+    return EngineConfig(
+        dram=DramConfig(**kwargs),  # type: ignore[arg-type]
+        ssd=SsdConfig(**ssd),  # type: ignore[arg-type]
+        data_dir=url.path if url.path not in ("", "/") else "",
+    )
 
 
 class LocalTransport:
@@ -84,8 +103,9 @@ class LocalTransport:
 
 
 def open_local(url: StoreURL) -> LocalTransport:
-    """Open `local:///dir?dram=1GiB`. The directory will hold the SSD tier; a DRAM-only store
-    keeps nothing on disk."""
+    """Open `local:///dir?dram=1GiB&ssd=8GiB`. The directory holds the SSD tier, its journal
+    and checkpoints; a store already there is reopened (with its own SSD size when `ssd` is not
+    given). Without `ssd` and without a store in the directory, the store is DRAM-only."""
     if url.host:
         raise ConfigError(
             f"local:// URLs take a path, not a host ({url.host!r}); write local:///{url.host}"

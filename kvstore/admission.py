@@ -1,0 +1,45 @@
+"""SSD admission: a count-min sketch of how often each key was put or read.
+
+A block evicted from DRAM is written to the SSD only if it was used at least `min_uses` times
+(puts, lookups and reads all count), so blocks stored once and never wanted again need not wear
+the SSD (the TinyLFU idea; Dynamo's KVBM admits to disk at frequency 2 as well).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvoffload.kvstore.ssdindex import _hash_scalar
+
+__all__ = ["FrequencySketch"]
+
+_ROWS = 4
+_MAX = 15
+
+
+class FrequencySketch:
+    """Four rows of saturating 8-bit counters; halved periodically so old history fades."""
+
+    def __init__(self, width_bits: int = 20) -> None:
+        self._bits = width_bits
+        self._mask = (1 << width_bits) - 1
+        self._table = np.zeros((_ROWS, 1 << width_bits), dtype=np.uint8)
+        self._adds = 0
+        self._reset_at = 10 << width_bits
+
+    def _cells(self, key: bytes) -> list[int]:
+        # Two independent 64-bit hashes give four 20-bit row indices.
+        h = _hash_scalar(key) | (_hash_scalar(key[::-1] + b"\x01") << 64)
+        return [(h >> (i * self._bits)) & self._mask for i in range(_ROWS)]
+
+    def add(self, key: bytes) -> None:
+        for row, cell in enumerate(self._cells(key)):
+            if self._table[row, cell] < _MAX:
+                self._table[row, cell] += 1
+        self._adds += 1
+        if self._adds >= self._reset_at:
+            self._table >>= 1
+            self._adds //= 2
+
+    def estimate(self, key: bytes) -> int:
+        return min(int(self._table[row, cell]) for row, cell in enumerate(self._cells(key)))

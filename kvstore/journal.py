@@ -1,0 +1,291 @@
+"""The SSD tier's journal and checkpoints: fixed-size checksummed records, group commit.
+
+Every record is 128 bytes, little-endian, CRC32C over bytes 4..127:
+
+====== ===== ==============================================================
+offset bytes field
+====== ===== ==============================================================
+0      4     CRC32C of bytes 4..127
+4      1     type: 1 PUT, 2 DEL, 3 TENANT, 4 FILE (journal/checkpoint header)
+5      1     flags (bit 0: the block has a parent)
+6      2     tenant id
+8      8     seq (global order of changes; for FILE: the covered seq)
+16     16    key (FILE: magic + format version)
+32     16    parent key (FILE: store id)
+48     4     slot start page (FILE: journal generation)
+52     4     value length (FILE: records that follow, for checkpoints)
+56     4     CRC32C of the value
+60     68    tenant name (TENANT), NUL-padded
+====== ===== ==============================================================
+
+Fixed records make replay a vectorised numpy pass: a million records parse in well under a
+second. A torn or corrupt tail stops replay at the last good record and is cut.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import crc32c
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload.errors import StorageIOError
+
+__all__ = [
+    "DEL",
+    "FILE",
+    "PUT",
+    "RECORD",
+    "RECORD_BYTES",
+    "TENANT",
+    "Journal",
+    "Replay",
+    "file_header",
+    "parse",
+    "pack",
+]
+
+log = logging.getLogger(__name__)
+
+PUT, DEL, TENANT, FILE = 1, 2, 3, 4
+HAS_PARENT = 1
+RECORD = np.dtype(
+    [
+        ("crc", "<u4"),
+        ("type", "u1"),
+        ("flags", "u1"),
+        ("tenant", "<u2"),
+        ("seq", "<u8"),
+        ("key", "S16"),
+        ("parent", "S16"),
+        ("page", "<u4"),
+        ("length", "<u4"),
+        ("pcrc", "<u4"),
+        ("name", "S68"),
+    ]
+)
+RECORD_BYTES = RECORD.itemsize
+assert RECORD_BYTES == 128
+FILE_MAGIC = b"kvoffload-jrnl-1"
+
+
+def pack(records: npt.NDArray[np.void]) -> bytes:
+    """Fill in each record's CRC and return the bytes to append."""
+    raw = bytearray(records.tobytes())
+    view = memoryview(raw)
+    for i in range(len(records)):
+        start = i * RECORD_BYTES
+        view[start : start + 4] = crc32c.crc32c(view[start + 4 : start + RECORD_BYTES]).to_bytes(
+            4, "little"
+        )
+    return bytes(raw)
+
+
+def record(
+    kind: int,
+    seq: int,
+    key: bytes = b"",
+    *,
+    parent: bytes | None = None,
+    page: int = 0,
+    length: int = 0,
+    pcrc: int = 0,
+    tenant: int = 0,
+    name: bytes = b"",
+) -> npt.NDArray[np.void]:
+    """One record as a length-1 array (CRC still zero; `pack` fills it)."""
+    out = np.zeros(1, dtype=RECORD)
+    out[0] = (0, kind, HAS_PARENT if parent is not None else 0, tenant, seq, key,
+              parent or b"", page, length, pcrc, name)  # fmt: skip
+    return out
+
+
+def file_header(store_id: bytes, generation: int, covered_seq: int, count: int = 0) -> bytes:
+    return pack(
+        record(FILE, covered_seq, FILE_MAGIC, parent=store_id, page=generation, length=count)
+    )
+
+
+def parse(data: bytes | memoryview) -> tuple[npt.NDArray[np.void], int]:
+    """The valid records at the start of `data`, and how many bytes they span.
+
+    Parsing stops at the first partial record or CRC mismatch (a torn or corrupt tail).
+    """
+    whole = len(data) // RECORD_BYTES
+    records = np.frombuffer(data, dtype=RECORD, count=whole)
+    view = memoryview(data)
+    good = whole
+    for i in range(whole):
+        start = i * RECORD_BYTES
+        crc = crc32c.crc32c(view[start + 4 : start + RECORD_BYTES])
+        if crc != int(records["crc"][i]):
+            good = i
+            break
+    return records[:good], good * RECORD_BYTES
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What reading one journal or checkpoint file found."""
+
+    records: npt.NDArray[np.void]  # valid records after the FILE header
+    generation: int
+    covered_seq: int
+    declared: int  # record count the header declares (checkpoints)
+    dropped_bytes: int  # bytes after the last good record (torn or corrupt tail)
+
+
+def read_file(path: str, store_id: bytes) -> Replay:
+    """Parse a journal or checkpoint file written by this store.
+
+    Raises:
+        StorageIOError: unreadable, no valid header, or written by another store.
+    """
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as exc:
+        raise StorageIOError(f"cannot read {path}: {exc}") from exc
+    records, good = parse(data)
+    if not len(records) or int(records["type"][0]) != FILE or records["key"][0] != FILE_MAGIC:
+        raise StorageIOError(f"{path} is not a kvoffload journal or checkpoint")
+    if bytes(records["parent"][0]).ljust(16, b"\x00") != store_id:
+        raise StorageIOError(f"{path} belongs to another store")
+    head = records[0]
+    return Replay(records[1:], int(head["page"]), int(head["seq"]), int(head["length"]),
+                  len(data) - good)  # fmt: skip
+
+
+class Journal:
+    """Append-only journal with group commit.
+
+    `append` queues packed records; one committer thread writes whatever has queued in a single
+    `write` and, when a waiter asked for durability (or `sync_interval` passed), calls fdatasync
+    -- first on the slot file when the batch carries durable slot data, then on the journal.
+    Many concurrent durable puts thus share one pair of syncs.
+    """
+
+    def __init__(self, path: str, data_fd: int, *, sync_interval: float = 0.05) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._data_fd = data_fd
+        self._interval = sync_interval
+        self._cond = threading.Condition()
+        self._pending: list[bytes] = []
+        self._pending_data = False  # the queued records promise durable slot data
+        self._queued = 0  # batches queued so far; a batch's number is its ticket
+        self._written = 0  # batches written
+        self._durable = 0  # batches on stable storage
+        self._want = 0  # highest ticket somebody waits on
+        self._error: OSError | None = None
+        self._closing = False
+        self._last_sync = time.monotonic()
+        self._write = os.write  # fault-injection tests replace these two
+        self._sync = os.fdatasync
+        self._thread = threading.Thread(target=self._run, name="kvoffload-journal", daemon=True)
+        self._thread.start()
+
+    def append(self, data: bytes, *, durable: bool = False, data_too: bool = False) -> int:
+        """Queue records; with `durable`, return only once they (and, with `data_too`, the
+        slot file) are on stable storage. Returns the batch's ticket for `wait`.
+
+        Raises:
+            StorageIOError: the journal failed earlier or while waiting.
+        """
+        with self._cond:
+            self._raise_if_failed()
+            self._pending.append(data)
+            self._pending_data |= data_too
+            self._queued += 1
+            ticket = self._queued
+            self._cond.notify_all()
+        if durable:
+            self.wait(ticket)
+        return ticket
+
+    def wait(self, ticket: int | None = None) -> None:
+        """Block until batch `ticket` (default: everything queued) is durable.
+
+        Raises:
+            StorageIOError: the journal failed.
+        """
+        with self._cond:
+            target = self._queued if ticket is None else ticket
+            self._want = max(self._want, target)
+            self._cond.notify_all()
+            while self._durable < target:
+                self._raise_if_failed()
+                self._cond.wait()
+
+    @property
+    def durable_ticket(self) -> int:
+        """Every batch up to this ticket is on stable storage."""
+        with self._cond:
+            return self._durable
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise StorageIOError(f"journal {self.path} failed: {self._error}") from self._error
+
+    def _due(self) -> bool:
+        return time.monotonic() - self._last_sync >= self._interval
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (
+                    self._pending
+                    or self._want > self._durable
+                    or (self._written > self._durable and self._due())
+                    or self._closing
+                ):
+                    self._cond.wait(timeout=self._interval)
+                if self._closing and not self._pending and self._written == self._durable:
+                    return
+                batch, self._pending = self._pending, []
+                data_too, self._pending_data = self._pending_data, False
+                upto = self._queued
+                sync = self._want > self._durable or self._closing or self._due()
+            try:
+                if data_too:
+                    self._sync(self._data_fd)
+                if batch:
+                    self._write_all(b"".join(batch))
+                if sync:
+                    self._sync(self._fd)
+            except OSError as exc:
+                log.error("journal %s: %s", self.path, exc)
+                with self._cond:
+                    self._error = exc
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._written = upto
+                if sync:
+                    self._durable = upto
+                    self._last_sync = time.monotonic()
+                self._cond.notify_all()
+
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[self._write(self._fd, view) :]
+
+    def close(self) -> None:
+        """Write and sync everything queued, then stop the committer.
+
+        Raises:
+            StorageIOError: the journal failed (what was queued may be lost).
+        """
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+        os.close(self._fd)
+        with self._cond:
+            self._raise_if_failed()

@@ -1,0 +1,597 @@
+"""The SSD tier: a preallocated slot file, its compact index, journal, checkpoints and recovery.
+
+Bookkeeping methods run under the engine's lock; `write_slot` and `read_slot` do the I/O and
+run without it, on slots the bookkeeping has set aside. Nothing here knows about DRAM.
+
+On disk, in the data directory::
+
+    kvoffload.meta   JSON: format, store id, SSD geometry (checked on every open)
+    LOCK             flock'ed while a process has the store open
+    ssd.slots        the slot file (unless ssd.path names a file or block device)
+    checkpoint       snapshot of the index (PUT and TENANT records) and the seq it covers
+    journal.<gen>    changes since: PUT and DEL records, group-committed
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import crc32c
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload.errors import CapacityError, ConfigError, StorageIOError
+from kvoffload.kvstore import journal as jr
+from kvoffload.kvstore.config import PAGE, EngineConfig
+from kvoffload.kvstore.slabs import SizeClasses, SlabAllocator
+from kvoffload.kvstore.slotio import (
+    AlignedBuffer,
+    SlotFile,
+    SlotHeader,
+    pack_header,
+    unpack_header,
+)
+from kvoffload.kvstore.ssdindex import EMPTY, ROW_DTYPE, RankFn, SsdIndex
+
+__all__ = ["META_NAME", "Recovery", "SsdTier", "WritePlan"]
+
+log = logging.getLogger(__name__)
+
+META_NAME = "kvoffload.meta"
+FORMAT = "kvoffload-store-1"
+_STEAL_AGE_RATIO = 2
+
+
+@dataclass(frozen=True)
+class StoreMeta:
+    """The store's identity and SSD geometry, fixed when it is created (`kvoffload.meta`)."""
+
+    store_id: str
+    capacity_bytes: int
+    slab_bytes: int
+    max_value_bytes: int
+    class_growth: float
+    slot_path: str
+    created: float
+    format: str = FORMAT
+
+    @classmethod
+    def load(cls, path: Path) -> StoreMeta:
+        """Raises: ConfigError if the file is unreadable or not a store of this format."""
+        try:
+            raw = json.loads(path.read_text())
+            meta = cls(**raw)
+        except (OSError, ValueError, TypeError) as exc:
+            raise ConfigError(f"{path} is not a kvoffload store description: {exc}") from exc
+        if meta.format != FORMAT:
+            raise ConfigError(f"{path}: unknown store format {meta.format!r}")
+        for name in ("capacity_bytes", "slab_bytes", "max_value_bytes"):
+            if not isinstance(getattr(meta, name), int) or getattr(meta, name) <= 0:
+                raise ConfigError(f"{path}: {name} must be a positive integer")
+        return meta
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What opening the store found (also what `kvoffload fsck` reports)."""
+
+    checkpoint_records: int = 0
+    journal_records: int = 0
+    torn_bytes: int = 0  # cut from journal tails
+    rejected_rows: int = 0  # rows whose slot did not fit the slab layout
+    blocks: int = 0
+    seconds: float = 0.0
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(eq=False, slots=True)
+class WritePlan:
+    """An SSD slot set aside for one block; not visible until `commit_write`."""
+
+    key: bytes
+    parent: bytes | None
+    tenant: int
+    length: int
+    cls: int
+    offset: int
+    seq: int
+    crc: int = 0
+
+
+@dataclass
+class _Counters:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    corrupt: int = 0
+    write_errors: int = 0
+    steals: int = 0
+    checkpoints: int = 0
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """temp file -> full write -> fsync -> rename -> fsync of the directory."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+class SsdTier:
+    """Blocks on SSD: who is where (index), how to find room (allocator + eviction), and how
+    the index survives crashes (journal + checkpoints)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        rank: RankFn,
+        on_removed: Callable[[bytes], None] = lambda key: None,
+        read_only: bool = False,
+    ) -> None:
+        ssd = config.ssd
+        self.config = config
+        self._rank = rank
+        self._on_removed = on_removed
+        self.dir = Path(config.data_dir)
+        self._open_dir(read_only)
+        self.meta = self._load_or_create_meta()
+        slab = self.meta.slab_bytes
+        self.classes = SizeClasses(self.meta.max_value_bytes + PAGE, self.meta.class_growth)
+        self.capacity = self.meta.capacity_bytes // slab * slab
+        if not self.capacity:
+            raise ConfigError(f"SSD capacity must hold at least one slab of {slab} bytes")
+        self.alloc = SlabAllocator(self.capacity // slab, slab, self.classes)
+        self.index = SsdIndex(len(self.classes), ssd.policy or config.dram.policy)
+        self.store_id = bytes.fromhex(self.meta.store_id)
+        self.max_value_bytes = self.meta.max_value_bytes
+        self.slots = SlotFile(self.meta.slot_path, self.meta.capacity_bytes)
+        self.tenants: list[str] = [""]
+        self._tenant_ids = {"": 0}
+        self.seq = 0
+        self.tick = 0
+        self.pinned: dict[int, int] = {}  # row -> readers in flight
+        self._pending_free: list[tuple[int, int]] = []  # (journal ticket, slot offset)
+        self.counters = _Counters()
+        self._pages = threading.local()
+        self.journal: jr.Journal | None = None
+        self._generation = 0
+        self._records_since_checkpoint = 0
+        self.recovery = self._recover()
+        if not read_only:
+            self._generation += 1
+            self.journal = self._open_journal(self._generation)
+
+    # ------------------------------------------------------------------ open / recovery
+
+    def _open_dir(self, read_only: bool) -> None:
+        d = self.dir
+        if not d.exists():
+            if read_only:
+                raise ConfigError(f"data directory {d} does not exist")
+            if not d.parent.is_dir():
+                raise ConfigError(
+                    f"data directory {d} cannot be created: its parent {d.parent} does not exist"
+                )
+            d.mkdir()
+        elif not d.is_dir():
+            raise ConfigError(f"data directory {d} is not a directory")
+        elif not (d / META_NAME).exists() and any(d.iterdir()):
+            raise ConfigError(
+                f"data directory {d} is not empty and holds no {META_NAME}: it is not a "
+                "kvoffload store (refusing to write into it)"
+            )
+        self._lock_fd = os.open(d / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._lock_fd)
+            raise ConfigError(f"store {d} is in use by another process") from None
+
+    def _load_or_create_meta(self) -> StoreMeta:
+        ssd = self.config.ssd
+        path = self.dir / META_NAME
+        max_value = ssd.max_value_bytes or self.config.dram.effective_max_value_bytes
+        wanted = StoreMeta(
+            store_id=uuid.uuid4().hex,
+            capacity_bytes=ssd.capacity_bytes,
+            slab_bytes=-(-(max_value + PAGE) // PAGE) * PAGE,
+            max_value_bytes=max_value,
+            class_growth=1.05,
+            slot_path=ssd.path or str(self.dir / "ssd.slots"),
+            created=time.time(),
+        )
+        if not path.exists():
+            if not ssd.capacity_bytes:
+                raise ConfigError(f"{self.dir} holds no store and no SSD capacity was given")
+            _write_atomic(path, json.dumps(asdict(wanted), indent=2).encode())
+            return wanted
+        meta = StoreMeta.load(path)
+        # Opened without a geometry (e.g. by fsck), a store keeps its own.
+        checks = ["capacity_bytes"] if ssd.capacity_bytes else []
+        checks += ["max_value_bytes"] if ssd.max_value_bytes else []
+        checks += ["slot_path"] if ssd.path else []
+        for name in checks:
+            have, want = getattr(meta, name), getattr(wanted, name)
+            if have != want:
+                raise ConfigError(
+                    f"store {self.dir} was created with {name}={have!r}, the config asks for "
+                    f"{want!r}; use the original setting or a new directory"
+                )
+        return meta
+
+    def _journal_paths(self) -> list[tuple[int, Path]]:
+        found = []
+        for p in self.dir.glob("journal.*"):
+            suffix = p.name.partition(".")[2]
+            if suffix.isdigit():
+                found.append((int(suffix), p))
+        return sorted(found)
+
+    def _recover(self) -> Recovery:
+        started = time.perf_counter()
+        notes: list[str] = []
+        parts: list[npt.NDArray[np.void]] = []
+        first_gen = 0
+        ck_records = 0
+        checkpoint = self.dir / "checkpoint"
+        if checkpoint.exists():
+            replay = jr.read_file(str(checkpoint), self.store_id)
+            if len(replay.records) != replay.declared:
+                raise StorageIOError(
+                    f"{checkpoint} is damaged ({len(replay.records)} of {replay.declared} "
+                    "records readable); run `kvoffload fsck --rebuild`"
+                )
+            parts.append(replay.records)
+            first_gen = replay.generation
+            ck_records = len(replay.records)
+        torn = j_records = 0
+        for gen, path in self._journal_paths():
+            self._generation = max(self._generation, gen)
+            if gen < first_gen:
+                continue
+            replay = jr.read_file(str(path), self.store_id)
+            if replay.dropped_bytes:
+                torn += replay.dropped_bytes
+                notes.append(f"{path.name}: cut {replay.dropped_bytes} bytes of torn tail")
+                log.warning(
+                    "%s: cutting %d bytes of torn or corrupt tail", path, replay.dropped_bytes
+                )
+                with open(path, "r+b") as fh:
+                    fh.truncate(os.path.getsize(path) - replay.dropped_bytes)
+            parts.append(replay.records)
+            j_records += len(replay.records)
+        rejected = self._apply(np.concatenate(parts) if parts else np.zeros(0, jr.RECORD))
+        if rejected:
+            notes.append(f"{rejected} rows did not fit the slot layout and were dropped")
+        self._records_since_checkpoint = j_records
+        return Recovery(ck_records, j_records, torn, rejected, len(self.index),
+                        time.perf_counter() - started, tuple(notes))  # fmt: skip
+
+    def _apply(self, records: npt.NDArray[np.void]) -> int:
+        """Rebuild index and allocator from records: per key, the highest seq wins."""
+        tenants = records[records["type"] == jr.TENANT]
+        for rec in tenants[np.argsort(tenants["tenant"], kind="stable")]:
+            tid, name = int(rec["tenant"]), bytes(rec["name"]).decode()
+            while len(self.tenants) <= tid:
+                self.tenants.append(f"#{len(self.tenants)}")
+            self.tenants[tid] = name
+            self._tenant_ids[name] = tid
+        changes = records[(records["type"] == jr.PUT) | (records["type"] == jr.DEL)]
+        if len(changes):
+            self.seq = int(changes["seq"].max())
+        order = np.argsort(changes["seq"], kind="stable")[::-1]
+        newest = changes[order]
+        _, first = np.unique(newest["key"], return_index=True)
+        final = newest[first]
+        final = final[final["type"] == jr.PUT]
+        final = final[np.argsort(final["seq"], kind="stable")]  # oldest first = recency order
+        return self._install(final)
+
+    def _install(self, final: npt.NDArray[np.void]) -> int:
+        """Load PUT records into an empty index and allocator; returns how many were refused."""
+        rows = np.zeros(len(final), dtype=ROW_DTYPE)
+        for name in ("key", "parent", "page", "length", "tenant", "seq"):
+            rows[name] = final[name]
+        rows["flags"] = final["flags"]
+        rows["crc"] = final["pcrc"]
+        sizes = PAGE + rows["length"].astype(np.int64)
+        classes = np.searchsorted(np.asarray(self.classes.sizes), sizes).astype(np.int64)
+        offsets = rows["page"].astype(np.int64) * PAGE
+        fits = classes < len(self.classes)
+        ok = np.zeros(len(rows), dtype=bool)
+        ok[fits] = self.alloc.restore(offsets[fits], classes[fits])
+        self.index.load(rows[ok], classes[ok])
+        return int((~ok).sum())
+
+    def _open_journal(self, generation: int) -> jr.Journal:
+        path = self.dir / f"journal.{generation:08d}"
+        journal = jr.Journal(
+            str(path), self.slots.fd, sync_interval=self.config.ssd.sync_interval_s
+        )
+        journal.append(jr.file_header(self.store_id, generation, self.seq), durable=True)
+        _fsync_dir(self.dir)
+        # Tenant names go into every journal so a journal replays on its own.
+        if len(self.tenants) > 1:
+            recs = np.concatenate([jr.record(jr.TENANT, 0, tenant=i, name=n.encode())
+                                   for i, n in enumerate(self.tenants) if i])  # fmt: skip
+            journal.append(jr.pack(recs))
+        return journal
+
+    # ------------------------------------------------------------------ bookkeeping (locked)
+
+    def tenant_id(self, name: str) -> int:
+        tid = self._tenant_ids.get(name)
+        if tid is None:
+            if len(name.encode()) > 60:
+                raise StorageIOError(f"tenant name {name!r} is longer than 60 bytes")
+            tid = len(self.tenants)
+            self.tenants.append(name)
+            self._tenant_ids[name] = tid
+            assert self.journal is not None
+            self.journal.append(jr.pack(jr.record(jr.TENANT, 0, tenant=tid, name=name.encode())))
+        return tid
+
+    def find(self, key: bytes) -> int:
+        return self.index.find(key)
+
+    def next_tick(self) -> int:
+        self.tick = (self.tick + 1) & 0xFFFFFFFF
+        return self.tick
+
+    def slot_class(self, length: int) -> int | None:
+        cls = self.classes.class_of(PAGE + length)
+        return cls if cls < len(self.classes) else None
+
+    def plan_write(self, key: bytes, length: int, parent: bytes | None, tenant: str) -> WritePlan:
+        """Set aside a slot for `key`, evicting SSD blocks if needed.
+
+        Raises:
+            CapacityError: no slot can be freed (every candidate is being read).
+            StorageIOError: the journal failed.
+        """
+        cls = self.slot_class(length)
+        if cls is None:
+            raise CapacityError(f"a {length}-byte value does not fit an SSD slot")
+        offset = self._reserve(cls)
+        self.seq += 1
+        return WritePlan(key, parent, self.tenant_id(tenant), length, cls, offset, self.seq)
+
+    def _release_pending(self, *, wait: bool = False) -> None:
+        if not self._pending_free or self.journal is None:
+            return
+        if wait:
+            self.journal.wait(max(t for t, _ in self._pending_free))
+        durable = self.journal.durable_ticket
+        keep = []
+        for ticket, offset in self._pending_free:
+            if ticket <= durable:
+                self.alloc.free(offset)
+            else:
+                keep.append((ticket, offset))
+        self._pending_free = keep
+
+    def _reserve(self, cls: int) -> int:
+        self._release_pending()
+        while True:
+            offset = self.alloc.alloc(cls)
+            if offset is not None:
+                return offset
+            if self._pending_free:
+                # Slots wait for the journal record that frees them to be durable.
+                self._release_pending(wait=True)
+                continue
+            donor = self._donor_slab(cls)
+            if donor is not None:
+                self._steal(donor)
+                continue
+            victim = self.index.choose_victim(cls, set(self.pinned), self._rank)
+            if victim == EMPTY:
+                donor = self._donor_slab(cls, force=True)
+                if donor is None:
+                    raise CapacityError("no SSD slot can be freed: every block is being read")
+                self._steal(donor)
+                continue
+            self.counters.evictions += 1
+            self.remove_row(victim)
+
+    def _donor_slab(self, cls: int, *, force: bool = False) -> int | None:
+        own = self.index.coldest(cls)
+        own_age = self.tick - int(self.index.tick[own]) if own != EMPTY else None
+        best: tuple[int, int, int] | None = None  # (age, class, row)
+        for other in range(len(self.classes)):
+            if other == cls or not self.index.class_size(other):
+                continue
+            row = self.index.coldest(other)
+            age = self.tick - int(self.index.tick[row])
+            if best is None or age > best[0]:
+                best = (age, other, row)
+        if best is None:
+            return None
+        age, other, row = best
+        if not force and own_age is not None and age <= _STEAL_AGE_RATIO * own_age:
+            return None
+        slab_bytes = self.alloc.slab_bytes
+        pages = self.index.rows["page"][: self.index._rows].astype(np.int64) * PAGE
+        live = self.index.cls[: self.index._rows] >= 0
+        candidates = [int(self.index.rows["page"][row]) * PAGE // slab_bytes]
+        candidates += sorted(self.alloc.slabs_of(other))
+        for slab in candidates:
+            members = np.flatnonzero(live & (pages // slab_bytes == slab))
+            if not any(int(m) in self.pinned for m in members):
+                return slab
+        return None
+
+    def _steal(self, slab: int) -> None:
+        slab_bytes = self.alloc.slab_bytes
+        pages = self.index.rows["page"][: self.index._rows].astype(np.int64) * PAGE
+        live = self.index.cls[: self.index._rows] >= 0
+        self.counters.steals += 1
+        for row in np.flatnonzero(live & (pages // slab_bytes == slab)):
+            self.counters.evictions += 1
+            self.remove_row(int(row))
+        self._release_pending(wait=True)
+
+    def remove_row(self, row: int) -> None:
+        """Forget a stored block; its slot is reused once the DEL record is durable."""
+        assert self.journal is not None
+        key = self.index.key_of(row)
+        offset = int(self.index.rows["page"][row]) * PAGE
+        self.seq += 1
+        ticket = self.journal.append(jr.pack(jr.record(jr.DEL, self.seq, key)))
+        self.index.remove(row)
+        self._pending_free.append((ticket, offset))
+        self._on_removed(key)
+
+    def commit_write(self, plan: WritePlan, *, durable: bool) -> int:
+        """Make a written slot the block's SSD copy. Returns the journal ticket to wait on."""
+        assert self.journal is not None
+        old = self.index.find(plan.key)
+        if old != EMPTY:
+            self.remove_row(old)  # the older version of this block
+        self.index.insert(plan.key, page=plan.offset // PAGE, length=plan.length, seq=plan.seq,
+                          crc=plan.crc, parent=plan.parent, tenant=plan.tenant, cls=plan.cls,
+                          tick=self.next_tick())  # fmt: skip
+        rec = jr.record(jr.PUT, plan.seq, plan.key, parent=plan.parent, page=plan.offset // PAGE,
+                        length=plan.length, pcrc=plan.crc, tenant=plan.tenant)  # fmt: skip
+        self.counters.bytes_written += plan.length
+        self._records_since_checkpoint += 1
+        return self.journal.append(jr.pack(rec), data_too=durable)
+
+    def abort_write(self, plan: WritePlan) -> None:
+        """Give back a slot that was never committed (no journal record names it)."""
+        self.alloc.free(plan.offset)
+
+    # ------------------------------------------------------------------ I/O (unlocked)
+
+    def _header_page(self) -> AlignedBuffer:
+        buf: AlignedBuffer | None = getattr(self._pages, "buf", None)
+        if buf is None:
+            buf = self._pages.buf = AlignedBuffer(PAGE)
+        return buf
+
+    def write_slot(self, plan: WritePlan, payload: memoryview) -> None:
+        """Write header and value; `payload` is page-aligned and spans whole pages.
+
+        Raises:
+            StorageIOError: the device failed.
+        """
+        plan.crc = crc32c.crc32c(payload[: plan.length])
+        page = self._header_page()
+        page.view[:] = bytes(PAGE)
+        pack_header(page.view, SlotHeader(plan.seq, plan.key, plan.parent, plan.length, plan.crc,
+                                          plan.tenant, self.tenants[plan.tenant]))  # fmt: skip
+        self.slots.write(plan.offset, [page.view, payload])
+
+    def read_slot(self, row_snapshot: tuple[bytes, int, int, int, int], dst: memoryview) -> bool:
+        """Read a block into `dst` (page-aligned, whole pages); False if it fails verification.
+
+        `row_snapshot` is (key, page, length, seq, crc) taken under the lock.
+
+        Raises:
+            StorageIOError: the device failed.
+        """
+        key, page_no, length, seq, crc = row_snapshot
+        page = self._header_page()
+        self.slots.read(page_no * PAGE, [page.view, dst])
+        header = unpack_header(page.view)
+        if header is None or (header.key, header.seq, header.length) != (key, seq, length):
+            return False
+        return crc32c.crc32c(dst[:length]) == crc == header.crc
+
+    def snapshot(self, row: int) -> tuple[bytes, int, int, int, int]:
+        rows = self.index.rows
+        return (self.index.key_of(row), int(rows["page"][row]), int(rows["length"][row]),
+                int(rows["seq"][row]), int(rows["crc"][row]))  # fmt: skip
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint_due(self) -> bool:
+        return self._records_since_checkpoint > max(100_000, 2 * len(self.index))
+
+    def begin_checkpoint(self) -> Callable[[], None]:
+        """Snapshot the index and switch to a new journal (lock held; a numpy copy).
+
+        Returns the slow part, to run without the lock: flush the old journal, write the
+        checkpoint file atomically, delete the journals it covers.
+        """
+        assert self.journal is not None
+        old = self.journal
+        self._generation += 1
+        gen = self._generation
+        rows = self.index.export()
+        recs = np.zeros(len(rows), dtype=jr.RECORD)
+        recs["type"] = jr.PUT
+        for name in ("key", "parent", "page", "length", "tenant", "seq"):
+            recs[name] = rows[name]
+        recs["flags"] = rows["flags"]
+        recs["pcrc"] = rows["crc"]
+        tenants = [jr.record(jr.TENANT, 0, tenant=i, name=n.encode())
+                   for i, n in enumerate(self.tenants) if i]  # fmt: skip
+        body = np.concatenate([*tenants, recs]) if tenants else recs
+        seq = self.seq
+        self.journal = self._open_journal(gen)
+        self._records_since_checkpoint = 0
+
+        def finish() -> None:
+            old.close()  # the snapshot already holds its records; this only flushes them
+            data = jr.file_header(self.store_id, gen, seq, len(body)) + jr.pack(body)
+            _write_atomic(self.dir / "checkpoint", data)
+            for g, path in self._journal_paths():
+                if g < gen:
+                    path.unlink()
+            self.counters.checkpoints += 1
+
+        return finish
+
+    def close(self, *, checkpoint: bool = True) -> None:
+        """Checkpoint (optionally), flush and close the journal, release the store.
+
+        Raises:
+            StorageIOError: the checkpoint or the journal failed; the store is still released.
+        """
+        try:
+            if self.journal is not None:
+                try:
+                    if checkpoint:
+                        self.begin_checkpoint()()
+                finally:
+                    journal, self.journal = self.journal, None
+                    journal.close()
+        finally:
+            self.slots.close()
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+
+    # ------------------------------------------------------------------ stats
+
+    @property
+    def used_bytes(self) -> int:
+        return self.alloc.used_bytes
+
+    def stored_bytes(self) -> int:
+        return int(self.index.rows["length"][self.index.live_rows()].sum())

@@ -1,0 +1,444 @@
+"""The SSD tier's in-memory index: numpy columns per row, an open-addressing key table, a
+by-parent chain table and per-class eviction lists, in well under 128 bytes per block.
+
+A Python dict of entry objects costs ~250 bytes per block; the SSD tier holds millions of
+blocks, so every field lives in a flat numpy column and Python touches single cells. Bookkeeping
+only: no I/O here. The SSD tier holds the engine lock around every call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["EMPTY", "ROW_DTYPE", "RankFn", "SsdIndex"]
+
+EMPTY = -1
+_TOMB = -2
+_MASK64 = (1 << 64) - 1
+_NO_PARENT = b""
+# Columns persisted in checkpoints (and rebuilt from them); the rest is derived state.
+ROW_DTYPE = np.dtype(
+    [
+        ("key", "S16"),
+        ("parent", "S16"),
+        ("page", "<u4"),  # slot start in 4 KiB pages (16 TiB of slots)
+        ("length", "<u4"),
+        ("tenant", "<u2"),
+        ("flags", "<u2"),  # bit 0: has a parent
+        ("seq", "<u8"),
+        ("crc", "<u4"),
+    ]
+)
+_HAS_PARENT = 1
+# Eviction queues: LRU and prefix use queue 0; S3-FIFO uses 0 (small) and 1 (main).
+_SMALL, _MAIN = 0, 1
+_LOOKAHEAD = 32  # prefix policy: candidates examined from the cold end
+# Ranks a row for the prefix policy: 0 orphan, 1 leaf, 2 interior (the tier knows both tiers).
+RankFn = Callable[["SsdIndex", int], int]
+
+
+def _hash_scalar(key: bytes) -> int:
+    """splitmix64 of the key's two halves (keys need not be uniform: tests use small ints)."""
+    h = int.from_bytes(key[:8], "little") ^ (
+        int.from_bytes(key[8:16], "little") * 0x9E3779B97F4A7C15
+    )
+    h &= _MASK64
+    h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return h ^ (h >> 31)
+
+
+def _hash_vector(keys: npt.NDArray[np.bytes_]) -> npt.NDArray[np.uint64]:
+    """`_hash_scalar` for a column of S16 keys (wrapping uint64 arithmetic)."""
+    halves = np.frombuffer(keys.tobytes(), dtype="<u8").reshape(-1, 2)
+    with np.errstate(over="ignore"):
+        h = halves[:, 0] ^ (halves[:, 1] * np.uint64(0x9E3779B97F4A7C15))
+        h = (h ^ (h >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        h = (h ^ (h >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    out: npt.NDArray[np.uint64] = h ^ (h >> np.uint64(31))
+    return out
+
+
+def _stored(key: bytes) -> bytes:
+    # numpy "S16" cells drop trailing NULs when read back; two 16-byte keys are equal exactly
+    # when their stripped forms are, so compare in stripped form.
+    return key.rstrip(b"\x00")
+
+
+class SsdIndex:
+    """Key -> row for the SSD tier, with the policy state of every row.
+
+    Rows hold the persisted fields of `ROW_DTYPE` plus: last-use tick, size class, S3-FIFO
+    frequency and queue, doubly linked eviction lists (one per class and queue) and a chain of
+    rows sharing a parent-hash bucket (to answer "does this block have a stored child?").
+    """
+
+    def __init__(self, n_classes: int, policy: str, capacity: int = 1024) -> None:
+        if policy not in ("lru", "s3fifo", "prefix"):
+            raise ValueError(f"unknown SSD eviction policy {policy!r}")
+        self.policy = policy
+        self.n_classes = n_classes
+        self._rows = 0  # rows ever used (high-water mark)
+        self._free_rows: list[int] = []
+        self._live = 0
+        self._alloc_columns(max(capacity, 16))
+        self._heads = [[EMPTY, EMPTY] for _ in range(n_classes)]
+        self._tails = [[EMPTY, EMPTY] for _ in range(n_classes)]
+        self._sizes = [[0, 0] for _ in range(n_classes)]
+        self._ghost_bits = 1 << 16
+        self._ghosts = [np.zeros(self._ghost_bits // 8, np.uint8) for _ in range(2)]
+        self._ghost_count = 0
+
+    # ------------------------------------------------------------------ storage
+
+    def _alloc_columns(self, capacity: int, *, build: bool = True) -> None:
+        self.rows = np.zeros(capacity, dtype=ROW_DTYPE)
+        self.tick = np.zeros(capacity, dtype=np.uint32)
+        self.cls = np.full(capacity, -1, dtype=np.int16)  # -1: free row
+        self.freq = np.zeros(capacity, dtype=np.uint8)
+        self.queue = np.zeros(capacity, dtype=np.uint8)
+        self.prev = np.full(capacity, EMPTY, dtype=np.int32)
+        self.next = np.full(capacity, EMPTY, dtype=np.int32)
+        self.sibling = np.full(capacity, EMPTY, dtype=np.int32)
+        if build:
+            self._build_tables()
+
+    def _grow(self) -> None:
+        old = self._rows
+        columns = ("rows", "tick", "cls", "freq", "queue", "prev", "next", "sibling")
+        saved = {name: getattr(self, name)[:old].copy() for name in columns}
+        # Modest growth keeps the slack (and so the bytes per block) low.
+        self._alloc_columns(len(self.rows) * 5 // 4 + 16, build=False)
+        for name, values in saved.items():
+            getattr(self, name)[:old] = values
+        self._build_tables()
+
+    def _build_tables(self) -> None:
+        """(Re)build the key and parent tables from the rows; load factor stays under 0.5."""
+        size = 1 << max(4, (len(self.rows) * 10 // 7).bit_length())
+        self._mask = size - 1
+        self._table = np.full(size, EMPTY, dtype=np.int32)
+        # Parent chains tolerate collisions, so half as many buckets do.
+        self._bmask = size // 2 - 1
+        self._buckets = np.full(size // 2, EMPTY, dtype=np.int32)
+        self._tombs = 0
+        live = np.flatnonzero(self.cls[: self._rows] >= 0).astype(np.int32)
+        if not len(live):
+            return
+        keys = self.rows["key"][live]
+        self._place(_hash_vector(keys) & np.uint64(self._mask), live)
+        with_parent = live[(self.rows["flags"][live] & _HAS_PARENT) != 0]
+        buckets = (_hash_vector(self.rows["parent"][with_parent]) & np.uint64(self._bmask)).astype(
+            np.int64
+        )
+        # Chain rows sharing a bucket: each row points at the next one of its bucket.
+        order = np.argsort(buckets, kind="stable")
+        b, r = buckets[order], with_parent[order]
+        self.sibling[r] = EMPTY
+        same = b[1:] == b[:-1]
+        self.sibling[r[:-1][same]] = r[1:][same]
+        starts = np.ones(len(b), dtype=bool)
+        starts[1:] = ~same
+        self._buckets[b[starts]] = r[starts]
+
+    def _place(self, home: npt.NDArray[np.uint64], rows: npt.NDArray[np.int32]) -> None:
+        """Vectorised linear-probing insert of rows whose keys are known to be distinct."""
+        pos = home.astype(np.int64)
+        pending = np.arange(len(rows))
+        while len(pending):
+            slots = pos[pending]
+            free = self._table[slots] == EMPTY
+            # Among rows aiming at the same free slot, the first one wins this round.
+            candidates = pending[free]
+            _, first = np.unique(slots[free], return_index=True)
+            winners = candidates[first]
+            self._table[pos[winners]] = rows[winners]
+            placed = np.zeros(len(rows), dtype=bool)
+            placed[winners] = True
+            pending = pending[~placed[pending]]
+            pos[pending] = (pos[pending] + 1) & self._mask
+
+    # ------------------------------------------------------------------ lookups
+
+    def __len__(self) -> int:
+        return self._live
+
+    def find(self, key: bytes) -> int:
+        """Row of `key`, or EMPTY."""
+        want = _stored(key)
+        pos = _hash_scalar(key) & self._mask
+        table, keys = self._table, self.rows["key"]
+        while True:
+            row = int(table[pos])
+            if row == EMPTY:
+                return EMPTY
+            if row >= 0 and keys[row] == want:
+                return row
+            pos = (pos + 1) & self._mask
+
+    def key_of(self, row: int) -> bytes:
+        return bytes(self.rows["key"][row]).ljust(16, b"\x00")
+
+    def parent_of(self, row: int) -> bytes | None:
+        if not self.rows["flags"][row] & _HAS_PARENT:
+            return None
+        return bytes(self.rows["parent"][row]).ljust(16, b"\x00")
+
+    def has_child(self, key: bytes) -> bool:
+        """Whether any stored row names `key` as its parent."""
+        want = _stored(key)
+        row = int(self._buckets[_hash_scalar(key) & self._bmask])
+        parents = self.rows["parent"]
+        while row != EMPTY:
+            if parents[row] == want:
+                return True
+            row = int(self.sibling[row])
+        return False
+
+    def live_rows(self) -> npt.NDArray[np.int64]:
+        return np.flatnonzero(self.cls[: self._rows] >= 0)
+
+    # ------------------------------------------------------------------ updates
+
+    def insert(
+        self,
+        key: bytes,
+        *,
+        page: int,
+        length: int,
+        seq: int,
+        crc: int,
+        parent: bytes | None,
+        tenant: int,
+        cls: int,
+        tick: int,
+    ) -> int:
+        """Add a row for `key`, which must not be present. Returns the row."""
+        if self._free_rows:
+            row = self._free_rows.pop()
+        else:
+            if self._rows == len(self.rows):
+                self._grow()
+            row = self._rows
+            self._rows += 1
+        self.rows[row] = (key, parent or _NO_PARENT, page, length, tenant,
+                          _HAS_PARENT if parent is not None else 0, seq, crc)  # fmt: skip
+        self.tick[row] = tick
+        self.cls[row] = cls
+        self.freq[row] = 0
+        self._live += 1
+        if (self._live + self._tombs) * 10 > len(self._table) * 7:
+            self._build_tables()  # also places this row
+        else:
+            self._table_insert(key, row)
+            if parent is not None:
+                bucket = _hash_scalar(parent) & self._bmask
+                self.sibling[row] = self._buckets[bucket]
+                self._buckets[bucket] = row
+        queue = _SMALL
+        if self.policy == "s3fifo" and self._ghost_take(key):
+            queue = _MAIN  # evicted recently and wanted again
+        self._link(row, cls, queue)
+        return row
+
+    def _table_insert(self, key: bytes, row: int) -> None:
+        pos = _hash_scalar(key) & self._mask
+        while int(self._table[pos]) >= 0:
+            pos = (pos + 1) & self._mask
+        if int(self._table[pos]) == _TOMB:
+            self._tombs -= 1
+        self._table[pos] = row
+
+    def remove(self, row: int) -> None:
+        """Forget a row (the caller frees its SSD slot)."""
+        key = self.key_of(row)
+        pos = _hash_scalar(key) & self._mask
+        while int(self._table[pos]) != row:
+            pos = (pos + 1) & self._mask
+        self._table[pos] = _TOMB
+        self._tombs += 1
+        parent = self.parent_of(row)
+        if parent is not None:
+            bucket = _hash_scalar(parent) & self._bmask
+            if int(self._buckets[bucket]) == row:
+                self._buckets[bucket] = self.sibling[row]
+            else:
+                prev = int(self._buckets[bucket])
+                while int(self.sibling[prev]) != row:
+                    prev = int(self.sibling[prev])
+                self.sibling[prev] = self.sibling[row]
+        self._unlink(row)
+        self.cls[row] = -1
+        self._live -= 1
+        self._free_rows.append(row)
+        if self._tombs * 4 > len(self._table):
+            self._build_tables()
+
+    def touch(self, row: int, tick: int) -> None:
+        """The row was read: refresh its recency (LRU/prefix) or frequency (S3-FIFO)."""
+        self.tick[row] = tick
+        if self.policy == "s3fifo":
+            self.freq[row] = min(int(self.freq[row]) + 1, 3)
+        else:
+            cls = int(self.cls[row])
+            self._unlink(row)
+            self._link(row, cls, _SMALL)
+
+    # ------------------------------------------------------------------ eviction lists
+
+    def _link(self, row: int, cls: int, queue: int) -> None:
+        tail = self._tails[cls][queue]
+        self.prev[row] = tail
+        self.next[row] = EMPTY
+        self.queue[row] = queue
+        if tail == EMPTY:
+            self._heads[cls][queue] = row
+        else:
+            self.next[tail] = row
+        self._tails[cls][queue] = row
+        self._sizes[cls][queue] += 1
+
+    def _unlink(self, row: int) -> None:
+        cls, queue = int(self.cls[row]), int(self.queue[row])
+        prev, nxt = int(self.prev[row]), int(self.next[row])
+        if prev == EMPTY:
+            self._heads[cls][queue] = nxt
+        else:
+            self.next[prev] = nxt
+        if nxt == EMPTY:
+            self._tails[cls][queue] = prev
+        else:
+            self.prev[nxt] = prev
+        self._sizes[cls][queue] -= 1
+
+    def class_size(self, cls: int) -> int:
+        return sum(self._sizes[cls])
+
+    def coldest(self, cls: int) -> int:
+        """A cold row of the class (the head of its oldest queue), or EMPTY; for slab balancing."""
+        heads = [h for h in self._heads[cls] if h != EMPTY]
+        return min(heads, key=lambda r: int(self.tick[r])) if heads else EMPTY
+
+    def choose_victim(self, cls: int, protected: set[int], rank: RankFn) -> int:
+        """The row of `cls` to evict next, skipping `protected` rows, or EMPTY if none is free.
+
+        Does not remove it; S3-FIFO may move rows between its queues while it looks.
+        """
+        if self.policy == "s3fifo":
+            return self._s3fifo_victim(cls, protected)
+        row = self._heads[cls][_SMALL]
+        if self.policy == "lru":
+            while row != EMPTY and row in protected:
+                row = int(self.next[row])
+            return row
+        # prefix: among the coldest candidates, an orphan first, then a leaf, then the coldest.
+        first, leaf, seen = EMPTY, EMPTY, 0
+        while row != EMPTY and seen < _LOOKAHEAD:
+            if row not in protected:
+                seen += 1
+                place = rank(self, row)
+                if place == 0:
+                    return row
+                if place == 1 and leaf == EMPTY:
+                    leaf = row
+                if first == EMPTY:
+                    first = row
+            row = int(self.next[row])
+        return leaf if leaf != EMPTY else first
+
+    def _s3fifo_victim(self, cls: int, protected: set[int]) -> int:
+        sizes = self._sizes[cls]
+        # Each row moves or decays at most 4 times before it is evicted or found pinned.
+        budget = 4 * (sizes[0] + sizes[1]) + 4
+        small_skips = 0  # pinned rows rotated in the small queue: stop once all were seen
+        while budget > 0:
+            budget -= 1
+            small_ok = sizes[_SMALL] > small_skips
+            if small_ok and (not sizes[_MAIN] or sizes[_SMALL] * 10 >= sum(sizes)):
+                queue = _SMALL
+            elif sizes[_MAIN]:
+                queue = _MAIN
+            elif small_ok:
+                queue = _SMALL
+            else:
+                return EMPTY
+            row = self._heads[cls][queue]
+            self._unlink(row)
+            if row in protected:
+                self._link(row, cls, queue)
+                small_skips += queue == _SMALL
+                continue
+            freq = int(self.freq[row])
+            if queue == _SMALL and freq > 0:
+                self.freq[row] = 0
+                self._link(row, cls, _MAIN)
+            elif queue == _MAIN and freq > 0:
+                self.freq[row] = freq - 1
+                self._link(row, cls, _MAIN)
+            else:
+                self._link(row, cls, queue)  # stays listed until the caller removes it
+                if queue == _SMALL:
+                    self._ghost_add(self.key_of(row))
+                return row
+        return EMPTY
+
+    def _ghost_slot(self, key: bytes) -> tuple[int, int]:
+        bit = _hash_scalar(key[::-1]) % self._ghost_bits
+        return bit >> 3, 1 << (bit & 7)
+
+    def _ghost_add(self, key: bytes) -> None:
+        byte, mask = self._ghost_slot(key)
+        self._ghosts[0][byte] |= mask
+        self._ghost_count += 1
+        # Two generations of bits: the older one is dropped once the newer has seen as many
+        # evictions as the main queues hold, which bounds the ghost's memory.
+        if self._ghost_count > max(1024, self._live):
+            self._ghosts = [np.zeros_like(self._ghosts[0]), self._ghosts[0]]
+            self._ghost_count = 0
+            if self._live * 8 > self._ghost_bits:
+                self._ghost_bits = 1 << (self._live * 8).bit_length()
+                self._ghosts = [np.zeros(self._ghost_bits // 8, np.uint8) for _ in range(2)]
+
+    def _ghost_take(self, key: bytes) -> bool:
+        byte, mask = self._ghost_slot(key)
+        return any(int(g[byte]) & mask for g in self._ghosts)
+
+    # ------------------------------------------------------------------ bulk
+
+    def export(self) -> npt.NDArray[np.void]:
+        """The persisted fields of every live row (for a checkpoint)."""
+        return self.rows[self.live_rows()]
+
+    def load(self, records: npt.NDArray[np.void], classes: npt.NDArray[np.int64]) -> None:
+        """Replace the contents with `records` (distinct keys), in the given order as recency."""
+        n = len(records)
+        self._alloc_columns(max(16, n * 9 // 8), build=False)
+        self._rows = n
+        self._live = n
+        self._free_rows = []
+        self.rows[:n] = records
+        self.cls[:n] = classes
+        self.tick[:n] = 0
+        self._heads = [[EMPTY, EMPTY] for _ in range(self.n_classes)]
+        self._tails = [[EMPTY, EMPTY] for _ in range(self.n_classes)]
+        self._sizes = [[0, 0] for _ in range(self.n_classes)]
+        for cls in np.unique(classes):
+            rows = np.flatnonzero(classes == cls).astype(np.int32)
+            self.prev[rows[1:]] = rows[:-1]
+            self.next[rows[:-1]] = rows[1:]
+            self.prev[rows[0]] = EMPTY
+            self.next[rows[-1]] = EMPTY
+            self._heads[int(cls)][_SMALL] = int(rows[0])
+            self._tails[int(cls)][_SMALL] = int(rows[-1])
+            self._sizes[int(cls)][_SMALL] = len(rows)
+        self.queue[:n] = _SMALL
+        self._build_tables()
+
+    def memory_bytes(self) -> int:
+        """Bytes held by the index's arrays (what `bench ssd` reports per entry)."""
+        arrays = (self.rows, self.tick, self.cls, self.freq, self.queue, self.prev, self.next,
+                  self.sibling, self._table, self._buckets, *self._ghosts)  # fmt: skip
+        return sum(a.nbytes for a in arrays) + 8 * len(self._free_rows)
