@@ -256,6 +256,7 @@ class Engine:
         self._ssd: SsdTier | None = None
         self._sketch: FrequencySketch | None = None
         self._inflight: dict[bytes, threading.Event] = {}
+        self._queued: set[bytes] = set()  # prefetches submitted, not finished
         self._pool: ThreadPoolExecutor | None = None
         data_dir = self.config.data_dir
         # A data directory that already holds a store is opened with its own geometry.
@@ -503,7 +504,8 @@ class Engine:
                     found += 1
                 elif self._ssd is not None and self._ssd.find(key) != EMPTY:
                     found += 1
-                    if key not in self._inflight:
+                    if key not in self._inflight and key not in self._queued:
+                        self._queued.add(key)
                         todo.append(key)
         if self._pool is not None:
             for key in todo:
@@ -1014,11 +1016,13 @@ class Engine:
     def _prefetch_one(self, key: bytes) -> None:
         try:
             with self._lock:
-                if self._closed or key in self._index:
-                    return
-                self._promote(key, prefetch=True)
-        except Exception:  # a background task: report and carry on
-            log.exception("prefetch of block %s failed", key.hex())
+                if not self._closed and key not in self._index:
+                    self._promote(key, prefetch=True)
+        except KVOffloadError as exc:  # a background task: report, the get will retry
+            log.warning("prefetch of block %s failed: %s", key.hex(), exc)
+        finally:
+            with self._lock:
+                self._queued.discard(key)
 
     def _flush_to_ssd(self) -> None:
         """Write every live DRAM block without an SSD copy to the SSD (clean shutdown)."""

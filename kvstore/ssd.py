@@ -152,12 +152,23 @@ class SsdTier:
         on_removed: Callable[[bytes], None] = lambda key: None,
         read_only: bool = False,
     ) -> None:
-        ssd = config.ssd
         self.config = config
         self._rank = rank
         self._on_removed = on_removed
         self.dir = Path(config.data_dir)
         self._open_dir(read_only)
+        try:
+            self._open(read_only)
+        except BaseException:
+            # Give the directory back: a failed open must not leave the store locked.
+            slots: SlotFile | None = getattr(self, "slots", None)
+            if slots is not None:
+                slots.close()
+            self._unlock()
+            raise
+
+    def _open(self, read_only: bool) -> None:
+        ssd, config = self.config.ssd, self.config
         self.meta = self._load_or_create_meta()
         slab = self.meta.slab_bytes
         self.classes = SizeClasses(self.meta.max_value_bytes + PAGE, self.meta.class_growth)
@@ -583,9 +594,12 @@ class SsdTier:
                     journal.close()
         finally:
             self.slots.close()
-            with contextlib.suppress(OSError):
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
+            self._unlock()
+
+    def _unlock(self) -> None:
+        with contextlib.suppress(OSError):
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        os.close(self._lock_fd)
 
     # ------------------------------------------------------------------ stats
 

@@ -1,0 +1,264 @@
+"""The engine with its SSD tier: tiering, restarts, durability, faults, prefetch, admission."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvoffload.errors import ConfigError, InvalidArgumentError, StorageIOError
+from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
+
+BLOCK = 200_000
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def value(i: int, version: int = 0) -> bytes:
+    return np.random.default_rng(i * 1000 + version).bytes(BLOCK)
+
+
+def config(path: Path, *, admit: int = 1, flush: bool = True, policy: str = "lru",
+           ssd: int = 64 << 20) -> EngineConfig:  # fmt: skip
+    return EngineConfig(
+        DramConfig(capacity_bytes=4 << 20, max_value_bytes=256 << 10, policy=policy,
+                   prefault=False),
+        SsdConfig(capacity_bytes=ssd, admission_min_uses=admit, flush_on_close=flush),
+        data_dir=str(path),
+    )  # fmt: skip
+
+
+def read(engine: Engine, i: int) -> bytes | None:
+    buf = bytearray(BLOCK)
+    n = engine.get_into(key(i), buf)
+    return None if n is None else bytes(buf[:n])
+
+
+def slot_file(path: Path) -> Path:
+    return path / "ssd.slots"
+
+
+def test_working_set_larger_than_dram_is_served_from_ssd(tmp_path: Path) -> None:
+    with Engine(config(tmp_path)) as engine:
+        for i in range(60):  # 12 MB through a 4 MiB DRAM tier
+            engine.put(key(i), value(i), parent=key(i - 1) if i else None)
+        dram, ssd = engine.stats().tiers
+        assert dram.entries < 60 and dram.demotions > 0 and ssd.entries == dram.demotions
+        assert engine.lookup([key(i) for i in range(60)]) == 60
+        assert all(read(engine, i) == value(i) for i in range(60))
+        dram, ssd = engine.stats().tiers
+        assert ssd.hits > 0 and dram.promotions == ssd.hits and ssd.corrupt_blocks == 0
+        assert dram.used_bytes <= dram.capacity_bytes and ssd.used_bytes <= ssd.capacity_bytes
+
+
+def test_data_survives_a_clean_restart(tmp_path: Path) -> None:
+    with Engine(config(tmp_path)) as engine:
+        for i in range(40):
+            engine.put(key(i), value(i))
+        engine.delete(key(3))
+        engine.put(key(4), value(4, version=1))
+    with Engine(config(tmp_path)) as engine:
+        recovery = engine.recovery
+        assert recovery is not None and recovery.blocks == 39 and recovery.torn_bytes == 0
+        assert read(engine, 3) is None
+        assert read(engine, 4) == value(4, version=1)
+        assert all(read(engine, i) == value(i) for i in range(40) if i not in (3, 4))
+
+
+def test_without_flush_only_demoted_blocks_survive(tmp_path: Path) -> None:
+    with Engine(config(tmp_path, flush=False)) as engine:
+        for i in range(40):
+            engine.put(key(i), value(i))
+        on_ssd = engine.stats().tiers[1].entries
+    with Engine(config(tmp_path, flush=False)) as engine:
+        survivors = [i for i in range(40) if read(engine, i) is not None]
+        assert len(survivors) == on_ssd
+        assert all(read(engine, i) == value(i) for i in survivors)
+
+
+def test_reopen_without_size_uses_the_stores_geometry(tmp_path: Path) -> None:
+    with Engine(config(tmp_path)) as engine:
+        engine.put(key(1), value(1))
+    plain = EngineConfig(DramConfig(capacity_bytes=4 << 20, max_value_bytes=256 << 10,
+                                    prefault=False), data_dir=str(tmp_path))  # fmt: skip
+    with Engine(plain) as engine:
+        assert read(engine, 1) == value(1)
+        assert engine.stats().tiers[1].capacity_bytes > 0
+
+
+def test_durable_put_is_on_ssd_before_it_returns(tmp_path: Path) -> None:
+    with Engine(config(tmp_path, admit=5)) as engine:
+        engine.put(key(1), value(1), durable=True)
+        stats = engine.stats()
+        assert stats.durable_puts == 1 and stats.tiers[1].entries == 1
+        # The journal record is on disk now; a second process could replay it.
+        journals = list(tmp_path.glob("journal.*"))
+        assert journals and max(p.stat().st_size for p in journals) >= 256
+
+
+def test_corrupted_slot_is_a_counted_miss(tmp_path: Path) -> None:
+    with Engine(config(tmp_path, flush=True)) as engine:
+        for i in range(3):
+            engine.put(key(i), value(i), durable=True)
+    with open(slot_file(tmp_path), "r+b") as fh:  # flip payload bytes of every slot
+        data = bytearray(fh.read())
+        for start in range(4096, len(data), 4096 * 8):
+            data[start + 100] ^= 0xFF
+        fh.seek(0)
+        fh.write(data)
+    with Engine(config(tmp_path)) as engine:
+        got = [read(engine, i) for i in range(3)]
+        assert all(g is None or g == value(i) for i, g in enumerate(got))
+        ssd = engine.stats().tiers[1]
+        assert ssd.corrupt_blocks == got.count(None) > 0
+        assert engine.lookup([key(i) for i in range(3)]) < 3  # the bad copies are gone
+
+
+def test_eio_on_durable_put_fails_it_and_keeps_older_blocks(tmp_path: Path) -> None:
+    with Engine(config(tmp_path)) as engine:
+        engine.put(key(1), value(1), durable=True)
+        engine.put(key(2), value(2), durable=True)
+        ssd = engine._ssd
+        assert ssd is not None
+
+        def eio(*args: object) -> int:
+            raise OSError(errno.EIO, "Input/output error")
+
+        real = ssd.slots._pwritev
+        ssd.slots._pwritev = eio
+        with pytest.raises(StorageIOError, match="Input/output error"):
+            engine.put(key(2), value(2, version=1), durable=True)
+        with pytest.raises(StorageIOError):
+            engine.put(key(3), value(3), durable=True)
+        ssd.slots._pwritev = real
+        assert read(engine, 1) == value(1)
+        assert read(engine, 2) == value(2)  # the failed put left the old value
+        assert read(engine, 3) is None
+        assert engine.stats().tiers[1].io_errors == 2
+
+
+def test_eio_on_demotion_loses_only_that_block(tmp_path: Path) -> None:
+    with Engine(config(tmp_path)) as engine:
+        engine.put(key(0), value(0), durable=True)
+        ssd = engine._ssd
+        assert ssd is not None
+
+        def eio(*args: object) -> int:
+            raise OSError(errno.EIO, "Input/output error")
+
+        ssd.slots._pwritev = eio
+        for i in range(1, 40):
+            engine.put(key(i), value(i))  # evictions try to demote, and fail
+        assert read(engine, 0) == value(0)
+        assert engine.stats().tiers[1].io_errors > 0
+        for i in range(1, 40):
+            got = read(engine, i)
+            assert got is None or got == value(i)
+
+
+def test_full_disk_on_the_journal_fails_durable_puts(tmp_path: Path) -> None:
+    engine = Engine(config(tmp_path))
+    engine.put(key(1), value(1), durable=True)
+    ssd = engine._ssd
+    assert ssd is not None and ssd.journal is not None
+
+    def enospc(fd: int, data: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    ssd.journal._write = enospc
+    with pytest.raises(StorageIOError, match="No space left"):
+        engine.put(key(2), value(2), durable=True)
+    assert read(engine, 1) == value(1)
+    with pytest.raises(StorageIOError):
+        engine.close()
+    with Engine(config(tmp_path)) as again:
+        assert read(again, 1) == value(1)
+
+
+def test_torn_journal_tail_is_cut_and_reported(tmp_path: Path) -> None:
+    with Engine(config(tmp_path, flush=False)) as engine:
+        engine.checkpoint()
+        for i in range(5):
+            engine.put(key(i), value(i), durable=True)
+        journal = max(tmp_path.glob("journal.*"))
+        engine._ssd.close(checkpoint=False)  # type: ignore[union-attr]  # a crash: no checkpoint
+        engine._ssd = None
+    with open(journal, "ab") as fh:
+        fh.write(os.urandom(77))
+    with Engine(config(tmp_path)) as engine:
+        recovery = engine.recovery
+        assert recovery is not None
+        assert recovery.torn_bytes == 77 and recovery.journal_records >= 5
+        assert all(read(engine, i) == value(i) for i in range(5))
+
+
+def test_prefetch_promotes_in_background_once(tmp_path: Path) -> None:
+    with Engine(config(tmp_path)) as engine:
+        for i in range(40):
+            engine.put(key(i), value(i))
+        cold = [i for i in range(40) if not engine._index.get(key(i))][:8]  # fits in DRAM
+        assert len(cold) == 8
+        keys = [key(i) for i in cold]
+        assert engine.prefetch(keys + [key(999)]) == 8
+        assert engine.prefetch(keys) == 8  # queued or in flight: not read twice
+        deadline = time.monotonic() + 30
+        while engine.stats().tiers[0].prefetches < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        dram = engine.stats().tiers[0]
+        assert dram.prefetches == dram.promotions == 8
+        assert all(read(engine, i) == value(i) for i in cold)
+        assert engine.stats().tiers[0].promotions == 8  # the reads found them in DRAM
+
+
+def test_admission_filter_keeps_one_hit_blocks_off_the_ssd(tmp_path: Path) -> None:
+    with Engine(config(tmp_path, admit=2)) as engine:
+        for i in range(10):
+            engine.put(key(i), value(i))
+            assert read(engine, i) == value(i)  # used twice: admitted
+        for i in range(10, 40):
+            engine.put(key(i), value(i))  # used once
+        stats = engine.stats()
+        assert stats.admission_rejected > 0
+        assert engine.lookup([key(i) for i in range(10)]) == 10  # the reused blocks are kept
+
+
+def test_prefix_policy_on_both_tiers(tmp_path: Path) -> None:
+    with Engine(config(tmp_path, policy="prefix", ssd=8 << 20)) as engine:
+        chain = [key(100 + i) for i in range(8)]
+        for i, k in enumerate(chain):
+            engine.put(k, value(100 + i), parent=chain[i - 1] if i else None)
+        for i in range(60):
+            engine.put(key(i), value(i))
+        hit = engine.lookup(chain)
+        assert all(read(engine, 100 + j) == value(100 + j) for j in range(hit))
+
+
+def test_bad_data_directories_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="parent"):
+        Engine(config(tmp_path / "missing" / "store"))
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "photo.jpg").write_bytes(b"not ours")
+    with pytest.raises(ConfigError, match="not a kvoffload store"):
+        Engine(config(foreign))
+    with Engine(config(tmp_path / "store")), pytest.raises(ConfigError, match="in use"):
+        Engine(config(tmp_path / "store"))
+    with pytest.raises(ConfigError, match="created with capacity_bytes"):
+        Engine(config(tmp_path / "store", ssd=32 << 20))
+    (tmp_path / "store" / "kvoffload.meta").write_text("{broken")
+    with pytest.raises(ConfigError, match="store description"):
+        Engine(config(tmp_path / "store"))
+    with pytest.raises(ConfigError, match="data directory"):
+        EngineConfig(ssd=SsdConfig(capacity_bytes=1 << 30))
+
+
+def test_durable_needs_ssd() -> None:
+    engine = Engine(EngineConfig(DramConfig(capacity_bytes=8 << 20, prefault=False)))
+    with engine, pytest.raises(InvalidArgumentError, match="SSD tier"):
+        engine.put(key(1), b"x", durable=True)
