@@ -339,18 +339,15 @@ class SsdTier:
         return int((~ok).sum())
 
     def _open_journal(self, generation: int) -> jr.Journal:
+        """Create journal `generation` atomically (a crash never leaves one without a header),
+        then open it for appending."""
         path = self.dir / f"journal.{generation:08d}"
-        journal = jr.Journal(
-            str(path), self.slots.fd, sync_interval=self.config.ssd.sync_interval_s
-        )
-        journal.append(jr.file_header(self.store_id, generation, self.seq), durable=True)
-        _fsync_dir(self.dir)
-        # Tenant names go into every journal so a journal replays on its own.
-        if len(self.tenants) > 1:
-            recs = np.concatenate([jr.record(jr.TENANT, 0, tenant=i, name=n.encode())
-                                   for i, n in enumerate(self.tenants) if i])  # fmt: skip
-            journal.append(jr.pack(recs))
-        return journal
+        head = jr.file_header(self.store_id, generation, self.seq)
+        # Tenant names go into every journal so that a journal replays on its own.
+        names = [jr.record(jr.TENANT, 0, tenant=i, name=n.encode())
+                 for i, n in enumerate(self.tenants) if i]  # fmt: skip
+        _write_atomic(path, head + (jr.pack(np.concatenate(names)) if names else b""))
+        return jr.Journal(str(path), self.slots.fd, sync_interval=self.config.ssd.sync_interval_s)
 
     # ------------------------------------------------------------------ bookkeeping (locked)
 
@@ -550,6 +547,8 @@ class SsdTier:
         checkpoint file atomically, delete the journals it covers.
         """
         assert self.journal is not None
+        # Pending frees hold tickets of the current journal; settle them before it changes.
+        self._release_pending(wait=True)
         old = self.journal
         self._generation += 1
         gen = self._generation
