@@ -515,6 +515,7 @@ class Engine:
     def delete(self, key: bytes) -> bool:
         """Remove `key` from every tier; True if it was stored. A pinned view stays valid."""
         _check_key(key)
+        wipe: tuple[int, int] | None = None
         with self._lock:
             self._check_open()
             found = False
@@ -522,13 +523,22 @@ class Engine:
             if entry is not None:
                 self._drop(entry)
                 found = True
-            if self._ssd is not None:
-                row = self._ssd.find(key)
+            ssd = self._ssd
+            if ssd is not None:
+                row = ssd.find(key)
                 if row != EMPTY:
-                    self._ssd.remove_row(row)
+                    wipe = ssd.detach_row(row)
                     found = True
             self._n["deletes"] += found
-            return found
+        if ssd is not None and wipe is not None:
+            try:
+                ssd.wipe_slot(wipe[1])
+            except StorageIOError as exc:
+                # Still deleted from the index; only a rebuild from slot headers could revive it.
+                log.error("could not wipe the slot of deleted block %s: %s", key.hex(), exc)
+            with self._lock:
+                ssd.release_slot(*wipe)
+        return found
 
     def set_quota(self, tenant: str, quota_bytes: int | None) -> None:
         """Limit the DRAM slot bytes `tenant` may hold (None removes the limit).
@@ -807,6 +817,7 @@ class Engine:
             journal = ssd.journal
         assert journal is not None
         try:
+            # None: a newer version of the key won the race; its record is queued already.
             journal.wait(ticket)
         except StorageIOError:
             with self._lock:
@@ -921,8 +932,7 @@ class Engine:
         if failed or not entry.live:
             ssd.abort_write(plan)  # failed, or deleted / overwritten while writing
             self._n["io_errors"] += failed
-        else:
-            ssd.commit_write(plan, durable=False)
+        elif ssd.commit_write(plan, durable=False) is not None:
             entry.on_ssd = True
             self._n["demotions"] += 1
         self._unpin_locked(entry)

@@ -86,7 +86,7 @@ class Recovery:
     """What opening the store found (also what `kvoffload fsck` reports)."""
 
     checkpoint_records: int = 0
-    journal_records: int = 0
+    journal_records: int = 0  # PUT and DEL records replayed from journals
     torn_bytes: int = 0  # cut from journal tails
     rejected_rows: int = 0  # rows whose slot did not fit the slab layout
     blocks: int = 0
@@ -191,7 +191,7 @@ class SsdTier:
         self.journal: jr.Journal | None = None
         self._generation = 0
         self._records_since_checkpoint = 0
-        self.recovery = self._recover()
+        self.recovery = self._recover(read_only)
         if not read_only:
             self._generation += 1
             self.journal = self._open_journal(self._generation)
@@ -262,7 +262,7 @@ class SsdTier:
                 found.append((int(suffix), p))
         return sorted(found)
 
-    def _recover(self) -> Recovery:
+    def _recover(self, read_only: bool) -> Recovery:
         started = time.perf_counter()
         notes: list[str] = []
         parts: list[npt.NDArray[np.void]] = []
@@ -287,14 +287,15 @@ class SsdTier:
             replay = jr.read_file(str(path), self.store_id)
             if replay.dropped_bytes:
                 torn += replay.dropped_bytes
-                notes.append(f"{path.name}: cut {replay.dropped_bytes} bytes of torn tail")
-                log.warning(
-                    "%s: cutting %d bytes of torn or corrupt tail", path, replay.dropped_bytes
-                )
-                with open(path, "r+b") as fh:
-                    fh.truncate(os.path.getsize(path) - replay.dropped_bytes)
+                verb = "found" if read_only else "cut"
+                notes.append(f"{path.name}: {verb} {replay.dropped_bytes} bytes of torn tail")
+                log.warning("%s: %s %d bytes of torn or corrupt tail", path, verb,
+                            replay.dropped_bytes)  # fmt: skip
+                if not read_only:
+                    with open(path, "r+b") as fh:
+                        fh.truncate(os.path.getsize(path) - replay.dropped_bytes)
             parts.append(replay.records)
-            j_records += len(replay.records)
+            j_records += int(np.isin(replay.records["type"], (jr.PUT, jr.DEL)).sum())
         rejected = self._apply(np.concatenate(parts) if parts else np.zeros(0, jr.RECORD))
         if rejected:
             notes.append(f"{rejected} rows did not fit the slot layout and were dropped")
@@ -465,21 +466,48 @@ class SsdTier:
 
     def remove_row(self, row: int) -> None:
         """Forget a stored block; its slot is reused once the DEL record is durable."""
+        self.release_slot(*self.detach_row(row))
+
+    def detach_row(self, row: int) -> tuple[int, int]:
+        """Forget a stored block but keep its slot out of reuse; returns (ticket, offset) for
+        `release_slot`, after the caller has wiped the slot (`wipe_slot`)."""
         assert self.journal is not None
         key = self.index.key_of(row)
         offset = int(self.index.rows["page"][row]) * PAGE
         self.seq += 1
         ticket = self.journal.append(jr.pack(jr.record(jr.DEL, self.seq, key)))
         self.index.remove(row)
-        self._pending_free.append((ticket, offset))
         self._on_removed(key)
+        return ticket, offset
 
-    def commit_write(self, plan: WritePlan, *, durable: bool) -> int:
-        """Make a written slot the block's SSD copy. Returns the journal ticket to wait on."""
+    def release_slot(self, ticket: int, offset: int) -> None:
+        self._pending_free.append((ticket, offset))
+
+    def wipe_slot(self, offset: int) -> None:
+        """Zero a slot's header page (unlocked), so a rebuild from slot headers cannot bring a
+        deleted block back.
+
+        Raises:
+            StorageIOError: the device failed.
+        """
+        page = self._header_page()
+        page.view[:] = bytes(PAGE)
+        self.slots.write(offset, [page.view])
+
+    def commit_write(self, plan: WritePlan, *, durable: bool) -> int | None:
+        """Make a written slot the block's SSD copy. Returns the journal ticket to wait on, or
+        None when a newer version of the key was committed meanwhile (the plan is dropped)."""
         assert self.journal is not None
         old = self.index.find(plan.key)
+        old_offset = -1
         if old != EMPTY:
-            self.remove_row(old)  # the older version of this block
+            if int(self.index.rows["seq"][old]) > plan.seq:
+                self.abort_write(plan)  # lost a race to a newer version of the key
+                return None
+            # No DEL record: this PUT's higher seq supersedes the old one on replay. The old
+            # slot is reused only once this PUT is durable, so replay never points at it.
+            old_offset = int(self.index.rows["page"][old]) * PAGE
+            self.index.remove(old)
         self.index.insert(plan.key, page=plan.offset // PAGE, length=plan.length, seq=plan.seq,
                           crc=plan.crc, parent=plan.parent, tenant=plan.tenant, cls=plan.cls,
                           tick=self.next_tick())  # fmt: skip
@@ -487,7 +515,10 @@ class SsdTier:
                         length=plan.length, pcrc=plan.crc, tenant=plan.tenant)  # fmt: skip
         self.counters.bytes_written += plan.length
         self._records_since_checkpoint += 1
-        return self.journal.append(jr.pack(rec), data_too=durable)
+        ticket = self.journal.append(jr.pack(rec), data_too=durable)
+        if old_offset >= 0:
+            self._pending_free.append((ticket, old_offset))
+        return ticket
 
     def abort_write(self, plan: WritePlan) -> None:
         """Give back a slot that was never committed (no journal record names it)."""

@@ -60,10 +60,16 @@ while True:
         time.sleep(1)
         continue
     r = rng.random()
-    if r < 0.6:  # a durable put of a fresh key: acknowledged once it returns
+    if r < 0.45:  # a durable put of a fresh key: acknowledged once it returns
         k = round_ * 100_000 + i
         engine.put(key(k), value(k, 0), durable=True)
         print("ACK", k, flush=True)
+    elif r < 0.6:  # a durable overwrite of a shared key
+        k = 80_000 + rng.randrange(30)
+        v = round_ * 100_000 + i
+        print("DPUT", k, v, flush=True)
+        engine.put(key(k), value(k, v), durable=True)
+        print("DACK", k, v, flush=True)
     elif r < 0.9:  # a fast put over a small, shared key range (versions change)
         k = 90_000 + rng.randrange(50)
         print("PUT", k, i, flush=True)
@@ -81,6 +87,8 @@ def test_acknowledged_durable_puts_survive_sigkill(tmp_path: Path) -> None:
     store = str(tmp_path / "store")
     acked: set[int] = set()
     versions: dict[int, set[int]] = {}  # fast keys: every version ever written
+    durable: dict[int, int] = {}  # overwritten durable keys: last acknowledged version
+    attempted: dict[int, set[int]] = {}  # ... and every version ever started
     rng = random.Random(1234)
     child = CHILD.format(testdir=str(Path(__file__).parent))
     for round_ in range(1, ROUNDS + 1):
@@ -104,6 +112,10 @@ def test_acknowledged_durable_puts_survive_sigkill(tmp_path: Path) -> None:
                 acked.add(int(parts[1]))
             elif parts[0] == "PUT":
                 versions.setdefault(int(parts[1]), set()).add(int(parts[2]))
+            elif parts[0] == "DPUT":
+                attempted.setdefault(int(parts[1]), set()).add(int(parts[2]))
+            elif parts[0] == "DACK":
+                durable[int(parts[1])] = int(parts[2])
         with Engine(config(store)) as engine:
             buf = bytearray(64 << 10)
             for k in acked:
@@ -113,10 +125,16 @@ def test_acknowledged_durable_puts_survive_sigkill(tmp_path: Path) -> None:
                     f"{engine.recovery}, {engine.stats().tiers[1]}"
                 )
                 assert bytes(buf[:n]) == value(k, 0)
+            for k, last in durable.items():
+                n = engine.get_into(key(k), buf)
+                assert n is not None, f"round {round_}: durable overwrite of {k} lost"
+                # The last acknowledged version, or a newer one that was in flight.
+                newer = [v for v in attempted[k] if v >= last]
+                assert any(bytes(buf[:n]) == value(k, v) for v in newer), f"stale bytes for {k}"
             for k, vs in versions.items():
                 n = engine.get_into(key(k), buf)
                 if n is not None:
                     assert any(bytes(buf[:n]) == value(k, v) for v in vs), f"wrong bytes for {k}"
             stats = engine.stats()
             assert stats.tiers[1].corrupt_blocks == 0
-    assert len(acked) > ROUNDS  # the test really exercised durable puts
+    assert len(acked) > ROUNDS and durable  # the test really exercised durable puts
