@@ -18,7 +18,10 @@ from rich.table import Table
 
 import kvoffload
 
-__all__ = ["BenchResult", "Row", "machine_info", "time_median"]
+__all__ = ["LOWER_IS_BETTER", "BenchResult", "Row", "machine_info", "time_median"]
+
+# Units where a smaller value is better (times, sizes): their ratio is reference / kvoffload.
+LOWER_IS_BETTER = {"s", "ms", "us", "B"}
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,7 @@ class Row:
     def ratio(self) -> float | None:
         if self.ref_value is None or not self.value or not self.ref_value:
             return None
-        if self.unit in ("s", "ms", "us"):
+        if self.unit in LOWER_IS_BETTER:
             return self.ref_value / self.value
         return self.value / self.ref_value
 

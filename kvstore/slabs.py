@@ -112,33 +112,54 @@ class SlabAllocator:
     ) -> npt.NDArray[np.bool_]:
         """Rebuild the free lists of an empty allocator from the slots in use (after a restart).
 
-        Returns a mask of the rows accepted; a row is refused when its slab already serves
-        another class, its offset is not a slot boundary of its class, it lies outside the
-        slabs, or another row claimed the same slot first.
+        Vectorised: a million slots take a fraction of a second. Returns a mask of the rows
+        accepted; a row is refused when its slab already serves another class (the first row
+        of a slab decides), its offset is not a slot boundary of its class, it lies outside the
+        slabs, or an earlier row claimed the same slot.
         """
-        ok = np.zeros(len(offsets), dtype=bool)
+        sizes_of = np.asarray(self.classes.sizes, dtype=np.int64)
+        per_slab = self.slab_bytes // sizes_of
         slabs = offsets // self.slab_bytes
-        sizes = np.asarray(self.classes.sizes, dtype=np.int64)[classes]
         within = offsets - slabs * self.slab_bytes
-        candidates = (slabs < self.n_slabs) & (within % sizes == 0) & (offsets >= 0)
-        for slab in np.unique(slabs[candidates]):
-            rows = np.flatnonzero(candidates & (slabs == slab))
-            cls = int(classes[rows[0]])
-            rows = rows[classes[rows] == cls]
-            index = within[rows] // self.classes.sizes[cls]
-            _, first = np.unique(index, return_index=True)
-            rows, index = rows[first], index[first]
-            rows, index = (
-                rows[index < self.slots_per_slab(cls)],
-                index[index < self.slots_per_slab(cls)],
-            )
-            ok[rows] = True
-            free = np.setdiff1d(np.arange(self.slots_per_slab(cls)), index)[::-1]
-            self._free_slabs.remove(int(slab))
+        ok = (offsets >= 0) & (slabs < self.n_slabs)
+        ok &= within % sizes_of[classes] == 0
+        rows = np.flatnonzero(ok)
+        # The first row of each slab decides the slab's class.
+        used, first = np.unique(slabs[rows], return_index=True)
+        slab_cls = np.full(self.n_slabs, -1, dtype=np.int64)
+        slab_cls[used] = classes[rows[first]]
+        ok[rows] &= classes[rows] == slab_cls[slabs[rows]]
+        index = within // sizes_of[classes]
+        ok &= index < per_slab[classes]
+        rows = np.flatnonzero(ok)
+        # One owner per slot: the earliest row wins.
+        _, first = np.unique(slabs[rows] * (1 << 32) + index[rows], return_index=True)
+        keep = np.zeros(len(rows), dtype=bool)
+        keep[first] = True
+        ok[rows[~keep]] = False
+        rows = rows[keep]
+        # Occupancy of every slot of every used slab, laid end to end.
+        used = np.unique(slabs[rows])
+        counts = per_slab[slab_cls[used]]
+        base = np.zeros(self.n_slabs, dtype=np.int64)
+        base[used] = np.cumsum(counts) - counts
+        occupied = np.zeros(int(counts.sum()), dtype=bool)
+        occupied[base[slabs[rows]] + index[rows]] = True
+        layout = zip(
+            used.tolist(),
+            slab_cls[used].tolist(),
+            base[used].tolist(),
+            counts.tolist(),
+            strict=True,
+        )
+        for slab, cls, start, n in layout:
+            free = np.flatnonzero(~occupied[start : start + n])[::-1]
             self.slab_class[slab] = cls
-            self._slabs_of[cls].add(int(slab))
-            self._free_slots[slab] = array("I", free.tolist())
+            self._slabs_of[cls].add(slab)
+            self._free_slots[slab] = array("I", free.astype(np.uint32).tobytes())
             if len(free):
-                self._partial[cls][int(slab)] = None
-            self.used_bytes += len(rows) * self.classes.sizes[cls]
+                self._partial[cls][slab] = None
+            self.used_bytes += (n - len(free)) * self.classes.sizes[cls]
+        in_use = set(used.tolist())
+        self._free_slabs = [s for s in range(self.n_slabs - 1, -1, -1) if s not in in_use]
         return ok

@@ -179,7 +179,9 @@ class SsdTier:
         self.index = SsdIndex(len(self.classes), ssd.policy or config.dram.policy)
         self.store_id = bytes.fromhex(self.meta.store_id)
         self.max_value_bytes = self.meta.max_value_bytes
-        self.slots = SlotFile(self.meta.slot_path, self.meta.capacity_bytes)
+        self.slots = SlotFile(
+            self.meta.slot_path or str(self.dir / "ssd.slots"), self.meta.capacity_bytes
+        )
         self.tenants: list[str] = [""]
         self._tenant_ids = {"": 0}
         self.seq = 0
@@ -226,13 +228,17 @@ class SsdTier:
         ssd = self.config.ssd
         path = self.dir / META_NAME
         max_value = ssd.max_value_bytes or self.config.dram.effective_max_value_bytes
+        slab = -(-(max_value + PAGE) // PAGE) * PAGE
+        # Small blocks: slabs of up to 4 MiB (but at least 64 of them), so a big SSD is a few
+        # thousand slabs rather than millions; restarts rebuild per slab.
+        slab = max(slab, min(4 << 20, ssd.capacity_bytes // 64 // PAGE * PAGE))
         wanted = StoreMeta(
             store_id=uuid.uuid4().hex,
             capacity_bytes=ssd.capacity_bytes,
-            slab_bytes=-(-(max_value + PAGE) // PAGE) * PAGE,
+            slab_bytes=slab,
             max_value_bytes=max_value,
             class_growth=1.05,
-            slot_path=ssd.path or str(self.dir / "ssd.slots"),
+            slot_path=ssd.path,  # "" = ssd.slots in the store's directory (stays relocatable)
             created=time.time(),
         )
         if not path.exists():
@@ -312,16 +318,17 @@ class SsdTier:
                 self.tenants.append(f"#{len(self.tenants)}")
             self.tenants[tid] = name
             self._tenant_ids[name] = tid
-        changes = records[(records["type"] == jr.PUT) | (records["type"] == jr.DEL)]
+        # Work on row numbers and copy whole 128-byte records only once, at the end.
+        kinds = records["type"]
+        changes = np.flatnonzero((kinds == jr.PUT) | (kinds == jr.DEL))
         if len(changes):
-            self.seq = int(changes["seq"].max())
-        order = np.argsort(changes["seq"], kind="stable")[::-1]
-        newest = changes[order]
-        _, first = np.unique(newest["key"], return_index=True)
-        final = newest[first]
-        final = final[final["type"] == jr.PUT]
-        final = final[np.argsort(final["seq"], kind="stable")]  # oldest first = recency order
-        return self._install(final)
+            self.seq = int(records["seq"][changes].max())
+        newest = changes[np.argsort(records["seq"][changes], kind="stable")[::-1]]
+        _, first = np.unique(records["key"][newest], return_index=True)
+        winners = newest[first]
+        winners = winners[kinds[winners] == jr.PUT]
+        winners = winners[np.argsort(records["seq"][winners], kind="stable")]  # oldest first
+        return self._install(records[winners])
 
     def _install(self, final: npt.NDArray[np.void]) -> int:
         """Load PUT records into an empty index and allocator; returns how many were refused."""

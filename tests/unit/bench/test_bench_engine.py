@@ -20,3 +20,19 @@ def test_engine_bench_rows_and_json(tmp_path: Path) -> None:
         assert row["ref"] == "memcpy" and row["unit"] == "GB/s"
         assert row["value"] > 0 and row["ref_value"] > 0
         assert abs(row["ratio"] - row["value"] / row["ref_value"]) < 1e-2
+
+
+def test_ssd_bench_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "ssd.json"
+    argv = ["bench", "ssd", "--dir", str(tmp_path), "--size", "4", "--entries", "2000"]
+    assert main([*argv, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = {(r["case"], r["ref"]): r for r in data["rows"]}
+    for size in ("128KiB", "2MiB", "8MiB"):
+        for op in ("read", "write"):
+            assert rows[(f"{op}/{size}", "odirect")]["value"] > 0
+            fio = rows[(f"{op}/{size}", "fio")]
+            assert fio["ref_value"] is None or fio["ref_value"] > 0
+    assert rows[("restart/2k", "goal_5s")]["unit"] == "s"
+    assert 0 < rows[("index_bytes/2k", "goal_128B")]["value"] < 4096
+    assert not list(tmp_path.glob("kvoffload-bench-ssd-*"))  # cleaned up

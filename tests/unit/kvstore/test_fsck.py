@@ -108,11 +108,11 @@ def test_rebuild_keeps_the_newest_version(tmp_path: Path) -> None:
 
 def test_damage_is_found_and_rebuild_drops_it(tmp_path: Path) -> None:
     populate(tmp_path, crash=False)
+    page = min(page for page, _, _ in index_of(tmp_path).values())  # a live block's slot
     slots = tmp_path / "ssd.slots"
     with open(slots, "r+b") as fh:
         data = bytearray(fh.read())
-    first = data.find(b"KVSL") - 4  # the first slot's header page
-    data[first + 4096 + 10] ^= 0xFF  # its payload
+    data[page * 4096 + 4096 + 10] ^= 0xFF  # its payload
     slots.write_bytes(bytes(data))
     report = fsck(str(tmp_path))
     assert len(report.bad_blocks) == 1 and not report.clean

@@ -1,0 +1,223 @@
+"""`kvoffload bench ssd`: the SSD tier next to raw O_DIRECT I/O (and fio) on the same file system.
+
+- write/<size>: 8 threads of durable puts (DRAM copy, slot write, group-committed journal
+  record; a put returns once data and record are on stable storage), against 8 threads of raw
+  O_DIRECT `pwrite` + `fdatasync` of the same sizes, and fio with `--fdatasync=1`.
+- read/<size>: 8 threads reading blocks that are only on the SSD (the engine was reopened, so
+  DRAM is cold): slot read into DRAM, header and CRC32C check, copy out. Against 8 threads of raw
+  O_DIRECT `pread`, and fio.
+- restart/1M: open a store whose index holds 1M blocks, from its checkpoint (after a clean
+  close) and from the journal alone (after a crash). index_bytes/1M: bytes of the SSD index's
+  arrays per block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from kvoffload.bench.common import BenchResult, Row
+from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
+
+__all__ = ["HELP", "add_arguments", "run", "run_from_args"]
+
+HELP = "SSD tier reads/writes vs raw O_DIRECT and fio; restart time and index bytes at 1M"
+SIZES = {"128KiB": 128 << 10, "2MiB": 2 << 20, "8MiB": 8 << 20}
+THREADS = 8
+PAGE = 4096
+
+
+def _aligned(n: int) -> memoryview:
+    return memoryview(mmap.mmap(-1, -(-n // PAGE) * PAGE))
+
+
+def _parallel(count: int, size: int, work: Callable[[int, memoryview], object]) -> float:
+    """Run work(i, buffer) for i in range(count) on THREADS threads, each with its own
+    page-aligned `size`-byte buffer; seconds taken."""
+    counter = iter(range(count))
+    lock = threading.Lock()
+    buffers = [_aligned(size) for _ in range(THREADS)]
+    for b in buffers:
+        b[:] = os.urandom(len(b))
+
+    def loop(buf: memoryview) -> None:
+        while True:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            work(i, buf)
+
+    threads = [threading.Thread(target=loop, args=(b,)) for b in buffers]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def _raw(path: Path, size: int, n: int) -> tuple[float, float]:
+    """(write GB/s with fdatasync per write, cold read GB/s) of raw O_DIRECT on `path`."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+    try:
+        os.posix_fallocate(fd, 0, n * size)
+
+        def write(i: int, buf: memoryview) -> None:
+            os.pwrite(fd, buf, i * size)
+            os.fdatasync(fd)
+
+        w = n * size / _parallel(n, size, write) / 1e9
+        r = n * size / _parallel(n, size, lambda i, buf: os.preadv(fd, [buf], i * size)) / 1e9
+        return w, r
+    finally:
+        os.close(fd)
+
+
+def _fio(directory: Path, size: int, total: int, mode: str) -> float | None:
+    if shutil.which("fio") is None:
+        return None
+    args = ["fio", "--name=kvoffload", f"--directory={directory}", f"--size={total}",
+            f"--bs={size}", f"--rw={mode}", "--direct=1", "--ioengine=psync",
+            f"--numjobs={THREADS}", "--group_reporting", "--output-format=json"]  # fmt: skip
+    if mode == "write":
+        args.append("--fdatasync=1")
+    try:
+        out = subprocess.run(args, capture_output=True, text=True, timeout=600, check=True)
+        job = json.loads(out.stdout)["jobs"][0]
+        return float(job["read" if mode == "read" else "write"]["bw_bytes"]) / 1e9
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError):
+        return None
+    finally:
+        for f in directory.glob("kvoffload.*"):
+            f.unlink()
+
+
+def _engine(path: Path, ssd_bytes: int) -> Engine:
+    return Engine(
+        EngineConfig(
+            DramConfig(capacity_bytes=256 << 20, max_value_bytes=9 << 20),
+            SsdConfig(capacity_bytes=ssd_bytes, admission_min_uses=1, flush_on_close=False),
+            data_dir=str(path),
+        )
+    )
+
+
+def _tier_rows(directory: Path, label: str, size: int, total: int, result: BenchResult) -> None:
+    n = max(THREADS * 2, total // size)
+    store = directory / f"store-{label}"
+    value = np.frombuffer(os.urandom(size), dtype=np.uint8)
+    keys = [i.to_bytes(16, "little") for i in range(n)]
+    ssd_bytes = int(n * (size + 2 * PAGE) * 1.3) + (64 << 20)
+    with _engine(store, ssd_bytes) as engine:
+        seconds = _parallel(n, size, lambda i, _: engine.put(keys[i], value, durable=True))
+    write = n * size / seconds / 1e9
+    missing = []
+
+    def read(i: int, buf: memoryview) -> None:
+        if engine.get_into(keys[i], buf) != size:
+            missing.append(i)
+
+    with _engine(store, ssd_bytes) as engine:  # reopened: DRAM is cold
+        read_rate = n * size / _parallel(n, size, read) / 1e9
+        corrupt = engine.stats().tiers[1].corrupt_blocks
+    if missing or corrupt:
+        raise RuntimeError(f"{label}: {len(missing)} blocks did not read back ({corrupt} corrupt)")
+    shutil.rmtree(store)
+    raw_w, raw_r = _raw(directory / "raw.bin", size, n)
+    (directory / "raw.bin").unlink()
+    fio_w = _fio(directory, size, n * size // THREADS, "write")
+    fio_r = _fio(directory, size, n * size // THREADS, "read")
+    note = "fio not installed" if shutil.which("fio") is None else ""
+    result.rows += [
+        Row(f"write/{label}", write, "GB/s", "odirect", raw_w),
+        Row(f"write/{label}", write, "GB/s", "fio", fio_w, note=note),
+        Row(f"read/{label}", read_rate, "GB/s", "odirect", raw_r),
+        Row(f"read/{label}", read_rate, "GB/s", "fio", fio_r, note=note),
+    ]
+
+
+def _restart_rows(directory: Path, entries: int, result: BenchResult) -> None:
+    """Populate an index of `entries` header-only blocks through the tier's own bookkeeping
+    (slot payloads are not written: a restart reads checkpoint and journal, not slots)."""
+    store = directory / "store-restart"
+    config = EngineConfig(
+        DramConfig(capacity_bytes=64 << 20, max_value_bytes=64 << 10, prefault=False),
+        SsdConfig(capacity_bytes=entries * PAGE + (16 << 20), flush_on_close=False),
+        data_dir=str(store),
+    )
+    engine = Engine(config)
+    ssd = engine._ssd
+    assert ssd is not None
+    rng = np.random.default_rng(0)
+    keys = rng.bytes(16 * entries)
+    with engine._lock:
+        for i in range(entries):
+            plan = ssd.plan_write(keys[16 * i : 16 * i + 16], 0, None, "")
+            ssd.commit_write(plan, durable=False)
+    assert ssd.journal is not None
+    ssd.journal.wait()
+    index_bytes = ssd.index.memory_bytes() / len(ssd.index)
+    # A crash now: the journal holds every record, there is no checkpoint.
+    engine._ssd = None
+    ssd.close(checkpoint=False)
+    engine.config = EngineConfig(config.dram, data_dir=str(store))  # nothing left to flush
+    engine.close()
+    seconds = {}
+    for name in ("journal", "checkpoint"):  # the first reopen's clean close writes the checkpoint
+        t0 = time.perf_counter()
+        with Engine(config) as again:
+            seconds[name] = time.perf_counter() - t0
+            assert again._ssd is not None and len(again._ssd.index) == entries
+            loaded = again._ssd.index.memory_bytes() / entries
+    shutil.rmtree(store)
+    label = f"{entries // 1_000_000}M" if entries >= 1_000_000 else f"{entries // 1000}k"
+    result.rows += [
+        Row(f"restart/{label}", seconds["checkpoint"], "s", "goal_5s", 5.0,
+            note="from the checkpoint (clean shutdown)"),
+        Row(f"restart_journal/{label}", seconds["journal"], "s", "goal_5s", 5.0,
+            note="journal replay only (after a crash)"),
+        Row(f"index_bytes/{label}", max(index_bytes, loaded), "B", "goal_128B", 128.0,
+            note="numpy arrays of the SSD index per block"),
+    ]  # fmt: skip
+
+
+def run(*, directory: str = ".", size_mib: int = 512, entries: int = 1_000_000,
+        sizes: dict[str, int] | None = None) -> BenchResult:  # fmt: skip
+    """Measure in a scratch folder under `directory` (it must support O_DIRECT)."""
+    result = BenchResult("ssd")
+    work = Path(directory) / f"kvoffload-bench-ssd-{os.getpid()}"
+    work.mkdir(parents=True)
+    try:
+        for label, size in (sizes or SIZES).items():
+            _tier_rows(work, label, size, size_mib << 20, result)
+        if entries:
+            _restart_rows(work, entries, result)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result.notes.append(
+        f"{size_mib} MiB per size, {THREADS} threads; write = durable put vs pwrite+fdatasync; "
+        "read = cold SSD read with verification vs O_DIRECT pread; index rows inserted through "
+        "the tier's bookkeeping for the restart case"
+    )
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dir", default=".", help="where to put the scratch store (O_DIRECT)")
+    parser.add_argument("--size", type=int, default=512, metavar="MiB", help="MiB per size")
+    parser.add_argument("--entries", type=int, default=1_000_000, help="blocks for restart/index")
+
+
+def run_from_args(args: argparse.Namespace) -> BenchResult:
+    return run(directory=args.dir, size_mib=args.size, entries=args.entries)
