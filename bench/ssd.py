@@ -164,7 +164,7 @@ def _restart_rows(directory: Path, entries: int, result: BenchResult) -> None:
     with engine._lock:
         for i in range(entries):
             plan = ssd.plan_write(keys[16 * i : 16 * i + 16], 0, None, "")
-            ssd.commit_write(plan, durable=False)
+            ssd.commit_write(plan)
     assert ssd.journal is not None
     ssd.journal.wait()
     index_bytes = ssd.index.memory_bytes() / len(ssd.index)

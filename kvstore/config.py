@@ -151,6 +151,9 @@ class SsdConfig:
     sync_interval_s: float = 0.05
     # On a clean close, write every DRAM block that is not on the SSD yet (so a restart keeps it).
     flush_on_close: bool = True
+    # Slot I/O: "posix" (O_DIRECT preadv/pwritev), "kvikio" (GPUDirect Storage), or "auto"
+    # (kvikio when it is installed and a CUDA device is present).
+    io_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 0:
@@ -168,6 +171,10 @@ class SsdConfig:
             raise ConfigError("ssd.admission_min_uses must be at least 1")
         if self.io_threads < 1:
             raise ConfigError("ssd.io_threads must be at least 1")
+        if self.io_backend not in ("auto", "posix", "kvikio"):
+            raise ConfigError(
+                f"ssd.io_backend must be 'auto', 'posix' or 'kvikio', got {self.io_backend!r}"
+            )
         if not 0 < self.sync_interval_s <= 10:
             raise ConfigError("ssd.sync_interval_s must be in (0, 10]")
 

@@ -806,14 +806,14 @@ class Engine:
             self._check_open()
             plan = ssd.plan_write(entry.key, entry.length, entry.parent, entry.tenant)
         try:
-            ssd.write_slot(plan, self._slot_pages(entry))
+            ssd.write_slot(plan, self._slot_pages(entry), sync=True)
         except StorageIOError:
             with self._lock:
                 ssd.abort_write(plan)
                 self._n["io_errors"] += 1
             raise
         with self._lock:
-            ticket = ssd.commit_write(plan, durable=True)
+            ticket = ssd.commit_write(plan)
             journal = ssd.journal
         assert journal is not None
         try:
@@ -932,7 +932,7 @@ class Engine:
         if failed or not entry.live:
             ssd.abort_write(plan)  # failed, or deleted / overwritten while writing
             self._n["io_errors"] += failed
-        elif ssd.commit_write(plan, durable=False) is not None:
+        elif ssd.commit_write(plan) is not None:
             entry.on_ssd = True
             self._n["demotions"] += 1
         self._unpin_locked(entry)

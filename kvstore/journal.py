@@ -165,19 +165,16 @@ class Journal:
     """Append-only journal with group commit.
 
     `append` queues packed records; one committer thread writes whatever has queued in a single
-    `write` and, when a waiter asked for durability (or `sync_interval` passed), calls fdatasync
-    -- first on the slot file when the batch carries durable slot data, then on the journal.
-    Many concurrent durable puts thus share one pair of syncs.
+    `write` and, when a waiter asked for durability (or `sync_interval` passed), calls
+    fdatasync. Many concurrent durable puts thus share one sync.
     """
 
-    def __init__(self, path: str, data_fd: int, *, sync_interval: float = 0.05) -> None:
+    def __init__(self, path: str, *, sync_interval: float = 0.05) -> None:
         self.path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self._data_fd = data_fd
         self._interval = sync_interval
         self._cond = threading.Condition()
         self._pending: list[bytes] = []
-        self._pending_data = False  # the queued records promise durable slot data
         self._queued = 0  # batches queued so far; a batch's number is its ticket
         self._written = 0  # batches written
         self._durable = 0  # batches on stable storage
@@ -190,9 +187,9 @@ class Journal:
         self._thread = threading.Thread(target=self._run, name="kvoffload-journal", daemon=True)
         self._thread.start()
 
-    def append(self, data: bytes, *, durable: bool = False, data_too: bool = False) -> int:
-        """Queue records; with `durable`, return only once they (and, with `data_too`, the
-        slot file) are on stable storage. Returns the batch's ticket for `wait`.
+    def append(self, data: bytes, *, durable: bool = False) -> int:
+        """Queue records; with `durable`, return only once they are on stable storage.
+        Returns the batch's ticket for `wait`.
 
         Raises:
             StorageIOError: the journal failed earlier or while waiting.
@@ -200,7 +197,6 @@ class Journal:
         with self._cond:
             self._raise_if_failed()
             self._pending.append(data)
-            self._pending_data |= data_too
             self._queued += 1
             ticket = self._queued
             self._cond.notify_all()
@@ -248,12 +244,9 @@ class Journal:
                 if self._closing and not self._pending and self._written == self._durable:
                     return
                 batch, self._pending = self._pending, []
-                data_too, self._pending_data = self._pending_data, False
                 upto = self._queued
                 sync = self._want > self._durable or self._closing or self._due()
             try:
-                if data_too:
-                    self._sync(self._data_fd)
                 if batch:
                     self._write_all(b"".join(batch))
                 if sync:

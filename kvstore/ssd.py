@@ -33,6 +33,7 @@ import numpy.typing as npt
 from kvoffload.errors import CapacityError, ConfigError, StorageIOError
 from kvoffload.kvstore import journal as jr
 from kvoffload.kvstore.config import PAGE, EngineConfig
+from kvoffload.kvstore.gds import select_slot_file
 from kvoffload.kvstore.slabs import SizeClasses, SlabAllocator
 from kvoffload.kvstore.slotio import (
     AlignedBuffer,
@@ -179,8 +180,10 @@ class SsdTier:
         self.index = SsdIndex(len(self.classes), ssd.policy or config.dram.policy)
         self.store_id = bytes.fromhex(self.meta.store_id)
         self.max_value_bytes = self.meta.max_value_bytes
-        self.slots = SlotFile(
-            self.meta.slot_path or str(self.dir / "ssd.slots"), self.meta.capacity_bytes
+        self.slots = select_slot_file(
+            self.config.ssd.io_backend,
+            self.meta.slot_path or str(self.dir / "ssd.slots"),
+            self.meta.capacity_bytes,
         )
         self.tenants: list[str] = [""]
         self._tenant_ids = {"": 0}
@@ -355,7 +358,7 @@ class SsdTier:
         names = [jr.record(jr.TENANT, 0, tenant=i, name=n.encode())
                  for i, n in enumerate(self.tenants) if i]  # fmt: skip
         _write_atomic(path, head + (jr.pack(np.concatenate(names)) if names else b""))
-        return jr.Journal(str(path), self.slots.fd, sync_interval=self.config.ssd.sync_interval_s)
+        return jr.Journal(str(path), sync_interval=self.config.ssd.sync_interval_s)
 
     # ------------------------------------------------------------------ bookkeeping (locked)
 
@@ -501,9 +504,11 @@ class SsdTier:
         page.view[:] = bytes(PAGE)
         self.slots.write(offset, [page.view])
 
-    def commit_write(self, plan: WritePlan, *, durable: bool) -> int | None:
+    def commit_write(self, plan: WritePlan) -> int | None:
         """Make a written slot the block's SSD copy. Returns the journal ticket to wait on, or
-        None when a newer version of the key was committed meanwhile (the plan is dropped)."""
+        None when a newer version of the key was committed meanwhile (the plan is dropped).
+
+        A durable caller wrote the slot with `sync` and then waits for the ticket."""
         assert self.journal is not None
         old = self.index.find(plan.key)
         old_offset = -1
@@ -522,7 +527,7 @@ class SsdTier:
                         length=plan.length, pcrc=plan.crc, tenant=plan.tenant)  # fmt: skip
         self.counters.bytes_written += plan.length
         self._records_since_checkpoint += 1
-        ticket = self.journal.append(jr.pack(rec), data_too=durable)
+        ticket = self.journal.append(jr.pack(rec))
         if old_offset >= 0:
             self._pending_free.append((ticket, old_offset))
         return ticket
@@ -539,8 +544,9 @@ class SsdTier:
             buf = self._pages.buf = AlignedBuffer(PAGE)
         return buf
 
-    def write_slot(self, plan: WritePlan, payload: memoryview) -> None:
-        """Write header and value; `payload` is page-aligned and spans whole pages.
+    def write_slot(self, plan: WritePlan, payload: memoryview, *, sync: bool = False) -> None:
+        """Write header and value; `payload` is page-aligned and spans whole pages. With `sync`
+        the slot is on stable storage when this returns.
 
         Raises:
             StorageIOError: the device failed.
@@ -550,7 +556,7 @@ class SsdTier:
         page.view[:] = bytes(PAGE)
         pack_header(page.view, SlotHeader(plan.seq, plan.key, plan.parent, plan.length, plan.crc,
                                           plan.tenant, self.tenants[plan.tenant]))  # fmt: skip
-        self.slots.write(plan.offset, [page.view, payload])
+        self.slots.write(plan.offset, [page.view, payload], sync=sync)
 
     def read_slot(self, row_snapshot: tuple[bytes, int, int, int, int], dst: memoryview) -> bool:
         """Read a block into `dst` (page-aligned, whole pages); False if it fails verification.

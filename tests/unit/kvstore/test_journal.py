@@ -55,13 +55,12 @@ def test_read_file_checks_owner_and_reports_tail(tmp_path: Path) -> None:
 
 
 def test_durable_appends_from_many_threads(tmp_path: Path) -> None:
-    data_fd = os.open(tmp_path / "data", os.O_RDWR | os.O_CREAT)
-    journal = jr.Journal(str(tmp_path / "j"), data_fd, sync_interval=0.01)
+    journal = jr.Journal(str(tmp_path / "j"), sync_interval=0.01)
     late: list[int] = []
 
     def writer() -> None:
         for _ in range(20):
-            ticket = journal.append(_records(1), durable=True, data_too=True)
+            ticket = journal.append(_records(1), durable=True)
             if journal.durable_ticket < ticket:
                 late.append(ticket)
 
@@ -74,28 +73,24 @@ def test_durable_appends_from_many_threads(tmp_path: Path) -> None:
     assert not late, "a durable append returned before its batch was synced"
     records, _ = jr.parse((tmp_path / "j").read_bytes())
     assert len(records) == 160
-    os.close(data_fd)
 
 
 def test_one_sync_covers_everything_queued(tmp_path: Path) -> None:
-    data_fd = os.open(tmp_path / "data", os.O_RDWR | os.O_CREAT)
-    journal = jr.Journal(str(tmp_path / "j"), data_fd, sync_interval=10)
+    journal = jr.Journal(str(tmp_path / "j"), sync_interval=10)
     synced: list[int] = []
     real = journal._sync
     journal._sync = lambda fd: (synced.append(fd), real(fd))[1]
     for _ in range(50):
         journal.append(_records(1))  # fast: queued, no waiting
     assert synced == []
-    journal.append(_records(1), durable=True, data_too=True)  # one group commit for all 51
-    assert synced == [data_fd, journal._fd]
+    journal.append(_records(1), durable=True)  # one group commit for all 51
+    assert synced == [journal._fd]
     journal.close()
     assert len(jr.parse((tmp_path / "j").read_bytes())[0]) == 51
-    os.close(data_fd)
 
 
 def test_write_failure_fails_waiters_and_later_appends(tmp_path: Path) -> None:
-    data_fd = os.open(tmp_path / "data", os.O_RDWR | os.O_CREAT)
-    journal = jr.Journal(str(tmp_path / "j"), data_fd)
+    journal = jr.Journal(str(tmp_path / "j"))
 
     def full_disk(fd: int, data: object) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -107,4 +102,3 @@ def test_write_failure_fails_waiters_and_later_appends(tmp_path: Path) -> None:
         journal.append(_records(1))
     with pytest.raises(StorageIOError):
         journal.close()
-    os.close(data_fd)

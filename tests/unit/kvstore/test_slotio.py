@@ -64,3 +64,16 @@ def test_device_errors_become_storage_io_errors(tmp_path: Path) -> None:
     with pytest.raises(StorageIOError, match="ended"):
         slots.read(1 << 20, [buf.view])
     slots.close()
+
+
+def test_backend_selection_falls_back_to_the_host_path(tmp_path: Path) -> None:
+    from kvoffload.errors import ConfigError
+    from kvoffload.kvstore.gds import KvikioSlotFile, gds_available, select_slot_file
+
+    slots = select_slot_file("auto", str(tmp_path / "a"), 1 << 20)
+    assert isinstance(slots, SlotFile)
+    assert isinstance(slots, KvikioSlotFile) == gds_available()
+    slots.close()
+    if not gds_available():
+        with pytest.raises(ConfigError, match="kvikio"):
+            select_slot_file("kvikio", str(tmp_path / "b"), 1 << 20)
