@@ -43,35 +43,27 @@ class KvikioSlotFile(SlotFile):
 
         self._cufile = kvikio.CuFile(path, "r+")
 
-    def read(self, offset: int, buffers: Sequence[memoryview]) -> None:
+    def _transfer(self, verb: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        op = self._cufile.pread if verb == "read" else self._cufile.pwrite
         for buf in buffers:
             try:
-                done = self._cufile.pread(buf, len(buf), offset).get()
+                done = op(buf, len(buf), offset).get()
             except Exception as exc:  # kvikio raises its own runtime errors
-                raise StorageIOError(
-                    f"cuFile read of {self.path} at {offset} failed: {exc}"
-                ) from exc
+                raise StorageIOError(f"cuFile {verb} of {self.path} at {offset}: {exc}") from exc
             if done != len(buf):
-                raise StorageIOError(f"cuFile read of {self.path} at {offset}: short transfer")
+                raise StorageIOError(f"cuFile {verb} of {self.path} at {offset}: short transfer")
             offset += len(buf)
 
+    def read(self, offset: int, buffers: Sequence[memoryview]) -> None:
+        self._transfer("read", offset, buffers)
+
     def write(self, offset: int, buffers: Sequence[memoryview], *, sync: bool = False) -> None:
-        start = offset
-        for buf in buffers:
-            try:
-                done = self._cufile.pwrite(buf, len(buf), offset).get()
-            except Exception as exc:
-                raise StorageIOError(
-                    f"cuFile write to {self.path} at {offset} failed: {exc}"
-                ) from exc
-            if done != len(buf):
-                raise StorageIOError(f"cuFile write to {self.path} at {offset}: short transfer")
-            offset += len(buf)
+        self._transfer("write", offset, buffers)
         if sync:
             try:
                 os.fdatasync(self.fd)
             except OSError as exc:
-                raise StorageIOError(f"sync of {self.path} at {start} failed: {exc}") from exc
+                raise StorageIOError(f"sync of {self.path} failed: {exc}") from exc
 
     def close(self) -> None:
         self._cufile.close()
