@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from types import TracebackType
 
@@ -203,6 +203,7 @@ class Engine:
         # Per-tenant recency, to evict a tenant's own coldest blocks when it hits its quota.
         self._tenant_recency: dict[str, OrderedDict[bytes, None]] = {}
         self._puts = self._gets = self._hits = self._misses = self._deletes = 0
+        self._on_evict: Callable[[bytes, str], None] | None = None
         self._evictions = self._steals = self._bytes_in = self._bytes_out = self._stored = 0
 
     # ------------------------------------------------------------------ public API
@@ -432,6 +433,14 @@ class Engine:
             else:
                 self._quotas[tenant] = quota_bytes
 
+    def set_evict_listener(self, listener: Callable[[bytes, str], None] | None) -> None:
+        """Call `listener(key, tier)` whenever eviction takes a block out of a tier.
+
+        It runs on the thread that made room, with the engine's lock held: it must be quick and
+        must not call the engine (the daemon's KV events only append to a queue).
+        """
+        self._on_evict = listener
+
     def stats(self) -> EngineStats:
         with self._lock:
             dram = TierStats(
@@ -561,8 +570,7 @@ class Engine:
                     f"tenant {tenant!r} is at its quota of {quota} bytes and every block it "
                     "holds is pinned"
                 )
-            self._evictions += 1
-            self._drop(self._index[victim])
+            self._evict(self._index[victim])
 
     def _rank(self, key: bytes, parent: bytes | None) -> Rank:
         if parent is not None and parent not in self._index:
@@ -596,6 +604,12 @@ class Engine:
             self._rerank(entry.parent)
         for child in self._children.get(key, ()):
             self._rerank(child)  # orphans found their parent again
+
+    def _evict(self, entry: _Entry) -> None:
+        self._evictions += 1
+        self._drop(entry)
+        if self._on_evict is not None:
+            self._on_evict(entry.key, "dram")
 
     def _drop(self, entry: _Entry) -> None:
         """Take a live entry out of the index; free its slot unless a view pins it."""
@@ -642,8 +656,7 @@ class Engine:
                     )
                 self._steal(donor)
                 continue
-            self._evictions += 1
-            self._drop(self._index[victims[0]])
+            self._evict(self._index[victims[0]])
 
     def _donor_slab(self, cls: int, *, force: bool = False) -> int | None:
         """A slab of another class worth reclaiming for `cls`, or None to evict within `cls`.
@@ -679,5 +692,4 @@ class Engine:
         log.debug("reclaiming slab %d: evicting %d blocks", slab, len(members))
         self._steals += 1
         for entry in members:
-            self._evictions += 1
-            self._drop(entry)
+            self._evict(entry)
