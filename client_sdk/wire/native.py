@@ -623,6 +623,11 @@ class NativeConnection:
         return len(self._pending)
 
     @property
+    def at_frame_boundary(self) -> bool:
+        """No partial frame is buffered (payloads included)."""
+        return self._reader.at_boundary
+
+    @property
     def idle(self) -> bool:
         """Nothing outstanding and no partial frame buffered."""
         return not self._pending and self._reader.at_boundary
