@@ -161,6 +161,7 @@ class NativeFront:
                 if reason:
                     self.services.metrics.refused.labels(FRONT, reason).inc()
                     log.info("closing %s: %s", session.peer, reason)
+                    session.say_goodbye(Status.DEADLINE, reason)
                     session.abort()
 
     def forget(self, session: _Session) -> None:
@@ -234,12 +235,12 @@ class _Session:
         except RemoteProtocolError as exc:
             metrics.protocol_errors.labels(FRONT).inc()
             log.info("protocol error from %s: %s", self.peer, exc)
-            self._say_goodbye(Status.PROTOCOL, str(exc))
+            self.say_goodbye(Status.PROTOCOL, str(exc))
         except TransportError:
             pass  # the peer went away
         except Exception:  # a bug must cost one connection, never the daemon
             log.exception("connection %s failed", self.peer)
-            self._say_goodbye(Status.INTERNAL, "internal error")
+            self.say_goodbye(Status.INTERNAL, "internal error")
         finally:
             self._reader = None
             await self._finish()
@@ -332,7 +333,7 @@ class _Session:
             await self.channel.drain()
         self.channel.close()
 
-    def _say_goodbye(self, status: Status, message: str) -> None:
+    def say_goodbye(self, status: Status, message: str) -> None:
         self._reading = False
         with contextlib.suppress(LocalProtocolError):
             self.channel.write(self.conn.send_parts(ErrorReply(0, status, message[:500])))
