@@ -103,6 +103,7 @@ class NativeFront:
         self._watchdog: asyncio.Task[None] | None = None
         self._sessions: dict[_Session, asyncio.Task[None]] = {}
         self._tls: ssl.SSLContext | None = None
+        self._instruments: dict[tuple[str, str], tuple[Any, Any]] = {}
         self.limits = Limits(
             max_header_bytes=config.max_header_bytes,
             max_payload_bytes=config.max_payload_bytes,
@@ -163,6 +164,18 @@ class NativeFront:
                     log.info("closing %s: %s", session.peer, reason)
                     session.say_goodbye(Status.DEADLINE, reason)
                     session.abort()
+
+    def instruments(self, op: str, status: str) -> tuple[Any, Any]:
+        """The request counter and latency histogram of (op, status), looked up once."""
+        found = self._instruments.get((op, status))
+        if found is None:
+            metrics = self.services.metrics
+            found = (
+                metrics.requests.labels(FRONT, op, status),
+                metrics.latency.labels(FRONT, op),
+            )
+            self._instruments[(op, status)] = found
+        return found
 
     def forget(self, session: _Session) -> None:
         self._sessions.pop(session, None)
@@ -363,10 +376,10 @@ class _Session:
 
         self.channel.write(parts, done)
         op, t0 = self._started.pop(event.request_id, ("?", time.perf_counter()))
-        metrics = self.services.metrics
         status = "ok" if not isinstance(event, ErrorReply) else Status(event.status).name.lower()
-        metrics.requests.labels(FRONT, op, status).inc()
-        metrics.latency.labels(FRONT, op).observe(time.perf_counter() - t0)
+        counter, histogram = self.front.instruments(op, status)
+        counter.inc()
+        histogram.observe(time.perf_counter() - t0)
         self._wake()
 
     def _fail(self, request_id: int, exc: KVOffloadError) -> None:

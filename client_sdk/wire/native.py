@@ -177,9 +177,8 @@ class Event:
     request_id: int
 
     def __post_init__(self) -> None:
-        for f in fields(self):  # type: ignore[arg-type]
-            check = _VALIDATORS[self.CHECKS.get(f.name, f.name)]
-            object.__setattr__(self, f.name, check(getattr(self, f.name)))
+        for name, check in _checks(type(self)):
+            object.__setattr__(self, name, check(getattr(self, name)))
         if self.request_id > MAX_REQUEST_ID or (
             self.request_id == 0 and type(self) is not ErrorReply
         ):
@@ -191,7 +190,22 @@ class Event:
         return 0
 
     def meta(self) -> dict[str, object]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "request_id"}  # type: ignore[arg-type]
+        return {name: getattr(self, name) for name, _ in _checks(type(self))[1:]}
+
+
+# Event class -> (field name, validator) in field order, request_id first; built once per class
+# because dataclasses.fields() on every event costs more than the validation itself.
+_CHECKS: dict[type[Event], tuple[tuple[str, Callable[[object], object]], ...]] = {}
+
+
+def _checks(cls: type[Event]) -> tuple[tuple[str, Callable[[object], object]], ...]:
+    found = _CHECKS.get(cls)
+    if found is None:
+        names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+        assert names[0] == "request_id"
+        found = tuple((n, _VALIDATORS[cls.CHECKS.get(n, n)]) for n in names)
+        _CHECKS[cls] = found
+    return found
 
 
 @dataclass(frozen=True, slots=True)
