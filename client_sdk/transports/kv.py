@@ -200,6 +200,8 @@ class _Session:
         self.broken: KVOffloadError | None = None
 
     def start(self, req: _Req) -> tuple[_Call, list[bytes | memoryview]]:
+        if self.broken is not None:  # e.g. the daemon said goodbye: the driver reconnects
+            raise self.broken
         self._next_id = self._next_id % 0xFFFF_FFFF + 1
         event = req.make(self._next_id)
         parts = self.conn.send_parts(event, req.payload)
@@ -823,8 +825,6 @@ class _AsyncConnection:
         calls: list[_Call] = []
         try:
             for req in reqs:
-                if self.session.broken is not None:
-                    raise self.session.broken
                 await asyncio.wait_for(protocol.writable(), _left(deadline))
                 call, parts = self.session.start(req)
                 calls.append(call)
@@ -832,7 +832,7 @@ class _AsyncConnection:
             while not all(c.done for c in calls):
                 self._progress.clear()
                 await asyncio.wait_for(self._progress.wait(), _left(deadline))
-        except asyncio.TimeoutError:
+        except (asyncio.TimeoutError, DeadlineExceededError):
             self._abandon(calls)
             raise DeadlineExceededError(f"{self.options.url} did not answer in time") from None
         except asyncio.CancelledError:
