@@ -9,21 +9,27 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from types import TracebackType
 
 from kvoffload.client_sdk.keys import BlockKey, Namespace, to_key
-from kvoffload.client_sdk.transports import open_transport
+from kvoffload.client_sdk.transports import open_async_transport, open_transport
 from kvoffload.client_sdk.transports.base import (
     AsyncTransport,
     HeldBlock,
-    ThreadedAsyncTransport,
+    PutItem,
+    Received,
     Transport,
 )
 from kvoffload.client_sdk.url import DEFAULT_URL, parse_url
-from kvoffload.client_sdk.wire.block import HEADER_BYTES, open_block, seal
-from kvoffload.errors import CorruptBlockError, InvalidArgumentError
+from kvoffload.client_sdk.wire.block import HEADER_BYTES, open_block, open_parts, seal
+from kvoffload.errors import (
+    CorruptBlockError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    TransportError,
+)
 from kvoffload.kvstore.buffers import Bytes, as_readable, as_writable
 
 __all__ = ["AsyncClient", "Client", "ClientStats"]
@@ -42,6 +48,7 @@ class ClientStats:
     bytes_put: int  # payload bytes handed to put
     bytes_stored: int  # bytes sent to the store (headers included)
     bytes_got: int  # payload bytes returned by get / get_into
+    unreachable: int = 0  # lookups and exists answered as misses because the store was down
     store: dict[str, object] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
@@ -59,13 +66,21 @@ class _Put:
 class _Requests:
     """Validation, sealing, verification and counting around any transport; no I/O."""
 
-    def __init__(self, namespace: Namespace | None, max_value_bytes: int) -> None:
+    def __init__(self, namespace: Namespace | None, max_value_bytes: Callable[[], int]) -> None:
         self.namespace = namespace
         self._fingerprint = namespace.fingerprint if namespace is not None else None
-        self.max_payload = max_value_bytes - HEADER_BYTES
+        # Asked on first use: a remote store tells its limit when the connection opens.
+        self._max_value_bytes = max_value_bytes
+        self._max_payload: int | None = None
         self._lock = threading.Lock()
-        self._puts = self._hits = self._misses = self._corrupt = 0
+        self._puts = self._hits = self._misses = self._corrupt_count = self._unreachable = 0
         self._bytes_put = self._bytes_stored = self._bytes_got = 0
+
+    @property
+    def max_payload(self) -> int:
+        if self._max_payload is None:
+            self._max_payload = self._max_value_bytes() - HEADER_BYTES
+        return self._max_payload
 
     def prepare_put(self, key: bytes, value: object, parent: bytes | None) -> _Put:
         block_key = to_key(key)
@@ -85,11 +100,34 @@ class _Requests:
         )
         return _Put(block_key, parent_key, header, payload)
 
-    def put_done(self, put: _Put) -> None:
+    def prepare_many(
+        self, items: Iterable[tuple[bytes, object]], parents: Sequence[bytes | None] | None
+    ) -> list[_Put]:
+        return [self.prepare_put(k, v, p) for k, v, p in _pairs(items, parents)]
+
+    def put_done(self, *puts: _Put) -> None:
         with self._lock:
-            self._puts += 1
-            self._bytes_put += put.payload.size
-            self._bytes_stored += put.payload.size + HEADER_BYTES
+            for put in puts:
+                self._puts += 1
+                self._bytes_put += put.payload.size
+                self._bytes_stored += put.payload.size + HEADER_BYTES
+
+    def _corrupt(self, key: bytes, exc: CorruptBlockError) -> None:
+        log.warning("block %s failed verification (%s); served as a miss", key.hex(), exc)
+        with self._lock:
+            self._corrupt_count += 1
+            self._misses += 1
+
+    def _hit(self, length: int) -> None:
+        with self._lock:
+            self._hits += 1
+            self._bytes_got += length
+
+    def unreachable(self, what: str, exc: Exception) -> None:
+        """A lookup-type call that could not reach the store: it answers as a miss."""
+        log.warning("%s: store unreachable (%s); answering as a miss", what, exc)
+        with self._lock:
+            self._unreachable += 1
 
     def verify(self, key: bytes, held: HeldBlock | None) -> memoryview | None:
         """The payload of a verified block, or None (a miss, counted; corrupt ones logged)."""
@@ -101,15 +139,10 @@ class _Requests:
             open_block(held.data, key_or_hash=bytes(key), namespace=self._fingerprint)
         except CorruptBlockError as exc:
             held.release()
-            log.warning("block %s failed verification (%s); served as a miss", key.hex(), exc)
-            with self._lock:
-                self._corrupt += 1
-                self._misses += 1
+            self._corrupt(key, exc)
             return None
         payload = held.data[HEADER_BYTES:]
-        with self._lock:
-            self._hits += 1
-            self._bytes_got += len(payload)
+        self._hit(len(payload))
         return payload
 
     def read_bytes(self, key: bytes, held: HeldBlock | None) -> bytes | None:
@@ -121,7 +154,9 @@ class _Requests:
         finally:
             held.release()
 
-    def read_into(self, key: bytes, held: HeldBlock | None, buffer: Bytes) -> int | None:
+    def read_into(self, key: bytes, held: HeldBlock | Received | None, buffer: Bytes) -> int | None:
+        if isinstance(held, Received):
+            return self._check_received(key, held, buffer)
         payload = self.verify(key, held)
         if payload is None or held is None:
             return None
@@ -135,13 +170,29 @@ class _Requests:
         finally:
             held.release()
 
+    def _check_received(self, key: bytes, got: Received, buffer: Bytes) -> int | None:
+        """Verify a block already received into `buffer`; a corrupt one is zeroed there, so
+        that no byte of it is left for a caller who ignores the miss."""
+        payload = buffer[: got.length]
+        try:
+            open_parts(
+                got.header, payload.data, key_or_hash=bytes(key), namespace=self._fingerprint
+            )
+        except CorruptBlockError as exc:
+            payload[:] = 0
+            self._corrupt(key, exc)
+            return None
+        self._hit(got.length)
+        return got.length
+
     def stats(self, store: dict[str, object]) -> ClientStats:
         with self._lock:
             return ClientStats(
                 puts=self._puts,
                 hits=self._hits,
                 misses=self._misses,
-                corrupt_blocks=self._corrupt,
+                corrupt_blocks=self._corrupt_count,
+                unreachable=self._unreachable,
                 bytes_put=self._bytes_put,
                 bytes_stored=self._bytes_stored,
                 bytes_got=self._bytes_got,
@@ -151,6 +202,10 @@ class _Requests:
 
 def _keys(keys: Sequence[bytes]) -> list[BlockKey]:
     return [to_key(k) for k in keys]
+
+
+def _put_items(puts: Sequence[_Put]) -> list[PutItem]:
+    return [(p.key, (p.header, p.payload), p.parent) for p in puts]
 
 
 def _pairs(
@@ -172,7 +227,7 @@ class Client:
 
     def __init__(self, transport: Transport, *, namespace: Namespace | None = None) -> None:
         self._transport = transport
-        self._requests = _Requests(namespace, transport.max_value_bytes)
+        self._requests = _Requests(namespace, lambda: transport.max_value_bytes)
 
     @classmethod
     def connect(cls, url: str | None = None, *, namespace: Namespace | None = None) -> Client:
@@ -214,9 +269,16 @@ class Client:
         *,
         parents: Sequence[bytes | None] | None = None,
     ) -> None:
-        """`put` each (key, value) pair in order, with optional parents."""
-        for key, value, parent in _pairs(items, parents):
-            self.put(key, value, parent=parent)
+        """`put` each (key, value) pair in order, with optional parents, in as few round trips
+        as the transport allows. Nothing is sent unless every item is valid.
+
+        Raises:
+            InvalidArgumentError, CapacityError: as for `put`; on CapacityError the items before
+                the failing one are stored.
+        """
+        puts = self._requests.prepare_many(items, parents)
+        self._transport.put_many(_put_items(puts))
+        self._requests.put_done(*puts)
 
     def get(self, key: bytes) -> bytes | None:
         """The verified value, or None on a miss or a corrupt block."""
@@ -230,17 +292,32 @@ class Client:
             InvalidArgumentError: `buffer` is read-only, not contiguous, or too small.
         """
         dst = as_writable(buffer)
-        return self._requests.read_into(key, self._transport.get(to_key(key)), dst)
+        block_key = to_key(key)
+        return self._requests.read_into(key, self._transport.get_into(block_key, dst.data), dst)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        return [self.get(key) for key in keys]
+        """`get` for each key, in as few round trips as the transport allows."""
+        held = self._transport.get_many(_keys(keys))
+        return [self._requests.read_bytes(k, h) for k, h in zip(keys, held, strict=True)]
 
     def exists(self, key: bytes) -> bool:
-        return self._transport.exists(to_key(key))
+        """Whether the store holds `key`; False also when the store cannot be reached."""
+        block_key = to_key(key)
+        try:
+            return self._transport.exists(block_key)
+        except (TransportError, DeadlineExceededError) as exc:
+            self._requests.unreachable("exists", exc)
+            return False
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """How many leading blocks of the chain `keys` the store holds."""
-        return self._transport.lookup(_keys(keys))
+        """How many leading blocks of the chain `keys` the store holds (0 when the store cannot
+        be reached: a serving engine then recomputes instead of failing)."""
+        block_keys = _keys(keys)
+        try:
+            return self._transport.lookup(block_keys)
+        except (TransportError, DeadlineExceededError) as exc:
+            self._requests.unreachable("lookup", exc)
+            return 0
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Ask the store to stage `keys` in its fastest tier; returns how many are there."""
@@ -272,13 +349,19 @@ class AsyncClient:
 
     def __init__(self, transport: AsyncTransport, *, namespace: Namespace | None = None) -> None:
         self._transport = transport
-        self._requests = _Requests(namespace, transport.max_value_bytes)
+        self._requests = _Requests(namespace, lambda: transport.max_value_bytes)
+        self._opened = False
 
     @classmethod
     def connect(cls, url: str | None = None, *, namespace: Namespace | None = None) -> AsyncClient:
-        """Open an async client for `url` (default ``local://``)."""
-        sync = open_transport(parse_url(url or DEFAULT_URL))
-        return cls(ThreadedAsyncTransport(sync), namespace=namespace)
+        """An async client for `url` (default ``local://``); a remote store is connected to on
+        first use."""
+        return cls(open_async_transport(parse_url(url or DEFAULT_URL)), namespace=namespace)
+
+    async def _open(self) -> None:
+        if not self._opened:
+            await self._transport.open()
+            self._opened = True
 
     @property
     def namespace(self) -> Namespace | None:
@@ -287,6 +370,7 @@ class AsyncClient:
     async def put(
         self, key: bytes, value: object, *, parent: bytes | None = None, durable: bool = False
     ) -> None:
+        await self._open()
         put = self._requests.prepare_put(key, value, parent)
         await self._transport.put(put.key, (put.header, put.payload), put.parent, durable)
         self._requests.put_done(put)
@@ -297,24 +381,40 @@ class AsyncClient:
         *,
         parents: Sequence[bytes | None] | None = None,
     ) -> None:
-        for key, value, parent in _pairs(items, parents):
-            await self.put(key, value, parent=parent)
+        await self._open()
+        puts = self._requests.prepare_many(items, parents)
+        await self._transport.put_many(_put_items(puts))
+        self._requests.put_done(*puts)
 
     async def get(self, key: bytes) -> bytes | None:
         return self._requests.read_bytes(key, await self._transport.get(to_key(key)))
 
     async def get_into(self, key: bytes, buffer: object) -> int | None:
         dst = as_writable(buffer)
-        return self._requests.read_into(key, await self._transport.get(to_key(key)), dst)
+        block_key = to_key(key)
+        return self._requests.read_into(
+            key, await self._transport.get_into(block_key, dst.data), dst
+        )
 
     async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        return [await self.get(key) for key in keys]
+        held = await self._transport.get_many(_keys(keys))
+        return [self._requests.read_bytes(k, h) for k, h in zip(keys, held, strict=True)]
 
     async def exists(self, key: bytes) -> bool:
-        return await self._transport.exists(to_key(key))
+        block_key = to_key(key)
+        try:
+            return await self._transport.exists(block_key)
+        except (TransportError, DeadlineExceededError) as exc:
+            self._requests.unreachable("exists", exc)
+            return False
 
     async def lookup(self, keys: Sequence[bytes]) -> int:
-        return await self._transport.lookup(_keys(keys))
+        block_keys = _keys(keys)
+        try:
+            return await self._transport.lookup(block_keys)
+        except (TransportError, DeadlineExceededError) as exc:
+            self._requests.unreachable("lookup", exc)
+            return 0
 
     async def prefetch(self, keys: Sequence[bytes]) -> int:
         return await self._transport.prefetch(_keys(keys))

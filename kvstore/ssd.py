@@ -478,16 +478,18 @@ class SsdTier:
         """Forget a stored block; its slot is reused once the DEL record is durable."""
         self.release_slot(*self.detach_row(row))
 
-    def detach_row(self, row: int) -> tuple[int, int]:
+    def detach_row(self, row: int, *, notify: bool = True) -> tuple[int, int]:
         """Forget a stored block but keep its slot out of reuse; returns (ticket, offset) for
-        `release_slot`, after the caller has wiped the slot (`wipe_slot`)."""
+        `release_slot`, after the caller has wiped the slot (`wipe_slot`). `notify` False
+        skips the removal callback (the caller's own delete)."""
         assert self.journal is not None
         key = self.index.key_of(row)
         offset = int(self.index.rows["page"][row]) * PAGE
         self.seq += 1
         ticket = self.journal.append(jr.pack(jr.record(jr.DEL, self.seq, key)))
         self.index.remove(row)
-        self._on_removed(key)
+        if notify:
+            self._on_removed(key)
         return ticket, offset
 
     def release_slot(self, ticket: int, offset: int) -> None:

@@ -31,7 +31,15 @@ import crc32c
 
 from kvoffload.errors import CorruptBlockError
 
-__all__ = ["FLAG_FULL_CHAIN", "HEADER_BYTES", "MAGIC", "BlockHeader", "open_block", "seal"]
+__all__ = [
+    "FLAG_FULL_CHAIN",
+    "HEADER_BYTES",
+    "MAGIC",
+    "BlockHeader",
+    "open_block",
+    "open_parts",
+    "seal",
+]
 
 MAGIC = b"KVOB"
 VERSION = 1
@@ -104,6 +112,24 @@ def open_block(
         CorruptBlockError: anything does not match; the message says what.
     """
     view = memoryview(block)
+    return open_parts(
+        view[:HEADER_BYTES], view[HEADER_BYTES:], key_or_hash=key_or_hash, namespace=namespace
+    )
+
+
+def open_parts(
+    header: memoryview | bytes,
+    payload: memoryview | bytes,
+    *,
+    key_or_hash: bytes,
+    namespace: bytes | None = None,
+) -> BlockHeader:
+    """`open_block` for a block received in two places (header apart from its payload).
+
+    Raises:
+        CorruptBlockError: as for `open_block`.
+    """
+    view = memoryview(header)
     if len(view) < HEADER_BYTES:
         raise CorruptBlockError(f"block of {len(view)} bytes is shorter than its header")
     body = view[: _BODY.size]
@@ -115,9 +141,9 @@ def open_block(
     )
     if magic != MAGIC or version != VERSION or flags & ~_KNOWN_FLAGS:
         raise CorruptBlockError(f"unknown block format (magic {magic!r}, version {version})")
-    if stored_len != len(view) - HEADER_BYTES:
+    if stored_len != len(payload):
         raise CorruptBlockError(
-            f"header declares {stored_len} payload bytes, block holds {len(view) - HEADER_BYTES}"
+            f"header declares {stored_len} payload bytes, block holds {len(payload)}"
         )
     if chain[:16] != key_or_hash[:16]:
         raise CorruptBlockError("block belongs to another key")
@@ -125,6 +151,6 @@ def open_block(
         raise CorruptBlockError("block belongs to another chain (16-byte key collision)")
     if namespace is not None and ns != namespace:
         raise CorruptBlockError("block belongs to another namespace")
-    if crc32c.crc32c(view[HEADER_BYTES:]) != payload_crc:
+    if crc32c.crc32c(payload) != payload_crc:
         raise CorruptBlockError("payload checksum mismatch")
     return BlockHeader(codec, flags, raw_len, stored_len, bytes(ns), bytes(chain), payload_crc)

@@ -262,3 +262,20 @@ def test_durable_needs_ssd() -> None:
     engine = Engine(EngineConfig(DramConfig(capacity_bytes=8 << 20, prefault=False)))
     with engine, pytest.raises(InvalidArgumentError, match="SSD tier"):
         engine.put(key(1), b"x", durable=True)
+
+
+def test_tier_listener_follows_blocks_across_tiers(tmp_path: Path) -> None:
+    heard: list[tuple[str, bytes, str]] = []
+    with Engine(config(tmp_path)) as engine:
+        engine.set_tier_listener(lambda kind, k, tier: heard.append((kind, k, tier)))
+        engine.put(key(0), value(0), durable=True)
+        assert heard == [("stored", key(0), "ssd")]
+        for i in range(1, 30):
+            engine.put(key(i), value(i))
+        moves = {(kind, tier) for kind, k, tier in heard if k == key(1)}
+        assert moves == {("stored", "ssd"), ("removed", "dram")}  # a demotion
+        heard.clear()
+        assert read(engine, 1) == value(1)
+        assert ("stored", key(1), "dram") in heard  # a promotion
+        engine.delete(key(1))
+        assert not [h for h in heard if h[0] == "removed" and h[1] == key(1)]  # caller's own
