@@ -1031,14 +1031,16 @@ class Engine:
         current = ssd.find(key)
         same = current == row and ssd.snapshot(current) == snap
         if not ok:
-            self._n["io_errors" if io_error else "corrupt"] += 1
-            if not io_error:
-                log.warning(
-                    "SSD block %s failed its checksum; dropped, served as a miss", key.hex()
-                )
-            if same and not io_error:
-                ssd.remove_row(row)
             self._unpin_locked(entry)
+            if io_error:
+                self._n["io_errors"] += 1
+            elif same:
+                # Deleted or replaced while we read, the slot may hold another block by now:
+                # that is a miss, not damage. Only a block still indexed as read is corrupt.
+                self._n["corrupt"] += 1
+                log.warning("SSD block %s failed its checksum; dropped, served as a miss",
+                            key.hex())  # fmt: skip
+                ssd.remove_row(row)
             return None
         ssd.counters.bytes_read += length
         if key in self._index or not same:
