@@ -20,6 +20,7 @@ __all__ = ["BENCHES", "main"]
 # import heavy optional packages (torch, peers) at module level.
 BENCHES: dict[str, str] = {
     "engine": "kvoffload.bench.engine",
+    "codecs": "kvoffload.bench.codecs",
 }
 
 

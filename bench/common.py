@@ -18,7 +18,7 @@ from rich.table import Table
 
 import kvoffload
 
-__all__ = ["BenchResult", "Row", "machine_info", "time_median"]
+__all__ = ["BenchResult", "Row", "Summary", "machine_info", "time_median"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,16 @@ def machine_info() -> dict[str, object]:
     }
 
 
+@dataclass(frozen=True)
+class Summary:
+    """An optional second, human-oriented table (one line per subject, one column per
+    measure), printed after the rows and kept in the JSON as ``summary``."""
+
+    title: str
+    columns: list[str]
+    lines: list[list[str]]
+
+
 @dataclass
 class BenchResult:
     bench: str
@@ -76,15 +86,19 @@ class BenchResult:
     date: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat())
     machine: dict[str, object] = field(default_factory=machine_info)
     notes: list[str] = field(default_factory=list)
+    summary: Summary | None = None
 
     def as_dict(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "bench": self.bench,
             "date": self.date,
             "machine": self.machine,
             "notes": self.notes,
             "rows": [r.as_dict() for r in self.rows],
         }
+        if self.summary is not None:
+            out["summary"] = asdict(self.summary)
+        return out
 
     def write_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.as_dict(), indent=2) + "\n")
@@ -107,6 +121,13 @@ class BenchResult:
                 "n/a" if ratio is None else f"{ratio:.2f}x",
             )
         console.print(table)
+        if self.summary is not None:
+            summary = Table(title=self.summary.title)
+            for i, name in enumerate(self.summary.columns):
+                summary.add_column(name, justify="left" if i == 0 else "right")
+            for line in self.summary.lines:
+                summary.add_row(*line)
+            console.print(summary)
         for note in self.notes:
             console.print(f"[dim]{note}[/]")
 
