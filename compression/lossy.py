@@ -134,15 +134,23 @@ class _Ops:
 
     def to_fp8(self, x: Any) -> Any:
         """e4m3fn codes of float32 `x` (|x| ≤ 448), rounded to nearest even."""
-        a = np.abs(x).reshape(-1)
-        bits = a.view(np.uint32)
-        # Normal numbers: round the mantissa to 3 bits, then rebias the exponent (127 -> 7).
-        rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
-        normal = (rounded >> 20).astype(np.int64) - ((127 - 7) << 3)
+        bits = np.ascontiguousarray(x, dtype=np.float32).reshape(-1).view(np.uint32)
+        sign = (bits >> 24).astype(np.uint8) & 0x80
+        magnitude = bits & 0x7FFFFFFF
         # Subnormals (|x| < 2^-6) are multiples of 2^-9; code 8 is the smallest normal.
-        small = np.rint(a * np.float32(512)).astype(np.int64)
-        code = np.where(a < np.float32(2.0**-6), small, normal).astype(np.uint8)
-        return code | (np.signbit(x.reshape(-1)).astype(np.uint8) << 7)
+        small = np.flatnonzero(magnitude < 0x3C800000)  # 2^-6
+        small_codes = np.rint(magnitude[small].view(np.float32) * np.float32(512))
+        # Normal numbers: round the mantissa to 3 bits (nearest even), then rebias the
+        # exponent from 127 to 7; in place, as these arrays are the size of the block.
+        lsb = (magnitude >> 20) & 1
+        magnitude += 0x7FFFF
+        magnitude += lsb
+        magnitude >>= 20
+        magnitude -= (127 - 7) << 3  # wraps for subnormals, which are overwritten below
+        code = magnitude.astype(np.uint8)
+        code[small] = small_codes.astype(np.uint8)
+        code |= sign
+        return code
 
     def from_fp8(self, codes: Any) -> Any:
         return self._FP8[codes]
