@@ -18,7 +18,7 @@ from rich.table import Table
 
 import kvoffload
 
-__all__ = ["BenchResult", "Row", "Summary", "machine_info", "time_median"]
+__all__ = ["BenchResult", "Row", "Summary", "machine_info", "time_best", "time_median"]
 
 
 @dataclass(frozen=True)
@@ -132,12 +132,23 @@ class BenchResult:
             console.print(f"[dim]{note}[/]")
 
 
-def time_median(fn: Callable[[], object], rounds: int) -> float:
-    """Median seconds of `rounds` calls to `fn` after one warm-up call."""
+def _samples(fn: Callable[[], object], rounds: int) -> list[float]:
+    """Seconds of each of `rounds` calls to `fn`, after one warm-up call."""
     fn()
     samples = []
     for _ in range(rounds):
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return samples
+
+
+def time_median(fn: Callable[[], object], rounds: int) -> float:
+    """Median seconds of `rounds` calls to `fn` after one warm-up call."""
+    return statistics.median(_samples(fn, rounds))
+
+
+def time_best(fn: Callable[[], object], rounds: int) -> float:
+    """Fewest seconds of `rounds` calls to `fn` after one warm-up call: the speed of a core
+    that is not shared, on a machine where other work comes and goes."""
+    return min(_samples(fn, rounds))

@@ -74,6 +74,7 @@ _COUNTS = struct.Struct("<II")
 _RAW, _PACKED = 0, 1
 # Planes are split for these element sizes; other dtypes (fp8, int8, bytes) are one plane.
 _SPLIT_SIZES = (2, 4)
+_WORDS = {n: np.dtype(f"<u{n}") for n in _SPLIT_SIZES}
 DEFAULT_PART_BYTES = 128 << 10
 
 
@@ -231,7 +232,7 @@ def _merge_planes(planes: list[Bytes], part: _Part) -> None:
     if n == 1:
         part.view[..., 0] = part.natural(planes[0])
         return
-    word = np.dtype(f"<u{n}")
+    word = _WORDS[n]
     dst = part.view.view(word)[..., 0]
     acc = np.empty(part.stored_shape, word) if part.keys else dst
     shape = acc.shape
