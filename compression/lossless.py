@@ -222,26 +222,24 @@ def _parts(x: Bytes, spec: BlockSpec, part_size: int) -> list[_Part]:
 
 
 def _merge_planes(planes: list[Bytes], part: _Part) -> None:
-    """Interleave stored-order byte planes into the part's natural-order view.
+    """Interleave stored-order byte planes into the part's natural-order view, in place.
 
-    Planes are combined as whole words (shift and or), which vectorises, instead of writing
-    each plane byte by byte through a strided view. Token-order parts are built in place;
-    channel-major (key) parts are built in a scratch array, then transposed in one copy.
+    Token-order parts are built as whole words (shift, or), which vectorises; channel-major
+    (key) parts are written plane by plane through the transposing view, which costs about
+    as much as building words in a scratch array and transposing them, without the scratch:
+    the decompressor's output stays the only intermediate buffer.
     """
     n = len(planes)
-    if n == 1:
-        part.view[..., 0] = part.natural(planes[0])
+    if n == 1 or part.keys:
+        for p, plane in enumerate(planes):
+            part.view[..., p] = part.natural(plane)
         return
     word = _WORDS[n]
     dst = part.view.view(word)[..., 0]
-    acc = np.empty(part.stored_shape, word) if part.keys else dst
-    shape = acc.shape
-    np.left_shift(planes[-1].reshape(shape), 8 * (n - 1), out=acc, dtype=word)
+    np.left_shift(planes[-1].reshape(dst.shape), 8 * (n - 1), out=dst, dtype=word)
     for p in range(n - 2, 0, -1):
-        acc |= np.left_shift(planes[p].reshape(shape), 8 * p, dtype=word)
-    np.bitwise_or(acc, planes[0].reshape(shape), out=acc, dtype=word)
-    if part.keys:
-        dst[...] = part.natural(acc)
+        dst |= np.left_shift(planes[p].reshape(dst.shape), 8 * p, dtype=word)
+    np.bitwise_or(dst, planes[0].reshape(dst.shape), out=dst, dtype=word)
 
 
 class PlaneCodec(Codec):

@@ -252,9 +252,10 @@ def _torch_ops() -> _TorchOps:
 def _loaded_torch() -> _TorchOps | None:
     """Torch operations if the process has already imported torch, else None.
 
-    Host buffers use torch when it is there (several times faster than numpy for these
-    element-wise steps) but never import it: that would cost seconds in a process that does
-    not use torch. Both produce the same bytes.
+    Host buffers use torch when it is there, so the path a GPU would run is the one
+    exercised, but never import it: that would cost seconds in a process that does not use
+    torch. Both produce the same bytes; on one CPU core torch encodes 1.2-1.6x faster and
+    numpy decodes up to 1.3x faster (bench codecs reports both).
     """
     return _torch_ops() if "torch" in sys.modules else None
 

@@ -66,6 +66,9 @@ def test_lossless_blocks_come_back_bit_exact(url: str, codec: str) -> None:
             assert np.array_equal(out[: NS.block_bytes], block) and np.all(out[-100:] == 7)
             assert client.get(key) == block.tobytes()
         stats = client.stats()
+        as_bytearray = bytearray(NS.block_bytes)
+        assert client.get_into(keys[0], as_bytearray) == NS.block_bytes
+        assert as_bytearray == blocks[0].tobytes()
     raw = len(keys) * NS.block_bytes
     assert stats.bytes_put == raw and stats.bytes_got == 2 * raw
     assert stats.bytes_fetched == 2 * stats.bytes_stored
