@@ -22,6 +22,7 @@ BENCHES: dict[str, str] = {
     "engine": "kvoffload.bench.engine",
     "ssd": "kvoffload.bench.ssd",
     "net": "kvoffload.bench.net",
+    "codecs": "kvoffload.bench.codecs",
 }
 
 

@@ -14,7 +14,8 @@ from typing import NewType
 import blake3
 import numpy as np
 
-from kvoffload.errors import InvalidArgumentError
+from kvoffload.compression import DTYPE_BYTES, BlockSpec, codec_info
+from kvoffload.errors import InvalidArgumentError, UnsupportedCodecConfigError
 
 __all__ = [
     "DTYPE_BYTES",
@@ -34,16 +35,6 @@ BlockKey = NewType("BlockKey", bytes)
 # The full 32-byte chain digest; its first 16 bytes are the block's key.
 BlockHash = NewType("BlockHash", bytes)
 ROOT_PARENT = BlockKey(bytes(KEY_BYTES))
-
-DTYPE_BYTES = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int8": 1,
-    "uint8": 1,
-}
 
 
 @dataclass(frozen=True)
@@ -72,6 +63,11 @@ class Namespace:
     # Per-deployment salt (vLLM's cache_salt); empty for none.
     salt: str = ""
     format_version: int = 1
+    # Codec for this namespace's blocks (see kvoffload.compression), used by clients that do
+    # not name one; "" = none. A lossy codec changes the KV a reader gets, so it is part of the
+    # blocks' identity (it enters the fingerprint); a lossless one is not (the same block
+    # stored raw or compressed has the same key).
+    codec: str = ""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -87,12 +83,26 @@ class Namespace:
             raise InvalidArgumentError(
                 f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPE_BYTES)}"
             )
+        if self.codec:
+            try:
+                codec_info(self.codec)
+            except UnsupportedCodecConfigError as exc:
+                raise InvalidArgumentError(f"Namespace.codec: {exc}") from None
+
+    @property
+    def lossy_codec(self) -> str:
+        """The namespace's codec if it is lossy, else ""."""
+        return self.codec if self.codec and not codec_info(self.codec).lossless else ""
 
     @cached_property
     def fingerprint(self) -> bytes:
         """16 bytes naming this namespace; stable across processes, versions and machines."""
         hasher = blake3.blake3(b"kvoffload.namespace\x00")
         for f in fields(self):
+            if f.name == "codec" and not self.lossy_codec:
+                # Lossless codecs do not change block identity; leaving the record out also
+                # keeps every fingerprint from before the field existed.
+                continue
             # name=value records, each length-prefixed so no two namespaces serialise alike.
             record = f"{f.name}={getattr(self, f.name)!r}".encode()
             hasher.update(len(record).to_bytes(4, "little") + record)
@@ -107,6 +117,15 @@ class Namespace:
     def block_bytes(self) -> int:
         """Raw (uncompressed) bytes of one full block."""
         return self.bytes_per_token * self.block_tokens
+
+    @cached_property
+    def block_spec(self) -> BlockSpec:
+        """What codecs may know of one block: the dtype and, for the LKHTD layout, its shape."""
+        if self.layout != "LKHTD":
+            return BlockSpec(self.dtype)
+        return BlockSpec.kv(
+            self.dtype, self.num_layers, self.num_kv_heads, self.block_tokens, self.head_size
+        )
 
 
 def to_key(key: bytes, what: str = "key") -> BlockKey:

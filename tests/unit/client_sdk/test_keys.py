@@ -15,6 +15,8 @@ from kvoffload.errors import InvalidArgumentError
 NS = Namespace(
     "org/model", dtype="bfloat16", block_tokens=4, num_layers=2, num_kv_heads=2, head_size=8
 )
+# NS.fingerprint as computed before Namespace had a codec field (commit 23f3dea).
+GOLDEN_FINGERPRINT = "cf81f3ab09f3922bc04e035bbe710184"
 
 
 def test_one_key_per_full_block_and_16_bytes() -> None:
@@ -60,6 +62,8 @@ def test_extra_keys_and_namespace_change_keys() -> None:
             )
         elif f.name == "dtype":
             changed = dataclasses.replace(NS, dtype="float16")
+        elif f.name == "codec":
+            changed = dataclasses.replace(NS, codec="fp8")  # lossy; lossless: see below
         else:
             changed = dataclasses.replace(NS, **{f.name: "x"})
         assert changed.fingerprint != NS.fingerprint, f.name
@@ -123,3 +127,26 @@ def test_identical_in_fresh_interpreters_with_different_hash_seeds() -> None:
         outputs.append(json.loads(proc.stdout))
     assert outputs[0] == outputs[1] == outputs[2]
     assert len(outputs[0]) == 11
+
+
+def test_lossless_codecs_keep_block_identity_lossy_ones_change_it() -> None:
+    ids = list(range(8))
+    base = block_keys(NS, ids)
+    for lossless in ("none", "zstd", "split-zstd", "lz4", "split-lz4"):
+        same = dataclasses.replace(NS, codec=lossless)
+        assert same.fingerprint == NS.fingerprint and block_keys(same, ids) == base, lossless
+    fp8 = dataclasses.replace(NS, codec="fp8")
+    int4 = dataclasses.replace(NS, codec="int4")
+    assert len({NS.fingerprint, fp8.fingerprint, int4.fingerprint}) == 3
+    assert fp8.lossy_codec == "fp8" and dataclasses.replace(NS, codec="zstd").lossy_codec == ""
+
+
+def test_fingerprint_is_unchanged_by_the_codec_field() -> None:
+    # Fingerprints of namespaces without a lossy codec must stay what they were before the
+    # field existed: stored blocks and keys of existing deployments keep matching.
+    assert NS.fingerprint.hex() == GOLDEN_FINGERPRINT
+
+
+def test_unknown_codec_name_is_rejected_with_the_valid_ones() -> None:
+    with pytest.raises(InvalidArgumentError, match="split-zstd"):
+        dataclasses.replace(NS, codec="gzip")
