@@ -264,6 +264,12 @@ class _Requests:
         than leave it half-decoded."""
         try:
             codec = codec_for_id(header.codec_id)
+            lossy = self.namespace.lossy_codec if self.namespace is not None else ""
+            if not codec.lossless and codec.name != lossy:
+                # Lossy KV only reaches readers whose namespace declares that codec.
+                raise UnsupportedCodecConfigError(
+                    f"a {codec.name} (lossy) block, and this reader did not declare it"
+                )
         except CodecError as exc:
             self._undecodable(key, header, exc)
             return False
@@ -364,7 +370,12 @@ class _Requests:
 
 
 def _keys(keys: Sequence[bytes]) -> list[BlockKey]:
-    return [to_key(k) for k in keys]
+    try:
+        return [to_key(k) for k in keys]
+    except TypeError:
+        raise InvalidArgumentError(
+            f"expected a sequence of keys, got {type(keys).__name__}"
+        ) from None
 
 
 def _put_items(puts: Sequence[_Put]) -> list[PutItem]:
@@ -374,7 +385,10 @@ def _put_items(puts: Sequence[_Put]) -> list[PutItem]:
 def _pairs(
     items: Iterable[tuple[bytes, object]], parents: Sequence[bytes | None] | None
 ) -> list[tuple[bytes, object, bytes | None]]:
-    pairs = list(items)
+    try:
+        pairs = [(k, v) for k, v in items]
+    except (TypeError, ValueError):
+        raise InvalidArgumentError("items must be (key, value) pairs") from None
     if parents is not None and len(parents) != len(pairs):
         raise InvalidArgumentError(f"{len(pairs)} items but {len(parents)} parents")
     return [(k, v, parents[i] if parents else None) for i, (k, v) in enumerate(pairs)]

@@ -48,6 +48,9 @@ __all__ = [
     "as_payload",
 ]
 
+# Largest raw length `Codec.decode` accepts unless told otherwise.
+_DECODE_LIMIT = 1 << 32
+
 Bytes = npt.NDArray[np.uint8]
 # What `Codec.encode` returns: a flat uint8 array or bytes, ready to hand to a transport.
 Encoded = bytes | Bytes
@@ -228,16 +231,17 @@ class Codec(ABC):
         """Decode `payload` (any contiguous byte buffer) into a new uint8 array.
 
         Args:
-            limit: the largest raw length to accept. The length comes from the payload, so
-                bound it when the payload is not trusted (the SDK bounds it by the store's
-                largest value and verifies a checksum first).
+            limit: the largest raw length to accept (default 4 GiB). The length comes from the
+                payload, so bound it when the payload is not trusted (the SDK bounds it by the
+                store's largest value and verifies a checksum first).
 
         Raises:
             CorruptEncodedError: the payload is malformed or decodes to more than `limit`.
         """
         view = as_payload(payload)
         length = self.raw_length(view)
-        if limit is not None and length > limit:
+        limit = _DECODE_LIMIT if limit is None else limit
+        if length > limit:
             raise CorruptEncodedError(f"payload claims {length} raw bytes, over the limit {limit}")
         out = np.empty(length, dtype=np.uint8)
         self.decode_into(view, out)

@@ -126,6 +126,11 @@ class _Zstd:
 
     def decompress(self, data: Bytes, size: int) -> bytes:
         try:
+            # zstandard allocates whatever size a frame header declares and ignores
+            # max_output_size then: a 47-byte frame could ask for a terabyte. Check first.
+            declared = zstandard.frame_content_size(data.data)
+            if declared not in (-1, size):
+                raise CorruptEncodedError(f"zstd frame declares {declared} bytes, expected {size}")
             out: bytes = self._pair()[1].decompress(data.data, max_output_size=size)
         except zstandard.ZstdError as exc:
             raise CorruptEncodedError(f"zstd: {exc}") from None
@@ -360,11 +365,12 @@ class PlaneCodec(Codec):
             raise CorruptEncodedError(
                 f"payload declares {n_parts} parts, its layout has {expected}"
             )
-        parts = _parts(out[:body], spec, part_size)
         n_seg = n_parts * n
         table_end = pos + 5 * n_seg
+        # Every part costs 5 table bytes per plane: a tiny payload cannot claim many parts.
         if payload.size < table_end:
             raise CorruptEncodedError("payload ends inside its segment table")
+        parts = _parts(out[:body], spec, part_size)
         lengths = struct.unpack_from(f"<{n_seg}I", payload.data, pos)
         methods = payload[pos + 4 * n_seg : table_end].tobytes()
         tail = head.raw_length - body

@@ -45,6 +45,9 @@ __all__ = ["Fp8Codec", "Int4Codec", "QuantCodec"]
 
 _FLOATS = ("bfloat16", "float16", "float32")
 FP8_MAX = 448.0
+# Largest finite value of each dtype a quantised block can be decoded into.
+_DTYPE_MAX = {"float32": 3.4028234663852886e38, "bfloat16": 3.3895313892515355e38,
+              "float16": 65504.0}  # fmt: skip
 INT4_GROUP = 32
 
 
@@ -112,6 +115,9 @@ class _Ops:
 
     def all_nonnegative(self, x: Any) -> bool:
         return bool((x >= 0).all())
+
+    def all_within(self, x: Any, limit: float) -> bool:
+        return bool((np.abs(x) <= limit).all())
 
     def codes(self, x: Any, top: int) -> Any:
         """round-half-even(x) clipped to [0, top], as uint8."""
@@ -207,6 +213,9 @@ class _TorchOps(_Ops):
 
     def all_finite(self, x: Any) -> bool:
         return bool(self.torch.isfinite(x).all())
+
+    def all_within(self, x: Any, limit: float) -> bool:
+        return bool((x.abs() <= limit).all())
 
     def codes(self, x: Any, top: int) -> Any:
         return self.torch.round(x).clamp_(0, top).to(self.torch.uint8)
@@ -363,7 +372,15 @@ class QuantCodec(Codec):
         head, body = self._head(ops, payload)
         check_out(out.shape[0], head.raw_length)
         assert head.spec.shape is not None  # checked by _head
-        ops.store(self._dequantise(ops, body, head.spec.shape), head.spec.dtype, out)
+        with np.errstate(over="ignore", invalid="ignore"):  # judged just below
+            values = self._dequantise(ops, body, head.spec.shape)
+        # A crafted payload (valid CRC, since its writer computed it) can decode to NaN codes,
+        # or to scales that overflow the block's dtype: that is damage, not KV.
+        if not ops.all_finite(values) or not ops.all_within(values, _DTYPE_MAX[head.spec.dtype]):
+            raise CorruptEncodedError(
+                f"payload decodes to values a {head.spec.dtype} block cannot hold"
+            )
+        ops.store(values, head.spec.dtype, out)
 
     # ------------------------------------------------------------------ host buffers (numpy)
 

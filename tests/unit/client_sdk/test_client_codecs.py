@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import struct
 
 import numpy as np
 import pytest
@@ -18,7 +19,10 @@ from kvdata import as_float32, make_kv_block
 from kvoffload.client_sdk import AsyncClient, Client, Namespace, block_keys
 from kvoffload.client_sdk.wire.block import HEADER_BYTES, seal
 from kvoffload.compression import get_codec
+from kvoffload.compression.base import PREAMBLE_BYTES, Preamble
+from kvoffload.compression.lossless import _part_count
 from kvoffload.errors import (
+    CodecError,
     CodecMismatchError,
     InvalidArgumentError,
     UnsupportedCodecConfigError,
@@ -258,3 +262,99 @@ def test_a_codec_instance_with_options(url: str) -> None:
         assert client.codec is codec
         client.put(bytes(16), _block(6))
         assert client.get(bytes(16)) == _block(6).tobytes()
+
+
+def _with_segment(payload: bytes, segment: bytes) -> bytes:
+    """A one-segment lossless payload with its segment replaced (table length updated)."""
+    table = PREAMBLE_BYTES + 8
+    n_parts, _ = struct.unpack_from("<II", payload, PREAMBLE_BYTES)
+    assert n_parts == 1
+    (length,) = struct.unpack_from("<I", payload, table)
+    head = bytearray(payload[: table + 5])  # preamble, counts, one length, one method byte
+    struct.pack_into("<I", head, table, len(segment))
+    assert len(payload) == table + 5 + length  # no raw tail for a byte codec
+    return bytes(head) + segment
+
+
+def test_a_zstd_frame_claiming_a_huge_size_is_refused_before_allocating(url: str) -> None:
+    raw = np.zeros(4096, np.uint8)
+    payload = bytes(get_codec("zstd").encode(raw))
+    # A valid zstd frame header declaring a terabyte of content, with one empty raw block:
+    # zstandard would allocate the terabyte before noticing.
+    lie = b"\x28\xb5\x2f\xfd" + b"\xe0" + (1 << 40).to_bytes(8, "little") + b"\x01\x00\x00"
+    with pytest.raises(CodecError, match="declares"):
+        get_codec("zstd").decode(_with_segment(payload, lie), limit=4096)
+    with Client.connect(url) as client:
+        _inject_plain(client, bytes(16), _with_segment(payload, lie), codec_id=2, raw=4096)
+        assert client.get(bytes(16)) is None
+        assert client.stats().codec_errors == 1
+
+
+def _inject_plain(client: Client, key: bytes, payload: bytes, codec_id: int, raw: int) -> None:
+    header = seal(key_or_hash=key, payload=payload, stored_length=len(payload),
+                  raw_length=raw, namespace=None, codec_id=codec_id)  # fmt: skip
+    client.transport.put(key, [header, payload], None)
+
+
+def test_a_tiny_payload_cannot_claim_millions_of_parts() -> None:
+    import tracemalloc
+
+    codec = get_codec("split-zstd")
+    payload = bytearray(bytes(codec.encode(np.zeros(4 << 20, np.uint8))))
+    head = Preamble.unpack(np.frombuffer(bytes(payload), np.uint8))
+    elements = head.raw_length // head.param
+    # Four million 1-byte parts, as many as the layout allows, so the count check passes:
+    # only the payload's size (5 table bytes per part and plane) may refuse it, and it must
+    # do so before a single part is built.
+    struct.pack_into("<II", payload, PREAMBLE_BYTES, _part_count(head.spec, elements, 1), 1)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CodecError, match="segment table"):
+            codec.decode(bytes(payload[:200]), limit=4 << 20)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 << 20  # building the parts first took ~800 MiB
+
+
+def test_crafted_lossy_payloads_never_decode_to_nan_or_overflow() -> None:
+    codec = get_codec("fp8")
+    spec = NS.block_spec
+    payload = bytearray(bytes(codec.encode(_block(2), spec)))
+    body = len(payload) - _block(2).size // 2  # fp8 codes follow the preamble and scales
+    nan = bytearray(payload)
+    nan[body + 5] = 0x7F  # an e4m3 NaN code
+    with pytest.raises(CodecError, match="cannot hold"):
+        codec.decode(bytes(nan))
+    huge = bytearray(payload)
+    huge[body - 4 : body] = np.float32(3e38).tobytes()  # a scale far above dtype max / 448
+    with pytest.raises(CodecError, match="cannot hold"):
+        codec.decode(bytes(huge))
+
+
+def test_lossy_blocks_reach_only_readers_that_declared_them(url: str) -> None:
+    lossy = dataclasses.replace(NS, codec="fp8")
+    key = block_keys(NS, list(range(NS.block_tokens)))[0]
+    with Client.connect(url, namespace=lossy) as writer:
+        writer.put(key, _block(1))
+        raw = writer.transport.get(key)
+        assert raw is not None
+        stored = bytes(raw.data)
+        raw.release()
+    with Client.connect(url, namespace=NS) as reader:  # exact-KV reader, same key and bytes
+        header = seal(key_or_hash=key, payload=stored[HEADER_BYTES:],
+                      stored_length=len(stored) - HEADER_BYTES, raw_length=NS.block_bytes,
+                      namespace=NS.fingerprint, codec_id=16)  # fmt: skip
+        reader.transport.put(key, [header, stored[HEADER_BYTES:]], None)
+        assert reader.get(key) is None
+        assert reader.stats().codec_errors == 1
+
+
+def test_malformed_batches_are_invalid_arguments(url: str) -> None:
+    with Client.connect(url) as client:
+        with pytest.raises(InvalidArgumentError):
+            client.put_many([(bytes(16),)])  # type: ignore[list-item]
+        with pytest.raises(InvalidArgumentError):
+            client.get_many(None)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError):
+            client.lookup(7)  # type: ignore[arg-type]
