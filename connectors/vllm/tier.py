@@ -161,6 +161,7 @@ class KVOffloadTier(_compat.SecondaryTierManager):
         self._lookups.shutdown()
         self._pool.shutdown(wait=True)
         self.client.close()
+        self._chunks.release()  # vLLM unmaps the primary tier's memory after this
 
     # -- transfers (pool threads) ---------------------------------------------------------
 

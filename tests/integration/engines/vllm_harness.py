@@ -100,58 +100,71 @@ class Seen:
     finish: FinishReason | None = None
 
 
+def make_configs(
+    model_dir: Path, layout: str, transfer: KVTransferConfig, **more: Any
+) -> tuple[VllmConfig, KVCacheConfig, FullAttentionSpec]:
+    """vLLM's configuration of the tiny model with a connector, and its KV cache config (one
+    group of full-attention layers in one buffer laid out as `layout`)."""
+    model = ModelConfig(
+        model=str(model_dir), tokenizer=str(model_dir), skip_tokenizer_init=True,
+        dtype="float16", seed=42,
+    )  # fmt: skip
+    scheduler = SchedulerConfig(
+        max_num_seqs=16, max_num_batched_tokens=512, max_model_len=4096,
+        enable_chunked_prefill=True, is_encoder_decoder=False,
+    )  # fmt: skip
+    cache = CacheConfig(
+        block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto",
+        enable_prefix_caching=True,
+    )  # fmt: skip
+    cache.kv_cache_layout = layout
+    config = VllmConfig(
+        scheduler_config=scheduler, model_config=model, cache_config=cache,
+        kv_transfer_config=transfer, device_config=DeviceConfig("cpu"), **more,
+    )  # fmt: skip
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD,
+                             dtype=torch.float16)  # fmt: skip
+    page = spec.page_size_bytes
+    cross_layer = layout.startswith("B")  # block-outermost: a block's layers are adjacent
+    tensor = KVCacheTensor(
+        size=page * NUM_BLOCKS * LAYERS,
+        layers=LAYER_NAMES,
+        layer_stride=page if cross_layer else page * NUM_BLOCKS,
+        block_stride=page * LAYERS if cross_layer else page,
+    )
+    kv_config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[tensor],
+        kv_cache_groups=[KVCacheGroupSpec(LAYER_NAMES, spec)],
+    )
+    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    return config, kv_config, spec
+
+
+def make_scheduler(config: VllmConfig, kv_config: KVCacheConfig) -> Scheduler:
+    init_none_hash(sha256)
+    return Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_config,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK,
+    )
+
+
 class Engine:
     """One vLLM engine: the real scheduler plus one worker with CPU KV tensors."""
 
     def __init__(self, model_dir: Path, url: str, layout: str, **extra: Any) -> None:
-        model = ModelConfig(
-            model=str(model_dir), tokenizer=str(model_dir), skip_tokenizer_init=True,
-            dtype="float16", seed=42,
-        )  # fmt: skip
-        scheduler = SchedulerConfig(
-            max_num_seqs=16, max_num_batched_tokens=512, max_model_len=4096,
-            enable_chunked_prefill=True, is_encoder_decoder=False,
-        )  # fmt: skip
-        cache = CacheConfig(
-            block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto",
-            enable_prefix_caching=True,
-        )  # fmt: skip
-        cache.kv_cache_layout = layout
         transfer = KVTransferConfig(
             kv_connector="KVOffloadConnector",
             kv_connector_module_path="kvoffload.connectors.vllm",
             kv_role="kv_both",
             kv_connector_extra_config={"url": url, "batch_blocks": 4, **extra},
         )
-        self.config = VllmConfig(
-            scheduler_config=scheduler, model_config=model, cache_config=cache,
-            kv_transfer_config=transfer, device_config=DeviceConfig("cpu"),
-        )  # fmt: skip
-        self.spec = FullAttentionSpec(
-            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float16
-        )
-        page = self.spec.page_size_bytes
-        cross_layer = layout.startswith("B")  # block-outermost: a block's layers are adjacent
-        tensor = KVCacheTensor(
-            size=page * NUM_BLOCKS * LAYERS,
-            layers=LAYER_NAMES,
-            layer_stride=page if cross_layer else page * NUM_BLOCKS,
-            block_stride=page * LAYERS if cross_layer else page,
-        )
-        self.kv_config = KVCacheConfig(
-            num_blocks=NUM_BLOCKS,
-            kv_cache_tensors=[tensor],
-            kv_cache_groups=[KVCacheGroupSpec(LAYER_NAMES, self.spec)],
-        )
-        self.config.cache_config.num_gpu_blocks = NUM_BLOCKS
-        init_none_hash(sha256)
-        self.scheduler = Scheduler(
-            vllm_config=self.config,
-            kv_cache_config=self.kv_config,
-            log_stats=True,
-            structured_output_manager=StructuredOutputManager(self.config),
-            block_size=BLOCK,
-        )
+        self.config, self.kv_config, self.spec = make_configs(model_dir, layout, transfer)
+        tensor = self.kv_config.kv_cache_tensors[0]
+        self.scheduler = make_scheduler(self.config, self.kv_config)
         # The worker process: vLLM's factory builds the worker-role connector; the model
         # runner's connector lifecycle finds it through the process-wide transfer group.
         self.worker = KVConnectorFactory.create_connector(
