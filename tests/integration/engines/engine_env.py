@@ -28,3 +28,17 @@ def require_engine(module: str, env: str) -> ModuleType:
     if os.environ.get(env):
         return importlib.import_module(module)
     return pytest.importorskip(module, reason=f"{module} is not installed ({env}=1 in CI)")
+
+
+def damage_stored_block(url: str, key: bytes, offset: int = -1) -> None:
+    """Flip one bit of a stored block's payload behind the SDK's back (through the raw
+    transport, so the block header still describes the old bytes)."""
+    from kvoffload.client_sdk import Client
+
+    with Client.connect(url) as raw:
+        held = raw.transport.get(key[:16])
+        assert held is not None, "the block to damage is not stored"
+        damaged = bytearray(held.data)
+        held.release()
+        damaged[offset] ^= 0x10
+        raw.transport.put(key[:16], [bytes(damaged)], None)

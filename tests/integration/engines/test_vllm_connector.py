@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_env import require_engine
+from engine_env import damage_stored_block, require_engine
 
 require_engine("vllm", "KVOFFLOAD_REQUIRE_VLLM")
 
@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from vllm.v1.engine import FinishReason  # noqa: E402
 from vllm_harness import BLOCK, Engine, write_tiny_model  # noqa: E402
 
-from kvoffload.client_sdk import Client, engine_hashes  # noqa: E402
+from kvoffload.client_sdk import engine_hashes  # noqa: E402
 from kvoffload.connectors.vllm import KVOffloadConnector  # noqa: E402
 from kvoffload.errors import ConfigError  # noqa: E402
 
@@ -135,13 +135,7 @@ def test_a_corrupt_block_is_recomputed_from_there_on(
     _save_first_request(engine)
     # Damage one payload byte of the 4th stored block, behind the SDK's back.
     key = engine_hashes(engine.worker.namespace, [engine.requests["r1"].block_hashes[3]])[0]
-    with Client.connect(daemon.url()) as raw:
-        held = raw.transport.get(key[:16])
-        assert held is not None
-        damaged = bytearray(held.data)
-        held.release()
-        damaged[-7] ^= 0x10
-        raw.transport.put(key[:16], [bytes(damaged)], None)
+    damage_stored_block(daemon.url(), key, -7)
 
     engine.add("r2", PREFIX + [9, 9])
     engine.run()

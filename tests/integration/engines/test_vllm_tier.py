@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_env import require_engine
+from engine_env import damage_stored_block, require_engine
 
 require_engine("vllm", "KVOFFLOAD_REQUIRE_VLLM")
 
@@ -184,14 +184,7 @@ def test_a_failed_promotion_is_a_miss_never_wrong_bytes(manager: tuple[Any, Any]
     for i in range(PRIMARY_CHUNKS):
         _store(mgr, f"d{i}", _keys(f"d{i}", 1), fill=20 + i)
     # Damage the stored copy of the first chunk behind the SDK's back.
-    key = engine_hashes(tier.namespace, first)[0][:16]
-    with Client.connect(daemon.url()) as raw:
-        held = raw.transport.get(key)
-        assert held is not None
-        damaged = bytearray(held.data)
-        held.release()
-        damaged[-1] ^= 0x01
-        raw.transport.put(key, [bytes(damaged)], None)
+    damage_stored_block(daemon.url(), engine_hashes(tier.namespace, first)[0])
     answers = _promote(mgr, "load-c", first[0])
     # The store said it has it, the promotion failed verification: a miss, recomputed.
     assert LookupResult.HIT_PENDING in answers and answers[-1] == LookupResult.MISS
