@@ -91,7 +91,7 @@ def page_namespace(config: HiCacheStorageConfig, pool: Any, parts: int, salt: st
         block_tokens=int(pool.page_size),
         num_layers=int(pool.layer_num),
         num_kv_heads=int(getattr(pool, "head_num", 1)),
-        head_size=int(getattr(pool, "head_dim", None) or getattr(pool, "kv_cache_dim", 1)),
+        head_size=int(getattr(pool, "head_dim", 0) or getattr(pool, "kv_cache_dim", 1)),
         layout=layout,
         # MLA pages are the same on every TP rank: all ranks share one copy.
         tp_rank=0 if mla else int(config.tp_rank),
