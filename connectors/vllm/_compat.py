@@ -147,15 +147,13 @@ def hash_algo(vllm_config: Any) -> str:
     return f"{algo}+seed={seed}" if seed is not None else algo
 
 
-def tier_hash_algo(params: dict[str, Any]) -> str:
+def tier_hash_algo(default: str) -> str:
     """The hash algorithm for a secondary tier: vLLM does not pass its config to tiers, so read
-    the engine's current config when one is set, else the tier's `hash_algo` parameter."""
+    the engine's current config when one is set, else `default` (the tier's parameter)."""
     from vllm.config import get_current_vllm_config_or_none
 
     config = get_current_vllm_config_or_none()
-    if config is not None:
-        return hash_algo(config)
-    return str(params.get("hash_algo", "sha256"))
+    return hash_algo(config) if config is not None else default
 
 
 def request_hashes(request: Any, hash_ratio: int) -> list[bytes]:

@@ -9,21 +9,19 @@ finished transfers and failed blocks come back in vLLM's connector output.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
 from kvoffload.client_sdk import Client, Namespace
+from kvoffload.connectors.paged_kv import CANONICAL_LAYOUT
 from kvoffload.connectors.vllm import _compat
-from kvoffload.connectors.vllm.layout import CANONICAL_LAYOUT
 from kvoffload.connectors.vllm.plan import Settings, StepPlan, namespace_for
 from kvoffload.connectors.vllm.scheduler import SchedulerHalf
 from kvoffload.connectors.vllm.worker import WorkerHalf
 
 __all__ = ["KVOffloadConnector", "KVOffloadConnectorMetadata"]
 
-log = logging.getLogger(__name__)
 
 
 class KVOffloadConnectorMetadata(_compat.KVConnectorMetadata):
@@ -47,6 +45,9 @@ class KVOffloadConnector(_compat.KVConnectorBase_V1):
 
     # Hits come from a store behind the host (DRAM and SSD tiers, local or remote).
     _cache_hit_source = _compat.CacheHitSource.DISK
+
+    namespace: Namespace
+    """The namespace of this process's blocks (the scheduler's: tensor-parallel rank 0)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -88,9 +89,6 @@ class KVOffloadConnector(_compat.KVConnectorBase_V1):
             self._worker = WorkerHalf(
                 self._settings, client, ns, geometry.layer_names, kv_cache_config.num_blocks
             )
-
-    namespace: Namespace
-    """The namespace of this process's blocks (the scheduler's: tensor-parallel rank 0)."""
 
     @property
     def requires_kv_delivery(self) -> bool:

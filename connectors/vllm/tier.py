@@ -97,7 +97,7 @@ class KVOffloadTier(_compat.SecondaryTierManager):
         locality: str | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        algo = _compat.tier_hash_algo({"hash_algo": hash_algo})
+        algo = _compat.tier_hash_algo(hash_algo)
         self.namespace = tier_namespace(offloading_spec, self.block_size_bytes, algo, salt)
         self.client = Client.connect(url, namespace=self.namespace)
         self._chunks = primary_kv_view.cast("B")

@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from kvoffload.client_sdk import BlockHash, Client, Namespace, engine_hashes
-from kvoffload.connectors.vllm.layout import PagedKV
+from kvoffload.connectors.paged_kv import PagedKV
 from kvoffload.connectors.vllm.plan import LoadJob, SaveJob, Settings, StepPlan
 from kvoffload.errors import ConfigError, KVOffloadError
 
@@ -170,6 +170,8 @@ class WorkerHalf:
     def _run_save(self, job: SaveJob, ready: torch.cuda.Event | None) -> None:
         try:
             self._save(job, ready)
+        except KVOffloadError as exc:
+            log.warning("kvoffload: saving blocks of %s failed: %s", job.req_id, exc)
         except Exception:
             # A thread boundary: a failed save is a future miss, never a failed step.
             log.exception("kvoffload: saving %d blocks of %s failed", len(job.hashes),
@@ -205,7 +207,10 @@ class WorkerHalf:
         loaded = 0
         try:
             loaded = self._load(job)
+        except KVOffloadError as exc:
+            log.warning("kvoffload: loading blocks of %s failed: %s", job.req_id, exc)
         except Exception:
+            # A thread boundary: the blocks are reported as failed and vLLM recomputes them.
             log.exception("kvoffload: loading %d blocks of %s failed", len(job.hashes),
                           job.req_id)  # fmt: skip
         if loaded < len(job.block_ids):
