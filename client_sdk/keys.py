@@ -26,6 +26,8 @@ __all__ = [
     "Namespace",
     "block_hashes",
     "block_keys",
+    "engine_hashes",
+    "engine_keys",
     "to_key",
 ]
 
@@ -206,3 +208,43 @@ def block_keys(
         InvalidArgumentError: ids out of range, a malformed parent or extra key.
     """
     return [BlockKey(h[:KEY_BYTES]) for h in block_hashes(namespace, token_ids, parent, extra_keys)]
+
+
+def engine_hashes(namespace: Namespace, hashes: Sequence[bytes]) -> list[BlockHash]:
+    """32-byte digests for blocks that a serving engine already names with its own hashes.
+
+    vLLM, SGLang and LMCache chain their own block hashes over token ids (and LoRA, multimodal
+    inputs, cache salts); re-hashing the tokens would only duplicate that work and could
+    disagree with what the engine considers the same block. Instead each engine hash is mixed
+    with the namespace fingerprint: ``blake3("kvoffload.engine\0" ‖ fingerprint ‖ len ‖
+    hash)``, so equal engine hashes under different models, dtypes, layouts, ranks, hash
+    algorithms or salts never share a key.
+
+    Args:
+        namespace: a namespace whose `hash_algo` names the engine's hash (anything but the
+            SDK's own "tokens").
+        hashes: the engine's per-block hashes or names, any non-empty byte strings.
+
+    Raises:
+        InvalidArgumentError: the namespace uses token keys, or a hash is empty or not bytes.
+    """
+    if namespace.hash_algo == "tokens":
+        raise InvalidArgumentError(
+            "engine hashes need a namespace whose hash_algo names the engine's hash "
+            "(e.g. 'vllm:sha256'), not 'tokens'"
+        )
+    prefix = b"kvoffload.engine\x00" + namespace.fingerprint
+    out: list[BlockHash] = []
+    for raw in hashes:
+        if not isinstance(raw, (bytes, bytearray)) or not raw:
+            raise InvalidArgumentError(
+                f"engine hashes must be non-empty bytes, got {type(raw).__name__}"
+            )
+        digest = blake3.blake3(prefix + len(raw).to_bytes(4, "little") + bytes(raw)).digest()
+        out.append(BlockHash(bytes(digest)))
+    return out
+
+
+def engine_keys(namespace: Namespace, hashes: Sequence[bytes]) -> list[BlockKey]:
+    """The 16-byte keys of `engine_hashes` (their first 16 bytes)."""
+    return [BlockKey(h[:KEY_BYTES]) for h in engine_hashes(namespace, hashes)]

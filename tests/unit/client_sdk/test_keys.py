@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvoffload.client_sdk import Namespace, block_hashes, block_keys
+from kvoffload.client_sdk import Namespace, block_hashes, block_keys, engine_hashes, engine_keys
 from kvoffload.errors import InvalidArgumentError
 
 NS = Namespace(
@@ -150,3 +150,29 @@ def test_fingerprint_is_unchanged_by_the_codec_field() -> None:
 def test_unknown_codec_name_is_rejected_with_the_valid_ones() -> None:
     with pytest.raises(InvalidArgumentError, match="split-zstd"):
         dataclasses.replace(NS, codec="gzip")
+
+
+def test_engine_keys_are_namespaced_and_deterministic() -> None:
+    vllm = Namespace("m", hash_algo="vllm:sha256")
+    h = [bytes(range(32)), bytes(range(1, 33))]
+    keys = engine_keys(vllm, h)
+    assert keys == engine_keys(Namespace("m", hash_algo="vllm:sha256"), h)
+    assert [len(k) for k in keys] == [16, 16] and keys[0] != keys[1]
+    assert keys == [d[:16] for d in engine_hashes(vllm, h)]
+    # Any field of the namespace (salt, rank, algorithm) separates the keys.
+    for other in (
+        Namespace("m", hash_algo="vllm:sha256", salt="s"),
+        Namespace("m", hash_algo="vllm:sha256", tp_rank=1, tp_size=2),
+        Namespace("m", hash_algo="vllm:sha256_cbor"),
+    ):
+        assert set(engine_keys(other, h)).isdisjoint(keys)
+    # Length-prefixed: concatenating two names does not collide with another split.
+    assert engine_keys(vllm, [b"ab", b"c"]) != engine_keys(vllm, [b"a", b"bc"])
+
+
+def test_engine_keys_refuse_token_namespaces_and_bad_hashes() -> None:
+    with pytest.raises(InvalidArgumentError):
+        engine_keys(Namespace("m"), [bytes(32)])
+    for bad in (b"", "abc", 5):
+        with pytest.raises(InvalidArgumentError):
+            engine_keys(Namespace("m", hash_algo="x"), [bad])  # type: ignore[list-item]
