@@ -21,6 +21,7 @@ import ssl
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 from kvoffload import __version__
@@ -67,6 +68,7 @@ from kvoffload.kvstore import BlockView, PutReservation
 from kvoffload.nvmeof_target.channel import Channel, TlsChannel
 from kvoffload.nvmeof_target.config import Config, NativeConfig
 from kvoffload.nvmeof_target.server import Services
+from kvoffload.nvmeof_target.session import Instruments, Session, stop_sessions
 from kvoffload.nvmeof_target.tenants import Tenant
 
 __all__ = ["NativeFront", "make_front"]
@@ -103,7 +105,7 @@ class NativeFront:
         self._watchdog: asyncio.Task[None] | None = None
         self._sessions: dict[_Session, asyncio.Task[None]] = {}
         self._tls: ssl.SSLContext | None = None
-        self._instruments: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self.instruments = Instruments(services.metrics, FRONT)
         self.limits = Limits(
             max_header_bytes=config.max_header_bytes,
             max_payload_bytes=config.max_payload_bytes,
@@ -165,18 +167,6 @@ class NativeFront:
                     session.say_goodbye(Status.DEADLINE, reason)
                     session.abort()
 
-    def instruments(self, op: str, status: str) -> tuple[Any, Any]:
-        """The request counter and latency histogram of (op, status), looked up once."""
-        found = self._instruments.get((op, status))
-        if found is None:
-            metrics = self.services.metrics
-            found = (
-                metrics.requests.labels(FRONT, op, status),
-                metrics.latency.labels(FRONT, op),
-            )
-            self._instruments[(op, status)] = found
-        return found
-
     def forget(self, session: _Session) -> None:
         self._sessions.pop(session, None)
 
@@ -187,16 +177,7 @@ class NativeFront:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        sessions = dict(self._sessions)
-        for session in sessions:
-            session.stop_reading()
-        if sessions:
-            _, late = await asyncio.wait(sessions.values(), timeout=timeout)
-            for session, task in sessions.items():
-                if task in late:
-                    session.abort()
-            if late:
-                await asyncio.wait(late, timeout=1.0)
+        await stop_sessions(self._sessions, timeout)
 
 
 def _refuse(sock: socket.socket, why: str) -> None:
@@ -210,26 +191,21 @@ def _refuse(sock: socket.socket, why: str) -> None:
     sock.close()
 
 
-class _Session:
+class _Session(Session):
     """One client connection."""
 
     def __init__(self, front: NativeFront, channel: Channel, peer: str) -> None:
+        services = front.services
+        super().__init__(channel, peer, services.executor, services.blocking_reads)
         self.front = front
-        self.services = front.services
-        self.engine = front.services.engine
+        self.services = services
+        self.engine = services.engine
         self.config = front.config
-        self.channel = channel
-        self.peer = peer
         self.conn = NativeConnection(Role.SERVER, front.limits)
         self.tenant: Tenant | None = None
         self._puts: dict[int, _PendingPut] = {}
         self._started: dict[int, tuple[str, float]] = {}  # request id -> (op, t0)
         self._inflight_bytes = 0
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._room = asyncio.Event()
-        self._room.set()
-        self._reading = True  # False once the connection should take no more requests
-        self._reader: asyncio.Task[None] | None = None
         self._last_rx = time.monotonic()
         self._frame_since: float | None = None
 
@@ -321,20 +297,6 @@ class _Session:
             return "idle timeout"
         return ""
 
-    def stop_reading(self) -> None:
-        """Take no more requests; answer those already received, then close."""
-        self._reading = False
-        if self._reader is not None:
-            self._reader.cancel()
-
-    def abort(self) -> None:
-        """Close now, dropping whatever is queued."""
-        self._reading = False
-        self.channel.close()
-        self._room.set()
-        if self._reader is not None:
-            self._reader.cancel()
-
     async def _finish(self) -> None:
         if self._tasks:
             await asyncio.wait(list(self._tasks))
@@ -387,38 +349,11 @@ class _Session:
 
     def _offload(self, request_id: int, work: Callable[[], T], then: Callable[[T], None]) -> None:
         """Run `work` on the I/O threads (it may block), then `then(result)` on the loop."""
-        loop = asyncio.get_running_loop()
-
-        async def job() -> None:
-            try:
-                result = await loop.run_in_executor(self.services.executor, work)
-            except KVOffloadError as exc:
-                self._fail(request_id, exc)
-                return
-            then(result)
-
-        task = loop.create_task(job())
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("request on %s failed", self.peer, exc_info=task.exception())
-            self.abort()
-        self._wake()
+        self.offload(work, then, partial(self._fail, request_id))
 
     def _read(self, request_id: int, work: Callable[[], T], then: Callable[[T], None]) -> None:
         """Run an engine read inline, or on the I/O threads when it may wait on a device."""
-        if self.services.blocking_reads:
-            self._offload(request_id, work, then)
-            return
-        try:
-            result = work()
-        except KVOffloadError as exc:
-            self._fail(request_id, exc)
-            return
-        then(result)
+        self.read(work, then, partial(self._fail, request_id))
 
     @property
     def _me(self) -> Tenant:

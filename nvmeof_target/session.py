@@ -1,0 +1,136 @@
+"""What the daemon's fronts share per connection: a reader task that can be stopped or cut off,
+engine work that may block run on the I/O threads, per-request metrics, and a graceful stop.
+
+The native front (`native.py`) and the NVMe/TCP front (`nvme.py`) each subclass `Session` for
+their protocol; everything here is protocol-agnostic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from kvoffload.errors import KVOffloadError
+from kvoffload.nvmeof_target.channel import Channel
+from kvoffload.nvmeof_target.metrics import Metrics
+
+__all__ = ["Instruments", "Session", "stop_sessions"]
+
+log = logging.getLogger("kvoffload.serve")
+T = TypeVar("T")
+S = TypeVar("S", bound="Session")
+
+
+class Instruments:
+    """The request counter and latency histogram of each (op, status) of one front, looked up
+    once (label lookups cost more than the increments)."""
+
+    def __init__(self, metrics: Metrics, front: str) -> None:
+        self._metrics = metrics
+        self._front = front
+        self._found: dict[tuple[str, str], tuple[Any, Any]] = {}
+
+    def __call__(self, op: str, status: str) -> tuple[Any, Any]:
+        found = self._found.get((op, status))
+        if found is None:
+            found = (
+                self._metrics.requests.labels(self._front, op, status),
+                self._metrics.latency.labels(self._front, op),
+            )
+            self._found[(op, status)] = found
+        return found
+
+
+class Session:
+    """One client connection of a front (subclassed per protocol)."""
+
+    def __init__(self, channel: Channel, peer: str, executor: Any, blocking_reads: bool) -> None:
+        self.channel = channel
+        self.peer = peer
+        self._executor = executor
+        self._blocking_reads = blocking_reads
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._room = asyncio.Event()  # set while the session may take more requests
+        self._room.set()
+        self._reading = True  # False once the connection should take no more requests
+        self._reader: asyncio.Task[None] | None = None
+
+    def stop_reading(self) -> None:
+        """Take no more requests; answer those already received, then close."""
+        self._reading = False
+        if self._reader is not None:
+            self._reader.cancel()
+
+    def abort(self) -> None:
+        """Close now, dropping whatever is queued."""
+        self._reading = False
+        self.channel.close()
+        self._room.set()
+        if self._reader is not None:
+            self._reader.cancel()
+
+    def _wake(self) -> None:
+        """Something finished: flow control may let the reader go on (subclasses decide)."""
+
+    def offload(
+        self,
+        work: Callable[[], T],
+        then: Callable[[T], None],
+        fail: Callable[[KVOffloadError], None],
+    ) -> None:
+        """Run `work` on the I/O threads (it may block), then `then(result)` on the loop, or
+        `fail(error)` if it raised a KVOffloadError."""
+        loop = asyncio.get_running_loop()
+
+        async def job() -> None:
+            try:
+                result = await loop.run_in_executor(self._executor, work)
+            except KVOffloadError as exc:
+                fail(exc)
+                return
+            then(result)
+
+        task = loop.create_task(job())
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("request on %s failed", self.peer, exc_info=task.exception())
+            self.abort()
+        self._wake()
+
+    def read(
+        self,
+        work: Callable[[], T],
+        then: Callable[[T], None],
+        fail: Callable[[KVOffloadError], None],
+    ) -> None:
+        """An engine read inline, or on the I/O threads when it may wait on a device."""
+        if self._blocking_reads:
+            self.offload(work, then, fail)
+            return
+        try:
+            result = work()
+        except KVOffloadError as exc:
+            fail(exc)
+            return
+        then(result)
+
+
+async def stop_sessions(sessions: Mapping[S, asyncio.Task[None]], timeout: float) -> None:
+    """Stop reading on every session, give them `timeout` s to answer what they have, then
+    cut off the rest."""
+    running = dict(sessions)  # a copy: sessions remove themselves as they end
+    for session in running:
+        session.stop_reading()
+    if running:
+        _, late = await asyncio.wait(running.values(), timeout=timeout)
+        for session, task in running.items():
+            if task in late:
+                session.abort()
+        if late:
+            await asyncio.wait(late, timeout=1.0)
