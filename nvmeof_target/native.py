@@ -62,7 +62,6 @@ from kvoffload.errors import (
     KVOffloadError,
     LocalProtocolError,
     RemoteProtocolError,
-    TransportError,
 )
 from kvoffload.kvstore import BlockView, PutReservation
 from kvoffload.nvmeof_target.channel import Channel, TlsChannel
@@ -195,11 +194,9 @@ class _Session(Session):
     """One client connection."""
 
     def __init__(self, front: NativeFront, channel: Channel, peer: str) -> None:
-        services = front.services
-        super().__init__(channel, peer, services.executor, services.blocking_reads)
+        super().__init__(FRONT, front.services, channel, peer)
         self.front = front
-        self.services = services
-        self.engine = services.engine
+        self.engine = front.services.engine
         self.config = front.config
         self.conn = NativeConnection(Role.SERVER, front.limits)
         self.tenant: Tenant | None = None
@@ -210,31 +207,6 @@ class _Session(Session):
         self._frame_since: float | None = None
 
     # ------------------------------------------------------------------ the loop
-
-    async def run(self) -> None:
-        metrics = self.services.metrics
-        metrics.connections.labels(FRONT).inc()
-        # Reading runs in its own task so that stop_reading() can cancel it without
-        # cancelling the orderly finish below.
-        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
-        try:
-            await self._reader
-        except asyncio.CancelledError:
-            pass  # stop_reading(): finish what was already received
-        except RemoteProtocolError as exc:
-            metrics.protocol_errors.labels(FRONT).inc()
-            log.info("protocol error from %s: %s", self.peer, exc)
-            self.say_goodbye(Status.PROTOCOL, str(exc))
-        except TransportError:
-            pass  # the peer went away
-        except Exception:  # a bug must cost one connection, never the daemon
-            log.exception("connection %s failed", self.peer)
-            self.say_goodbye(Status.INTERNAL, "internal error")
-        finally:
-            self._reader = None
-            await self._finish()
-            metrics.connections.labels(FRONT).dec()
-            self.front.forget(self)
 
     async def _read_loop(self) -> None:
         if isinstance(self.channel, TlsChannel):
@@ -297,16 +269,21 @@ class _Session(Session):
             return "idle timeout"
         return ""
 
-    async def _finish(self) -> None:
-        if self._tasks:
-            await asyncio.wait(list(self._tasks))
+    def _protocol_error(self, exc: RemoteProtocolError) -> None:
+        log.info("protocol error from %s: %s", self.peer, exc)
+        self.say_goodbye(Status.PROTOCOL, str(exc))
+
+    def _internal_error(self) -> None:
+        self.say_goodbye(Status.INTERNAL, "internal error")
+
+    def _abandon(self) -> None:
         for pending in self._puts.values():  # partially received puts never become visible
             for reservation in pending.reservations:
                 reservation.abort()
         self._puts.clear()
-        with contextlib.suppress(TransportError):
-            await self.channel.drain()
-        self.channel.close()
+
+    def _forget(self) -> None:
+        self.front.forget(self)
 
     def say_goodbye(self, status: Status, message: str) -> None:
         self._reading = False

@@ -8,13 +8,15 @@ their protocol; everything here is protocol-agnostic.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from kvoffload.errors import KVOffloadError
+from kvoffload.errors import KVOffloadError, RemoteProtocolError, TransportError
 from kvoffload.nvmeof_target.channel import Channel
 from kvoffload.nvmeof_target.metrics import Metrics
+from kvoffload.nvmeof_target.server import Services
 
 __all__ = ["Instruments", "Session", "stop_sessions"]
 
@@ -44,18 +46,70 @@ class Instruments:
 
 
 class Session:
-    """One client connection of a front (subclassed per protocol)."""
+    """One client connection of a front (subclassed per protocol).
 
-    def __init__(self, channel: Channel, peer: str, executor: Any, blocking_reads: bool) -> None:
+    `run()` reads in its own task (`_read_loop`, the protocol's) so that `stop_reading()` can
+    cancel it without cancelling the orderly finish: in-flight work is awaited, partially
+    received writes are dropped (`_abandon`), queued answers are flushed, the socket closed.
+    """
+
+    def __init__(self, front: str, services: Services, channel: Channel, peer: str) -> None:
+        self.front_name = front
+        self.services = services
         self.channel = channel
         self.peer = peer
-        self._executor = executor
-        self._blocking_reads = blocking_reads
         self._tasks: set[asyncio.Task[None]] = set()
         self._room = asyncio.Event()  # set while the session may take more requests
         self._room.set()
         self._reading = True  # False once the connection should take no more requests
         self._reader: asyncio.Task[None] | None = None
+
+    async def run(self) -> None:
+        metrics = self.services.metrics
+        metrics.connections.labels(self.front_name).inc()
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        try:
+            await self._reader
+        except asyncio.CancelledError:
+            pass  # stop_reading() or abort(): finish what was already received
+        except RemoteProtocolError as exc:
+            metrics.protocol_errors.labels(self.front_name).inc()
+            self._protocol_error(exc)
+        except TransportError:
+            pass  # the peer went away
+        except Exception:  # a bug must cost one connection, never the daemon
+            log.exception("%s connection %s failed", self.front_name, self.peer)
+            self._internal_error()
+        finally:
+            self._reader = None
+            await self._finish()
+            metrics.connections.labels(self.front_name).dec()
+            self._forget()
+
+    async def _read_loop(self) -> None:
+        """Receive and handle requests until the peer is done or reading stops."""
+        raise NotImplementedError
+
+    def _protocol_error(self, exc: RemoteProtocolError) -> None:
+        """The peer broke the protocol; tell it if the protocol can (reading has stopped)."""
+        log.info("protocol error from %s: %s", self.peer, exc)
+
+    def _internal_error(self) -> None:
+        """A bug ended the connection; tell the peer if the protocol can."""
+
+    def _abandon(self) -> None:
+        """Drop writes whose data had not fully arrived (they must never become visible)."""
+
+    def _forget(self) -> None:
+        """The connection is over: the front stops tracking it."""
+
+    async def _finish(self) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks))
+        self._abandon()
+        with contextlib.suppress(TransportError):
+            await self.channel.drain()
+        self.channel.close()
 
     def stop_reading(self) -> None:
         """Take no more requests; answer those already received, then close."""
@@ -86,7 +140,7 @@ class Session:
 
         async def job() -> None:
             try:
-                result = await loop.run_in_executor(self._executor, work)
+                result = await loop.run_in_executor(self.services.executor, work)
             except KVOffloadError as exc:
                 fail(exc)
                 return
@@ -110,7 +164,7 @@ class Session:
         fail: Callable[[KVOffloadError], None],
     ) -> None:
         """An engine read inline, or on the I/O threads when it may wait on a device."""
-        if self._blocking_reads:
+        if self.services.blocking_reads:
             self.offload(work, then, fail)
             return
         try:
