@@ -12,8 +12,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
+import zmq
 from nvme_raw import CC_ENABLE, SUBNQN, RawQueue
 
 from kvoffload.client_sdk import AsyncClient, Client, Namespace, block_keys
@@ -392,3 +394,47 @@ def test_identify_as_a_linux_host_reads_it(start_daemon: Start) -> None:
         assert _status(c) == (0, 0x01)
     finally:
         host.close()
+
+
+def test_blocks_tier_to_the_ssd_and_back_through_nvme(start_daemon: Start) -> None:
+    # 32 MiB of DRAM cannot hold 64 blocks of 900 KiB: reads come back from the SSD tier,
+    # on the daemon's I/O threads.
+    daemon = start_daemon(
+        "--dram", "32MiB", "--ssd", "256MiB", env={"KVOFFLOAD_SSD__ADMISSION_MIN_USES": "1"}
+    )
+    blocks = {i.to_bytes(16, "big"): os.urandom(900 << 10) for i in range(64)}
+    with Client.connect(daemon.nvme_url()) as client:
+        for key, value in blocks.items():
+            client.put(key, value)
+        for key, value in blocks.items():
+            assert client.get(key) == value
+        assert client.lookup(list(blocks)) == len(blocks)
+    with Client.connect(daemon.url()) as native:
+        (dram, ssd) = native.stats().store["tiers"]  # type: ignore[misc]
+        assert ssd["promotions"] > 0 and ssd["corrupt_blocks"] == 0
+
+
+def test_kv_events_for_nvme_stores_and_deletes(start_daemon: Start) -> None:
+    daemon = start_daemon("--events", "tcp://127.0.0.1:*")
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(daemon.events)
+    key = bytes(range(16))
+    host = _host(daemon, kato_ms=0)
+    try:
+        for _ in range(100):  # PUB drops messages until the subscription has propagated
+            host.store(key, [b"v"])
+            if sub.poll(100):
+                break
+        events = msgpack.unpackb(sub.recv_multipart()[2])[1]
+        assert events[0]["type"] == "BlockStored"
+        assert events[0]["block_hashes"] == [int.from_bytes(key[8:], "big")]
+        assert host.delete(key).ok
+        removed = False
+        while not removed and sub.poll(5000):
+            for event in msgpack.unpackb(sub.recv_multipart()[2])[1]:
+                removed = removed or event["type"] == "BlockRemoved"
+        assert removed
+    finally:
+        host.close()
+        sub.close(linger=0)
