@@ -327,10 +327,10 @@ def test_keep_alive_timeout_tears_the_association_down(start_daemon: Start) -> N
     admin.close()
     io.close()
     # A host that keeps alive keeps its association well past KATO.
-    with Client.connect(daemon.nvme_url(kato="600")) as client:
+    with Client.connect(daemon.nvme_url(kato="1500")) as client:  # Keep Alive every 0.5 s
         client.put(b"k" * 16, b"alive")
         before = client.stats().store["cntlid"]
-        time.sleep(2.0)
+        time.sleep(4.0)
         assert client.get(b"k" * 16) == b"alive"
         assert client.stats().store["cntlid"] == before  # the same association, no reconnect
 
@@ -340,17 +340,19 @@ def test_aer_is_parked_and_disconnect_ends_the_queue(start_daemon: Start) -> Non
     q = RawQueue(daemon.ports["nvme"])
     assert q.connect().ok
     q.enable()
-    aer = nc.async_event(q.cid())
-    q.send(_capsule(aer))
+    for _ in range(4):  # Identify AERL = 3: four may be outstanding
+        q.send(_capsule(nc.async_event(q.cid())))
     c, _ = q.command(nc.keep_alive(q.cid()))
-    assert c.ok  # answered while the AER stays parked
+    assert c.ok  # answered while the AERs stay parked
+    c, _ = q.command(nc.async_event(q.cid()))
+    assert _status(c) == (1, 0x05)  # a fifth: Asynchronous Event Request Limit Exceeded
     c, _ = q.command(nc.property_get(q.cid(), 0x1C, False))
     assert c.dw0 == 1
     bye = nc.disconnect(q.cid())
     q.send(_capsule(bye))
     events = q.until_closed()
     answers = [e.completion.cid for e in events if isinstance(e, CapsuleResp)]
-    assert answers == [bye.cid]  # Disconnect answered, the AER never
+    assert answers == [bye.cid]  # Disconnect answered, the parked AERs never
     q.close()
 
 
@@ -438,3 +440,17 @@ def test_kv_events_for_nvme_stores_and_deletes(start_daemon: Start) -> None:
     finally:
         host.close()
         sub.close(linger=0)
+
+
+def test_a_full_namespace_answers_capacity_exceeded(start_daemon: Start) -> None:
+    daemon = start_daemon(
+        config='[tenants.small]\ntoken = "t"\nquota_bytes = "1MiB"\n'
+        f'[nvme.subsystems."{SUBNQN}".namespaces.1]\ntenant = "small"\n'
+    )
+    host = _host(daemon, kato_ms=0)
+    try:
+        c = host.store(os.urandom(16), [bytes(2 << 20)])  # more than the tenant may hold
+        assert _status(c) == (0, 0x81) and not c.dnr  # Capacity Exceeded, may retry later
+        assert host.store(os.urandom(16), [bytes(1000)]).ok
+    finally:
+        host.close()
