@@ -229,13 +229,11 @@ class NvmeFront:
 
     def drop_controller(self, ctrl: Controller) -> None:
         """End an association: the controller goes, and every queue of it is closed."""
-        if self.controllers.get(ctrl.cntlid) is ctrl:
-            del self.controllers[ctrl.cntlid]
-        members = self._members.get(ctrl.cntlid, set())
-        if all(q.ctrl is ctrl for q in members):
-            self._members.pop(ctrl.cntlid, None)
-            for queue in members:
-                queue.abort()
+        if self.controllers.get(ctrl.cntlid) is not ctrl:
+            return  # gone already (its id may even serve a newer controller by now)
+        del self.controllers[ctrl.cntlid]
+        for queue in self._members.pop(ctrl.cntlid, set()):
+            queue.abort()
 
     def forget(self, queue: _Queue) -> None:
         self._queues.pop(queue, None)
@@ -600,9 +598,9 @@ class _Queue(Session):
 
     def _disconnect(self, cmd: Command, data_length: int) -> None:
         self._complete(cmd.cid)
-        self._reading = False  # answered; the connection closes once the answer is out
-        if self.qid == 0 and self.ctrl is not None:
-            self.front.controllers.pop(self.ctrl.cntlid, None)
+        # Answered; the connection closes once the answer is out (on the admin queue that ends
+        # the association, as its closing always does).
+        self._reading = False
 
     # ------------------------------------------------------------------ Admin
 

@@ -338,8 +338,12 @@ def test_keep_alive_timeout_tears_the_association_down(start_daemon: Start) -> N
 def test_aer_is_parked_and_disconnect_ends_the_queue(start_daemon: Start) -> None:
     daemon = start_daemon()
     q = RawQueue(daemon.ports["nvme"])
-    assert q.connect().ok
+    c = q.connect()
+    assert c.ok
     q.enable()
+    assert q.command(nc.set_features(q.cid(), 0x07, 0))[0].ok
+    io = RawQueue(daemon.ports["nvme"])
+    assert io.connect(1, cntlid=c.dw0).ok
     for _ in range(4):  # Identify AERL = 3: four may be outstanding
         q.send(_capsule(nc.async_event(q.cid())))
     c, _ = q.command(nc.keep_alive(q.cid()))
@@ -353,7 +357,10 @@ def test_aer_is_parked_and_disconnect_ends_the_queue(start_daemon: Start) -> Non
     events = q.until_closed()
     answers = [e.completion.cid for e in events if isinstance(e, CapsuleResp)]
     assert answers == [bye.cid]  # Disconnect answered, the parked AERs never
+    # The admin queue was the association: its I/O queue goes with it.
+    assert isinstance(io.until_closed()[-1], ConnectionClosed)
     q.close()
+    io.close()
 
 
 def _capsule(cmd: nc.Command) -> CapsuleCmd:
