@@ -39,6 +39,7 @@ from kvoffload.client_sdk.wire.nvme_cmd import (
     Completion,
     Direction,
 )
+from kvoffload.client_sdk.wire.rxbuffer import ReceiveBuffer
 from kvoffload.errors import LocalProtocolError, RemoteProtocolError
 
 __all__ = [
@@ -76,8 +77,6 @@ _TERM = struct.Struct("<HI")  # fes, fei (then 10 reserved)
 _DATA = struct.Struct("<HHII")  # cccid, ttag, datao/r2to, datal/r2tl (then 4 reserved)
 _DIGEST = struct.Struct("<I")
 _TERM_MAX_COPY = 128  # a TermReq carries at most 128 bytes of the offending PDU
-_READ_CHUNK = 64 << 10
-_MIN_READ = 4 << 10
 _U16, _U32 = 0xFFFF, 0xFFFF_FFFF
 
 
@@ -401,15 +400,14 @@ class _R2TWindow:
 class _Rx(enum.Enum):
     HEAD = "common header"
     HEADER = "PDU header"
-    DATA_UNCLAIMED = "data, no sink chosen"
-    DATA = "data"
+    DATA = "data"  # whether a sink is chosen is the ReceiveBuffer's business
     DIGEST = "data digest"
 
 
 # ---------------------------------------------------------------------------- the connection
 
 
-class NvmeTcpConnection:
+class NvmeTcpConnection(ReceiveBuffer):
     """One side of one NVMe/TCP connection (one queue pair); no I/O.
 
     Args:
@@ -428,6 +426,7 @@ class NvmeTcpConnection:
         max_outstanding: int = 128,
         maxh2cdata: int = 1 << 20,
     ) -> None:
+        super().__init__()
         self.role = role
         self.in_capsule = in_capsule
         self.max_outstanding = max_outstanding
@@ -440,32 +439,16 @@ class NvmeTcpConnection:
         self._error: RemoteProtocolError | None = None
         self._eof = False
         self._cmds: dict[int, _Cmd] = {}
-        # receive buffer
-        self._buf = bytearray(_READ_CHUNK)
-        self._view = memoryview(self._buf)
-        self._start = 0
-        self._end = 0
         self._rx = _Rx.HEAD
         self._ch: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
         self._need = 0  # header bytes (from the PDU start) to have before parsing
         self._hd = 0  # header digest bytes of the current PDU
-        # data of the current PDU
+        self._pdu_data = 0  # data bytes the current PDU declares
         self._data_cid = 0
-        self._data_left = 0
         self._ddgst = False
         self._crc = 0
-        self._sink: list[memoryview] = []
-        self._sink_i = 0
-        self._sink_fill = 0
-        self._discarding = False
-        self._allocated: memoryview | None = None
-        self._direct = False
 
     # ------------------------------------------------------------------ receiving
-
-    @property
-    def buffered(self) -> int:
-        return self._end - self._start
 
     @property
     def at_boundary(self) -> bool:
@@ -477,54 +460,19 @@ class NvmeTcpConnection:
         """Commands sent (host) or received (target) and not yet completed."""
         return len(self._cmds)
 
-    def get_buffer(self) -> memoryview:
-        """Writable memory for the next received bytes (never empty).
-
-        While a data sink is being filled and nothing else is buffered, this is the sink
-        itself, so `recv_into` lands the bytes at their destination.
-        """
-        if self._rx is _Rx.DATA_UNCLAIMED:
-            self._allocate()
-        if (
-            self._rx is _Rx.DATA
-            and not self._discarding
-            and self._start == self._end
-            and self._sink_i < len(self._sink)
-        ):
-            self._direct = True
-            piece = self._sink[self._sink_i]
-            return piece[self._sink_fill : self._sink_fill + self._data_left]
-        self._direct = False
-        self._make_room()
-        return self._view[self._end :]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        """`nbytes` were written at the start of the memory `get_buffer` returned."""
-        if nbytes <= 0:
-            return
-        if self._direct:
-            self._direct = False
-            piece = self._sink[self._sink_i]
-            if self._ddgst:
-                self._crc = crc32c.crc32c(
-                    piece[self._sink_fill : self._sink_fill + nbytes], self._crc
-                )
-            self._advance_sink(nbytes)
-        else:
-            self._end += nbytes
-
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
-        """Feed received bytes; `b""` means the peer closed its side."""
-        src = memoryview(data).cast("B")
-        if not len(src):
+        """Feed received bytes (copied in through `get_buffer`); `b""` means the peer closed."""
+        if not len(data):
             self._eof = True
             return
-        while len(src):
-            dst = self.get_buffer()
-            n = min(len(dst), len(src))
-            dst[:n] = src[:n]
-            self.buffer_updated(n)
-            src = src[n:]
+        self._feed(data)
+
+    def _header_room(self) -> int:
+        return self._need if self._rx is _Rx.HEADER else CH.size
+
+    def _landed(self, data: memoryview) -> None:
+        if self._ddgst:
+            self._crc = crc32c.crc32c(data, self._crc)
 
     def receive_eof(self) -> None:
         self._eof = True
@@ -536,19 +484,19 @@ class NvmeTcpConnection:
         Raises:
             LocalProtocolError: no data is waiting, or the buffers hold more than remains.
         """
-        if self._rx is not _Rx.DATA_UNCLAIMED:
+        if not self._unclaimed:
             raise LocalProtocolError("no PDU data is waiting for a sink")
         views = [memoryview(b).cast("B") for b in buffers]
         views = [v for v in views if len(v)]
-        if not views or sum(len(v) for v in views) > self._data_left:
+        if not views or sum(len(v) for v in views) > self._left:
             raise LocalProtocolError(
-                f"sink of {sum(len(v) for v in views)} bytes for {self._data_left} data bytes"
+                f"sink of {sum(len(v) for v in views)} bytes for {self._left} data bytes"
             )
         self._claim(views, discard=False)
 
     def discard_data(self) -> None:
         """Read and drop the rest of the current PDU's data (its digest is still checked)."""
-        if self._rx is not _Rx.DATA_UNCLAIMED:
+        if not self._unclaimed:
             raise LocalProtocolError("no PDU data is waiting to be discarded")
         self._claim([], discard=True)
 
@@ -584,13 +532,13 @@ class NvmeTcpConnection:
             if self.buffered < self._need:
                 return self._at_eof()
             return self._parse_header()
-        if self._rx is _Rx.DATA_UNCLAIMED:
-            self._allocate()
         if self._rx is _Rx.DATA:
-            self._drain_data()
-            if self._data_left:
-                if not self._filling():  # a partial sink filled up: ask for the next one
-                    return SinkFull(self._data_cid, self._data_left)
+            if self._unclaimed:  # nobody chose a sink (after the event or a SinkFull)
+                self._allocate()
+            self._drain()
+            if self._left:
+                if self._unclaimed:  # a partial sink filled up: ask for the next one
+                    return SinkFull(self._data_cid, self._left)
                 return self._at_eof()
             if not self._ddgst:
                 return self._data_end(True)
@@ -635,10 +583,10 @@ class NvmeTcpConnection:
         if kind in _TERM_TYPES:
             if not hlen <= plen <= hlen + _TERM_MAX_COPY:
                 raise _Fatal(f"TermReq PLEN {plen}", Fes.INVALID_HEADER_FIELD, FEI_PLEN)
-            self._data_left = 0
+            self._pdu_data = 0
             self._need = plen
         else:
-            self._data_left = self._check_lengths(kind, flags, hlen, pdo, plen, hd)
+            self._pdu_data = self._check_lengths(kind, flags, hlen, pdo, plen, hd)
             self._need = hlen + hd
         self._ch = (kind, flags, hlen, pdo, plen)
         self._rx = _Rx.HEADER
@@ -702,10 +650,11 @@ class NvmeTcpConnection:
         psh = self._view[start : start + self._need]
         event = _PARSERS[PduType(kind)](self, psh, flags)
         self._start += self._need
-        if self._data_left:
+        if self._pdu_data:
             self._ddgst = self.ddgst
             self._crc = 0
-            self._rx = _Rx.DATA_UNCLAIMED
+            self._rx = _Rx.DATA
+            self._expect(self._pdu_data)
         else:
             self._rx = _Rx.HEAD
         return event
@@ -766,7 +715,7 @@ class NvmeTcpConnection:
         length = sgl.length if sgl.type == SGL_TRANSPORT else 0
         self._cmds[command.cid] = _Cmd(command.direction, length)
         self._data_cid = command.cid
-        return CapsuleCmd(command, self._data_left)
+        return CapsuleCmd(command, self._pdu_data)
 
     def _parse_resp(self, psh: memoryview, flags: int) -> Event:
         completion = Completion.unpack(psh, CH.size)
@@ -835,9 +784,9 @@ class NvmeTcpConnection:
     def _check_data(self, kind: PduType, datao: int, datal: int, expected: int, end: int) -> None:
         """What H2CData and C2HData share: DATAL is the PDU's data, DATAO continues where the
         data stands, and the data fits the command (or R2T)."""
-        if datal != self._data_left:
+        if datal != self._pdu_data:
             raise _Fatal(
-                f"{kind.name} DATAL {datal} but {self._data_left} data bytes",
+                f"{kind.name} DATAL {datal} but {self._pdu_data} data bytes",
                 Fes.INVALID_HEADER_FIELD,
                 FEI_DATAL,
             )
@@ -886,75 +835,10 @@ class NvmeTcpConnection:
 
     # ------------------------------------------------------------------ data
 
-    def _claim(self, views: list[memoryview], *, discard: bool) -> None:
-        self._sink = views
-        self._sink_i = 0
-        self._sink_fill = 0
-        self._discarding = discard
-        self._rx = _Rx.DATA
-
-    def _allocate(self) -> None:
-        memory = memoryview(bytearray(self._data_left))
-        self._claim([memory], discard=False)
-        self._allocated = memory
-
-    def _advance_sink(self, n: int) -> None:
-        self._data_left -= n
-        while n:
-            room = len(self._sink[self._sink_i]) - self._sink_fill
-            step = min(room, n)
-            self._sink_fill += step
-            n -= step
-            if self._sink_fill == len(self._sink[self._sink_i]):
-                self._sink_i += 1
-                self._sink_fill = 0
-        if self._data_left and self._sink_i == len(self._sink) and not self._discarding:
-            self._rx = _Rx.DATA_UNCLAIMED  # a partial sink is full: ask for the next one
-
-    def _drain_data(self) -> None:
-        """Move buffered bytes of the current PDU's data into its sink (or drop them)."""
-        while self._filling() and self._data_left and self.buffered:
-            take = min(self.buffered, self._data_left)
-            src = self._view[self._start : self._start + take]
-            if self._discarding:
-                if self._ddgst:
-                    self._crc = crc32c.crc32c(src, self._crc)
-                self._data_left -= take
-                self._start += take
-                continue
-            piece = self._sink[self._sink_i]
-            step = min(len(piece) - self._sink_fill, take)
-            piece[self._sink_fill : self._sink_fill + step] = src[:step]
-            if self._ddgst:
-                self._crc = crc32c.crc32c(src[:step], self._crc)
-            self._start += step
-            self._advance_sink(step)
-
-    def _filling(self) -> bool:
-        return self._rx is _Rx.DATA
-
     def _data_end(self, digest_ok: bool) -> DataEnd:
-        end = DataEnd(self._data_cid, self._allocated if digest_ok else None, digest_ok)
-        self._sink = []
-        self._allocated = None
-        self._discarding = False
+        allocated = self._payload_done()
         self._rx = _Rx.HEAD
-        return end
-
-    def _make_room(self) -> None:
-        want = self._need if self._rx is _Rx.HEADER else CH.size
-        if len(self._buf) - self._end >= _MIN_READ and len(self._buf) - self._start >= want:
-            return
-        if self._start:
-            n = self.buffered
-            self._buf[:n] = bytes(self._view[self._start : self._end])
-            self._start, self._end = 0, n
-        size = max(_READ_CHUNK, self.buffered + _MIN_READ)
-        if len(self._buf) < size or (len(self._buf) > size and self.buffered < _READ_CHUNK // 2):
-            resized = bytearray(size)
-            resized[: self.buffered] = self._view[: self.buffered]
-            self._buf = resized
-            self._view = memoryview(resized)
+        return DataEnd(self._data_cid, allocated if digest_ok else None, digest_ok)
 
     # ------------------------------------------------------------------ sending
 
