@@ -194,15 +194,13 @@ class _Session(Session):
     """One client connection."""
 
     def __init__(self, front: NativeFront, channel: Channel, peer: str) -> None:
-        super().__init__(FRONT, front.services, channel, peer)
+        super().__init__(FRONT, front.services, channel, peer, front.instruments)
         self.front = front
         self.engine = front.services.engine
         self.config = front.config
         self.conn = NativeConnection(Role.SERVER, front.limits)
         self.tenant: Tenant | None = None
         self._puts: dict[int, _PendingPut] = {}
-        self._started: dict[int, tuple[str, float]] = {}  # request id -> (op, t0)
-        self._inflight_bytes = 0
         self._last_rx = time.monotonic()
         self._frame_since: float | None = None
 
@@ -244,7 +242,7 @@ class _Session(Session):
         return False
 
     def _dispatch(self, event: Event) -> None:
-        self._started[event.request_id] = (type(event).__name__.lower(), time.perf_counter())
+        self._started_now(event.request_id, type(event).__name__.lower())
         try:
             _HANDLERS[type(event)](self, event)
         except KVOffloadError as exc:  # e.g. the engine closing under a stopping daemon
@@ -304,21 +302,8 @@ class _Session(Session):
             if on_done is not None:
                 on_done()
             raise
-        size = sum(len(p) for p in parts)
-        self._inflight_bytes += size
-
-        def done() -> None:
-            self._inflight_bytes -= size
-            if on_done is not None:
-                on_done()
-            self._wake()
-
-        self.channel.write(parts, done)
-        op, t0 = self._started.pop(event.request_id, ("?", time.perf_counter()))
         status = "ok" if not isinstance(event, ErrorReply) else Status(event.status).name.lower()
-        counter, histogram = self.front.instruments(op, status)
-        counter.inc()
-        histogram.observe(time.perf_counter() - t0)
+        self._answer(event.request_id, parts, status, on_done)
         self._wake()
 
     def _fail(self, request_id: int, exc: KVOffloadError) -> None:

@@ -290,7 +290,7 @@ class _Queue(Session):
     """One connection: one NVMe queue pair."""
 
     def __init__(self, front: NvmeFront, channel: Channel, peer: str) -> None:
-        super().__init__(FRONT, front.services, channel, peer)
+        super().__init__(FRONT, front.services, channel, peer, front.instruments)
         self.front = front
         self.engine = front.engine
         self.config = front.config
@@ -305,9 +305,7 @@ class _Queue(Session):
         self._sqhd = 0
         self._ttag = 0
         self._incoming: dict[int, _Incoming] = {}
-        self._started: dict[int, tuple[str, float]] = {}
         self._aers: set[int] = set()
-        self._inflight_bytes = 0
         self._created = time.monotonic()
         self._frame_since: float | None = None
 
@@ -402,7 +400,7 @@ class _Queue(Session):
     def _on_capsule(self, event: CapsuleCmd) -> None:
         cmd = event.command
         self._sqhd = (self._sqhd + 1) % self._slots
-        self._started[cmd.cid] = (_op_name(cmd, self.qid), time.perf_counter())
+        self._started_now(cmd.cid, _op_name(cmd, self.qid))
         try:
             self._handler(cmd)(self, cmd, event.data_length)
         except CommandFailed as exc:
@@ -496,25 +494,10 @@ class _Queue(Session):
             if on_done is not None:
                 on_done()
             return
-        size = sum(len(p) for p in parts)
-        self._inflight_bytes += size
-
-        def done() -> None:
-            self._inflight_bytes -= size
-            if on_done is not None:
-                on_done()
-            self._wake()
-
-        self.channel.write(parts, done)
-        op, t0 = self._started.pop(cid, ("?", time.perf_counter()))
-        label = (
-            "ok"
-            if status == 0
-            else _STATUS_NAMES.get(((status >> 9) & 7, (status >> 1) & 0xFF), "error")
-        )
-        counter, histogram = self.front.instruments(op, label)
-        counter.inc()
-        histogram.observe(time.perf_counter() - t0)
+        label = "ok"
+        if status:
+            label = _STATUS_NAMES.get(((status >> 9) & 7, (status >> 1) & 0xFF), "error")
+        self._answer(cid, parts, label, on_done)
 
     def _wake(self) -> None:
         if self._inflight_bytes < self.config.max_inflight_bytes:

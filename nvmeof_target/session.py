@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from kvoffload.errors import KVOffloadError, RemoteProtocolError, TransportError
@@ -53,11 +54,21 @@ class Session:
     received writes are dropped (`_abandon`), queued answers are flushed, the socket closed.
     """
 
-    def __init__(self, front: str, services: Services, channel: Channel, peer: str) -> None:
+    def __init__(
+        self,
+        front: str,
+        services: Services,
+        channel: Channel,
+        peer: str,
+        instruments: Instruments,
+    ) -> None:
         self.front_name = front
         self.services = services
         self.channel = channel
         self.peer = peer
+        self._instruments = instruments
+        self._started: dict[int, tuple[str, float]] = {}  # request/command id -> (op, t0)
+        self._inflight_bytes = 0  # answer bytes queued and not yet in the kernel
         self._tasks: set[asyncio.Task[None]] = set()
         self._room = asyncio.Event()  # set while the session may take more requests
         self._room.set()
@@ -127,6 +138,34 @@ class Session:
 
     def _wake(self) -> None:
         """Something finished: flow control may let the reader go on (subclasses decide)."""
+
+    def _started_now(self, request: int, op: str) -> None:
+        self._started[request] = (op, time.perf_counter())
+
+    def _answer(
+        self,
+        request: int,
+        parts: Sequence[bytes | memoryview],
+        status: str,
+        on_done: Callable[[], None] | None = None,
+    ) -> None:
+        """Queue the buffers that answer `request`: they count against the in-flight budget
+        until the kernel has them (then `on_done` runs: a pinned view may be released), and
+        the request's counter and latency are recorded."""
+        size = sum(len(p) for p in parts)
+        self._inflight_bytes += size
+
+        def done() -> None:
+            self._inflight_bytes -= size
+            if on_done is not None:
+                on_done()
+            self._wake()
+
+        self.channel.write(parts, done)
+        op, t0 = self._started.pop(request, ("?", time.perf_counter()))
+        counter, histogram = self._instruments(op, status)
+        counter.inc()
+        histogram.observe(time.perf_counter() - t0)
 
     def offload(
         self,
