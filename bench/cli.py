@@ -23,6 +23,7 @@ BENCHES: dict[str, str] = {
     "ssd": "kvoffload.bench.ssd",
     "net": "kvoffload.bench.net",
     "codecs": "kvoffload.bench.codecs",
+    "nvme": "kvoffload.bench.nvme",
 }
 
 
@@ -198,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "serve",
         parents=[build_flag_parser(add_help=False)],
-        help="run the storage daemon (native protocol on 127.0.0.1:7480, metrics on :9480)",
+        help="run the storage daemon (native protocol on 127.0.0.1:7480, NVMe/TCP KV on :4420, "
+        "metrics on :9480)",
         description=build_flag_parser().description,
     )
 

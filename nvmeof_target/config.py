@@ -28,11 +28,15 @@ else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
 
 __all__ = [
+    "DEFAULT_SUBNQN",
     "Config",
     "EventsConfig",
     "MetricsConfig",
+    "NamespaceConfig",
     "NativeConfig",
+    "NvmeConfig",
     "ServerConfig",
+    "SubsystemConfig",
     "TenantConfig",
     "TlsConfig",
     "build_flag_parser",
@@ -40,6 +44,8 @@ __all__ = [
 ]
 
 ENV_PREFIX = "KVOFFLOAD_"
+DEFAULT_SUBNQN = "nqn.2026-11.io.kvoffload:store"
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _LOOPS = ("auto", "asyncio", "uvloop")
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -115,6 +121,117 @@ class NativeConfig:
             raise ConfigError("native timeouts must be positive")
 
 
+def _check_nqn(nqn: str, what: str) -> None:
+    # NVMe: "nqn." + at most 223 bytes of UTF-8 in all; printable so it fits the C strings
+    # hosts keep it in.
+    if not nqn.startswith("nqn.") or len(nqn.encode()) > 223 or not nqn.isprintable():
+        raise ConfigError(f"{what} {nqn!r} is not an NQN (nqn.<date>.<domain>:<name>, <= 223 B)")
+
+
+@dataclass(frozen=True)
+class NamespaceConfig:
+    """One KV namespace of a subsystem: which tenant's keys it holds and who may see it."""
+
+    nsid: int
+    # The tenant whose key space the namespace is ("" = the open store's keys).
+    tenant: str = ""
+    # Host NQNs that see this namespace; empty = every host the subsystem admits.
+    hosts: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.nsid <= 1024:
+            raise ConfigError(f"namespace id {self.nsid} must be in 1..1024")
+        for host in self.hosts:
+            _check_nqn(host, f"namespace {self.nsid} host")
+
+
+@dataclass(frozen=True)
+class SubsystemConfig:
+    """An NVMe subsystem: its NQN, the hosts allowed to connect and its namespaces."""
+
+    nqn: str
+    # Host NQNs that may connect; empty = any host, but only while the front listens on
+    # loopback (a refused host gets Connect "Invalid Host").
+    allow_hosts: tuple[str, ...] = ()
+    # nsid -> namespace; empty = namespace 1 holding the open store's keys.
+    namespaces: tuple[NamespaceConfig, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_nqn(self.nqn, "subsystem")
+        for host in self.allow_hosts:
+            _check_nqn(host, f"{self.nqn} allowed host")
+        ids = [n.nsid for n in self.namespaces]
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"{self.nqn}: duplicate namespace ids {ids}")
+
+    @property
+    def active(self) -> tuple[NamespaceConfig, ...]:
+        return self.namespaces or (NamespaceConfig(1),)
+
+
+@dataclass(frozen=True)
+class NvmeConfig:
+    """The NVMe/TCP front: the NVMe Key Value command set over NVMe/TCP (DESIGN §5)."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    # 0 binds any free port (the daemon prints the one it got). 4420 is IANA's NVMe/TCP port.
+    port: int = 4420
+    # The subsystem served when `subsystems` is empty (one namespace, the open store's keys).
+    subnqn: str = DEFAULT_SUBNQN
+    subsystems: tuple[SubsystemConfig, ...] = ()
+    # Largest value an I/O command may carry in its capsule (one round trip; larger values are
+    # fetched with R2T). Sets IOCCSZ. Received straight into the store, so it costs no memory.
+    in_capsule_bytes: int = 2 << 20
+    # MAXH2CDATA: the most data one H2CData PDU may carry (4 KiB..4 MiB, multiple of 4).
+    maxh2cdata_bytes: int = 1 << 20
+    # Most data one C2HData PDU carries; a longer transfer is split.
+    max_c2h_bytes: int = 8 << 20
+    # I/O queues one controller may connect (Set Features Number of Queues is capped here).
+    max_io_queues: int = 16
+    # Commands one queue may hold (CAP.MQES + 1, MAXCMD).
+    queue_depth: int = 128
+    max_connections: int = 1024
+    # Answer bytes one connection may have queued before the daemon stops reading it.
+    max_inflight_bytes: int = 256 << 20
+    # A new connection must finish ICReq and Connect within this long.
+    connect_timeout_s: float = 10.0
+    # A PDU that has begun must be complete within this long.
+    frame_timeout_s: float = 60.0
+    backlog: int = 512
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"nvme.port must be in 0..65535, got {self.port}")
+        _check_nqn(self.subnqn, "nvme.subnqn")
+        nqns = [s.nqn for s in self.subsystems]
+        if len(set(nqns)) != len(nqns):
+            raise ConfigError(f"duplicate subsystem NQNs {nqns}")
+        if self.in_capsule_bytes < 4096 or self.in_capsule_bytes % 16:
+            raise ConfigError("nvme.in_capsule_bytes must be >= 4 KiB and a multiple of 16")
+        h2c = self.maxh2cdata_bytes
+        if h2c % 4 or not 4096 <= h2c <= 4 << 20:
+            raise ConfigError("nvme.maxh2cdata_bytes must be 4 KiB..4 MiB and a multiple of 4")
+        if self.max_c2h_bytes < 4096:
+            raise ConfigError("nvme.max_c2h_bytes must be >= 4 KiB")
+        if not 1 <= self.max_io_queues <= 0xFFFE or not 2 <= self.queue_depth <= 0x10000:
+            raise ConfigError("nvme.max_io_queues must be 1..65534, queue_depth 2..65536")
+        for name in ("max_connections", "max_inflight_bytes", "backlog"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"nvme.{name} must be positive")
+        if self.connect_timeout_s <= 0 or self.frame_timeout_s <= 0:
+            raise ConfigError("nvme timeouts must be positive")
+
+    @property
+    def served(self) -> tuple[SubsystemConfig, ...]:
+        """The subsystems this front serves."""
+        return self.subsystems or (SubsystemConfig(self.subnqn),)
+
+    @property
+    def loopback(self) -> bool:
+        return self.host in _LOOPBACK
+
+
 @dataclass(frozen=True)
 class MetricsConfig:
     """Prometheus `/metrics` over HTTP."""
@@ -176,6 +293,7 @@ class Config:
 
     server: ServerConfig = ServerConfig()
     native: NativeConfig = NativeConfig()
+    nvme: NvmeConfig = NvmeConfig()
     metrics: MetricsConfig = MetricsConfig()
     events: EventsConfig = EventsConfig()
     dram: DramConfig = DramConfig()
@@ -193,6 +311,13 @@ class Config:
         if len(set(tokens)) != len(tokens):
             raise ConfigError("two tenants share a token")
         EngineConfig(dram=self.dram, ssd=self.ssd, data_dir=self.data_dir)  # validates them
+        for subsystem in self.nvme.served:
+            for ns in subsystem.active:
+                if ns.tenant and ns.tenant not in names:
+                    raise ConfigError(
+                        f"namespace {ns.nsid} of {subsystem.nqn} maps to tenant {ns.tenant!r}, "
+                        f"which is not configured (tenants: {names})"
+                    )
 
     @property
     def engine(self) -> EngineConfig:
@@ -214,6 +339,8 @@ _FLAGS: dict[str, tuple[str, ...]] = {
     "tls_cert": ("native", "tls", "cert_file"),
     "tls_key": ("native", "tls", "key_file"),
     "events": ("events", "endpoint"),
+    "nvme_port": ("nvme", "port"),
+    "subnqn": ("nvme", "subnqn"),
 }
 
 
@@ -223,7 +350,8 @@ def build_flag_parser(
     parser = argparse.ArgumentParser(
         prog=prog,
         add_help=add_help,
-        description="Run the kvoffload storage daemon (native protocol, metrics, KV events). "
+        description="Run the kvoffload storage daemon (native protocol, NVMe/TCP KV, metrics, KV "
+        "events). "
         "Settings: defaults < --config TOML < KVOFFLOAD_SECTION__KEY environment < flags.",
     )
     add = parser.add_argument
@@ -239,6 +367,8 @@ def build_flag_parser(
     add("--tls-cert", metavar="PEM", help="serve the native front over TLS with this certificate")
     add("--tls-key", metavar="PEM", help="private key of --tls-cert (if not in the same file)")
     add("--events", metavar="ENDPOINT", help="publish KV events on this ZMQ endpoint")
+    add("--nvme-port", type=int, help="NVMe/TCP front port (default 4420; 0 = any free port)")
+    add("--subnqn", metavar="NQN", help=f"NVMe subsystem NQN (default {DEFAULT_SUBNQN})")
     return parser
 
 
@@ -327,11 +457,20 @@ def _build(cls: type[Any], values: Mapping[str, Any], where: str) -> Any:
 def _convert(tp: Any, value: Any, name: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, name + ".")  # type: ignore[arg-type]
-    if typing.get_origin(tp) is tuple:  # the tenants table: name -> {token, quota_bytes}
+    if typing.get_origin(tp) is tuple:
+        (item, *_) = typing.get_args(tp)
+        if item is str:  # a list of strings: a TOML array, or "a,b" from the environment
+            if isinstance(value, str):
+                return tuple(v.strip() for v in value.split(",") if v.strip())
+            if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+                return tuple(value)
+            return _bad(name, value, "a list of strings")
+        # A keyed table (tenants, subsystems, namespaces): each key fills the item's first field.
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{name} must be a table of tenants")
+            raise ConfigError(f"{name} must be a table")
+        first = dataclasses.fields(item)[0].name
         return tuple(
-            _build(TenantConfig, {**_table(v, f"{name}.{k}"), "name": k}, f"{name}.{k}.")
+            _build(item, {**_table(v, f"{name}.{k}"), first: k}, f"{name}.{k}.")
             for k, v in value.items()
         )
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:

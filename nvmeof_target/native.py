@@ -21,6 +21,7 @@ import ssl
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 from kvoffload import __version__
@@ -61,12 +62,12 @@ from kvoffload.errors import (
     KVOffloadError,
     LocalProtocolError,
     RemoteProtocolError,
-    TransportError,
 )
 from kvoffload.kvstore import BlockView, PutReservation
 from kvoffload.nvmeof_target.channel import Channel, TlsChannel
 from kvoffload.nvmeof_target.config import Config, NativeConfig
 from kvoffload.nvmeof_target.server import Services
+from kvoffload.nvmeof_target.session import Instruments, Session, stop_sessions
 from kvoffload.nvmeof_target.tenants import Tenant
 
 __all__ = ["NativeFront", "make_front"]
@@ -103,7 +104,7 @@ class NativeFront:
         self._watchdog: asyncio.Task[None] | None = None
         self._sessions: dict[_Session, asyncio.Task[None]] = {}
         self._tls: ssl.SSLContext | None = None
-        self._instruments: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self.instruments = Instruments(services.metrics, FRONT)
         self.limits = Limits(
             max_header_bytes=config.max_header_bytes,
             max_payload_bytes=config.max_payload_bytes,
@@ -165,18 +166,6 @@ class NativeFront:
                     session.say_goodbye(Status.DEADLINE, reason)
                     session.abort()
 
-    def instruments(self, op: str, status: str) -> tuple[Any, Any]:
-        """The request counter and latency histogram of (op, status), looked up once."""
-        found = self._instruments.get((op, status))
-        if found is None:
-            metrics = self.services.metrics
-            found = (
-                metrics.requests.labels(FRONT, op, status),
-                metrics.latency.labels(FRONT, op),
-            )
-            self._instruments[(op, status)] = found
-        return found
-
     def forget(self, session: _Session) -> None:
         self._sessions.pop(session, None)
 
@@ -187,16 +176,7 @@ class NativeFront:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        sessions = dict(self._sessions)
-        for session in sessions:
-            session.stop_reading()
-        if sessions:
-            _, late = await asyncio.wait(sessions.values(), timeout=timeout)
-            for session, task in sessions.items():
-                if task in late:
-                    session.abort()
-            if late:
-                await asyncio.wait(late, timeout=1.0)
+        await stop_sessions(self._sessions, timeout)
 
 
 def _refuse(sock: socket.socket, why: str) -> None:
@@ -210,55 +190,21 @@ def _refuse(sock: socket.socket, why: str) -> None:
     sock.close()
 
 
-class _Session:
+class _Session(Session):
     """One client connection."""
 
     def __init__(self, front: NativeFront, channel: Channel, peer: str) -> None:
+        super().__init__(FRONT, front.services, channel, peer, front.instruments)
         self.front = front
-        self.services = front.services
         self.engine = front.services.engine
         self.config = front.config
-        self.channel = channel
-        self.peer = peer
         self.conn = NativeConnection(Role.SERVER, front.limits)
         self.tenant: Tenant | None = None
         self._puts: dict[int, _PendingPut] = {}
-        self._started: dict[int, tuple[str, float]] = {}  # request id -> (op, t0)
-        self._inflight_bytes = 0
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._room = asyncio.Event()
-        self._room.set()
-        self._reading = True  # False once the connection should take no more requests
-        self._reader: asyncio.Task[None] | None = None
         self._last_rx = time.monotonic()
         self._frame_since: float | None = None
 
     # ------------------------------------------------------------------ the loop
-
-    async def run(self) -> None:
-        metrics = self.services.metrics
-        metrics.connections.labels(FRONT).inc()
-        # Reading runs in its own task so that stop_reading() can cancel it without
-        # cancelling the orderly finish below.
-        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
-        try:
-            await self._reader
-        except asyncio.CancelledError:
-            pass  # stop_reading(): finish what was already received
-        except RemoteProtocolError as exc:
-            metrics.protocol_errors.labels(FRONT).inc()
-            log.info("protocol error from %s: %s", self.peer, exc)
-            self.say_goodbye(Status.PROTOCOL, str(exc))
-        except TransportError:
-            pass  # the peer went away
-        except Exception:  # a bug must cost one connection, never the daemon
-            log.exception("connection %s failed", self.peer)
-            self.say_goodbye(Status.INTERNAL, "internal error")
-        finally:
-            self._reader = None
-            await self._finish()
-            metrics.connections.labels(FRONT).dec()
-            self.front.forget(self)
 
     async def _read_loop(self) -> None:
         if isinstance(self.channel, TlsChannel):
@@ -296,7 +242,7 @@ class _Session:
         return False
 
     def _dispatch(self, event: Event) -> None:
-        self._started[event.request_id] = (type(event).__name__.lower(), time.perf_counter())
+        self._started_now(event.request_id, type(event).__name__.lower())
         try:
             _HANDLERS[type(event)](self, event)
         except KVOffloadError as exc:  # e.g. the engine closing under a stopping daemon
@@ -321,30 +267,21 @@ class _Session:
             return "idle timeout"
         return ""
 
-    def stop_reading(self) -> None:
-        """Take no more requests; answer those already received, then close."""
-        self._reading = False
-        if self._reader is not None:
-            self._reader.cancel()
+    def _protocol_error(self, exc: RemoteProtocolError) -> None:
+        log.info("protocol error from %s: %s", self.peer, exc)
+        self.say_goodbye(Status.PROTOCOL, str(exc))
 
-    def abort(self) -> None:
-        """Close now, dropping whatever is queued."""
-        self._reading = False
-        self.channel.close()
-        self._room.set()
-        if self._reader is not None:
-            self._reader.cancel()
+    def _internal_error(self) -> None:
+        self.say_goodbye(Status.INTERNAL, "internal error")
 
-    async def _finish(self) -> None:
-        if self._tasks:
-            await asyncio.wait(list(self._tasks))
+    def _abandon(self) -> None:
         for pending in self._puts.values():  # partially received puts never become visible
             for reservation in pending.reservations:
                 reservation.abort()
         self._puts.clear()
-        with contextlib.suppress(TransportError):
-            await self.channel.drain()
-        self.channel.close()
+
+    def _forget(self) -> None:
+        self.front.forget(self)
 
     def say_goodbye(self, status: Status, message: str) -> None:
         self._reading = False
@@ -365,21 +302,8 @@ class _Session:
             if on_done is not None:
                 on_done()
             raise
-        size = sum(len(p) for p in parts)
-        self._inflight_bytes += size
-
-        def done() -> None:
-            self._inflight_bytes -= size
-            if on_done is not None:
-                on_done()
-            self._wake()
-
-        self.channel.write(parts, done)
-        op, t0 = self._started.pop(event.request_id, ("?", time.perf_counter()))
         status = "ok" if not isinstance(event, ErrorReply) else Status(event.status).name.lower()
-        counter, histogram = self.front.instruments(op, status)
-        counter.inc()
-        histogram.observe(time.perf_counter() - t0)
+        self._answer(event.request_id, parts, status, on_done)
         self._wake()
 
     def _fail(self, request_id: int, exc: KVOffloadError) -> None:
@@ -387,38 +311,11 @@ class _Session:
 
     def _offload(self, request_id: int, work: Callable[[], T], then: Callable[[T], None]) -> None:
         """Run `work` on the I/O threads (it may block), then `then(result)` on the loop."""
-        loop = asyncio.get_running_loop()
-
-        async def job() -> None:
-            try:
-                result = await loop.run_in_executor(self.services.executor, work)
-            except KVOffloadError as exc:
-                self._fail(request_id, exc)
-                return
-            then(result)
-
-        task = loop.create_task(job())
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("request on %s failed", self.peer, exc_info=task.exception())
-            self.abort()
-        self._wake()
+        self.offload(work, then, partial(self._fail, request_id))
 
     def _read(self, request_id: int, work: Callable[[], T], then: Callable[[T], None]) -> None:
         """Run an engine read inline, or on the I/O threads when it may wait on a device."""
-        if self.services.blocking_reads:
-            self._offload(request_id, work, then)
-            return
-        try:
-            result = work()
-        except KVOffloadError as exc:
-            self._fail(request_id, exc)
-            return
-        then(result)
+        self.read(work, then, partial(self._fail, request_id))
 
     @property
     def _me(self) -> Tenant:

@@ -72,6 +72,7 @@ class Front(Protocol):
 # name -> "module:factory(config, services) -> Front | None" (None: disabled in the config).
 FRONTS: dict[str, str] = {
     "native": "kvoffload.nvmeof_target.native:make_front",
+    "nvme": "kvoffload.nvmeof_target.nvme:make_front",
 }
 
 

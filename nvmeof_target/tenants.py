@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from blake3 import blake3
 
-from kvoffload.errors import AuthError
+from kvoffload.errors import AuthError, ConfigError
 from kvoffload.kvstore import Engine
 from kvoffload.nvmeof_target.config import TenantConfig
 
@@ -67,6 +67,19 @@ class Tenants:
     def apply_quotas(self, engine: Engine) -> None:
         for config in self._configs:
             engine.set_quota(config.name, config.quota_bytes or None)
+
+    def named(self, name: str) -> Tenant:
+        """The tenant called `name` ("" = the open store's anonymous key space).
+
+        Raises:
+            ConfigError: no such tenant is configured.
+        """
+        if not name:
+            return ANONYMOUS
+        found = self._tenants.get(name)
+        if found is None:
+            raise ConfigError(f"unknown tenant {name!r}; configured: {sorted(self._tenants)}")
+        return found
 
     def authenticate(self, token: str) -> Tenant:
         """The tenant that owns `token`.

@@ -44,7 +44,8 @@ class Daemon:
     ) -> None:
         args = [sys.executable, "-m", "kvoffload.bench.cli", "serve"]
         if defaults:  # the test's own flags come after these, so they win
-            args += ["--port", "0", "--metrics-port", "0", "--dram", "64MiB", "--ssd", "0"]
+            args += ["--port", "0", "--nvme-port", "0", "--metrics-port", "0"]
+            args += ["--dram", "64MiB", "--ssd", "0"]
             args += ["--data-dir", str(tmp / "data")]
         args += flags
         if config is not None:
@@ -89,6 +90,11 @@ class Daemon:
     def url(self, **params: str) -> str:
         query = "&".join(f"{k}={v}" for k, v in params.items())
         return f"kv://127.0.0.1:{self.port}" + (f"?{query}" if query else "")
+
+    def nvme_url(self, subnqn: str = "nqn.2026-11.io.kvoffload:store", **params: str) -> str:
+        query = "&".join(f"{k}={v}" for k, v in params.items())
+        url = f"nvme+tcp://127.0.0.1:{self.ports['nvme']}/{subnqn}"
+        return url + (f"?{query}" if query else "")
 
     @property
     def metrics_url(self) -> str:

@@ -28,6 +28,7 @@ __all__ = [
 _SCHEMES: dict[str, str] = {
     "local": "kvoffload.client_sdk.transports.local:open_local",
     "kv": "kvoffload.client_sdk.transports.kv:open_kv",
+    "nvme+tcp": "kvoffload.client_sdk.transports.nvme:open_nvme",
 }
 # scheme -> "module:function(StoreURL) -> AsyncTransport" for schemes with a native asyncio
 # transport; the others are served from their sync transport in a worker thread.

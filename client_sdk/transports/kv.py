@@ -510,16 +510,7 @@ class _SyncConnection:
                 for part in parts:
                     self.sock.sendall(part)
                 return
-            views = [memoryview(p).cast("B") for p in parts]
-            while views:
-                sent = self.sock.sendmsg(views[:512])
-                while sent:
-                    if sent >= len(views[0]):
-                        sent -= len(views[0])
-                        views.pop(0)
-                    else:
-                        views[0] = views[0][sent:]
-                        sent = 0
+            _send_all(self.sock, parts)
         except OSError as exc:
             raise self._lost(exc) from None
 
@@ -554,6 +545,19 @@ class _SyncConnection:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
+
+
+def _send_all(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> None:
+    """`sendmsg` every byte of `parts` (a blocking socket; its timeout applies per call)."""
+    views = [memoryview(p).cast("B") for p in parts]
+    while views:
+        sent = sock.sendmsg(views[:512])  # Linux takes at most IOV_MAX (1024) buffers
+        while sent:
+            if sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
 
 
 def _left(deadline: float) -> float:

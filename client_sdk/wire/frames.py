@@ -29,6 +29,7 @@ from typing import Protocol
 
 import msgpack
 
+from kvoffload.client_sdk.wire.rxbuffer import ReceiveBuffer
 from kvoffload.errors import LocalProtocolError
 
 __all__ = [
@@ -50,12 +51,6 @@ FLAG_RESPONSE = 0x1
 _KNOWN_FLAGS = FLAG_RESPONSE
 FRAME = struct.Struct("<4sBBHIIQ")  # 24 bytes
 MAX_REQUEST_ID = (1 << 32) - 1
-# Bytes the reader buffers per read when it is not filling a payload sink: large enough that a
-# pipelined burst of small requests is one system call, small enough to cost nothing per connection
-# that matters next to the arena.
-_READ_CHUNK = 64 << 10
-# Compact or grow rather than hand out less free space than this (avoids tiny reads).
-_MIN_READ = 4 << 10
 
 
 class Buffer(Protocol):
@@ -112,77 +107,31 @@ class PayloadEnd:
 class _State(enum.Enum):
     HEAD = "head"
     META = "meta"
-    PAYLOAD_UNCLAIMED = "payload, no sink chosen yet"
-    PAYLOAD = "payload"
+    PAYLOAD = "payload"  # whether a sink is chosen is the ReceiveBuffer's business
 
 
-class FrameReader:
+class FrameReader(ReceiveBuffer):
     """Incremental frame parser: bytes in (any chunking), `Frame` / `PayloadEnd` out."""
 
     def __init__(self, limits: Limits | None = None) -> None:
+        super().__init__()
         self.limits = limits or Limits()
-        self._buf = bytearray(_READ_CHUNK)
-        self._view = memoryview(self._buf)
-        self._start = 0  # first unparsed byte in _buf
-        self._end = 0  # one past the last received byte in _buf
         self._state = _State.HEAD
         self._head: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)  # type, flags, id, hlen, plen
-        self._sink: list[memoryview] = []
-        self._sink_index = 0  # which sink buffer is being filled
-        self._sink_fill = 0  # bytes written into it
-        self._remaining = 0  # payload bytes still to come
-        self._discarding = False
-        self._allocated: memoryview | None = None
-        self._direct = False  # the last get_buffer() handed out sink memory
 
     # ------------------------------------------------------------------ receive side
-
-    @property
-    def buffered(self) -> int:
-        """Bytes received but not yet consumed by `next_frame`."""
-        return self._end - self._start
 
     @property
     def at_boundary(self) -> bool:
         """True between frames (nothing partial buffered)."""
         return self._state is _State.HEAD and self._start == self._end
 
-    def get_buffer(self) -> memoryview:
-        """Writable memory for the next received bytes (never empty).
-
-        While a claimed payload is being received and nothing else is buffered, this is the
-        sink itself, so a `recv_into` lands the bytes at their destination.
-        """
-        if self._state is _State.PAYLOAD_UNCLAIMED:
-            self._allocate()
-        direct = self._state is _State.PAYLOAD and not self._discarding and self._remaining
-        if direct and self._start == self._end:
-            self._direct = True
-            sink = self._sink[self._sink_index]
-            return sink[self._sink_fill : self._sink_fill + self._remaining]
-        self._direct = False
-        self._make_room()
-        return self._view[self._end :]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        """`nbytes` were written at the start of the memory `get_buffer` returned."""
-        if nbytes <= 0:
-            return
-        if self._direct:
-            self._direct = False
-            self._advance_sink(nbytes)
-        else:
-            self._end += nbytes
-
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Feed received bytes (copying them through `get_buffer`)."""
-        src = memoryview(data).cast("B")
-        while len(src):
-            dst = self.get_buffer()
-            n = min(len(dst), len(src))
-            dst[:n] = src[:n]
-            self.buffer_updated(n)
-            src = src[n:]
+        self._feed(data)
+
+    def _header_room(self) -> int:
+        return self._head[3] if self._state is _State.META else 0
 
     def set_sink(self, buffers: Sequence[memoryview]) -> None:
         """Deliver the pending payload into `buffers` (in order; their sizes must add up to it).
@@ -190,18 +139,18 @@ class FrameReader:
         Raises:
             LocalProtocolError: no payload is pending, or the sizes do not match.
         """
-        if self._state is not _State.PAYLOAD_UNCLAIMED:
+        if not self._unclaimed:
             raise LocalProtocolError("no payload is waiting for a sink")
         views = [memoryview(b).cast("B") for b in buffers if len(b)]
-        if sum(len(v) for v in views) != self._remaining:
+        if sum(len(v) for v in views) != self._left:
             raise LocalProtocolError(
-                f"sink of {sum(len(v) for v in views)} bytes for a {self._remaining}-byte payload"
+                f"sink of {sum(len(v) for v in views)} bytes for a {self._left}-byte payload"
             )
         self._claim(views, discard=False)
 
     def discard(self) -> None:
         """Read and drop the pending payload without allocating memory for it."""
-        if self._state is not _State.PAYLOAD_UNCLAIMED:
+        if not self._unclaimed:
             raise LocalProtocolError("no payload is waiting to be discarded")
         self._claim([], discard=True)
 
@@ -212,8 +161,6 @@ class FrameReader:
             LocalProtocolError: the bytes break the framing rules (callers re-raise it as the
                 peer's fault).
         """
-        if self._state is _State.PAYLOAD_UNCLAIMED:
-            self._allocate()
         if self._state is _State.PAYLOAD:
             return self._drain_payload()
         if self._state is _State.HEAD:
@@ -228,8 +175,8 @@ class FrameReader:
         self._start += hlen
         frame = Frame(self._head[0], self._head[1], rid, _unpack_map(raw), plen)
         if plen:
-            self._state = _State.PAYLOAD_UNCLAIMED
-            self._remaining = plen
+            self._state = _State.PAYLOAD
+            self._expect(plen)
         else:
             self._state = _State.HEAD
         return frame
@@ -256,75 +203,13 @@ class FrameReader:
         self._head = (ftype, flags, rid, hlen, plen)
         self._state = _State.META
 
-    def _make_room(self) -> None:
-        """Ensure free space after `_end`, and that a declared map fits contiguously."""
-        want = self._head[3] if self._state is _State.META else 0
-        if len(self._buf) - self._end >= _MIN_READ and len(self._buf) - self._start >= want:
-            return
-        self._compact()
-        # `want` was checked against the limit; `buffered` is bounded by the caller, who drains
-        # events between reads (only `receive_data` of a huge chunk can push it up).
-        size = max(_READ_CHUNK, want + _MIN_READ, self.buffered + _MIN_READ)
-        if len(self._buf) < size or (len(self._buf) > size and self.buffered < _READ_CHUNK // 2):
-            # Grow for a large map; shrink back once it has been consumed.
-            resized = bytearray(size)
-            resized[: self.buffered] = self._view[: self.buffered]
-            self._buf = resized
-            self._view = memoryview(resized)
-
-    def _compact(self) -> None:
-        if self._start:
-            n = self.buffered
-            # bytes(): the ranges may overlap, and bytearray slice assignment uses memcpy.
-            self._buf[:n] = bytes(self._view[self._start : self._end])
-            self._start, self._end = 0, n
-
-    def _allocate(self) -> None:
-        memory = memoryview(bytearray(self._remaining))
-        self._claim([memory], discard=False)
-        self._allocated = memory
-
-    def _claim(self, views: list[memoryview], *, discard: bool) -> None:
-        self._sink = views
-        self._sink_index = 0
-        self._sink_fill = 0
-        self._discarding = discard
-        self._allocated = None
-        self._state = _State.PAYLOAD
-
-    def _advance_sink(self, n: int) -> None:
-        self._remaining -= n
-        while n:
-            room = len(self._sink[self._sink_index]) - self._sink_fill
-            step = min(room, n)
-            self._sink_fill += step
-            n -= step
-            if self._sink_fill == len(self._sink[self._sink_index]):
-                self._sink_index += 1
-                self._sink_fill = 0
-
     def _drain_payload(self) -> PayloadEnd | Need:
-        take = min(self.buffered, self._remaining)
-        if take and self._discarding:
-            self._remaining -= take
-            self._start += take
-        elif take:
-            pos = 0
-            while pos < take:
-                sink = self._sink[self._sink_index]
-                step = min(len(sink) - self._sink_fill, take - pos)
-                sink[self._sink_fill : self._sink_fill + step] = self._view[
-                    self._start + pos : self._start + pos + step
-                ]
-                self._advance_sink(step)
-                pos += step
-            self._start += take
-        if self._remaining:
+        if self._unclaimed:  # nobody chose a sink: the reader allocates
+            self._allocate()
+        self._drain()
+        if self._left:
             return Need.DATA
-        end = PayloadEnd(self._head[2], self._allocated)
-        self._sink = []
-        self._allocated = None
-        self._discarding = False
+        end = PayloadEnd(self._head[2], self._payload_done())
         self._state = _State.HEAD
         return end
 

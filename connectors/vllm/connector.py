@@ -23,7 +23,6 @@ from kvoffload.connectors.vllm.worker import WorkerHalf
 __all__ = ["KVOffloadConnector", "KVOffloadConnectorMetadata"]
 
 
-
 class KVOffloadConnectorMetadata(_compat.KVConnectorMetadata):
     """One step's `StepPlan`, in the type vLLM expects."""
 

@@ -37,7 +37,12 @@ def _blocks(n: int, size: int, seed: int = 0) -> list[np.ndarray]:
 
 def test_serve_starts_with_no_arguments(start_daemon: Start, tmp_path: Path) -> None:
     # Only the ports move (tests never take fixed ports); everything else is the default.
-    env = {"HOME": str(tmp_path), "KVOFFLOAD_NATIVE__PORT": "0", "KVOFFLOAD_METRICS__PORT": "0"}
+    env = {
+        "HOME": str(tmp_path),
+        "KVOFFLOAD_NATIVE__PORT": "0",
+        "KVOFFLOAD_NVME__PORT": "0",
+        "KVOFFLOAD_METRICS__PORT": "0",
+    }
     daemon = start_daemon(defaults=False, env=env)
     with Client.connect(daemon.url()) as client:
         client.put(bytes(16), b"hello")

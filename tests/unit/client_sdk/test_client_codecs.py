@@ -1,7 +1,7 @@
 """Codecs through the SDK: encode on put, decode on get, over every transport.
 
-Tests take a `url` fixture and run against every transport in `TRANSPORTS` (local:// and a
-live daemon over kv://; add nvme+tcp:// when it lands). Blocks with chosen bytes are injected
+Tests take a `url` fixture and run against every transport in `TRANSPORTS`: local://, and a
+live daemon over kv:// and over nvme+tcp://. Blocks with chosen bytes are injected
 through the transport itself, so no test depends on one store's internals.
 """
 
@@ -29,7 +29,11 @@ from kvoffload.errors import (
 )
 
 # "kv" runs against a live daemon (tests/conftest.py), so it carries the integration mark.
-TRANSPORTS = ["local://?dram=64MiB&prefault=0", pytest.param("kv", marks=pytest.mark.integration)]
+TRANSPORTS = [
+    "local://?dram=64MiB&prefault=0",
+    pytest.param("kv", marks=pytest.mark.integration),
+    pytest.param("nvme", marks=pytest.mark.integration),
+]
 NS = Namespace("org/model", dtype="bfloat16", block_tokens=16, num_layers=4, num_kv_heads=2,
                head_size=64)  # fmt: skip
 LOSSLESS = ["none", "lz4", "zstd", "split-lz4", "split-zstd"]
@@ -37,8 +41,9 @@ LOSSLESS = ["none", "lz4", "zstd", "split-lz4", "split-zstd"]
 
 @pytest.fixture(params=TRANSPORTS)
 def url(request: pytest.FixtureRequest) -> str:
-    if request.param == "kv":  # a fresh daemon per test: tests assume an empty store
-        return str(request.getfixturevalue("start_daemon")().url())
+    if request.param in ("kv", "nvme"):  # a fresh daemon per test: tests assume an empty store
+        daemon = request.getfixturevalue("start_daemon")()
+        return str(daemon.url() if request.param == "kv" else daemon.nvme_url())
     return str(request.param)
 
 
