@@ -827,14 +827,18 @@ class Engine:
             self._check_open()
             plan = ssd.plan_write(entry.key, entry.length, entry.parent, entry.tenant)
         try:
-            ssd.write_slot(plan, self._slot_pages(entry), sync=True)
+            ssd.write_slot(plan, self._slot_pages(entry))
         except StorageIOError:
             with self._lock:
                 ssd.abort_write(plan)
                 self._n["io_errors"] += 1
             raise
         with self._lock:
-            ticket = ssd.commit_write(plan)
+            try:
+                ticket = ssd.commit_write(plan)
+            except StorageIOError:
+                self._n["io_errors"] += 1
+                raise
             journal = ssd.journal
             if ticket is not None:
                 self._notify("stored", entry.key, "ssd")
@@ -847,7 +851,7 @@ class Engine:
                 self._n["io_errors"] += 1
                 row = ssd.find(entry.key)
                 if row != EMPTY and int(ssd.index.rows["seq"][row]) == plan.seq:
-                    ssd.remove_row(row)
+                    ssd.drop_row(row)  # the journal is dead: no DEL record can be written
             raise
         entry.on_ssd = entry.durable = True
         self._n["durable"] += 1
@@ -957,10 +961,17 @@ class Engine:
         if failed or not entry.live:
             ssd.abort_write(plan)  # failed, or deleted / overwritten while writing
             self._n["io_errors"] += failed
-        elif ssd.commit_write(plan) is not None:
-            entry.on_ssd = True
-            self._n["demotions"] += 1
-            self._notify("stored", entry.key, "ssd")
+        else:
+            try:
+                committed = ssd.commit_write(plan) is not None
+            except StorageIOError as exc:  # the journal failed: the block is only in DRAM
+                log.error("demotion of block %s failed: %s", entry.key.hex(), exc)
+                self._n["io_errors"] += 1
+                committed = False
+            if committed:
+                entry.on_ssd = True
+                self._n["demotions"] += 1
+                self._notify("stored", entry.key, "ssd")
         self._unpin_locked(entry)
         if drop and entry.live:
             if entry.pins:
