@@ -269,14 +269,17 @@ class TenantConfig:
 
     name: str
     token: str
-    # Bytes of store capacity the tenant may hold; 0 = no quota.
+    # Bytes of DRAM the tenant may hold; 0 = no quota.
     quota_bytes: int = 0
+    # Bytes of SSD slots the tenant may hold (needs an SSD tier); 0 = no quota.
+    ssd_quota_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.name or not self.token:
             raise ConfigError(f"tenant {self.name!r} needs a name and a non-empty token")
-        if self.quota_bytes < 0:
-            raise ConfigError(f"tenants.{self.name}.quota_bytes must not be negative")
+        for key in ("quota_bytes", "ssd_quota_bytes"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"tenants.{self.name}.{key} must not be negative")
 
 
 def default_data_dir(environ: Mapping[str, str]) -> str:
