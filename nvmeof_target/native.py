@@ -503,10 +503,11 @@ class _Session(Session):
     def _on_stats(self, event: Stats) -> None:
         stats = self.engine.stats().as_dict()
         me = self._me
-        held = stats.get("tenant_bytes")
-        if isinstance(held, dict) and me.name:
-            # A tenant sees its own usage, not who else uses the store.
-            stats["tenant_bytes"] = {me.name: held.get(me.name, 0)}
+        for field in ("tenant_bytes", "ssd_tenant_bytes"):
+            held = stats.get(field)
+            if isinstance(held, dict) and me.name:
+                # A tenant sees its own usage, not who else uses the store.
+                stats[field] = {me.name: held.get(me.name, 0)}
         stats["server"] = {
             **self.services.server_info(),
             "tenant": me.name,

@@ -188,6 +188,41 @@ def test_tenants_are_isolated_and_authenticated(start_daemon: Start) -> None:
             Client.connect(daemon.url(token=token, retries="0"))
 
 
+def test_ssd_quotas_bound_a_tenants_ssd_blocks(start_daemon: Start) -> None:
+    config = TENANTS.replace('quota_bytes = "1MiB"', 'ssd_quota_bytes = "2MiB"')
+    daemon = start_daemon("--ssd", "64MiB", config=config)
+    keys = [i.to_bytes(16, "big") for i in range(24)]
+    with (
+        Client.connect(daemon.url(token="alice-secret")) as alice,
+        Client.connect(daemon.url(token="bob-secret")) as bob,
+    ):
+        bob.put(keys[0], bytes(200_000), durable=True)
+        for k in keys:  # 24 durable 200 KB blocks: ~5 MB against a 2 MiB SSD quota
+            alice.put(k, bytes(200_000), durable=True)
+        held = alice.stats().store["ssd_tenant_bytes"]
+        assert list(held) == ["alice"] and 0 < held["alice"] <= 2 << 20  # type: ignore[index]
+        assert bob.get(keys[0]) == bytes(200_000)
+    text = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
+    assert 'kvoffload_tenant_ssd_bytes{tenant="alice"}' in text
+    assert 'kvoffload_tenant_ssd_bytes{tenant="bob"}' in text
+
+
+def test_ssd_quota_without_an_ssd_tier_is_a_config_error(tmp_path: Path) -> None:
+    config = tmp_path / "kvoffload.toml"
+    config.write_text('[tenants.alice]\ntoken = "t"\nssd_quota_bytes = "1GiB"\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvoffload.bench.cli", "serve", "--port", "0", "--nvme-port", "0"]
+        + ["--metrics-port", "0", "--dram", "16MiB", "--ssd", "0", "--config", str(config)]
+        + ["--data-dir", str(tmp_path / "data")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    assert "tenants.alice: an SSD quota needs an SSD tier" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_tls_with_a_self_signed_certificate(start_daemon: Start, tmp_path: Path) -> None:
     cert, key = _self_signed(tmp_path)
     daemon = start_daemon("--tls-cert", str(cert), "--tls-key", str(key))
