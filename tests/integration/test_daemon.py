@@ -8,13 +8,15 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import numpy as np
@@ -22,6 +24,7 @@ import pytest
 import zmq
 
 from kvoffload.client_sdk import AsyncClient, Client, Namespace, block_keys
+from kvoffload.client_sdk.wire.native import Get, Hello, NativeConnection, Role, Welcome
 from kvoffload.errors import AuthError, DeadlineExceededError, InvalidArgumentError, TransportError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -208,6 +211,46 @@ def test_tls_with_a_self_signed_certificate(start_daemon: Start, tmp_path: Path)
     # A plain-text client gets a clear error, not a hang.
     with pytest.raises((TransportError, DeadlineExceededError)):
         Client.connect(daemon.url(timeout="3", retries="0")).put(bytes(16), b"x")
+
+
+def test_a_tls_client_that_stops_reading_is_flow_controlled(
+    start_daemon: Start, tmp_path: Path
+) -> None:
+    # Ciphertext waiting for a peer that does not read counts against max_inflight_bytes: the
+    # daemon stops taking that connection's Gets instead of encrypting every answer into memory.
+    cert, key = _self_signed(tmp_path)
+    daemon = start_daemon(
+        "--tls-cert", str(cert), "--tls-key", str(key),
+        config='[native]\nmax_inflight_bytes = "4MiB"\n',
+    )  # fmt: skip
+    gets = 300  # of a 1 MiB block: 300 MiB of answers if nothing held the daemon back
+    with Client.connect(daemon.url(tls="1", ca=str(cert), server_name="localhost")) as client:
+        client.put(bytes(16), os.urandom(1 << 20))
+        before = cast(int, client.stats().store["gets"])
+        context = ssl.create_default_context(cafile=str(cert))
+        plain = socket.create_connection(("127.0.0.1", daemon.port), timeout=10)
+        with context.wrap_socket(plain, server_hostname="localhost") as raw:
+            conn = NativeConnection(Role.CLIENT)
+            raw.sendall(conn.send(Hello(1)))
+            conn.receive_data(raw.recv(65536))
+            assert isinstance(conn.next_event(), Welcome)
+            rss_before = daemon.rss_bytes()
+            raw.sendall(b"".join(conn.send(Get(i, bytes(16))) for i in range(2, 2 + gets)))
+            # ... and never reads an answer.
+            served = _settled(lambda: cast(int, client.stats().store["gets"]) - before, gets)
+            assert served < gets / 4
+            assert daemon.rss_bytes() - rss_before < 64 << 20
+
+
+def _settled(read: Callable[[], int], target: int, quiet: float = 3.0) -> int:
+    """Poll `read` until it reaches `target` or stops changing for `quiet` s (60 s at most)."""
+    value, since, end = read(), time.monotonic(), time.monotonic() + 60
+    while value < target and time.monotonic() < min(end, since + quiet):
+        time.sleep(0.1)
+        now = read()
+        if now != value:
+            value, since = now, time.monotonic()
+    return value
 
 
 def _self_signed(tmp: Path) -> tuple[Path, Path]:
