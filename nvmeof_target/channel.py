@@ -20,6 +20,7 @@ import collections
 import contextlib
 import socket
 import ssl
+import time
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -47,6 +48,9 @@ class Channel:
         self._done: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
         self._queued = 0  # bytes in _out
         self._sent = 0  # bytes sent since the channel opened (for _done bookkeeping)
+        # When the kernel last took bytes, or output was queued after none was waiting: while
+        # `buffered`, how long the peer has kept us from sending.
+        self.progress_at = time.monotonic()
         self._writing = False
         self._drained: asyncio.Future[None] | None = None
         self._waiter: asyncio.Future[None] | None = None  # a reader waiting for data
@@ -104,6 +108,8 @@ class Channel:
             if on_done is not None:
                 on_done()
             return
+        if not self._out:
+            self.progress_at = time.monotonic()
         for part in parts:
             view = memoryview(part).cast("B")
             if len(view):
@@ -139,6 +145,8 @@ class Channel:
             self._flush()
 
     def _advance(self, n: int) -> None:
+        if n:
+            self.progress_at = time.monotonic()
         self._sent += n
         self._queued -= n
         while n:

@@ -105,7 +105,9 @@ class NativeConfig:
     max_payload_bytes: int = 256 << 20
     # A connection with nothing in progress and no bytes for this long is closed.
     idle_timeout_s: float = 300.0
-    # A frame that has begun must be complete within this long (defeats slow partial frames).
+    # A frame that has begun must be complete within this long (defeats slow partial frames),
+    # and a peer that takes none of its queued answers for this long is closed (its pinned
+    # blocks released).
     frame_timeout_s: float = 60.0
     backlog: int = 512
 
@@ -196,7 +198,8 @@ class NvmeConfig:
     max_inflight_bytes: int = 256 << 20
     # A new connection must finish ICReq and Connect within this long.
     connect_timeout_s: float = 10.0
-    # A PDU that has begun must be complete within this long.
+    # A PDU that has begun must be complete within this long, and a host that takes none of
+    # its queued data and completions for this long is disconnected.
     frame_timeout_s: float = 60.0
     backlog: int = 512
 

@@ -194,7 +194,9 @@ class _Session(Session):
     """One client connection."""
 
     def __init__(self, front: NativeFront, channel: Channel, peer: str) -> None:
-        super().__init__(FRONT, front.services, channel, peer, front.instruments)
+        super().__init__(
+            FRONT, front.services, channel, peer, front.instruments, front.config.frame_timeout_s
+        )
         self.front = front
         self.engine = front.services.engine
         self.config = front.config
@@ -262,6 +264,8 @@ class _Session(Session):
         """Why the watchdog should close this connection ("" if it should not)."""
         if self._frame_since is not None and now - self._frame_since > self.config.frame_timeout_s:
             return "frame timeout"
+        if self.send_stalled(now):
+            return "send timeout"
         busy = self.conn.pending or self._tasks or self._inflight_bytes
         if not busy and now - self._last_rx > self.config.idle_timeout_s:
             return "idle timeout"

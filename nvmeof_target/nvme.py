@@ -290,7 +290,9 @@ class _Queue(Session):
     """One connection: one NVMe queue pair."""
 
     def __init__(self, front: NvmeFront, channel: Channel, peer: str) -> None:
-        super().__init__(FRONT, front.services, channel, peer, front.instruments)
+        super().__init__(
+            FRONT, front.services, channel, peer, front.instruments, front.config.frame_timeout_s
+        )
         self.front = front
         self.engine = front.engine
         self.config = front.config
@@ -344,6 +346,8 @@ class _Queue(Session):
             return "connect timeout"
         if self._frame_since is not None and now - self._frame_since > self.config.frame_timeout_s:
             return "frame timeout"
+        if self.send_stalled(now):
+            return "send timeout"
         return ""
 
     def _protocol_error(self, exc: RemoteProtocolError) -> None:

@@ -8,7 +8,6 @@ their protocol; everything here is protocol-agnostic.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -52,6 +51,10 @@ class Session:
     `run()` reads in its own task (`_read_loop`, the protocol's) so that `stop_reading()` can
     cancel it without cancelling the orderly finish: in-flight work is awaited, partially
     received writes are dropped (`_abandon`), queued answers are flushed, the socket closed.
+
+    A peer that stops reading its answers is given `send_timeout_s` without progress (the
+    front's watchdog asks `send_stalled`, and the finish gives up flushing), then cut off: its
+    queued answers pin arena blocks, which must not stay pinned for as long as it likes.
     """
 
     def __init__(
@@ -61,11 +64,13 @@ class Session:
         channel: Channel,
         peer: str,
         instruments: Instruments,
+        send_timeout_s: float,
     ) -> None:
         self.front_name = front
         self.services = services
         self.channel = channel
         self.peer = peer
+        self.send_timeout_s = send_timeout_s
         self._instruments = instruments
         self._started: dict[int, tuple[str, float]] = {}  # request/command id -> (op, t0)
         self._inflight_bytes = 0  # answer bytes queued and not yet in the kernel
@@ -118,9 +123,29 @@ class Session:
         if self._tasks:
             await asyncio.wait(list(self._tasks))
         self._abandon()
-        with contextlib.suppress(TransportError):
-            await self.channel.drain()
+        await self._flush()
         self.channel.close()
+
+    async def _flush(self) -> None:
+        """Send what is queued, unless the peer takes nothing for `send_timeout_s`."""
+        channel = self.channel
+        while channel.buffered:
+            left = channel.progress_at + self.send_timeout_s - time.monotonic()
+            if left <= 0:
+                self.services.metrics.refused.labels(self.front_name, "send timeout").inc()
+                log.info("closing %s: send timeout (%d B unsent)", self.peer, channel.buffered)
+                return
+            try:
+                await asyncio.wait_for(channel.drain(), left)
+                return
+            except asyncio.TimeoutError:
+                continue  # see whether the peer took anything meanwhile
+            except TransportError:
+                return
+
+    def send_stalled(self, now: float) -> bool:
+        """Answers are queued and the peer has taken none of them for `send_timeout_s`."""
+        return bool(self.channel.buffered) and now - self.channel.progress_at > self.send_timeout_s
 
     def stop_reading(self) -> None:
         """Take no more requests; answer those already received, then close."""

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from probes import closed, eventually, pinned, refused, small_window
 
 from kvoffload.client_sdk import Client
 from kvoffload.client_sdk.wire.frames import FRAME, MAGIC
@@ -207,3 +208,28 @@ def test_too_many_connections_are_refused_cleanly(start_daemon: Start) -> None:
     with Client.connect(f"kv://127.0.0.1:{daemon.port}?retries=5&backoff=0.1") as client:
         client.put(bytes(16), b"after")
         assert client.get(bytes(16)) == b"after"
+
+
+@pytest.mark.parametrize("half_close", [False, True], ids=["open", "half-closed"])
+def test_a_client_that_stops_reading_is_cut_off_and_its_blocks_released(
+    start_daemon: Start, half_close: bool
+) -> None:
+    # Queued answers pin their blocks; a peer that takes none of them for frame_timeout_s is
+    # closed (also once it has half-closed and the daemon is only flushing), which releases them.
+    daemon = start_daemon(config=LIMITS)
+    keys = [os.urandom(16) for _ in range(30)]
+    with Client.connect(f"kv://127.0.0.1:{daemon.port}") as client:
+        for key in keys:
+            client.put(key, os.urandom(1 << 20))
+        conn = NativeConnection(Role.CLIENT)
+        hello = conn.send(Hello(1))
+        gets = b"".join(conn.send(Get(i, k)) for i, k in enumerate(keys, start=2))
+        with small_window(daemon.port) as sock:
+            sock.sendall(hello + gets)
+            if half_close:
+                sock.shutdown(socket.SHUT_WR)
+            # ... and never reads. The daemon serves the Gets, gives up, releases the views.
+            assert eventually(lambda: client.stats().store["gets"] == len(keys))
+            assert eventually(lambda: pinned(client) == 0)
+            assert refused(daemon, "send timeout") == 1.0
+            assert closed(sock)

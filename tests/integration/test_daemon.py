@@ -12,7 +12,6 @@ import ssl
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +21,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from probes import settled
 
 from kvoffload.client_sdk import AsyncClient, Client, Namespace, block_keys
 from kvoffload.client_sdk.wire.native import Get, Hello, NativeConnection, Role, Welcome
@@ -237,20 +237,9 @@ def test_a_tls_client_that_stops_reading_is_flow_controlled(
             rss_before = daemon.rss_bytes()
             raw.sendall(b"".join(conn.send(Get(i, bytes(16))) for i in range(2, 2 + gets)))
             # ... and never reads an answer.
-            served = _settled(lambda: cast(int, client.stats().store["gets"]) - before, gets)
+            served = settled(lambda: cast(int, client.stats().store["gets"]) - before, gets)
             assert served < gets / 4
             assert daemon.rss_bytes() - rss_before < 64 << 20
-
-
-def _settled(read: Callable[[], int], target: int, quiet: float = 3.0) -> int:
-    """Poll `read` until it reaches `target` or stops changing for `quiet` s (60 s at most)."""
-    value, since, end = read(), time.monotonic(), time.monotonic() + 60
-    while value < target and time.monotonic() < min(end, since + quiet):
-        time.sleep(0.1)
-        now = read()
-        if now != value:
-            value, since = now, time.monotonic()
-    return value
 
 
 def _self_signed(tmp: Path) -> tuple[Path, Path]:
