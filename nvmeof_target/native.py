@@ -459,13 +459,21 @@ class _Session(Session):
         def fetch() -> list[BlockView | None]:
             views: list[BlockView | None] = []
             total = 0
-            for key in keys:
-                view = self.engine.get(key)
-                if view is not None and views and total + len(view) > budget:
-                    view.release()  # answer a prefix; the client asks again for the rest
-                    break
-                total += len(view) if view is not None else 0
-                views.append(view)
+            try:
+                for key in keys:
+                    view = self.engine.get(key)
+                    if view is not None and views and total + len(view) > budget:
+                        view.release()  # answer a prefix; the client asks again for the rest
+                        break
+                    total += len(view) if view is not None else 0
+                    views.append(view)
+            except BaseException:
+                # A get that fails part-way (a promotion finding every DRAM block pinned, some
+                # by this very request) must not leave the views taken so far pinned for good.
+                for view in views:
+                    if view is not None:
+                        view.release()
+                raise
             return views
 
         def send(views: list[BlockView | None]) -> None:

@@ -21,11 +21,17 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from probes import settled
+from probes import pinned, settled
 
 from kvoffload.client_sdk import AsyncClient, Client, Namespace, block_keys
 from kvoffload.client_sdk.wire.native import Get, Hello, NativeConnection, Role, Welcome
-from kvoffload.errors import AuthError, DeadlineExceededError, InvalidArgumentError, TransportError
+from kvoffload.errors import (
+    AuthError,
+    CapacityError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    TransportError,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -364,6 +370,23 @@ def test_kv_events_follow_blocks_to_the_ssd(start_daemon: Start) -> None:
                     promoted.update(event["block_hashes"])
         assert first in demoted and first in promoted
     sub.close(linger=0)
+
+
+def test_a_get_many_that_fails_part_way_releases_what_it_pinned(start_daemon: Start) -> None:
+    # 16 blocks of 900 KiB in 8 MiB of DRAM: most live on the SSD only. A get_many of all of
+    # them pins each block it reads, so promoting the later ones finds every DRAM block pinned.
+    daemon = start_daemon(
+        "--dram", "8MiB", "--ssd", "64MiB", env={"KVOFFLOAD_SSD__ADMISSION_MIN_USES": "1"}
+    )
+    keys = [i.to_bytes(16, "big") for i in range(16)]
+    with Client.connect(daemon.url()) as client:
+        for key in keys:
+            client.put(key, bytes(900 << 10))
+        with pytest.raises(CapacityError):
+            client.get_many(keys)
+        assert pinned(client) == 0  # the views taken before the failure were released
+        for key in keys[:4]:  # ... so DRAM has room to promote blocks again
+            assert client.get(key) == bytes(900 << 10)
 
 
 def test_a_dead_daemon_gives_misses_and_clear_errors(caplog: pytest.LogCaptureFixture) -> None:
