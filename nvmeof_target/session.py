@@ -1,5 +1,6 @@
 """What the daemon's fronts share per connection: a reader task that can be stopped or cut off,
-engine work that may block run on the I/O threads, per-request metrics, and a graceful stop.
+engine work that may block run on the I/O threads (with an SSD tier: reads, reservations,
+commits and deletes), per-request metrics, and a graceful stop.
 
 The native front (`native.py`) and the NVMe/TCP front (`nvme.py`) each subclass `Session` for
 their protocol; everything here is protocol-agnostic.
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from kvoffload.errors import KVOffloadError, RemoteProtocolError, TransportError
@@ -197,9 +198,9 @@ class Session:
         work: Callable[[], T],
         then: Callable[[T], None],
         fail: Callable[[KVOffloadError], None],
-    ) -> None:
+    ) -> asyncio.Task[None]:
         """Run `work` on the I/O threads (it may block), then `then(result)` on the loop, or
-        `fail(error)` if it raised a KVOffloadError."""
+        `fail(error)` if it raised a KVOffloadError. The connection's finish waits for it."""
         loop = asyncio.get_running_loop()
 
         async def job() -> None:
@@ -213,6 +214,7 @@ class Session:
         task = loop.create_task(job())
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -228,15 +230,66 @@ class Session:
         fail: Callable[[KVOffloadError], None],
     ) -> None:
         """An engine read inline, or on the I/O threads when it may wait on a device."""
-        if self.services.blocking_reads:
+        if self.services.blocking_engine:
             self.offload(work, then, fail)
             return
+        _inline(work, then, fail)
+
+    def in_order(
+        self,
+        work: Callable[[], T],
+        then: Callable[[T], None],
+        fail: Callable[[KVOffloadError], None],
+    ) -> Awaitable[object] | None:
+        """An engine call that changes the store (commit, delete): inline while the engine is
+        DRAM-only; with an SSD tier on the I/O threads (it may write to, or wipe on, the
+        device, and holding the loop would stall every connection). Then the caller (the
+        reader) awaits what this returns, so the next request still sees the change, as it
+        does inline; if the reader is cut off meanwhile, the work is still answered."""
+        if not self.services.blocking_engine:
+            _inline(work, then, fail)
+            return None
+        return asyncio.wait({self.offload(work, then, fail)})
+
+    async def off_loop(self, work: Callable[[], T], undo: Callable[[T], None]) -> T:
+        """Run `work` on the I/O threads and return its result (the caller, the reader, waits;
+        other connections do not).
+
+        Raises:
+            KVOffloadError: from `work`.
+            asyncio.CancelledError: the reader was stopped; `undo(result)` then runs once
+                `work` is done, so that what it claimed (a reservation) does not outlive the
+                connection.
+        """
+        job = asyncio.get_running_loop().run_in_executor(self.services.executor, work)
         try:
-            result = work()
-        except KVOffloadError as exc:
-            fail(exc)
-            return
-        then(result)
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            # The shielded work goes on and what it claims belongs to no one now: give it back
+            # once done. The connection's finish waits for that, as for offloaded requests.
+            task = asyncio.get_running_loop().create_task(_undo_when_done(job, undo))
+            self._tasks.add(task)
+            task.add_done_callback(self._task_done)
+            raise
+
+
+def _inline(
+    work: Callable[[], T], then: Callable[[T], None], fail: Callable[[KVOffloadError], None]
+) -> None:
+    try:
+        result = work()
+    except KVOffloadError as exc:
+        fail(exc)
+        return
+    then(result)
+
+
+async def _undo_when_done(job: asyncio.Future[T], undo: Callable[[T], None]) -> None:
+    try:
+        result = await job
+    except Exception:  # the work failed: it claimed nothing
+        return
+    undo(result)
 
 
 async def stop_sessions(sessions: Mapping[S, asyncio.Task[None]], timeout: float) -> None:
