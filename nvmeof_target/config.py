@@ -105,6 +105,8 @@ class NativeConfig:
     max_payload_bytes: int = 256 << 20
     # A connection with nothing in progress and no bytes for this long is closed.
     idle_timeout_s: float = 300.0
+    # A new connection must have its Hello accepted within this long (TLS handshake included).
+    hello_timeout_s: float = 10.0
     # A frame that has begun must be complete within this long (defeats slow partial frames),
     # and a peer that takes none of its queued answers for this long is closed (its pinned
     # blocks released).
@@ -119,7 +121,7 @@ class NativeConfig:
                 raise ConfigError(f"native.{name} must be positive")
         if self.max_header_bytes < 4096 or self.max_payload_bytes < 1 << 20:
             raise ConfigError("native.max_header_bytes >= 4 KiB, max_payload_bytes >= 1 MiB")
-        if self.idle_timeout_s <= 0 or self.frame_timeout_s <= 0:
+        if min(self.idle_timeout_s, self.frame_timeout_s, self.hello_timeout_s) <= 0:
             raise ConfigError("native timeouts must be positive")
 
 

@@ -20,7 +20,7 @@ import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, TypeVar
 
@@ -74,6 +74,8 @@ __all__ = ["NativeFront", "make_front"]
 
 log = logging.getLogger("kvoffload.native")
 FRONT = "native"
+# Largest frame header accepted before Hello (a Hello with a long token fits easily).
+HELLO_HEADER_BYTES = 16 << 10
 T = TypeVar("T")
 
 
@@ -116,6 +118,11 @@ class NativeFront:
             # The session stops pulling requests at max_pending; the codec's own bound is only
             # a backstop, never reached by the session's flow control.
             max_pending=config.max_pending + 1,
+        )
+        # Until its Hello is accepted a connection may only send a small header and no payload:
+        # a stranger must not make the daemon wait for (and buffer) a 4 MiB header.
+        self.hello_limits = replace(
+            self.limits, max_header_bytes=HELLO_HEADER_BYTES, max_payload_bytes=0
         )
 
     async def start(self) -> list[tuple[str, str, int]]:
@@ -205,10 +212,10 @@ class _Session(Session):
         self.front = front
         self.engine = front.services.engine
         self.config = front.config
-        self.conn = NativeConnection(Role.SERVER, front.limits)
+        self.conn = NativeConnection(Role.SERVER, front.hello_limits)
         self.tenant: Tenant | None = None
         self._puts: dict[int, _PendingPut] = {}
-        self._last_rx = time.monotonic()
+        self._created = self._last_rx = time.monotonic()
         self._frame_since: float | None = None
 
     # ------------------------------------------------------------------ the loop
@@ -274,6 +281,8 @@ class _Session(Session):
             return "frame timeout"
         if self.send_stalled(now):
             return "send timeout"
+        if self.tenant is None and now - self._created > self.config.hello_timeout_s:
+            return "hello timeout"
         busy = self.conn.pending or self._tasks or self._inflight_bytes
         if not busy and now - self._last_rx > self.config.idle_timeout_s:
             return "idle timeout"
@@ -354,6 +363,7 @@ class _Session(Session):
             self._fail(event.request_id, exc)
             self._reading = False  # nothing pipelined behind a refused Hello is served
             return
+        self.conn.set_limits(self.front.limits)
         self._reply(
             Welcome(
                 event.request_id,

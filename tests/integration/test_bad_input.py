@@ -20,6 +20,7 @@ from kvoffload.client_sdk.wire.native import (
     ConnectionClosed,
     ErrorReply,
     Get,
+    GetResult,
     Hello,
     NativeConnection,
     Put,
@@ -119,6 +120,41 @@ def test_requests_without_a_valid_hello_are_refused(start_daemon: Start) -> None
         events = _answers(sock)
     assert len(events) == 2 and isinstance(events[0], ErrorReply)
     assert events[0].status == Status.AUTH and events[0].request_id == 1
+
+
+def test_connections_without_a_hello_are_closed(start_daemon: Start) -> None:
+    # Idle connections are kept for 300 s; one that never says Hello only for hello_timeout_s.
+    daemon = start_daemon(config="[native]\nhello_timeout_s = 1.0\n")
+    key = os.urandom(16)
+    conn = NativeConnection(Role.CLIENT)
+    with _connect(daemon.port) as greeted:
+        greeted.sendall(conn.send(Hello(1)))
+        with _connect(daemon.port) as silent:  # opened after the Hello: its deadline is later
+            events = _answers(silent)
+        assert isinstance(events[0], ErrorReply) and events[0].status == Status.DEADLINE
+        assert refused(daemon, "hello timeout") == 1.0
+        # The connection that said Hello is not subject to the deadline: it is still served.
+        greeted.sendall(conn.send(Get(2, key)))
+        answers: list[object] = []
+        while len(answers) < 2:
+            conn.receive_data(greeted.recv(65536))
+            while (event := conn.next_event()) is not NEED_DATA:
+                answers.append(event)
+    assert isinstance(answers[0], Welcome) and answers[1] == GetResult(2, None)
+
+
+def test_a_large_header_before_hello_is_refused_at_once(start_daemon: Start) -> None:
+    daemon = start_daemon()  # frame_timeout_s = 60: only the pre-Hello limit answers in time
+    for head in (
+        FRAME.pack(MAGIC, 1, 1, 0, 1, 1 << 20, 0),  # a 1 MiB header, under max_header_bytes
+        FRAME.pack(MAGIC, 1, 1, 0, 1, 10, 1000),  # a payload: a Hello has none
+    ):
+        with _connect(daemon.port) as sock:
+            sock.sendall(head + bytes(1000))
+            events = _answers(sock)
+        assert isinstance(events[0], ErrorReply) and events[0].status == Status.PROTOCOL
+        assert "exceeds the limit" in events[0].message
+    _intact(daemon.port, _seed(daemon.port))  # after Hello the full limits apply
 
 
 def test_slow_partial_frames_are_cut_off(start_daemon: Start) -> None:
