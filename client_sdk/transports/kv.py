@@ -413,12 +413,16 @@ def _plan_get_many(keys: Sequence[bytes]) -> Plan[list[HeldBlock | None]]:
         done = 0
         for chunk, call in zip(chunks, calls, strict=True):
             answer = cast(GetManyResult, call.result())
+            # A prefix of at least one key, or the loop would ask again forever (or the
+            # results would not line up with the keys).
+            if not 1 <= len(answer.lengths) <= len(chunk):
+                raise RemoteProtocolError(
+                    f"the daemon answered {len(answer.lengths)} keys of {len(chunk)} asked for"
+                )
             out += _split(answer.lengths, call.payload)
             done += len(answer.lengths)
             if len(answer.lengths) < len(chunk):
                 break  # the daemon answered a prefix; ask again from there
-            if not answer.lengths:
-                raise RemoteProtocolError("the daemon answered none of the keys asked for")
         rest = rest[done:]
     return out
 
