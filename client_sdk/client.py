@@ -503,10 +503,12 @@ class Client:
         The block is checked (header, CRC32C) before any byte is written; an encoded block is
         then decoded straight into `buffer` (byte-plane codecs use one scratch array per
         part). If decoding fails after verification, the bytes it would have filled are
-        zeroed and the read is a miss.
+        zeroed and the read is a miss. If the get fails part-way (a lost connection, the
+        deadline), the bytes that had already arrived in `buffer` are zeroed before it raises.
 
         Raises:
             InvalidArgumentError: `buffer` is read-only, not contiguous, or too small.
+            TransportError, DeadlineExceededError: the store could not be read.
         """
         dst = as_writable(buffer)
         block_key = to_key(key)

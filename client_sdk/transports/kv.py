@@ -36,7 +36,14 @@ from functools import partial
 from typing import Any, TypeVar, cast
 
 from kvoffload import __version__
-from kvoffload.client_sdk.transports.base import HeldBlock, PutItem, Received
+from kvoffload.client_sdk.transports.base import (
+    HeldBlock,
+    IntoBuffer,
+    PutItem,
+    Received,
+    received_into,
+    received_into_async,
+)
 from kvoffload.client_sdk.url import StoreURL
 from kvoffload.client_sdk.wire.block import HEADER_BYTES
 from kvoffload.client_sdk.wire.native import (
@@ -379,7 +386,7 @@ def _plan_get(key: bytes) -> Plan[HeldBlock | None]:
     return _Held(call.payload if call.payload is not None else memoryview(b""))
 
 
-def _plan_get_into(key: bytes, buffer: memoryview) -> Plan[Received | None]:
+def _plan_get_into(key: bytes, buffer: IntoBuffer) -> Plan[Received | None]:
     header = memoryview(bytearray(HEADER_BYTES))
     received = 0
 
@@ -395,7 +402,7 @@ def _plan_get_into(key: bytes, buffer: memoryview) -> Plan[Received | None]:
                 f"{length - HEADER_BYTES}-byte block"
             )
         received = length - HEADER_BYTES
-        return [header, buffer[:received]]
+        return [header, buffer.region(0, received)]
 
     (call,) = yield [_Req(partial(_key_event, Get, key), sink=sink)]
     answer = cast(GetResult, call.result())
@@ -739,7 +746,8 @@ class KVTransport:
         return self._run(lambda: _plan_get(key))
 
     def get_into(self, key: bytes, buffer: memoryview) -> HeldBlock | Received | None:
-        return self._run(lambda: _plan_get_into(key, buffer))
+        into = IntoBuffer(buffer)
+        return received_into(into, lambda: self._run(lambda: _plan_get_into(key, into)))
 
     def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]:
         return self._run(lambda: _plan_get_many(keys))
@@ -984,7 +992,8 @@ class AsyncKVTransport:
         return await self._run(lambda: _plan_get(key))
 
     async def get_into(self, key: bytes, buffer: memoryview) -> HeldBlock | Received | None:
-        return await self._run(lambda: _plan_get_into(key, buffer))
+        into = IntoBuffer(buffer)
+        return await received_into_async(into, lambda: self._run(lambda: _plan_get_into(key, into)))
 
     async def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]:
         return await self._run(lambda: _plan_get_many(keys))
