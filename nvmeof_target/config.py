@@ -97,7 +97,7 @@ class NativeConfig:
     # Answer bytes one connection may have queued (and pinned in the arena) before the daemon
     # stops reading its requests; bounds memory held for a slow reader.
     max_inflight_bytes: int = 256 << 20
-    # Requests one connection may have in progress before the daemon stops reading it.
+    # Requests one connection may have in progress before the daemon stops reading it (>= 2).
     max_pending: int = 256
     # Largest msgpack header of a frame (bounds batch key lists).
     max_header_bytes: int = 4 << 20
@@ -119,6 +119,11 @@ class NativeConfig:
         for name in ("max_connections", "max_inflight_bytes", "max_pending", "backlog"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"native.{name} must be positive")
+        if self.max_pending < 2:
+            # A put counts as pending from its header on, and the session reads no further
+            # (not even the put's own payload) while max_pending are pending: at 1 the first
+            # put would wait for itself.
+            raise ConfigError(f"native.max_pending must be >= 2, got {self.max_pending}")
         if self.max_header_bytes < 4096 or self.max_payload_bytes < 1 << 20:
             raise ConfigError("native.max_header_bytes >= 4 KiB, max_payload_bytes >= 1 MiB")
         if min(self.idle_timeout_s, self.frame_timeout_s, self.hello_timeout_s) <= 0:
