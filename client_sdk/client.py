@@ -543,6 +543,13 @@ class Client:
         return self._transport.prefetch(_keys(keys))
 
     def delete(self, key: bytes) -> bool:
+        """Delete `key`; True if the store held it.
+
+        After a lost connection the transport retries (every operation is idempotent), so if
+        the first attempt deleted the key before the connection broke, the retry finds nothing
+        and this returns False although this call deleted it. The key is gone either way; do
+        not use the result to count deletions.
+        """
         return self._transport.delete(to_key(key))
 
     def stats(self) -> ClientStats:
@@ -678,6 +685,7 @@ class AsyncClient:
         return await self._transport.prefetch(_keys(keys))
 
     async def delete(self, key: bytes) -> bool:
+        """Delete `key`; True if the store held it (False after a retry: see `Client.delete`)."""
         return await self._transport.delete(to_key(key))
 
     async def stats(self) -> ClientStats:
