@@ -122,7 +122,9 @@ class NativeFront:
         # Until its Hello is accepted a connection may only send a small header and no payload:
         # a stranger must not make the daemon wait for (and buffer) a 4 MiB header.
         self.hello_limits = replace(
-            self.limits, max_header_bytes=HELLO_HEADER_BYTES, max_payload_bytes=0
+            self.limits,
+            max_header_bytes=min(HELLO_HEADER_BYTES, config.max_header_bytes),
+            max_payload_bytes=0,
         )
 
     async def start(self) -> list[tuple[str, str, int]]:
