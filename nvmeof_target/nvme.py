@@ -99,6 +99,17 @@ def make_front(config: Config, services: Services) -> NvmeFront | None:
 _Handler = Callable[["_Queue", Command, int], "Awaitable[object] | None"]
 
 
+_CONDITIONS = StoreOption.ONLY_IF_EXISTS | StoreOption.ONLY_IF_ABSENT
+# Store options -> the engine's `if_stored` condition for the commit (both: refused earlier).
+_IF_STORED: dict[int, bool] = {StoreOption.ONLY_IF_EXISTS: True, StoreOption.ONLY_IF_ABSENT: False}
+
+
+def _condition_failed(*, present: bool) -> CommandFailed:
+    if present:
+        return CommandFailed(Sct.GENERIC, Sc.KV_KEY_EXISTS, "key exists")
+    return CommandFailed(Sct.GENERIC, Sc.KV_KEY_NOT_EXISTS, "key does not exist")
+
+
 def _status(sct: int, sc: int, *, dnr: bool = True) -> int:
     return Completion.encode_status(sct, sc, dnr=dnr)
 
@@ -724,12 +735,9 @@ class _Queue(Session):
         return None
 
     def _check_options(self, options: int, engine_key: bytes) -> None:
-        if options & (StoreOption.ONLY_IF_EXISTS | StoreOption.ONLY_IF_ABSENT):
-            present = self.engine.contains(engine_key)
-            if options & StoreOption.ONLY_IF_EXISTS and not present:
-                raise CommandFailed(Sct.GENERIC, Sc.KV_KEY_NOT_EXISTS, "key does not exist")
-            if options & StoreOption.ONLY_IF_ABSENT and present:
-                raise CommandFailed(Sct.GENERIC, Sc.KV_KEY_EXISTS, "key exists")
+        if_stored = _IF_STORED.get(options & _CONDITIONS)
+        if if_stored is not None and self.engine.contains(engine_key) != if_stored:
+            raise _condition_failed(present=not if_stored)
 
     def _store_done(
         self, store: _Store, reservation: PutReservation, ok: bool
@@ -740,12 +748,13 @@ class _Queue(Session):
             return None
 
         def commit() -> None:
+            # Checked again by the engine, atomically with the publish: with an SSD tier this
+            # runs on an I/O thread, and another connection's store or delete of the key could
+            # land between a separate check and the commit.
+            if_stored = _IF_STORED.get(store.options & _CONDITIONS)
             try:
-                # Checked again right before the commit. DRAM-only, both run on the event loop,
-                # which every front's non-durable commit shares, so no other store slips in
-                # between; with an SSD tier they run on an I/O thread, and one could.
-                self._check_options(store.options, store.engine_key)
-                reservation.commit()
+                if not reservation.commit(if_stored=if_stored):
+                    raise _condition_failed(present=not if_stored)
             finally:
                 reservation.abort()  # no-op once committed
 

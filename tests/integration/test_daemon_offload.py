@@ -22,7 +22,9 @@ import pytest
 from probes import closed, eventually, refused, small_window
 
 from kvoffload.client_sdk import Client
+from kvoffload.client_sdk.transports.nvme import NvmeHost, NvmeOptions
 from kvoffload.client_sdk.wire.native import Get, Hello, NativeConnection, Put, Role
+from kvoffload.client_sdk.wire.nvme_cmd import Completion, StoreOption
 from kvoffload.kvstore import Engine, PutReservation
 from kvoffload.nvmeof_target.config import DEFAULT_SUBNQN, load_config
 from kvoffload.nvmeof_target.server import Daemon
@@ -31,16 +33,18 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 class Gate:
-    """Holds every call of the method it wraps, once armed, until released."""
+    """Holds every call (or only the first, with `once`) of the method it wraps, once armed,
+    until released."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, once: bool = False) -> None:
         self.armed = False
+        self.once = once
         self.entered = threading.Event()
         self.release = threading.Event()
 
     def wrap(self, real: Callable[..., Any]) -> Callable[..., Any]:
         def gated(*args: Any, **kwargs: Any) -> Any:
-            if self.armed:
+            if self.armed and not (self.once and self.entered.is_set()):
                 self.entered.set()
                 self.release.wait(60)
             return real(*args, **kwargs)
@@ -156,6 +160,37 @@ def test_a_connection_cut_off_while_its_reserve_is_stuck_gives_the_slot_back(
         # Gets pinned is released.
         assert eventually(lambda: _dram(client)["used_bytes"] == used)
         assert _dram(client)["pinned"] == 0
+
+
+def test_a_conditional_nvme_store_is_checked_atomically_with_its_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With an SSD tier the commit runs on an I/O thread; a check made before it could be stale.
+    gate = Gate(once=True)
+    monkeypatch.setattr(PutReservation, "commit", gate.wrap(PutReservation.commit))
+    key = os.urandom(16)
+    with serving(tmp_path) as daemon, Client.connect(_url(daemon, "native")) as other:
+        host = NvmeHost(NvmeOptions(port=daemon.addresses["nvme"][1], kato_ms=0))
+        try:
+            gate.armed = True
+            results: list[Completion] = []
+            absent = StoreOption.ONLY_IF_ABSENT
+
+            def store() -> None:
+                results.append(host.store(key, [b"first"], options=absent))
+
+            thread = threading.Thread(target=store)
+            thread.start()
+            try:
+                assert gate.entered.wait(60)  # the key was absent when the store arrived ...
+                other.put(key, b"second")  # ... and another connection stores it meanwhile
+            finally:
+                gate.release.set()
+                thread.join(60)
+            assert [(c.sct, c.sc) for c in results] == [(0, 0x89)]  # Key Exists
+            assert other.get(key) == b"second"
+        finally:
+            host.close()
 
 
 def _dram(client: Client) -> dict[str, int]:
