@@ -137,18 +137,26 @@ class PutReservation:
     def __len__(self) -> int:
         return self._entry.length
 
-    def commit(self) -> None:
+    def commit(self, *, if_stored: bool | None = None) -> bool:
         """Publish the value under its key, replacing any older value.
 
         A durable reservation first writes the value to the SSD and waits for its journal
         record; if that fails the put fails and the key keeps its old value.
 
+        `if_stored` (not for durable reservations): publish only if some tier holds the key
+        (True) or none does (False), checked atomically with the publish, so that no other
+        commit or delete of the key lands in between. Returns False, with the slot given back,
+        when that does not hold; True when the value was published.
+
         Raises:
             StorageIOError: a durable write failed (EIO, ENOSPC, journal failure).
             CapacityError: no SSD slot could be freed for a durable write.
+            InvalidArgumentError: `if_stored` with a durable reservation.
         """
+        if if_stored is not None and self._durable:
+            raise InvalidArgumentError("a durable put cannot be conditional")
         engine = self._finish()
-        engine._commit(self._entry, self._durable)
+        return engine._commit(self._entry, self._durable, if_stored)
 
     def abort(self) -> None:
         """Give the slot back; the key keeps its old value. Idempotent."""
@@ -824,7 +832,7 @@ class Engine:
         if entry is not None:
             self._policies[entry.cls].set_rank(key, self._rank(key, entry.parent))
 
-    def _commit(self, entry: _Entry, durable: bool) -> None:
+    def _commit(self, entry: _Entry, durable: bool, if_stored: bool | None = None) -> bool:
         """Publish a filled reservation; durable ones go through the SSD first."""
         if durable:
             assert self._ssd is not None
@@ -834,7 +842,11 @@ class Engine:
                 self._unpin(entry)  # never published: frees the slot
                 raise
         with self._lock:
+            if if_stored is not None and self._stored(entry.key) != if_stored:
+                self._unpin_locked(entry)  # never published: frees the slot
+                return False
             self._publish(entry, put=True)
+        return True
 
     def _write_through(self, entry: _Entry) -> None:
         """Write a pending entry to the SSD and wait until it and its record are durable."""

@@ -499,6 +499,12 @@ class NativeConnection:
         self._eof = False
         self._error: RemoteProtocolError | None = None
 
+    def set_limits(self, limits: Limits) -> None:
+        """Bound what the peer may declare from the next frame on (a server accepts only a
+        small Hello from a peer it does not know yet)."""
+        self.limits = limits
+        self._reader.limits = limits
+
     # ------------------------------------------------------------------ receiving
 
     def get_buffer(self) -> memoryview:
