@@ -227,6 +227,10 @@ class _Session:
             try:
                 item = self.conn.next_event()
             except RemoteProtocolError as exc:
+                if self.conn.peer_closed:
+                    # Cut off mid-answer (a killed daemon, a reset): the connection failed, not
+                    # the protocol, so the request may be retried.
+                    exc = TransportError(f"the daemon closed the connection: {exc}")
                 self.fail(exc)
                 return
             if item is NEED_DATA:
@@ -456,6 +460,8 @@ def _plan_lookup(keys: Sequence[bytes]) -> Plan[int]:
     for i in range(0, len(keys), _BATCH_KEYS):
         chunk = tuple(keys[i : i + _BATCH_KEYS])
         answer = cast(LookupResult, (yield from _one(_Req(partial(_keys_event, Lookup, chunk)))))
+        if not 0 <= answer.count <= len(chunk):
+            raise RemoteProtocolError(f"lookup of {len(chunk)} keys answered {answer.count}")
         total += answer.count
         if answer.count < len(chunk):
             break
@@ -465,7 +471,10 @@ def _plan_lookup(keys: Sequence[bytes]) -> Plan[int]:
 def _plan_prefetch(keys: Sequence[bytes]) -> Plan[int]:
     chunks = [tuple(keys[i : i + _BATCH_KEYS]) for i in range(0, len(keys), _BATCH_KEYS)]
     calls = yield [_Req(partial(_keys_event, Prefetch, c)) for c in chunks]
-    return sum(cast(PrefetchResult, call.result()).count for call in calls)
+    counts = [cast(PrefetchResult, call.result()).count for call in calls]
+    if any(not 0 <= n <= len(c) for n, c in zip(counts, chunks, strict=True)):
+        raise RemoteProtocolError(f"prefetch answered {counts} for chunks of {len(chunks[0])}")
+    return sum(counts)
 
 
 _CLIENT = f"kvoffload-sdk/{__version__} python"

@@ -524,6 +524,11 @@ class NativeConnection:
     def receive_eof(self) -> None:
         self._eof = True
 
+    @property
+    def peer_closed(self) -> bool:
+        """The peer closed its side (whether or not at a frame boundary)."""
+        return self._eof
+
     def set_payload_sink(self, buffers: Sequence[memoryview]) -> None:
         """Put the payload of the event just returned into `buffers` (sizes must add up)."""
         self._reader.set_sink(buffers)

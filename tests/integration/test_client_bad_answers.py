@@ -28,11 +28,13 @@ from kvoffload.client_sdk.wire.native import (
     GetManyResult,
     GetResult,
     Hello,
+    Lookup,
+    LookupResult,
     NativeConnection,
     Role,
     Welcome,
 )
-from kvoffload.errors import KVOffloadError, RemoteProtocolError
+from kvoffload.errors import KVOffloadError, RemoteProtocolError, TransportError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -122,6 +124,26 @@ def test_a_get_many_answer_that_does_not_fit_the_keys_is_a_protocol_error(
         asyncio.run(main())
 
 
+def _more_than_asked(conn: NativeConnection, event: Event) -> tuple[bytes, bool]:
+    assert isinstance(event, Lookup)
+    return _joined(conn.send_parts(LookupResult(event.request_id, len(event.keys) + 1))), False
+
+
+def test_a_lookup_count_over_the_keys_asked_is_a_protocol_error() -> None:
+    keys = [os.urandom(16) for _ in range(3)]
+    with peer(_more_than_asked) as port:
+        url = f"kv://127.0.0.1:{port}?retries=0&timeout=10"
+        with Client.connect(url) as client, pytest.raises(RemoteProtocolError, match="lookup"):
+            client.lookup(keys)
+
+        async def main() -> None:
+            async with AsyncClient.connect(url) as client:
+                with pytest.raises(RemoteProtocolError, match="lookup"):
+                    await client.lookup(keys)
+
+        asyncio.run(main())
+
+
 BLOCK = 1 << 20  # payload bytes of the block the peer starts to send
 
 
@@ -143,14 +165,16 @@ def test_a_get_into_that_fails_part_way_leaves_no_partial_block(close: bool) -> 
     with peer(_half_a_block(close)) as port:
         url = f"kv://127.0.0.1:{port}?retries=0&timeout=2"
         buffer = bytearray(b"\x55" * (2 * BLOCK))
-        with Client.connect(url) as client, pytest.raises(KVOffloadError):
+        # Cut off mid-answer is a failed connection (retried where retries are allowed).
+        expected = TransportError if close else KVOffloadError
+        with Client.connect(url) as client, pytest.raises(expected):
             client.get_into(os.urandom(16), buffer)
         assert b"\xaa" not in buffer  # what arrived is zeroed ...
         assert buffer[-1] == 0x55  # ... and what no byte reached is left alone
 
         async def main() -> None:
             async with AsyncClient.connect(url) as client:
-                with pytest.raises(KVOffloadError):
+                with pytest.raises(expected):
                     await client.get_into(os.urandom(16), buffer)
 
         buffer[:] = b"\x55" * (2 * BLOCK)
