@@ -227,11 +227,10 @@ class _Session:
             try:
                 item = self.conn.next_event()
             except RemoteProtocolError as exc:
-                if self.conn.peer_closed:
-                    # Cut off mid-answer (a killed daemon, a reset): the connection failed, not
-                    # the protocol, so the request may be retried.
-                    exc = TransportError(f"the daemon closed the connection: {exc}")
-                self.fail(exc)
+                # Cut off mid-answer (a killed daemon, a reset): the connection failed, not the
+                # protocol, so the request may be retried.
+                cut = TransportError(f"the daemon closed the connection: {exc}")
+                self.fail(cut if self.conn.peer_closed else exc)
                 return
             if item is NEED_DATA:
                 return
