@@ -582,13 +582,14 @@ class Engine:
                 self._ssd.set_quota(tenant, ssd_bytes)
 
     def set_tier_listener(self, listener: TierListener | None) -> None:
-        """Call `listener(kind, key, tier)` whenever the engine itself moves a block.
+        """Call `listener(kind, key, tier)` whenever a block enters or leaves a tier.
 
-        Reported: DRAM evictions ("removed", "dram"), blocks written to the SSD by demotion or
-        a durable put ("stored", "ssd"), promotions ("stored", "dram"), and blocks leaving the
-        SSD other than by `delete` ("removed", "ssd"). Not reported: the caller's own puts into
-        DRAM and its deletes. The listener runs on the thread that made the change with the
-        engine lock held: it must be quick and must not call the engine.
+        Reported: puts and promotions landing in DRAM ("stored", "dram"), DRAM evictions
+        ("removed", "dram"), blocks written to the SSD by demotion or a durable put ("stored",
+        "ssd"), and blocks leaving the SSD other than by `delete` ("removed", "ssd"). Not
+        reported: the caller's deletes. The listener runs on the thread that made the change
+        with the engine lock held, so reports come in the order of the changes: it must be
+        quick and must not call the engine.
         """
         with self._lock:
             self._listener = listener
@@ -908,6 +909,7 @@ class Engine:
         if put:
             self._n["puts"] += 1
             self._n["bytes_in"] += entry.length
+            self._notify("stored", key, "dram")
         self._n["stored"] += entry.length
         self._policies[entry.cls].insert(key, self._rank(key, entry.parent))
         self._recency[entry.cls][key] = None

@@ -12,7 +12,10 @@ Token ids are not known to the store, so `BlockStored` events are vLLM's placeho
 them yet; consumers that track block hashes can.
 
 Tier moves are reported by the engine from whichever thread made them, under its lock, so they
-only go into a thread-safe deque; the loop publishes.
+only go into a thread-safe deque; the loop publishes. The engine also reports a client's put
+landing in DRAM, under the same lock, so a front only announces the put (`expect`) before its
+commit runs: a durable put's SSD copy, the commit and an eviction right after it are then
+published in the order they happened.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import collections
 import contextlib
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -43,6 +47,16 @@ def event_hash(key: bytes) -> int:
     return int.from_bytes(key, "big") & _MASK64
 
 
+@dataclass
+class _Block:
+    """A block this daemon has published (or is about to): what names it, where it is."""
+
+    digest: int
+    parent: int | None
+    tiers: set[str] = field(default_factory=set)
+    pending: int = 0  # puts announced by `expect` and not yet settled
+
+
 class KVEvents:
     """Collects block events and publishes them in batches on a ZMQ PUB socket."""
 
@@ -54,9 +68,9 @@ class KVEvents:
         self._socket.setsockopt(zmq.SNDHWM, config.hwm)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._pending: collections.deque[dict[str, object]] = collections.deque()
-        # Engine key -> (published hash, parent hash, tiers it is published in), for blocks
-        # whose BlockStored went out, so that tier moves (reported by engine key) name the block.
-        self._published: dict[bytes, tuple[int, int | None, set[str]]] = {}
+        # Engine key -> the block, for blocks published or announced, so that tier moves
+        # (reported by engine key) name the block.
+        self._published: dict[bytes, _Block] = {}
         self._lock = threading.Lock()
         self._seq = 0
         self._task: asyncio.Task[None] | None = None
@@ -82,29 +96,42 @@ class KVEvents:
             "locality": "LOCAL",
         }
 
-    def stored(self, engine_key: bytes, key: bytes, parent: bytes | None) -> None:
-        """A client's put landed in DRAM."""
+    def expect(self, engine_key: bytes, key: bytes, parent: bytes | None) -> None:
+        """A client's put of `key` is about to be committed: from now on the engine's reports
+        for `engine_key` (the commit itself, an SSD copy, an eviction) are published under its
+        hash. Call `settle` once the commit has succeeded or failed."""
         digest = event_hash(key)
         parent_digest = None if parent is None else event_hash(parent)
         with self._lock:
-            self._published[engine_key] = (digest, parent_digest, {"dram"})
-        self._pending.append(self._stored_event(digest, parent_digest, "dram"))
+            block = self._published.get(engine_key)
+            if block is None or block.digest != digest:
+                block = self._published[engine_key] = _Block(digest, parent_digest)
+            block.pending += 1
+
+    def settle(self, engine_key: bytes) -> None:
+        """An announced put finished (its events, if any, went out as the engine reported)."""
+        with self._lock:
+            block = self._published.get(engine_key)
+            if block is not None and block.pending:
+                block.pending -= 1
+                if not block.tiers and not block.pending:
+                    del self._published[engine_key]
 
     def moved(self, kind: str, engine_key: bytes, tier: str) -> None:
         """The engine stored a block in, or removed it from, a tier (any thread; no I/O)."""
         with self._lock:
-            entry = self._published.get(engine_key)
-            if entry is None:
+            block = self._published.get(engine_key)
+            if block is None:
                 return  # never published by this daemon (e.g. stored before a restart)
-            digest, parent, tiers = entry
-            if (kind == "stored") == (tier in tiers):
+            if (kind == "stored") == (tier in block.tiers):
                 return
             if kind == "stored":
-                tiers.add(tier)
+                block.tiers.add(tier)
             else:
-                tiers.discard(tier)
-                if not tiers:
+                block.tiers.discard(tier)
+                if not block.tiers and not block.pending:
                     del self._published[engine_key]
+            digest, parent = block.digest, block.parent
         if kind == "stored":
             self._pending.append(self._stored_event(digest, parent, tier))
         else:
@@ -115,13 +142,12 @@ class KVEvents:
     def removed(self, engine_key: bytes) -> None:
         """A client's delete: the block left every tier it was published in."""
         with self._lock:
-            entry = self._published.pop(engine_key, None)
-        if entry is None:
+            block = self._published.pop(engine_key, None)
+        if block is None:
             return
-        digest, _, tiers = entry
-        for tier in sorted(tiers):
+        for tier in sorted(block.tiers):
             self._pending.append(
-                {"type": "BlockRemoved", "block_hashes": [digest], "medium": MEDIA[tier]}
+                {"type": "BlockRemoved", "block_hashes": [block.digest], "medium": MEDIA[tier]}
             )
 
     def flush(self) -> None:

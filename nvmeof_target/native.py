@@ -447,6 +447,11 @@ class _Session(Session):
             return None
         answer: Event = PutDone(rid) if isinstance(pending.request, Put) else PutManyDone(rid)
 
+        events = self.services.events
+        if events is not None:
+            for engine_key, key, parent in pending.keys:
+                events.expect(engine_key, key, parent)
+
         def commit() -> None:
             try:
                 for reservation in pending.reservations:
@@ -454,13 +459,12 @@ class _Session(Session):
             finally:
                 for reservation in pending.reservations:
                     reservation.abort()  # no-op for the committed ones
+                if events is not None:
+                    for engine_key, _, _ in pending.keys:
+                        events.settle(engine_key)
 
         def done(_: None) -> None:
             self.services.metrics.bytes_in.labels(FRONT).inc(pending.request.payload_length)
-            events = self.services.events
-            if events is not None:
-                for engine_key, key, parent in pending.keys:
-                    events.stored(engine_key, key, parent)
             self._reply(answer)
 
         if pending.request.durable:

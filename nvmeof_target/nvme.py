@@ -747,6 +747,10 @@ class _Queue(Session):
             self._complete(store.cid, _status(Sct.GENERIC, Sc.DATA_TRANSFER_ERROR, dnr=False))
             return None
 
+        events = self.services.events
+        if events is not None:
+            events.expect(store.engine_key, store.ns.block_key(store.key), None)
+
         def commit() -> None:
             # Checked again by the engine, atomically with the publish: with an SSD tier this
             # runs on an I/O thread, and another connection's store or delete of the key could
@@ -757,12 +761,12 @@ class _Queue(Session):
                     raise _condition_failed(present=not if_stored)
             finally:
                 reservation.abort()  # no-op once committed
+                if events is not None:
+                    events.settle(store.engine_key)
 
         def done(_: None) -> None:
             store.ns.directory.add(store.key, store.engine_key)
             self.services.metrics.bytes_in.labels(FRONT).inc(len(reservation))
-            if self.services.events is not None:
-                self.services.events.stored(store.engine_key, store.ns.block_key(store.key), None)
             self._complete(store.cid)
 
         return self.in_order(

@@ -407,6 +407,52 @@ def test_kv_events_follow_blocks_to_the_ssd(start_daemon: Start) -> None:
     sub.close(linger=0)
 
 
+def _replay(events: list[dict[str, Any]]) -> dict[str, set[int]]:
+    """Apply KV events in order to a per-medium model; a BlockRemoved must follow a
+    BlockStored of the same block in the same medium."""
+    held: dict[str, set[int]] = {"CPU": set(), "STORAGE": set()}
+    for event in events:
+        for digest in event["block_hashes"]:
+            if event["type"] == "BlockStored":
+                held[event["medium"]].add(digest)
+            else:
+                assert digest in held[event["medium"]], f"removed before stored: {event}"
+                held[event["medium"]].discard(digest)
+    return held
+
+
+def test_kv_events_announce_durable_puts_on_the_ssd_in_order(start_daemon: Start) -> None:
+    daemon = start_daemon(
+        "--events", "tcp://127.0.0.1:*", "--dram", "8MiB", "--ssd", "64MiB",
+        env={"KVOFFLOAD_SSD__ADMISSION_MIN_USES": "1"},
+    )  # fmt: skip
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(daemon.events)
+    events: list[dict[str, Any]] = []
+    with Client.connect(daemon.url()) as client:
+        probe = b"\xff" * 16
+        for _ in range(100):  # until the subscription has propagated
+            client.put(probe, b"v")
+            if sub.poll(100):
+                break
+        client.delete(probe)
+        keys = [i.to_bytes(16, "big") for i in range(16)]
+        for key in keys:  # 16 durable blocks of 900 KiB through 8 MiB of DRAM
+            client.put(key, bytes(900 << 10), durable=True)
+        while sub.poll(2000):
+            events += msgpack.unpackb(sub.recv_multipart()[2])[1]
+    sub.close(linger=0)
+    events = [e for e in events if int.from_bytes(probe[8:], "big") not in e["block_hashes"]]
+    held = _replay(events)
+    digests = [int.from_bytes(k[8:], "big") for k in keys]
+    assert set(digests) <= held["STORAGE"]  # every durable put is announced on the SSD ...
+    for digest in digests:  # ... before it is announced in DRAM
+        mine = [(e["type"], e["medium"]) for e in events if digest in e["block_hashes"]]
+        assert mine[:2] == [("BlockStored", "STORAGE"), ("BlockStored", "CPU")]
+    assert held["CPU"] and held["CPU"] < set(digests)  # the oldest left DRAM
+
+
 def test_a_get_many_that_fails_part_way_releases_what_it_pinned(start_daemon: Start) -> None:
     # 16 blocks of 900 KiB in 8 MiB of DRAM: most live on the SSD only. A get_many of all of
     # them pins each block it reads, so promoting the later ones finds every DRAM block pinned.

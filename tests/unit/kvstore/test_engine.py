@@ -311,7 +311,7 @@ def test_reservation_left_uncommitted_changes_nothing(engine: Engine) -> None:
         engine.reserve(key(2), -1)
 
 
-def test_tier_listener_hears_evictions_only() -> None:
+def test_tier_listener_hears_puts_and_evictions_in_order() -> None:
     heard: list[tuple[str, bytes, str]] = []
     config = EngineConfig(
         DramConfig(capacity_bytes=4 << 20, max_value_bytes=1 << 20, prefault=False)
@@ -321,11 +321,17 @@ def test_tier_listener_hears_evictions_only() -> None:
         keys = [i.to_bytes(16, "little") for i in range(8)]
         for key in keys:
             engine.put(key, bytes(1 << 20))
+        stored = [k for kind, k, tier in heard if kind == "stored" and tier == "dram"]
+        assert stored == keys  # every put, in order
+        removed = [k for kind, k, tier in heard if kind == "removed"]
+        assert removed and len(removed) == engine.stats().evictions
+        for key in removed:  # each eviction comes after the put that stored the block
+            assert heard.index(("stored", key, "dram")) < heard.index(("removed", key, "dram"))
+        heard.clear()
         engine.delete(keys[-1])  # a delete is the caller's own doing: not reported
-        engine.put(keys[-2], bytes(10))  # nor is a replacement
-        assert heard and all(kind == "removed" and tier == "dram" for kind, _, tier in heard)
-        assert {k for _, k, _ in heard} <= set(keys[:-2])
-        assert len(heard) == engine.stats().evictions
+        assert heard == []
+        engine.put(keys[-2], bytes(10))  # a replacement is a put
+        assert heard == [("stored", keys[-2], "dram")]
 
 
 def test_a_conditional_commit_checks_with_the_publish(engine: Engine) -> None:
