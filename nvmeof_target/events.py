@@ -6,6 +6,8 @@ the batch is ``[ts, [event, ...], None]`` with events as vLLM 0.33.0 tagged maps
 it a `BlockRemoved`, with ``medium="CPU"`` for DRAM and ``"STORAGE"`` for the SSD: a demotion is
 a Removed(CPU) + Stored(STORAGE) pair, a promotion a Stored(CPU). Hashes are 64-bit ints, the low
 64 bits of the client's 16-byte block key read big-endian, as vLLM does with its digests.
+Tenants use the same client keys, so each configured tenant's events go out on its own topic,
+``<topic>/<tenant>``, with its own sequence numbers (a subscription to ``<topic>`` gets all).
 
 Token ids are not known to the store, so `BlockStored` events are vLLM's placeholders
 (``token_ids=[]``, ``block_size=0``): consumers that re-hash tokens (Dynamo, llm-d) cannot use
@@ -47,12 +49,17 @@ def event_hash(key: bytes) -> int:
     return int.from_bytes(key, "big") & _MASK64
 
 
+def _removed_event(digest: int, tier: str) -> dict[str, object]:
+    return {"type": "BlockRemoved", "block_hashes": [digest], "medium": MEDIA[tier]}
+
+
 @dataclass
 class _Block:
     """A block this daemon has published (or is about to): what names it, where it is."""
 
     digest: int
     parent: int | None
+    topic: bytes  # the tenant's topic
     tiers: set[str] = field(default_factory=set)
     pending: int = 0  # puts announced by `expect` and not yet settled
 
@@ -67,12 +74,12 @@ class KVEvents:
         self._socket: zmq.Socket[bytes] = self._context.socket(zmq.PUB)
         self._socket.setsockopt(zmq.SNDHWM, config.hwm)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._pending: collections.deque[dict[str, object]] = collections.deque()
+        self._pending: collections.deque[tuple[bytes, dict[str, object]]] = collections.deque()
         # Engine key -> the block, for blocks published or announced, so that tier moves
         # (reported by engine key) name the block.
         self._published: dict[bytes, _Block] = {}
         self._lock = threading.Lock()
-        self._seq = 0
+        self._seq: dict[bytes, int] = {}  # per topic: a subscriber of one sees no gaps
         self._task: asyncio.Task[None] | None = None
         self.endpoint = ""
 
@@ -96,16 +103,21 @@ class KVEvents:
             "locality": "LOCAL",
         }
 
-    def expect(self, engine_key: bytes, key: bytes, parent: bytes | None) -> None:
+    def topic_of(self, tenant: str) -> bytes:
+        """The configured topic, with ``/<tenant>`` appended for a configured tenant."""
+        return self._topic + (b"/" + tenant.encode() if tenant else b"")
+
+    def expect(self, engine_key: bytes, key: bytes, parent: bytes | None, tenant: str = "") -> None:
         """A client's put of `key` is about to be committed: from now on the engine's reports
         for `engine_key` (the commit itself, an SSD copy, an eviction) are published under its
-        hash. Call `settle` once the commit has succeeded or failed."""
+        hash, on the tenant's topic. Call `settle` once the commit has succeeded or failed."""
         digest = event_hash(key)
         parent_digest = None if parent is None else event_hash(parent)
         with self._lock:
             block = self._published.get(engine_key)
             if block is None or block.digest != digest:
-                block = self._published[engine_key] = _Block(digest, parent_digest)
+                block = _Block(digest, parent_digest, self.topic_of(tenant))
+                self._published[engine_key] = block
             block.pending += 1
 
     def settle(self, engine_key: bytes) -> None:
@@ -123,21 +135,22 @@ class KVEvents:
             block = self._published.get(engine_key)
             if block is None:
                 return  # never published by this daemon (e.g. stored before a restart)
-            if (kind == "stored") == (tier in block.tiers):
+            if kind == "removed" and tier not in block.tiers:
                 return
+            # A block stored again (a put replacing it) is announced again: PUB drops messages
+            # when a subscriber lags, and a repeat lets it catch up.
             if kind == "stored":
                 block.tiers.add(tier)
             else:
                 block.tiers.discard(tier)
                 if not block.tiers and not block.pending:
                     del self._published[engine_key]
-            digest, parent = block.digest, block.parent
         if kind == "stored":
-            self._pending.append(self._stored_event(digest, parent, tier))
-        else:
             self._pending.append(
-                {"type": "BlockRemoved", "block_hashes": [digest], "medium": MEDIA[tier]}
+                (block.topic, self._stored_event(block.digest, block.parent, tier))
             )
+        else:
+            self._pending.append((block.topic, _removed_event(block.digest, tier)))
 
     def removed(self, engine_key: bytes) -> None:
         """A client's delete: the block left every tier it was published in."""
@@ -146,19 +159,21 @@ class KVEvents:
         if block is None:
             return
         for tier in sorted(block.tiers):
-            self._pending.append(
-                {"type": "BlockRemoved", "block_hashes": [block.digest], "medium": MEDIA[tier]}
-            )
+            self._pending.append((block.topic, _removed_event(block.digest, tier)))
 
     def flush(self) -> None:
         while self._pending:
-            events = [self._pending.popleft() for _ in range(min(len(self._pending), _MAX_BATCH))]
+            # One message per run of events on the same topic, in order.
+            topic = self._pending[0][0]
+            events = []
+            while self._pending and self._pending[0][0] == topic and len(events) < _MAX_BATCH:
+                events.append(self._pending.popleft()[1])
             payload = msgpack.packb([time.time(), events, None], use_bin_type=True)
-            self._seq += 1
+            seq = self._seq[topic] = self._seq.get(topic, 0) + 1
             # PUB drops when subscribers lag: routers resynchronise from later events.
             with contextlib.suppress(zmq.Again):
                 self._socket.send_multipart(
-                    [self._topic, self._seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK
+                    [topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK
                 )
 
     async def _run(self) -> None:

@@ -450,7 +450,7 @@ class _Session(Session):
         events = self.services.events
         if events is not None:
             for engine_key, key, parent in pending.keys:
-                events.expect(engine_key, key, parent)
+                events.expect(engine_key, key, parent, self._me.name)
 
         def commit() -> None:
             try:

@@ -749,7 +749,9 @@ class _Queue(Session):
 
         events = self.services.events
         if events is not None:
-            events.expect(store.engine_key, store.ns.block_key(store.key), None)
+            events.expect(
+                store.engine_key, store.ns.block_key(store.key), None, store.ns.tenant.name
+            )
 
         def commit() -> None:
             # Checked again by the engine, atomically with the publish: with an SSD tier this

@@ -539,3 +539,34 @@ def test_stats_command_prints_a_summary(start_daemon: Start) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "daemon: kvoffload" in proc.stdout and "tier dram: 1 blocks" in proc.stdout
+
+
+def test_kv_events_go_out_on_each_tenants_topic(start_daemon: Start) -> None:
+    daemon = start_daemon(
+        "--events", "tcp://127.0.0.1:*", config=TENANTS, env={"KVOFFLOAD_EVENTS__TOPIC": "kv"}
+    )
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv/alice")
+    sub.connect(daemon.events)
+    key = bytes(range(16))
+    with (
+        Client.connect(daemon.url(token="alice-secret")) as alice,
+        Client.connect(daemon.url(token="bob-secret")) as bob,
+    ):
+        for _ in range(100):  # until the subscription has propagated
+            alice.put(key, b"alice")
+            if sub.poll(100):
+                break
+        bob.put(key, b"bob")  # the same client key, another tenant
+        bob.delete(key)
+        alice.put(bytes(16), b"alice again")
+        got: list[tuple[bytes, int, dict[str, Any]]] = []
+        while sub.poll(1000):
+            topic, seq, payload = sub.recv_multipart()
+            got += [(topic, int.from_bytes(seq, "big"), e) for e in msgpack.unpackb(payload)[1]]
+    sub.close(linger=0)
+    assert got and {topic for topic, _, _ in got} == {b"kv/alice"}
+    assert not [e for _, _, e in got if e["type"] == "BlockRemoved"]  # bob's delete is not here
+    assert got[-1][2]["block_hashes"] == [0]  # alice's second block
+    seqs = [seq for _, seq, _ in got]
+    assert seqs == sorted(seqs) and seqs[-1] - seqs[0] < len(seqs) + 1  # alice's own numbering
