@@ -165,7 +165,7 @@ class KVEvents:
         while self._pending:
             # One message per run of events on the same topic, in order.
             topic = self._pending[0][0]
-            events = []
+            events: list[dict[str, object]] = []
             while self._pending and self._pending[0][0] == topic and len(events) < _MAX_BATCH:
                 events.append(self._pending.popleft()[1])
             payload = msgpack.packb([time.time(), events, None], use_bin_type=True)
