@@ -2,7 +2,7 @@
 loop, Redis and LMCache's lm:// server measured in the same run.
 
 Cases: put and get of 64 KiB, 2 MiB and 8 MiB values, one request at a time and pipelined
-(`put_many`/`get_many` batches, the same depth for every reference), plus the p50/p99 of a
+(`put_many`/`get_many_into` batches, the same depth for every reference), plus the p50/p99 of a
 1,000-key `lookup`. kvoffload's get is `get_into` a preallocated buffer (its zero-copy path,
 CRC32C verification included); its put seals a header and CRC32C.
 
@@ -256,9 +256,13 @@ def run(
                 for batch in batches:
                     client.put_many([(k, value) for k in batch])
 
-            def kv_get_p(batches: list[list[bytes]] = batches) -> None:
+            outs = [np.empty(size, dtype=np.uint8) for _ in range(DEPTH)]
+
+            def kv_get_p(
+                batches: list[list[bytes]] = batches, outs: list[np.ndarray] = outs
+            ) -> None:
                 for batch in batches:
-                    client.get_many(batch)
+                    client.get_many_into(batch, outs[: len(batch)])
 
             def raw_put(n: int = n, view: memoryview = vview) -> None:
                 for _ in range(n):
@@ -302,7 +306,7 @@ def run(
         result.rows += _lookup_rows(client, lookups)
     result.notes.append(
         f"one client, loopback, ~{working_set >> 20} MiB of distinct values per size, median of "
-        f"{rounds} rounds; pipelined = batches of {DEPTH} in flight (put_many/get_many, Redis "
+        f"{rounds} rounds; pipelined = batches of {DEPTH} in flight (put_many/get_many_into, Redis "
         f"pipelines, {DEPTH} raw requests back to back). kvoffload get = get_into with CRC32C "
         "verification; put = header + CRC32C; the daemon runs in its own process."
     )

@@ -378,6 +378,22 @@ def _keys(keys: Sequence[bytes]) -> list[BlockKey]:
         ) from None
 
 
+def _many_into(
+    keys: Sequence[bytes], buffers: Sequence[object]
+) -> tuple[list[Bytes], list[BlockKey]]:
+    block_keys = _keys(keys)
+    if len(buffers) != len(block_keys):
+        raise InvalidArgumentError(f"{len(block_keys)} keys but {len(buffers)} buffers")
+    return [as_writable(b) for b in buffers], block_keys
+
+
+def _encoded(held: HeldBlock | Received | None) -> bool:
+    """Whether a received block needs decoding (CPU work to keep off an event loop)."""
+    if held is None:
+        return False
+    return peek_codec(held.header if isinstance(held, Received) else held.data) != CODEC_NONE
+
+
 def _put_items(puts: Sequence[_Put]) -> list[PutItem]:
     return [(p.key, (p.header, p.payload), p.parent) for p in puts]
 
@@ -519,6 +535,22 @@ class Client:
         held = self._transport.get_many(_keys(keys))
         return [self._requests.read_bytes(k, h) for k, h in zip(keys, held, strict=True)]
 
+    def get_many_into(self, keys: Sequence[bytes], buffers: Sequence[object]) -> list[int | None]:
+        """`get_into` for each key with its own buffer, in as few round trips as the transport
+        allows: over `kv://` one pipelined batch whose blocks are received straight into the
+        buffers. Returns each value's length, or None for a miss (its buffer untouched, or
+        zeroed where a damaged block had landed).
+
+        Raises:
+            InvalidArgumentError: not one buffer per key, or a buffer read-only, not contiguous
+                or too small.
+            TransportError, DeadlineExceededError: the store could not be read (no partial
+                block is left in any buffer).
+        """
+        dsts, block_keys = _many_into(keys, buffers)
+        got = self._transport.get_many_into(block_keys, [d.data for d in dsts])
+        return [self._requests.read_into(k, h, d) for k, h, d in zip(keys, got, dsts, strict=True)]
+
     def exists(self, key: bytes) -> bool:
         """Whether the store holds `key`; False also when the store cannot be reached."""
         block_key = to_key(key)
@@ -647,14 +679,27 @@ class AsyncClient:
     async def get_into(self, key: bytes, buffer: object) -> int | None:
         dst = as_writable(buffer)
         held = await self._transport.get_into(to_key(key), dst.data)
-        if isinstance(held, Received):
-            encoded = peek_codec(held.header)
-        else:
-            encoded = peek_codec(held.data) if held is not None else CODEC_NONE
-        if encoded != CODEC_NONE:
+        if _encoded(held):
             # Decoding takes CPU time: keep it off the event loop.
             return await asyncio.to_thread(self._requests.read_into, key, held, dst)
         return self._requests.read_into(key, held, dst)
+
+    async def get_many_into(
+        self, keys: Sequence[bytes], buffers: Sequence[object]
+    ) -> list[int | None]:
+        dsts, block_keys = _many_into(keys, buffers)
+        got = await self._transport.get_many_into(block_keys, [d.data for d in dsts])
+        if any(_encoded(h) for h in got):
+            return await asyncio.to_thread(self._read_many_into, keys, got, dsts)
+        return self._read_many_into(keys, got, dsts)
+
+    def _read_many_into(
+        self,
+        keys: Sequence[bytes],
+        got: Sequence[HeldBlock | Received | None],
+        dsts: Sequence[Bytes],
+    ) -> list[int | None]:
+        return [self._requests.read_into(k, h, d) for k, h, d in zip(keys, got, dsts, strict=True)]
 
     async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         held = await self._transport.get_many(_keys(keys))

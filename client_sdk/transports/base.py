@@ -93,6 +93,41 @@ async def received_into_async(
     return got
 
 
+def _scrub_past(into: Sequence[IntoBuffer], got: Sequence[Received | None]) -> None:
+    for buffer, block in zip(into, got, strict=False):
+        buffer.scrub(block.length if block is not None else 0)
+    for buffer in into[len(got) :]:
+        buffer.scrub()
+
+
+def received_many_into(
+    into: Sequence[IntoBuffer], get: Callable[[], Sequence[Received | None]]
+) -> Sequence[Received | None]:
+    """`received_into` for a batch: one buffer per key, scrubbed the same way."""
+    try:
+        got = get()
+    except BaseException:
+        for buffer in into:
+            buffer.scrub()
+        raise
+    _scrub_past(into, got)
+    return got
+
+
+async def received_many_into_async(
+    into: Sequence[IntoBuffer], get: Callable[[], Awaitable[Sequence[Received | None]]]
+) -> Sequence[Received | None]:
+    """`received_many_into` for an asyncio transport."""
+    try:
+        got = await get()
+    except BaseException:
+        for buffer in into:
+            buffer.scrub()
+        raise
+    _scrub_past(into, got)
+    return got
+
+
 class Transport(Protocol):
     """Moves stored blocks to and from one store. Keys are 16 bytes, already validated."""
 
@@ -121,6 +156,13 @@ class Transport(Protocol):
         ...
 
     def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]: ...
+
+    def get_many_into(
+        self, keys: Sequence[bytes], buffers: Sequence[memoryview]
+    ) -> list[HeldBlock | Received | None]:
+        """`get_into` for each key with its buffer, in as few round trips as the transport
+        allows (the same guarantees per buffer)."""
+        ...
 
     def exists(self, key: bytes) -> bool: ...
 
@@ -156,6 +198,10 @@ class AsyncTransport(Protocol):
     async def get_into(self, key: bytes, buffer: memoryview) -> HeldBlock | Received | None: ...
 
     async def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]: ...
+
+    async def get_many_into(
+        self, keys: Sequence[bytes], buffers: Sequence[memoryview]
+    ) -> list[HeldBlock | Received | None]: ...
 
     async def exists(self, key: bytes) -> bool: ...
 
@@ -198,6 +244,11 @@ class ThreadedAsyncTransport:
 
     async def get_into(self, key: bytes, buffer: memoryview) -> HeldBlock | Received | None:
         return await asyncio.to_thread(self._inner.get_into, key, buffer)
+
+    async def get_many_into(
+        self, keys: Sequence[bytes], buffers: Sequence[memoryview]
+    ) -> list[HeldBlock | Received | None]:
+        return await asyncio.to_thread(self._inner.get_many_into, keys, buffers)
 
     async def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]:
         return await asyncio.to_thread(self._inner.get_many, keys)

@@ -43,6 +43,8 @@ from kvoffload.client_sdk.transports.base import (
     Received,
     received_into,
     received_into_async,
+    received_many_into,
+    received_many_into_async,
 )
 from kvoffload.client_sdk.url import StoreURL
 from kvoffload.client_sdk.wire.block import HEADER_BYTES
@@ -437,6 +439,68 @@ def _plan_get_many(keys: Sequence[bytes]) -> Plan[list[HeldBlock | None]]:
     return out
 
 
+def _plan_get_many_into(
+    keys: Sequence[bytes], buffers: Sequence[IntoBuffer]
+) -> Plan[list[Received | None]]:
+    """GetMany whose answers are received straight into the caller's buffers (one per key):
+    each block's header into a small buffer of its own, its payload into the key's buffer."""
+    out: list[Received | None] = []
+    done = 0
+    while done < len(keys):
+        starts = list(range(done, len(keys), _BATCH_KEYS))
+        answered: dict[int, list[Received | None]] = {}
+        calls = yield [
+            _Req(
+                partial(_keys_event, GetMany, tuple(keys[i : i + _BATCH_KEYS])),
+                sink=partial(_many_sink, buffers, answered, i),
+            )
+            for i in starts
+        ]
+        for first, call in zip(starts, calls, strict=True):
+            answer = cast(GetManyResult, call.result())
+            asked = min(_BATCH_KEYS, len(keys) - first)
+            if not 1 <= len(answer.lengths) <= asked:
+                raise RemoteProtocolError(
+                    f"the daemon answered {len(answer.lengths)} keys of {asked} asked for"
+                )
+            # No sink call: nothing had a payload (every key a miss).
+            out += answered.get(first, [None] * len(answer.lengths))
+            done = first + len(answer.lengths)
+            if len(answer.lengths) < asked:
+                break  # the daemon answered a prefix; ask again from there
+    return out
+
+
+def _many_sink(
+    buffers: Sequence[IntoBuffer],
+    answered: dict[int, list[Received | None]],
+    first: int,
+    event: Event,
+) -> list[memoryview]:
+    """Where a GetManyResult for keys from `first` on goes; records what each key got."""
+    parts: list[memoryview] = []
+    got = answered[first] = []
+    for i, length in enumerate(cast(GetManyResult, event).lengths):
+        if length is None:
+            got.append(None)
+            continue
+        into = buffers[first + i]
+        if length < HEADER_BYTES:  # not one of ours: verification makes it a miss
+            header = memoryview(bytearray(length))
+            parts.append(header)
+            got.append(Received(header, 0))
+            continue
+        if length - HEADER_BYTES > len(into):
+            raise InvalidArgumentError(
+                f"buffer {first + i} of {len(into)} bytes is too small for a "
+                f"{length - HEADER_BYTES}-byte block"
+            )
+        header = memoryview(bytearray(HEADER_BYTES))
+        parts += [header, into.region(0, length - HEADER_BYTES)]
+        got.append(Received(header, length - HEADER_BYTES))
+    return parts
+
+
 def _split(lengths: Sequence[int | None], payload: memoryview | None) -> list[HeldBlock | None]:
     out: list[HeldBlock | None] = []
     pos = 0
@@ -760,6 +824,13 @@ class KVTransport:
     def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]:
         return self._run(lambda: _plan_get_many(keys))
 
+    def get_many_into(
+        self, keys: Sequence[bytes], buffers: Sequence[memoryview]
+    ) -> list[HeldBlock | Received | None]:
+        into = [IntoBuffer(b) for b in buffers]
+        got = received_many_into(into, lambda: self._run(lambda: _plan_get_many_into(keys, into)))
+        return list(got)
+
     def exists(self, key: bytes) -> bool:
         answer = self._run(lambda: _plan_simple(partial(_key_event, Exists, key)))
         return cast(ExistsResult, answer).found
@@ -1005,6 +1076,15 @@ class AsyncKVTransport:
 
     async def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]:
         return await self._run(lambda: _plan_get_many(keys))
+
+    async def get_many_into(
+        self, keys: Sequence[bytes], buffers: Sequence[memoryview]
+    ) -> list[HeldBlock | Received | None]:
+        into = [IntoBuffer(b) for b in buffers]
+        got = await received_many_into_async(
+            into, lambda: self._run(lambda: _plan_get_many_into(keys, into))
+        )
+        return list(got)
 
     async def exists(self, key: bytes) -> bool:
         answer = await self._run(lambda: _plan_simple(partial(_key_event, Exists, key)))

@@ -947,6 +947,12 @@ class NvmeTransport:
     def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]:
         return self._run(lambda h: _plan_get_many(h, keys))
 
+    def get_many_into(
+        self, keys: Sequence[bytes], buffers: Sequence[memoryview]
+    ) -> list[HeldBlock | Received | None]:
+        # One Retrieve per key either way: each goes straight into its buffer.
+        return [self.get_into(k, b) for k, b in zip(keys, buffers, strict=True)]
+
     def exists(self, key: bytes) -> bool:
         return self._run(lambda h: _plan_exists(h.nsid, key))
 

@@ -363,3 +363,43 @@ def test_malformed_batches_are_invalid_arguments(url: str) -> None:
             client.get_many(None)  # type: ignore[arg-type]
         with pytest.raises(InvalidArgumentError):
             client.lookup(7)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("codec", ["none", "split-zstd"])
+def test_get_many_into_fills_each_buffer_or_reports_a_miss(url: str, codec: str) -> None:
+    keys = block_keys(NS, list(range(5 * NS.block_tokens)))
+    blocks = [_block(20 + i) for i in range(len(keys))]
+    missing = bytes(range(1, 17))
+    damaged = bytes(range(2, 18))
+    with Client.connect(url, namespace=NS, codec=codec) as client:
+        client.put_many(zip(keys, blocks, strict=True), parents=[None, *keys[:-1]])
+        client.put(damaged, _block(9))
+        held = client.transport.get(damaged)
+        assert held is not None
+        stored = bytearray(held.data)
+        held.release()
+        stored[-1] ^= 0x01  # the checksum no longer matches
+        client.transport.put(damaged, [bytes(stored)], None)
+        asked = [keys[0], missing, *keys[1:], damaged]
+        outs = [np.full(NS.block_bytes + 8, 0xAB, np.uint8) for _ in asked]
+        got = client.get_many_into(asked, outs)
+        assert got[0] == NS.block_bytes and got[2:-1] == [NS.block_bytes] * (len(keys) - 1)
+        assert got[1] is None and got[-1] is None
+        for out, block in zip([outs[0], *outs[2:-1]], blocks, strict=True):
+            assert np.array_equal(out[: NS.block_bytes], block) and np.all(out[-8:] == 0xAB)
+        assert np.all(outs[1] == 0xAB)  # a miss leaves its buffer alone ...
+        assert _untouched_or_zeroed(outs[-1], 0xAB)  # ... a damaged block leaves no KV there
+        with pytest.raises(InvalidArgumentError, match="buffers"):
+            client.get_many_into(keys, outs[:2])
+        with pytest.raises(InvalidArgumentError, match="too small"):
+            client.get_many_into(keys[:2], [outs[0], np.empty(10, np.uint8)])
+        assert client.get_many_into([], []) == []
+
+        async def main() -> None:
+            async with AsyncClient.connect(url, namespace=NS, codec=codec) as aclient:
+                many = [np.empty(NS.block_bytes, np.uint8) for _ in keys]
+                assert await aclient.get_many_into(keys, many) == [NS.block_bytes] * len(keys)
+                assert all(np.array_equal(o, b) for o, b in zip(many, blocks, strict=True))
+
+        if not url.startswith("local://"):  # local:// is one process's store
+            asyncio.run(main())
