@@ -21,6 +21,7 @@ __all__ = ["BENCHES", "main"]
 BENCHES: dict[str, str] = {
     "engine": "kvoffload.bench.engine",
     "ssd": "kvoffload.bench.ssd",
+    "trace": "kvoffload.bench.trace",
 }
 
 
