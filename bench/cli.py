@@ -22,6 +22,8 @@ BENCHES: dict[str, str] = {
     "engine": "kvoffload.bench.engine",
     "ssd": "kvoffload.bench.ssd",
     "trace": "kvoffload.bench.trace",
+    # Last: it runs the benches above (and any registered later, e.g. "net").
+    "report": "kvoffload.bench.report",
 }
 
 

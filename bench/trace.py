@@ -14,6 +14,7 @@ and the TTFT model plugs in load times of real-size blocks measured in the same 
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import os
 import shutil
@@ -92,6 +93,38 @@ class Workload:
     def working_set(self) -> int:
         """Distinct blocks in the trace: what an unbounded store ends up holding."""
         return len({key for chain in self.chains for key in chain})
+
+    def belady_hit_tokens(self, capacity: int) -> int:
+        """Hit tokens of the offline Belady rule at `capacity` blocks: evict the block whose
+        next use is farthest away (deepest first among equals), under the replay's rules (a
+        request stores every block after its hit). A clairvoyant reference for the headroom
+        an online policy could reach, not a policy."""
+        never = len(self.chains)
+        next_use: list[list[int]] = [[] for _ in self.chains]
+        last: dict[BlockKey, int] = {}
+        for i in range(len(self.chains) - 1, -1, -1):
+            next_use[i] = [last.get(k, never) for k in self.chains[i]]
+            for k in self.chains[i]:
+                last[k] = i
+        due: dict[BlockKey, int] = {}  # stored block -> index of its next use
+        heap: list[tuple[int, int, BlockKey]] = []  # (-next use, -depth, key), lazily valid
+        hits = 0
+        for i, chain in enumerate(self.chains):
+            hit = 0
+            for key in chain:
+                if key not in due:
+                    break
+                hit += 1
+            hits += hit
+            for j, key in enumerate(chain):
+                if key not in due:
+                    while len(due) >= capacity:
+                        when, _, victim = heapq.heappop(heap)
+                        if due.get(victim) == -when:
+                            del due[victim]
+                due[key] = next_use[i][j]
+                heapq.heappush(heap, (-next_use[i][j], -j, key))
+        return hits * self.block_tokens
 
     def ideal_hit_tokens(self) -> int:
         """Hit tokens with unbounded capacity: every block seen before is a hit."""
@@ -177,11 +210,15 @@ def _ssd_bytes(blocks: int, slot: int) -> int:
 
 
 def plan(
-    working_set: int, percents: Sequence[int], systems: Sequence[str], tiers: Sequence[str]
+    working_set: int,
+    percents: Sequence[int],
+    systems: Sequence[str],
+    tiers: Sequence[str],
+    ssd_percents: Sequence[int] | None = None,
 ) -> list[Config]:
     configs = []
     for tier in tiers:
-        for percent in percents:
+        for percent in ssd_percents if tier == "ssd" and ssd_percents is not None else percents:
             total = max(2, round(working_set * percent / 100))
             for system in systems:
                 if tier == "ssd":
@@ -454,6 +491,10 @@ def _print_tables(details: dict[str, object], console: Console) -> None:
     table.add_column("capacity", justify="right")
     for s in systems:
         table.add_column(s, justify="right")
+    belady = details.get("belady_hit_tokens", {})
+    trace_tokens = float(trace.get("prompt_tokens_total", 0)) or 1.0
+    assert isinstance(belady, dict)
+    table.add_column("belady (offline)", justify="right")
     for percent in sorted({r["percent"] for r in runs}):
         cells = []
         for s in systems:
@@ -465,6 +506,8 @@ def _print_tables(details: dict[str, object], console: Console) -> None:
                 cells.append("n/a")
             else:
                 cells.append(f"{match[0]['hit_ratio']:.3f} ({match[0]['ms_per_request']:.2f})")
+        ref = belady.get(str(percent))
+        cells.append("" if ref is None else f"{ref / trace_tokens:.3f}")
         table.add_row(f"{percent}%", *cells)
     console.print(table)
     ttft_rows = [r for r in runs if "ttft_model" in r]
@@ -506,6 +549,7 @@ def run(
     model: str = "llama-3.1-8b",
     block_tokens: int = 16,
     percents: Sequence[int] = (10, 20, 30, 50, 70, 100),
+    ssd_percents: Sequence[int] | None = None,
     policies: Sequence[str] = ("lru", "s3fifo", "prefix"),
     tiers: Sequence[str] = ("dram", "ssd"),
     peers: Sequence[str] = tuple(PEERS),
@@ -535,7 +579,7 @@ def run(
         bad = sorted(set(name) - set(known))
         if bad:
             raise ConfigError(f"unknown {what} {bad}; choose from {sorted(known)}")
-    if not percents or any(not 0 < p <= 100 for p in percents):
+    if not percents or any(not 0 < p <= 100 for p in [*percents, *(ssd_percents or ())]):
         raise ConfigError("capacities are percentages of the working set in (0, 100]")
     profile = PROFILES[model]
     salt = f"trace-{os.getpid()}-{time.time_ns()}" if url else ""
@@ -545,7 +589,7 @@ def run(
     slot = _slot(size)
     working_set = work.working_set
     result = TraceResult("trace")
-    configs = [] if url else plan(working_set, percents, policies, tiers)
+    configs = [] if url else plan(working_set, percents, policies, tiers, ssd_percents)
     runs: list[Run] = []
     console = console or Console(stderr=True)
     with _scratch(directory) as scratch, Progress(console=console, transient=True) as bar:
@@ -566,7 +610,7 @@ def run(
             work_file = _peer_work(work, scratch)
             for peer in peers:
                 bar.update(task, description=f"peer {peer}")
-                peer_configs = plan(working_set, percents, [peer], tiers)
+                peer_configs = plan(working_set, percents, [peer], tiers, ssd_percents)
                 if peer.startswith("vllm"):
                     peer_configs = [c for c in peer_configs if not c.ssd]
                 peer_runs, info = _peer_runs(peer, peer_python(peer), peer_configs, work_file,
@@ -574,8 +618,9 @@ def run(
                 runs += peer_runs
                 peer_info[peer] = info
                 if peer.startswith("vllm") and "ssd" in tiers:
-                    runs += [Run(c, error="vLLM's CPU offloading manager has no disk tier here")
-                             for c in plan(working_set, percents, [peer], ["ssd"])]  # fmt: skip
+                    no_disk = "vLLM's CPU offloading manager has no disk tier here"
+                    ssd_plan = plan(working_set, percents, [peer], ["ssd"], ssd_percents)
+                    runs += [Run(c, error=no_disk) for c in ssd_plan]
         bar.update(task, description="measuring load times of real-size blocks")
 
         def url_for(ssd: bool) -> str | None:
@@ -615,6 +660,10 @@ def run(
         "working_set_blocks": working_set,
         "ideal_hit_tokens": ideal,
         "ideal_hit_ratio": round(ideal / max(1, prompt_total), 5),
+        "belady_hit_tokens": {
+            str(p): work.belady_hit_tokens(max(2, round(working_set * p / 100)))
+            for p in sorted({*percents, *(ssd_percents or ())})
+        },
         "load_costs": {"dram_ms": round(costs.dram_s * 1e3, 4),
                        "ssd_ms": None if costs.ssd_s is None else round(costs.ssd_s * 1e3, 4)},
         "gpus": {g: vars(ttft.GPUS[g]) for g in gpus},
@@ -673,6 +722,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     store.add_argument("--block-tokens", type=int, default=16)
     store.add_argument("--capacities", default="10,20,30,50,70,100",
                        help="percent of the working set, comma-separated")  # fmt: skip
+    store.add_argument("--ssd-capacities", help="for DRAM+SSD runs (default: --capacities)")
     store.add_argument("--policies", default="lru,s3fifo,prefix")
     store.add_argument("--tiers", default="dram,ssd", help="dram (DRAM only), ssd (DRAM+SSD)")
     store.add_argument("--full", action="store_true", help="store real-size blocks (slow)")
@@ -706,13 +756,15 @@ def run_from_args(args: argparse.Namespace) -> TraceResult:
         write_jsonl(trace, args.write_trace)
     try:
         percents = [int(p) for p in _csv(args.capacities)]
+        ssd_percents = [int(p) for p in _csv(args.ssd_capacities)] if args.ssd_capacities else None
     except ValueError:
-        raise ConfigError(f"--capacities takes integers, got {args.capacities!r}") from None
+        raise ConfigError("--capacities and --ssd-capacities take integers") from None
     return run(
         trace,
         model=args.model,
         block_tokens=args.block_tokens,
         percents=percents,
+        ssd_percents=ssd_percents,
         policies=_csv(args.policies),
         tiers=_csv(args.tiers),
         peers=_csv(args.peers),
