@@ -14,6 +14,7 @@ and the TTFT model plugs in load times of real-size blocks measured in the same 
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
 import json
 import os
@@ -47,7 +48,6 @@ from kvoffload.bench.workload import (
     write_jsonl,
 )
 from kvoffload.client_sdk import BlockKey, Client, Namespace
-from kvoffload.client_sdk.wire.block import HEADER_BYTES
 from kvoffload.errors import ConfigError
 from kvoffload.kvstore import POLICIES
 from kvoffload.kvstore.config import PAGE
@@ -196,9 +196,20 @@ class TraceResult(BenchResult):
 # ------------------------------------------------------------------------------- planning
 
 
+@functools.cache
+def _header_bytes() -> int:
+    """What the SDK adds to each stored value (its block header), read from a store's own
+    counters so the bench needs no private knowledge of the format."""
+    with Client.connect("local://?dram=1MiB&prefault=0") as client:
+        client.put(bytes(16), b"x")
+        tiers = client.stats().store["tiers"]
+        assert isinstance(tiers, (list, tuple))
+        return int(tiers[0]["stored_bytes"]) - 1
+
+
 def _slot(payload: int) -> int:
     """The DRAM slot of one stored block (payload + SDK header, rounded to pages)."""
-    return -(-(payload + HEADER_BYTES) // PAGE) * PAGE
+    return -(-(payload + _header_bytes()) // PAGE) * PAGE
 
 
 def _ssd_bytes(blocks: int, slot: int) -> int:
