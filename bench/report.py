@@ -348,6 +348,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ssd-size", type=int, default=64, metavar="MiB")
     parser.add_argument("--ssd-entries", type=int, default=100_000)
     parser.add_argument("--sessions", type=int, default=120, help="trace sessions")
+    parser.add_argument("--model", default="llama-3.1-8b", help="trace model profile")
+    parser.add_argument("--tiers", default="dram,ssd", help="trace tiers: dram, ssd")
     parser.add_argument("--capacities", default="10,20,30,50,70,100")
     parser.add_argument("--ssd-capacities", default="10,30,50")
     parser.add_argument("--peers", default="vllm_lru,vllm_arc,lmcache")
@@ -359,7 +361,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_from_args(args: argparse.Namespace) -> BenchResult:
     scratch = ["--dir", args.dir] if args.dir else []
-    trace = ["--sessions", str(args.sessions), "--capacities", args.capacities,
+    trace = ["--sessions", str(args.sessions), "--model", args.model, "--tiers", args.tiers,
+             "--capacities", args.capacities,
              "--ssd-capacities", args.ssd_capacities, "--peers", args.peers, *scratch]  # fmt: skip
     for flag in ("vllm_python", "lmcache_python"):
         if getattr(args, flag):

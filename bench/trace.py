@@ -48,7 +48,7 @@ from kvoffload.bench.workload import (
     write_jsonl,
 )
 from kvoffload.client_sdk import BlockKey, Client, Namespace
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, InvalidArgumentError
 from kvoffload.kvstore import POLICIES
 from kvoffload.kvstore.config import PAGE
 
@@ -634,9 +634,9 @@ def run(
                     runs += [Run(c, error=no_disk) for c in ssd_plan]
         bar.update(task, description="measuring load times of real-size blocks")
 
-        def url_for(ssd: bool) -> str | None:
-            if url:
-                return None if ssd else url
+        def url_for(ssd: bool, target: str | None = url) -> str | None:
+            if target:
+                return None if ssd else target
             real = _slot(profile.bytes_per_token * block_tokens)
             base = f"dram={64 * real}&max_value={real}&slab={real}&prefault=0"
             if not ssd:
@@ -645,7 +645,12 @@ def run(
                 return None
             return f"local://{scratch / 'calibration'}?{base}&ssd={_ssd_bytes(64, real)}"
 
-        costs = measure_load_costs(url_for, profile, block_tokens)
+        calibration = ""
+        try:
+            costs = measure_load_costs(url_for, profile, block_tokens)
+        except InvalidArgumentError as exc:  # e.g. the store's blocks are smaller than real
+            costs = measure_load_costs(lambda ssd: url_for(ssd, None), profile, block_tokens)
+            calibration = f"load times measured on a local store: {url} refused them ({exc})"
     ideal = work.ideal_hit_tokens()
     prompt_total = int(work.prompt_tokens.sum())
     summary = trace.summary()
@@ -683,6 +688,8 @@ def run(
         "runs": [_run_details(r, work, costs, gpus) for r in runs],
     }  # fmt: skip
     result.notes += _notes(work, size, full, costs, url, peer_info)
+    if calibration:
+        result.notes.append(calibration)
     return result
 
 
