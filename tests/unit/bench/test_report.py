@@ -18,7 +18,7 @@ SMALL = ["--engine-working-set", "2", "--engine-rounds", "1", "--sessions", "3",
 
 def test_report_renders_with_plots(tmp_path: Path) -> None:
     argv = ["bench", "report", "--out", str(tmp_path), "--date", "d", "--only",
-            "engine,trace,net", "--dir", str(tmp_path), *SMALL]  # fmt: skip
+            "engine,trace,net", "--dir", str(tmp_path), *SMALL, "--tiers", "dram"]  # fmt: skip
     assert main(argv) == 0
     folder = tmp_path / "d"
     text = (folder / "report.md").read_text()

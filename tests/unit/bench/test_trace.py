@@ -136,22 +136,9 @@ def test_trace_bench_end_to_end_without_peers_installed(
 ) -> None:
     out = tmp_path / "trace.json"
     trace_file = tmp_path / "used.jsonl"
-    argv = [
-        "bench",
-        "trace",
-        "--sessions",
-        "4",
-        "--capacities",
-        "30,100",
-        "--ssd-capacities",
-        "30",
-        "--dir",
-        str(tmp_path),
-        "--write-trace",
-        str(trace_file),
-        "--json",
-        str(out),
-    ]
+    argv = ["bench", "trace", "--sessions", "3", "--capacities", "30,100", "--ssd-capacities",
+            "100", "--dir", str(tmp_path), "--write-trace", str(trace_file), "--json", str(out),
+            "--model", "smollm2-135m"]  # fmt: skip
     for name in ("KVOFFLOAD_VLLM_PYTHON", "KVOFFLOAD_LMCACHE_PYTHON"):
         monkeypatch.delenv(name, raising=False)
     assert main(argv) == 0
@@ -167,13 +154,14 @@ def test_trace_bench_end_to_end_without_peers_installed(
         row = rows[("hit_tokens/prefix/30%", peer)]
         if row["ref_value"] is None:  # peer not installed here: a row with a reason
             assert "not importable" in row["note"]
-        assert ("hit_tokens/prefix+ssd/30%", peer) in rows
-    assert "no disk tier" in rows[("hit_tokens/prefix+ssd/30%", "vllm_arc")]["note"]
+        assert ("hit_tokens/prefix+ssd/100%", peer) in rows
+    assert "no disk tier" in rows[("hit_tokens/prefix+ssd/100%", "vllm_arc")]["note"]
     details = data["details"]
     runs = {(r["system"], r["tier"], r["percent"]): r for r in details["runs"]}
     full = runs[("prefix", "dram", 100)]
     assert full["hit_tokens"] == details["ideal_hit_tokens"]
-    assert runs[("lru", "dram+ssd", 30)]["dram_blocks"] > 0
+    tiered = runs[("lru", "dram+ssd", 100)]
+    assert 0 < tiered["dram_blocks"] < tiered["ssd_blocks"]
     assert full["ttft_model"]["h100"]["mean_ms"] > 0 < details["ttft_no_cache"]["h100"]["mean_ms"]
     assert details["load_costs"]["ssd_ms"] > 0 and trace_file.exists()
     assert not list(tmp_path.glob("kvoffload-bench-trace-*"))  # scratch removed
@@ -181,7 +169,8 @@ def test_trace_bench_end_to_end_without_peers_installed(
     # the trace it wrote replays to the same hits
     again = tmp_path / "again.json"
     argv = ["bench", "trace", "--trace", str(trace_file), "--capacities", "100", "--tiers",
-            "dram", "--policies", "prefix", "--peers", "", "--json", str(again)]  # fmt: skip
+            "dram", "--policies", "prefix", "--peers", "", "--json", str(again),
+            "--model", "smollm2-135m"]  # fmt: skip
     assert main(argv) == 0
     replayed = json.loads(again.read_text())["details"]["runs"][0]
     assert replayed["hit_tokens"] == full["hit_tokens"]
