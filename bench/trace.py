@@ -418,6 +418,12 @@ def _quantiles(values: npt.NDArray[np.float64]) -> list[float]:
     return [round(float(v), 6) for v in np.quantile(values, np.linspace(0, 1, CDF_POINTS))]
 
 
+def _ttft_summary(seconds: npt.NDArray[np.float64]) -> dict[str, object]:
+    ms = seconds * 1e3
+    return {"mean_ms": round(float(ms.mean()), 3), "p50_ms": round(float(np.median(ms)), 3),
+            "p90_ms": round(float(np.quantile(ms, 0.9)), 3), "cdf_ms": _quantiles(ms)}  # fmt: skip
+
+
 def _run_details(run: Run, work: Workload, costs: ttft.LoadCosts | None,
                  gpus: Sequence[str]) -> dict[str, object]:  # fmt: skip
     c = run.config
@@ -447,10 +453,7 @@ def _run_details(run: Run, work: Workload, costs: ttft.LoadCosts | None,
         for name in gpus:
             t = ttft.ttft_seconds(work.profile, ttft.GPUS[name], work.prompt_tokens,
                                   run.hit_blocks, ssd_hits, work.block_tokens, costs)  # fmt: skip
-            model[name] = {"mean_ms": round(1e3 * float(t.mean()), 3),
-                           "p50_ms": round(1e3 * float(np.median(t)), 3),
-                           "p90_ms": round(1e3 * float(np.quantile(t, 0.9)), 3),
-                           "cdf_ms": _quantiles(t * 1e3)}  # fmt: skip
+            model[name] = _ttft_summary(t)
         out["ttft_model"] = model
         out["ssd_hit_blocks"] = int(ssd_hits.sum())
     return out
@@ -656,14 +659,13 @@ def run(
     summary = trace.summary()
     own = policies if not url else [r.config.system for r in runs]
     result.rows = _rows(runs, own, [] if url else peers, work)
-    no_cache = {}
-    for name in gpus:
-        t = ttft.prefill_seconds(profile, ttft.GPUS[name], work.prompt_tokens,
-                                 np.zeros_like(work.prompt_tokens))  # fmt: skip
-        no_cache[name] = {"mean_ms": round(1e3 * float(t.mean()), 3),
-                          "p50_ms": round(1e3 * float(np.median(t)), 3),
-                          "p90_ms": round(1e3 * float(np.quantile(t, 0.9)), 3),
-                          "cdf_ms": _quantiles(t * 1e3)}  # fmt: skip
+    none = np.zeros_like(work.prompt_tokens)
+    no_cache = {
+        name: _ttft_summary(
+            ttft.prefill_seconds(profile, ttft.GPUS[name], work.prompt_tokens, none)
+        )
+        for name in gpus
+    }
     result.details = {
         "trace": {"source": trace.source, "shape": trace.shape, **summary},
         "model": {"name": profile.name, "id": profile.model,
