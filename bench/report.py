@@ -19,12 +19,22 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from rich.console import Console
 
 from kvoffload.bench.common import BenchResult, Row, machine_info
 from kvoffload.errors import ConfigError
 
-__all__ = ["HELP", "add_arguments", "goal_lines", "render", "run", "run_from_args"]
+__all__ = [
+    "HELP",
+    "add_arguments",
+    "analyse",
+    "goal_lines",
+    "render",
+    "rerender",
+    "run",
+    "run_from_args",
+]
 
 HELP = "run engine, ssd, net (when present) and trace benches; write report.md with plots"
 
@@ -249,18 +259,51 @@ def analyse(details: dict[str, Any]) -> str:
         "evicted when it comes back: prefix-aware keeps a usable head (a partial hit, and only "
         "the lost tail is stored again), LRU keeps an unusable tail (no hit, the whole chain is "
         "computed and stored again, which evicts more). That is the whole of prefix-aware's "
-        "gain here, and it grows as capacity shrinks. vLLM's LRU and ARC order a request's "
-        "blocks tail before head explicitly, so they behave like prefix-aware eviction. "
+        "gain on this trace (the prefix/lru column). vLLM's LRU orders a request's blocks tail "
+        "before head explicitly, so it behaves like prefix-aware eviction (prefix/vllm_lru); "
+        "its ARC splits the cache between blocks seen once and blocks seen again, and LMCache's "
+        "local CPU backend keeps its own LRU; both are compared as measured. "
         "S3-FIFO is built for one-hit wonders: a new block waits in a short probationary "
         "queue, but a conversation's newest blocks are read only at its next turn, often "
         "after probation has ended, so they are dropped first. "
         "The offline Belady column bounds what any policy could gain on this trace: with "
         "exponential think times, which conversation returns next is not predictable from "
-        "recency, so the headroom between LRU and Belady is mostly unreachable online. "
-        "DRAM+SSD runs store the same number of blocks split 1:3; the SSD's admission filter "
-        "(puts, lookups and reads must add up to two uses) keeps blocks that were stored and "
-        "never looked up again off the SSD, which also drops some that would have been hit "
-        "later, and an SSD hit costs more than a DRAM hit per block (see the load times)."
+        "recency, so the headroom between LRU and Belady is mostly out of reach online. "
+        "DRAM+SSD runs get the same number of block slots split 1:3, but a block read back "
+        "from the SSD holds a slot in both tiers, and the SSD's admission filter (puts, "
+        "lookups and reads must add up to two uses) keeps blocks that were stored and never "
+        "looked up again off the SSD, which also drops some that would have been hit later."
+    )
+    return text + _ttft_words(details)
+
+
+def _ttft_words(details: dict[str, Any]) -> str:
+    """Put the measured load time of a block next to the modelled cost of recomputing it."""
+    from kvoffload.bench import ttft
+    from kvoffload.bench.workload import PROFILES
+
+    costs = details.get("load_costs", {})
+    model = PROFILES.get(details.get("model", {}).get("name", ""))
+    gpus = details.get("gpus", {})
+    if model is None or not gpus or not costs.get("dram_ms"):
+        return ""
+    gpu = ttft.GPUS[next(iter(gpus))]
+    bt = int(details.get("block_tokens", 16))
+    n = int(details.get("trace", {}).get("prompt_tokens_mean", 2000))
+    per_block = ttft.prefill_seconds(
+        model, gpu, np.array([n], dtype=np.int64), np.array([n - bt], dtype=np.int64)
+    )[0]
+    h2d = model.bytes_per_token * bt / gpu.h2d_bytes_per_s
+    ssd = costs.get("ssd_ms")
+    text = (
+        f"\n\nTTFT. In the model, recomputing one {bt}-token block at the mean prompt length "
+        f"costs {per_block * 1e3:.2f} ms on an {gpu.name} ({model.name}); loading it costs the "
+        f"measured {costs['dram_ms']:.2f} ms from DRAM"
+        + (f" or {ssd:.2f} ms from the SSD" if ssd else "")
+        + f", plus {h2d * 1e3:.3f} ms of host-to-GPU copy. Loads here run one block at a time "
+        "through the SDK (header and CRC32C checked, then copied) on a 2-vCPU VM, and the model "
+        "overlaps nothing, so the store shortens TTFT only where a block loads faster than it "
+        "computes; a block that loads slower (as SSD blocks do on this VM's disk) lengthens it."
     )
     return text
 
@@ -300,6 +343,34 @@ def run(
         result.write_json(folder / f"{name}.json")
         results[name] = json.loads((folder / f"{name}.json").read_text())
         console.print(f"[bold]report:[/] bench {name} took {time.perf_counter() - t0:.0f} s")
+    (folder / "report.json").write_text(json.dumps({"command": command, "missing": missing}))
+    return _write(folder, results, command, missing)
+
+
+def rerender(folder: str | Path) -> BenchResult:
+    """Write `folder`/report.md again from the JSON a previous run left there (after a change
+    to the report's text or plots), without running any bench.
+
+    Raises:
+        ConfigError: `folder` holds no bench results.
+    """
+    path = Path(folder)
+    results = {
+        p.stem: json.loads(p.read_text())
+        for p in sorted(path.glob("*.json"))
+        if p.name != "report.json"
+    }
+    if not results:
+        raise ConfigError(f"{path} holds no bench results (*.json) to render")
+    meta_path = path / "report.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    return _write(path, results, meta.get("command", "kvoffload bench report"),
+                  list(meta.get("missing", [])))  # fmt: skip
+
+
+def _write(folder: Path, results: dict[str, dict[str, Any]], command: str,
+           missing: list[str]) -> BenchResult:  # fmt: skip
+    missing = list(missing)
     figures = _draw(results, folder, missing)
     analysis = analyse(results["trace"].get("details", {})) if "trace" in results else ""
     report = folder / "report.md"
@@ -340,6 +411,12 @@ def _draw(results: dict[str, dict[str, Any]], folder: Path, missing: list[str]) 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench/results", help="folder for <date>/report.md")
+    parser.add_argument(
+        "--from",
+        dest="render_from",
+        metavar="DIR",
+        help="only re-render DIR/report.md from the JSON an earlier run left",
+    )
     parser.add_argument("--date", help="report folder name (default: today, UTC)")
     parser.add_argument("--only", default="engine,ssd,net,trace", help="benches to run")
     parser.add_argument("--dir", help="scratch directory for SSD stores (O_DIRECT capable)")
@@ -360,6 +437,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> BenchResult:
+    if args.render_from:
+        return rerender(args.render_from)
     scratch = ["--dir", args.dir] if args.dir else []
     trace = ["--sessions", str(args.sessions), "--model", args.model, "--tiers", args.tiers,
              "--capacities", args.capacities,

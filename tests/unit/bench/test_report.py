@@ -35,6 +35,15 @@ def test_report_renders_with_plots(tmp_path: Path) -> None:
     assert trace["bench"] == "trace" and trace["details"]["runs"]
     assert json.loads((folder / "engine.json").read_text())["bench"] == "engine"
 
+    # --from renders the same report again from the JSON alone, command line included
+    (folder / "report.md").unlink()
+    (folder / "hit_ratio.png").unlink()
+    assert main(["bench", "report", "--from", str(folder)]) == 0
+    again = (folder / "report.md").read_text()
+    assert again.split("## Notes")[0] == text.split("## Notes")[0]
+    assert (folder / "hit_ratio.png").exists()
+    assert main(["bench", "report", "--from", str(tmp_path / "nothing")]) == 2
+
 
 def test_report_without_matplotlib_still_writes_tables(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
