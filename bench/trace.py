@@ -293,11 +293,14 @@ def _from_replay(config: Config, result: ReplayResult) -> Run:
 
 
 def _describe(store: dict[str, object], work: Workload, payload: int) -> Config:
+    """A store we did not configure, from its own counters (whatever of them it reports)."""
     tiers = store.get("tiers", ())
-    assert isinstance(tiers, (list, tuple))
+    if not isinstance(tiers, (list, tuple)):
+        tiers = ()
+    sizes = [int(t.get("capacity_bytes", 0)) if isinstance(t, dict) else 0 for t in tiers]
     slot = _slot(payload)
-    dram = int(tiers[0]["capacity_bytes"]) // slot if tiers else 0
-    ssd = int(tiers[1]["capacity_bytes"]) // (slot + PAGE) if len(tiers) > 1 else 0
+    dram = sizes[0] // slot if sizes else 0
+    ssd = sizes[1] // (slot + PAGE) if len(sizes) > 1 else 0
     percent = round(100 * (dram + ssd) / max(1, work.working_set))
     return Config(str(store.get("policy", "store")), bool(ssd), percent, dram, ssd)
 
