@@ -356,7 +356,7 @@ def _peer_runs(
             data = {"error": f"peer driver exited {proc.returncode}: {' | '.join(tail)}"}
     except (OSError, subprocess.TimeoutExpired, ValueError) as exc:
         data = {"error": f"peer driver did not run: {exc}"}
-    info.update(version=data.get("version"), error=data.get("error"))
+    info.update(version=data.get("version"), error=data.get("error"), note=data.get("note"))
     runs = []
     by_capacity = {(r["capacity_blocks"], r["disk_blocks"]): r for r in data.get("runs", [])}
     for config in configs:
@@ -728,6 +728,8 @@ def _notes(work: Workload, size: int, full: bool, costs: ttft.LoadCosts, url: st
             notes.append(f"{peer}: absent or failed: {info['error']}")
         else:
             notes.append(f"{peer}: version {info.get('version')} via {info.get('python')}")
+        if info.get("note"):
+            notes.append(f"{peer}: {info['note']}")
     return notes
 
 
