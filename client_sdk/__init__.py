@@ -17,6 +17,8 @@ if TYPE_CHECKING:
         Namespace,
         block_hashes,
         block_keys,
+        engine_hashes,
+        engine_keys,
     )
 
 __all__ = [
@@ -28,6 +30,8 @@ __all__ = [
     "Namespace",
     "block_hashes",
     "block_keys",
+    "engine_hashes",
+    "engine_keys",
 ]
 
 _HOME = {
@@ -39,6 +43,8 @@ _HOME = {
     "Namespace": "keys",
     "block_hashes": "keys",
     "block_keys": "keys",
+    "engine_hashes": "keys",
+    "engine_keys": "keys",
 }
 
 

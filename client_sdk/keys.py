@@ -14,7 +14,8 @@ from typing import NewType
 import blake3
 import numpy as np
 
-from kvoffload.errors import InvalidArgumentError
+from kvoffload.compression import DTYPE_BYTES, BlockSpec, codec_info
+from kvoffload.errors import InvalidArgumentError, UnsupportedCodecConfigError
 
 __all__ = [
     "DTYPE_BYTES",
@@ -25,6 +26,8 @@ __all__ = [
     "Namespace",
     "block_hashes",
     "block_keys",
+    "engine_hashes",
+    "engine_keys",
     "to_key",
 ]
 
@@ -34,16 +37,6 @@ BlockKey = NewType("BlockKey", bytes)
 # The full 32-byte chain digest; its first 16 bytes are the block's key.
 BlockHash = NewType("BlockHash", bytes)
 ROOT_PARENT = BlockKey(bytes(KEY_BYTES))
-
-DTYPE_BYTES = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int8": 1,
-    "uint8": 1,
-}
 
 
 @dataclass(frozen=True)
@@ -72,6 +65,11 @@ class Namespace:
     # Per-deployment salt (vLLM's cache_salt); empty for none.
     salt: str = ""
     format_version: int = 1
+    # Codec for this namespace's blocks (see kvoffload.compression), used by clients that do
+    # not name one; "" = none. A lossy codec changes the KV a reader gets, so it is part of the
+    # blocks' identity (it enters the fingerprint); a lossless one is not (the same block
+    # stored raw or compressed has the same key).
+    codec: str = ""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -87,12 +85,26 @@ class Namespace:
             raise InvalidArgumentError(
                 f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPE_BYTES)}"
             )
+        if self.codec:
+            try:
+                codec_info(self.codec)
+            except UnsupportedCodecConfigError as exc:
+                raise InvalidArgumentError(f"Namespace.codec: {exc}") from None
+
+    @property
+    def lossy_codec(self) -> str:
+        """The namespace's codec if it is lossy, else ""."""
+        return self.codec if self.codec and not codec_info(self.codec).lossless else ""
 
     @cached_property
     def fingerprint(self) -> bytes:
         """16 bytes naming this namespace; stable across processes, versions and machines."""
         hasher = blake3.blake3(b"kvoffload.namespace\x00")
         for f in fields(self):
+            if f.name == "codec" and not self.lossy_codec:
+                # Lossless codecs do not change block identity; leaving the record out also
+                # keeps every fingerprint from before the field existed.
+                continue
             # name=value records, each length-prefixed so no two namespaces serialise alike.
             record = f"{f.name}={getattr(self, f.name)!r}".encode()
             hasher.update(len(record).to_bytes(4, "little") + record)
@@ -107,6 +119,15 @@ class Namespace:
     def block_bytes(self) -> int:
         """Raw (uncompressed) bytes of one full block."""
         return self.bytes_per_token * self.block_tokens
+
+    @cached_property
+    def block_spec(self) -> BlockSpec:
+        """What codecs may know of one block: the dtype and, for the LKHTD layout, its shape."""
+        if self.layout != "LKHTD":
+            return BlockSpec(self.dtype)
+        return BlockSpec.kv(
+            self.dtype, self.num_layers, self.num_kv_heads, self.block_tokens, self.head_size
+        )
 
 
 def to_key(key: bytes, what: str = "key") -> BlockKey:
@@ -187,3 +208,43 @@ def block_keys(
         InvalidArgumentError: ids out of range, a malformed parent or extra key.
     """
     return [BlockKey(h[:KEY_BYTES]) for h in block_hashes(namespace, token_ids, parent, extra_keys)]
+
+
+def engine_hashes(namespace: Namespace, hashes: Sequence[bytes]) -> list[BlockHash]:
+    """32-byte digests for blocks that a serving engine already names with its own hashes.
+
+    vLLM, SGLang and LMCache chain their own block hashes over token ids (and LoRA, multimodal
+    inputs, cache salts); re-hashing the tokens would only duplicate that work and could
+    disagree with what the engine considers the same block. Instead each engine hash is mixed
+    with the namespace fingerprint: ``blake3("kvoffload.engine\0" ‖ fingerprint ‖ len ‖
+    hash)``, so equal engine hashes under different models, dtypes, layouts, ranks, hash
+    algorithms or salts never share a key.
+
+    Args:
+        namespace: a namespace whose `hash_algo` names the engine's hash (anything but the
+            SDK's own "tokens").
+        hashes: the engine's per-block hashes or names, any non-empty byte strings.
+
+    Raises:
+        InvalidArgumentError: the namespace uses token keys, or a hash is empty or not bytes.
+    """
+    if namespace.hash_algo == "tokens":
+        raise InvalidArgumentError(
+            "engine hashes need a namespace whose hash_algo names the engine's hash "
+            "(e.g. 'vllm:sha256'), not 'tokens'"
+        )
+    prefix = b"kvoffload.engine\x00" + namespace.fingerprint
+    out: list[BlockHash] = []
+    for raw in hashes:
+        if not isinstance(raw, (bytes, bytearray)) or not raw:
+            raise InvalidArgumentError(
+                f"engine hashes must be non-empty bytes, got {type(raw).__name__}"
+            )
+        digest = blake3.blake3(prefix + len(raw).to_bytes(4, "little") + bytes(raw)).digest()
+        out.append(BlockHash(bytes(digest)))
+    return out
+
+
+def engine_keys(namespace: Namespace, hashes: Sequence[bytes]) -> list[BlockKey]:
+    """The 16-byte keys of `engine_hashes` (their first 16 bytes)."""
+    return [BlockKey(h[:KEY_BYTES]) for h in engine_hashes(namespace, hashes)]

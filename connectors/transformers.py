@@ -15,13 +15,25 @@ import torch
 
 from kvoffload.client_sdk import Client, Namespace, block_keys
 
-__all__ = ["CacheLoad", "TransformersKV", "namespace_for_model"]
+__all__ = [
+    "CacheLoad",
+    "TransformersKV",
+    "blocks_to_kv",
+    "cache_to_kv",
+    "kv_to_blocks",
+    "kv_to_cache",
+    "namespace_for_model",
+]
 
 
 def namespace_for_model(
-    model: Any, *, model_id: str, block_tokens: int = 16, revision: str = ""
+    model: Any, *, model_id: str, block_tokens: int = 16, revision: str = "", codec: str = ""
 ) -> Namespace:
-    """The namespace of a transformers causal LM's KV cache on this process (TP size 1)."""
+    """The namespace of a transformers causal LM's KV cache on this process (TP size 1).
+
+    `codec` names the namespace's codec (see `Namespace.codec`); a lossy one is part of the
+    blocks' identity.
+    """
     cfg = model.config
     heads = cfg.num_attention_heads
     head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -34,6 +46,7 @@ def namespace_for_model(
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
         head_size=head_size,
         layout="LKHTD",
+        codec=codec,
     )
 
 
@@ -51,6 +64,31 @@ def _make_cache(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
         return DynamicCache(pairs)
     except TypeError:  # transformers < 4.56
         return DynamicCache.from_legacy_cache(tuple(pairs))
+
+
+def cache_to_kv(cache: Any, span: slice = slice(None)) -> torch.Tensor:
+    """Tokens `span` of a batch-1 cache as one ``[layer, k/v, kv head, token, dim]`` tensor."""
+    return torch.stack([torch.stack((k[0, :, span], v[0, :, span])) for k, v in _layers(cache)])
+
+
+def kv_to_cache(kv: torch.Tensor) -> Any:
+    """A batch-1 `DynamicCache` over ``[layer, k/v, kv head, token, dim]`` values (views)."""
+    return _make_cache(
+        [(kv[layer, 0].unsqueeze(0), kv[layer, 1].unsqueeze(0)) for layer in range(kv.shape[0])]
+    )
+
+
+def kv_to_blocks(kv: torch.Tensor, block_tokens: int) -> torch.Tensor:
+    """``[L, 2, H, T, D]`` -> ``[blocks, L, 2, H, block_tokens, D]``, each block contiguous
+    (one copy); T must be a multiple of `block_tokens`."""
+    n_blocks = kv.shape[3] // block_tokens
+    return kv.unflatten(3, (n_blocks, block_tokens)).permute(3, 0, 1, 2, 4, 5).contiguous()
+
+
+def blocks_to_kv(blocks: torch.Tensor) -> torch.Tensor:
+    """The inverse of `kv_to_blocks`."""
+    n_blocks, layers, _, heads, size, dim = blocks.shape
+    return blocks.permute(1, 2, 3, 0, 4, 5).reshape(layers, 2, heads, n_blocks * size, dim)
 
 
 @dataclass(frozen=True)
@@ -79,18 +117,16 @@ class TransformersKV:
         Returns:
             (blocks written, bytes written).
         """
-        layers = _layers(cache)
         size = self.namespace.block_tokens
-        n_blocks = min(len(token_ids), layers[0][0].shape[2]) // size
+        n_blocks = min(len(token_ids), _layers(cache)[0][0].shape[2]) // size
         keys = block_keys(self.namespace, list(token_ids[: n_blocks * size]))
         first = self.client.lookup(keys)
         if first >= n_blocks:
             return 0, 0
         span = slice(first * size, n_blocks * size)
         # [L, 2, H, T, D] -> [blocks, L, 2, H, B, D]: one copy, then each block is contiguous.
-        kv = torch.stack([torch.stack((k[0, :, span], v[0, :, span])) for k, v in layers])
+        blocks = kv_to_blocks(cache_to_kv(cache, span), size)
         n_new = n_blocks - first
-        blocks = kv.unflatten(3, (n_new, size)).permute(3, 0, 1, 2, 4, 5).contiguous()
         for i in range(n_new):
             index = first + i
             parent = keys[index - 1] if index else None
@@ -122,5 +158,4 @@ class TransformersKV:
             kv[:, :, :, i * size : (i + 1) * size] = block
         if hit == 0:
             return CacheLoad(None, 0, 0)
-        pairs = [(kv[layer, 0].unsqueeze(0), kv[layer, 1].unsqueeze(0)) for layer in range(layers)]
-        return CacheLoad(_make_cache(pairs), hit * size, hit * self.namespace.block_bytes)
+        return CacheLoad(kv_to_cache(kv), hit * size, hit * self.namespace.block_bytes)

@@ -10,8 +10,10 @@ __all__ = [
     "AuthError",
     "CapacityError",
     "CodecError",
+    "CodecMismatchError",
     "ConfigError",
     "CorruptBlockError",
+    "CorruptEncodedError",
     "DeadlineExceededError",
     "InvalidArgumentError",
     "KVOffloadError",
@@ -20,6 +22,7 @@ __all__ = [
     "RemoteProtocolError",
     "StorageIOError",
     "TransportError",
+    "UnsupportedCodecConfigError",
 ]
 
 
@@ -75,4 +78,20 @@ class DeadlineExceededError(KVOffloadError):
 
 
 class CodecError(KVOffloadError):
-    """A codec could not encode or decode a block."""
+    """A codec could not encode or decode a block; the only errors `kvoffload.compression`
+    raises. Reads from a store turn them into counted misses."""
+
+
+class CodecMismatchError(CodecError, InvalidArgumentError):
+    """Data, block spec and buffer do not fit together: a value that is not one block of the
+    namespace, a dtype the namespace does not declare, an output buffer of the wrong size."""
+
+
+class CorruptEncodedError(CodecError):
+    """An encoded payload is malformed: truncated, an unknown format version, lengths that do
+    not add up, a compressed stream the decompressor rejects."""
+
+
+class UnsupportedCodecConfigError(CodecError):
+    """A codec name, id, option or dtype that this build does not support; the message lists
+    what is supported."""

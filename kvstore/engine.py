@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,6 +35,7 @@ from kvoffload.kvstore.ssdindex import EMPTY, SsdIndex
 
 __all__ = [
     "KEY_BYTES",
+    "TierListener",
     "BlockView",
     "Engine",
     "EngineStats",
@@ -46,6 +47,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 KEY_BYTES = 16
+# listener(kind, key, tier): kind "stored" or "removed", tier "dram" or "ssd".
+TierListener = Callable[[str, bytes, str], None]
 # A class steals a slab from another only when that class's coldest block is this many times
 # older than its own coldest block; the margin keeps two active classes from trading slabs back
 # and forth on every put.
@@ -257,6 +260,7 @@ class Engine:
         self._sketch: FrequencySketch | None = None
         self._inflight: dict[bytes, threading.Event] = {}
         self._queued: set[bytes] = set()  # prefetches submitted, not finished
+        self._listener: TierListener | None = None
         self._pool: ThreadPoolExecutor | None = None
         data_dir = self.config.data_dir
         # A data directory that already holds a store is opened with its own geometry.
@@ -527,7 +531,7 @@ class Engine:
             if ssd is not None:
                 row = ssd.find(key)
                 if row != EMPTY:
-                    wipe = ssd.detach_row(row)
+                    wipe = ssd.detach_row(row, notify=False)
                     found = True
             self._n["deletes"] += found
         if ssd is not None and wipe is not None:
@@ -556,6 +560,22 @@ class Engine:
                 self._quotas.pop(tenant, None)
             else:
                 self._quotas[tenant] = quota_bytes
+
+    def set_tier_listener(self, listener: TierListener | None) -> None:
+        """Call `listener(kind, key, tier)` whenever the engine itself moves a block.
+
+        Reported: DRAM evictions ("removed", "dram"), blocks written to the SSD by demotion or
+        a durable put ("stored", "ssd"), promotions ("stored", "dram"), and blocks leaving the
+        SSD other than by `delete` ("removed", "ssd"). Not reported: the caller's own puts into
+        DRAM and its deletes. The listener runs on the thread that made the change with the
+        engine lock held: it must be quick and must not call the engine.
+        """
+        with self._lock:
+            self._listener = listener
+
+    def _notify(self, kind: str, key: bytes, tier: str) -> None:
+        if self._listener is not None:
+            self._listener(kind, key, tier)
 
     def checkpoint(self) -> None:
         """Snapshot the SSD index now (it also happens on its own as the journal grows)."""
@@ -780,6 +800,7 @@ class Engine:
         entry = self._index.get(key)
         if entry is not None:
             entry.on_ssd = False  # the SSD copy is gone: evicting the DRAM copy must write it
+        self._notify("removed", key, "ssd")
 
     def _rerank(self, key: bytes) -> None:
         entry = self._index.get(key)
@@ -806,15 +827,21 @@ class Engine:
             self._check_open()
             plan = ssd.plan_write(entry.key, entry.length, entry.parent, entry.tenant)
         try:
-            ssd.write_slot(plan, self._slot_pages(entry), sync=True)
+            ssd.write_slot(plan, self._slot_pages(entry))
         except StorageIOError:
             with self._lock:
                 ssd.abort_write(plan)
                 self._n["io_errors"] += 1
             raise
         with self._lock:
-            ticket = ssd.commit_write(plan)
+            try:
+                ticket = ssd.commit_write(plan)
+            except StorageIOError:
+                self._n["io_errors"] += 1
+                raise
             journal = ssd.journal
+            if ticket is not None:
+                self._notify("stored", entry.key, "ssd")
         assert journal is not None
         try:
             # None: a newer version of the key won the race; its record is queued already.
@@ -824,7 +851,7 @@ class Engine:
                 self._n["io_errors"] += 1
                 row = ssd.find(entry.key)
                 if row != EMPTY and int(ssd.index.rows["seq"][row]) == plan.seq:
-                    ssd.remove_row(row)
+                    ssd.drop_row(row)  # the journal is dead: no DEL record can be written
             raise
         entry.on_ssd = entry.durable = True
         self._n["durable"] += 1
@@ -899,11 +926,13 @@ class Engine:
         ssd = self._ssd
         if ssd is None or entry.on_ssd:
             self._drop(entry)
+            self._notify("removed", entry.key, "dram")
             return
         assert self._sketch is not None
         if self._sketch.estimate(entry.key) < self.config.ssd.admission_min_uses:
             self._n["admission_rejected"] += 1
             self._drop(entry)
+            self._notify("removed", entry.key, "dram")
             return
         self._demote(entry, drop=True)
 
@@ -932,9 +961,17 @@ class Engine:
         if failed or not entry.live:
             ssd.abort_write(plan)  # failed, or deleted / overwritten while writing
             self._n["io_errors"] += failed
-        elif ssd.commit_write(plan) is not None:
-            entry.on_ssd = True
-            self._n["demotions"] += 1
+        else:
+            try:
+                committed = ssd.commit_write(plan) is not None
+            except StorageIOError as exc:  # the journal failed: the block is only in DRAM
+                log.error("demotion of block %s failed: %s", entry.key.hex(), exc)
+                self._n["io_errors"] += 1
+                committed = False
+            if committed:
+                entry.on_ssd = True
+                self._n["demotions"] += 1
+                self._notify("stored", entry.key, "ssd")
         self._unpin_locked(entry)
         if drop and entry.live:
             if entry.pins:
@@ -942,6 +979,7 @@ class Engine:
                 self._policies[entry.cls].insert(entry.key, self._rank(entry.key, entry.parent))
             else:
                 self._drop(entry)
+                self._notify("removed", entry.key, "dram")
         if ssd.checkpoint_due():
             self._checkpoint_in_background()
 
@@ -1004,14 +1042,16 @@ class Engine:
         current = ssd.find(key)
         same = current == row and ssd.snapshot(current) == snap
         if not ok:
-            self._n["io_errors" if io_error else "corrupt"] += 1
-            if not io_error:
-                log.warning(
-                    "SSD block %s failed its checksum; dropped, served as a miss", key.hex()
-                )
-            if same and not io_error:
-                ssd.remove_row(row)
             self._unpin_locked(entry)
+            if io_error:
+                self._n["io_errors"] += 1
+            elif same:
+                # Deleted or replaced while we read, the slot may hold another block by now:
+                # that is a miss, not damage. Only a block still indexed as read is corrupt.
+                self._n["corrupt"] += 1
+                log.warning("SSD block %s failed its checksum; dropped, served as a miss",
+                            key.hex())  # fmt: skip
+                ssd.remove_row(row)
             return None
         ssd.counters.bytes_read += length
         if key in self._index or not same:
@@ -1021,6 +1061,7 @@ class Engine:
         self._n["promotions"] += 1
         self._n["prefetches"] += prefetch
         self._publish(entry, put=False)
+        self._notify("stored", key, "dram")
         return entry
 
     def _prefetch_one(self, key: bytes) -> None:

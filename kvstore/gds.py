@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from collections.abc import Sequence
 
 from kvoffload.errors import ConfigError, StorageIOError
@@ -57,13 +56,8 @@ class KvikioSlotFile(SlotFile):
     def read(self, offset: int, buffers: Sequence[memoryview]) -> None:
         self._transfer("read", offset, buffers)
 
-    def write(self, offset: int, buffers: Sequence[memoryview], *, sync: bool = False) -> None:
-        self._transfer("write", offset, buffers)
-        if sync:
-            try:
-                os.fdatasync(self.fd)
-            except OSError as exc:
-                raise StorageIOError(f"sync of {self.path} failed: {exc}") from exc
+    def write(self, offset: int, buffers: Sequence[memoryview]) -> None:
+        self._transfer("write", offset, buffers)  # made stable by flush(), as for SlotFile
 
     def close(self) -> None:
         self._cufile.close()

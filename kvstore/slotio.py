@@ -124,9 +124,6 @@ class SlotFile:
             log.warning("%s: O_DIRECT refused by the file system; using buffered I/O", path)
             self.direct = False
             self.fd = os.open(path, flags, 0o644)
-        # Durable writes go through an O_DSYNC descriptor: each is stable when it returns, and
-        # concurrent ones proceed in parallel instead of queueing behind one fdatasync.
-        self.sync_fd = os.open(path, flags | os.O_DSYNC | (os.O_DIRECT if self.direct else 0))
         try:
             current = os.fstat(self.fd).st_size
             if current < size and not _is_block_device(self.fd):
@@ -138,6 +135,7 @@ class SlotFile:
         # Fault-injection tests replace these.
         self._preadv = os.preadv
         self._pwritev = os.pwritev
+        self._fdatasync = os.fdatasync
 
     def read(self, offset: int, buffers: Sequence[memoryview]) -> None:
         """Fill `buffers` (page-aligned, page-multiple) from `offset`.
@@ -156,26 +154,33 @@ class SlotFile:
             offset += n
             todo = _advance(todo, n)
 
-    def write(self, offset: int, buffers: Sequence[memoryview], *, sync: bool = False) -> None:
-        """Write `buffers` (page-aligned, page-multiple) at `offset`; with `sync`, return only
-        once they are on stable storage.
+    def write(self, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Write `buffers` (page-aligned, page-multiple) at `offset`. Not yet stable: `flush`
+        makes every completed write so.
 
         Raises:
             StorageIOError: the device failed (EIO, ENOSPC); the slot's old content is gone.
         """
         todo = list(buffers)
-        fd = self.sync_fd if sync else self.fd
         while todo:
             try:
-                n = self._pwritev(fd, todo, offset)
+                n = self._pwritev(self.fd, todo, offset)
             except OSError as exc:
                 raise StorageIOError(f"write to {self.path} at {offset} failed: {exc}") from exc
             offset += n
             todo = _advance(todo, n)
 
+    def flush(self) -> None:
+        """Put every write that has completed on stable storage (the device cache flushed, and
+        the file system's record of which preallocated blocks hold data).
+
+        Raises:
+            OSError: the device failed; which slots are stable is then unknown.
+        """
+        self._fdatasync(self.fd)
+
     def close(self) -> None:
         os.close(self.fd)
-        os.close(self.sync_fd)
 
 
 def _is_block_device(fd: int) -> bool:

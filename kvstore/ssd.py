@@ -358,7 +358,9 @@ class SsdTier:
         names = [jr.record(jr.TENANT, 0, tenant=i, name=n.encode())
                  for i, n in enumerate(self.tenants) if i]  # fmt: skip
         _write_atomic(path, head + (jr.pack(np.concatenate(names)) if names else b""))
-        return jr.Journal(str(path), sync_interval=self.config.ssd.sync_interval_s)
+        return jr.Journal(
+            str(path), sync_interval=self.config.ssd.sync_interval_s, before_sync=self.slots.flush
+        )
 
     # ------------------------------------------------------------------ bookkeeping (locked)
 
@@ -478,17 +480,26 @@ class SsdTier:
         """Forget a stored block; its slot is reused once the DEL record is durable."""
         self.release_slot(*self.detach_row(row))
 
-    def detach_row(self, row: int) -> tuple[int, int]:
+    def detach_row(self, row: int, *, notify: bool = True) -> tuple[int, int]:
         """Forget a stored block but keep its slot out of reuse; returns (ticket, offset) for
-        `release_slot`, after the caller has wiped the slot (`wipe_slot`)."""
+        `release_slot`, after the caller has wiped the slot (`wipe_slot`). `notify` False
+        skips the removal callback (the caller's own delete)."""
         assert self.journal is not None
         key = self.index.key_of(row)
         offset = int(self.index.rows["page"][row]) * PAGE
         self.seq += 1
         ticket = self.journal.append(jr.pack(jr.record(jr.DEL, self.seq, key)))
         self.index.remove(row)
-        self._on_removed(key)
+        if notify:
+            self._on_removed(key)
         return ticket, offset
+
+    def drop_row(self, row: int) -> None:
+        """Forget a block whose record may never become durable (the journal failed), without
+        a record of its own: its slot stays out of use until the tier is reopened."""
+        key = self.index.key_of(row)
+        self.index.remove(row)
+        self._on_removed(key)
 
     def release_slot(self, ticket: int, offset: int) -> None:
         self._pending_free.append((ticket, offset))
@@ -508,28 +519,30 @@ class SsdTier:
         """Make a written slot the block's SSD copy. Returns the journal ticket to wait on, or
         None when a newer version of the key was committed meanwhile (the plan is dropped).
 
-        A durable caller wrote the slot with `sync` and then waits for the ticket."""
+        A durable caller waits for the ticket: the journal flushes the slot file before it
+        syncs the record."""
         assert self.journal is not None
         old = self.index.find(plan.key)
-        old_offset = -1
+        if old != EMPTY and int(self.index.rows["seq"][old]) > plan.seq:
+            self.abort_write(plan)  # lost a race to a newer version of the key
+            return None
+        rec = jr.record(jr.PUT, plan.seq, plan.key, parent=plan.parent, page=plan.offset // PAGE,
+                        length=plan.length, pcrc=plan.crc, tenant=plan.tenant)  # fmt: skip
+        try:
+            ticket = self.journal.append(jr.pack(rec))
+        except StorageIOError:
+            self.abort_write(plan)  # the journal failed earlier: the index stays as it was
+            raise
         if old != EMPTY:
-            if int(self.index.rows["seq"][old]) > plan.seq:
-                self.abort_write(plan)  # lost a race to a newer version of the key
-                return None
             # No DEL record: this PUT's higher seq supersedes the old one on replay. The old
             # slot is reused only once this PUT is durable, so replay never points at it.
-            old_offset = int(self.index.rows["page"][old]) * PAGE
+            self._pending_free.append((ticket, int(self.index.rows["page"][old]) * PAGE))
             self.index.remove(old)
         self.index.insert(plan.key, page=plan.offset // PAGE, length=plan.length, seq=plan.seq,
                           crc=plan.crc, parent=plan.parent, tenant=plan.tenant, cls=plan.cls,
                           tick=self.next_tick())  # fmt: skip
-        rec = jr.record(jr.PUT, plan.seq, plan.key, parent=plan.parent, page=plan.offset // PAGE,
-                        length=plan.length, pcrc=plan.crc, tenant=plan.tenant)  # fmt: skip
         self.counters.bytes_written += plan.length
         self._records_since_checkpoint += 1
-        ticket = self.journal.append(jr.pack(rec))
-        if old_offset >= 0:
-            self._pending_free.append((ticket, old_offset))
         return ticket
 
     def abort_write(self, plan: WritePlan) -> None:
@@ -544,9 +557,9 @@ class SsdTier:
             buf = self._pages.buf = AlignedBuffer(PAGE)
         return buf
 
-    def write_slot(self, plan: WritePlan, payload: memoryview, *, sync: bool = False) -> None:
-        """Write header and value; `payload` is page-aligned and spans whole pages. With `sync`
-        the slot is on stable storage when this returns.
+    def write_slot(self, plan: WritePlan, payload: memoryview) -> None:
+        """Write header and value; `payload` is page-aligned and spans whole pages. The slot is
+        stable once the journal record that `commit_write` queues for it is.
 
         Raises:
             StorageIOError: the device failed.
@@ -556,7 +569,7 @@ class SsdTier:
         page.view[:] = bytes(PAGE)
         pack_header(page.view, SlotHeader(plan.seq, plan.key, plan.parent, plan.length, plan.crc,
                                           plan.tenant, self.tenants[plan.tenant]))  # fmt: skip
-        self.slots.write(plan.offset, [page.view, payload], sync=sync)
+        self.slots.write(plan.offset, [page.view, payload])
 
     def read_slot(self, row_snapshot: tuple[bytes, int, int, int, int], dst: memoryview) -> bool:
         """Read a block into `dst` (page-aligned, whole pages); False if it fails verification.

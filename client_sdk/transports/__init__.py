@@ -6,23 +6,49 @@ import importlib
 from collections.abc import Callable
 from typing import cast
 
-from kvoffload.client_sdk.transports.base import AsyncTransport, HeldBlock, Transport
+from kvoffload.client_sdk.transports.base import (
+    AsyncTransport,
+    HeldBlock,
+    ThreadedAsyncTransport,
+    Transport,
+)
 from kvoffload.client_sdk.url import StoreURL
 from kvoffload.errors import ConfigError
 
-__all__ = ["AsyncTransport", "HeldBlock", "Transport", "open_transport", "register_scheme"]
+__all__ = [
+    "AsyncTransport",
+    "HeldBlock",
+    "Transport",
+    "open_async_transport",
+    "open_transport",
+    "register_scheme",
+]
 
 # scheme -> "module:function(StoreURL) -> Transport"; imported only when a URL asks for it.
 _SCHEMES: dict[str, str] = {
     "local": "kvoffload.client_sdk.transports.local:open_local",
+    "kv": "kvoffload.client_sdk.transports.kv:open_kv",
+    "nvme+tcp": "kvoffload.client_sdk.transports.nvme:open_nvme",
+}
+# scheme -> "module:function(StoreURL) -> AsyncTransport" for schemes with a native asyncio
+# transport; the others are served from their sync transport in a worker thread.
+_ASYNC_SCHEMES: dict[str, str] = {
+    "kv": "kvoffload.client_sdk.transports.kv:open_kv_async",
 }
 
 
-def register_scheme(scheme: str, target: str) -> None:
-    """Register a transport factory ("module:function") for URLs of `scheme`."""
+def register_scheme(scheme: str, target: str, async_target: str | None = None) -> None:
+    """Register transport factories ("module:function") for URLs of `scheme`."""
     if scheme in _SCHEMES:
         raise ConfigError(f"URL scheme {scheme!r} is already registered")
     _SCHEMES[scheme] = target
+    if async_target is not None:
+        _ASYNC_SCHEMES[scheme] = async_target
+
+
+def _load(target: str) -> Callable[[StoreURL], object]:
+    module, _, name = target.partition(":")
+    return cast(Callable[[StoreURL], object], getattr(importlib.import_module(module), name))
 
 
 def open_transport(url: StoreURL) -> Transport:
@@ -37,6 +63,16 @@ def open_transport(url: StoreURL) -> Transport:
             f"unknown URL scheme {url.scheme!r}; supported: "
             + ", ".join(f"{s}://" for s in sorted(_SCHEMES))
         )
-    module, _, name = target.partition(":")
-    factory = cast(Callable[[StoreURL], Transport], getattr(importlib.import_module(module), name))
-    return factory(url)
+    return cast(Transport, _load(target)(url))
+
+
+def open_async_transport(url: StoreURL) -> AsyncTransport:
+    """The asyncio transport that serves `url`.
+
+    Raises:
+        ConfigError: no transport serves the scheme, or its parameters are wrong.
+    """
+    target = _ASYNC_SCHEMES.get(url.scheme)
+    if target is not None:
+        return cast(AsyncTransport, _load(target)(url))
+    return ThreadedAsyncTransport(open_transport(url))

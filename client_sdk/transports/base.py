@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["AsyncTransport", "HeldBlock", "ThreadedAsyncTransport", "Transport"]
+__all__ = [
+    "AsyncTransport",
+    "HeldBlock",
+    "PutItem",
+    "Received",
+    "ThreadedAsyncTransport",
+    "Transport",
+]
+
+# (key, parts of the stored value, parent key) — one block of a batch put.
+PutItem = tuple[bytes, Sequence[object], "bytes | None"]
 
 
 class HeldBlock(Protocol):
@@ -16,6 +27,18 @@ class HeldBlock(Protocol):
     def data(self) -> memoryview: ...
 
     def release(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """A block whose payload a transport received straight into the caller's buffer.
+
+    `header` holds the stored value's header (normally `HEADER_BYTES`), `length` the payload
+    bytes now at the start of the caller's buffer. Nothing is verified yet.
+    """
+
+    header: memoryview
+    length: int
 
 
 class Transport(Protocol):
@@ -28,7 +51,22 @@ class Transport(Protocol):
         self, key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool = False
     ) -> None: ...
 
+    def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None:
+        """Store several blocks, in order (a failure leaves the earlier ones stored)."""
+        ...
+
     def get(self, key: bytes) -> HeldBlock | None: ...
+
+    def get_into(self, key: bytes, buffer: memoryview) -> HeldBlock | Received | None:
+        """Either hold the block for the caller to verify and copy (no copy made yet), or
+        receive its payload straight into `buffer` (`Received`); None on a miss.
+
+        Raises:
+            InvalidArgumentError: the payload does not fit `buffer` (nothing was written).
+        """
+        ...
+
+    def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]: ...
 
     def exists(self, key: bytes) -> bool: ...
 
@@ -44,7 +82,11 @@ class Transport(Protocol):
 
 
 class AsyncTransport(Protocol):
-    """The coroutine form of `Transport`."""
+    """The coroutine form of `Transport`. `max_value_bytes` is known once `open()` returned."""
+
+    async def open(self) -> None:
+        """Connect now if the transport connects at all (the client calls it before use)."""
+        ...
 
     @property
     def max_value_bytes(self) -> int: ...
@@ -53,7 +95,13 @@ class AsyncTransport(Protocol):
         self, key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool = False
     ) -> None: ...
 
+    async def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None: ...
+
     async def get(self, key: bytes) -> HeldBlock | None: ...
+
+    async def get_into(self, key: bytes, buffer: memoryview) -> HeldBlock | Received | None: ...
+
+    async def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]: ...
 
     async def exists(self, key: bytes) -> bool: ...
 
@@ -76,6 +124,9 @@ class ThreadedAsyncTransport:
     def __init__(self, inner: Transport) -> None:
         self._inner = inner
 
+    async def open(self) -> None:
+        pass
+
     @property
     def max_value_bytes(self) -> int:
         return self._inner.max_value_bytes
@@ -85,8 +136,17 @@ class ThreadedAsyncTransport:
     ) -> None:
         await asyncio.to_thread(self._inner.put, key, parts, parent, durable)
 
+    async def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None:
+        await asyncio.to_thread(self._inner.put_many, items, durable)
+
     async def get(self, key: bytes) -> HeldBlock | None:
         return await asyncio.to_thread(self._inner.get, key)
+
+    async def get_into(self, key: bytes, buffer: memoryview) -> HeldBlock | Received | None:
+        return await asyncio.to_thread(self._inner.get_into, key, buffer)
+
+    async def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]:
+        return await asyncio.to_thread(self._inner.get_many, keys)
 
     async def exists(self, key: bytes) -> bool:
         return self._inner.exists(key)

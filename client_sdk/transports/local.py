@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvoffload.client_sdk.transports.base import HeldBlock
+from kvoffload.client_sdk.transports.base import HeldBlock, PutItem, Received
 from kvoffload.client_sdk.url import StoreURL
 from kvoffload.errors import ConfigError
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig, parse_size
@@ -79,8 +79,19 @@ class LocalTransport:
     ) -> None:
         self.engine.put_parts(key, parts, parent=parent, durable=durable)
 
+    def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None:
+        for key, parts, parent in items:
+            self.engine.put_parts(key, parts, parent=parent, durable=durable)
+
     def get(self, key: bytes) -> HeldBlock | None:
         return self.engine.get(key)
+
+    def get_into(self, key: bytes, buffer: memoryview) -> HeldBlock | Received | None:
+        # The block is verified in the arena before a byte is copied to the caller.
+        return self.engine.get(key)
+
+    def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]:
+        return list(self.engine.get_many(keys))
 
     def exists(self, key: bytes) -> bool:
         return self.engine.contains(key)

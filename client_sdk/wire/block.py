@@ -9,8 +9,8 @@ offset bytes  field
 4      2      format version (1)
 6      2      codec id (0 = raw; see kvoffload.compression)
 8      4      flags (bit 0: `chain` holds a full 32-byte hash, not key + zeros)
-12     8      raw length (payload length before encoding)
-20     8      stored length (payload bytes that follow the header)
+12     8      raw length (the value's length before encoding = after decoding)
+20     8      stored length (encoded payload bytes that follow the header)
 28     16     namespace fingerprint (zeros when the writer had no namespace)
 44     32     chain hash of the block (or its 16-byte key followed by zeros)
 76     4      CRC32C of the payload
@@ -18,8 +18,10 @@ offset bytes  field
 92     4      CRC32C of bytes 0..91
 ====== ====== =================================================================
 
-Every read checks the header and the payload checksum before a byte reaches the caller.
-Sans-I/O: bytes in, results out.
+Every read checks the header and the payload checksum before a byte reaches the caller; the
+checksum covers the encoded payload, so damage is caught before any decoder runs. Everything a
+codec needs to decode beyond its id and the raw length is inside its payload (see
+kvoffload.compression). Sans-I/O: bytes in, results out.
 """
 
 from __future__ import annotations
@@ -31,7 +33,16 @@ import crc32c
 
 from kvoffload.errors import CorruptBlockError
 
-__all__ = ["FLAG_FULL_CHAIN", "HEADER_BYTES", "MAGIC", "BlockHeader", "open_block", "seal"]
+__all__ = [
+    "FLAG_FULL_CHAIN",
+    "HEADER_BYTES",
+    "MAGIC",
+    "BlockHeader",
+    "open_block",
+    "open_parts",
+    "peek_codec",
+    "seal",
+]
 
 MAGIC = b"KVOB"
 VERSION = 1
@@ -39,6 +50,8 @@ FLAG_FULL_CHAIN = 1
 _KNOWN_FLAGS = FLAG_FULL_CHAIN
 _BODY = struct.Struct("<4sHHIQQ16s32sI12s")
 _CRC = struct.Struct("<I")
+_CODEC = struct.Struct("<H")
+_CODEC_OFFSET = 6
 HEADER_BYTES = _BODY.size + _CRC.size  # 96
 _NO_NAMESPACE = bytes(16)
 
@@ -104,6 +117,24 @@ def open_block(
         CorruptBlockError: anything does not match; the message says what.
     """
     view = memoryview(block)
+    return open_parts(
+        view[:HEADER_BYTES], view[HEADER_BYTES:], key_or_hash=key_or_hash, namespace=namespace
+    )
+
+
+def open_parts(
+    header: memoryview | bytes,
+    payload: memoryview | bytes,
+    *,
+    key_or_hash: bytes,
+    namespace: bytes | None = None,
+) -> BlockHeader:
+    """`open_block` for a block received in two places (header apart from its payload).
+
+    Raises:
+        CorruptBlockError: as for `open_block`.
+    """
+    view = memoryview(header)
     if len(view) < HEADER_BYTES:
         raise CorruptBlockError(f"block of {len(view)} bytes is shorter than its header")
     body = view[: _BODY.size]
@@ -115,9 +146,9 @@ def open_block(
     )
     if magic != MAGIC or version != VERSION or flags & ~_KNOWN_FLAGS:
         raise CorruptBlockError(f"unknown block format (magic {magic!r}, version {version})")
-    if stored_len != len(view) - HEADER_BYTES:
+    if stored_len != len(payload):
         raise CorruptBlockError(
-            f"header declares {stored_len} payload bytes, block holds {len(view) - HEADER_BYTES}"
+            f"header declares {stored_len} payload bytes, block holds {len(payload)}"
         )
     if chain[:16] != key_or_hash[:16]:
         raise CorruptBlockError("block belongs to another key")
@@ -125,6 +156,18 @@ def open_block(
         raise CorruptBlockError("block belongs to another chain (16-byte key collision)")
     if namespace is not None and ns != namespace:
         raise CorruptBlockError("block belongs to another namespace")
-    if crc32c.crc32c(view[HEADER_BYTES:]) != payload_crc:
+    if crc32c.crc32c(payload) != payload_crc:
         raise CorruptBlockError("payload checksum mismatch")
     return BlockHeader(codec, flags, raw_len, stored_len, bytes(ns), bytes(chain), payload_crc)
+
+
+def peek_codec(block: memoryview | bytes) -> int:
+    """The codec id a stored block claims, unverified (0 for anything too short to say).
+
+    For scheduling only (whether decoding is worth a worker thread); `open_block` decides
+    whether the block is used.
+    """
+    if len(block) < HEADER_BYTES:
+        return 0
+    (codec_id,) = _CODEC.unpack_from(block, _CODEC_OFFSET)
+    return int(codec_id)

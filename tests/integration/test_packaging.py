@@ -24,6 +24,9 @@ assert "Stillwater" in demo.document()
 with Client.connect("local://?dram=8MiB&prefault=0") as c:
     c.put(bytes(16), b"ok")
     assert c.get(bytes(16)) == b"ok"
+with Client.connect("local://?dram=8MiB&prefault=0", codec="split-zstd") as c:
+    c.put(bytes(16), bytes(4096))  # the codec modules ship and load
+    assert c.get(bytes(16)) == bytes(4096) and c.stats().bytes_stored < 4096
 print("imports ok")
 """
 

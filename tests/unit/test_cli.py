@@ -18,7 +18,9 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert kvoffload.__version__ in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv", [[], ["demo"], ["bench"], ["bench", "engine"], ["stats"]])
+@pytest.mark.parametrize(
+    "argv", [[], ["demo"], ["bench"], ["bench", "engine"], ["bench", "codecs"], ["stats"]]
+)
 def test_help_on_every_command(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, "--help"])

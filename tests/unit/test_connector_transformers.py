@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -38,8 +40,10 @@ def engine() -> Engine:
         yield e
 
 
-def test_store_then_load_is_bit_exact(engine: Engine) -> None:
-    kv = TransformersKV(Client(LocalTransport(engine, owned=False), namespace=NS), NS)
+@pytest.mark.parametrize("codec", ["none", "split-zstd", "zstd"])
+def test_store_then_load_is_bit_exact(engine: Engine, codec: str) -> None:
+    client = Client(LocalTransport(engine, owned=False), namespace=NS, codec=codec)
+    kv = TransformersKV(client, NS)
     ids = list(range(1000, 1019))  # 19 tokens: 4 full blocks
     cache = _cache(19)
     assert kv.store(ids, cache) == (4, 4 * NS.block_bytes)
@@ -66,3 +70,20 @@ def test_load_stops_at_a_corrupt_block(engine: Engine) -> None:
     assert loaded.tokens == 8  # blocks 0 and 1 only: never the damaged bytes
     assert client.stats().corrupt_blocks == 1
     assert kv.load([5, 6, 7, 8, 9]).cache is None
+
+
+def test_a_lossy_namespace_loads_close_to_the_stored_cache(engine: Engine) -> None:
+    ns = dataclasses.replace(NS, codec="fp8")
+    client = Client(LocalTransport(engine, owned=False), namespace=ns)
+    kv = TransformersKV(client, ns)
+    ids = list(range(2000, 2013))
+    cache = _cache(13)
+    kv.store(ids, cache)
+    loaded = kv.load(ids)
+    assert loaded.tokens == 12
+    for (k0, v0), (k1, v1) in zip(_layers(cache), _layers(loaded.cache), strict=True):
+        for exact, approx in ((k0[:, :, :12], k1), (v0[:, :, :12], v1)):
+            error = (approx.float() - exact.float()).norm() / exact.float().norm()
+            assert 0 < error < 0.05
+    stats = client.stats()  # 768-byte blocks: the 96-byte header and the scales weigh in
+    assert stats.bytes_stored < stats.bytes_put

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvoffload.client_sdk.wire.block import HEADER_BYTES, open_block, seal
+from kvoffload.client_sdk.wire.block import HEADER_BYTES, open_block, peek_codec, seal
 from kvoffload.errors import CorruptBlockError
 
 KEY = bytes(range(16))
@@ -65,3 +65,14 @@ def test_full_chain_hash_is_checked_when_both_sides_have_it() -> None:
     other = HASH[:16] + bytes(16)
     with pytest.raises(CorruptBlockError, match="another chain"):
         open_block(block, key_or_hash=other)
+
+
+def test_codec_id_and_raw_length_round_trip_and_can_be_peeked() -> None:
+    payload = b"encoded bytes"
+    header = seal(
+        key_or_hash=KEY, payload=payload, stored_length=len(payload), raw_length=4096, codec_id=4
+    )
+    block = header + payload
+    assert peek_codec(block) == 4 and peek_codec(block[:50]) == 0
+    opened = open_block(block, key_or_hash=KEY)
+    assert (opened.codec_id, opened.raw_length, opened.stored_length) == (4, 4096, len(payload))

@@ -9,12 +9,14 @@ import sys
 import numpy as np
 import pytest
 
-from kvoffload.client_sdk import Namespace, block_hashes, block_keys
+from kvoffload.client_sdk import Namespace, block_hashes, block_keys, engine_hashes, engine_keys
 from kvoffload.errors import InvalidArgumentError
 
 NS = Namespace(
     "org/model", dtype="bfloat16", block_tokens=4, num_layers=2, num_kv_heads=2, head_size=8
 )
+# NS.fingerprint as computed before Namespace had a codec field (commit 23f3dea).
+GOLDEN_FINGERPRINT = "cf81f3ab09f3922bc04e035bbe710184"
 
 
 def test_one_key_per_full_block_and_16_bytes() -> None:
@@ -60,6 +62,8 @@ def test_extra_keys_and_namespace_change_keys() -> None:
             )
         elif f.name == "dtype":
             changed = dataclasses.replace(NS, dtype="float16")
+        elif f.name == "codec":
+            changed = dataclasses.replace(NS, codec="fp8")  # lossy; lossless: see below
         else:
             changed = dataclasses.replace(NS, **{f.name: "x"})
         assert changed.fingerprint != NS.fingerprint, f.name
@@ -123,3 +127,52 @@ def test_identical_in_fresh_interpreters_with_different_hash_seeds() -> None:
         outputs.append(json.loads(proc.stdout))
     assert outputs[0] == outputs[1] == outputs[2]
     assert len(outputs[0]) == 11
+
+
+def test_lossless_codecs_keep_block_identity_lossy_ones_change_it() -> None:
+    ids = list(range(8))
+    base = block_keys(NS, ids)
+    for lossless in ("none", "zstd", "split-zstd", "lz4", "split-lz4"):
+        same = dataclasses.replace(NS, codec=lossless)
+        assert same.fingerprint == NS.fingerprint and block_keys(same, ids) == base, lossless
+    fp8 = dataclasses.replace(NS, codec="fp8")
+    int4 = dataclasses.replace(NS, codec="int4")
+    assert len({NS.fingerprint, fp8.fingerprint, int4.fingerprint}) == 3
+    assert fp8.lossy_codec == "fp8" and dataclasses.replace(NS, codec="zstd").lossy_codec == ""
+
+
+def test_fingerprint_is_unchanged_by_the_codec_field() -> None:
+    # Fingerprints of namespaces without a lossy codec must stay what they were before the
+    # field existed: stored blocks and keys of existing deployments keep matching.
+    assert NS.fingerprint.hex() == GOLDEN_FINGERPRINT
+
+
+def test_unknown_codec_name_is_rejected_with_the_valid_ones() -> None:
+    with pytest.raises(InvalidArgumentError, match="split-zstd"):
+        dataclasses.replace(NS, codec="gzip")
+
+
+def test_engine_keys_are_namespaced_and_deterministic() -> None:
+    vllm = Namespace("m", hash_algo="vllm:sha256")
+    h = [bytes(range(32)), bytes(range(1, 33))]
+    keys = engine_keys(vllm, h)
+    assert keys == engine_keys(Namespace("m", hash_algo="vllm:sha256"), h)
+    assert [len(k) for k in keys] == [16, 16] and keys[0] != keys[1]
+    assert keys == [d[:16] for d in engine_hashes(vllm, h)]
+    # Any field of the namespace (salt, rank, algorithm) separates the keys.
+    for other in (
+        Namespace("m", hash_algo="vllm:sha256", salt="s"),
+        Namespace("m", hash_algo="vllm:sha256", tp_rank=1, tp_size=2),
+        Namespace("m", hash_algo="vllm:sha256_cbor"),
+    ):
+        assert set(engine_keys(other, h)).isdisjoint(keys)
+    # Length-prefixed: concatenating two names does not collide with another split.
+    assert engine_keys(vllm, [b"ab", b"c"]) != engine_keys(vllm, [b"a", b"bc"])
+
+
+def test_engine_keys_refuse_token_namespaces_and_bad_hashes() -> None:
+    with pytest.raises(InvalidArgumentError):
+        engine_keys(Namespace("m"), [bytes(32)])
+    for bad in (b"", "abc", 5):
+        with pytest.raises(InvalidArgumentError):
+            engine_keys(Namespace("m", hash_algo="x"), [bad])  # type: ignore[list-item]

@@ -309,3 +309,20 @@ def test_reservation_left_uncommitted_changes_nothing(engine: Engine) -> None:
     res.abort()  # idempotent
     with pytest.raises(InvalidArgumentError, match="negative"):
         engine.reserve(key(2), -1)
+
+
+def test_tier_listener_hears_evictions_only() -> None:
+    heard: list[tuple[str, bytes, str]] = []
+    config = EngineConfig(
+        DramConfig(capacity_bytes=4 << 20, max_value_bytes=1 << 20, prefault=False)
+    )
+    with Engine(config) as engine:
+        engine.set_tier_listener(lambda kind, key, tier: heard.append((kind, key, tier)))
+        keys = [i.to_bytes(16, "little") for i in range(8)]
+        for key in keys:
+            engine.put(key, bytes(1 << 20))
+        engine.delete(keys[-1])  # a delete is the caller's own doing: not reported
+        engine.put(keys[-2], bytes(10))  # nor is a replacement
+        assert heard and all(kind == "removed" and tier == "dram" for kind, _, tier in heard)
+        assert {k for _, k, _ in heard} <= set(keys[:-2])
+        assert len(heard) == engine.stats().evictions

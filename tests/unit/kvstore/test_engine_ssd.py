@@ -181,6 +181,50 @@ def test_full_disk_on_the_journal_fails_durable_puts(tmp_path: Path) -> None:
         assert read(again, 1) == value(1)
 
 
+def test_durable_put_flushes_its_slot_before_its_record_is_synced(tmp_path: Path) -> None:
+    with Engine(config(tmp_path)) as engine:
+        ssd = engine._ssd
+        assert ssd is not None and ssd.journal is not None
+        journal_fd = ssd.journal._fd
+        calls: list[str] = []
+        real_flush, real_sync = ssd.slots._fdatasync, ssd.journal._sync
+        ssd.slots._fdatasync = lambda fd: (calls.append("slots"), real_flush(fd))[1]
+        ssd.journal._sync = lambda fd: (calls.append("journal"), real_sync(fd))[1]
+        engine.put(key(1), value(1), durable=True)
+        assert calls and calls[-2:] == ["slots", "journal"]
+        assert journal_fd == ssd.journal._fd
+    with Engine(config(tmp_path)) as again:
+        assert read(again, 1) == value(1)
+
+
+def test_failed_slot_flush_fails_durable_puts_and_keeps_older_blocks(tmp_path: Path) -> None:
+    engine = Engine(config(tmp_path))
+    engine.put(key(1), value(1), durable=True)
+    ssd = engine._ssd
+    assert ssd is not None
+
+    def eio(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    # Which slots reached the device is unknown after a failed flush: the tier stops taking
+    # durable puts rather than acknowledge one it cannot vouch for.
+    ssd.slots._fdatasync = eio
+    with pytest.raises(StorageIOError, match="Input/output error"):
+        engine.put(key(2), value(2), durable=True)
+    with pytest.raises(StorageIOError):
+        engine.put(key(3), value(3), durable=True)
+    assert read(engine, 1) == value(1)
+    assert read(engine, 2) is None and read(engine, 3) is None
+    for i in range(10, 40):  # fast puts go on; their demotions fail and count
+        engine.put(key(i), value(i))
+    assert all(read(engine, i) in (None, value(i)) for i in range(10, 40))
+    assert engine.stats().tiers[1].io_errors > 2
+    with pytest.raises(StorageIOError):
+        engine.close()
+    with Engine(config(tmp_path)) as again:
+        assert read(again, 1) == value(1)
+
+
 def test_torn_journal_tail_is_cut_and_reported(tmp_path: Path) -> None:
     with Engine(config(tmp_path, flush=False)) as engine:
         engine.checkpoint()
@@ -262,3 +306,20 @@ def test_durable_needs_ssd() -> None:
     engine = Engine(EngineConfig(DramConfig(capacity_bytes=8 << 20, prefault=False)))
     with engine, pytest.raises(InvalidArgumentError, match="SSD tier"):
         engine.put(key(1), b"x", durable=True)
+
+
+def test_tier_listener_follows_blocks_across_tiers(tmp_path: Path) -> None:
+    heard: list[tuple[str, bytes, str]] = []
+    with Engine(config(tmp_path)) as engine:
+        engine.set_tier_listener(lambda kind, k, tier: heard.append((kind, k, tier)))
+        engine.put(key(0), value(0), durable=True)
+        assert heard == [("stored", key(0), "ssd")]
+        for i in range(1, 30):
+            engine.put(key(i), value(i))
+        moves = {(kind, tier) for kind, k, tier in heard if k == key(1)}
+        assert moves == {("stored", "ssd"), ("removed", "dram")}  # a demotion
+        heard.clear()
+        assert read(engine, 1) == value(1)
+        assert ("stored", key(1), "dram") in heard  # a promotion
+        engine.delete(key(1))
+        assert not [h for h in heard if h[0] == "removed" and h[1] == key(1)]  # caller's own

@@ -1,0 +1,248 @@
+"""Framing shared by the native protocol's two ends: a fixed header, a msgpack map, raw payload.
+
+Every frame is::
+
+    offset bytes field (little-endian)
+    0      4     magic b"KVNP"
+    4      1     protocol version (1)
+    5      1     frame type (the operation; see native.py)
+    6      2     flags (bit 0: response)
+    8      4     request id (0 = the connection itself, for connection-level errors)
+    12     4     header length: bytes of the msgpack map that follows
+    16     8     payload length: raw bytes after the map
+    24     ...   msgpack map, then payload
+
+`FrameReader` parses a byte stream into frames without owning a socket. It exposes the receive
+side the way `asyncio.BufferedProtocol` wants it (`get_buffer` / `buffer_updated`), so that once
+a frame's header is parsed, the caller can point the rest of the frame — its payload — at its own
+memory (`set_sink`: an engine reservation, a caller's `get_into` buffer) and the socket fills it
+directly. Declared lengths are checked against `Limits` before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgpack
+
+from kvoffload.client_sdk.wire.rxbuffer import ReceiveBuffer
+from kvoffload.errors import LocalProtocolError
+
+__all__ = [
+    "FLAG_RESPONSE",
+    "FRAME",
+    "MAGIC",
+    "VERSION",
+    "Frame",
+    "FrameReader",
+    "Limits",
+    "Need",
+    "PayloadEnd",
+    "encode_frame",
+]
+
+MAGIC = b"KVNP"
+VERSION = 1
+FLAG_RESPONSE = 0x1
+_KNOWN_FLAGS = FLAG_RESPONSE
+FRAME = struct.Struct("<4sBBHIIQ")  # 24 bytes
+MAX_REQUEST_ID = (1 << 32) - 1
+
+
+class Buffer(Protocol):
+    """Anything `memoryview()` accepts; what payload parts may be."""
+
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds on what a peer may declare; checked before allocating."""
+
+    # Largest msgpack map; bounds key lists of batch requests (~19 bytes per key).
+    max_header_bytes: int = 4 << 20
+    # Largest payload of one frame.
+    max_payload_bytes: int = 1 << 30
+    # Requests one connection may have outstanding (pipelined) at once.
+    max_pending: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_header_bytes < 64 or self.max_payload_bytes < 0 or self.max_pending < 1:
+            raise ValueError(f"unusable frame limits: {self}")
+
+
+class Need(enum.Enum):
+    """`next_event` results that are not events."""
+
+    DATA = "need data"
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """A frame whose header and msgpack map are in; `payload_length` bytes follow."""
+
+    type: int
+    flags: int
+    request_id: int
+    meta: dict[str, object]
+    payload_length: int
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadEnd:
+    """The payload of the frame `request_id` is complete.
+
+    `data` holds it when the reader allocated the memory itself; it is None when the payload
+    went into a caller's sink (the caller knows where) or was discarded.
+    """
+
+    request_id: int
+    data: memoryview | None = None
+
+
+class _State(enum.Enum):
+    HEAD = "head"
+    META = "meta"
+    PAYLOAD = "payload"  # whether a sink is chosen is the ReceiveBuffer's business
+
+
+class FrameReader(ReceiveBuffer):
+    """Incremental frame parser: bytes in (any chunking), `Frame` / `PayloadEnd` out."""
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        super().__init__()
+        self.limits = limits or Limits()
+        self._state = _State.HEAD
+        self._head: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)  # type, flags, id, hlen, plen
+
+    # ------------------------------------------------------------------ receive side
+
+    @property
+    def at_boundary(self) -> bool:
+        """True between frames (nothing partial buffered)."""
+        return self._state is _State.HEAD and self._start == self._end
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Feed received bytes (copying them through `get_buffer`)."""
+        self._feed(data)
+
+    def _header_room(self) -> int:
+        return self._head[3] if self._state is _State.META else 0
+
+    def set_sink(self, buffers: Sequence[memoryview]) -> None:
+        """Deliver the pending payload into `buffers` (in order; their sizes must add up to it).
+
+        Raises:
+            LocalProtocolError: no payload is pending, or the sizes do not match.
+        """
+        if not self._unclaimed:
+            raise LocalProtocolError("no payload is waiting for a sink")
+        views = [memoryview(b).cast("B") for b in buffers if len(b)]
+        if sum(len(v) for v in views) != self._left:
+            raise LocalProtocolError(
+                f"sink of {sum(len(v) for v in views)} bytes for a {self._left}-byte payload"
+            )
+        self._claim(views, discard=False)
+
+    def discard(self) -> None:
+        """Read and drop the pending payload without allocating memory for it."""
+        if not self._unclaimed:
+            raise LocalProtocolError("no payload is waiting to be discarded")
+        self._claim([], discard=True)
+
+    def next_frame(self) -> Frame | PayloadEnd | Need:
+        """The next complete frame head or payload end, or `Need.DATA`.
+
+        Raises:
+            LocalProtocolError: the bytes break the framing rules (callers re-raise it as the
+                peer's fault).
+        """
+        if self._state is _State.PAYLOAD:
+            return self._drain_payload()
+        if self._state is _State.HEAD:
+            if self.buffered < FRAME.size:
+                return Need.DATA
+            self._parse_head()
+        rid = self._head[2]
+        hlen, plen = self._head[3], self._head[4]
+        if self.buffered < hlen:
+            return Need.DATA
+        raw = self._view[self._start : self._start + hlen]
+        self._start += hlen
+        frame = Frame(self._head[0], self._head[1], rid, _unpack_map(raw), plen)
+        if plen:
+            self._state = _State.PAYLOAD
+            self._expect(plen)
+        else:
+            self._state = _State.HEAD
+        return frame
+
+    # ------------------------------------------------------------------ internals
+
+    def _parse_head(self) -> None:
+        magic, version, ftype, flags, rid, hlen, plen = FRAME.unpack_from(self._buf, self._start)
+        if magic != MAGIC:
+            raise LocalProtocolError(f"bad frame magic {bytes(magic)!r} (not a kvoffload peer?)")
+        if version != VERSION:
+            raise LocalProtocolError(f"unsupported frame version {version} (this side speaks 1)")
+        if flags & ~_KNOWN_FLAGS:
+            raise LocalProtocolError(f"unknown frame flags {flags:#x}")
+        if hlen > self.limits.max_header_bytes:
+            raise LocalProtocolError(
+                f"frame header of {hlen} bytes exceeds the limit of {self.limits.max_header_bytes}"
+            )
+        if plen > self.limits.max_payload_bytes:
+            raise LocalProtocolError(
+                f"payload of {plen} bytes exceeds the limit of {self.limits.max_payload_bytes}"
+            )
+        self._start += FRAME.size
+        self._head = (ftype, flags, rid, hlen, plen)
+        self._state = _State.META
+
+    def _drain_payload(self) -> PayloadEnd | Need:
+        if self._unclaimed:  # nobody chose a sink: the reader allocates
+            self._allocate()
+        self._drain()
+        if self._left:
+            return Need.DATA
+        end = PayloadEnd(self._head[2], self._payload_done())
+        self._state = _State.HEAD
+        return end
+
+
+def _unpack_map(raw: memoryview) -> dict[str, object]:
+    try:
+        meta = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
+    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
+        # msgpack's own errors (ExtraData, FormatError, StackError) derive from ValueError.
+        raise LocalProtocolError(f"undecodable frame header: {exc}") from None
+    if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
+        raise LocalProtocolError("frame header is not a map with string keys")
+    return meta
+
+
+def encode_frame(
+    ftype: int,
+    flags: int,
+    request_id: int,
+    meta: dict[str, object],
+    payload: Sequence[Buffer | bytes | memoryview] = (),
+) -> list[bytes | memoryview]:
+    """The buffers of one frame, ready for `sendmsg`/`writelines`; payload parts are not copied.
+
+    Raises:
+        LocalProtocolError: a field is out of range.
+    """
+    if not 0 <= request_id <= MAX_REQUEST_ID:
+        raise LocalProtocolError(f"request id {request_id} out of range")
+    packed = msgpack.packb(meta, use_bin_type=True)
+    parts = [memoryview(p).cast("B") for p in payload]
+    plen = sum(len(p) for p in parts)
+    head = FRAME.pack(MAGIC, VERSION, ftype, flags, request_id, len(packed), plen)
+    out: list[bytes | memoryview] = [head + packed]
+    out.extend(p for p in parts if len(p))
+    return out

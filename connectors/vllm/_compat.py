@@ -1,0 +1,195 @@
+"""Everything that depends on the vLLM version: imports and the fields the connector reads.
+
+The connector is written against vLLM 0.33.0, whose connector and offload APIs change between
+minor releases (module moves, renamed hooks, new KV layouts). Every vLLM name the other modules
+use comes from here, so moving to another vLLM release means reading and changing this module
+only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvoffload.errors import ConfigError
+
+__all__ = [
+    "SUPPORTED_VERSION",
+    "AsyncLookupManager",
+    "CacheHitSource",
+    "Geometry",
+    "JobResult",
+    "KVConnectorBase_V1",
+    "KVConnectorMetadata",
+    "KVConnectorRole",
+    "LookupResult",
+    "Medium",
+    "OffloadingEvent",
+    "ReqContext",
+    "RequestOffloadingContext",
+    "ScheduleEndContext",
+    "SecondaryTierManager",
+    "TransferJob",
+    "block_ids_of",
+    "geometry",
+    "hash_algo",
+    "request_hashes",
+    "scheduled_block_ids",
+    "set_load_failure_policy",
+    "tensor_parallel_rank",
+    "tier_hash_algo",
+]
+
+SUPPORTED_VERSION = "0.33.0"
+
+log = logging.getLogger(__name__)
+
+if not vllm.__version__.startswith("0.33."):
+    log.warning(
+        "kvoffload's vLLM connector is built and tested for vLLM %s; this is vLLM %s",
+        SUPPORTED_VERSION,
+        vllm.__version__,
+    )
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the scheduler and every worker agree on about one block of the KV cache."""
+
+    model: str
+    revision: str
+    dtype: str  # KV cache dtype, e.g. "float16"
+    block_tokens: int  # tokens per vLLM block (the prefix-cache unit)
+    hash_ratio: int  # vLLM block hashes per block (1 unless hashes are finer than blocks)
+    layer_names: tuple[str, ...]  # the KV cache group's layers, in vLLM's order
+    num_kv_heads: int  # per rank
+    head_width: int  # K and V concatenated: head_size + head_size_v (MLA: the latent width)
+    hash_algo: str  # vLLM's --prefix-caching-hash-algo
+    tp_size: int
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def geometry(vllm_config: Any, kv_cache_config: Any) -> Geometry:
+    """The block geometry of a vLLM engine with one KV cache group.
+
+    Raises:
+        ConfigError: a layout the connector does not handle (several KV cache groups, pipeline
+            or decode context parallelism).
+    """
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(
+            f"KVOffloadConnector handles one KV cache group; this model has {len(groups)} "
+            "(hybrid attention). Start vLLM with --disable-hybrid-kv-cache-manager."
+        )
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1 or parallel.decode_context_parallel_size > 1:
+        raise ConfigError(
+            "KVOffloadConnector does not support pipeline or decode context parallelism yet"
+        )
+    spec = groups[0].kv_cache_spec
+    block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    if block_size % hash_block_size:
+        raise ConfigError(
+            f"block size {block_size} is not a multiple of the hash block size {hash_block_size}"
+        )
+    model = vllm_config.model_config
+    return Geometry(
+        model=str(model.model),
+        revision=str(model.revision or ""),
+        dtype=_dtype_name(spec.dtype),
+        block_tokens=block_size,
+        hash_ratio=block_size // hash_block_size,
+        layer_names=tuple(groups[0].layer_names),
+        num_kv_heads=int(spec.num_heads),
+        head_width=int(spec.head_size) + int(spec.head_size_v or 0),
+        hash_algo=hash_algo(vllm_config),
+        tp_size=int(parallel.tensor_parallel_size),
+    )
+
+
+def hash_algo(vllm_config: Any) -> str:
+    """vLLM's block hash algorithm; with PYTHONHASHSEED its seed, since that changes every
+    hash of the chain (vLLM seeds NONE_HASH with it)."""
+    algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
+    seed = os.environ.get("PYTHONHASHSEED")
+    if algo.startswith("xxhash") and seed is None:
+        log.warning(
+            "prefix-caching hash %s seeds its chain randomly in every process unless "
+            "PYTHONHASHSEED is set: blocks stored by one vLLM process will miss in another",
+            algo,
+        )
+    return f"{algo}+seed={seed}" if seed is not None else algo
+
+
+def tier_hash_algo(default: str) -> str:
+    """The hash algorithm for a secondary tier: vLLM does not pass its config to tiers, so read
+    the engine's current config when one is set, else `default` (the tier's parameter)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    return hash_algo(config) if config is not None else default
+
+
+def request_hashes(request: Any, hash_ratio: int) -> list[bytes]:
+    """One vLLM hash per full block of `request`: with hashes finer than blocks, a block takes
+    the hash of its last sub-block (vLLM's own rule for coarser groups)."""
+    hashes: Sequence[bytes] = request.block_hashes
+    if hash_ratio == 1:
+        return list(hashes)
+    return list(hashes[hash_ratio - 1 :: hash_ratio])
+
+
+def block_ids_of(blocks: Any) -> list[int]:
+    """Block ids of the one KV cache group in a `KVCacheBlocks`."""
+    return list(blocks.get_block_ids()[0])
+
+
+def scheduled_block_ids(scheduler_output: Any, kv_cache_manager: Any, req_id: str) -> list[int]:
+    """The block table of a request scheduled in this step."""
+    state = getattr(scheduler_output, "kv_connector_block_state", None)
+    ids = state.get_block_ids(req_id) if state is not None else None
+    if ids is None:
+        ids = kv_cache_manager.get_block_ids(req_id)
+    return list(ids[0])
+
+
+def set_load_failure_policy(vllm_config: Any, policy: str) -> None:
+    """Tell the scheduler what to do with blocks whose load failed. vLLM reads the policy
+    right after it built the scheduler-side connector, so setting it here takes effect."""
+    vllm_config.kv_transfer_config.kv_load_failure_policy = policy
+
+
+def tensor_parallel_rank() -> int:
+    """This worker's tensor parallel rank (0 when vLLM's groups are not initialised, as in a
+    single-process engine)."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0
+    return int(parallel_state.get_tensor_model_parallel_rank())

@@ -1,0 +1,129 @@
+"""Settings and the per-step plan the scheduler half sends to the worker halves.
+
+Nothing here imports vLLM: the plan travels inside vLLM's connector metadata (pickled to the
+worker processes), and the settings come from ``kv_connector_extra_config``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from kvoffload.client_sdk import Namespace
+from kvoffload.errors import ConfigError
+
+__all__ = ["LoadJob", "SaveJob", "Settings", "StepPlan", "namespace_for"]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """``kv_connector_extra_config`` of `KVOffloadConnector`; one comment per key."""
+
+    # The store: kv://host:port[?token=...] (a local:// store is private to one process, so it
+    # only works when the scheduler and the workers share it, as in tests).
+    url: str = ""
+    # Deployment salt mixed into every key: stores shared by deployments that must never see
+    # each other's blocks use different salts (vLLM's per-request cache_salt is already part
+    # of its block hashes).
+    salt: str = ""
+    # Blocks moved per staging batch (one staging buffer of this many blocks for saves and
+    # one for loads, per worker).
+    batch_blocks: int = 16
+    # Concurrent block reads per load (the kv:// client keeps a pool of connections).
+    load_threads: int = 4
+    # Save only prompt blocks (vLLM's OffloadingConnector default); by default blocks filled by
+    # decoding are saved too, so the next turn of a conversation finds its previous answer.
+    offload_prompt_only: bool = False
+    # What vLLM does with blocks whose load failed: "recompute" them, or "fail" the request.
+    load_failure_policy: str = "recompute"
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> Settings:
+        """Parse and check the connector's extra config.
+
+        Raises:
+            ConfigError: an unknown key, a missing url or a bad value.
+        """
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"unknown kv_connector_extra_config key(s) {unknown}; valid: {sorted(known)}"
+            )
+        values: dict[str, Any] = {}
+        for name, value in extra.items():
+            expected = type(getattr(cls, name))
+            if expected is int and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(f"{name} must be an integer, got {value!r}")
+            if expected is not int and not isinstance(value, expected):
+                raise ConfigError(f"{name} must be a {expected.__name__}, got {value!r}")
+            values[name] = value
+        settings = cls(**values)
+        if not settings.url:
+            raise ConfigError('kv_connector_extra_config needs "url" (e.g. "kv://host:7480")')
+        if settings.batch_blocks <= 0 or settings.load_threads <= 0:
+            raise ConfigError("batch_blocks and load_threads must be positive")
+        if settings.load_failure_policy not in ("recompute", "fail"):
+            raise ConfigError('load_failure_policy must be "recompute" or "fail"')
+        return settings
+
+
+def namespace_for(
+    *,
+    model: str,
+    revision: str,
+    dtype: str,
+    block_tokens: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_width: int,
+    layout: str,
+    tp_rank: int,
+    tp_size: int,
+    hash_algo: str,
+    salt: str,
+) -> Namespace:
+    """The namespace of one tensor-parallel rank's blocks (K and V share `head_width`)."""
+    return Namespace(
+        model=model,
+        revision=revision,
+        dtype=dtype,
+        block_tokens=block_tokens,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_size=head_width,
+        layout=layout,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        hash_algo=f"vllm:{hash_algo}",
+        salt=salt,
+    )
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """Read `hashes` (vLLM block hashes, in chain order) into GPU blocks `block_ids`."""
+
+    req_id: str
+    block_ids: tuple[int, ...]
+    hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """Write GPU blocks `block_ids` under `hashes`; `parent` is the hash of the block before."""
+
+    req_id: str
+    block_ids: tuple[int, ...]
+    hashes: tuple[bytes, ...]
+    parent: bytes | None
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One scheduler step's work for the workers."""
+
+    loads: tuple[LoadJob, ...] = ()
+    saves: tuple[SaveJob, ...] = ()
+    preempted: frozenset[str] = field(default_factory=frozenset)

@@ -1,0 +1,168 @@
+"""The scheduler half of `KVOffloadConnector`: decides what to load and what to save.
+
+It runs in vLLM's engine-core process and never touches KV bytes. A request's blocks are named
+by vLLM's own chained block hashes (which already cover LoRA, multimodal inputs and the
+request's cache salt) mixed with the namespace of each tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvoffload.client_sdk import Client, Namespace, engine_keys
+from kvoffload.connectors.vllm import _compat
+from kvoffload.connectors.vllm.plan import LoadJob, SaveJob, Settings, StepPlan
+
+__all__ = ["SchedulerHalf"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    request: Any  # vllm.v1.request.Request
+    # Leading blocks that are in the store or already planned to be saved.
+    stored: int = 0
+    # Whether any save was planned: then its blocks stay allocated until every worker has
+    # reported the request in finished_sending.
+    saving: bool = False
+    # The pending load, to rewind `stored` when a block of it fails.
+    load: LoadJob | None = None
+    load_start: int = 0
+
+
+class SchedulerHalf:
+    """Bookkeeping for the scheduler-side hooks; see `KVOffloadConnector` for each hook.
+
+    Args:
+        client: a client of the store (only `lookup` is used here).
+        namespaces: the namespace of every tensor-parallel rank, rank 0 first.
+        block_tokens, hash_ratio: vLLM's block size and hashes per block.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        client: Client,
+        namespaces: Sequence[Namespace],
+        block_tokens: int,
+        hash_ratio: int,
+        kv_cache_manager: Any = None,
+    ) -> None:
+        self._settings = settings
+        self._client = client
+        self._namespaces = list(namespaces)
+        self._block_tokens = block_tokens
+        self._hash_ratio = hash_ratio
+        self.kv_cache_manager = kv_cache_manager
+        self._requests: dict[str, _Request] = {}
+        # req_id -> (first block not computed locally, leading blocks found in the store).
+        self._lookups: dict[str, tuple[int, int]] = {}
+        self._loads: list[LoadJob] = []
+
+    def _hashes(self, request: Any) -> list[bytes]:
+        return _compat.request_hashes(request, self._hash_ratio)
+
+    def _stored_blocks(self, hashes: Sequence[bytes]) -> int:
+        """Leading blocks that every rank has in the store (one lookup per rank)."""
+        hit = len(hashes)
+        for ns in self._namespaces:
+            if hit == 0:
+                break
+            hit = min(hit, self._client.lookup(engine_keys(ns, hashes[:hit])))
+        return hit
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        size = self._block_tokens
+        # The last prompt token is always computed: vLLM needs its logits.
+        usable = (request.num_tokens - 1) // size
+        start = num_computed_tokens // size
+        if usable <= start:
+            self._lookups[request.request_id] = (start, 0)
+            return 0, False
+        hit = self._stored_blocks(self._hashes(request)[:usable])
+        self._lookups[request.request_id] = (start, hit)
+        if hit <= start:
+            return 0, False
+        return (hit - start) * size, True
+
+    def update_state_after_alloc(
+        self, request: Any, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        req_id = request.request_id
+        state = self._requests.setdefault(req_id, _Request(request))
+        state.request = request
+        start, hit = self._lookups.pop(req_id, (0, 0))
+        state.stored = max(state.stored, hit)
+        if num_external_tokens <= 0:
+            return
+        count = num_external_tokens // self._block_tokens
+        hashes = self._hashes(request)[start : start + count]
+        job = LoadJob(req_id, tuple(block_ids[start : start + count]), tuple(hashes))
+        state.load, state.load_start = job, start
+        self._loads.append(job)
+
+    def build_plan(self, scheduler_output: Any) -> StepPlan:
+        saves: list[SaveJob] = []
+        size = self._block_tokens
+        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            request = state.request
+            # Blocks whose every token has its KV written once this step has run.
+            done = request.num_computed_tokens + scheduled
+            if self._settings.offload_prompt_only:
+                done = min(done, request.num_prompt_tokens)
+            hashes = self._hashes(request)
+            end = min(done // size, len(hashes))
+            if end <= state.stored:
+                continue
+            ids = _compat.scheduled_block_ids(scheduler_output, self.kv_cache_manager, req_id)
+            first = state.stored
+            saves.append(
+                SaveJob(
+                    req_id,
+                    tuple(ids[first:end]),
+                    tuple(hashes[first:end]),
+                    hashes[first - 1] if first else None,
+                )
+            )
+            state.stored, state.saving = end, True
+        plan = StepPlan(
+            loads=tuple(self._loads),
+            saves=tuple(saves),
+            preempted=frozenset(scheduler_output.preempted_req_ids or ()),
+        )
+        self._loads = []
+        return plan
+
+    def loads_failed(self, invalid_block_ids: Iterable[int]) -> None:
+        """Blocks of pending loads failed: they will be recomputed, so save them again."""
+        invalid = set(invalid_block_ids)
+        for state in self._requests.values():
+            job = state.load
+            if job is None:
+                continue
+            bad = [i for i, block in enumerate(job.block_ids) if block in invalid]
+            if bad:
+                state.stored = min(state.stored, state.load_start + bad[0])
+                log.info("request %s: %d block(s) failed to load and will be recomputed",
+                         job.req_id, len(job.block_ids) - bad[0])  # fmt: skip
+
+    def loads_finished(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.load = None
+
+    def request_finished(self, request: Any) -> bool:
+        """Whether the request's blocks must stay allocated until its saves are done."""
+        self._lookups.pop(request.request_id, None)
+        state = self._requests.pop(request.request_id, None)
+        return state is not None and state.saving

@@ -1,0 +1,143 @@
+"""Prometheus metrics: request counters and latencies from the fronts, tier counters from the
+engine (read from `Engine.stats()` at scrape time, so they never drift from the engine's own).
+
+Each daemon has its own registry; nothing is registered globally.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+__all__ = ["Metrics"]
+
+# Per-tier fields of `EngineStats.tiers` that only grow; every other numeric field is a gauge.
+# Fields the engine adds later (demotions, promotions, corrupt blocks...) are exported without
+# touching this module: unknown numbers become gauges, listed names become counters.
+_TIER_COUNTERS = {
+    "hits",
+    "misses",
+    "evictions",
+    "bytes_written",
+    "bytes_read",
+    "corrupt_blocks",
+    "demotions",
+    "promotions",
+    "prefetches",
+}
+_ENGINE_COUNTERS = {"puts", "gets", "hits", "misses", "deletes", "evictions", "slab_steals"}
+# Latency buckets from 50 µs (a lookup on loopback) to 10 s (an 8 MiB durable put on a busy disk).
+_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1, 2.5, 10)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], Mapping[str, Any]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = dict(self._stats())
+        tiers = stats.pop("tiers", ())
+        tenants = stats.pop("tenant_bytes", {})
+        for name, value in stats.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                yield _family(f"kvoffload_engine_{name}", name in _ENGINE_COUNTERS, value)
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
+        for tier in tiers:
+            for name, value in tier.items():
+                if not isinstance(value, (int, float)) or isinstance(value, bool):
+                    continue
+                family = families.get(name)
+                if family is None:
+                    family = families[name] = _labelled(f"kvoffload_tier_{name}", name, "tier")
+                family.add_metric([str(tier.get("name", "?"))], value)
+        yield from families.values()
+        held = GaugeMetricFamily(
+            "kvoffload_tenant_bytes", "Store bytes held per tenant", labels=["tenant"]
+        )
+        for tenant, value in tenants.items():
+            held.add_metric([tenant or "anonymous"], value)
+        yield held
+
+
+def _family(name: str, counter: bool, value: float) -> Metric:
+    doc = f"engine {name.removeprefix('kvoffload_engine_')}"
+    if counter:
+        return CounterMetricFamily(name, doc, value=value)
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _labelled(name: str, field: str, label: str) -> CounterMetricFamily | GaugeMetricFamily:
+    doc = f"per-tier {field}"
+    if field in _TIER_COUNTERS:
+        return CounterMetricFamily(name, doc, labels=[label])
+    return GaugeMetricFamily(name, doc, labels=[label])
+
+
+class Metrics:
+    """The daemon's metrics registry and its HTTP endpoint."""
+
+    def __init__(self, engine_stats: Callable[[], Mapping[str, Any]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvoffload_requests", "Requests answered", ["front", "op", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "kvoffload_request_seconds",
+            "Time from a request's header to its answer being queued",
+            ["front", "op"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self.bytes_in = Counter(
+            "kvoffload_payload_bytes_in", "Value bytes received", ["front"], registry=r
+        )
+        self.bytes_out = Counter(
+            "kvoffload_payload_bytes_out", "Value bytes sent", ["front"], registry=r
+        )
+        self.connections = Gauge(
+            "kvoffload_connections", "Open client connections", ["front"], registry=r
+        )
+        self.connections_total = Counter(
+            "kvoffload_connections_accepted", "Connections accepted", ["front"], registry=r
+        )
+        self.refused = Counter(
+            "kvoffload_connections_refused",
+            "Connections closed by the daemon, by reason",
+            ["front", "reason"],
+            registry=r,
+        )
+        self.protocol_errors = Counter(
+            "kvoffload_protocol_errors",
+            "Connections closed for a protocol error",
+            ["front"],
+            registry=r,
+        )
+        self.auth_failures = Counter(
+            "kvoffload_auth_failures", "Refused authentications", ["front"], registry=r
+        )
+        r.register(_EngineCollector(engine_stats))
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def serve(self, host: str, port: int) -> tuple[str, int]:
+        """Serve `/metrics` over HTTP from a background thread; returns the bound address."""
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server, self._thread = server, thread
+        bound_host, bound_port = server.server_address[:2]
+        return str(bound_host), int(bound_port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None

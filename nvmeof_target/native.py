@@ -1,0 +1,529 @@
+"""The native front: the native protocol (client_sdk/wire/native.py) over TCP, on the engine.
+
+A thin shell in the shape of h11's example servers: read into the codec's buffer, drain its
+events, call the engine, write the answers. Payloads never pass through Python objects: a put's
+bytes are received straight into the slot that `Engine.reserve` hands out, and a get's bytes are
+sent straight from the pinned `BlockView`, which is released once the kernel has them.
+
+Bad input closes only the connection that sent it (after an ErrorReply with request id 0 when
+the connection can still carry one). Memory per connection is bounded: the codec's buffer, a
+limit on requests in progress and on answer bytes queued (reading stops while over either), and
+timeouts for idle connections and for frames that trickle in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+from kvoffload import __version__
+from kvoffload.client_sdk.wire.native import (
+    NEED_DATA,
+    PROTOCOL_VERSION,
+    ConnectionClosed,
+    Delete,
+    DeleteResult,
+    ErrorReply,
+    Event,
+    Exists,
+    ExistsResult,
+    Get,
+    GetMany,
+    GetManyResult,
+    GetResult,
+    Hello,
+    Limits,
+    Lookup,
+    LookupResult,
+    NativeConnection,
+    PayloadEnd,
+    Prefetch,
+    PrefetchResult,
+    Put,
+    PutDone,
+    PutMany,
+    PutManyDone,
+    Role,
+    Stats,
+    StatsResult,
+    Welcome,
+)
+from kvoffload.client_sdk.wire.status import Status, status_of
+from kvoffload.errors import (
+    AuthError,
+    KVOffloadError,
+    LocalProtocolError,
+    RemoteProtocolError,
+)
+from kvoffload.kvstore import BlockView, PutReservation
+from kvoffload.nvmeof_target.channel import Channel, TlsChannel
+from kvoffload.nvmeof_target.config import Config, NativeConfig
+from kvoffload.nvmeof_target.server import Services
+from kvoffload.nvmeof_target.session import Instruments, Session, stop_sessions
+from kvoffload.nvmeof_target.tenants import Tenant
+
+__all__ = ["NativeFront", "make_front"]
+
+log = logging.getLogger("kvoffload.native")
+FRONT = "native"
+T = TypeVar("T")
+
+
+def make_front(config: Config, services: Services) -> NativeFront | None:
+    return NativeFront(config.native, services) if config.native.enabled else None
+
+
+@dataclass
+class _PendingPut:
+    """A put whose payload is arriving into its reservations."""
+
+    request: Put | PutMany
+    reservations: list[PutReservation]
+    keys: list[tuple[bytes, bytes, bytes | None]]  # (engine key, client key, client parent)
+    error: KVOffloadError | None = None
+
+
+class NativeFront:
+    """Listens for native-protocol connections and serves each in its own task."""
+
+    name = FRONT
+
+    def __init__(self, config: NativeConfig, services: Services) -> None:
+        self.config = config
+        self.services = services
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._sessions: dict[_Session, asyncio.Task[None]] = {}
+        self._tls: ssl.SSLContext | None = None
+        self.instruments = Instruments(services.metrics, FRONT)
+        self.limits = Limits(
+            max_header_bytes=config.max_header_bytes,
+            max_payload_bytes=config.max_payload_bytes,
+            # The session stops pulling requests at max_pending; the codec's own bound is only
+            # a backstop, never reached by the session's flow control.
+            max_pending=config.max_pending + 1,
+        )
+
+    async def start(self) -> list[tuple[str, str, int]]:
+        if self.config.tls.enabled:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(self.config.tls.cert_file, self.config.tls.key_file or None)
+            self._tls = context
+        listener = socket.create_server(
+            (self.config.host, self.config.port), backlog=self.config.backlog, reuse_port=False
+        )
+        listener.setblocking(False)
+        self._listener = listener
+        loop = asyncio.get_running_loop()
+        self._accept_task = loop.create_task(self._accept(listener))
+        self._watchdog = loop.create_task(self._watch())
+        host, port = listener.getsockname()[:2]
+        return [(FRONT + ("+tls" if self._tls else ""), str(host), int(port))]
+
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        metrics = self.services.metrics
+        while True:
+            try:
+                sock, peer = await loop.sock_accept(listener)
+            except OSError as exc:  # EMFILE and friends: back off, keep the listener
+                log.warning("accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            metrics.connections_total.labels(FRONT).inc()
+            if len(self._sessions) >= self.config.max_connections:
+                metrics.refused.labels(FRONT, "too many connections").inc()
+                _refuse(sock, "too many connections")
+                continue
+            channel: Channel = (
+                TlsChannel(sock, loop, self._tls) if self._tls else Channel(sock, loop)
+            )
+            session = _Session(self, channel, f"{peer[0]}:{peer[1]}")
+            self._sessions[session] = loop.create_task(session.run())
+
+    async def _watch(self) -> None:
+        """Close connections that sit idle or trickle a frame in for too long."""
+        interval = max(
+            0.02, min(1.0, self.config.idle_timeout_s / 4, self.config.frame_timeout_s / 4)
+        )
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for session in list(self._sessions):
+                reason = session.overdue(now)
+                if reason:
+                    self.services.metrics.refused.labels(FRONT, reason).inc()
+                    log.info("closing %s: %s", session.peer, reason)
+                    session.say_goodbye(Status.DEADLINE, reason)
+                    session.abort()
+
+    def forget(self, session: _Session) -> None:
+        self._sessions.pop(session, None)
+
+    async def stop(self, timeout: float) -> None:
+        for task in (self._accept_task, self._watchdog):
+            if task is not None:
+                task.cancel()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        await stop_sessions(self._sessions, timeout)
+
+
+def _refuse(sock: socket.socket, why: str) -> None:
+    """Tell a connection we will not serve it (best effort, never blocking) and close it."""
+    conn = NativeConnection(Role.SERVER)
+    try:
+        sock.setblocking(False)
+        sock.send(conn.send(ErrorReply(0, Status.UNAVAILABLE, why)))
+    except OSError:
+        pass
+    sock.close()
+
+
+class _Session(Session):
+    """One client connection."""
+
+    def __init__(self, front: NativeFront, channel: Channel, peer: str) -> None:
+        super().__init__(FRONT, front.services, channel, peer, front.instruments)
+        self.front = front
+        self.engine = front.services.engine
+        self.config = front.config
+        self.conn = NativeConnection(Role.SERVER, front.limits)
+        self.tenant: Tenant | None = None
+        self._puts: dict[int, _PendingPut] = {}
+        self._last_rx = time.monotonic()
+        self._frame_since: float | None = None
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _read_loop(self) -> None:
+        if isinstance(self.channel, TlsChannel):
+            await self.channel.handshake()
+        while self._reading:
+            if not await self._drain_events():
+                return
+            self._frame_since = (
+                None if self.conn.at_frame_boundary else self._frame_since or time.monotonic()
+            )
+            n = await self.channel.recv_into(self.conn.get_buffer())
+            self._last_rx = time.monotonic()
+            if n:
+                self.conn.buffer_updated(n)
+            else:
+                self.conn.receive_eof()
+
+    async def _drain_events(self) -> bool:
+        """Handle buffered events; False once the connection is done with reading."""
+        while self._reading:
+            if not self._has_room():
+                self._room.clear()
+                await self._room.wait()
+                continue
+            event = self.conn.next_event()
+            if event is NEED_DATA:
+                return True
+            if isinstance(event, ConnectionClosed):
+                return False
+            if isinstance(event, PayloadEnd):
+                self._payload_end(event)
+            else:
+                assert isinstance(event, Event)
+                self._dispatch(event)
+        return False
+
+    def _dispatch(self, event: Event) -> None:
+        self._started_now(event.request_id, type(event).__name__.lower())
+        try:
+            _HANDLERS[type(event)](self, event)
+        except KVOffloadError as exc:  # e.g. the engine closing under a stopping daemon
+            self._fail(event.request_id, exc)
+
+    def _has_room(self) -> bool:
+        return (
+            self.conn.pending < self.config.max_pending
+            and self._inflight_bytes < self.config.max_inflight_bytes
+        )
+
+    def _wake(self) -> None:
+        if self._has_room():
+            self._room.set()
+
+    def overdue(self, now: float) -> str:
+        """Why the watchdog should close this connection ("" if it should not)."""
+        if self._frame_since is not None and now - self._frame_since > self.config.frame_timeout_s:
+            return "frame timeout"
+        busy = self.conn.pending or self._tasks or self._inflight_bytes
+        if not busy and now - self._last_rx > self.config.idle_timeout_s:
+            return "idle timeout"
+        return ""
+
+    def _protocol_error(self, exc: RemoteProtocolError) -> None:
+        log.info("protocol error from %s: %s", self.peer, exc)
+        self.say_goodbye(Status.PROTOCOL, str(exc))
+
+    def _internal_error(self) -> None:
+        self.say_goodbye(Status.INTERNAL, "internal error")
+
+    def _abandon(self) -> None:
+        for pending in self._puts.values():  # partially received puts never become visible
+            for reservation in pending.reservations:
+                reservation.abort()
+        self._puts.clear()
+
+    def _forget(self) -> None:
+        self.front.forget(self)
+
+    def say_goodbye(self, status: Status, message: str) -> None:
+        self._reading = False
+        with contextlib.suppress(LocalProtocolError):
+            self.channel.write(self.conn.send_parts(ErrorReply(0, status, message[:500])))
+
+    # ------------------------------------------------------------------ answering
+
+    def _reply(
+        self,
+        event: Event,
+        payload: Sequence[memoryview] = (),
+        on_done: Callable[[], None] | None = None,
+    ) -> None:
+        try:
+            parts = self.conn.send_parts(event, payload)
+        except LocalProtocolError:
+            if on_done is not None:
+                on_done()
+            raise
+        status = "ok" if not isinstance(event, ErrorReply) else Status(event.status).name.lower()
+        self._answer(event.request_id, parts, status, on_done)
+        self._wake()
+
+    def _fail(self, request_id: int, exc: KVOffloadError) -> None:
+        self._reply(ErrorReply(request_id, status_of(exc), str(exc)[:1000]))
+
+    def _offload(self, request_id: int, work: Callable[[], T], then: Callable[[T], None]) -> None:
+        """Run `work` on the I/O threads (it may block), then `then(result)` on the loop."""
+        self.offload(work, then, partial(self._fail, request_id))
+
+    def _read(self, request_id: int, work: Callable[[], T], then: Callable[[T], None]) -> None:
+        """Run an engine read inline, or on the I/O threads when it may wait on a device."""
+        self.read(work, then, partial(self._fail, request_id))
+
+    @property
+    def _me(self) -> Tenant:
+        assert self.tenant is not None  # the codec admits nothing before Hello
+        return self.tenant
+
+    # ------------------------------------------------------------------ handlers
+
+    def _on_hello(self, event: Hello) -> None:
+        if event.version != PROTOCOL_VERSION:
+            self._fail(
+                event.request_id,
+                RemoteProtocolError(
+                    f"protocol version {event.version} is not supported (this daemon speaks "
+                    f"{PROTOCOL_VERSION})"
+                ),
+            )
+            self._reading = False
+            return
+        try:
+            self.tenant = self.services.tenants.authenticate(event.token)
+        except AuthError as exc:
+            self.services.metrics.auth_failures.labels(FRONT).inc()
+            log.info("refused %s: %s", self.peer, exc)
+            self._fail(event.request_id, exc)
+            self._reading = False  # nothing pipelined behind a refused Hello is served
+            return
+        self._reply(
+            Welcome(
+                event.request_id,
+                PROTOCOL_VERSION,
+                self.tenant.name,
+                self.engine.max_value_bytes,
+                self.config.max_payload_bytes,
+                server=f"kvoffload {__version__}",
+            )
+        )
+
+    def _on_put(self, event: Put) -> None:
+        self._begin_put(event, [(event.key, event.length, event.parent)], event.durable)
+
+    def _on_put_many(self, event: PutMany) -> None:
+        parents = event.parents or (None,) * len(event.keys)
+        items = list(zip(event.keys, event.lengths, parents, strict=True))
+        self._begin_put(event, items, event.durable)
+
+    def _begin_put(
+        self,
+        event: Put | PutMany,
+        items: list[tuple[bytes, int, bytes | None]],
+        durable: bool,
+    ) -> None:
+        me = self._me
+        pending = _PendingPut(event, [], [])
+        try:
+            for key, length, parent in items:
+                engine_key = me.key(key)
+                pending.reservations.append(
+                    self.engine.reserve(
+                        engine_key,
+                        length,
+                        parent=me.opt_key(parent),
+                        durable=durable,
+                        tenant=me.name,
+                    )
+                )
+                pending.keys.append((engine_key, key, parent))
+        except KVOffloadError as exc:
+            for reservation in pending.reservations:
+                reservation.abort()
+            pending.reservations.clear()
+            pending.error = exc
+        if event.payload_length == 0:
+            self._end_put(pending)
+            return
+        if pending.error is None:
+            self.conn.set_payload_sink([r.buffer for r in pending.reservations])
+        else:
+            self.conn.discard_payload()
+        self._puts[event.request_id] = pending
+
+    def _payload_end(self, end: PayloadEnd) -> None:
+        pending = self._puts.pop(end.request_id, None)
+        if pending is not None:
+            self._end_put(pending)
+
+    def _end_put(self, pending: _PendingPut) -> None:
+        rid = pending.request.request_id
+        if pending.error is not None:
+            self._fail(rid, pending.error)
+            return
+        answer: Event = PutDone(rid) if isinstance(pending.request, Put) else PutManyDone(rid)
+
+        def commit() -> None:
+            try:
+                for reservation in pending.reservations:
+                    reservation.commit()
+            finally:
+                for reservation in pending.reservations:
+                    reservation.abort()  # no-op for the committed ones
+
+        def done(_: None) -> None:
+            self.services.metrics.bytes_in.labels(FRONT).inc(pending.request.payload_length)
+            events = self.services.events
+            if events is not None:
+                for engine_key, key, parent in pending.keys:
+                    events.stored(engine_key, key, parent)
+            self._reply(answer)
+
+        if pending.request.durable:
+            # A durable commit waits for the SSD and the journal: off the loop.
+            self._offload(rid, commit, done)
+            return
+        try:
+            commit()
+        except KVOffloadError as exc:
+            self._fail(rid, exc)
+            return
+        done(None)
+
+    def _on_get(self, event: Get) -> None:
+        key = self._me.key(event.key)
+
+        def send(view: BlockView | None) -> None:
+            if view is None:
+                self._reply(GetResult(event.request_id, None))
+                return
+            self.services.metrics.bytes_out.labels(FRONT).inc(len(view))
+            self._reply(GetResult(event.request_id, len(view)), [view.data], view.release)
+
+        self._read(event.request_id, lambda: self.engine.get(key), send)
+
+    def _on_get_many(self, event: GetMany) -> None:
+        keys = self._me.keys(event.keys)
+        budget = self.config.max_payload_bytes
+
+        def fetch() -> list[BlockView | None]:
+            views: list[BlockView | None] = []
+            total = 0
+            for key in keys:
+                view = self.engine.get(key)
+                if view is not None and views and total + len(view) > budget:
+                    view.release()  # answer a prefix; the client asks again for the rest
+                    break
+                total += len(view) if view is not None else 0
+                views.append(view)
+            return views
+
+        def send(views: list[BlockView | None]) -> None:
+            hits = [v for v in views if v is not None]
+            lengths = tuple(None if v is None else len(v) for v in views)
+            self.services.metrics.bytes_out.labels(FRONT).inc(sum(len(v) for v in hits))
+
+            def release() -> None:
+                for view in hits:
+                    view.release()
+
+            self._reply(GetManyResult(event.request_id, lengths), [v.data for v in hits], release)
+
+        self._read(event.request_id, fetch, send)
+
+    def _on_exists(self, event: Exists) -> None:
+        found = self.engine.contains(self._me.key(event.key))
+        self._reply(ExistsResult(event.request_id, found))
+
+    def _on_lookup(self, event: Lookup) -> None:
+        count = self.engine.lookup(self._me.keys(event.keys))
+        self._reply(LookupResult(event.request_id, count))
+
+    def _on_prefetch(self, event: Prefetch) -> None:
+        keys = self._me.keys(event.keys)
+        self._read(
+            event.request_id,
+            lambda: self.engine.prefetch(keys),
+            lambda n: self._reply(PrefetchResult(event.request_id, n)),
+        )
+
+    def _on_delete(self, event: Delete) -> None:
+        engine_key = self._me.key(event.key)
+        deleted = self.engine.delete(engine_key)
+        if deleted and self.services.events is not None:
+            self.services.events.removed(engine_key)
+        self._reply(DeleteResult(event.request_id, deleted))
+
+    def _on_stats(self, event: Stats) -> None:
+        stats = self.engine.stats().as_dict()
+        me = self._me
+        held = stats.get("tenant_bytes")
+        if isinstance(held, dict) and me.name:
+            # A tenant sees its own usage, not who else uses the store.
+            stats["tenant_bytes"] = {me.name: held.get(me.name, 0)}
+        stats["server"] = {
+            **self.services.server_info(),
+            "tenant": me.name,
+            "connections": len(self.front._sessions),
+        }
+        self._reply(StatsResult(event.request_id, stats))
+
+
+_HANDLERS: dict[type[Event], Callable[[_Session, Any], None]] = {
+    Hello: _Session._on_hello,
+    Put: _Session._on_put,
+    PutMany: _Session._on_put_many,
+    Get: _Session._on_get,
+    GetMany: _Session._on_get_many,
+    Exists: _Session._on_exists,
+    Lookup: _Session._on_lookup,
+    Prefetch: _Session._on_prefetch,
+    Delete: _Session._on_delete,
+    Stats: _Session._on_stats,
+}

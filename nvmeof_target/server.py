@@ -1,0 +1,240 @@
+"""`kvoffload serve`: one asyncio process holding the engine and its network fronts.
+
+The daemon opens the engine, applies tenant quotas, starts metrics and KV events, then starts
+every front in `FRONTS` (a registry of lazy factories, so the NVMe/TCP front plugs in beside the
+native one). Each front gets the whole config and the shared `Services` and picks its own section.
+SIGTERM/SIGINT stop it gracefully: fronts stop accepting, finish the requests they have, and the
+engine is closed last (which flushes its journal).
+
+Once serving, it prints one line per listener, ``kvoffload: <what> listening on <host>:<port>``
+(ports chosen with 0 included), then ``kvoffload: ready``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol, TextIO, cast
+
+from kvoffload import __version__
+from kvoffload.errors import ConfigError, KVOffloadError
+from kvoffload.kvstore import Engine
+from kvoffload.nvmeof_target.config import Config, load_config
+from kvoffload.nvmeof_target.events import KVEvents
+from kvoffload.nvmeof_target.metrics import Metrics
+from kvoffload.nvmeof_target.tenants import Tenants
+
+__all__ = ["FRONTS", "Daemon", "Front", "Services", "main", "register_front"]
+
+log = logging.getLogger("kvoffload.serve")
+
+
+@dataclass
+class Services:
+    """What every front shares."""
+
+    config: Config
+    engine: Engine
+    tenants: Tenants
+    metrics: Metrics
+    executor: ThreadPoolExecutor
+    events: KVEvents | None = None
+    # True when engine reads may wait on a device (SSD tier): fronts run them in `executor`.
+    blocking_reads: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+    def server_info(self) -> dict[str, object]:
+        return {"version": __version__, "uptime_s": round(time.monotonic() - self.started, 3)}
+
+
+class Front(Protocol):
+    """A network front: started once, stopped once."""
+
+    name: str
+
+    async def start(self) -> list[tuple[str, str, int]]:
+        """Begin serving; returns (what, host, port) for each listener."""
+        ...
+
+    async def stop(self, timeout: float) -> None:
+        """Stop accepting, finish in-flight requests (for at most `timeout` s), close."""
+        ...
+
+
+# name -> "module:factory(config, services) -> Front | None" (None: disabled in the config).
+FRONTS: dict[str, str] = {
+    "native": "kvoffload.nvmeof_target.native:make_front",
+    "nvme": "kvoffload.nvmeof_target.nvme:make_front",
+}
+
+
+def register_front(name: str, target: str) -> None:
+    """Register a front factory ("module:function")."""
+    if name in FRONTS:
+        raise ConfigError(f"front {name!r} is already registered")
+    FRONTS[name] = target
+
+
+def _make_front(name: str, config: Config, services: Services) -> Front | None:
+    module, _, attr = FRONTS[name].partition(":")
+    factory = cast(
+        Callable[[Config, Services], "Front | None"],
+        getattr(importlib.import_module(module), attr),
+    )
+    return factory(config, services)
+
+
+class Daemon:
+    """The engine plus its fronts, metrics and events, in one event loop."""
+
+    def __init__(self, config: Config, out: TextIO | None = None) -> None:
+        self.config = config
+        self._out = out or sys.stdout
+        self._fronts: list[Front] = []
+        self._services: Services | None = None
+        self._stop = asyncio.Event()
+        self.addresses: dict[str, tuple[str, int]] = {}
+
+    def _announce(self, what: str, host: str, port: int) -> None:
+        self.addresses[what] = (host, port)
+        print(f"kvoffload: {what} listening on {host}:{port}", file=self._out, flush=True)
+
+    async def start(self) -> None:
+        """Open the engine and start everything.
+
+        Raises:
+            ConfigError, KVOffloadError, OSError: the engine or a listener could not start.
+        """
+        config = self.config
+        if config.ssd.capacity_bytes and config.data_dir and not config.ssd.path:
+            os.makedirs(config.data_dir, exist_ok=True)
+        loop = asyncio.get_running_loop()
+        executor = ThreadPoolExecutor(config.server.io_threads, thread_name_prefix="kvoffload-io")
+        # Opening may replay a journal or prefault the arena: keep the loop responsive.
+        engine = await loop.run_in_executor(executor, Engine, config.engine)
+        tenants = Tenants(config.tenants)
+        tenants.apply_quotas(engine)
+        metrics = Metrics(lambda: engine.stats().as_dict())
+        services = Services(
+            config,
+            engine,
+            tenants,
+            metrics,
+            executor,
+            blocking_reads=config.ssd.capacity_bytes > 0 and _has_ssd_tier(engine),
+        )
+        self._services = services
+        if config.events.enabled:
+            services.events = KVEvents(config.events)
+            endpoint = services.events.start()
+            engine.set_tier_listener(services.events.moved)
+            print(f"kvoffload: events publishing on {endpoint}", file=self._out, flush=True)
+        if config.metrics.enabled:
+            self._announce("metrics", *metrics.serve(config.metrics.host, config.metrics.port))
+        for name in FRONTS:
+            front = _make_front(name, config, services)
+            if front is None:
+                continue
+            self._fronts.append(front)
+            for what, host, port in await front.start():
+                self._announce(what, host, port)
+        if not tenants.open:
+            log.info("%d tenant(s) configured; tokens required", len(config.tenants))
+        elif config.native.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning(
+                "serving on %s without tenants: anyone who can connect may read and "
+                "write every block",
+                config.native.host,
+            )
+        print("kvoffload: ready", file=self._out, flush=True)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def wait(self) -> None:
+        await self._stop.wait()
+
+    async def stop(self) -> None:
+        """Stop fronts (finishing in-flight requests), then events, metrics and the engine."""
+        timeout = self.config.server.shutdown_timeout_s
+        for front in reversed(self._fronts):
+            try:
+                await front.stop(timeout)
+            except Exception:  # one front failing to stop must not keep the engine open
+                log.exception("front %s did not stop cleanly", front.name)
+        self._fronts.clear()
+        services = self._services
+        if services is None:
+            return
+        self._services = None
+        if services.events is not None:
+            await services.events.close()
+        services.metrics.close()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(services.executor, services.engine.close)
+        services.executor.shutdown(wait=True)
+        print("kvoffload: stopped", file=self._out, flush=True)
+
+
+def _has_ssd_tier(engine: Engine) -> bool:
+    return len(engine.stats().tiers) > 1
+
+
+async def _serve(config: Config) -> int:
+    daemon = Daemon(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, daemon.request_stop)
+    try:
+        await daemon.start()
+        await daemon.wait()
+        log.info("stopping")
+    finally:
+        await daemon.stop()
+    return 0
+
+
+def _event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop]:
+    if choice in ("auto", "uvloop"):
+        try:
+            import uvloop
+        except ImportError:
+            if choice == "uvloop":
+                raise ConfigError("server.loop = uvloop, but uvloop is not installed") from None
+        else:
+            return cast(Callable[[], asyncio.AbstractEventLoop], uvloop.new_event_loop)
+    return asyncio.new_event_loop
+
+
+def run(config: Config) -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit status."""
+    logging.basicConfig(
+        level=config.server.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    loop = _event_loop_factory(config.server.loop)()
+    try:
+        return loop.run_until_complete(_serve(config))
+    finally:
+        loop.close()
+
+
+def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
+    """`kvoffload serve [flags]`."""
+    try:
+        config = load_config(None, os.environ if environ is None else environ, argv)
+        return run(config)
+    except KVOffloadError as exc:
+        print(f"kvoffload serve: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except OSError as exc:  # a port in use, an unreadable certificate
+        print(f"kvoffload serve: {exc}", file=sys.stderr, flush=True)
+        return 2

@@ -1,0 +1,229 @@
+"""What the daemon's fronts share per connection: a reader task that can be stopped or cut off,
+engine work that may block run on the I/O threads, per-request metrics, and a graceful stop.
+
+The native front (`native.py`) and the NVMe/TCP front (`nvme.py`) each subclass `Session` for
+their protocol; everything here is protocol-agnostic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from kvoffload.errors import KVOffloadError, RemoteProtocolError, TransportError
+from kvoffload.nvmeof_target.channel import Channel
+from kvoffload.nvmeof_target.metrics import Metrics
+from kvoffload.nvmeof_target.server import Services
+
+__all__ = ["Instruments", "Session", "stop_sessions"]
+
+log = logging.getLogger("kvoffload.serve")
+T = TypeVar("T")
+S = TypeVar("S", bound="Session")
+
+
+class Instruments:
+    """The request counter and latency histogram of each (op, status) of one front, looked up
+    once (label lookups cost more than the increments)."""
+
+    def __init__(self, metrics: Metrics, front: str) -> None:
+        self._metrics = metrics
+        self._front = front
+        self._found: dict[tuple[str, str], tuple[Any, Any]] = {}
+
+    def __call__(self, op: str, status: str) -> tuple[Any, Any]:
+        found = self._found.get((op, status))
+        if found is None:
+            found = (
+                self._metrics.requests.labels(self._front, op, status),
+                self._metrics.latency.labels(self._front, op),
+            )
+            self._found[(op, status)] = found
+        return found
+
+
+class Session:
+    """One client connection of a front (subclassed per protocol).
+
+    `run()` reads in its own task (`_read_loop`, the protocol's) so that `stop_reading()` can
+    cancel it without cancelling the orderly finish: in-flight work is awaited, partially
+    received writes are dropped (`_abandon`), queued answers are flushed, the socket closed.
+    """
+
+    def __init__(
+        self,
+        front: str,
+        services: Services,
+        channel: Channel,
+        peer: str,
+        instruments: Instruments,
+    ) -> None:
+        self.front_name = front
+        self.services = services
+        self.channel = channel
+        self.peer = peer
+        self._instruments = instruments
+        self._started: dict[int, tuple[str, float]] = {}  # request/command id -> (op, t0)
+        self._inflight_bytes = 0  # answer bytes queued and not yet in the kernel
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._room = asyncio.Event()  # set while the session may take more requests
+        self._room.set()
+        self._reading = True  # False once the connection should take no more requests
+        self._reader: asyncio.Task[None] | None = None
+
+    async def run(self) -> None:
+        metrics = self.services.metrics
+        metrics.connections.labels(self.front_name).inc()
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        try:
+            await self._reader
+        except asyncio.CancelledError:
+            pass  # stop_reading() or abort(): finish what was already received
+        except RemoteProtocolError as exc:
+            metrics.protocol_errors.labels(self.front_name).inc()
+            self._protocol_error(exc)
+        except TransportError:
+            pass  # the peer went away
+        except Exception:  # a bug must cost one connection, never the daemon
+            log.exception("%s connection %s failed", self.front_name, self.peer)
+            self._internal_error()
+        finally:
+            self._reader = None
+            await self._finish()
+            metrics.connections.labels(self.front_name).dec()
+            self._forget()
+
+    async def _read_loop(self) -> None:
+        """Receive and handle requests until the peer is done or reading stops."""
+        raise NotImplementedError
+
+    def _protocol_error(self, exc: RemoteProtocolError) -> None:
+        """The peer broke the protocol; tell it if the protocol can (reading has stopped)."""
+        log.info("protocol error from %s: %s", self.peer, exc)
+
+    def _internal_error(self) -> None:
+        """A bug ended the connection; tell the peer if the protocol can."""
+
+    def _abandon(self) -> None:
+        """Drop writes whose data had not fully arrived (they must never become visible)."""
+
+    def _forget(self) -> None:
+        """The connection is over: the front stops tracking it."""
+
+    async def _finish(self) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks))
+        self._abandon()
+        with contextlib.suppress(TransportError):
+            await self.channel.drain()
+        self.channel.close()
+
+    def stop_reading(self) -> None:
+        """Take no more requests; answer those already received, then close."""
+        self._reading = False
+        if self._reader is not None:
+            self._reader.cancel()
+
+    def abort(self) -> None:
+        """Close now, dropping whatever is queued."""
+        self._reading = False
+        self.channel.close()
+        self._room.set()
+        if self._reader is not None:
+            self._reader.cancel()
+
+    def _wake(self) -> None:
+        """Something finished: flow control may let the reader go on (subclasses decide)."""
+
+    def _started_now(self, request: int, op: str) -> None:
+        self._started[request] = (op, time.perf_counter())
+
+    def _answer(
+        self,
+        request: int,
+        parts: Sequence[bytes | memoryview],
+        status: str,
+        on_done: Callable[[], None] | None = None,
+    ) -> None:
+        """Queue the buffers that answer `request`: they count against the in-flight budget
+        until the kernel has them (then `on_done` runs: a pinned view may be released), and
+        the request's counter and latency are recorded."""
+        size = sum(len(p) for p in parts)
+        self._inflight_bytes += size
+
+        def done() -> None:
+            self._inflight_bytes -= size
+            if on_done is not None:
+                on_done()
+            self._wake()
+
+        self.channel.write(parts, done)
+        op, t0 = self._started.pop(request, ("?", time.perf_counter()))
+        counter, histogram = self._instruments(op, status)
+        counter.inc()
+        histogram.observe(time.perf_counter() - t0)
+
+    def offload(
+        self,
+        work: Callable[[], T],
+        then: Callable[[T], None],
+        fail: Callable[[KVOffloadError], None],
+    ) -> None:
+        """Run `work` on the I/O threads (it may block), then `then(result)` on the loop, or
+        `fail(error)` if it raised a KVOffloadError."""
+        loop = asyncio.get_running_loop()
+
+        async def job() -> None:
+            try:
+                result = await loop.run_in_executor(self.services.executor, work)
+            except KVOffloadError as exc:
+                fail(exc)
+                return
+            then(result)
+
+        task = loop.create_task(job())
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("request on %s failed", self.peer, exc_info=task.exception())
+            self.abort()
+        self._wake()
+
+    def read(
+        self,
+        work: Callable[[], T],
+        then: Callable[[T], None],
+        fail: Callable[[KVOffloadError], None],
+    ) -> None:
+        """An engine read inline, or on the I/O threads when it may wait on a device."""
+        if self.services.blocking_reads:
+            self.offload(work, then, fail)
+            return
+        try:
+            result = work()
+        except KVOffloadError as exc:
+            fail(exc)
+            return
+        then(result)
+
+
+async def stop_sessions(sessions: Mapping[S, asyncio.Task[None]], timeout: float) -> None:
+    """Stop reading on every session, give them `timeout` s to answer what they have, then
+    cut off the rest."""
+    running = dict(sessions)  # a copy: sessions remove themselves as they end
+    for session in running:
+        session.stop_reading()
+    if running:
+        _, late = await asyncio.wait(running.values(), timeout=timeout)
+        for session, task in running.items():
+            if task in late:
+                session.abort()
+        if late:
+            await asyncio.wait(late, timeout=1.0)

@@ -1,0 +1,177 @@
+"""KVOffloadConnector inside vLLM 0.33.0's real scheduler, against a live `kvoffload serve`.
+
+Two requests share a 96-token prefix (6 blocks). The first computes it and the connector saves
+it; the GPU prefix cache is then dropped and the KV memory scrambled, so the second request can
+only get the prefix from the store: vLLM must see it as external tokens, and after the load
+its KV pages must hold exactly the bytes that were saved. Loads that fail (a damaged block, a
+store that went away between lookup and load) must end in recomputed, correct KV and a request
+that finishes normally.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_env import damage_stored_block, require_engine
+
+require_engine("vllm", "KVOFFLOAD_REQUIRE_VLLM")
+
+import torch  # noqa: E402
+from vllm.v1.engine import FinishReason  # noqa: E402
+from vllm_harness import BLOCK, Engine, write_tiny_model  # noqa: E402
+
+from kvoffload.client_sdk import engine_hashes  # noqa: E402
+from kvoffload.connectors.vllm import KVOffloadConnector  # noqa: E402
+from kvoffload.errors import ConfigError  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+PREFIX = list(range(1000, 1096))  # 6 full blocks
+LAYOUTS = ["LBNHC", "LBHNC", "BLNHC", "BLHNC"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def engines() -> Any:
+    made: list[Engine] = []
+
+    def make(*args: Any, **kwargs: Any) -> Engine:
+        engine = Engine(*args, **kwargs)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def _save_first_request(engine: Engine) -> dict[int, torch.Tensor]:
+    """Run r1 (prefix + 4 tokens) to completion; the pages of its 6 prefix blocks."""
+    engine.add("r1", PREFIX + [5, 6, 7, 8])
+    engine.step()
+    seen = engine.seen["r1"]
+    assert seen.first_computed == 0  # nothing stored yet
+    saved = {i: engine.page(seen.table[i]) for i in range(len(PREFIX) // BLOCK)}
+    engine.run()  # r1 finishes; its blocks are freed once the connector saved them
+    assert seen.finish == FinishReason.LENGTH
+    # Nothing may come from vLLM's own prefix cache or from leftovers in KV memory.
+    assert engine.scheduler.reset_prefix_cache()
+    engine.scramble()
+    return saved
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_second_request_loads_the_shared_prefix_bit_exact(
+    tiny_model: Path, start_daemon: Any, engines: Any, layout: str
+) -> None:
+    daemon = start_daemon()
+    engine = engines(tiny_model, daemon.url(), layout)
+    # Both halves came from vLLM's factory through kv_connector_module_path.
+    assert isinstance(engine.scheduler.connector, KVOffloadConnector)
+    assert isinstance(engine.worker, KVOffloadConnector)
+    saved = _save_first_request(engine)
+
+    engine.add("r2", PREFIX + [9, 9, 9])
+    out = engine.step()
+    # The scheduler found the prefix in the store and parked r2 while the worker loads it.
+    assert "r2" not in out.num_scheduled_tokens
+    engine.run()
+    seen = engine.seen["r2"]
+    assert seen.first_computed == len(PREFIX)  # 96 external tokens, only 3 computed
+    assert seen.finish == FinishReason.LENGTH
+    for index, page in saved.items():
+        assert torch.equal(engine.page(seen.table[index]).view(torch.uint8),
+                           page.view(torch.uint8)), f"block {index}"  # fmt: skip
+    # And the loaded prefix is what the model computes for these tokens.
+    assert torch.equal(engine.page(seen.table[5]).view(torch.uint8),
+                       engine.expected_page(seen.tokens, 5).view(torch.uint8))  # fmt: skip
+
+    # A prompt that is exactly the stored prefix: the last token is left to compute, so the
+    # last block is not loaded (vLLM needs the logits of the last prompt token).
+    engine.scheduler.reset_prefix_cache()
+    engine.add("r3", list(PREFIX))
+    engine.run()
+    assert engine.seen["r3"].first_computed == len(PREFIX) - BLOCK
+
+
+def test_blocks_saved_in_one_layout_load_in_another(
+    tiny_model: Path, start_daemon: Any, engines: Any
+) -> None:
+    daemon = start_daemon()
+    layer_compact = engines(tiny_model, daemon.url(), "LBNHC")
+    saved = _save_first_request(layer_compact)
+    layer_compact.close()
+    cross_layer = engines(tiny_model, daemon.url(), "BLHNC")
+    cross_layer.add("r2", PREFIX + [9])
+    cross_layer.run()
+    seen = cross_layer.seen["r2"]
+    assert seen.first_computed == len(PREFIX)
+    for index, page in saved.items():
+        got = cross_layer.page(seen.table[index]).view(torch.uint8)
+        assert torch.equal(got, page.view(torch.uint8)), f"block {index}"
+
+
+def _assert_recomputed(engine: Engine, req_id: str, loaded: int) -> None:
+    seen = engine.seen[req_id]
+    assert seen.first_computed == loaded * BLOCK
+    assert seen.finish == FinishReason.LENGTH  # recomputed, not failed
+    for index in range(len(PREFIX) // BLOCK):
+        got = engine.page(seen.table[index]).view(torch.uint8)
+        want = engine.expected_page(seen.tokens, index).view(torch.uint8)
+        assert torch.equal(got, want), f"block {index} holds wrong KV"
+
+
+def test_a_corrupt_block_is_recomputed_from_there_on(
+    tiny_model: Path, start_daemon: Any, engines: Any
+) -> None:
+    daemon = start_daemon()
+    engine = engines(tiny_model, daemon.url(), "LBNHC")
+    _save_first_request(engine)
+    # Damage one payload byte of the 4th stored block, behind the SDK's back.
+    key = engine_hashes(engine.worker.namespace, [engine.requests["r1"].block_hashes[3]])[0]
+    damage_stored_block(daemon.url(), key, -7)
+
+    engine.add("r2", PREFIX + [9, 9])
+    engine.run()
+    # Blocks 0-2 loaded; the damaged block and the ones after it were recomputed.
+    _assert_recomputed(engine, "r2", loaded=3)
+
+    # The recomputed blocks were saved again: a third request loads the whole prefix.
+    engine.scheduler.reset_prefix_cache()
+    engine.scramble()
+    engine.add("r3", PREFIX + [4])
+    engine.run()
+    _assert_recomputed(engine, "r3", loaded=6)
+
+
+def test_a_store_that_goes_away_before_the_load_means_recompute(
+    tiny_model: Path, start_daemon: Any, engines: Any
+) -> None:
+    daemon = start_daemon()
+    engine = engines(tiny_model, daemon.url(retries="1", timeout="5"), "BLNHC")
+    _save_first_request(engine)
+    engine.add("r2", PREFIX + [9, 9])
+    out = engine.schedule()  # the lookup finds 6 blocks; the load is planned
+    assert "r2" not in out.num_scheduled_tokens
+    daemon.stop()
+    engine.execute(out)  # the load fails: the store is gone
+    engine.run()
+    _assert_recomputed(engine, "r2", loaded=0)
+    # With the store down, lookups answer "nothing stored" and requests simply compute.
+    engine.scheduler.reset_prefix_cache()
+    engine.add("r3", PREFIX + [4])
+    engine.run()
+    _assert_recomputed(engine, "r3", loaded=0)
+
+
+def test_bad_extra_config_is_refused(tiny_model: Path, engines: Any) -> None:
+    with pytest.raises(ConfigError, match="unknown kv_connector_extra_config"):
+        engines(tiny_model, "kv://127.0.0.1:9", "LBNHC", batch=3)
+    with pytest.raises(ConfigError, match="batch_blocks"):
+        engines(tiny_model, "kv://127.0.0.1:9", "LBNHC", batch_blocks=0)

@@ -1,0 +1,53 @@
+"""`kvoffload bench net` runs end to end and writes one row per reference (DESIGN §9)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvoffload.bench.net import run
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
+HAVE_REDIS = shutil.which("redis-server") is not None and importlib.util.find_spec("redis")
+
+
+def test_rows_cover_every_case_and_reference() -> None:
+    result = run(working_set=1 << 20, rounds=1, sizes={"64KiB": 64 << 10}, lookups=5)
+    rows = {(r.case, r.ref): r for r in result.rows}
+    for op in ("put", "get", "put_pipelined", "get_pipelined"):
+        for ref in ("raw_socket", "redis", "lmcache"):
+            row = rows[(f"{op}/64KiB", ref)]
+            assert row.value > 0 and row.unit == "GB/s"
+        assert rows[(f"{op}/64KiB", "raw_socket")].ref_value
+        redis = rows[(f"{op}/64KiB", "redis")]
+        if HAVE_REDIS:
+            assert redis.ref_value and redis.ratio
+        else:
+            assert redis.ref_value is None and "not installed" in redis.note
+        lmcache = rows[(f"{op}/64KiB", "lmcache")]
+        assert lmcache.ref_value is None and lmcache.note  # a null reference says why
+    lookup = rows[("lookup/1000keys", "goal_p50")]
+    assert lookup.unit == "ms" and lookup.value > 0 and lookup.ref_value == 2.0
+
+
+def test_cli_writes_the_json(tmp_path: Path) -> None:
+    out = tmp_path / "net.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvoffload.bench.cli", "bench", "net", "--working-set", "1"]
+        + ["--rounds", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert data["bench"] == "net" and data["machine"]["cpus"]
+    cases = {(r["case"], r.get("ref")) for r in data["rows"]}
+    assert ("get/2MiB", "raw_socket") in cases and ("put/8MiB", "lmcache") in cases
+    assert all("ratio" in r for r in data["rows"])

@@ -1,0 +1,48 @@
+"""`nvme+tcp://` URLs and the host's option checks (no sockets)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvoffload.client_sdk.transports.nvme import DEFAULT_SUBNQN, NvmeOptions
+from kvoffload.client_sdk.url import parse_url
+from kvoffload.errors import ConfigError
+
+
+def test_url_parameters() -> None:
+    url = parse_url(
+        "nvme+tcp://10.0.0.5:4421/nqn.2026-01.org.example:kv?hostnqn=nqn.2026-01.org.example:h1"
+        "&nsid=2&queues=8&depth=64&hdgst=1&ddgst=0&kato=5000&timeout=3&retries=1"
+    )
+    o = NvmeOptions.from_url(url)
+    assert (o.host, o.port, o.subnqn, o.hostnqn) == (
+        "10.0.0.5",
+        4421,
+        "nqn.2026-01.org.example:kv",
+        "nqn.2026-01.org.example:h1",
+    )
+    assert (o.nsid, o.queues, o.depth, o.hdgst, o.ddgst, o.kato_ms) == (2, 8, 64, True, False, 5000)
+    assert (o.timeout, o.retries) == (3.0, 1) and len(o.hostid) == 16
+    assert o.url == "nvme+tcp://10.0.0.5:4421/nqn.2026-01.org.example:kv"
+
+
+def test_defaults() -> None:
+    o = NvmeOptions.from_url(parse_url("nvme+tcp://127.0.0.1"))
+    assert (o.port, o.subnqn, o.queues, o.depth, o.kato_ms) == (4420, DEFAULT_SUBNQN, 4, 32, 15000)
+    assert o.hostnqn.startswith("nqn.") and o.hostnqn == NvmeOptions().hostnqn  # stable
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("nvme+tcp://h/nqn.a:b?bogus=1", "unknown"),
+        ("nvme+tcp://h/nqn.a:b?queues=0", "queues"),
+        ("nvme+tcp://h/nqn.a:b?depth=x", "bad nvme"),
+        ("nvme+tcp://h/nqn.a:b?hdgst=yes", "hdgst"),
+        ("nvme+tcp://h/nqn.a:b?timeout=0", "timeouts"),
+        ("nvme+tcp://h/" + "x" * 300, "NQN"),
+    ],
+)
+def test_bad_urls(url: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        NvmeOptions.from_url(parse_url(url))

@@ -1,0 +1,409 @@
+"""The native protocol codec without sockets: a client and a server codec passing bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvoffload.client_sdk.wire.frames import FRAME, MAGIC, Limits
+from kvoffload.client_sdk.wire.native import (
+    NEED_DATA,
+    ConnectionClosed,
+    Delete,
+    DeleteResult,
+    ErrorReply,
+    Event,
+    Exists,
+    ExistsResult,
+    Get,
+    GetMany,
+    GetManyResult,
+    GetResult,
+    Hello,
+    Lookup,
+    LookupResult,
+    NativeConnection,
+    PayloadEnd,
+    Prefetch,
+    PrefetchResult,
+    Put,
+    PutDone,
+    PutMany,
+    PutManyDone,
+    Role,
+    Stats,
+    StatsResult,
+    Welcome,
+)
+from kvoffload.errors import LocalProtocolError, RemoteProtocolError
+
+K1, K2, K3 = bytes(16), bytes(range(16)), b"\xff" * 16
+Item = Event | PayloadEnd | ConnectionClosed
+
+# A session: (event, payload) sent by the client, then by the server.
+REQUESTS: list[tuple[Event, list[bytes]]] = [
+    (Hello(1, token="secret", client="test"), []),
+    (Put(2, K1, 5, parent=K2, durable=False), [b"he", b"llo"]),
+    (Get(3, K1), []),
+    (Exists(4, K2), []),
+    (Delete(5, K1), []),
+    (PutMany(6, (K1, K2), (3, 0), (None, K1)), [b"abc"]),
+    (GetMany(7, (K1, K2, K3)), []),
+    (Lookup(8, (K1, K2, K3)), []),
+    (Prefetch(9, (K3,)), []),
+    (Stats(10), []),
+    (Get(11, K3), []),
+]
+ANSWERS: list[tuple[Event, list[bytes]]] = [
+    (Welcome(1, 1, "alice", 1 << 20, 1 << 30, server="kvoffload"), []),
+    (GetResult(3, 5), [b"hello"]),  # out of order: multiplexed by id
+    (PutDone(2), []),
+    (ExistsResult(4, True), []),
+    (DeleteResult(5, False), []),
+    (PutManyDone(6), []),
+    (GetManyResult(7, (3, None)), [b"abc"]),
+    (LookupResult(8, 2), []),
+    (PrefetchResult(9, 1), []),
+    (StatsResult(10, {"puts": 3, "tiers": [{"name": "dram"}]}), []),
+    (ErrorReply(11, 2, "full"), []),
+]
+
+
+def _stream(sender: NativeConnection, items: Sequence[tuple[Event, list[bytes]]]) -> bytes:
+    return b"".join(sender.send(event, payload) for event, payload in items)
+
+
+def _drain(conn: NativeConnection) -> list[Item]:
+    out: list[Item] = []
+    while True:
+        item = conn.next_event()
+        if item is NEED_DATA:
+            return out
+        assert not isinstance(item, type(NEED_DATA))
+        if isinstance(item, PayloadEnd) and item.data is not None:
+            item = PayloadEnd(item.request_id, memoryview(bytes(item.data)))
+        out.append(item)
+        if isinstance(item, ConnectionClosed):
+            return out
+
+
+def _normal(items: list[Item]) -> list[object]:
+    """Events with payload memory turned into bytes, for comparison."""
+    return [
+        (i.request_id, bytes(i.data)) if isinstance(i, PayloadEnd) and i.data else i for i in items
+    ]
+
+
+def _feed(conn: NativeConnection, data: bytes, cuts: Sequence[int]) -> list[Item]:
+    out: list[Item] = []
+    prev = 0
+    for cut in [*sorted(cuts), len(data)]:
+        conn.receive_data(data[prev:cut])  # an empty chunk here would mean EOF: skipped below
+        prev = cut
+        out += _drain(conn)
+    return out
+
+
+def _expected(items: Sequence[tuple[Event, list[bytes]]]) -> list[object]:
+    out: list[object] = []
+    for event, payload in items:
+        out.append(event)
+        if event.payload_length:
+            out.append((event.request_id, b"".join(payload)))
+    return out
+
+
+def test_a_whole_session_round_trips() -> None:
+    client, server = NativeConnection(Role.CLIENT), NativeConnection(Role.SERVER)
+    server.receive_data(_stream(client, REQUESTS))
+    assert _normal(_drain(server)) == _expected(REQUESTS)
+    assert server.pending == len(REQUESTS) and client.pending == len(REQUESTS)
+    client.receive_data(_stream(server, ANSWERS))
+    assert _normal(_drain(client)) == _expected(ANSWERS)
+    assert client.pending == 0 and server.pending == 0 and client.idle
+
+
+def test_byte_at_a_time_gives_the_same_events() -> None:
+    client, server = NativeConnection(Role.CLIENT), NativeConnection(Role.SERVER)
+    data = _stream(client, REQUESTS)
+    events = _feed(server, data, range(1, len(data)))
+    assert _normal(events) == _expected(REQUESTS)
+
+
+@given(st.lists(st.integers(min_value=1, max_value=400), max_size=30))
+def test_any_chunking_gives_the_same_events(cuts: list[int]) -> None:
+    client, server = NativeConnection(Role.CLIENT), NativeConnection(Role.SERVER)
+    data = _stream(client, REQUESTS)
+    cuts = sorted({c for c in cuts if c < len(data)})
+    assert _normal(_feed(server, data, cuts)) == _expected(REQUESTS)
+
+
+def test_payload_goes_straight_into_the_sink() -> None:
+    client, server = NativeConnection(Role.CLIENT), NativeConnection(Role.SERVER)
+    server.receive_data(client.send(Hello(1)))
+    assert isinstance(server.next_event(), Hello)
+    payload = bytes(range(256)) * 1024
+    frame = client.send(Put(2, K1, len(payload)), [payload])
+    head = len(frame) - len(payload)
+    server.receive_data(frame[: head + 100])  # the head and the first 100 payload bytes
+    put = server.next_event()
+    assert isinstance(put, Put) and put.length == len(payload)
+    first, second = bytearray(1000), bytearray(len(payload) - 1000)
+    server.set_payload_sink([memoryview(first), memoryview(second)])
+    assert server.next_event() is NEED_DATA
+    # From now on the receive buffer *is* the sink: what the socket writes lands in place.
+    pos = head + 100
+    while pos < len(frame):
+        dst = server.get_buffer()
+        n = min(len(dst), 777, len(frame) - pos)
+        dst[:n] = frame[pos : pos + n]
+        server.buffer_updated(n)
+        pos += n
+    end = server.next_event()
+    assert end == PayloadEnd(2, None)
+    assert bytes(first) + bytes(second) == payload
+
+
+def test_sink_memory_is_handed_out_directly() -> None:
+    client, server = NativeConnection(Role.CLIENT), NativeConnection(Role.SERVER)
+    server.receive_data(client.send(Hello(1)) + client.send(Put(2, K1, 10), [bytes(10)])[:-10])
+    _drain_until_put(server)
+    sink = bytearray(10)
+    server.set_payload_sink([memoryview(sink)])
+    view = server.get_buffer()
+    assert len(view) == 10
+    view[:] = b"x" * 10
+    assert sink == b"x" * 10
+
+
+def test_a_discarded_payload_is_skipped() -> None:
+    client, server = NativeConnection(Role.CLIENT), NativeConnection(Role.SERVER)
+    data = (
+        client.send(Hello(1))
+        + client.send(Put(2, K1, 70000), [bytes(70000)])
+        + client.send(Get(3, K1))
+    )
+    server.receive_data(data[:200])
+    assert isinstance(server.next_event(), Hello)
+    assert isinstance(server.next_event(), Put)
+    server.discard_payload()
+    server.receive_data(data[200:])
+    assert _drain(server) == [PayloadEnd(2, None), Get(3, K1)]
+
+
+def test_sink_of_the_wrong_size_is_refused() -> None:
+    client, server = NativeConnection(Role.CLIENT), NativeConnection(Role.SERVER)
+    server.receive_data(client.send(Hello(1)) + client.send(Put(2, K1, 4), [b"abcd"]))
+    _drain_until_put(server)
+    with pytest.raises(LocalProtocolError):
+        server.set_payload_sink([memoryview(bytearray(3))])
+
+
+def _drain_until_put(conn: NativeConnection) -> None:
+    while not isinstance(conn.next_event(), Put):
+        pass
+
+
+def test_clean_eof_and_eof_mid_frame() -> None:
+    client, server = NativeConnection(Role.CLIENT), NativeConnection(Role.SERVER)
+    server.receive_data(client.send(Hello(1)))
+    server.receive_data(b"")
+    assert _drain(server) == [Hello(1), ConnectionClosed()]
+    client2, server2 = NativeConnection(Role.CLIENT), NativeConnection(Role.SERVER)
+    server2.receive_data(client2.send(Hello(1))[:-1])
+    server2.receive_data(b"")
+    with pytest.raises(RemoteProtocolError, match="middle of a frame"):
+        server2.next_event()
+
+
+@pytest.mark.parametrize(
+    ("events", "match"),
+    [
+        ([Get(1, K1)], "before Hello"),
+        ([Hello(1), Hello(2)], "second Hello"),
+        ([Hello(1), Get(2, K1), Get(2, K2)], "already outstanding"),
+    ],
+)
+def test_server_refuses_out_of_order_requests(events: list[Event], match: str) -> None:
+    raw = b"".join(_raw(e) for e in events)
+    server = NativeConnection(Role.SERVER)
+    server.receive_data(raw)
+    with pytest.raises(RemoteProtocolError, match=match):
+        _drain(server)
+    with pytest.raises(RemoteProtocolError):  # stays broken
+        server.next_event()
+
+
+def _raw(event: Event, payload: Sequence[bytes] = ()) -> bytes:
+    """Encode without the sender-side rules, to forge illegal sequences."""
+    from kvoffload.client_sdk.wire.frames import FLAG_RESPONSE, encode_frame
+
+    flags = FLAG_RESPONSE if event.RESPONSE else 0
+    return b"".join(
+        bytes(p) for p in encode_frame(event.OP, flags, event.request_id, event.meta(), payload)
+    )
+
+
+def test_client_refuses_answers_it_did_not_ask_for() -> None:
+    client = NativeConnection(Role.CLIENT)
+    client.send(Hello(1))
+    client.send(Get(2, K1))
+    client.receive_data(_raw(PutDone(2)))
+    with pytest.raises(RemoteProtocolError, match="answers a Get"):
+        client.next_event()
+    other = NativeConnection(Role.CLIENT)
+    other.send(Hello(1))
+    other.receive_data(_raw(PutDone(9)))
+    with pytest.raises(RemoteProtocolError, match="unknown request id"):
+        other.next_event()
+
+
+def test_a_connection_level_error_needs_no_request() -> None:
+    client = NativeConnection(Role.CLIENT)
+    client.send(Hello(1))
+    client.receive_data(_raw(ErrorReply(0, 4, "bye")))
+    assert client.next_event() == ErrorReply(0, 4, "bye")
+
+
+def test_sender_side_rules() -> None:
+    client = NativeConnection(Role.CLIENT)
+    with pytest.raises(LocalProtocolError, match="must be Hello"):
+        client.send(Get(1, K1))
+    client.send(Hello(1))
+    with pytest.raises(LocalProtocolError, match="declares 5"):
+        client.send(Put(2, K1, 5), [b"abc"])
+    with pytest.raises(LocalProtocolError, match="cannot send"):
+        client.send(PutDone(3))
+    client.send(Get(4, K1))
+    with pytest.raises(LocalProtocolError, match="already outstanding"):
+        client.send(Get(4, K2))
+    client.send_failed()
+    with pytest.raises(LocalProtocolError, match="failed"):
+        client.send(Get(5, K1))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Get(1, b"short"),
+        lambda: Get(0, K1),
+        lambda: Put(1, K1, -1),
+        lambda: Put(1, K1, 1, durable=1),  # type: ignore[arg-type]
+        lambda: PutMany(1, (K1,), (1, 2)),
+        lambda: Lookup(1, [K1, "x"]),  # type: ignore[list-item]
+        lambda: Hello(1, token="x" * 5000),
+        lambda: Get(1 << 32, K1),
+    ],
+)
+def test_events_are_validated_on_construction(make: object) -> None:
+    with pytest.raises(LocalProtocolError):
+        make()  # type: ignore[operator]
+
+
+def test_too_many_outstanding_requests() -> None:
+    limits = Limits(max_pending=3)
+    server = NativeConnection(Role.SERVER, limits)
+    server.receive_data(b"".join(_raw(e) for e in [Hello(1), Get(2, K1), Get(3, K1), Get(4, K1)]))
+    with pytest.raises(RemoteProtocolError, match="more than 3"):
+        _drain(server)
+
+
+def _head(hlen: int, plen: int, ftype: int = 2, magic: bytes = MAGIC, version: int = 1) -> bytes:
+    return FRAME.pack(magic, version, ftype, 0, 1, hlen, plen)
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (_head(10, 1 << 60), "payload of"),
+        (_head(1 << 30, 0), "frame header of"),
+        (_head(1, 0, magic=b"HTTP"), "magic"),
+        (_head(1, 0, version=9), "version"),
+        (_head(1, 0, ftype=99) + b"\x80", "unknown frame type"),
+        (_head(1, 0, ftype=1) + b"\xc1", "undecodable"),
+        (_head(1, 0, ftype=1) + b"\x90", "not a map"),
+    ],
+)
+def test_bad_frames_are_refused_before_allocating(data: bytes, match: str) -> None:
+    server = NativeConnection(Role.SERVER)
+    server.receive_data(data)
+    with pytest.raises(RemoteProtocolError, match=match):
+        server.next_event()
+
+
+def test_unknown_and_missing_fields_are_refused() -> None:
+    meta = msgpack.packb({"version": 1, "token": "", "client": "", "extra": 1})
+    server = NativeConnection(Role.SERVER)
+    server.receive_data(_head(len(meta), 0, ftype=1) + meta)
+    with pytest.raises(RemoteProtocolError, match="unknown fields"):
+        server.next_event()
+    meta = msgpack.packb({"key": K1})  # Put without a length
+    server = NativeConnection(Role.SERVER)
+    server.receive_data(_raw(Hello(1)) + _head(len(meta), 0, ftype=2) + meta)
+    with pytest.raises(RemoteProtocolError, match="malformed Put"):
+        _drain(server)
+
+
+def test_declared_payload_must_match_the_frame() -> None:
+    meta = msgpack.packb({"key": K1, "length": 10, "parent": None, "durable": False})
+    server = NativeConnection(Role.SERVER)
+    server.receive_data(_raw(Hello(1)) + _head(len(meta), 3, ftype=2) + meta + b"abc")
+    with pytest.raises(RemoteProtocolError, match="declares 10"):
+        _drain(server)
+
+
+def test_a_large_header_is_reassembled() -> None:
+    keys = tuple(i.to_bytes(16, "little") for i in range(20000))  # ~380 KB map
+    client, server = NativeConnection(Role.CLIENT), NativeConnection(Role.SERVER)
+    data = client.send(Hello(1)) + client.send(Lookup(2, keys))
+    events = _feed(server, data, range(1000, len(data), 7000))
+    assert events == [Hello(1), Lookup(2, keys)]
+
+
+@given(st.binary(max_size=300))
+def test_fuzz_random_bytes_parse_or_raise_remote_protocol_error(data: bytes) -> None:
+    for role in Role:
+        conn = NativeConnection(role)
+        try:
+            conn.receive_data(data)
+            conn.receive_data(b"")
+            _drain(conn)
+        except RemoteProtocolError:
+            pass
+
+
+@given(st.data())
+def test_fuzz_mutated_sessions_parse_or_raise_remote_protocol_error(data: st.DataObject) -> None:
+    client = NativeConnection(Role.CLIENT)
+    stream = bytearray(_stream(client, REQUESTS))
+    for _ in range(data.draw(st.integers(1, 4))):
+        pos = data.draw(st.integers(0, len(stream) - 1))
+        stream[pos] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(stream)))
+    server = NativeConnection(Role.SERVER)
+    try:
+        server.receive_data(bytes(stream[:cut]))
+        server.receive_data(b"")
+        _drain(server)
+    except RemoteProtocolError:
+        pass
+
+
+@given(st.integers(0, 2000))
+def test_truncated_sessions_end_in_a_protocol_error_or_a_clean_close(cut: int) -> None:
+    client = NativeConnection(Role.CLIENT)
+    stream = _stream(client, REQUESTS)
+    cut = min(cut, len(stream))
+    server = NativeConnection(Role.SERVER)
+    server.receive_data(stream[:cut])
+    server.receive_data(b"")
+    try:
+        events = _drain(server)
+    except RemoteProtocolError as exc:
+        assert "middle of a frame" in str(exc)
+    else:
+        assert events[-1] == ConnectionClosed()

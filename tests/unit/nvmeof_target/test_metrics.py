@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+
+from kvoffload.nvmeof_target.metrics import Metrics
+
+
+def test_engine_counters_are_exported_per_tier() -> None:
+    stats = {
+        "policy": "lru",
+        "puts": 3,
+        "hits": 2,
+        "tiers": [
+            {"name": "dram", "hits": 2, "misses": 1, "used_bytes": 4096, "corrupt_blocks": 1},
+            {"name": "ssd", "hits": 5, "misses": 0, "used_bytes": 0, "demotions": 7},
+        ],
+        "tenant_bytes": {"": 4096, "alice": 0},
+    }
+    metrics = Metrics(lambda: stats)
+    metrics.requests.labels("native", "get", "ok").inc()
+    text = generate_latest(metrics.registry).decode()
+    assert 'kvoffload_tier_hits_total{tier="dram"} 2.0' in text
+    assert 'kvoffload_tier_hits_total{tier="ssd"} 5.0' in text
+    assert 'kvoffload_tier_corrupt_blocks_total{tier="dram"} 1.0' in text
+    assert 'kvoffload_tier_demotions_total{tier="ssd"} 7.0' in text  # a field added later
+    assert 'kvoffload_tier_used_bytes{tier="dram"} 4096.0' in text  # a gauge
+    assert "kvoffload_engine_puts_total 3.0" in text
+    assert 'kvoffload_tenant_bytes{tenant="anonymous"} 4096.0' in text
+    assert 'kvoffload_requests_total{front="native",op="get",status="ok"} 1.0' in text
+    assert "policy" not in text.replace("kvoffload", "")  # strings are not metrics

@@ -1,0 +1,78 @@
+"""The daemon's config loader: defaults < TOML < environment < flags; unknown keys refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvoffload.errors import ConfigError
+from kvoffload.nvmeof_target.config import Config, load_config
+
+
+def test_defaults_need_nothing() -> None:
+    config = load_config(None, {"HOME": "/home/u"}, [])
+    assert (config.native.host, config.native.port) == ("127.0.0.1", 7480)
+    assert (config.metrics.host, config.metrics.port) == ("127.0.0.1", 9480)
+    assert config.data_dir == "/home/u/.local/share/kvoffload"
+    assert config.dram.capacity_bytes == 1 << 30 and config.ssd.capacity_bytes == 4 << 30
+    assert config.engine.data_dir == config.data_dir and config.engine.ssd == config.ssd
+    assert config.tenants == () and not config.events.enabled
+    assert load_config(None, {"XDG_DATA_HOME": "/x"}, []).data_dir == "/x/kvoffload"
+    assert Config().native.port == 7480
+
+
+def test_precedence(tmp_path: Path) -> None:
+    toml = tmp_path / "k.toml"
+    toml.write_text(
+        '[native]\nport = 1\nhost = "0.0.0.0"\n[dram]\ncapacity_bytes = "256MiB"\n'
+        '[tenants.alice]\ntoken = "t"\nquota_bytes = "1GiB"\n'
+    )
+    env = {
+        "KVOFFLOAD_NATIVE__PORT": "2",
+        "KVOFFLOAD_EVENTS__ENABLED": "true",
+        "KVOFFLOAD_TENANTS__BOB__TOKEN": "u",
+        "KVOFFLOAD_REQUIRE_MODEL": "1",  # another tool's variable: not a section, ignored
+    }
+    config = load_config(str(toml), env, ["--port", "3", "--ssd", "0", "--data-dir", "/d"])
+    assert config.native.port == 3 and config.native.host == "0.0.0.0"
+    assert config.dram.capacity_bytes == 256 << 20 and config.ssd.capacity_bytes == 0
+    assert config.events.enabled and config.data_dir == "/d"
+    assert {(t.name, t.token, t.quota_bytes) for t in config.tenants} == {
+        ("alice", "t", 1 << 30),
+        ("bob", "u", 0),
+    }
+    via_flag = load_config(None, env, ["--config", str(toml)])
+    assert via_flag.native.port == 2  # env beats the file
+    assert load_config(None, {}, ["--events", "tcp://127.0.0.1:*"]).events.enabled
+
+
+@pytest.mark.parametrize(
+    ("toml", "env", "argv", "match"),
+    [
+        ("[native]\nprot = 1\n", {}, [], "unknown config key.*native.prot"),
+        ("[nope]\n", {}, [], "unknown config key"),
+        ("", {"KVOFFLOAD_NATIVE__PORTT": "1"}, [], "native.portt"),
+        ("", {"KVOFFLOAD_NATIVE__PORT": "x"}, [], "integer"),
+        ("", {}, ["--port", "70000"], "native.port"),
+        ("", {}, ["--dram", "lots"], "cannot parse size"),
+        ("[native]\nenabled = 3\n", {}, [], "true or false"),
+        ("[server]\nloop = 'fast'\n", {}, [], "server.loop"),
+        ("[tenants.a]\ntoken = ''\n", {}, [], "non-empty token"),
+        ("[tenants.a]\ntoken = 'x'\n[tenants.b]\ntoken = 'x'\n", {}, [], "share a token"),
+        ("native = 1\n", {}, [], "must be a table"),
+        ("[native\n", {}, [], "not valid TOML"),
+    ],
+)
+def test_bad_config_is_a_config_error(
+    tmp_path: Path, toml: str, env: dict[str, str], argv: list[str], match: str
+) -> None:
+    path = tmp_path / "k.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError, match=match):
+        load_config(str(path), env, argv)
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(str(tmp_path / "absent.toml"), {}, [])
