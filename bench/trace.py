@@ -556,8 +556,17 @@ def _scratch(directory: str | None) -> Iterator[Path]:
 
 
 def _peer_python(peer: str, args: argparse.Namespace) -> str:
+    """The flag, else the environment variable, else `.venv-<package>` (as `.ci/engines.sh`
+    builds it) in the current directory or the source checkout, else this Python."""
     package, env = PEERS[peer]
-    return str(getattr(args, f"{package}_python", None) or os.environ.get(env) or sys.executable)
+    named = getattr(args, f"{package}_python", None) or os.environ.get(env)
+    if named:
+        return str(named)
+    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
+        candidate = root / f".venv-{package}" / "bin" / "python"
+        if candidate.exists():
+            return str(candidate)
+    return sys.executable
 
 
 def run(
@@ -725,7 +734,10 @@ def _notes(work: Workload, size: int, full: bool, costs: ttft.LoadCosts, url: st
     for peer, info in peer_info.items():
         assert isinstance(info, dict)
         if info.get("error"):
-            notes.append(f"{peer}: absent or failed: {info['error']}")
+            package = PEERS[peer][0]
+            notes.append(f"{peer}: absent or failed: {info['error']} (skipped; `bash "
+                         f".ci/engines.sh {package}` builds .venv-{package}, which is found "
+                         f"by itself, or name a Python with --{package}-python)")  # fmt: skip
         else:
             notes.append(f"{peer}: version {info.get('version')} via {info.get('python')}")
         if info.get("note"):

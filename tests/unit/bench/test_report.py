@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,17 +17,20 @@ SMALL = ["--engine-working-set", "2", "--engine-rounds", "1", "--sessions", "3",
          "--capacities", "30,100", "--ssd-capacities", "30", "--peers", "vllm_arc"]  # fmt: skip
 
 
-def test_report_renders_with_plots(tmp_path: Path) -> None:
+def test_report_renders_with_plots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVOFFLOAD_VLLM_PYTHON", sys.executable)  # not a peer's venv
     argv = ["bench", "report", "--out", str(tmp_path), "--date", "d", "--only",
-            "engine,trace,net", "--dir", str(tmp_path), *SMALL, "--tiers", "dram"]  # fmt: skip
+            "engine,trace,net,nosuch", "--net-working-set", "2", "--dir", str(tmp_path), *SMALL,
+            "--tiers", "dram"]  # fmt: skip
     assert main(argv) == 0
     folder = tmp_path / "d"
     text = (folder / "report.md").read_text()
     assert "## Workload benchmark" in text and "## bench engine" in text
+    assert "## bench net" in text and "net" in BENCHES
     assert "### Goal at 30% of the working set" in text and "prefix vs lru at 30%" in text
     assert "### Where prefix-aware eviction wins and loses" in text
-    if "net" not in BENCHES:  # arrives with the daemon; until then the report says so
-        assert "bench net: not part of this build" in text
+    assert "bench nosuch: not part of this build" in text
+    assert "vllm_arc: absent or failed" in text and ".ci/engines.sh vllm" in text
     for name in ("hit_ratio", "throughput", "latency_cdf"):
         png = folder / f"{name}.png"
         assert png.read_bytes()[:8] == PNG and png.stat().st_size > 10_000

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -139,8 +141,8 @@ def test_trace_bench_end_to_end_without_peers_installed(
     argv = ["bench", "trace", "--sessions", "3", "--capacities", "30,100", "--ssd-capacities",
             "100", "--dir", str(tmp_path), "--write-trace", str(trace_file), "--json", str(out),
             "--model", "smollm2-135m"]  # fmt: skip
-    for name in ("KVOFFLOAD_VLLM_PYTHON", "KVOFFLOAD_LMCACHE_PYTHON"):
-        monkeypatch.delenv(name, raising=False)
+    for name in ("KVOFFLOAD_VLLM_PYTHON", "KVOFFLOAD_LMCACHE_PYTHON"):  # not the peers' venvs
+        monkeypatch.setenv(name, sys.executable)
     assert main(argv) == 0
     data = json.loads(out.read_text())
     assert data["bench"] == "trace"
@@ -185,6 +187,39 @@ def test_trace_bench_against_a_url(tmp_path: Path) -> None:
     (run,) = data["details"]["runs"]
     assert run["system"] == "prefix" and run["hit_tokens"] > 0
     assert {r["ref"] for r in data["rows"]} <= {"lru"}
+
+
+@pytest.mark.integration
+def test_trace_bench_against_a_live_daemon(tmp_path: Path, start_daemon: Any) -> None:
+    daemon = start_daemon("--dram", "16MiB")
+    out = tmp_path / "daemon.json"
+    argv = ["bench", "trace", "--url", daemon.url(), "--sessions", "3", "--model",
+            "smollm2-135m", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads(out.read_text())
+    (run,) = data["details"]["runs"]
+    assert data["details"]["url"] == daemon.url() and run["hit_tokens"] > 0
+    assert run["verified_blocks"] * data["details"]["block_tokens"] == run["hit_tokens"]
+
+
+def test_peer_python_finds_the_engine_suites_venvs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvoffload.bench import trace as bench
+
+    args = argparse.Namespace(vllm_python=None, lmcache_python=None)
+    monkeypatch.setattr(bench, "__file__", str(tmp_path / "bench" / "trace.py"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("KVOFFLOAD_VLLM_PYTHON", raising=False)
+    assert bench._peer_python("vllm_arc", args) == sys.executable
+    python = tmp_path / ".venv-vllm" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.touch()
+    assert bench._peer_python("vllm_arc", args) == str(python)
+    monkeypatch.setenv("KVOFFLOAD_VLLM_PYTHON", "/env/python")
+    assert bench._peer_python("vllm_lru", args) == "/env/python"
+    args.vllm_python = "/flag/python"
+    assert bench._peer_python("vllm_lru", args) == "/flag/python"
 
 
 def test_bad_arguments_are_config_errors() -> None:
@@ -237,10 +272,18 @@ def test_peer_driver_reports_an_absent_peer(tmp_path: Path, work: Workload) -> N
 @pytest.mark.parametrize(("peer", "env"), [("vllm_arc", "KVOFFLOAD_VLLM_PYTHON"),
                                            ("lmcache", "KVOFFLOAD_LMCACHE_PYTHON")])  # fmt: skip
 def test_real_peer_on_a_small_trace(tmp_path: Path, work: Workload, peer: str, env: str) -> None:
-    """Runs only where a Python with the peer is named (the peers live in their own venvs)."""
-    python = os.environ.get(env)
-    if not python:
-        pytest.skip(f"{env} does not name a Python with {peer}'s package")
+    """Runs where a Python with the peer is named or found (`.venv-<package>`, as
+    .ci/engines.sh builds them); KVOFFLOAD_REQUIRE_PEERS=1 (CI) turns a missing one into a
+    failure."""
+    from kvoffload.bench import trace as bench
+
+    names = argparse.Namespace(vllm_python=None, lmcache_python=None)
+    python = bench._peer_python(peer, names)
+    if python == sys.executable:
+        reason = f"neither {env} nor .venv-{bench.PEERS[peer][0]} names a Python with {peer}"
+        if os.environ.get("KVOFFLOAD_REQUIRE_PEERS") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
     configs = plan(work.working_set, [30, 100], [peer], ["dram"])
     runs, info = _peer_runs(peer, python, configs, _peer_work(work, tmp_path), work,
                             PAYLOAD, tmp_path, 600)  # fmt: skip
