@@ -33,6 +33,22 @@ def _pyplot() -> Any:
     return plt
 
 
+def _finish(ax: Any, xlabel: str, ylabel: str | None, title: str, **legend: Any) -> None:
+    ax.set_xlabel(xlabel)
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(**{"fontsize": 7, **legend})
+
+
+def _save(plt: Any, fig: Any, path: Path) -> bool:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def _label(run: dict[str, Any]) -> str:
     return f"{run['system']}{'+ssd' if run['tier'] != 'dram' else ''}"
 
@@ -60,16 +76,11 @@ def hit_ratio_plot(trace: dict[str, Any], path: Path) -> bool:
                 label="Belady (offline reference)")  # fmt: skip
     ax.axhline(details.get("ideal_hit_ratio", 0), color="0.4", lw=0.8, ls="--",
                label="unbounded store")  # fmt: skip
-    ax.set_xlabel("capacity, % of the working set")
-    ax.set_ylabel("hit ratio (hit tokens / prompt tokens)")
     model = details.get("model", {}).get("name", "")
-    ax.set_title(f"Multi-turn trace replay ({model}, {details.get('block_tokens')}-token blocks)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, ncol=2, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    _finish(ax, "capacity, % of the working set", "hit ratio (hit tokens / prompt tokens)",
+            f"Multi-turn trace replay ({model}, {details.get('block_tokens')}-token blocks)",
+            fontsize=8, ncol=2, loc="lower right")  # fmt: skip
+    return _save(plt, fig, path)
 
 
 def _size_bytes(label: str) -> float:
@@ -82,12 +93,14 @@ def _size_bytes(label: str) -> float:
 
 def throughput_plot(results: dict[str, dict[str, Any]], path: Path) -> bool:
     """GB/s against block size for the engine (next to memcpy) and the SSD tier (next to raw
-    O_DIRECT), and the network bench when present (next to a raw socket loop)."""
+    O_DIRECT), the network bench (next to a raw socket loop) and the NVMe/TCP front (next to
+    the native front) when present."""
     panels = []
     for bench, ops, ref in (
         ("engine", ("put", "get_into", "client_put", "client_get_into"), "memcpy"),
         ("ssd", ("read", "write"), "odirect"),
         ("net", ("get", "put"), "raw_socket"),
+        ("nvme", ("store", "retrieve"), "native"),
     ):
         rows = [r for r in results.get(bench, {}).get("rows", []) if r.get("unit") == "GB/s"]
         if rows:
@@ -112,15 +125,10 @@ def throughput_plot(results: dict[str, dict[str, Any]], path: Path) -> bool:
                 ax.plot(sizes, limits, ls="--", color=line.get_color(), alpha=0.6,
                         label=f"{ref} ({op})")  # fmt: skip
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("block size (bytes)")
-        ax.set_ylabel("GB/s")
-        ax.set_title(f"bench {bench}: kvoffload (solid) vs {ref} (dashed)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+        _finish(
+            ax, "block size (bytes)", "GB/s", f"bench {bench}: kvoffload (solid) vs {ref} (dashed)"
+        )
+    return _save(plt, fig, path)
 
 
 def latency_cdf_plot(trace: dict[str, Any], percent: int, path: Path) -> bool:
@@ -138,11 +146,8 @@ def latency_cdf_plot(trace: dict[str, Any], percent: int, path: Path) -> bool:
         left.plot(r["request_ms_cdf"], levels, label=_label(r), color=_COLOURS.get(system),
                   ls=":" if r["tier"] != "dram" else "-")  # fmt: skip
     left.set_xscale("log")
-    left.set_xlabel("ms per request (lookup + loads + stores), measured")
-    left.set_ylabel("fraction of requests")
-    left.set_title(f"time per request at {percent}% of the working set")
-    left.grid(alpha=0.3)
-    left.legend(fontsize=7)
+    _finish(left, "ms per request (lookup + loads + stores), measured", "fraction of requests",
+            f"time per request at {percent}% of the working set")  # fmt: skip
     base = details.get("ttft_no_cache", {})
     gpu = next(iter(base), None)
     if gpu is not None:
@@ -154,12 +159,7 @@ def latency_cdf_plot(trace: dict[str, Any], percent: int, path: Path) -> bool:
                            color=_COLOURS.get(r["system"]),
                            ls=":" if r["tier"] != "dram" else "-")  # fmt: skip
         name = details.get("gpus", {}).get(gpu, {}).get("name", gpu)
-        right.set_title(f"TTFT, modelled for {name}, at {percent}%")
-    right.set_xscale("log")
-    right.set_xlabel("TTFT ms (model with measured load times)")
-    right.grid(alpha=0.3)
-    right.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+        right.set_xscale("log")
+        _finish(right, "TTFT ms (model with measured load times)", None,
+                f"TTFT, modelled for {name}, at {percent}%")  # fmt: skip
+    return _save(plt, fig, path)

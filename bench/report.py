@@ -128,6 +128,21 @@ def goal_lines(details: dict[str, Any], percent: int = GOAL_PERCENT) -> list[str
     return out
 
 
+def _by_capacity(runs: list[dict[str, Any]], labels: list[str], percents: list[int], field: str,
+                 fmt: str, failed: str) -> list[list[object]]:  # fmt: skip
+    """One row per capacity, one cell per system: `field` formatted, `failed` for a run without
+    it, empty where there was no run."""
+    rows: list[list[object]] = []
+    for p in percents:
+        row: list[object] = [f"{p}%"]
+        for label in labels:
+            match = [r for r in runs if _label(r) == label and r["percent"] == p]
+            row.append(fmt.format(match[0][field]) if match and field in match[0]
+                       else (failed if match else ""))  # fmt: skip
+        rows.append(row)
+    return rows
+
+
 def _trace_section(data: dict[str, Any], figures: dict[str, str]) -> list[str]:
     d = data.get("details", {})
     t = d.get("trace", {})
@@ -153,28 +168,15 @@ def _trace_section(data: dict[str, Any], figures: dict[str, str]) -> list[str]:
     if "hit_ratio" in figures:
         out += [f"![hit ratio vs capacity]({figures['hit_ratio']})", ""]
     out += ["### Hit ratio (hit tokens ÷ prompt tokens) by capacity", ""]
-    rows = []
-    for p in percents:
-        row: list[object] = [f"{p}%"]
-        for label in labels:
-            match = [r for r in runs if _label(r) == label and r["percent"] == p]
-            row.append(f"{match[0]['hit_ratio']:.3f}" if match and "hit_ratio" in match[0]
-                       else ("n/a" if match else ""))  # fmt: skip
+    rows = _by_capacity(runs, labels, percents, "hit_ratio", "{:.3f}", "n/a")
+    for row, p in zip(rows, percents, strict=True):
         ref = belady.get(str(p))
         row.append("" if ref is None else f"{ref / total:.3f}")
-        rows.append(row)
     out += [_table(["capacity", *labels, "Belady (offline)"], rows), ""]
     out += ["### Goal at 30% of the working set", ""]
     out += [f"- {line}" for line in goal_lines(d)] + [""]
     out += ["### Time per request, measured (mean ms: lookup + loads + stores)", ""]
-    rows = []
-    for p in percents:
-        row = [f"{p}%"]
-        for label in labels:
-            match = [r for r in runs if _label(r) == label and r["percent"] == p]
-            row.append(f"{match[0]['ms_per_request']:.2f}" if match and "ms_per_request" in match[0]
-                       else "")  # fmt: skip
-        rows.append(row)
+    rows = _by_capacity(runs, labels, percents, "ms_per_request", "{:.2f}", "")
     out += [_table(["capacity", *labels], rows), ""]
     base = d.get("ttft_no_cache", {})
     if base:
