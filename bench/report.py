@@ -353,7 +353,8 @@ def run(
         try:
             result = _run_bench(name, (argv or {}).get(name, []))
         except (KVOffloadError, ImportError, OSError) as exc:  # the report goes on without it
-            missing.append(f"bench {name}: could not run here, not in this report: {exc}")
+            why = " (an optional package; see the README's Set up)" * isinstance(exc, ImportError)
+            missing.append(f"bench {name}: could not run here, not in this report: {exc}{why}")
             console.print(f"[bold]report:[/] bench {name} could not run: {exc}")
             continue
         result.write_json(folder / f"{name}.json")

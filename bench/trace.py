@@ -740,8 +740,8 @@ def _notes(work: Workload, size: int, full: bool, costs: ttft.LoadCosts, url: st
                          f"by itself, or name a Python with --{package}-python)")  # fmt: skip
         else:
             notes.append(f"{peer}: version {info.get('version')} via {info.get('python')}")
-        if info.get("note"):
-            notes.append(f"{peer}: {info['note']}")
+            if info.get("note"):
+                notes.append(f"{peer}: {info['note']}")
     return notes
 
 

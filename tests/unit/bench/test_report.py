@@ -94,3 +94,13 @@ def test_help(bench: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["bench", bench, "--help"])
     assert info.value.code == 0 and "usage: kvoffload bench" in capsys.readouterr().out
+
+
+def test_a_bench_that_cannot_run_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_torch(name: str, argv: Any) -> Any:
+        raise ImportError("No module named 'torch'")
+
+    monkeypatch.setattr(report, "_run_bench", no_torch)
+    report.run(out_dir=str(tmp_path), date="d", benches=["codecs"])
+    text = (tmp_path / "d" / "report.md").read_text()
+    assert "bench codecs: could not run here, not in this report: No module named 'torch'" in text
