@@ -12,7 +12,11 @@ References:
   This is the floor of what any Python protocol on this machine can do.
 - redis: Debian's `redis-server` (persistence off) through redis-py, `SET`/`GET`, pipelines for
   the pipelined cases. Skipped (row with a null reference) when either is not installed.
-- lmcache: LMCache's `lm://` server, when the `lmcache` package is installed.
+- lmcache: LMCache's own `lm://` server (`lmcache.v1.server`), driven by `bench/lmserver.py`
+  under a Python that has `lmcache` (`--lmcache-python`, env KVOFFLOAD_LMCACHE_PYTHON, default
+  this one; `.ci/engines.sh lmcache` builds such an environment in `.venv-lmcache`). Its
+  protocol does not answer a PUT, so its put cases end with one round trip; they are pipelined
+  by nature. Skipped (a null reference with the reason) when that Python has no `lmcache`.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import json
 import multiprocessing
 import os
 import re
@@ -212,16 +217,14 @@ def run(
     rounds: int = 3,
     sizes: dict[str, int] | None = None,
     lookups: int = 300,
+    lmcache_python: str | None = None,
 ) -> BenchResult:
-    """Measure every case over about `working_set` bytes of distinct values per size."""
+    """Measure every case over about `working_set` bytes of distinct values per size;
+    LMCache's server runs under `lmcache_python` (default: this interpreter)."""
     sizes = sizes or SIZES
     largest = max(sizes.values())
     result = BenchResult("net")
-    lmcache_note = (
-        "lmcache is installed, but this bench does not drive its lm:// server yet"
-        if importlib.util.find_spec("lmcache") is not None
-        else "lmcache not installed (pip install lmcache; needs CUDA to build)"
-    )
+    lm_python = lmcache_python or sys.executable
     dram = f"{max(256, 2 * working_set // (1 << 20) + 4 * largest // (1 << 20))}MiB"
     with (
         tempfile.TemporaryDirectory() as tmp,
@@ -282,6 +285,7 @@ def run(
             redis_rates: dict[str, float] = {}
             if redis_client is not None:
                 redis_rates = _redis_rates(redis_client, keys, batches, vbytes, total, rounds)
+            lmcache_rates, lmcache_note = _lmcache_rates(lm_python, size, n, rounds)
             for op, kv, ref in cases:
                 mine = _rate(total, kv, rounds)
                 case = f"{op}/{label}"
@@ -289,7 +293,9 @@ def run(
                 result.rows.append(
                     Row(case, mine, "GB/s", "redis", redis_rates.get(op), note=redis_note)
                 )
-                result.rows.append(Row(case, mine, "GB/s", "lmcache", None, note=lmcache_note))
+                result.rows.append(
+                    Row(case, mine, "GB/s", "lmcache", lmcache_rates.get(op), note=lmcache_note)
+                )
             for batch in batches:
                 for key in batch:
                     client.delete(key)
@@ -338,6 +344,23 @@ def _redis_rates(
     return rates
 
 
+def _lmcache_rates(python: str, size: int, count: int, rounds: int) -> tuple[dict[str, float], str]:
+    """LMCache lm:// rates from `bench/lmserver.py` under `python`, or ({}, why not)."""
+    args = [python, "-m", "kvoffload.bench.lmserver", "--size", str(size), "--count", str(count)]
+    args += ["--rounds", str(rounds), "--depth", str(DEPTH)]
+    try:
+        out = subprocess.run(args, capture_output=True, text=True, timeout=600)
+        report = json.loads(out.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as exc:
+        return {}, f"LMCache driver under {python} failed: {exc!r}"
+    if "missing" in report:
+        return {}, f"lmcache not installed for {python} (see --lmcache-python)"
+    if "rates" not in report:
+        return {}, f"LMCache lm:// server not measured: {report.get('error', 'no result')}"
+    rates = {op: float(v) for op, v in report["rates"].items()}
+    return rates, f"LMCache {report['version']} lm:// server (puts are not answered)"
+
+
 def _lookup_rows(client: Client, lookups: int) -> list[Row]:
     keys = [i.to_bytes(16, "big") for i in range(LOOKUP_KEYS)]
     client.put_many([(k, b"x") for k in keys], parents=[None, *keys[:-1]])
@@ -362,7 +385,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--working-set", type=int, default=128, metavar="MiB", help="distinct MiB per size"
     )
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per case (median)")
+    parser.add_argument(
+        "--lmcache-python", help="Python with lmcache (env KVOFFLOAD_LMCACHE_PYTHON)"
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> BenchResult:
-    return run(working_set=args.working_set << 20, rounds=args.rounds)
+    python = args.lmcache_python or os.environ.get("KVOFFLOAD_LMCACHE_PYTHON")
+    return run(working_set=args.working_set << 20, rounds=args.rounds, lmcache_python=python)

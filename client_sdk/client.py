@@ -503,10 +503,12 @@ class Client:
         The block is checked (header, CRC32C) before any byte is written; an encoded block is
         then decoded straight into `buffer` (byte-plane codecs use one scratch array per
         part). If decoding fails after verification, the bytes it would have filled are
-        zeroed and the read is a miss.
+        zeroed and the read is a miss. If the get fails part-way (a lost connection, the
+        deadline), the bytes that had already arrived in `buffer` are zeroed before it raises.
 
         Raises:
             InvalidArgumentError: `buffer` is read-only, not contiguous, or too small.
+            TransportError, DeadlineExceededError: the store could not be read.
         """
         dst = as_writable(buffer)
         block_key = to_key(key)
@@ -541,6 +543,13 @@ class Client:
         return self._transport.prefetch(_keys(keys))
 
     def delete(self, key: bytes) -> bool:
+        """Delete `key`; True if the store held it.
+
+        After a lost connection the transport retries (every operation is idempotent), so if
+        the first attempt deleted the key before the connection broke, the retry finds nothing
+        and this returns False although this call deleted it. The key is gone either way; do
+        not use the result to count deletions.
+        """
         return self._transport.delete(to_key(key))
 
     def stats(self) -> ClientStats:
@@ -676,6 +685,7 @@ class AsyncClient:
         return await self._transport.prefetch(_keys(keys))
 
     async def delete(self, key: bytes) -> bool:
+        """Delete `key`; True if the store held it (False after a retry: see `Client.delete`)."""
         return await self._transport.delete(to_key(key))
 
     async def stats(self) -> ClientStats:

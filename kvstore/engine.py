@@ -109,6 +109,8 @@ class EngineStats:
     tiers: tuple[TierStats, ...] = field(default_factory=tuple)
     # DRAM slot bytes held per tenant (all tenants that hold anything or have a quota).
     tenant_bytes: dict[str, int] = field(default_factory=dict)
+    # SSD slot bytes held per tenant (tenants that hold anything there).
+    ssd_tenant_bytes: dict[str, int] = field(default_factory=dict)
     durable_puts: int = 0
     admission_rejected: int = 0  # DRAM evictions the admission filter kept off the SSD
     checkpoints: int = 0
@@ -135,18 +137,26 @@ class PutReservation:
     def __len__(self) -> int:
         return self._entry.length
 
-    def commit(self) -> None:
+    def commit(self, *, if_stored: bool | None = None) -> bool:
         """Publish the value under its key, replacing any older value.
 
         A durable reservation first writes the value to the SSD and waits for its journal
         record; if that fails the put fails and the key keeps its old value.
 
+        `if_stored` (not for durable reservations): publish only if some tier holds the key
+        (True) or none does (False), checked atomically with the publish, so that no other
+        commit or delete of the key lands in between. Returns False, with the slot given back,
+        when that does not hold; True when the value was published.
+
         Raises:
             StorageIOError: a durable write failed (EIO, ENOSPC, journal failure).
             CapacityError: no SSD slot could be freed for a durable write.
+            InvalidArgumentError: `if_stored` with a durable reservation.
         """
+        if if_stored is not None and self._durable:
+            raise InvalidArgumentError("a durable put cannot be conditional")
         engine = self._finish()
-        engine._commit(self._entry, self._durable)
+        return engine._commit(self._entry, self._durable, if_stored)
 
     def abort(self) -> None:
         """Give the slot back; the key keeps its old value. Idempotent."""
@@ -544,22 +554,32 @@ class Engine:
                 ssd.release_slot(*wipe)
         return found
 
-    def set_quota(self, tenant: str, quota_bytes: int | None) -> None:
-        """Limit the DRAM slot bytes `tenant` may hold (None removes the limit).
+    def set_quota(
+        self, tenant: str, quota_bytes: int | None, *, ssd_bytes: int | None = None
+    ) -> None:
+        """Limit the DRAM slot bytes `tenant` may hold, and with `ssd_bytes` its SSD slot bytes
+        (None removes a limit; each call sets both).
 
-        A put over the quota first evicts the tenant's own least recently used blocks. Lowering
-        a quota does not evict at once; the tenant's next puts bring it back under.
+        A put over the DRAM quota first evicts the tenant's own least recently used blocks
+        (which may demote them to the SSD); a write to the SSD over the SSD quota evicts the
+        tenant's least recently used SSD blocks, bringing it 1/64 of the quota below it. Lowering
+        a quota does not evict at once; the tenant's next writes bring it back under.
 
         Raises:
-            InvalidArgumentError: a negative quota.
+            InvalidArgumentError: a negative quota, or an SSD quota without an SSD tier.
         """
-        if quota_bytes is not None and quota_bytes < 0:
-            raise InvalidArgumentError(f"quota must not be negative, got {quota_bytes}")
+        for what, value in (("quota", quota_bytes), ("SSD quota", ssd_bytes)):
+            if value is not None and value < 0:
+                raise InvalidArgumentError(f"{what} must not be negative, got {value}")
         with self._lock:
+            if ssd_bytes is not None and self._ssd is None:
+                raise InvalidArgumentError("an SSD quota needs an SSD tier")
             if quota_bytes is None:
                 self._quotas.pop(tenant, None)
             else:
                 self._quotas[tenant] = quota_bytes
+            if self._ssd is not None:
+                self._ssd.set_quota(tenant, ssd_bytes)
 
     def set_tier_listener(self, listener: TierListener | None) -> None:
         """Call `listener(kind, key, tier)` whenever the engine itself moves a block.
@@ -644,6 +664,11 @@ class Engine:
                     t: self._tenant_used.get(t, 0)
                     for t in self._tenant_used.keys() | self._quotas.keys()
                 },
+                ssd_tenant_bytes=(
+                    {ssd.tenants[t]: b for t, b in ssd.index.tenant_bytes.items()}
+                    if ssd is not None
+                    else {}
+                ),
                 durable_puts=n["durable"],
                 admission_rejected=n["admission_rejected"],
                 checkpoints=ssd.counters.checkpoints if ssd is not None else 0,
@@ -807,7 +832,7 @@ class Engine:
         if entry is not None:
             self._policies[entry.cls].set_rank(key, self._rank(key, entry.parent))
 
-    def _commit(self, entry: _Entry, durable: bool) -> None:
+    def _commit(self, entry: _Entry, durable: bool, if_stored: bool | None = None) -> bool:
         """Publish a filled reservation; durable ones go through the SSD first."""
         if durable:
             assert self._ssd is not None
@@ -817,7 +842,11 @@ class Engine:
                 self._unpin(entry)  # never published: frees the slot
                 raise
         with self._lock:
+            if if_stored is not None and self._stored(entry.key) != if_stored:
+                self._unpin_locked(entry)  # never published: frees the slot
+                return False
             self._publish(entry, put=True)
+        return True
 
     def _write_through(self, entry: _Entry) -> None:
         """Write a pending entry to the SSD and wait until it and its record are durable."""

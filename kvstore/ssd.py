@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 META_NAME = "kvoffload.meta"
 FORMAT = "kvoffload-store-1"
 _STEAL_AGE_RATIO = 2
+_QUOTA_BATCH = 64  # rows one pass over the index hands to a tenant over its SSD quota
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,10 @@ class SsdTier:
         if not self.capacity:
             raise ConfigError(f"SSD capacity must hold at least one slab of {slab} bytes")
         self.alloc = SlabAllocator(self.capacity // slab, slab, self.classes)
-        self.index = SsdIndex(len(self.classes), ssd.policy or config.dram.policy)
+        self.index = SsdIndex(
+            len(self.classes), ssd.policy or config.dram.policy, class_bytes=self.classes.sizes
+        )
+        self.quotas: dict[int, int] = {}  # tenant id -> SSD slot bytes it may hold
         self.store_id = bytes.fromhex(self.meta.store_id)
         self.max_value_bytes = self.meta.max_value_bytes
         self.slots = select_slot_file(
@@ -397,9 +401,49 @@ class SsdTier:
         cls = self.slot_class(length)
         if cls is None:
             raise CapacityError(f"a {length}-byte value does not fit an SSD slot")
+        tid = self.tenant_id(tenant)
+        self._fit_quota(tid, self.classes.sizes[cls])
         offset = self._reserve(cls)
         self.seq += 1
-        return WritePlan(key, parent, self.tenant_id(tenant), length, cls, offset, self.seq)
+        return WritePlan(key, parent, tid, length, cls, offset, self.seq)
+
+    def set_quota(self, tenant: str, quota_bytes: int | None) -> None:
+        """Limit the SSD slot bytes `tenant` may hold (None: no limit); enforced on writes."""
+        tid = self.tenant_id(tenant)
+        if quota_bytes is None:
+            self.quotas.pop(tid, None)
+        else:
+            self.quotas[tid] = quota_bytes
+
+    def _fit_quota(self, tid: int, size: int) -> None:
+        """Evict the tenant's least recently used SSD blocks until `size` more bytes fit its
+        quota. Finding them is one pass over the index, so once a tenant is at its quota it is
+        brought 1/64 of the quota below it: the next writes fit without another pass."""
+        quota = self.quotas.get(tid)
+        if quota is None:
+            return
+        name = self.tenants[tid]
+        if size > quota:
+            raise CapacityError(
+                f"a {size}-byte slot exceeds tenant {name!r}'s SSD quota of {quota}"
+            )
+        if self.index.tenant_bytes.get(tid, 0) + size <= quota:
+            return
+        target = max(0, quota - size - quota // 64)
+        while self.index.tenant_bytes.get(tid, 0) > target:
+            victims = self.index.coldest_of_tenant(tid, self.tick, set(self.pinned), _QUOTA_BATCH)
+            if not len(victims):
+                if self.index.tenant_bytes.get(tid, 0) + size <= quota:
+                    return  # the rest is being read, but this write fits
+                raise CapacityError(
+                    f"tenant {name!r} is at its SSD quota of {quota} bytes and every block it "
+                    "holds there is being read"
+                )
+            for row in victims:
+                if self.index.tenant_bytes.get(tid, 0) <= target:
+                    break
+                self.counters.evictions += 1
+                self.remove_row(int(row))
 
     def _release_pending(self, *, wait: bool = False) -> None:
         if not self._pending_free or self.journal is None:

@@ -8,7 +8,7 @@ only: no I/O here. The SSD tier holds the engine lock around every call.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -76,11 +76,20 @@ class SsdIndex:
     rows sharing a parent-hash bucket (to answer "does this block have a stored child?").
     """
 
-    def __init__(self, n_classes: int, policy: str, capacity: int = 1024) -> None:
+    def __init__(
+        self,
+        n_classes: int,
+        policy: str,
+        capacity: int = 1024,
+        class_bytes: Sequence[int] | None = None,
+    ) -> None:
         if policy not in ("lru", "s3fifo", "prefix"):
             raise ValueError(f"unknown SSD eviction policy {policy!r}")
         self.policy = policy
         self.n_classes = n_classes
+        # Slot bytes per class, to keep the slot bytes each tenant holds (for its quota).
+        self._class_bytes = list(class_bytes) if class_bytes is not None else [0] * n_classes
+        self.tenant_bytes: dict[int, int] = {}
         self._rows = 0  # rows ever used (high-water mark)
         self._free_rows: list[int] = []
         self._live = 0
@@ -230,6 +239,7 @@ class SsdIndex:
         self.cls[row] = cls
         self.freq[row] = 0
         self._live += 1
+        self._charge(tenant, cls, 1)
         if (self._live + self._tombs) * 10 > len(self._table) * 7:
             self._build_tables()  # also places this row
         else:
@@ -271,11 +281,37 @@ class SsdIndex:
                     prev = int(self.sibling[prev])
                 self.sibling[prev] = self.sibling[row]
         self._unlink(row)
+        self._charge(int(self.rows["tenant"][row]), int(self.cls[row]), -1)
         self.cls[row] = -1
         self._live -= 1
         self._free_rows.append(row)
         if self._tombs * 4 > len(self._table):
             self._build_tables()
+
+    def _charge(self, tenant: int, cls: int, sign: int) -> None:
+        used = self.tenant_bytes.get(tenant, 0) + sign * self._class_bytes[cls]
+        if used:
+            self.tenant_bytes[tenant] = used
+        else:
+            self.tenant_bytes.pop(tenant, None)
+
+    def coldest_of_tenant(
+        self, tenant: int, now: int, protected: set[int], count: int
+    ) -> npt.NDArray[np.int64]:
+        """Up to `count` of the tenant's least recently used rows, coldest first, skipping
+        `protected` rows (one vectorised pass over the rows, for quota evictions)."""
+        used = self._rows
+        live = self.cls[:used] >= 0
+        rows = np.flatnonzero(live & (self.rows["tenant"][:used] == tenant))
+        if protected:
+            rows = rows[~np.isin(rows, np.fromiter(protected, np.int64, len(protected)))]
+        # Ticks wrap at 2**32: order by age, which uint32 subtraction gets right.
+        age = np.uint32(now & 0xFFFFFFFF) - self.tick[rows]
+        if len(rows) > count:
+            pick = np.argpartition(-age.astype(np.int64), count - 1)[:count]
+            rows, age = rows[pick], age[pick]
+        out: npt.NDArray[np.int64] = rows[np.argsort(-age.astype(np.int64), kind="stable")]
+        return out
 
     def touch(self, row: int, tick: int) -> None:
         """The row was read: refresh its recency (LRU/prefix) or frequency (S3-FIFO)."""
@@ -435,6 +471,11 @@ class SsdIndex:
             self._tails[int(cls)][_SMALL] = int(rows[-1])
             self._sizes[int(cls)][_SMALL] = len(rows)
         self.queue[:n] = _SMALL
+        self.tenant_bytes = {}
+        sizes = np.asarray(self._class_bytes, dtype=np.int64)
+        if n and len(sizes):
+            per = np.bincount(self.rows["tenant"][:n], weights=sizes[classes], minlength=1)
+            self.tenant_bytes = {int(t): int(b) for t, b in enumerate(per) if b}
         self._build_tables()
 
     def memory_bytes(self) -> int:

@@ -9,7 +9,8 @@ caller's buffers (pinned arena views), and each write's `on_done` runs once its 
 the kernel, which is when a pinned view may be released.
 
 `TlsChannel` layers TLS on the same interface with `ssl.SSLObject` and memory BIOs: decryption
-writes straight into the caller's memory; encryption necessarily copies, once.
+writes straight into the caller's memory; encryption necessarily copies, once, and a write's
+`on_done` runs once its ciphertext is in the kernel (so flow control sees what is queued).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import collections
 import contextlib
 import socket
 import ssl
+import time
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -46,6 +48,9 @@ class Channel:
         self._done: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
         self._queued = 0  # bytes in _out
         self._sent = 0  # bytes sent since the channel opened (for _done bookkeeping)
+        # When the kernel last took bytes, or output was queued after none was waiting: while
+        # `buffered`, how long the peer has kept us from sending.
+        self.progress_at = time.monotonic()
         self._writing = False
         self._drained: asyncio.Future[None] | None = None
         self._waiter: asyncio.Future[None] | None = None  # a reader waiting for data
@@ -103,6 +108,8 @@ class Channel:
             if on_done is not None:
                 on_done()
             return
+        if not self._out:
+            self.progress_at = time.monotonic()
         for part in parts:
             view = memoryview(part).cast("B")
             if len(view):
@@ -138,6 +145,8 @@ class Channel:
             self._flush()
 
     def _advance(self, n: int) -> None:
+        if n:
+            self.progress_at = time.monotonic()
         self._sent += n
         self._queued -= n
         while n:
@@ -262,15 +271,16 @@ class TlsChannel(Channel):
                         self._tls.write(part)
             except ssl.SSLError as exc:
                 self._fail(exc)
-        # The plaintext is encrypted (copied) already: the caller's buffers are free.
-        if on_done is not None:
-            on_done()
-        self._push()
+        # The plaintext is copied into ciphertext already, but `on_done` waits until the
+        # kernel has that ciphertext: callers count a write as in flight until `on_done`, and
+        # a peer that stops reading must not make ciphertext pile up here without limit.
+        self._push(on_done)
 
-    def _push(self) -> None:
+    def _push(self, on_done: Callable[[], None] | None = None) -> None:
         pending = self._outgoing.pending
-        if pending and not self.closed:
-            Channel.write(self, [self._outgoing.read(pending)])
+        chunks = [self._outgoing.read(pending)] if pending and not self.closed else []
+        if chunks or on_done is not None:
+            Channel.write(self, chunks, on_done)
 
 
 def _take(out: collections.deque[memoryview], n: int) -> list[memoryview]:

@@ -97,7 +97,7 @@ class NativeConfig:
     # Answer bytes one connection may have queued (and pinned in the arena) before the daemon
     # stops reading its requests; bounds memory held for a slow reader.
     max_inflight_bytes: int = 256 << 20
-    # Requests one connection may have in progress before the daemon stops reading it.
+    # Requests one connection may have in progress before the daemon stops reading it (>= 2).
     max_pending: int = 256
     # Largest msgpack header of a frame (bounds batch key lists).
     max_header_bytes: int = 4 << 20
@@ -105,7 +105,11 @@ class NativeConfig:
     max_payload_bytes: int = 256 << 20
     # A connection with nothing in progress and no bytes for this long is closed.
     idle_timeout_s: float = 300.0
-    # A frame that has begun must be complete within this long (defeats slow partial frames).
+    # A new connection must have its Hello accepted within this long (TLS handshake included).
+    hello_timeout_s: float = 10.0
+    # A frame that has begun must be complete within this long (defeats slow partial frames),
+    # and a peer that takes none of its queued answers for this long is closed (its pinned
+    # blocks released).
     frame_timeout_s: float = 60.0
     backlog: int = 512
 
@@ -115,9 +119,14 @@ class NativeConfig:
         for name in ("max_connections", "max_inflight_bytes", "max_pending", "backlog"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"native.{name} must be positive")
+        if self.max_pending < 2:
+            # A put counts as pending from its header on, and the session reads no further
+            # (not even the put's own payload) while max_pending are pending: at 1 the first
+            # put would wait for itself.
+            raise ConfigError(f"native.max_pending must be >= 2, got {self.max_pending}")
         if self.max_header_bytes < 4096 or self.max_payload_bytes < 1 << 20:
             raise ConfigError("native.max_header_bytes >= 4 KiB, max_payload_bytes >= 1 MiB")
-        if self.idle_timeout_s <= 0 or self.frame_timeout_s <= 0:
+        if min(self.idle_timeout_s, self.frame_timeout_s, self.hello_timeout_s) <= 0:
             raise ConfigError("native timeouts must be positive")
 
 
@@ -196,7 +205,8 @@ class NvmeConfig:
     max_inflight_bytes: int = 256 << 20
     # A new connection must finish ICReq and Connect within this long.
     connect_timeout_s: float = 10.0
-    # A PDU that has begun must be complete within this long.
+    # A PDU that has begun must be complete within this long, and a host that takes none of
+    # its queued data and completions for this long is disconnected.
     frame_timeout_s: float = 60.0
     backlog: int = 512
 
@@ -269,14 +279,17 @@ class TenantConfig:
 
     name: str
     token: str
-    # Bytes of store capacity the tenant may hold; 0 = no quota.
+    # Bytes of DRAM the tenant may hold; 0 = no quota.
     quota_bytes: int = 0
+    # Bytes of SSD slots the tenant may hold (needs an SSD tier); 0 = no quota.
+    ssd_quota_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.name or not self.token:
             raise ConfigError(f"tenant {self.name!r} needs a name and a non-empty token")
-        if self.quota_bytes < 0:
-            raise ConfigError(f"tenants.{self.name}.quota_bytes must not be negative")
+        for key in ("quota_bytes", "ssd_quota_bytes"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"tenants.{self.name}.{key} must not be negative")
 
 
 def default_data_dir(environ: Mapping[str, str]) -> str:

@@ -44,6 +44,7 @@ class _EngineCollector(Collector):
         stats = dict(self._stats())
         tiers = stats.pop("tiers", ())
         tenants = stats.pop("tenant_bytes", {})
+        ssd_tenants = stats.pop("ssd_tenant_bytes", {})
         for name, value in stats.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 yield _family(f"kvoffload_engine_{name}", name in _ENGINE_COUNTERS, value)
@@ -57,12 +58,14 @@ class _EngineCollector(Collector):
                     family = families[name] = _labelled(f"kvoffload_tier_{name}", name, "tier")
                 family.add_metric([str(tier.get("name", "?"))], value)
         yield from families.values()
-        held = GaugeMetricFamily(
-            "kvoffload_tenant_bytes", "Store bytes held per tenant", labels=["tenant"]
-        )
-        for tenant, value in tenants.items():
-            held.add_metric([tenant or "anonymous"], value)
-        yield held
+        for name, doc, values in (
+            ("kvoffload_tenant_bytes", "DRAM bytes held per tenant", tenants),
+            ("kvoffload_tenant_ssd_bytes", "SSD slot bytes held per tenant", ssd_tenants),
+        ):
+            held = GaugeMetricFamily(name, doc, labels=["tenant"])
+            for tenant, value in values.items():
+                held.add_metric([tenant or "anonymous"], value)
+            yield held
 
 
 def _family(name: str, counter: bool, value: float) -> Metric:

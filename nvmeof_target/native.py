@@ -19,8 +19,8 @@ import logging
 import socket
 import ssl
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, TypeVar
 
@@ -74,6 +74,8 @@ __all__ = ["NativeFront", "make_front"]
 
 log = logging.getLogger("kvoffload.native")
 FRONT = "native"
+# Largest frame header accepted before Hello (a Hello with a long token fits easily).
+HELLO_HEADER_BYTES = 16 << 10
 T = TypeVar("T")
 
 
@@ -89,6 +91,11 @@ class _PendingPut:
     reservations: list[PutReservation]
     keys: list[tuple[bytes, bytes, bytes | None]]  # (engine key, client key, client parent)
     error: KVOffloadError | None = None
+
+    def abort(self) -> None:
+        for reservation in self.reservations:
+            reservation.abort()
+        self.reservations.clear()
 
 
 class NativeFront:
@@ -111,6 +118,13 @@ class NativeFront:
             # The session stops pulling requests at max_pending; the codec's own bound is only
             # a backstop, never reached by the session's flow control.
             max_pending=config.max_pending + 1,
+        )
+        # Until its Hello is accepted a connection may only send a small header and no payload:
+        # a stranger must not make the daemon wait for (and buffer) a 4 MiB header.
+        self.hello_limits = replace(
+            self.limits,
+            max_header_bytes=min(HELLO_HEADER_BYTES, config.max_header_bytes),
+            max_payload_bytes=0,
         )
 
     async def start(self) -> list[tuple[str, str, int]]:
@@ -194,14 +208,16 @@ class _Session(Session):
     """One client connection."""
 
     def __init__(self, front: NativeFront, channel: Channel, peer: str) -> None:
-        super().__init__(FRONT, front.services, channel, peer, front.instruments)
+        super().__init__(
+            FRONT, front.services, channel, peer, front.instruments, front.config.frame_timeout_s
+        )
         self.front = front
         self.engine = front.services.engine
         self.config = front.config
-        self.conn = NativeConnection(Role.SERVER, front.limits)
+        self.conn = NativeConnection(Role.SERVER, front.hello_limits)
         self.tenant: Tenant | None = None
         self._puts: dict[int, _PendingPut] = {}
-        self._last_rx = time.monotonic()
+        self._created = self._last_rx = time.monotonic()
         self._frame_since: float | None = None
 
     # ------------------------------------------------------------------ the loop
@@ -235,18 +251,21 @@ class _Session(Session):
             if isinstance(event, ConnectionClosed):
                 return False
             if isinstance(event, PayloadEnd):
-                self._payload_end(event)
+                waiting = self._payload_end(event)
             else:
                 assert isinstance(event, Event)
-                self._dispatch(event)
+                waiting = self._dispatch(event)
+            if waiting is not None:
+                await waiting  # engine work on the I/O threads that later requests must follow
         return False
 
-    def _dispatch(self, event: Event) -> None:
+    def _dispatch(self, event: Event) -> Awaitable[object] | None:
         self._started_now(event.request_id, type(event).__name__.lower())
         try:
-            _HANDLERS[type(event)](self, event)
+            return _HANDLERS[type(event)](self, event)
         except KVOffloadError as exc:  # e.g. the engine closing under a stopping daemon
             self._fail(event.request_id, exc)
+            return None
 
     def _has_room(self) -> bool:
         return (
@@ -262,6 +281,10 @@ class _Session(Session):
         """Why the watchdog should close this connection ("" if it should not)."""
         if self._frame_since is not None and now - self._frame_since > self.config.frame_timeout_s:
             return "frame timeout"
+        if self.send_stalled(now):
+            return "send timeout"
+        if self.tenant is None and now - self._created > self.config.hello_timeout_s:
+            return "hello timeout"
         busy = self.conn.pending or self._tasks or self._inflight_bytes
         if not busy and now - self._last_rx > self.config.idle_timeout_s:
             return "idle timeout"
@@ -276,8 +299,7 @@ class _Session(Session):
 
     def _abandon(self) -> None:
         for pending in self._puts.values():  # partially received puts never become visible
-            for reservation in pending.reservations:
-                reservation.abort()
+            pending.abort()
         self._puts.clear()
 
     def _forget(self) -> None:
@@ -343,6 +365,7 @@ class _Session(Session):
             self._fail(event.request_id, exc)
             self._reading = False  # nothing pipelined behind a refused Hello is served
             return
+        self.conn.set_limits(self.front.limits)
         self._reply(
             Welcome(
                 event.request_id,
@@ -354,20 +377,34 @@ class _Session(Session):
             )
         )
 
-    def _on_put(self, event: Put) -> None:
-        self._begin_put(event, [(event.key, event.length, event.parent)], event.durable)
+    def _on_put(self, event: Put) -> Awaitable[object] | None:
+        return self._begin_put(event, [(event.key, event.length, event.parent)])
 
-    def _on_put_many(self, event: PutMany) -> None:
+    def _on_put_many(self, event: PutMany) -> Awaitable[object] | None:
         parents = event.parents or (None,) * len(event.keys)
-        items = list(zip(event.keys, event.lengths, parents, strict=True))
-        self._begin_put(event, items, event.durable)
+        return self._begin_put(event, list(zip(event.keys, event.lengths, parents, strict=True)))
 
     def _begin_put(
-        self,
-        event: Put | PutMany,
-        items: list[tuple[bytes, int, bytes | None]],
-        durable: bool,
+        self, event: Put | PutMany, items: list[tuple[bytes, int, bytes | None]]
+    ) -> Awaitable[object] | None:
+        reserve = partial(self._reserve, event, items)
+        if not self.services.blocking_engine:
+            return self._claim(event, reserve())
+        return self._reserve_off_loop(event, reserve)
+
+    async def _reserve_off_loop(
+        self, event: Put | PutMany, reserve: Callable[[], _PendingPut]
     ) -> None:
+        # Reserving may evict, which writes blocks to the SSD: not on the loop. The payload that
+        # follows has nowhere to go until it is done, so this connection's reader waits.
+        waiting = self._claim(event, await self.off_loop(reserve, _PendingPut.abort))
+        if waiting is not None:
+            await waiting
+
+    def _reserve(
+        self, event: Put | PutMany, items: list[tuple[bytes, int, bytes | None]]
+    ) -> _PendingPut:
+        """Reserve a slot per item (on any thread); a failure is kept in `error`."""
         me = self._me
         pending = _PendingPut(event, [], [])
         try:
@@ -378,35 +415,36 @@ class _Session(Session):
                         engine_key,
                         length,
                         parent=me.opt_key(parent),
-                        durable=durable,
+                        durable=event.durable,
                         tenant=me.name,
                     )
                 )
                 pending.keys.append((engine_key, key, parent))
         except KVOffloadError as exc:
-            for reservation in pending.reservations:
-                reservation.abort()
-            pending.reservations.clear()
+            pending.abort()
             pending.error = exc
+        return pending
+
+    def _claim(self, event: Put | PutMany, pending: _PendingPut) -> Awaitable[object] | None:
+        """Point the put's payload at its reservations (or drop it after a failure)."""
         if event.payload_length == 0:
-            self._end_put(pending)
-            return
+            return self._end_put(pending)
         if pending.error is None:
             self.conn.set_payload_sink([r.buffer for r in pending.reservations])
         else:
             self.conn.discard_payload()
         self._puts[event.request_id] = pending
+        return None
 
-    def _payload_end(self, end: PayloadEnd) -> None:
+    def _payload_end(self, end: PayloadEnd) -> Awaitable[object] | None:
         pending = self._puts.pop(end.request_id, None)
-        if pending is not None:
-            self._end_put(pending)
+        return None if pending is None else self._end_put(pending)
 
-    def _end_put(self, pending: _PendingPut) -> None:
+    def _end_put(self, pending: _PendingPut) -> Awaitable[object] | None:
         rid = pending.request.request_id
         if pending.error is not None:
             self._fail(rid, pending.error)
-            return
+            return None
         answer: Event = PutDone(rid) if isinstance(pending.request, Put) else PutManyDone(rid)
 
         def commit() -> None:
@@ -426,15 +464,11 @@ class _Session(Session):
             self._reply(answer)
 
         if pending.request.durable:
-            # A durable commit waits for the SSD and the journal: off the loop.
+            # A durable commit waits for the SSD and the journal: off the loop, and the reader
+            # goes on meanwhile (a get pipelined behind it may miss it).
             self._offload(rid, commit, done)
-            return
-        try:
-            commit()
-        except KVOffloadError as exc:
-            self._fail(rid, exc)
-            return
-        done(None)
+            return None
+        return self.in_order(commit, done, partial(self._fail, rid))
 
     def _on_get(self, event: Get) -> None:
         key = self._me.key(event.key)
@@ -455,13 +489,21 @@ class _Session(Session):
         def fetch() -> list[BlockView | None]:
             views: list[BlockView | None] = []
             total = 0
-            for key in keys:
-                view = self.engine.get(key)
-                if view is not None and views and total + len(view) > budget:
-                    view.release()  # answer a prefix; the client asks again for the rest
-                    break
-                total += len(view) if view is not None else 0
-                views.append(view)
+            try:
+                for key in keys:
+                    view = self.engine.get(key)
+                    if view is not None and views and total + len(view) > budget:
+                        view.release()  # answer a prefix; the client asks again for the rest
+                        break
+                    total += len(view) if view is not None else 0
+                    views.append(view)
+            except BaseException:
+                # A get that fails part-way (a promotion finding every DRAM block pinned, some
+                # by this very request) must not leave the views taken so far pinned for good.
+                for view in views:
+                    if view is not None:
+                        view.release()
+                raise
             return views
 
         def send(views: list[BlockView | None]) -> None:
@@ -493,20 +535,27 @@ class _Session(Session):
             lambda n: self._reply(PrefetchResult(event.request_id, n)),
         )
 
-    def _on_delete(self, event: Delete) -> None:
+    def _on_delete(self, event: Delete) -> Awaitable[object] | None:
         engine_key = self._me.key(event.key)
-        deleted = self.engine.delete(engine_key)
-        if deleted and self.services.events is not None:
-            self.services.events.removed(engine_key)
-        self._reply(DeleteResult(event.request_id, deleted))
+
+        def done(deleted: bool) -> None:
+            if deleted and self.services.events is not None:
+                self.services.events.removed(engine_key)
+            self._reply(DeleteResult(event.request_id, deleted))
+
+        # With an SSD tier a delete wipes the block's slot header: in_order takes it off the loop.
+        return self.in_order(
+            partial(self.engine.delete, engine_key), done, partial(self._fail, event.request_id)
+        )
 
     def _on_stats(self, event: Stats) -> None:
         stats = self.engine.stats().as_dict()
         me = self._me
-        held = stats.get("tenant_bytes")
-        if isinstance(held, dict) and me.name:
-            # A tenant sees its own usage, not who else uses the store.
-            stats["tenant_bytes"] = {me.name: held.get(me.name, 0)}
+        for field in ("tenant_bytes", "ssd_tenant_bytes"):
+            held = stats.get(field)
+            if isinstance(held, dict) and me.name:
+                # A tenant sees its own usage, not who else uses the store.
+                stats[field] = {me.name: held.get(me.name, 0)}
         stats["server"] = {
             **self.services.server_info(),
             "tenant": me.name,
@@ -515,7 +564,9 @@ class _Session(Session):
         self._reply(StatsResult(event.request_id, stats))
 
 
-_HANDLERS: dict[type[Event], Callable[[_Session, Any], None]] = {
+# A handler returns what the reader must await before it takes the next request (engine work
+# on the I/O threads), or None.
+_HANDLERS: dict[type[Event], Callable[[_Session, Any], Awaitable[object] | None]] = {
     Hello: _Session._on_hello,
     Put: _Session._on_put,
     PutMany: _Session._on_put_many,

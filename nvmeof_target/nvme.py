@@ -21,7 +21,7 @@ import functools
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -92,6 +92,22 @@ _WATCH_INTERVAL = 0.1  # keep-alive granularity is 100 ms (Identify KAS = 1)
 
 def make_front(config: Config, services: Services) -> NvmeFront | None:
     return NvmeFront(config.nvme, services) if config.nvme.enabled else None
+
+
+# A command handler: (queue, command, in-capsule data length) -> what the queue's reader must
+# await before it takes the next command (engine work on the I/O threads), or None.
+_Handler = Callable[["_Queue", Command, int], "Awaitable[object] | None"]
+
+
+_CONDITIONS = StoreOption.ONLY_IF_EXISTS | StoreOption.ONLY_IF_ABSENT
+# Store options -> the engine's `if_stored` condition for the commit (both: refused earlier).
+_IF_STORED: dict[int, bool] = {StoreOption.ONLY_IF_EXISTS: True, StoreOption.ONLY_IF_ABSENT: False}
+
+
+def _condition_failed(*, present: bool) -> CommandFailed:
+    if present:
+        return CommandFailed(Sct.GENERIC, Sc.KV_KEY_EXISTS, "key exists")
+    return CommandFailed(Sct.GENERIC, Sc.KV_KEY_NOT_EXISTS, "key does not exist")
 
 
 def _status(sct: int, sc: int, *, dnr: bool = True) -> int:
@@ -274,13 +290,27 @@ class NvmeFront:
         await stop_sessions(self._queues, timeout)
 
 
+@dataclass(frozen=True)
+class _Store:
+    """A KV Store command whose value is on its way."""
+
+    cid: int
+    ns: Namespace
+    key: bytes
+    engine_key: bytes
+    options: int
+    in_capsule: bool
+
+
 @dataclass
 class _Incoming:
     """Data a command is receiving: its in-capsule bytes, or the H2CData an R2T asked for."""
 
     sink: memoryview | None  # None: drop the bytes
     total: int
-    finish: Callable[[bool], None]  # called with "every digest matched" once all bytes are in
+    # Called with "every digest matched" once all bytes are in; returns what the reader must
+    # await before it goes on (a commit on the I/O threads), or None.
+    finish: Callable[[bool], Awaitable[object] | None]
     cleanup: Callable[[], None] = lambda: None  # the connection died first
     received: int = 0
     ok: bool = True
@@ -290,7 +320,9 @@ class _Queue(Session):
     """One connection: one NVMe queue pair."""
 
     def __init__(self, front: NvmeFront, channel: Channel, peer: str) -> None:
-        super().__init__(FRONT, front.services, channel, peer, front.instruments)
+        super().__init__(
+            FRONT, front.services, channel, peer, front.instruments, front.config.frame_timeout_s
+        )
         self.front = front
         self.engine = front.engine
         self.config = front.config
@@ -336,7 +368,9 @@ class _Queue(Session):
             if isinstance(event, ConnectionClosed):
                 return False
             assert isinstance(event, Event)
-            _EVENTS[type(event)](self, event)
+            waiting = _EVENTS[type(event)](self, event)
+            if waiting is not None:
+                await waiting  # engine work on the I/O threads that later commands follow
         return False
 
     def overdue(self, now: float) -> str:
@@ -344,6 +378,8 @@ class _Queue(Session):
             return "connect timeout"
         if self._frame_since is not None and now - self._frame_since > self.config.frame_timeout_s:
             return "frame timeout"
+        if self.send_stalled(now):
+            return "send timeout"
         return ""
 
     def _protocol_error(self, exc: RemoteProtocolError) -> None:
@@ -385,32 +421,39 @@ class _Queue(Session):
         else:
             self.conn.set_data_sink([incoming.sink[event.datao : event.datao + event.datal]])
 
-    def _on_data_end(self, event: DataEnd) -> None:
+    def _on_data_end(self, event: DataEnd) -> Awaitable[object] | None:
         incoming = self._incoming.get(event.cid)
         if incoming is None:
-            return
+            return None
         incoming.ok = incoming.ok and event.digest_ok
         if incoming.received == incoming.total:
             del self._incoming[event.cid]
-            incoming.finish(incoming.ok)
+            return incoming.finish(incoming.ok)
+        return None
 
     def _on_sink_full(self, event: SinkFull) -> None:
         self.conn.discard_data()  # every sink set here covers its whole PDU; never reached
 
-    def _on_capsule(self, event: CapsuleCmd) -> None:
+    def _on_capsule(self, event: CapsuleCmd) -> Awaitable[object] | None:
         cmd = event.command
         self._sqhd = (self._sqhd + 1) % self._slots
         self._started_now(cmd.cid, _op_name(cmd, self.qid))
         try:
-            self._handler(cmd)(self, cmd, event.data_length)
-        except CommandFailed as exc:
-            self._fail(cmd.cid, exc.status, exc.dw0, event.data_length)
+            return self._handler(cmd)(self, cmd, event.data_length)
         except LocalProtocolError:
             raise  # our own bug: costs this connection
-        except KVOffloadError as exc:  # from the engine: capacity, I/O, a closing engine
-            self._fail(cmd.cid, nvme_status_of(exc), 0, event.data_length)
+        except KVOffloadError as exc:  # a CommandFailed, or from the engine: capacity, I/O...
+            self._refuse(cmd.cid, exc, event.data_length)
+            return None
 
-    def _handler(self, cmd: Command) -> Callable[[_Queue, Command, int], None]:
+    def _refuse(self, cid: int, exc: KVOffloadError, data_length: int) -> None:
+        """Fail a command with the status `exc` carries (or the engine error's status)."""
+        if isinstance(exc, CommandFailed):
+            self._fail(cid, exc.status, exc.dw0, data_length)
+        else:
+            self._fail(cid, nvme_status_of(exc), 0, data_length)
+
+    def _handler(self, cmd: Command) -> _Handler:
         if cmd.opc == FABRICS:
             handler = _FABRICS.get(cmd.fctype)
             if handler is None:
@@ -441,7 +484,7 @@ class _Queue(Session):
         cid: int,
         sink: memoryview | None,
         total: int,
-        finish: Callable[[bool], None],
+        finish: Callable[[bool], Awaitable[object] | None],
         *,
         in_capsule: bool,
         cleanup: Callable[[], None] = lambda: None,
@@ -636,7 +679,7 @@ class _Queue(Session):
             raise CommandFailed(Sct.GENERIC, Sc.KV_INVALID_KEY_SIZE, f"key length {kl}")
         return ns, kv_key(cmd)
 
-    def _kv_store(self, cmd: Command, data_length: int) -> None:
+    def _kv_store(self, cmd: Command, data_length: int) -> Awaitable[object] | None:
         ns, key = self._kv_namespace(cmd)
         options = (cmd.cdw11 >> 8) & 0xFF
         both = StoreOption.ONLY_IF_EXISTS | StoreOption.ONLY_IF_ABSENT
@@ -649,16 +692,36 @@ class _Queue(Session):
             raise CommandFailed(Sct.GENERIC, Sc.KV_INVALID_VALUE_SIZE, f"value size {length}")
         engine_key = ns.engine_key(key)
         self._check_options(options, engine_key)
-        reservation = self.engine.reserve(engine_key, length, tenant=ns.tenant.name)
+        reserve = functools.partial(self.engine.reserve, engine_key, length, tenant=ns.tenant.name)
+        store = _Store(cmd.cid, ns, key, engine_key, options, in_capsule)
+        if not self.services.blocking_engine:
+            return self._store_data(store, reserve())
+        return self._reserve_off_loop(store, reserve, data_length)
 
-        def finish(ok: bool) -> None:
-            self._store_done(cmd.cid, ns, key, engine_key, reservation, options, ok)
-
-        if length == 0:
-            finish(True)
+    async def _reserve_off_loop(
+        self, store: _Store, reserve: Callable[[], PutReservation], data_length: int
+    ) -> None:
+        # Reserving may evict, which writes blocks to the SSD: not on the loop. The data that
+        # follows has nowhere to go until it is done, so this queue's reader waits.
+        try:
+            reservation = await self.off_loop(reserve, PutReservation.abort)
+        except KVOffloadError as exc:
+            self._refuse(store.cid, exc, data_length)
             return
+        waiting = self._store_data(store, reservation)
+        if waiting is not None:
+            await waiting
+
+    def _store_data(self, store: _Store, reservation: PutReservation) -> Awaitable[object] | None:
+        """Receive a Store's value into its reservation (asking for it with R2T if it is not in
+        the capsule), then commit."""
+        finish = functools.partial(self._store_done, store, reservation)
+        length = len(reservation)
+        if length == 0:
+            return finish(True)
+        cmd_cid, in_capsule = store.cid, store.in_capsule
         self._receive(
-            cmd.cid,
+            cmd_cid,
             reservation.buffer,
             length,
             finish,
@@ -668,48 +731,43 @@ class _Queue(Session):
         if not in_capsule:
             self._ttag = self._ttag % 0xFFFF + 1
             # One R2T for the whole value; the host splits it at MAXH2CDATA.
-            self.channel.write(self.conn.send_parts(R2T(cmd.cid, self._ttag, 0, length)))
+            self.channel.write(self.conn.send_parts(R2T(cmd_cid, self._ttag, 0, length)))
+        return None
 
     def _check_options(self, options: int, engine_key: bytes) -> None:
-        if options & (StoreOption.ONLY_IF_EXISTS | StoreOption.ONLY_IF_ABSENT):
-            present = self.engine.contains(engine_key)
-            if options & StoreOption.ONLY_IF_EXISTS and not present:
-                raise CommandFailed(Sct.GENERIC, Sc.KV_KEY_NOT_EXISTS, "key does not exist")
-            if options & StoreOption.ONLY_IF_ABSENT and present:
-                raise CommandFailed(Sct.GENERIC, Sc.KV_KEY_EXISTS, "key exists")
+        if_stored = _IF_STORED.get(options & _CONDITIONS)
+        if if_stored is not None and self.engine.contains(engine_key) != if_stored:
+            raise _condition_failed(present=not if_stored)
 
     def _store_done(
-        self,
-        cid: int,
-        ns: Namespace,
-        key: bytes,
-        engine_key: bytes,
-        reservation: PutReservation,
-        options: int,
-        ok: bool,
-    ) -> None:
+        self, store: _Store, reservation: PutReservation, ok: bool
+    ) -> Awaitable[object] | None:
         if not ok:
             reservation.abort()
-            self._complete(cid, _status(Sct.GENERIC, Sc.DATA_TRANSFER_ERROR, dnr=False))
-            return
-        try:
-            # Checked again right before the commit: both run on the event loop, which every
-            # front's non-durable commit shares, so no other store slips in between.
-            self._check_options(options, engine_key)
-            reservation.commit()
-        except CommandFailed as exc:
-            reservation.abort()
-            self._complete(cid, exc.status)
-            return
-        except KVOffloadError as exc:
-            reservation.abort()
-            self._complete(cid, nvme_status_of(exc))
-            return
-        ns.directory.add(key, engine_key)
-        self.services.metrics.bytes_in.labels(FRONT).inc(len(reservation))
-        if self.services.events is not None:
-            self.services.events.stored(engine_key, ns.block_key(key), None)
-        self._complete(cid)
+            self._complete(store.cid, _status(Sct.GENERIC, Sc.DATA_TRANSFER_ERROR, dnr=False))
+            return None
+
+        def commit() -> None:
+            # Checked again by the engine, atomically with the publish: with an SSD tier this
+            # runs on an I/O thread, and another connection's store or delete of the key could
+            # land between a separate check and the commit.
+            if_stored = _IF_STORED.get(store.options & _CONDITIONS)
+            try:
+                if not reservation.commit(if_stored=if_stored):
+                    raise _condition_failed(present=not if_stored)
+            finally:
+                reservation.abort()  # no-op once committed
+
+        def done(_: None) -> None:
+            store.ns.directory.add(store.key, store.engine_key)
+            self.services.metrics.bytes_in.labels(FRONT).inc(len(reservation))
+            if self.services.events is not None:
+                self.services.events.stored(store.engine_key, store.ns.block_key(store.key), None)
+            self._complete(store.cid)
+
+        return self.in_order(
+            commit, done, functools.partial(self._refuse, store.cid, data_length=0)
+        )
 
     def _kv_retrieve(self, cmd: Command, data_length: int) -> None:
         ns, key = self._kv_namespace(cmd)
@@ -732,15 +790,23 @@ class _Queue(Session):
         _no_data(data_length)
         self._complete(cmd.cid, 0 if self.engine.contains(ns.engine_key(key)) else _MISS)
 
-    def _kv_delete(self, cmd: Command, data_length: int) -> None:
+    def _kv_delete(self, cmd: Command, data_length: int) -> Awaitable[object] | None:
         ns, key = self._kv_namespace(cmd)
         _no_data(data_length)
         engine_key = ns.engine_key(key)
-        deleted = self.engine.delete(engine_key)
-        ns.directory.remove(key)
-        if deleted and self.services.events is not None:
-            self.services.events.removed(engine_key)
-        self._complete(cmd.cid, 0 if deleted else _MISS)
+
+        def done(deleted: bool) -> None:
+            ns.directory.remove(key)
+            if deleted and self.services.events is not None:
+                self.services.events.removed(engine_key)
+            self._complete(cmd.cid, 0 if deleted else _MISS)
+
+        # With an SSD tier a delete wipes the block's slot header: in_order takes it off the loop.
+        return self.in_order(
+            functools.partial(self.engine.delete, engine_key),
+            done,
+            functools.partial(self._refuse, cmd.cid, data_length=0),
+        )
 
     def _kv_list(self, cmd: Command, data_length: int) -> None:
         ns, start = self._kv_namespace(cmd, empty_key=True)
@@ -806,13 +872,13 @@ def _no_info() -> StoreInfo:
 
 
 _ADMIN_FABRICS = frozenset({FabricsType.PROPERTY_GET, FabricsType.PROPERTY_SET})
-_FABRICS: dict[int, Callable[[_Queue, Command, int], None]] = {
+_FABRICS: dict[int, _Handler] = {
     FabricsType.CONNECT: _Queue._connect,
     FabricsType.PROPERTY_GET: _Queue._property_get,
     FabricsType.PROPERTY_SET: _Queue._property_set,
     FabricsType.DISCONNECT: _Queue._disconnect,
 }
-_ADMIN: dict[int, Callable[[_Queue, Command, int], None]] = {
+_ADMIN: dict[int, _Handler] = {
     AdminOpc.IDENTIFY: _Queue._identify,
     AdminOpc.GET_LOG_PAGE: _Queue._get_log_page,
     AdminOpc.SET_FEATURES: _Queue._set_features,
@@ -821,14 +887,14 @@ _ADMIN: dict[int, Callable[[_Queue, Command, int], None]] = {
     AdminOpc.ASYNC_EVENT: _Queue._async_event,
     AdminOpc.ABORT: _Queue._abort,
 }
-_IO: dict[int, Callable[[_Queue, Command, int], None]] = {
+_IO: dict[int, _Handler] = {
     KvOpc.STORE: _Queue._kv_store,
     KvOpc.RETRIEVE: _Queue._kv_retrieve,
     KvOpc.EXIST: _Queue._kv_exist,
     KvOpc.DELETE: _Queue._kv_delete,
     KvOpc.LIST: _Queue._kv_list,
 }
-_EVENTS: dict[type[Event], Callable[[_Queue, Any], None]] = {
+_EVENTS: dict[type[Event], Callable[[_Queue, Any], Awaitable[object] | None]] = {
     ICReq: _Queue._on_icreq,
     H2CTermReq: _Queue._on_termreq,
     CapsuleCmd: _Queue._on_capsule,

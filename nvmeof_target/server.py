@@ -47,8 +47,9 @@ class Services:
     metrics: Metrics
     executor: ThreadPoolExecutor
     events: KVEvents | None = None
-    # True when engine reads may wait on a device (SSD tier): fronts run them in `executor`.
-    blocking_reads: bool = False
+    # True when engine calls that move blocks may wait on a device (SSD tier): fronts run
+    # reads, reservations (which may evict to the SSD), commits and deletes in `executor`.
+    blocking_engine: bool = False
     started: float = field(default_factory=time.monotonic)
 
     def server_info(self) -> dict[str, object]:
@@ -129,7 +130,7 @@ class Daemon:
             tenants,
             metrics,
             executor,
-            blocking_reads=config.ssd.capacity_bytes > 0 and _has_ssd_tier(engine),
+            blocking_engine=config.ssd.capacity_bytes > 0 and _has_ssd_tier(engine),
         )
         self._services = services
         if config.events.enabled:

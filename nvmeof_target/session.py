@@ -1,5 +1,6 @@
 """What the daemon's fronts share per connection: a reader task that can be stopped or cut off,
-engine work that may block run on the I/O threads, per-request metrics, and a graceful stop.
+engine work that may block run on the I/O threads (with an SSD tier: reads, reservations,
+commits and deletes), per-request metrics, and a graceful stop.
 
 The native front (`native.py`) and the NVMe/TCP front (`nvme.py`) each subclass `Session` for
 their protocol; everything here is protocol-agnostic.
@@ -8,10 +9,9 @@ their protocol; everything here is protocol-agnostic.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from kvoffload.errors import KVOffloadError, RemoteProtocolError, TransportError
@@ -52,6 +52,10 @@ class Session:
     `run()` reads in its own task (`_read_loop`, the protocol's) so that `stop_reading()` can
     cancel it without cancelling the orderly finish: in-flight work is awaited, partially
     received writes are dropped (`_abandon`), queued answers are flushed, the socket closed.
+
+    A peer that stops reading its answers is given `send_timeout_s` without progress (the
+    front's watchdog asks `send_stalled`, and the finish gives up flushing), then cut off: its
+    queued answers pin arena blocks, which must not stay pinned for as long as it likes.
     """
 
     def __init__(
@@ -61,11 +65,13 @@ class Session:
         channel: Channel,
         peer: str,
         instruments: Instruments,
+        send_timeout_s: float,
     ) -> None:
         self.front_name = front
         self.services = services
         self.channel = channel
         self.peer = peer
+        self.send_timeout_s = send_timeout_s
         self._instruments = instruments
         self._started: dict[int, tuple[str, float]] = {}  # request/command id -> (op, t0)
         self._inflight_bytes = 0  # answer bytes queued and not yet in the kernel
@@ -118,9 +124,29 @@ class Session:
         if self._tasks:
             await asyncio.wait(list(self._tasks))
         self._abandon()
-        with contextlib.suppress(TransportError):
-            await self.channel.drain()
+        await self._flush()
         self.channel.close()
+
+    async def _flush(self) -> None:
+        """Send what is queued, unless the peer takes nothing for `send_timeout_s`."""
+        channel = self.channel
+        while channel.buffered:
+            left = channel.progress_at + self.send_timeout_s - time.monotonic()
+            if left <= 0:
+                self.services.metrics.refused.labels(self.front_name, "send timeout").inc()
+                log.info("closing %s: send timeout (%d B unsent)", self.peer, channel.buffered)
+                return
+            try:
+                await asyncio.wait_for(channel.drain(), left)
+                return
+            except asyncio.TimeoutError:
+                continue  # see whether the peer took anything meanwhile
+            except TransportError:
+                return
+
+    def send_stalled(self, now: float) -> bool:
+        """Answers are queued and the peer has taken none of them for `send_timeout_s`."""
+        return bool(self.channel.buffered) and now - self.channel.progress_at > self.send_timeout_s
 
     def stop_reading(self) -> None:
         """Take no more requests; answer those already received, then close."""
@@ -172,9 +198,9 @@ class Session:
         work: Callable[[], T],
         then: Callable[[T], None],
         fail: Callable[[KVOffloadError], None],
-    ) -> None:
+    ) -> asyncio.Task[None]:
         """Run `work` on the I/O threads (it may block), then `then(result)` on the loop, or
-        `fail(error)` if it raised a KVOffloadError."""
+        `fail(error)` if it raised a KVOffloadError. The connection's finish waits for it."""
         loop = asyncio.get_running_loop()
 
         async def job() -> None:
@@ -188,6 +214,7 @@ class Session:
         task = loop.create_task(job())
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -203,15 +230,66 @@ class Session:
         fail: Callable[[KVOffloadError], None],
     ) -> None:
         """An engine read inline, or on the I/O threads when it may wait on a device."""
-        if self.services.blocking_reads:
+        if self.services.blocking_engine:
             self.offload(work, then, fail)
             return
+        _inline(work, then, fail)
+
+    def in_order(
+        self,
+        work: Callable[[], T],
+        then: Callable[[T], None],
+        fail: Callable[[KVOffloadError], None],
+    ) -> Awaitable[object] | None:
+        """An engine call that changes the store (commit, delete): inline while the engine is
+        DRAM-only; with an SSD tier on the I/O threads (it may write to, or wipe on, the
+        device, and holding the loop would stall every connection). Then the caller (the
+        reader) awaits what this returns, so the next request still sees the change, as it
+        does inline; if the reader is cut off meanwhile, the work is still answered."""
+        if not self.services.blocking_engine:
+            _inline(work, then, fail)
+            return None
+        return asyncio.wait({self.offload(work, then, fail)})
+
+    async def off_loop(self, work: Callable[[], T], undo: Callable[[T], None]) -> T:
+        """Run `work` on the I/O threads and return its result (the caller, the reader, waits;
+        other connections do not).
+
+        Raises:
+            KVOffloadError: from `work`.
+            asyncio.CancelledError: the reader was stopped; `undo(result)` then runs once
+                `work` is done, so that what it claimed (a reservation) does not outlive the
+                connection.
+        """
+        job = asyncio.get_running_loop().run_in_executor(self.services.executor, work)
         try:
-            result = work()
-        except KVOffloadError as exc:
-            fail(exc)
-            return
-        then(result)
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            # The shielded work goes on and what it claims belongs to no one now: give it back
+            # once done. The connection's finish waits for that, as for offloaded requests.
+            task = asyncio.get_running_loop().create_task(_undo_when_done(job, undo))
+            self._tasks.add(task)
+            task.add_done_callback(self._task_done)
+            raise
+
+
+def _inline(
+    work: Callable[[], T], then: Callable[[T], None], fail: Callable[[KVOffloadError], None]
+) -> None:
+    try:
+        result = work()
+    except KVOffloadError as exc:
+        fail(exc)
+        return
+    then(result)
+
+
+async def _undo_when_done(job: asyncio.Future[T], undo: Callable[[T], None]) -> None:
+    try:
+        result = await job
+    except Exception:  # the work failed: it claimed nothing
+        return
+    undo(result)
 
 
 async def stop_sessions(sessions: Mapping[S, asyncio.Task[None]], timeout: float) -> None:

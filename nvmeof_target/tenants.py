@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from blake3 import blake3
 
-from kvoffload.errors import AuthError, ConfigError
+from kvoffload.errors import AuthError, ConfigError, InvalidArgumentError
 from kvoffload.kvstore import Engine
 from kvoffload.nvmeof_target.config import TenantConfig
 
@@ -65,8 +65,20 @@ class Tenants:
         return not self._configs
 
     def apply_quotas(self, engine: Engine) -> None:
+        """Set every tenant's quotas on `engine`.
+
+        Raises:
+            ConfigError: an SSD quota for a store without an SSD tier.
+        """
         for config in self._configs:
-            engine.set_quota(config.name, config.quota_bytes or None)
+            try:
+                engine.set_quota(
+                    config.name,
+                    config.quota_bytes or None,
+                    ssd_bytes=config.ssd_quota_bytes or None,
+                )
+            except InvalidArgumentError as exc:
+                raise ConfigError(f"tenants.{config.name}: {exc}") from exc
 
     def named(self, name: str) -> Tenant:
         """The tenant called `name` ("" = the open store's anonymous key space).

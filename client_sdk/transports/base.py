@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 __all__ = [
     "AsyncTransport",
     "HeldBlock",
+    "IntoBuffer",
     "PutItem",
     "Received",
     "ThreadedAsyncTransport",
@@ -41,6 +42,57 @@ class Received:
     length: int
 
 
+class IntoBuffer:
+    """The caller's buffer of a `get_into`, and how far into it payload bytes may have landed:
+    a get that fails part-way (a lost connection, a deadline, a cancel, a retry that finds a
+    miss or a shorter block) must not leave a partial block there."""
+
+    def __init__(self, buffer: memoryview) -> None:
+        self.buffer = buffer
+        self._touched = 0
+
+    def __len__(self) -> int:
+        return len(self.buffer)
+
+    def region(self, start: int, stop: int) -> memoryview:
+        """`buffer[start:stop]`, to receive into."""
+        self._touched = max(self._touched, min(stop, len(self.buffer)))
+        return self.buffer[start:stop]
+
+    def scrub(self, keep: int = 0) -> None:
+        """Zero what was received past the first `keep` bytes (the block the get returns)."""
+        if self._touched > keep:
+            self.buffer[keep : self._touched] = bytes(self._touched - keep)
+        self._touched = keep
+
+
+def received_into(
+    into: IntoBuffer, get: Callable[[], HeldBlock | Received | None]
+) -> HeldBlock | Received | None:
+    """Run a transport's `get`, which receives into `into`; on failure, and past the block it
+    returns, no received byte stays in the caller's buffer."""
+    try:
+        got = get()
+    except BaseException:
+        into.scrub()
+        raise
+    into.scrub(got.length if isinstance(got, Received) else 0)
+    return got
+
+
+async def received_into_async(
+    into: IntoBuffer, get: Callable[[], Awaitable[HeldBlock | Received | None]]
+) -> HeldBlock | Received | None:
+    """`received_into` for an asyncio transport (a cancelled get is scrubbed too)."""
+    try:
+        got = await get()
+    except BaseException:
+        into.scrub()
+        raise
+    into.scrub(got.length if isinstance(got, Received) else 0)
+    return got
+
+
 class Transport(Protocol):
     """Moves stored blocks to and from one store. Keys are 16 bytes, already validated."""
 
@@ -63,6 +115,8 @@ class Transport(Protocol):
 
         Raises:
             InvalidArgumentError: the payload does not fit `buffer` (nothing was written).
+            TransportError, DeadlineExceededError: no byte received before the failure is
+                left in `buffer` (it is zeroed); neither is any past the returned block.
         """
         ...
 

@@ -14,7 +14,9 @@ verify instead of the URL's host).
 
 A daemon that cannot be reached raises `TransportError` once the retries are spent (never
 hangs: every socket operation has the operation's deadline); `DeadlineExceededError` when the
-deadline passes first. The request layer turns both into misses for `lookup`/`exists`.
+deadline passes first. The request layer turns both into misses for `lookup`/`exists`. A
+connection the daemon has closed meanwhile (a goodbye after `idle_timeout_s`, a restart) is
+replaced by a fresh one without spending a retry.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import select
 import socket
 import ssl
 import threading
@@ -33,7 +36,14 @@ from functools import partial
 from typing import Any, TypeVar, cast
 
 from kvoffload import __version__
-from kvoffload.client_sdk.transports.base import HeldBlock, PutItem, Received
+from kvoffload.client_sdk.transports.base import (
+    HeldBlock,
+    IntoBuffer,
+    PutItem,
+    Received,
+    received_into,
+    received_into_async,
+)
 from kvoffload.client_sdk.url import StoreURL
 from kvoffload.client_sdk.wire.block import HEADER_BYTES
 from kvoffload.client_sdk.wire.native import (
@@ -70,7 +80,6 @@ from kvoffload.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
     KVOffloadError,
-    ProtocolError,
     RemoteProtocolError,
     TransportError,
 )
@@ -198,6 +207,9 @@ class _Session:
         self._next_id = 0
         self.calls: dict[int, _Call] = {}
         self.broken: KVOffloadError | None = None
+        # The daemon ended the connection (a goodbye or EOF), e.g. closing it as idle: it took
+        # no request after that, so the driver retries on a fresh connection.
+        self.peer_closed = False
 
     def start(self, req: _Req) -> tuple[_Call, list[bytes | memoryview]]:
         if self.broken is not None:  # e.g. the daemon said goodbye: the driver reconnects
@@ -215,11 +227,15 @@ class _Session:
             try:
                 item = self.conn.next_event()
             except RemoteProtocolError as exc:
-                self.fail(exc)
+                # Cut off mid-answer (a killed daemon, a reset): the connection failed, not the
+                # protocol, so the request may be retried.
+                cut = TransportError(f"the daemon closed the connection: {exc}")
+                self.fail(cut if self.conn.peer_closed else exc)
                 return
             if item is NEED_DATA:
                 return
             if isinstance(item, ConnectionClosed):
+                self.peer_closed = True
                 self.fail(TransportError("the daemon closed the connection"))
                 return
             if isinstance(item, PayloadEnd):
@@ -230,8 +246,10 @@ class _Session:
 
     def _answer(self, event: Event) -> None:
         if isinstance(event, ErrorReply) and event.request_id == 0:
-            error = error_for(event.status, f"daemon closed the connection: {event.message}")
-            self.fail(error if not isinstance(error, ProtocolError) else TransportError(str(error)))
+            # A goodbye: whatever its status (an idle timeout says DEADLINE), the connection is
+            # gone, not the request, which a fresh connection can carry.
+            self.peer_closed = True
+            self.fail(TransportError(f"daemon closed the connection: {event.message}"))
             return
         call = self.calls[event.request_id]  # the codec checked the id is outstanding
         call.answer = event
@@ -371,7 +389,7 @@ def _plan_get(key: bytes) -> Plan[HeldBlock | None]:
     return _Held(call.payload if call.payload is not None else memoryview(b""))
 
 
-def _plan_get_into(key: bytes, buffer: memoryview) -> Plan[Received | None]:
+def _plan_get_into(key: bytes, buffer: IntoBuffer) -> Plan[Received | None]:
     header = memoryview(bytearray(HEADER_BYTES))
     received = 0
 
@@ -387,7 +405,7 @@ def _plan_get_into(key: bytes, buffer: memoryview) -> Plan[Received | None]:
                 f"{length - HEADER_BYTES}-byte block"
             )
         received = length - HEADER_BYTES
-        return [header, buffer[:received]]
+        return [header, buffer.region(0, received)]
 
     (call,) = yield [_Req(partial(_key_event, Get, key), sink=sink)]
     answer = cast(GetResult, call.result())
@@ -405,12 +423,16 @@ def _plan_get_many(keys: Sequence[bytes]) -> Plan[list[HeldBlock | None]]:
         done = 0
         for chunk, call in zip(chunks, calls, strict=True):
             answer = cast(GetManyResult, call.result())
+            # A prefix of at least one key, or the loop would ask again forever (or the
+            # results would not line up with the keys).
+            if not 1 <= len(answer.lengths) <= len(chunk):
+                raise RemoteProtocolError(
+                    f"the daemon answered {len(answer.lengths)} keys of {len(chunk)} asked for"
+                )
             out += _split(answer.lengths, call.payload)
             done += len(answer.lengths)
             if len(answer.lengths) < len(chunk):
                 break  # the daemon answered a prefix; ask again from there
-            if not answer.lengths:
-                raise RemoteProtocolError("the daemon answered none of the keys asked for")
         rest = rest[done:]
     return out
 
@@ -437,6 +459,8 @@ def _plan_lookup(keys: Sequence[bytes]) -> Plan[int]:
     for i in range(0, len(keys), _BATCH_KEYS):
         chunk = tuple(keys[i : i + _BATCH_KEYS])
         answer = cast(LookupResult, (yield from _one(_Req(partial(_keys_event, Lookup, chunk)))))
+        if not 0 <= answer.count <= len(chunk):
+            raise RemoteProtocolError(f"lookup of {len(chunk)} keys answered {answer.count}")
         total += answer.count
         if answer.count < len(chunk):
             break
@@ -446,7 +470,10 @@ def _plan_lookup(keys: Sequence[bytes]) -> Plan[int]:
 def _plan_prefetch(keys: Sequence[bytes]) -> Plan[int]:
     chunks = [tuple(keys[i : i + _BATCH_KEYS]) for i in range(0, len(keys), _BATCH_KEYS)]
     calls = yield [_Req(partial(_keys_event, Prefetch, c)) for c in chunks]
-    return sum(cast(PrefetchResult, call.result()).count for call in calls)
+    counts = [cast(PrefetchResult, call.result()).count for call in calls]
+    if any(not 0 <= n <= len(c) for n, c in zip(counts, chunks, strict=True)):
+        raise RemoteProtocolError(f"prefetch answered {counts} for chunks of {len(chunks[0])}")
+    return sum(counts)
 
 
 _CLIENT = f"kvoffload-sdk/{__version__} python"
@@ -480,6 +507,7 @@ class _SyncConnection:
                 raise TransportError(f"TLS handshake with {options.url} failed: {exc}") from None
         self.sock = sock
         self.tls = context is not None
+        self.reused = False  # taken from the pool: the daemon may have closed it meanwhile
         self.welcome: Welcome = self.run(_plan_hello(options.token), deadline)
 
     def run(self, plan: Plan[T], deadline: float) -> T:
@@ -541,6 +569,25 @@ class _SyncConnection:
     @property
     def healthy(self) -> bool:
         return self.session.broken is None and not self.session.calls
+
+    def stale(self) -> bool:
+        """Whether the daemon closed this idle connection (a goodbye or EOF is waiting)."""
+        session = self.session
+        try:
+            if not select.select([self.sock], [], [], 0)[0]:
+                return False
+            self.sock.settimeout(0)
+            n = self.sock.recv_into(session.conn.get_buffer())
+        except (ssl.SSLWantReadError, BlockingIOError):
+            return False  # TLS bytes that are not a whole record yet
+        except (OSError, ValueError):
+            return True
+        if n:
+            session.conn.buffer_updated(n)
+        else:
+            session.conn.receive_eof()
+        session.feed()
+        return session.broken is not None
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -608,8 +655,13 @@ class KVTransport:
             while True:
                 if self._closed:
                     raise TransportError("the client is closed")
-                if self._idle:
-                    return self._idle.pop()
+                while self._idle:
+                    conn = self._idle.pop()
+                    if not conn.stale():
+                        conn.reused = True
+                        return conn
+                    conn.close()
+                    self._open -= 1
                 if self._open < self.options.pool:
                     self._open += 1
                     break
@@ -646,6 +698,12 @@ class KVTransport:
             except TransportError as exc:
                 if conn is not None:
                     self._release(conn, False)
+                    if conn.reused and conn.session.peer_closed:
+                        # The daemon closed a pooled connection (idle) just as this request
+                        # went out: not a failure of the request. Each pooled connection can
+                        # cause this once, so it needs no retry budget.
+                        log.debug("pooled connection was closed (%s); reconnecting", exc)
+                        continue
                 wait = next(delays, None)
                 if wait is None:
                     raise
@@ -696,7 +754,8 @@ class KVTransport:
         return self._run(lambda: _plan_get(key))
 
     def get_into(self, key: bytes, buffer: memoryview) -> HeldBlock | Received | None:
-        return self._run(lambda: _plan_get_into(key, buffer))
+        into = IntoBuffer(buffer)
+        return received_into(into, lambda: self._run(lambda: _plan_get_into(key, into)))
 
     def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]:
         return self._run(lambda: _plan_get_many(keys))
@@ -890,11 +949,18 @@ class AsyncKVTransport:
     async def _run(self, plan: Callable[[], Plan[T]]) -> T:
         deadline = time.monotonic() + self.options.timeout
         delays = self._retry.delays(deadline)
+        earlier = self._conn
         while True:
+            conn = None
             try:
                 conn = await self._connection(deadline)
                 return await conn.run(plan(), deadline)
             except TransportError:
+                if conn is not None and conn is earlier and conn.session.peer_closed:
+                    # The daemon closed the connection (idle) as this request went out: not a
+                    # failure of the request; once per run, so it needs no retry budget.
+                    earlier = None
+                    continue
                 wait = next(delays, None)
                 if wait is None:
                     raise
@@ -934,7 +1000,8 @@ class AsyncKVTransport:
         return await self._run(lambda: _plan_get(key))
 
     async def get_into(self, key: bytes, buffer: memoryview) -> HeldBlock | Received | None:
-        return await self._run(lambda: _plan_get_into(key, buffer))
+        into = IntoBuffer(buffer)
+        return await received_into_async(into, lambda: self._run(lambda: _plan_get_into(key, into)))
 
     async def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]:
         return await self._run(lambda: _plan_get_many(keys))

@@ -32,7 +32,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from kvoffload.client_sdk.transports.base import HeldBlock, PutItem, Received
+from kvoffload.client_sdk.transports.base import (
+    HeldBlock,
+    IntoBuffer,
+    PutItem,
+    Received,
+    received_into,
+)
 from kvoffload.client_sdk.transports.kv import _left, _Retrying, _send_all
 from kvoffload.client_sdk.url import StoreURL
 from kvoffload.client_sdk.wire import nvme_cmd as nc
@@ -935,7 +941,8 @@ class NvmeTransport:
         return self._run(lambda h: _plan_get(h, key))
 
     def get_into(self, key: bytes, buffer: memoryview) -> HeldBlock | Received | None:
-        return self._run(lambda h: _plan_get_into(h.nsid, key, buffer))
+        into = IntoBuffer(buffer)
+        return received_into(into, lambda: self._run(lambda h: _plan_get_into(h.nsid, key, into)))
 
     def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]:
         return self._run(lambda h: _plan_get_many(h, keys))
@@ -1032,7 +1039,7 @@ def _plan_get_many(host: NvmeHost, keys: Sequence[bytes]) -> Plan[list[HeldBlock
     return [_held(c) for c in calls]
 
 
-def _plan_get_into(nsid: int, key: bytes, buffer: memoryview) -> Plan[Received | None]:
+def _plan_get_into(nsid: int, key: bytes, buffer: IntoBuffer) -> Plan[Received | None]:
     header = memoryview(bytearray(HEADER_BYTES))
     too_small = False
 
@@ -1046,7 +1053,7 @@ def _plan_get_into(nsid: int, key: bytes, buffer: memoryview) -> Plan[Received |
         if too_small:
             return None
         start = offset - HEADER_BYTES
-        return [buffer[start : start + left]]
+        return [buffer.region(start, start + left)]
 
     size = HEADER_BYTES + len(buffer)
     make = partial(_keyed, fn=nc.kv_retrieve, nsid=nsid, key=key, buffer_size=size)
@@ -1055,8 +1062,7 @@ def _plan_get_into(nsid: int, key: bytes, buffer: memoryview) -> Plan[Received |
         return None
     c = call.ok("KV Retrieve")
     if too_small or c.dw0 > size:
-        if not too_small:  # a block that is not one of ours wrote some bytes: clear them
-            buffer[: min(len(buffer), call.received)] = bytes(min(len(buffer), call.received))
+        # (a block that is not one of ours may have written some bytes: received_into clears them)
         raise InvalidArgumentError(
             f"buffer of {len(buffer)} bytes is too small for a {c.dw0 - HEADER_BYTES}-byte block"
         )

@@ -499,6 +499,12 @@ class NativeConnection:
         self._eof = False
         self._error: RemoteProtocolError | None = None
 
+    def set_limits(self, limits: Limits) -> None:
+        """Bound what the peer may declare from the next frame on (a server accepts only a
+        small Hello from a peer it does not know yet)."""
+        self.limits = limits
+        self._reader.limits = limits
+
     # ------------------------------------------------------------------ receiving
 
     def get_buffer(self) -> memoryview:
@@ -517,6 +523,11 @@ class NativeConnection:
 
     def receive_eof(self) -> None:
         self._eof = True
+
+    @property
+    def peer_closed(self) -> bool:
+        """The peer closed its side (whether or not at a frame boundary)."""
+        return self._eof
 
     def set_payload_sink(self, buffers: Sequence[memoryview]) -> None:
         """Put the payload of the event just returned into `buffers` (sizes must add up)."""

@@ -31,8 +31,15 @@ CC_ENABLE = (6 << 16) | (4 << 20) | (6 << 4) | 1
 
 
 class RawQueue:
-    def __init__(self, port: int, *, digests: bool = False, icreq: bool = True) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    def __init__(
+        self,
+        port: int,
+        *,
+        digests: bool = False,
+        icreq: bool = True,
+        sock: socket.socket | None = None,
+    ) -> None:
+        self.sock = sock or socket.create_connection(("127.0.0.1", port), timeout=30)
         self.sock.settimeout(30)
         self.conn = NvmeTcpConnection(Role.HOST)
         self._cid = 0

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from probes import closed, eventually, pinned, refused, small_window
 
 from kvoffload.client_sdk import Client
 from kvoffload.client_sdk.wire.frames import FRAME, MAGIC
@@ -19,6 +20,7 @@ from kvoffload.client_sdk.wire.native import (
     ConnectionClosed,
     ErrorReply,
     Get,
+    GetResult,
     Hello,
     NativeConnection,
     Put,
@@ -120,6 +122,41 @@ def test_requests_without_a_valid_hello_are_refused(start_daemon: Start) -> None
     assert events[0].status == Status.AUTH and events[0].request_id == 1
 
 
+def test_connections_without_a_hello_are_closed(start_daemon: Start) -> None:
+    # Idle connections are kept for 300 s; one that never says Hello only for hello_timeout_s.
+    daemon = start_daemon(config="[native]\nhello_timeout_s = 1.0\n")
+    key = os.urandom(16)
+    conn = NativeConnection(Role.CLIENT)
+    with _connect(daemon.port) as greeted:
+        greeted.sendall(conn.send(Hello(1)))
+        with _connect(daemon.port) as silent:  # opened after the Hello: its deadline is later
+            events = _answers(silent)
+        assert isinstance(events[0], ErrorReply) and events[0].status == Status.DEADLINE
+        assert refused(daemon, "hello timeout") == 1.0
+        # The connection that said Hello is not subject to the deadline: it is still served.
+        greeted.sendall(conn.send(Get(2, key)))
+        answers: list[object] = []
+        while len(answers) < 2:
+            conn.receive_data(greeted.recv(65536))
+            while (event := conn.next_event()) is not NEED_DATA:
+                answers.append(event)
+    assert isinstance(answers[0], Welcome) and answers[1] == GetResult(2, None)
+
+
+def test_a_large_header_before_hello_is_refused_at_once(start_daemon: Start) -> None:
+    daemon = start_daemon()  # frame_timeout_s = 60: only the pre-Hello limit answers in time
+    for head in (
+        FRAME.pack(MAGIC, 1, 1, 0, 1, 1 << 20, 0),  # a 1 MiB header, under max_header_bytes
+        FRAME.pack(MAGIC, 1, 1, 0, 1, 10, 1000),  # a payload: a Hello has none
+    ):
+        with _connect(daemon.port) as sock:
+            sock.sendall(head + bytes(1000))
+            events = _answers(sock)
+        assert isinstance(events[0], ErrorReply) and events[0].status == Status.PROTOCOL
+        assert "exceeds the limit" in events[0].message
+    _intact(daemon.port, _seed(daemon.port))  # after Hello the full limits apply
+
+
 def test_slow_partial_frames_are_cut_off(start_daemon: Start) -> None:
     daemon = start_daemon(config=LIMITS)
     blocks = _seed(daemon.port)
@@ -207,3 +244,28 @@ def test_too_many_connections_are_refused_cleanly(start_daemon: Start) -> None:
     with Client.connect(f"kv://127.0.0.1:{daemon.port}?retries=5&backoff=0.1") as client:
         client.put(bytes(16), b"after")
         assert client.get(bytes(16)) == b"after"
+
+
+@pytest.mark.parametrize("half_close", [False, True], ids=["open", "half-closed"])
+def test_a_client_that_stops_reading_is_cut_off_and_its_blocks_released(
+    start_daemon: Start, half_close: bool
+) -> None:
+    # Queued answers pin their blocks; a peer that takes none of them for frame_timeout_s is
+    # closed (also once it has half-closed and the daemon is only flushing), which releases them.
+    daemon = start_daemon(config=LIMITS)
+    keys = [os.urandom(16) for _ in range(30)]
+    with Client.connect(f"kv://127.0.0.1:{daemon.port}") as client:
+        for key in keys:
+            client.put(key, os.urandom(1 << 20))
+        conn = NativeConnection(Role.CLIENT)
+        hello = conn.send(Hello(1))
+        gets = b"".join(conn.send(Get(i, k)) for i, k in enumerate(keys, start=2))
+        with small_window(daemon.port) as sock:
+            sock.sendall(hello + gets)
+            if half_close:
+                sock.shutdown(socket.SHUT_WR)
+            # ... and never reads. The daemon serves the Gets, gives up, releases the views.
+            assert eventually(lambda: client.stats().store["gets"] == len(keys))
+            assert eventually(lambda: pinned(client) == 0)
+            assert refused(daemon, "send timeout") == 1.0
+            assert closed(sock)

@@ -31,7 +31,10 @@ def test_rows_cover_every_case_and_reference() -> None:
         else:
             assert redis.ref_value is None and "not installed" in redis.note
         lmcache = rows[(f"{op}/64KiB", "lmcache")]
-        assert lmcache.ref_value is None and lmcache.note  # a null reference says why
+        if importlib.util.find_spec("lmcache") is None:  # measured in the engines suite
+            assert lmcache.ref_value is None and "lmcache not installed" in lmcache.note
+        else:
+            assert lmcache.ref_value and lmcache.note.startswith("LMCache")
     lookup = rows[("lookup/1000keys", "goal_p50")]
     assert lookup.unit == "ms" and lookup.value > 0 and lookup.ref_value == 2.0
 

@@ -8,21 +8,30 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import numpy as np
 import pytest
 import zmq
+from probes import pinned, settled
 
 from kvoffload.client_sdk import AsyncClient, Client, Namespace, block_keys
-from kvoffload.errors import AuthError, DeadlineExceededError, InvalidArgumentError, TransportError
+from kvoffload.client_sdk.wire.native import Get, Hello, NativeConnection, Role, Welcome
+from kvoffload.errors import (
+    AuthError,
+    CapacityError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    TransportError,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -188,6 +197,41 @@ def test_tenants_are_isolated_and_authenticated(start_daemon: Start) -> None:
             Client.connect(daemon.url(token=token, retries="0"))
 
 
+def test_ssd_quotas_bound_a_tenants_ssd_blocks(start_daemon: Start) -> None:
+    config = TENANTS.replace('quota_bytes = "1MiB"', 'ssd_quota_bytes = "2MiB"')
+    daemon = start_daemon("--ssd", "64MiB", config=config)
+    keys = [i.to_bytes(16, "big") for i in range(24)]
+    with (
+        Client.connect(daemon.url(token="alice-secret")) as alice,
+        Client.connect(daemon.url(token="bob-secret")) as bob,
+    ):
+        bob.put(keys[0], bytes(200_000), durable=True)
+        for k in keys:  # 24 durable 200 KB blocks: ~5 MB against a 2 MiB SSD quota
+            alice.put(k, bytes(200_000), durable=True)
+        held = alice.stats().store["ssd_tenant_bytes"]
+        assert list(held) == ["alice"] and 0 < held["alice"] <= 2 << 20  # type: ignore[index]
+        assert bob.get(keys[0]) == bytes(200_000)
+    text = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
+    assert 'kvoffload_tenant_ssd_bytes{tenant="alice"}' in text
+    assert 'kvoffload_tenant_ssd_bytes{tenant="bob"}' in text
+
+
+def test_ssd_quota_without_an_ssd_tier_is_a_config_error(tmp_path: Path) -> None:
+    config = tmp_path / "kvoffload.toml"
+    config.write_text('[tenants.alice]\ntoken = "t"\nssd_quota_bytes = "1GiB"\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvoffload.bench.cli", "serve", "--port", "0", "--nvme-port", "0"]
+        + ["--metrics-port", "0", "--dram", "16MiB", "--ssd", "0", "--config", str(config)]
+        + ["--data-dir", str(tmp_path / "data")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    assert "tenants.alice: an SSD quota needs an SSD tier" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_tls_with_a_self_signed_certificate(start_daemon: Start, tmp_path: Path) -> None:
     cert, key = _self_signed(tmp_path)
     daemon = start_daemon("--tls-cert", str(cert), "--tls-key", str(key))
@@ -208,6 +252,35 @@ def test_tls_with_a_self_signed_certificate(start_daemon: Start, tmp_path: Path)
     # A plain-text client gets a clear error, not a hang.
     with pytest.raises((TransportError, DeadlineExceededError)):
         Client.connect(daemon.url(timeout="3", retries="0")).put(bytes(16), b"x")
+
+
+def test_a_tls_client_that_stops_reading_is_flow_controlled(
+    start_daemon: Start, tmp_path: Path
+) -> None:
+    # Ciphertext waiting for a peer that does not read counts against max_inflight_bytes: the
+    # daemon stops taking that connection's Gets instead of encrypting every answer into memory.
+    cert, key = _self_signed(tmp_path)
+    daemon = start_daemon(
+        "--tls-cert", str(cert), "--tls-key", str(key),
+        config='[native]\nmax_inflight_bytes = "4MiB"\n',
+    )  # fmt: skip
+    gets = 300  # of a 1 MiB block: 300 MiB of answers if nothing held the daemon back
+    with Client.connect(daemon.url(tls="1", ca=str(cert), server_name="localhost")) as client:
+        client.put(bytes(16), os.urandom(1 << 20))
+        before = cast(int, client.stats().store["gets"])
+        context = ssl.create_default_context(cafile=str(cert))
+        plain = socket.create_connection(("127.0.0.1", daemon.port), timeout=10)
+        with context.wrap_socket(plain, server_hostname="localhost") as raw:
+            conn = NativeConnection(Role.CLIENT)
+            raw.sendall(conn.send(Hello(1)))
+            conn.receive_data(raw.recv(65536))
+            assert isinstance(conn.next_event(), Welcome)
+            rss_before = daemon.rss_bytes()
+            raw.sendall(b"".join(conn.send(Get(i, bytes(16))) for i in range(2, 2 + gets)))
+            # ... and never reads an answer.
+            served = settled(lambda: cast(int, client.stats().store["gets"]) - before, gets)
+            assert served < gets / 4
+            assert daemon.rss_bytes() - rss_before < 64 << 20
 
 
 def _self_signed(tmp: Path) -> tuple[Path, Path]:
@@ -332,6 +405,23 @@ def test_kv_events_follow_blocks_to_the_ssd(start_daemon: Start) -> None:
                     promoted.update(event["block_hashes"])
         assert first in demoted and first in promoted
     sub.close(linger=0)
+
+
+def test_a_get_many_that_fails_part_way_releases_what_it_pinned(start_daemon: Start) -> None:
+    # 16 blocks of 900 KiB in 8 MiB of DRAM: most live on the SSD only. A get_many of all of
+    # them pins each block it reads, so promoting the later ones finds every DRAM block pinned.
+    daemon = start_daemon(
+        "--dram", "8MiB", "--ssd", "64MiB", env={"KVOFFLOAD_SSD__ADMISSION_MIN_USES": "1"}
+    )
+    keys = [i.to_bytes(16, "big") for i in range(16)]
+    with Client.connect(daemon.url()) as client:
+        for key in keys:
+            client.put(key, bytes(900 << 10))
+        with pytest.raises(CapacityError):
+            client.get_many(keys)
+        assert pinned(client) == 0  # the views taken before the failure were released
+        for key in keys[:4]:  # ... so DRAM has room to promote blocks again
+            assert client.get(key) == bytes(900 << 10)
 
 
 def test_a_dead_daemon_gives_misses_and_clear_errors(caplog: pytest.LogCaptureFixture) -> None:

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from nvme_raw import RawQueue
+from probes import closed, eventually, pinned, refused, small_window
 
 from kvoffload.client_sdk import Client
 from kvoffload.client_sdk.wire import nvme_cmd as nc
@@ -75,13 +76,13 @@ def _terminated(q: RawQueue) -> C2HTermReq:
     return terms[0]
 
 
-def _io_queue(port: int) -> tuple[RawQueue, RawQueue]:
-    """An admin queue, enabled, and one I/O queue connected to its controller."""
+def _io_queue(port: int, sock: socket.socket | None = None) -> tuple[RawQueue, RawQueue]:
+    """An admin queue, enabled, and one I/O queue (over `sock` if given) of its controller."""
     admin = RawQueue(port)
     c = admin.connect()
     admin.enable()
     assert admin.command(nc.set_features(admin.cid(), 0x07, 0))[0].ok
-    io = RawQueue(port)
+    io = RawQueue(port, sock=sock)
     assert io.connect(1, cntlid=c.dw0).ok
     return admin, io
 
@@ -226,6 +227,27 @@ def test_truncated_and_silent_connections_are_closed(start_daemon: Start) -> Non
     slow.send_raw(_ch(4, 0, 72, 0, 72) + bytes(10))
     assert isinstance(slow.until_closed()[-1], ConnectionClosed)
     _intact(daemon.nvme_url(), blocks)
+
+
+def test_a_host_that_stops_reading_is_cut_off_and_its_blocks_released(start_daemon: Start) -> None:
+    # C2HData waiting for a host that takes none of it pins the values it is sent from; after
+    # frame_timeout_s without progress the queue is closed and they are released.
+    daemon = start_daemon(config=LIMITS)
+    keys = [os.urandom(16) for _ in range(30)]
+    with Client.connect(daemon.url()) as client:  # the native front fills the same store
+        for key in keys:
+            client.put(key, os.urandom(1 << 20))
+        port = daemon.ports["nvme"]
+        admin, io = _io_queue(port, small_window(port))
+        retrieves = [CapsuleCmd(nc.kv_retrieve(cid, 1, k, 2 << 20)) for cid, k in enumerate(keys)]
+        io.send_raw(b"".join(io.conn.send(r) for r in retrieves))
+        # ... and never reads.
+        assert eventually(lambda: client.stats().store["gets"] == len(keys))
+        assert eventually(lambda: pinned(client) == 0)
+        assert refused(daemon, "send timeout", "nvme") == 1.0
+        assert closed(io.sock)
+        io.close()
+        admin.close()
 
 
 def test_too_many_connections_are_refused(start_daemon: Start) -> None:

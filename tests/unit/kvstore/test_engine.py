@@ -326,3 +326,30 @@ def test_tier_listener_hears_evictions_only() -> None:
         assert heard and all(kind == "removed" and tier == "dram" for kind, _, tier in heard)
         assert {k for _, k, _ in heard} <= set(keys[:-2])
         assert len(heard) == engine.stats().evictions
+
+
+def test_a_conditional_commit_checks_with_the_publish(engine: Engine) -> None:
+    used = engine.stats().tiers[0].used_bytes
+    absent = engine.reserve(key(7), 3)
+    absent.buffer[:] = b"new"
+    engine.put(key(7), b"old")  # stored after the reservation, before its commit
+    assert absent.commit(if_stored=False) is False
+    assert _value(engine, key(7)) == b"old"  # the conditional value was not published ...
+    engine.delete(key(7))
+    assert engine.stats().tiers[0].used_bytes == used  # ... and its slot was given back
+    present = engine.reserve(key(7), 3)
+    present.buffer[:] = b"new"
+    assert present.commit(if_stored=True) is False
+    assert not engine.contains(key(7))
+    again = engine.reserve(key(7), 3)
+    again.buffer[:] = b"new"
+    assert again.commit(if_stored=False) is True
+    assert _value(engine, key(7)) == b"new"
+
+
+def _value(engine: Engine, k: bytes) -> bytes | None:
+    view = engine.get(k)
+    if view is None:
+        return None
+    with view:
+        return bytes(view.data)

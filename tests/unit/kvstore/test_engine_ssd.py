@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvoffload.errors import ConfigError, InvalidArgumentError, StorageIOError
+from kvoffload.errors import CapacityError, ConfigError, InvalidArgumentError, StorageIOError
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
 
 BLOCK = 200_000
@@ -223,6 +223,44 @@ def test_failed_slot_flush_fails_durable_puts_and_keeps_older_blocks(tmp_path: P
         engine.close()
     with Engine(config(tmp_path)) as again:
         assert read(again, 1) == value(1)
+
+
+def test_ssd_quota_evicts_only_the_tenants_own_coldest_blocks(tmp_path: Path) -> None:
+    with Engine(config(tmp_path)) as engine:
+        ssd = engine._ssd
+        assert ssd is not None
+        slot = ssd.classes.sizes[ssd.slot_class(BLOCK) or 0]
+        quota = 6 * slot
+        engine.set_quota("a", None, ssd_bytes=quota)
+        for i in range(100, 110):  # tenant b: no quota
+            engine.put(key(i), value(i), tenant="b", durable=True)
+        for i in range(40):  # durable puts go to the SSD at once
+            engine.put(key(i), value(i), tenant="a", durable=True)
+            used = engine.stats().ssd_tenant_bytes
+            assert used["a"] <= quota and used["b"] == 10 * slot
+        on_ssd = [i for i in range(40) if ssd.find(key(i)) != -1]
+        assert 39 in on_ssd and 4 <= len(on_ssd) <= 6 and 0 not in on_ssd
+        assert engine.stats().tiers[1].evictions >= 34
+        assert all(ssd.find(key(i)) != -1 for i in range(100, 110))  # b lost nothing
+        assert read(engine, on_ssd[0]) == value(on_ssd[0])
+        # (Reading promotes, which may demote a's blocks and so evict others of a's there.)
+        assert all(read(engine, i) in (None, value(i)) for i in range(40))
+        before = engine.stats().ssd_tenant_bytes
+    with Engine(config(tmp_path)) as again:  # the accounting is rebuilt from the index
+        assert again.stats().ssd_tenant_bytes == before
+
+
+def test_quota_arguments_are_checked(tmp_path: Path) -> None:
+    dram_only = Engine(EngineConfig(DramConfig(capacity_bytes=4 << 20, prefault=False)))
+    with dram_only, pytest.raises(InvalidArgumentError, match="SSD tier"):
+        dram_only.set_quota("a", None, ssd_bytes=1 << 20)
+    with Engine(config(tmp_path)) as engine:
+        with pytest.raises(InvalidArgumentError, match="negative"):
+            engine.set_quota("a", None, ssd_bytes=-1)
+        engine.set_quota("a", None, ssd_bytes=100)  # smaller than one slot
+        with pytest.raises(CapacityError, match="SSD quota"):
+            engine.put(key(1), value(1), tenant="a", durable=True)
+        assert read(engine, 1) is None
 
 
 def test_torn_journal_tail_is_cut_and_reported(tmp_path: Path) -> None:

@@ -113,6 +113,13 @@ class TieredMachine(RuleBasedStateMachine):
             assert tier.used_bytes <= tier.capacity_bytes
             assert tier.corrupt_blocks == 0 and tier.io_errors == 0
         assert stats.tiers[1].evictions == 0  # the SSD holds the whole key space
+        # The per-tenant SSD bytes kept on every insert and removal (and rebuilt on reopen)
+        # equal the slot bytes of the rows the index holds.
+        ssd = self.engine._ssd
+        assert ssd is not None
+        rows = ssd.index.live_rows()
+        held = sum(ssd.classes.sizes[int(c)] for c in ssd.index.cls[rows])
+        assert stats.ssd_tenant_bytes == ({"": held} if held else {})
 
     def teardown(self) -> None:
         for view, _ in self.held:

@@ -61,6 +61,8 @@ def test_precedence(tmp_path: Path) -> None:
         ("[tenants.a]\ntoken = ''\n", {}, [], "non-empty token"),
         ("[tenants.a]\ntoken = 'x'\n[tenants.b]\ntoken = 'x'\n", {}, [], "share a token"),
         ("native = 1\n", {}, [], "must be a table"),
+        ("[native]\nmax_pending = 1\n", {}, [], "native.max_pending must be >= 2"),
+        ("", {"KVOFFLOAD_NATIVE__MAX_PENDING": "0"}, [], "native.max_pending must be"),
         ("[native\n", {}, [], "not valid TOML"),
     ],
 )

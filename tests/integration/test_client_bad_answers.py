@@ -1,0 +1,182 @@
+"""The `kv://` client against a peer that breaks the protocol in ways the codec alone cannot
+see (an answer that does not fit its request: RemoteProtocolError, a KVOffloadError) or stops
+in the middle of an answer (no partial block is left in a `get_into` buffer).
+
+The real daemon never sends these, so the peer here is a scripted server on 127.0.0.1 built on
+the same sans-I/O codec.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvoffload.client_sdk import AsyncClient, Client
+from kvoffload.client_sdk.wire.block import HEADER_BYTES
+from kvoffload.client_sdk.wire.native import (
+    NEED_DATA,
+    ConnectionClosed,
+    Event,
+    Get,
+    GetMany,
+    GetManyResult,
+    GetResult,
+    Hello,
+    Lookup,
+    LookupResult,
+    NativeConnection,
+    Role,
+    Welcome,
+)
+from kvoffload.errors import KVOffloadError, RemoteProtocolError, TransportError
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+# request -> (bytes to send, then close the connection)
+Answer = Callable[[NativeConnection, Event], tuple[bytes, bool]]
+
+
+@contextlib.contextmanager
+def peer(answer: Answer) -> Iterator[int]:
+    """A native-protocol server that welcomes every connection and answers every other request
+    with `answer`; yields its port."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    done = threading.Event()
+
+    def serve(sock: socket.socket) -> None:
+        conn = NativeConnection(Role.SERVER)
+        with sock:
+            while not done.is_set():
+                try:
+                    data = sock.recv(65536)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return
+                conn.receive_data(data)
+                while (event := conn.next_event()) is not NEED_DATA:
+                    if isinstance(event, ConnectionClosed):
+                        return
+                    if isinstance(event, Hello):
+                        welcome = Welcome(event.request_id, 1, "", 1 << 20, 1 << 20)
+                        data, close = _joined(conn.send_parts(welcome)), False
+                    else:
+                        data, close = answer(conn, event)
+                    sock.sendall(data)
+                    if close:
+                        return
+
+    def accept() -> None:
+        while not done.is_set():
+            try:
+                sock, _ = listener.accept()
+            except TimeoutError:
+                continue
+            sock.settimeout(0.2)
+            threading.Thread(target=serve, args=(sock,), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        done.set()
+        thread.join(10)
+        listener.close()
+
+
+def _joined(parts: list[bytes | memoryview]) -> bytes:
+    return b"".join(bytes(p) for p in parts)
+
+
+def _too_many(conn: NativeConnection, event: Event) -> tuple[bytes, bool]:
+    assert isinstance(event, GetMany)
+    n = len(event.keys) + 1
+    return _joined(conn.send_parts(GetManyResult(event.request_id, (1,) * n), [b"x"] * n)), False
+
+
+def _none(conn: NativeConnection, event: Event) -> tuple[bytes, bool]:
+    return _joined(conn.send_parts(GetManyResult(event.request_id, ()))), False
+
+
+@pytest.mark.parametrize("answer", [_too_many, _none], ids=["more lengths", "no lengths"])
+def test_a_get_many_answer_that_does_not_fit_the_keys_is_a_protocol_error(
+    answer: Answer,
+) -> None:
+    keys = [os.urandom(16) for _ in range(3)]
+    with peer(answer) as port:
+        url = f"kv://127.0.0.1:{port}?retries=0&timeout=10"
+        with Client.connect(url) as client, pytest.raises(RemoteProtocolError):
+            client.get_many(keys)
+
+        async def main() -> None:
+            async with AsyncClient.connect(url) as client:
+                with pytest.raises(RemoteProtocolError):
+                    await client.get_many(keys)
+
+        asyncio.run(main())
+
+
+def _more_than_asked(conn: NativeConnection, event: Event) -> tuple[bytes, bool]:
+    assert isinstance(event, Lookup)
+    return _joined(conn.send_parts(LookupResult(event.request_id, len(event.keys) + 1))), False
+
+
+def test_a_lookup_count_over_the_keys_asked_is_a_protocol_error() -> None:
+    keys = [os.urandom(16) for _ in range(3)]
+    with peer(_more_than_asked) as port:
+        url = f"kv://127.0.0.1:{port}?retries=0&timeout=10"
+        with Client.connect(url) as client, pytest.raises(RemoteProtocolError, match="lookup"):
+            client.lookup(keys)
+
+        async def main() -> None:
+            async with AsyncClient.connect(url) as client:
+                with pytest.raises(RemoteProtocolError, match="lookup"):
+                    await client.lookup(keys)
+
+        asyncio.run(main())
+
+
+BLOCK = 1 << 20  # payload bytes of the block the peer starts to send
+
+
+def _half_a_block(close: bool) -> Answer:
+    """Answer a Get with a block's header and half its payload (0xAA bytes), then close the
+    connection or send nothing more."""
+
+    def answer(conn: NativeConnection, event: Event) -> tuple[bytes, bool]:
+        assert isinstance(event, Get)
+        length = HEADER_BYTES + BLOCK
+        frame = _joined(conn.send_parts(GetResult(event.request_id, length), [b"\xaa" * length]))
+        return frame[: len(frame) - BLOCK // 2], close
+
+    return answer
+
+
+@pytest.mark.parametrize("close", [True, False], ids=["closed", "stalled"])
+def test_a_get_into_that_fails_part_way_leaves_no_partial_block(close: bool) -> None:
+    with peer(_half_a_block(close)) as port:
+        url = f"kv://127.0.0.1:{port}?retries=0&timeout=2"
+        buffer = bytearray(b"\x55" * (2 * BLOCK))
+        # Cut off mid-answer is a failed connection (retried where retries are allowed).
+        expected = TransportError if close else KVOffloadError
+        with Client.connect(url) as client, pytest.raises(expected):
+            client.get_into(os.urandom(16), buffer)
+        assert b"\xaa" not in buffer  # what arrived is zeroed ...
+        assert buffer[-1] == 0x55  # ... and what no byte reached is left alone
+
+        async def main() -> None:
+            async with AsyncClient.connect(url) as client:
+                with pytest.raises(expected):
+                    await client.get_into(os.urandom(16), buffer)
+
+        buffer[:] = b"\x55" * (2 * BLOCK)
+        asyncio.run(main())
+        assert b"\xaa" not in buffer
