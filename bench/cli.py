@@ -24,6 +24,9 @@ BENCHES: dict[str, str] = {
     "net": "kvoffload.bench.net",
     "codecs": "kvoffload.bench.codecs",
     "nvme": "kvoffload.bench.nvme",
+    "trace": "kvoffload.bench.trace",
+    # Last: it runs the benches above.
+    "report": "kvoffload.bench.report",
 }
 
 
