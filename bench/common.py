@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -163,3 +164,17 @@ def time_best(fn: Callable[[], object], rounds: int) -> float:
     """Fewest seconds of `rounds` calls to `fn` after one warm-up call: the speed of a core
     that is not shared, on a machine where other work comes and goes."""
     return min(_samples(fn, rounds))
+
+
+def peer_python(package: str, named: str | None, env: str) -> str:
+    """The Python that has a peer `package`: `named` (a flag), else the environment variable
+    `env`, else `.venv-<package>` (as `.ci/engines.sh` builds it) in the current directory or
+    the source checkout, else this Python."""
+    named = named or os.environ.get(env)
+    if named:
+        return named
+    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
+        candidate = root / f".venv-{package}" / "bin" / "python"
+        if candidate.exists():
+            return str(candidate)
+    return sys.executable

@@ -13,8 +13,8 @@ References:
 - redis: Debian's `redis-server` (persistence off) through redis-py, `SET`/`GET`, pipelines for
   the pipelined cases. Skipped (row with a null reference) when either is not installed.
 - lmcache: LMCache's own `lm://` server (`lmcache.v1.server`), driven by `bench/lmserver.py`
-  under a Python that has `lmcache` (`--lmcache-python`, env KVOFFLOAD_LMCACHE_PYTHON, default
-  this one; `.ci/engines.sh lmcache` builds such an environment in `.venv-lmcache`). Its
+  under a Python that has `lmcache` (`--lmcache-python`, env KVOFFLOAD_LMCACHE_PYTHON, else
+  `.venv-lmcache` as `.ci/engines.sh lmcache` builds it, else this one). Its
   protocol does not answer a PUT, so its put cases end with one round trip; they are pipelined
   by nature. Skipped (a null reference with the reason) when that Python has no `lmcache`.
 """
@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from kvoffload.bench.common import BenchResult, Row, time_median
+from kvoffload.bench.common import BenchResult, Row, peer_python, time_median
 from kvoffload.client_sdk import Client
 
 __all__ = ["HELP", "SIZES", "add_arguments", "run", "run_from_args"]
@@ -395,5 +395,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> BenchResult:
-    python = args.lmcache_python or os.environ.get("KVOFFLOAD_LMCACHE_PYTHON")
+    python = peer_python("lmcache", args.lmcache_python, "KVOFFLOAD_LMCACHE_PYTHON")
     return run(working_set=args.working_set << 20, rounds=args.rounds, lmcache_python=python)

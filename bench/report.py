@@ -471,7 +471,8 @@ def run_from_args(args: argparse.Namespace) -> BenchResult:
                    "--rounds", str(args.engine_rounds)],
         "ssd": ["--size", str(args.ssd_size), "--entries", str(args.ssd_entries),
                 "--dir", args.dir or "."],
-        "net": ["--working-set", str(args.net_working_set)],
+        "net": ["--working-set", str(args.net_working_set)]
+        + (["--lmcache-python", args.lmcache_python] if args.lmcache_python else []),
         "nvme": ["--working-set", str(args.nvme_working_set)],
         "codecs": ["--rounds", str(args.codecs_rounds)],
         "trace": trace,

@@ -34,7 +34,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvoffload.bench import ttft
+from kvoffload.bench import common, ttft
 from kvoffload.bench.common import BenchResult, Row
 from kvoffload.bench.replay import Payloads, ReplayResult, replay
 from kvoffload.bench.workload import (
@@ -556,17 +556,8 @@ def _scratch(directory: str | None) -> Iterator[Path]:
 
 
 def _peer_python(peer: str, args: argparse.Namespace) -> str:
-    """The flag, else the environment variable, else `.venv-<package>` (as `.ci/engines.sh`
-    builds it) in the current directory or the source checkout, else this Python."""
     package, env = PEERS[peer]
-    named = getattr(args, f"{package}_python", None) or os.environ.get(env)
-    if named:
-        return str(named)
-    for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
-        candidate = root / f".venv-{package}" / "bin" / "python"
-        if candidate.exists():
-            return str(candidate)
-    return sys.executable
+    return common.peer_python(package, getattr(args, f"{package}_python", None), env)
 
 
 def run(

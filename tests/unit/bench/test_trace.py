@@ -205,10 +205,11 @@ def test_trace_bench_against_a_live_daemon(tmp_path: Path, start_daemon: Any) ->
 def test_peer_python_finds_the_engine_suites_venvs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from kvoffload.bench import common
     from kvoffload.bench import trace as bench
 
     args = argparse.Namespace(vllm_python=None, lmcache_python=None)
-    monkeypatch.setattr(bench, "__file__", str(tmp_path / "bench" / "trace.py"))
+    monkeypatch.setattr(common, "__file__", str(tmp_path / "bench" / "common.py"))
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("KVOFFLOAD_VLLM_PYTHON", raising=False)
     assert bench._peer_python("vllm_arc", args) == sys.executable
