@@ -329,6 +329,25 @@ class _Requests:
         finally:
             held.release()
 
+    def read_many_into(
+        self,
+        keys: Sequence[bytes],
+        got: Sequence[HeldBlock | Received | None],
+        buffers: Sequence[Bytes],
+    ) -> list[int | None]:
+        """`read_into` for each block; if one raises, the blocks after it are released too
+        (a held block pins its store slot until then)."""
+        out: list[int | None] = []
+        try:
+            for key, held, buffer in zip(keys, got, buffers, strict=True):
+                out.append(self.read_into(key, held, buffer))
+        except BaseException:
+            for held in got[len(out) + 1 :]:
+                if held is not None and not isinstance(held, Received):
+                    held.release()
+            raise
+        return out
+
     def _received(self, key: bytes, got: Received, buffer: Bytes) -> int | None:
         """Verify (and decode in place) a payload a transport already put into `buffer`; a
         corrupt one is zeroed there, so that no byte of it is left for a caller who ignores the
@@ -549,7 +568,7 @@ class Client:
         """
         dsts, block_keys = _many_into(keys, buffers)
         got = self._transport.get_many_into(block_keys, [d.data for d in dsts])
-        return [self._requests.read_into(k, h, d) for k, h, d in zip(keys, got, dsts, strict=True)]
+        return self._requests.read_many_into(keys, got, dsts)
 
     def exists(self, key: bytes) -> bool:
         """Whether the store holds `key`; False also when the store cannot be reached."""
@@ -699,7 +718,7 @@ class AsyncClient:
         got: Sequence[HeldBlock | Received | None],
         dsts: Sequence[Bytes],
     ) -> list[int | None]:
-        return [self._requests.read_into(k, h, d) for k, h, d in zip(keys, got, dsts, strict=True)]
+        return self._requests.read_many_into(keys, got, dsts)
 
     async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         held = await self._transport.get_many(_keys(keys))
