@@ -38,6 +38,7 @@ from kvoffload.client_sdk.transports.base import (
     PutItem,
     Received,
     received_into,
+    received_many_into,
 )
 from kvoffload.client_sdk.transports.kv import _left, _Retrying, _send_all
 from kvoffload.client_sdk.url import StoreURL
@@ -950,8 +951,11 @@ class NvmeTransport:
     def get_many_into(
         self, keys: Sequence[bytes], buffers: Sequence[memoryview]
     ) -> list[HeldBlock | Received | None]:
-        # One Retrieve per key either way: each goes straight into its buffer.
-        return [self.get_into(k, b) for k, b in zip(keys, buffers, strict=True)]
+        into = [IntoBuffer(b) for b in buffers]
+        got = received_many_into(
+            into, lambda: self._run(lambda h: _plan_get_many_into(h.nsid, keys, into))
+        )
+        return list(got)
 
     def exists(self, key: bytes) -> bool:
         return self._run(lambda h: _plan_exists(h.nsid, key))
@@ -1045,7 +1049,11 @@ def _plan_get_many(host: NvmeHost, keys: Sequence[bytes]) -> Plan[list[HeldBlock
     return [_held(c) for c in calls]
 
 
-def _plan_get_into(nsid: int, key: bytes, buffer: IntoBuffer) -> Plan[Received | None]:
+def _retrieve_into(
+    nsid: int, key: bytes, buffer: IntoBuffer
+) -> tuple[_Cmd, Callable[[_Call], Received | None]]:
+    """A KV Retrieve whose value lands in `buffer` (its header apart), and what reads its
+    completion."""
     header = memoryview(bytearray(HEADER_BYTES))
     too_small = False
 
@@ -1062,19 +1070,38 @@ def _plan_get_into(nsid: int, key: bytes, buffer: IntoBuffer) -> Plan[Received |
         return [buffer.region(start, start + left)]
 
     size = HEADER_BYTES + len(buffer)
+
+    def result(call: _Call) -> Received | None:
+        if _miss(call):
+            return None
+        c = call.ok("KV Retrieve")
+        if too_small or c.dw0 > size:
+            # (a block that is not one of ours may have written some bytes: the caller's
+            # received_into clears them)
+            raise InvalidArgumentError(
+                f"buffer of {len(buffer)} bytes is too small for a "
+                f"{c.dw0 - HEADER_BYTES}-byte block"
+            )
+        if c.dw0 < HEADER_BYTES:  # not one of ours: verification will say so
+            return Received(header[: c.dw0], 0)
+        return Received(header, c.dw0 - HEADER_BYTES)
+
     make = partial(_keyed, fn=nc.kv_retrieve, nsid=nsid, key=key, buffer_size=size)
-    call = yield from _one(_Cmd(make, sink=sink))
-    if _miss(call):
-        return None
-    c = call.ok("KV Retrieve")
-    if too_small or c.dw0 > size:
-        # (a block that is not one of ours may have written some bytes: received_into clears them)
-        raise InvalidArgumentError(
-            f"buffer of {len(buffer)} bytes is too small for a {c.dw0 - HEADER_BYTES}-byte block"
-        )
-    if c.dw0 < HEADER_BYTES:  # not one of ours: verification will say so
-        return Received(header[: c.dw0], 0)
-    return Received(header, c.dw0 - HEADER_BYTES)
+    return _Cmd(make, sink=sink), result
+
+
+def _plan_get_into(nsid: int, key: bytes, buffer: IntoBuffer) -> Plan[Received | None]:
+    cmd, result = _retrieve_into(nsid, key, buffer)
+    return result((yield from _one(cmd)))
+
+
+def _plan_get_many_into(
+    nsid: int, keys: Sequence[bytes], buffers: Sequence[IntoBuffer]
+) -> Plan[list[Received | None]]:
+    """One Retrieve per key, all in flight together (queue depth permitting)."""
+    retrievals = [_retrieve_into(nsid, k, b) for k, b in zip(keys, buffers, strict=True)]
+    calls = yield [cmd for cmd, _ in retrievals]
+    return [result(call) for (_, result), call in zip(retrievals, calls, strict=True)]
 
 
 def _plan_exists(nsid: int, key: bytes) -> Plan[bool]:

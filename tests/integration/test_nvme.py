@@ -61,6 +61,11 @@ def test_sdk_round_trips_blocks(start_daemon: Start, digests: str) -> None:
             assert np.array_equal(out, block)
         got = client.get_many([*keys[:10], bytes(16)])
         assert got[:10] == [b.tobytes() for b in blocks[:10]] and got[10] is None
+        # More Retrieves than 3 queues x depth 8 in flight: queued, each into its buffer.
+        outs = [np.empty(NS.block_bytes, dtype=np.uint8) for _ in range(len(keys) + 1)]
+        lengths = client.get_many_into([*keys, bytes(16)], outs)
+        assert lengths == [NS.block_bytes] * len(keys) + [None]
+        assert all(np.array_equal(o, b) for o, b in zip(outs, blocks, strict=False))
         assert client.delete(keys[7]) and not client.delete(keys[7])
         assert client.lookup(keys) == 7 and client.get(keys[7]) is None
         assert client.prefetch(keys) == len(keys) - 1
