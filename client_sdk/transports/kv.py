@@ -416,27 +416,43 @@ def _plan_get_into(key: bytes, buffer: IntoBuffer) -> Plan[Received | None]:
     return Received(header, received)
 
 
-def _plan_get_many(keys: Sequence[bytes]) -> Plan[list[HeldBlock | None]]:
-    out: list[HeldBlock | None] = []
-    rest = list(keys)
-    while rest:
-        chunks = [tuple(rest[i : i + _BATCH_KEYS]) for i in range(0, len(rest), _BATCH_KEYS)]
-        calls = yield [_Req(partial(_keys_event, GetMany, c)) for c in chunks]
-        done = 0
-        for chunk, call in zip(chunks, calls, strict=True):
+def _plan_get_batches(
+    keys: Sequence[bytes],
+    sink: Callable[[int], Sink] | None,
+    take: Callable[[int, GetManyResult, _Call], list[T]],
+) -> Plan[list[T]]:
+    """GetMany in frames of up to _BATCH_KEYS keys, asking again from where the daemon
+    answered only a prefix; `sink(first)` places the payload of the frame starting at key
+    `first`, `take` turns its answer into one result per answered key."""
+    out: list[T] = []
+    done = 0
+    while done < len(keys):
+        starts = range(done, len(keys), _BATCH_KEYS)
+        calls = yield [
+            _Req(
+                partial(_keys_event, GetMany, tuple(keys[i : i + _BATCH_KEYS])),
+                sink=None if sink is None else sink(i),
+            )
+            for i in starts
+        ]
+        for first, call in zip(starts, calls, strict=True):
             answer = cast(GetManyResult, call.result())
+            asked = min(_BATCH_KEYS, len(keys) - first)
             # A prefix of at least one key, or the loop would ask again forever (or the
             # results would not line up with the keys).
-            if not 1 <= len(answer.lengths) <= len(chunk):
+            if not 1 <= len(answer.lengths) <= asked:
                 raise RemoteProtocolError(
-                    f"the daemon answered {len(answer.lengths)} keys of {len(chunk)} asked for"
+                    f"the daemon answered {len(answer.lengths)} keys of {asked} asked for"
                 )
-            out += _split(answer.lengths, call.payload)
-            done += len(answer.lengths)
-            if len(answer.lengths) < len(chunk):
+            out += take(first, answer, call)
+            done = first + len(answer.lengths)
+            if len(answer.lengths) < asked:
                 break  # the daemon answered a prefix; ask again from there
-        rest = rest[done:]
     return out
+
+
+def _plan_get_many(keys: Sequence[bytes]) -> Plan[list[HeldBlock | None]]:
+    return (yield from _plan_get_batches(keys, None, lambda _, a, c: _split(a.lengths, c.payload)))
 
 
 def _plan_get_many_into(
@@ -444,31 +460,16 @@ def _plan_get_many_into(
 ) -> Plan[list[Received | None]]:
     """GetMany whose answers are received straight into the caller's buffers (one per key):
     each block's header into a small buffer of its own, its payload into the key's buffer."""
-    out: list[Received | None] = []
-    done = 0
-    while done < len(keys):
-        starts = list(range(done, len(keys), _BATCH_KEYS))
-        answered: dict[int, list[Received | None]] = {}
-        calls = yield [
-            _Req(
-                partial(_keys_event, GetMany, tuple(keys[i : i + _BATCH_KEYS])),
-                sink=partial(_many_sink, buffers, answered, i),
-            )
-            for i in starts
-        ]
-        for first, call in zip(starts, calls, strict=True):
-            answer = cast(GetManyResult, call.result())
-            asked = min(_BATCH_KEYS, len(keys) - first)
-            if not 1 <= len(answer.lengths) <= asked:
-                raise RemoteProtocolError(
-                    f"the daemon answered {len(answer.lengths)} keys of {asked} asked for"
-                )
-            # No sink call: nothing had a payload (every key a miss).
-            out += answered.get(first, [None] * len(answer.lengths))
-            done = first + len(answer.lengths)
-            if len(answer.lengths) < asked:
-                break  # the daemon answered a prefix; ask again from there
-    return out
+    answered: dict[int, list[Received | None]] = {}
+
+    def take(first: int, answer: GetManyResult, _: _Call) -> list[Received | None]:
+        # No sink call: nothing had a payload (every key a miss).
+        return answered.pop(first, [None] * len(answer.lengths))
+
+    def sink(first: int) -> Sink:
+        return partial(_many_sink, buffers, answered, first)
+
+    return (yield from _plan_get_batches(keys, sink, take))
 
 
 def _many_sink(

@@ -570,3 +570,17 @@ def test_kv_events_go_out_on_each_tenants_topic(start_daemon: Start) -> None:
     assert got[-1][2]["block_hashes"] == [0]  # alice's second block
     seqs = [seq for _, seq, _ in got]
     assert seqs == sorted(seqs) and seqs[-1] - seqs[0] < len(seqs) + 1  # alice's own numbering
+
+
+def test_batched_gets_larger_than_one_answer_are_asked_again(start_daemon: Start) -> None:
+    # 4 MiB answers at most: a batch of 12 x 1 MiB comes back as prefixes, asked for again.
+    daemon = start_daemon(env={"KVOFFLOAD_NATIVE__MAX_PAYLOAD_BYTES": "4MiB"})
+    keys = [i.to_bytes(16, "big") for i in range(12)]
+    values = [os.urandom(1 << 20) for _ in keys]
+    with Client.connect(daemon.url()) as client:
+        for key, value in zip(keys, values, strict=True):
+            client.put(key, value)
+        assert client.get_many([*keys, b"\xff" * 16]) == [*values, None]
+        outs = [bytearray(1 << 20) for _ in range(len(keys) + 1)]
+        assert client.get_many_into([*keys, b"\xff" * 16], outs) == [1 << 20] * len(keys) + [None]
+        assert outs[:-1] == [bytearray(v) for v in values]
