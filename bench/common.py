@@ -6,6 +6,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import socket
 import statistics
 import sys
 import time
@@ -178,3 +179,10 @@ def peer_python(package: str, named: str | None, env: str) -> str:
         if candidate.exists():
             return str(candidate)
     return sys.executable
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a reference server's flag)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

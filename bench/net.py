@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from kvoffload.bench.common import BenchResult, Row, peer_python, time_median
+from kvoffload.bench.common import BenchResult, Row, free_port, peer_python, time_median
 from kvoffload.client_sdk import Client
 
 __all__ = ["HELP", "SIZES", "add_arguments", "run", "run_from_args"]
@@ -167,12 +167,6 @@ def _daemon(dram: str, tmp: str) -> Iterator[str]:
             proc.wait()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def _redis() -> Iterator[Any | None]:
     """A redis-py client to a fresh redis-server, or None (with why) when not installed."""
@@ -182,7 +176,7 @@ def _redis() -> Iterator[Any | None]:
         return
     import redis
 
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
         + ["--protected-mode", "no", "--proto-max-bulk-len", "1gb"],
