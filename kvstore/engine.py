@@ -8,6 +8,7 @@ put writes through to the SSD and waits for its journal record before it returns
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import OrderedDict
@@ -16,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
+
+import numpy as np
 
 from kvoffload.errors import (
     CapacityError,
@@ -28,8 +31,9 @@ from kvoffload.kvstore.admission import FrequencySketch
 from kvoffload.kvstore.arena import Arena
 from kvoffload.kvstore.buffers import Bytes, as_readable, as_writable
 from kvoffload.kvstore.config import PAGE, EngineConfig
-from kvoffload.kvstore.eviction import EvictionPolicy, Rank, make_policy
-from kvoffload.kvstore.slabs import SizeClasses, SlabAllocator
+from kvoffload.kvstore.eviction import Rank, make_policy
+from kvoffload.kvstore.extents import ExtentAllocator, slot_bytes
+from kvoffload.kvstore.slotio import AlignedBuffer
 from kvoffload.kvstore.ssd import META_NAME, Recovery, SsdTier
 from kvoffload.kvstore.ssdindex import EMPTY, SsdIndex
 
@@ -49,10 +53,6 @@ log = logging.getLogger(__name__)
 KEY_BYTES = 16
 # listener(kind, key, tier): kind "stored" or "removed", tier "dram" or "ssd".
 TierListener = Callable[[str, bytes, str], None]
-# A class steals a slab from another only when that class's coldest block is this many times
-# older than its own coldest block; the margin keeps two active classes from trading slabs back
-# and forth on every put.
-_STEAL_AGE_RATIO = 2
 
 
 @dataclass(eq=False, slots=True)
@@ -60,7 +60,7 @@ class _Entry:
     key: bytes
     offset: int
     length: int
-    cls: int
+    slot: int  # bytes of its arena slot (whole pages)
     parent: bytes | None
     tick: int
     tenant: str = ""
@@ -70,6 +70,9 @@ class _Entry:
     # The SSD holds the same value, so evicting this block from DRAM needs no write.
     on_ssd: bool = False
     durable: bool = False
+    # A block read from the SSD while DRAM had no room for it: served from a buffer of its own
+    # (offset -1), never published.
+    staging: AlignedBuffer | None = None
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,8 @@ class EngineStats:
     misses: int
     deletes: int
     evictions: int
-    slab_steals: int
+    # Evictions of blocks next to a victim, to widen its hole until a larger value fits.
+    neighbour_evictions: int
     tiers: tuple[TierStats, ...] = field(default_factory=tuple)
     # DRAM slot bytes held per tenant (all tenants that hold anything or have a quota).
     tenant_bytes: dict[str, int] = field(default_factory=dict)
@@ -239,21 +243,19 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         dram = self.config.dram
-        slab = dram.effective_slab_bytes
-        n_slabs = dram.capacity_bytes // slab
-        self._classes = SizeClasses(dram.effective_max_value_bytes, dram.class_growth)
-        self._alloc = SlabAllocator(n_slabs, slab, self._classes)
+        self._alloc = ExtentAllocator(dram.capacity_bytes)
         self._lock = threading.Lock()
         self._index: dict[bytes, _Entry] = {}
         # parent key -> stored children in DRAM; parents need not be stored themselves.
         self._children: dict[bytes, set[bytes]] = {}
         self._pinned: set[bytes] = set()
-        self._policies: list[EvictionPolicy] = [
-            make_policy(dram.policy) for _ in self._classes.sizes
-        ]
-        # Per-class recency, used only to decide which class gives up a slab.
-        self._recency: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in self._classes.sizes]
-        self._slab_members: list[set[_Entry]] = [set() for _ in range(n_slabs)]
+        self._policy = make_policy(dram.policy)
+        # Every entry that holds an arena slot (live, or dead and still pinned), by offset: the
+        # neighbours of a hole are found here.
+        self._slots: dict[int, _Entry] = {}
+        # Keys with a durable put between its SSD write and its publish: a demotion of an older
+        # value of such a key must not commit over it.
+        self._writing_through: dict[bytes, int] = {}
         self._tick = 0
         self._closed = False
         self._quotas: dict[str, int] = {}
@@ -261,7 +263,7 @@ class Engine:
         # Per-tenant recency, to evict a tenant's own coldest blocks when it hits its quota.
         self._tenant_recency: dict[str, OrderedDict[bytes, None]] = {}
         self._n = dict.fromkeys(
-            ("puts", "gets", "hits", "misses", "deletes", "evictions", "steals", "bytes_in",
+            ("puts", "gets", "hits", "misses", "deletes", "evictions", "neighbours", "bytes_in",
              "bytes_out", "stored", "demotions", "promotions", "prefetches", "durable",
              "admission_rejected", "ssd_hits", "ssd_misses", "corrupt", "io_errors"),
             0,
@@ -287,7 +289,7 @@ class Engine:
                 self.config.ssd.io_threads, thread_name_prefix="kvoffload-prefetch"
             )
         try:
-            self._arena = Arena(n_slabs * slab, prefault=dram.prefault)
+            self._arena = Arena(self._alloc.size, prefault=dram.prefault)
         except BaseException:
             if self._ssd is not None:
                 self._ssd.close(checkpoint=False)
@@ -401,12 +403,9 @@ class Engine:
             )
         with self._lock:
             self._check_open()
-            cls = self._classes.class_of(length)
-            self._fit_quota(tenant, key, self._classes.sizes[cls])
-            offset = self._reserve(cls)
-            entry = _Entry(key, offset, length, cls, parent, self._next_tick(), tenant, pins=1)
-            self._slab_members[self._alloc.slab_of(offset)].add(entry)
-            self._charge(entry, +1)
+            size = slot_bytes(length)
+            self._fit_quota(tenant, key, size)
+            entry = self._claim(key, length, size, parent, tenant)
             if self._sketch is not None:
                 self._sketch.add(key)
         return PutReservation(self, entry, durable)
@@ -431,7 +430,7 @@ class Engine:
             entry = self._acquire(key)
             if entry is None:
                 return None
-            data = self._arena.view[entry.offset : entry.offset + entry.length].toreadonly()
+            data = self._value(entry).toreadonly()
         return BlockView(self, entry, data)
 
     def get_many(self, keys: Sequence[bytes]) -> list[BlockView | None]:
@@ -459,7 +458,10 @@ class Engine:
                     f"buffer of {dst.size} bytes is too small for a {entry.length}-byte value"
                 )
         try:
-            dst[: entry.length] = self._arena.array[entry.offset : entry.offset + entry.length]
+            if entry.staging is None:
+                dst[: entry.length] = self._arena.array[entry.offset : entry.offset + entry.length]
+            else:
+                dst[: entry.length] = np.frombuffer(self._value(entry), dtype=np.uint8)
         finally:
             self._unpin(entry)
         return entry.length
@@ -659,7 +661,7 @@ class Engine:
                 misses=n["misses"],
                 deletes=n["deletes"],
                 evictions=n["evictions"],
-                slab_steals=n["steals"],
+                neighbour_evictions=n["neighbours"],
                 tiers=tuple(tiers),
                 tenant_bytes={
                     t: self._tenant_used.get(t, 0)
@@ -741,15 +743,22 @@ class Engine:
             self._n["misses"] += 1
             return None
         self._n["bytes_out"] += entry.length
-        entry.tick = self._next_tick()
-        self._policies[entry.cls].touch(entry.key)
-        self._recency[entry.cls].move_to_end(entry.key)
-        self._tenant_recency[entry.tenant].move_to_end(entry.key)
         if self._sketch is not None:
             self._sketch.add(key)
         entry.pins += 1
+        if entry.staging is not None:
+            return entry  # not in DRAM: nothing to touch
+        entry.tick = self._next_tick()
+        if entry.key in self._policy:  # not while a demotion writes it out
+            self._policy.touch(entry.key)
+        self._tenant_recency[entry.tenant].move_to_end(entry.key)
         self._pinned.add(entry.key)
         return entry
+
+    def _value(self, entry: _Entry) -> memoryview:
+        if entry.staging is not None:
+            return entry.staging.view[: entry.length]
+        return self._arena.view[entry.offset : entry.offset + entry.length]
 
     def _unpin(self, entry: _Entry) -> None:
         with self._lock:
@@ -765,12 +774,16 @@ class Engine:
             self._free(entry)
 
     def _free(self, entry: _Entry) -> None:
-        self._slab_members[self._alloc.slab_of(entry.offset)].discard(entry)
+        if entry.staging is not None:
+            with contextlib.suppress(BufferError):  # a caller's view may outlive the release
+                entry.staging.close()
+            return
+        del self._slots[entry.offset]
         self._alloc.free(entry.offset)
         self._charge(entry, -1)
 
     def _charge(self, entry: _Entry, sign: int) -> None:
-        used = self._tenant_used.get(entry.tenant, 0) + sign * self._classes.sizes[entry.cls]
+        used = self._tenant_used.get(entry.tenant, 0) + sign * entry.slot
         if used:
             self._tenant_used[entry.tenant] = used
         else:
@@ -793,7 +806,7 @@ class Engine:
         # on its account.
         credit = 0
         if old is not None and old.tenant == tenant and old.pins == 0:
-            credit = self._classes.sizes[old.cls]
+            credit = old.slot
         order = self._tenant_recency.get(tenant, OrderedDict())
         while self._tenant_used.get(tenant, 0) - credit + size > quota:
             victim = next((k for k in order if k not in self._pinned and k != key), None)
@@ -831,17 +844,12 @@ class Engine:
     def _rerank(self, key: bytes) -> None:
         entry = self._index.get(key)
         if entry is not None:
-            self._policies[entry.cls].set_rank(key, self._rank(key, entry.parent))
+            self._policy.set_rank(key, self._rank(key, entry.parent))
 
     def _commit(self, entry: _Entry, durable: bool, if_stored: bool | None = None) -> bool:
         """Publish a filled reservation; durable ones go through the SSD first."""
         if durable:
-            assert self._ssd is not None
-            try:
-                self._write_through(entry)
-            except BaseException:
-                self._unpin(entry)  # never published: frees the slot
-                raise
+            return self._commit_durable(entry)
         with self._lock:
             if if_stored is not None and self._stored(entry.key) != if_stored:
                 self._unpin_locked(entry)  # never published: frees the slot
@@ -849,8 +857,41 @@ class Engine:
             self._publish(entry, put=True)
         return True
 
-    def _write_through(self, entry: _Entry) -> None:
-        """Write a pending entry to the SSD and wait until it and its record are durable."""
+    def _commit_durable(self, entry: _Entry) -> bool:
+        """Write through to the SSD, wait for the journal, then publish in DRAM.
+
+        While this runs the key is in `_writing_through`: a demotion of an older DRAM value of
+        the key cannot commit over our SSD copy, and a fast put does not delete it.
+        """
+        ssd = self._ssd
+        assert ssd is not None
+        key = entry.key
+        with self._lock:
+            self._writing_through[key] = self._writing_through.get(key, 0) + 1
+        try:
+            seq = self._write_through(entry)
+        except BaseException:
+            with self._lock:
+                self._done_writing_through(key)
+                self._unpin_locked(entry)  # never published: frees the slot
+            raise
+        with self._lock:
+            self._done_writing_through(key)
+            row = ssd.find(key)
+            # A newer durable put of the key may have replaced our SSD copy meanwhile.
+            entry.on_ssd = entry.durable = row != EMPTY and int(ssd.index.rows["seq"][row]) == seq
+            self._publish(entry, put=True, ssd_seq=seq)
+        self._n["durable"] += 1
+        return True
+
+    def _done_writing_through(self, key: bytes) -> None:
+        left = self._writing_through.pop(key) - 1
+        if left:
+            self._writing_through[key] = left
+
+    def _write_through(self, entry: _Entry) -> int:
+        """Write a pending entry to the SSD and wait until it and its record are durable;
+        returns the SSD sequence number of the write."""
         ssd = self._ssd
         assert ssd is not None
         with self._lock:
@@ -883,15 +924,17 @@ class Engine:
                 if row != EMPTY and int(ssd.index.rows["seq"][row]) == plan.seq:
                     ssd.drop_row(row)  # the journal is dead: no DEL record can be written
             raise
-        entry.on_ssd = entry.durable = True
-        self._n["durable"] += 1
+        return plan.seq
 
     def _slot_pages(self, entry: _Entry) -> memoryview:
         """The entry's value rounded up to whole pages (its slot is at least that large)."""
         end = entry.offset + -(-entry.length // PAGE) * PAGE
         return self._arena.view[entry.offset : end]
 
-    def _publish(self, entry: _Entry, *, put: bool) -> None:
+    def _publish(self, entry: _Entry, *, put: bool, ssd_seq: int | None = None) -> None:
+        """Make a filled entry the key's DRAM value. An SSD copy of an older value goes: for a
+        durable put (`ssd_seq`) one older than its own write, for a fast put one that no durable
+        put of the key is still writing."""
         key = entry.key
         old = self._index.get(key)
         if old is not None:
@@ -901,7 +944,11 @@ class Engine:
                 self._fit_quota(entry.tenant, key, 0, strict=False)
         if self._ssd is not None and not entry.on_ssd:
             row = self._ssd.find(key)
-            if row != EMPTY:
+            if row != EMPTY and (
+                int(self._ssd.index.rows["seq"][row]) < ssd_seq
+                if ssd_seq is not None
+                else key not in self._writing_through
+            ):
                 self._ssd.remove_row(row)  # an older value of this key
         entry.live = True
         entry.pins -= 1
@@ -911,8 +958,7 @@ class Engine:
             self._n["bytes_in"] += entry.length
             self._notify("stored", key, "dram")
         self._n["stored"] += entry.length
-        self._policies[entry.cls].insert(key, self._rank(key, entry.parent))
-        self._recency[entry.cls][key] = None
+        self._policy.insert(key, self._rank(key, entry.parent))
         self._tenant_recency.setdefault(entry.tenant, OrderedDict())[key] = None
         if entry.parent is not None:
             self._children.setdefault(entry.parent, set()).add(key)
@@ -930,8 +976,7 @@ class Engine:
         del self._index[key]
         entry.live = False
         self._n["stored"] -= entry.length
-        self._policies[entry.cls].remove(key)
-        del self._recency[entry.cls][key]
+        self._policy.remove(key)
         tenant_order = self._tenant_recency[entry.tenant]
         del tenant_order[key]
         if not tenant_order:
@@ -989,8 +1034,10 @@ class Engine:
             failed = True
         finally:
             self._lock.acquire()
-        if failed or not entry.live:
-            ssd.abort_write(plan)  # failed, or deleted / overwritten while writing
+        if failed or not entry.live or entry.key in self._writing_through:
+            # Failed, deleted / overwritten while writing, or a durable put of a newer value
+            # is writing its own SSD copy, which ours must not replace.
+            ssd.abort_write(plan)
             self._n["io_errors"] += failed
         else:
             try:
@@ -1007,7 +1054,7 @@ class Engine:
         if drop and entry.live:
             if entry.pins:
                 # A reader got here first; keep it evictable later (now a clean copy).
-                self._policies[entry.cls].insert(entry.key, self._rank(entry.key, entry.parent))
+                self._policy.insert(entry.key, self._rank(entry.key, entry.parent))
             else:
                 self._drop(entry)
                 self._notify("removed", entry.key, "dram")
@@ -1048,16 +1095,22 @@ class Engine:
         self._inflight[key] = event
         entry: _Entry | None = None
         try:
-            cls = self._classes.class_of(length)
-            self._fit_quota(tenant, key, self._classes.sizes[cls], strict=False)
-            offset = self._reserve(cls)
-            entry = _Entry(key, offset, length, cls, parent, self._next_tick(), tenant, pins=1)
-            entry.on_ssd = True
-            self._slab_members[self._alloc.slab_of(offset)].add(entry)
-            self._charge(entry, +1)
+            size = slot_bytes(length)
+            self._fit_quota(tenant, key, size, strict=False)
+            try:
+                entry = self._claim(key, length, size, parent, tenant)
+                entry.on_ssd = True
+                dst = self._slot_pages(entry)
+            except CapacityError:
+                if prefetch:
+                    raise
+                # Pinned views hold all of DRAM: serve this get from a buffer of its own.
+                entry = _Entry(key, -1, length, 0, parent, 0, tenant, pins=1)
+                entry.staging = AlignedBuffer(size)
+                dst = entry.staging.view
             self._lock.release()
             try:
-                ok = ssd.read_slot(snap, self._slot_pages(entry))
+                ok = ssd.read_slot(snap, dst)
                 io_error = False
             except StorageIOError as exc:
                 log.error("reading block %s from the SSD failed: %s", key.hex(), exc)
@@ -1089,6 +1142,9 @@ class Engine:
             self._unpin_locked(entry)  # written or deleted while we read: ours is stale
             return self._index.get(key)
         ssd.index.touch(row, ssd.next_tick())
+        if entry.staging is not None:
+            entry.pins -= 1  # the caller's `_acquire` pins it
+            return entry
         self._n["promotions"] += 1
         self._n["prefetches"] += prefetch
         self._publish(entry, put=False)
@@ -1113,67 +1169,54 @@ class Engine:
                 if entry.live and not entry.on_ssd:
                     self._demote(entry, drop=False)
 
-    def _reserve(self, cls: int) -> int:
-        """Find a free slot of class `cls`, evicting or reclaiming a slab when needed.
+    def _claim(
+        self, key: bytes, length: int, size: int, parent: bytes | None, tenant: str
+    ) -> _Entry:
+        """A pinned, unpublished entry on a fresh `size`-byte slot (may evict to make room)."""
+        offset = self._reserve(size)
+        entry = _Entry(key, offset, length, size, parent, self._next_tick(), tenant, pins=1)
+        self._slots[offset] = entry
+        self._charge(entry, +1)
+        return entry
 
-        May release the lock while evicted blocks are written to the SSD.
+    def _reserve(self, size: int) -> int:
+        """Find a free `size`-byte slot, evicting blocks when needed.
+
+        Evicts the policy's victim, then widens the hole it left with the blocks on either side
+        (colder first) until the value fits; pinned blocks are never moved or evicted, so this
+        fails only when they leave no room. May release the lock while evicted blocks are
+        written to the SSD.
+
+        Raises:
+            CapacityError: pinned blocks leave no hole of `size` bytes.
         """
         while True:
-            offset = self._alloc.alloc(cls)
+            offset = self._alloc.alloc(size)
             if offset is not None:
                 return offset
-            donor = self._donor_slab(cls)
-            if donor is not None:
-                self._steal(donor)
-                continue
-            victims = self._policies[cls].evict(1, self._pinned)
+            victims = self._policy.evict(1, self._pinned)
             if victims is None:
-                donor = self._donor_slab(cls, force=True)
-                if donor is None:
-                    raise CapacityError(
-                        f"no room for a {self._classes.sizes[cls]}-byte slot: every block that "
-                        "could make room is pinned by an unreleased view"
-                    )
-                self._steal(donor)
-                continue
+                raise CapacityError(
+                    f"no room for a {size}-byte slot: every block that could make room is "
+                    "pinned by an unreleased view"
+                )
+            victim = self._index[victims[0]]
             self._n["evictions"] += 1
-            self._evict(self._index[victims[0]])
+            self._evict(victim)
+            self._widen(victim.offset, size)
 
-    def _donor_slab(self, cls: int, *, force: bool = False) -> int | None:
-        """A slab of another class worth reclaiming for `cls`, or None to evict within `cls`.
-
-        Another class gives up a slab when its coldest block is much colder than ours (or, with
-        `force`, whenever it has a slab with nothing pinned). Which of its slabs: the one holding
-        its coldest block, else the least occupied slab without pinned blocks.
-        """
-        own = self._recency[cls]
-        own_age = self._tick - self._index[next(iter(own))].tick if own else None
-        best: tuple[int, int] | None = None  # (age, class)
-        for other, order in enumerate(self._recency):
-            if other == cls or not order:
-                continue
-            age = self._tick - self._index[next(iter(order))].tick
-            if best is None or age > best[0]:
-                best = (age, other)
-        if best is None:
-            return None
-        age, other = best
-        if not force and own_age is not None and age <= _STEAL_AGE_RATIO * own_age:
-            return None
-        coldest = self._index[next(iter(self._recency[other]))]
-        candidates = sorted(self._alloc.slabs_of(other), key=lambda s: len(self._slab_members[s]))
-        candidates.insert(0, self._alloc.slab_of(coldest.offset))
-        for slab in candidates:
-            if all(member.pins == 0 for member in self._slab_members[slab]):
-                return slab
-        return None
-
-    def _steal(self, slab: int) -> None:
-        members = list(self._slab_members[slab])
-        log.debug("reclaiming slab %d: evicting %d blocks", slab, len(members))
-        self._n["steals"] += 1
-        for entry in members:
-            # Demotions release the lock: skip what changed meanwhile.
-            if entry.live and entry.pins == 0 and entry in self._slab_members[slab]:
-                self._n["evictions"] += 1
-                self._evict(entry)
+    def _widen(self, offset: int, size: int) -> None:
+        """Evict the unpinned blocks next to the hole at `offset` until it holds `size` bytes."""
+        while True:
+            hole = self._alloc.hole_at(offset)
+            if hole is None or hole[1] - hole[0] >= size:
+                return  # taken meanwhile (the lock was released), or large enough
+            sides = [self._slots[s] for s in self._alloc.neighbours(*hole) if s is not None]
+            movable = [e for e in sides if e.live and e.pins == 0]
+            if not movable:
+                return
+            entry = min(movable, key=lambda e: e.tick)
+            self._policy.remove(entry.key)
+            self._n["evictions"] += 1
+            self._n["neighbours"] += 1
+            self._evict(entry)

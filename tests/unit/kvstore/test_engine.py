@@ -149,17 +149,47 @@ def test_pinned_blocks_are_never_evicted_and_full_pins_raise() -> None:
         assert engine.contains(key(100))
 
 
-def test_classes_share_memory_through_slab_reclaim() -> None:
-    # 16 slabs of 64 KiB. Fill them with small blocks, then switch to large ones: the large
-    # class must take slabs from the cold small class instead of failing or thrashing itself.
+def test_small_blocks_make_room_for_large_ones() -> None:
+    # 1 MiB of 4 KiB blocks, then 60 KB blocks: each large put evicts the coldest small block
+    # and the small ones beside it until the hole fits, never failing with nothing pinned.
     with make(capacity=1 << 20) as engine:
-        for i in range(1000):
+        for i in range(256):
             engine.put(key(i), bytes(4000))
         for i in range(1000, 1014):
             engine.put(key(i), bytes(60_000))
         stats = engine.stats()
-        assert stats.slab_steals > 0
+        assert stats.neighbour_evictions > 0
         assert all(engine.contains(key(i)) for i in range(1000, 1014))
+        # The coldest small blocks went; the newest ones are still there.
+        assert not engine.contains(key(0)) and engine.contains(key(255))
+
+
+def test_mixed_sizes_fill_the_arena() -> None:
+    # Random sizes between 4 KiB and 64 KiB (a 1:16 spread, as 64 KiB-2 MiB): once full, the
+    # tier keeps holding nearly all of its capacity in live values.
+    rng = np.random.default_rng(7)
+    with make(capacity=4 << 20) as engine:
+        for i in range(2000):
+            engine.put(key(i), bytes(int(rng.integers(4 << 10, 64 << 10))))
+            if i >= 500 and i % 100 == 0:
+                dram = engine.stats().tiers[0]
+                assert dram.stored_bytes >= 0.85 * dram.capacity_bytes
+
+
+def test_put_fails_only_when_pinned_blocks_leave_no_room() -> None:
+    # Pinned 4 KiB blocks every 64 KiB leave no 64 KiB hole: a 64 KiB put fails, a 32 KiB fits.
+    with make(capacity=1 << 20) as engine:
+        for i in range(256):
+            engine.put(key(i), bytes(4000))
+        views = [engine.get(key(i)) for i in range(0, 256, 16)]
+        with pytest.raises(CapacityError):
+            engine.put(key(1000), bytes(64 << 10))
+        engine.put(key(1001), bytes(32 << 10))
+        assert engine.contains(key(1001))
+        for v in views:
+            assert v is not None
+            v.release()
+        engine.put(key(1000), bytes(64 << 10))  # room again once released
 
 
 def test_prefix_policy_evicts_tails_before_parents() -> None:

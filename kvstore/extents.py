@@ -1,0 +1,136 @@
+"""Extent allocator of both tiers: variable-size, page-aligned slots in one address range.
+
+Bookkeeping only, no bytes. Every slot is a whole number of pages (so it can feed O_DIRECT as
+is) and exactly as large as its value needs: there are no size classes, so values of mixed
+sizes share the whole range. Free space is kept as coalesced extents, found best-fit. When no
+extent fits, the engine evicts a victim chosen by its policy and then widens the hole the victim
+left by evicting the slots next to it (`neighbours`) until the value fits, so a full tier keeps
+~90% of its bytes live under mixed sizes without moving any block (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+from sortedcontainers import SortedDict, SortedList
+
+from kvoffload.kvstore.config import PAGE
+
+__all__ = ["ExtentAllocator", "slot_bytes"]
+
+
+def slot_bytes(length: int) -> int:
+    """Bytes of the slot that holds a `length`-byte value: whole pages, at least one."""
+    return max(PAGE, -(-length // PAGE) * PAGE)
+
+
+class ExtentAllocator:
+    """Best-fit allocation of page-multiple slots in `[0, size)`, with coalescing frees."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size // PAGE * PAGE
+        self._free = SortedDict()  # start -> end, by address
+        self._by_size = SortedList()  # (length, start), for best fit
+        self._used: dict[int, int] = {}  # start -> end
+        self._used_end: dict[int, int] = {}  # end -> start
+        self.used_bytes = 0
+        if self.size:
+            self._add_free(0, self.size)
+
+    # ------------------------------------------------------------------ free extents
+
+    def _add_free(self, start: int, end: int) -> None:
+        self._free[start] = end
+        self._by_size.add((end - start, start))
+
+    def _take_free(self, start: int) -> int:
+        end: int = self._free.pop(start)
+        self._by_size.remove((end - start, start))
+        return end
+
+    # ------------------------------------------------------------------ public
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Offset of a free slot of `nbytes` (a page multiple), or None if no extent fits."""
+        i = self._by_size.bisect_left((nbytes, -1))
+        if i == len(self._by_size):
+            return None
+        start: int = self._by_size[i][1]
+        end = self._take_free(start)
+        if end - start > nbytes:
+            self._add_free(start + nbytes, end)
+        self._used[start] = start + nbytes
+        self._used_end[start + nbytes] = start
+        self.used_bytes += nbytes
+        return start
+
+    def free(self, offset: int) -> None:
+        """Give a slot back, merging it with free neighbours."""
+        end = self._used.pop(offset)
+        del self._used_end[end]
+        self.used_bytes -= end - offset
+        start = offset
+        i = self._free.bisect_left(offset)
+        if i and self._free.peekitem(i - 1)[1] == offset:  # a free extent ends where we start
+            start = self._free.peekitem(i - 1)[0]
+            self._take_free(start)
+        if end in self._free:
+            end = self._take_free(end)
+        self._add_free(start, end)
+
+    def slot_end(self, offset: int) -> int:
+        return self._used[offset]
+
+    def hole_at(self, offset: int) -> tuple[int, int] | None:
+        """The free extent that contains `offset`, or None if it is in use."""
+        i = self._free.bisect_right(offset)
+        if not i:
+            return None
+        start, end = self._free.peekitem(i - 1)
+        return (start, end) if offset < end else None
+
+    def neighbours(self, start: int, end: int) -> tuple[int | None, int | None]:
+        """Offsets of the slots right before and right after `[start, end)` (None at an edge
+        or a free extent)."""
+        return self._used_end.get(start), end if end in self._used else None
+
+    @property
+    def largest_free(self) -> int:
+        return self._by_size[-1][0] if self._by_size else 0
+
+    @property
+    def free_extents(self) -> int:
+        return len(self._free)
+
+    def restore(
+        self, offsets: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64]
+    ) -> npt.NDArray[np.bool_]:
+        """Mark the slots in use after a restart (an empty allocator); returns the mask of rows
+        accepted. A row is refused when it is not page-aligned, lies outside the range, or
+        overlaps a row at a lower address (or earlier in the input at the same address)."""
+        ok: npt.NDArray[np.bool_] = (
+            (offsets >= 0) & (offsets % PAGE == 0) & (sizes > 0) & (offsets + sizes <= self.size)
+        )
+        rows = np.flatnonzero(ok)
+        rows = rows[np.argsort(offsets[rows], kind="stable")]  # address order, ties by input
+        ends = offsets[rows] + sizes[rows]
+        # A row must start at or after the end of every row before it in address order.
+        reach = np.concatenate(([0], np.maximum.accumulate(ends)[:-1])) if len(rows) else ends
+        keep = offsets[rows] >= reach
+        ok[rows[~keep]] = False
+        kept = rows[keep]
+        self._free.clear()
+        self._by_size.clear()
+        self._used = dict(
+            zip(offsets[kept].tolist(), (offsets[kept] + sizes[kept]).tolist(), strict=True)
+        )
+        self._used_end = {end: start for start, end in self._used.items()}
+        self.used_bytes = int(sizes[kept].sum())
+        at = 0
+        for start in sorted(self._used):
+            if start > at:
+                self._add_free(at, start)
+            at = self._used[start]
+        if at < self.size:
+            self._add_free(at, self.size)
+        return ok
