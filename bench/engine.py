@@ -81,6 +81,40 @@ def _size_rows(
     return rows
 
 
+def _fill_rows(capacity: int, rounds: int) -> list[Row]:
+    """How much of a full DRAM tier holds live values when values have mixed sizes."""
+    rng = np.random.default_rng(1)
+    lo, hi = 64 << 10, 2 << 20
+    src = np.frombuffer(os.urandom(hi), dtype=np.uint8)
+    config = DramConfig(capacity_bytes=capacity, max_value_bytes=hi)
+    samples = []
+    puts = 0
+    with Engine(EngineConfig(config)) as engine:
+        # Fill it once, then keep putting: each round is one more capacity's worth of puts,
+        # sampled at its end (steady state, evicting all the while).
+        for round_ in range(rounds + 1):
+            written = 0
+            while written < capacity:
+                size = int(rng.integers(lo, hi + 1))
+                engine.put(puts.to_bytes(16, "little"), src[:size])
+                written += size
+                puts += 1
+            if round_:
+                samples.append(engine.stats().tiers[0].stored_bytes / capacity)
+    fill = float(np.median(samples))
+    return [
+        Row(
+            "dram_fill/mixed",
+            fill,
+            "ratio",
+            "goal_0.85",
+            0.85,
+            note=f"live bytes / capacity of a full {capacity >> 20} MiB tier, values uniform "
+            f"in 64 KiB-2 MiB, median of {rounds} samples (min {min(samples):.3f})",
+        )
+    ]
+
+
 def run(
     *, working_set: int = 256 << 20, rounds: int = 5, sizes: dict[str, int] | None = None
 ) -> BenchResult:
@@ -96,6 +130,7 @@ def run(
         client = Client(LocalTransport(engine, owned=False))
         for label, size in sizes.items():
             result.rows += _size_rows(engine, client, region, label, size, counts[label], rounds)
+    result.rows += _fill_rows(max(working_set, 32 << 20), rounds)
     result.notes.append(
         f"{working_set >> 20} MiB of distinct blocks per size, median of {rounds} rounds; "
         "memcpy = numpy copy with the same access pattern over a pre-faulted region. "
