@@ -250,9 +250,10 @@ class Engine:
         self._children: dict[bytes, set[bytes]] = {}
         self._pinned: set[bytes] = set()
         self._policy = make_policy(dram.policy)
-        # Every entry that holds an arena slot (live, or dead and still pinned), by offset: the
-        # neighbours of a hole are found here.
+        # Every entry that holds an arena slot (live, or dead and still pinned), by its slot's
+        # start and end: the neighbours of a hole are found here.
         self._slots: dict[int, _Entry] = {}
+        self._slot_ends: dict[int, _Entry] = {}
         # Keys with a durable put between its SSD write and its publish: a demotion of an older
         # value of such a key must not commit over it.
         self._writing_through: dict[bytes, int] = {}
@@ -779,7 +780,8 @@ class Engine:
                 entry.staging.close()
             return
         del self._slots[entry.offset]
-        self._alloc.free(entry.offset)
+        del self._slot_ends[entry.offset + entry.slot]
+        self._alloc.free(entry.offset, entry.slot)
         self._charge(entry, -1)
 
     def _charge(self, entry: _Entry, sign: int) -> None:
@@ -1175,7 +1177,7 @@ class Engine:
         """A pinned, unpublished entry on a fresh `size`-byte slot (may evict to make room)."""
         offset = self._reserve(size)
         entry = _Entry(key, offset, length, size, parent, self._next_tick(), tenant, pins=1)
-        self._slots[offset] = entry
+        self._slots[offset] = self._slot_ends[offset + size] = entry
         self._charge(entry, +1)
         return entry
 
@@ -1211,8 +1213,8 @@ class Engine:
             hole = self._alloc.hole_at(offset)
             if hole is None or hole[1] - hole[0] >= size:
                 return  # taken meanwhile (the lock was released), or large enough
-            sides = [self._slots[s] for s in self._alloc.neighbours(*hole) if s is not None]
-            movable = [e for e in sides if e.live and e.pins == 0]
+            sides = (self._slot_ends.get(hole[0]), self._slots.get(hole[1]))
+            movable = [e for e in sides if e is not None and e.live and e.pins == 0]
             if not movable:
                 return
             entry = min(movable, key=lambda e: e.tick)

@@ -2,10 +2,10 @@
 
 Bookkeeping only, no bytes. Every slot is a whole number of pages (so it can feed O_DIRECT as
 is) and exactly as large as its value needs: there are no size classes, so values of mixed
-sizes share the whole range. Free space is kept as coalesced extents, found best-fit. When no
-extent fits, the engine evicts a victim chosen by its policy and then widens the hole the victim
-left by evicting the slots next to it (`neighbours`) until the value fits, so a full tier keeps
-~90% of its bytes live under mixed sizes without moving any block (docs/architecture.md).
+sizes share the whole range. Free space is kept as coalesced extents, found best-fit; slots in
+use are the caller's to track (it knows each slot's size). When no extent fits, a tier evicts
+blocks until one does, so a full tier keeps nearly all of its bytes live under mixed sizes
+without moving any block (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ class ExtentAllocator:
         self.size = size // PAGE * PAGE
         self._free = SortedDict()  # start -> end, by address
         self._by_size = SortedList()  # (length, start), for best fit
-        self._used: dict[int, int] = {}  # start -> end
-        self._used_end: dict[int, int] = {}  # end -> start
         self.used_bytes = 0
         if self.size:
             self._add_free(0, self.size)
@@ -59,17 +57,13 @@ class ExtentAllocator:
         end = self._take_free(start)
         if end - start > nbytes:
             self._add_free(start + nbytes, end)
-        self._used[start] = start + nbytes
-        self._used_end[start + nbytes] = start
         self.used_bytes += nbytes
         return start
 
-    def free(self, offset: int) -> None:
-        """Give a slot back, merging it with free neighbours."""
-        end = self._used.pop(offset)
-        del self._used_end[end]
-        self.used_bytes -= end - offset
-        start = offset
+    def free(self, offset: int, nbytes: int) -> None:
+        """Give the `nbytes` slot at `offset` back, merging it with free neighbours."""
+        self.used_bytes -= nbytes
+        start, end = offset, offset + nbytes
         i = self._free.bisect_left(offset)
         if i and self._free.peekitem(i - 1)[1] == offset:  # a free extent ends where we start
             start = self._free.peekitem(i - 1)[0]
@@ -78,9 +72,6 @@ class ExtentAllocator:
             end = self._take_free(end)
         self._add_free(start, end)
 
-    def slot_end(self, offset: int) -> int:
-        return self._used[offset]
-
     def hole_at(self, offset: int) -> tuple[int, int] | None:
         """The free extent that contains `offset`, or None if it is in use."""
         i = self._free.bisect_right(offset)
@@ -88,11 +79,6 @@ class ExtentAllocator:
             return None
         start, end = self._free.peekitem(i - 1)
         return (start, end) if offset < end else None
-
-    def neighbours(self, start: int, end: int) -> tuple[int | None, int | None]:
-        """Offsets of the slots right before and right after `[start, end)` (None at an edge
-        or a free extent)."""
-        return self._used_end.get(start), end if end in self._used else None
 
     @property
     def largest_free(self) -> int:
@@ -121,16 +107,12 @@ class ExtentAllocator:
         kept = rows[keep]
         self._free.clear()
         self._by_size.clear()
-        self._used = dict(
-            zip(offsets[kept].tolist(), (offsets[kept] + sizes[kept]).tolist(), strict=True)
-        )
-        self._used_end = {end: start for start, end in self._used.items()}
         self.used_bytes = int(sizes[kept].sum())
-        at = 0
-        for start in sorted(self._used):
-            if start > at:
-                self._add_free(at, start)
-            at = self._used[start]
-        if at < self.size:
-            self._add_free(at, self.size)
+        # The gaps between kept rows (in address order) are the free extents.
+        starts, ends = offsets[kept], offsets[kept] + sizes[kept]
+        gap_starts = np.concatenate(([0], ends))
+        gap_ends = np.concatenate((starts, [self.size]))
+        gaps = np.flatnonzero(gap_ends > gap_starts)
+        for start, end in zip(gap_starts[gaps].tolist(), gap_ends[gaps].tolist(), strict=True):
+            self._add_free(start, end)
         return ok
