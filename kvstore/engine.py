@@ -532,7 +532,7 @@ class Engine:
     def delete(self, key: bytes) -> bool:
         """Remove `key` from every tier; True if it was stored. A pinned view stays valid."""
         _check_key(key)
-        wipe: tuple[int, int] | None = None
+        wipe: tuple[int, int, int] | None = None
         with self._lock:
             self._check_open()
             found = False

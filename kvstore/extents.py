@@ -16,12 +16,18 @@ from sortedcontainers import SortedDict, SortedList
 
 from kvoffload.kvstore.config import PAGE
 
-__all__ = ["ExtentAllocator", "slot_bytes"]
+__all__ = ["ExtentAllocator", "slot_bytes", "slot_sizes"]
 
 
 def slot_bytes(length: int) -> int:
     """Bytes of the slot that holds a `length`-byte value: whole pages, at least one."""
     return max(PAGE, -(-length // PAGE) * PAGE)
+
+
+def slot_sizes(lengths: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """`slot_bytes` of each length."""
+    out: npt.NDArray[np.int64] = np.maximum(PAGE, -(-lengths // PAGE) * PAGE)
+    return out
 
 
 class ExtentAllocator:

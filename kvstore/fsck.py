@@ -18,7 +18,7 @@ import numpy as np
 
 from kvoffload.kvstore import journal as jr
 from kvoffload.kvstore.config import PAGE, DramConfig, EngineConfig
-from kvoffload.kvstore.slabs import SlabAllocator
+from kvoffload.kvstore.extents import ExtentAllocator, slot_bytes, slot_sizes
 from kvoffload.kvstore.slotio import AlignedBuffer, unpack_header
 from kvoffload.kvstore.ssd import SsdTier, _write_atomic
 
@@ -81,7 +81,7 @@ def fsck(directory: str, *, rebuild: bool = False) -> FsckReport:
 
 
 def _verify(tier: SsdTier, report: FsckReport) -> None:
-    buf = AlignedBuffer(tier.alloc.slab_bytes)
+    buf = AlignedBuffer(slot_bytes(tier.max_value_bytes))
     try:
         for row in tier.index.live_rows():
             snap = tier.snapshot(int(row))
@@ -100,17 +100,19 @@ _Found = tuple[int, bytes, "bytes | None", int, int, int, str]  # seq key parent
 def _scan(tier: SsdTier, report: FsckReport) -> list[_Found]:
     """Every valid slot header on the device; page -1 marks a damaged payload.
 
-    Every page is examined: an old header at a position the slab's current class does not use
-    would otherwise throw a skip-ahead walk off the live slot boundaries.
+    Every page is examined (an old header inside a newer, larger slot is still found; replay
+    order decides). The device is read in windows that overlap by one largest slot, so a block
+    that starts near a window's end is still read whole.
     """
-    slab = tier.alloc.slab_bytes
-    buf = AlignedBuffer(slab)
+    step = 4 << 20
+    reach = slot_bytes(PAGE + tier.max_value_bytes)
+    buf = AlignedBuffer(step + reach)
     found: list[_Found] = []
     try:
-        for start in range(0, tier.capacity, slab):
-            tier.slots.read(start, [buf.view])
-            for page in range(slab // PAGE):
-                at = page * PAGE
+        for start in range(0, tier.capacity, step):
+            size = min(step + reach, tier.capacity - start)
+            tier.slots.read(start, [buf.view[:size]])
+            for at in range(0, min(step, size), PAGE):
                 if bytes(buf.view[at + 4 : at + 8]) != b"KVSL":
                     continue
                 header = unpack_header(buf.view[at : at + PAGE])
@@ -118,7 +120,7 @@ def _scan(tier: SsdTier, report: FsckReport) -> list[_Found]:
                     continue
                 report.headers_found += 1
                 end = at + PAGE + header.length
-                if end > slab:
+                if end > size:
                     report.dropped += 1
                     continue
                 intact = crc32c.crc32c(buf.view[at + PAGE : end]) == header.crc
@@ -148,12 +150,11 @@ def _rebuild(tier: SsdTier, report: FsckReport) -> None:
         recs[i] = (0, jr.PUT, jr.HAS_PARENT if parent is not None else 0, tid, seq, key,
                    parent or b"", page_no, length, crc, b"")  # fmt: skip
     # Keep only what fits the slot layout, exactly as an open would.
-    sizes = np.asarray(tier.classes.sizes)
-    classes = np.searchsorted(sizes, PAGE + recs["length"].astype(np.int64)).astype(np.int64)
-    fits = classes < len(sizes)
+    sizes = slot_sizes(PAGE + recs["length"].astype(np.int64))
+    fits = recs["length"] <= tier.max_value_bytes
     ok = np.zeros(len(recs), dtype=bool)
-    fresh = SlabAllocator(tier.alloc.n_slabs, tier.alloc.slab_bytes, tier.classes)
-    ok[fits] = fresh.restore(recs["page"][fits].astype(np.int64) * PAGE, classes[fits])
+    fresh = ExtentAllocator(tier.capacity)
+    ok[fits] = fresh.restore(recs["page"][fits].astype(np.int64) * PAGE, sizes[fits])
     report.dropped += int((~ok).sum())
     tenants = [jr.record(jr.TENANT, 0, tenant=i, name=n.encode()) for n, i in names.items() if i]
     body = np.concatenate([*tenants, recs[ok]]) if tenants else recs[ok]

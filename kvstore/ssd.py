@@ -15,6 +15,7 @@ On disk, in the data directory::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import logging
@@ -33,8 +34,8 @@ import numpy.typing as npt
 from kvoffload.errors import CapacityError, ConfigError, StorageIOError
 from kvoffload.kvstore import journal as jr
 from kvoffload.kvstore.config import PAGE, EngineConfig
+from kvoffload.kvstore.extents import ExtentAllocator, slot_bytes, slot_sizes
 from kvoffload.kvstore.gds import select_slot_file
-from kvoffload.kvstore.slabs import SizeClasses, SlabAllocator
 from kvoffload.kvstore.slotio import (
     AlignedBuffer,
     SlotFile,
@@ -49,8 +50,10 @@ __all__ = ["META_NAME", "Recovery", "SsdTier", "WritePlan"]
 log = logging.getLogger(__name__)
 
 META_NAME = "kvoffload.meta"
-FORMAT = "kvoffload-store-1"
-_STEAL_AGE_RATIO = 2
+# Store 2: slots are extents as large as their block (store 1 cut the file into size-classed
+# slabs). A store-1 directory opens as store 2 unchanged: its slots are valid extents.
+FORMAT = "kvoffload-store-2"
+_LEGACY_FORMATS = {"kvoffload-store-1": ("slab_bytes", "class_growth")}
 _QUOTA_BATCH = 64  # rows one pass over the index hands to a tenant over its SSD quota
 
 
@@ -60,9 +63,7 @@ class StoreMeta:
 
     store_id: str
     capacity_bytes: int
-    slab_bytes: int
     max_value_bytes: int
-    class_growth: float
     slot_path: str
     created: float
     format: str = FORMAT
@@ -72,12 +73,15 @@ class StoreMeta:
         """Raises: ConfigError if the file is unreadable or not a store of this format."""
         try:
             raw = json.loads(path.read_text())
+            fmt = raw.get("format", FORMAT)
+            if fmt != FORMAT and fmt not in _LEGACY_FORMATS:
+                raise ConfigError(f"{path}: unknown store format {fmt!r}")
+            for legacy in _LEGACY_FORMATS.get(fmt, ()):
+                raw.pop(legacy, None)
             meta = cls(**raw)
-        except (OSError, ValueError, TypeError) as exc:
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
             raise ConfigError(f"{path} is not a kvoffload store description: {exc}") from exc
-        if meta.format != FORMAT:
-            raise ConfigError(f"{path}: unknown store format {meta.format!r}")
-        for name in ("capacity_bytes", "slab_bytes", "max_value_bytes"):
+        for name in ("capacity_bytes", "max_value_bytes"):
             if not isinstance(getattr(meta, name), int) or getattr(meta, name) <= 0:
                 raise ConfigError(f"{path}: {name} must be a positive integer")
         return meta
@@ -90,7 +94,7 @@ class Recovery:
     checkpoint_records: int = 0
     journal_records: int = 0  # PUT and DEL records replayed from journals
     torn_bytes: int = 0  # cut from journal tails
-    rejected_rows: int = 0  # rows whose slot did not fit the slab layout
+    rejected_rows: int = 0  # rows whose slot lies outside the file or overlaps another
     blocks: int = 0
     seconds: float = 0.0
     notes: tuple[str, ...] = ()
@@ -104,7 +108,7 @@ class WritePlan:
     parent: bytes | None
     tenant: int
     length: int
-    cls: int
+    size: int  # slot bytes: header page + value pages
     offset: int
     seq: int
     crc: int = 0
@@ -119,7 +123,6 @@ class _Counters:
     bytes_read: int = 0
     corrupt: int = 0
     write_errors: int = 0
-    steals: int = 0
     checkpoints: int = 0
 
 
@@ -157,6 +160,7 @@ class SsdTier:
         self.config = config
         self._rank = rank
         self._on_removed = on_removed
+        self._read_only = read_only
         self.dir = Path(config.data_dir)
         self._open_dir(read_only)
         try:
@@ -172,15 +176,12 @@ class SsdTier:
     def _open(self, read_only: bool) -> None:
         ssd, config = self.config.ssd, self.config
         self.meta = self._load_or_create_meta()
-        slab = self.meta.slab_bytes
-        self.classes = SizeClasses(self.meta.max_value_bytes + PAGE, self.meta.class_growth)
-        self.capacity = self.meta.capacity_bytes // slab * slab
-        if not self.capacity:
-            raise ConfigError(f"SSD capacity must hold at least one slab of {slab} bytes")
-        self.alloc = SlabAllocator(self.capacity // slab, slab, self.classes)
-        self.index = SsdIndex(
-            len(self.classes), ssd.policy or config.dram.policy, class_bytes=self.classes.sizes
-        )
+        self.capacity = self.meta.capacity_bytes // PAGE * PAGE
+        largest = slot_bytes(PAGE + self.meta.max_value_bytes)
+        if self.capacity < largest:
+            raise ConfigError(f"SSD capacity must hold at least one slot of {largest} bytes")
+        self.alloc = ExtentAllocator(self.capacity)
+        self.index = SsdIndex(ssd.policy or config.dram.policy)
         self.quotas: dict[int, int] = {}  # tenant id -> SSD slot bytes it may hold
         self.store_id = bytes.fromhex(self.meta.store_id)
         self.max_value_bytes = self.meta.max_value_bytes
@@ -194,7 +195,8 @@ class SsdTier:
         self.seq = 0
         self.tick = 0
         self.pinned: dict[int, int] = {}  # row -> readers in flight
-        self._pending_free: list[tuple[int, int]] = []  # (journal ticket, slot offset)
+        # Slots freed by a record not yet durable: (journal ticket, offset, bytes).
+        self._pending_free: list[tuple[int, int, int]] = []
         self.counters = _Counters()
         self._pages = threading.local()
         self.journal: jr.Journal | None = None
@@ -235,16 +237,10 @@ class SsdTier:
         ssd = self.config.ssd
         path = self.dir / META_NAME
         max_value = ssd.max_value_bytes or self.config.dram.effective_max_value_bytes
-        slab = -(-(max_value + PAGE) // PAGE) * PAGE
-        # Small blocks: slabs of up to 4 MiB (but at least 64 of them), so a big SSD is a few
-        # thousand slabs rather than millions; restarts rebuild per slab.
-        slab = max(slab, min(4 << 20, ssd.capacity_bytes // 64 // PAGE * PAGE))
         wanted = StoreMeta(
             store_id=uuid.uuid4().hex,
             capacity_bytes=ssd.capacity_bytes,
-            slab_bytes=slab,
             max_value_bytes=max_value,
-            class_growth=1.05,
             slot_path=ssd.path,  # "" = ssd.slots in the store's directory (stays relocatable)
             created=time.time(),
         )
@@ -265,6 +261,10 @@ class SsdTier:
                     f"store {self.dir} was created with {name}={have!r}, the config asks for "
                     f"{want!r}; use the original setting or a new directory"
                 )
+        if meta.format != FORMAT and not self._read_only:
+            meta = dataclasses.replace(meta, format=FORMAT)
+            _write_atomic(path, json.dumps(asdict(meta), indent=2).encode())
+            log.info("%s: store format upgraded to %s", path, FORMAT)
         return meta
 
     def _journal_paths(self) -> list[tuple[int, Path]]:
@@ -344,13 +344,9 @@ class SsdTier:
             rows[name] = final[name]
         rows["flags"] = final["flags"]
         rows["crc"] = final["pcrc"]
-        sizes = PAGE + rows["length"].astype(np.int64)
-        classes = np.searchsorted(np.asarray(self.classes.sizes), sizes).astype(np.int64)
-        offsets = rows["page"].astype(np.int64) * PAGE
-        fits = classes < len(self.classes)
-        ok = np.zeros(len(rows), dtype=bool)
-        ok[fits] = self.alloc.restore(offsets[fits], classes[fits])
-        self.index.load(rows[ok], classes[ok])
+        sizes = slot_sizes(PAGE + rows["length"].astype(np.int64))
+        ok = self.alloc.restore(rows["page"].astype(np.int64) * PAGE, sizes)
+        self.index.load(rows[ok])
         return int((~ok).sum())
 
     def _open_journal(self, generation: int) -> jr.Journal:
@@ -387,10 +383,6 @@ class SsdTier:
         self.tick = (self.tick + 1) & 0xFFFFFFFF
         return self.tick
 
-    def slot_class(self, length: int) -> int | None:
-        cls = self.classes.class_of(PAGE + length)
-        return cls if cls < len(self.classes) else None
-
     def plan_write(self, key: bytes, length: int, parent: bytes | None, tenant: str) -> WritePlan:
         """Set aside a slot for `key`, evicting SSD blocks if needed.
 
@@ -398,14 +390,14 @@ class SsdTier:
             CapacityError: no slot can be freed (every candidate is being read).
             StorageIOError: the journal failed.
         """
-        cls = self.slot_class(length)
-        if cls is None:
+        if length > self.max_value_bytes:
             raise CapacityError(f"a {length}-byte value does not fit an SSD slot")
+        size = slot_bytes(PAGE + length)
         tid = self.tenant_id(tenant)
-        self._fit_quota(tid, self.classes.sizes[cls])
-        offset = self._reserve(cls)
+        self._fit_quota(tid, size)
+        offset = self._reserve(size)
         self.seq += 1
-        return WritePlan(key, parent, tid, length, cls, offset, self.seq)
+        return WritePlan(key, parent, tid, length, size, offset, self.seq)
 
     def set_quota(self, tenant: str, quota_bytes: int | None) -> None:
         """Limit the SSD slot bytes `tenant` may hold (None: no limit); enforced on writes."""
@@ -449,94 +441,63 @@ class SsdTier:
         if not self._pending_free or self.journal is None:
             return
         if wait:
-            self.journal.wait(max(t for t, _ in self._pending_free))
+            self.journal.wait(max(t for t, _, _ in self._pending_free))
         durable = self.journal.durable_ticket
         keep = []
-        for ticket, offset in self._pending_free:
+        for ticket, offset, size in self._pending_free:
             if ticket <= durable:
-                self.alloc.free(offset)
+                self.alloc.free(offset, size)
             else:
-                keep.append((ticket, offset))
+                keep.append((ticket, offset, size))
         self._pending_free = keep
 
-    def _reserve(self, cls: int) -> int:
+    def _reserve(self, size: int) -> int:
+        """A free `size`-byte slot: evicts blocks in policy order until one fits.
+
+        Evicted slots are reusable once their DEL records are durable, so victims are taken
+        until as many bytes wait for the journal as the slot needs, then one sync frees them.
+        """
         self._release_pending()
         while True:
-            offset = self.alloc.alloc(cls)
+            offset = self.alloc.alloc(size)
             if offset is not None:
                 return offset
-            if self._pending_free:
-                # Slots wait for the journal record that frees them to be durable.
+            waiting = sum(n for _, _, n in self._pending_free)
+            victim = EMPTY
+            if waiting < size:
+                victim = self.index.choose_victim(set(self.pinned), self._rank)
+            if victim != EMPTY:
+                self.counters.evictions += 1
+                self.remove_row(victim)
+            elif self._pending_free:
                 self._release_pending(wait=True)
-                continue
-            donor = self._donor_slab(cls)
-            if donor is not None:
-                self._steal(donor)
-                continue
-            victim = self.index.choose_victim(cls, set(self.pinned), self._rank)
-            if victim == EMPTY:
-                donor = self._donor_slab(cls, force=True)
-                if donor is None:
-                    raise CapacityError("no SSD slot can be freed: every block is being read")
-                self._steal(donor)
-                continue
-            self.counters.evictions += 1
-            self.remove_row(victim)
-
-    def _donor_slab(self, cls: int, *, force: bool = False) -> int | None:
-        own = self.index.coldest(cls)
-        own_age = self.tick - int(self.index.tick[own]) if own != EMPTY else None
-        best: tuple[int, int, int] | None = None  # (age, class, row)
-        for other in range(len(self.classes)):
-            if other == cls or not self.index.class_size(other):
-                continue
-            row = self.index.coldest(other)
-            age = self.tick - int(self.index.tick[row])
-            if best is None or age > best[0]:
-                best = (age, other, row)
-        if best is None:
-            return None
-        age, other, row = best
-        if not force and own_age is not None and age <= _STEAL_AGE_RATIO * own_age:
-            return None
-        slab_bytes = self.alloc.slab_bytes
-        pages = self.index.rows["page"][: self.index._rows].astype(np.int64) * PAGE
-        live = self.index.cls[: self.index._rows] >= 0
-        candidates = [int(self.index.rows["page"][row]) * PAGE // slab_bytes]
-        candidates += sorted(self.alloc.slabs_of(other))
-        for slab in candidates:
-            members = np.flatnonzero(live & (pages // slab_bytes == slab))
-            if not any(int(m) in self.pinned for m in members):
-                return slab
-        return None
-
-    def _steal(self, slab: int) -> None:
-        slab_bytes = self.alloc.slab_bytes
-        pages = self.index.rows["page"][: self.index._rows].astype(np.int64) * PAGE
-        live = self.index.cls[: self.index._rows] >= 0
-        self.counters.steals += 1
-        for row in np.flatnonzero(live & (pages // slab_bytes == slab)):
-            self.counters.evictions += 1
-            self.remove_row(int(row))
-        self._release_pending(wait=True)
+            else:
+                raise CapacityError(
+                    f"no room for a {size}-byte SSD slot: every block that could make room "
+                    "is being read"
+                )
 
     def remove_row(self, row: int) -> None:
         """Forget a stored block; its slot is reused once the DEL record is durable."""
         self.release_slot(*self.detach_row(row))
 
-    def detach_row(self, row: int, *, notify: bool = True) -> tuple[int, int]:
-        """Forget a stored block but keep its slot out of reuse; returns (ticket, offset) for
-        `release_slot`, after the caller has wiped the slot (`wipe_slot`). `notify` False
+    def detach_row(self, row: int, *, notify: bool = True) -> tuple[int, int, int]:
+        """Forget a stored block but keep its slot out of reuse; returns (ticket, offset, bytes)
+        for `release_slot`, after the caller has wiped the slot (`wipe_slot`). `notify` False
         skips the removal callback (the caller's own delete)."""
         assert self.journal is not None
         key = self.index.key_of(row)
-        offset = int(self.index.rows["page"][row]) * PAGE
+        offset, size = self._slot_of(row)
         self.seq += 1
         ticket = self.journal.append(jr.pack(jr.record(jr.DEL, self.seq, key)))
         self.index.remove(row)
         if notify:
             self._on_removed(key)
-        return ticket, offset
+        return ticket, offset, size
+
+    def _slot_of(self, row: int) -> tuple[int, int]:
+        rows = self.index.rows
+        return int(rows["page"][row]) * PAGE, slot_bytes(PAGE + int(rows["length"][row]))
 
     def drop_row(self, row: int) -> None:
         """Forget a block whose record may never become durable (the journal failed), without
@@ -545,8 +506,8 @@ class SsdTier:
         self.index.remove(row)
         self._on_removed(key)
 
-    def release_slot(self, ticket: int, offset: int) -> None:
-        self._pending_free.append((ticket, offset))
+    def release_slot(self, ticket: int, offset: int, size: int) -> None:
+        self._pending_free.append((ticket, offset, size))
 
     def wipe_slot(self, offset: int) -> None:
         """Zero a slot's header page (unlocked), so a rebuild from slot headers cannot bring a
@@ -580,10 +541,10 @@ class SsdTier:
         if old != EMPTY:
             # No DEL record: this PUT's higher seq supersedes the old one on replay. The old
             # slot is reused only once this PUT is durable, so replay never points at it.
-            self._pending_free.append((ticket, int(self.index.rows["page"][old]) * PAGE))
+            self._pending_free.append((ticket, *self._slot_of(old)))
             self.index.remove(old)
         self.index.insert(plan.key, page=plan.offset // PAGE, length=plan.length, seq=plan.seq,
-                          crc=plan.crc, parent=plan.parent, tenant=plan.tenant, cls=plan.cls,
+                          crc=plan.crc, parent=plan.parent, tenant=plan.tenant,
                           tick=self.next_tick())  # fmt: skip
         self.counters.bytes_written += plan.length
         self._records_since_checkpoint += 1
@@ -591,7 +552,7 @@ class SsdTier:
 
     def abort_write(self, plan: WritePlan) -> None:
         """Give back a slot that was never committed (no journal record names it)."""
-        self.alloc.free(plan.offset)
+        self.alloc.free(plan.offset, plan.size)
 
     # ------------------------------------------------------------------ I/O (unlocked)
 

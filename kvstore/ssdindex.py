@@ -1,5 +1,5 @@
 """The SSD tier's in-memory index: numpy columns per row, an open-addressing key table, a
-by-parent chain table and per-class eviction lists, in well under 128 bytes per block.
+by-parent chain table and the eviction lists, in well under 128 bytes per block.
 
 A Python dict of entry objects costs ~250 bytes per block; the SSD tier holds millions of
 blocks, so every field lives in a flat numpy column and Python touches single cells. Bookkeeping
@@ -8,10 +8,13 @@ only: no I/O here. The SSD tier holds the engine lock around every call.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
+
+from kvoffload.kvstore.config import PAGE
+from kvoffload.kvstore.extents import slot_bytes, slot_sizes
 
 __all__ = ["EMPTY", "ROW_DTYPE", "RankFn", "SsdIndex"]
 
@@ -71,32 +74,27 @@ def _stored(key: bytes) -> bytes:
 class SsdIndex:
     """Key -> row for the SSD tier, with the policy state of every row.
 
-    Rows hold the persisted fields of `ROW_DTYPE` plus: last-use tick, size class, S3-FIFO
-    frequency and queue, doubly linked eviction lists (one per class and queue) and a chain of
+    Rows hold the persisted fields of `ROW_DTYPE` plus: last-use tick, whether the row is in
+    use, S3-FIFO frequency and queue, doubly linked eviction lists (one per queue) and a chain of
     rows sharing a parent-hash bucket (to answer "does this block have a stored child?").
     """
 
     def __init__(
         self,
-        n_classes: int,
         policy: str,
         capacity: int = 1024,
-        class_bytes: Sequence[int] | None = None,
     ) -> None:
         if policy not in ("lru", "s3fifo", "prefix"):
             raise ValueError(f"unknown SSD eviction policy {policy!r}")
         self.policy = policy
-        self.n_classes = n_classes
-        # Slot bytes per class, to keep the slot bytes each tenant holds (for its quota).
-        self._class_bytes = list(class_bytes) if class_bytes is not None else [0] * n_classes
         self.tenant_bytes: dict[int, int] = {}
         self._rows = 0  # rows ever used (high-water mark)
         self._free_rows: list[int] = []
         self._live = 0
         self._alloc_columns(max(capacity, 16))
-        self._heads = [[EMPTY, EMPTY] for _ in range(n_classes)]
-        self._tails = [[EMPTY, EMPTY] for _ in range(n_classes)]
-        self._sizes = [[0, 0] for _ in range(n_classes)]
+        self._heads = [EMPTY, EMPTY]
+        self._tails = [EMPTY, EMPTY]
+        self._sizes = [0, 0]
         self._ghost_bits = 1 << 16
         self._ghosts = [np.zeros(self._ghost_bits // 8, np.uint8) for _ in range(2)]
         self._ghost_count = 0
@@ -106,7 +104,7 @@ class SsdIndex:
     def _alloc_columns(self, capacity: int, *, build: bool = True) -> None:
         self.rows = np.zeros(capacity, dtype=ROW_DTYPE)
         self.tick = np.zeros(capacity, dtype=np.uint32)
-        self.cls = np.full(capacity, -1, dtype=np.int16)  # -1: free row
+        self.live = np.zeros(capacity, dtype=bool)
         self.freq = np.zeros(capacity, dtype=np.uint8)
         self.queue = np.zeros(capacity, dtype=np.uint8)
         self.prev = np.full(capacity, EMPTY, dtype=np.int32)
@@ -117,7 +115,7 @@ class SsdIndex:
 
     def _grow(self) -> None:
         old = self._rows
-        columns = ("rows", "tick", "cls", "freq", "queue", "prev", "next", "sibling")
+        columns = ("rows", "tick", "live", "freq", "queue", "prev", "next", "sibling")
         saved = {name: getattr(self, name)[:old].copy() for name in columns}
         # Modest growth keeps the slack (and so the bytes per block) low.
         self._alloc_columns(len(self.rows) * 5 // 4 + 16, build=False)
@@ -134,7 +132,7 @@ class SsdIndex:
         self._bmask = size // 2 - 1
         self._buckets = np.full(size // 2, EMPTY, dtype=np.int32)
         self._tombs = 0
-        live = np.flatnonzero(self.cls[: self._rows] >= 0).astype(np.int32)
+        live = np.flatnonzero(self.live[: self._rows]).astype(np.int32)
         if not len(live):
             return
         keys = self.rows["key"][live]
@@ -208,7 +206,7 @@ class SsdIndex:
         return False
 
     def live_rows(self) -> npt.NDArray[np.int64]:
-        return np.flatnonzero(self.cls[: self._rows] >= 0)
+        return np.flatnonzero(self.live[: self._rows])
 
     # ------------------------------------------------------------------ updates
 
@@ -222,7 +220,6 @@ class SsdIndex:
         crc: int,
         parent: bytes | None,
         tenant: int,
-        cls: int,
         tick: int,
     ) -> int:
         """Add a row for `key`, which must not be present. Returns the row."""
@@ -236,10 +233,10 @@ class SsdIndex:
         self.rows[row] = (key, parent or _NO_PARENT, page, length, tenant,
                           _HAS_PARENT if parent is not None else 0, seq, crc)  # fmt: skip
         self.tick[row] = tick
-        self.cls[row] = cls
+        self.live[row] = True
         self.freq[row] = 0
         self._live += 1
-        self._charge(tenant, cls, 1)
+        self._charge(tenant, length, 1)
         if (self._live + self._tombs) * 10 > len(self._table) * 7:
             self._build_tables()  # also places this row
         else:
@@ -251,7 +248,7 @@ class SsdIndex:
         queue = _SMALL
         if self.policy == "s3fifo" and self._ghost_take(key):
             queue = _MAIN  # evicted recently and wanted again
-        self._link(row, cls, queue)
+        self._link(row, queue)
         return row
 
     def _table_insert(self, key: bytes, row: int) -> None:
@@ -281,15 +278,16 @@ class SsdIndex:
                     prev = int(self.sibling[prev])
                 self.sibling[prev] = self.sibling[row]
         self._unlink(row)
-        self._charge(int(self.rows["tenant"][row]), int(self.cls[row]), -1)
-        self.cls[row] = -1
+        self._charge(int(self.rows["tenant"][row]), int(self.rows["length"][row]), -1)
+        self.live[row] = False
         self._live -= 1
         self._free_rows.append(row)
         if self._tombs * 4 > len(self._table):
             self._build_tables()
 
-    def _charge(self, tenant: int, cls: int, sign: int) -> None:
-        used = self.tenant_bytes.get(tenant, 0) + sign * self._class_bytes[cls]
+    def _charge(self, tenant: int, length: int, sign: int) -> None:
+        """Keep the slot bytes each tenant holds (for its SSD quota)."""
+        used = self.tenant_bytes.get(tenant, 0) + sign * slot_bytes(PAGE + length)
         if used:
             self.tenant_bytes[tenant] = used
         else:
@@ -301,7 +299,7 @@ class SsdIndex:
         """Up to `count` of the tenant's least recently used rows, coldest first, skipping
         `protected` rows (one vectorised pass over the rows, for quota evictions)."""
         used = self._rows
-        live = self.cls[:used] >= 0
+        live = self.live[:used]
         rows = np.flatnonzero(live & (self.rows["tenant"][:used] == tenant))
         if protected:
             rows = rows[~np.isin(rows, np.fromiter(protected, np.int64, len(protected)))]
@@ -319,53 +317,44 @@ class SsdIndex:
         if self.policy == "s3fifo":
             self.freq[row] = min(int(self.freq[row]) + 1, 3)
         else:
-            cls = int(self.cls[row])
             self._unlink(row)
-            self._link(row, cls, _SMALL)
+            self._link(row, _SMALL)
 
     # ------------------------------------------------------------------ eviction lists
 
-    def _link(self, row: int, cls: int, queue: int) -> None:
-        tail = self._tails[cls][queue]
+    def _link(self, row: int, queue: int) -> None:
+        tail = self._tails[queue]
         self.prev[row] = tail
         self.next[row] = EMPTY
         self.queue[row] = queue
         if tail == EMPTY:
-            self._heads[cls][queue] = row
+            self._heads[queue] = row
         else:
             self.next[tail] = row
-        self._tails[cls][queue] = row
-        self._sizes[cls][queue] += 1
+        self._tails[queue] = row
+        self._sizes[queue] += 1
 
     def _unlink(self, row: int) -> None:
-        cls, queue = int(self.cls[row]), int(self.queue[row])
+        queue = int(self.queue[row])
         prev, nxt = int(self.prev[row]), int(self.next[row])
         if prev == EMPTY:
-            self._heads[cls][queue] = nxt
+            self._heads[queue] = nxt
         else:
             self.next[prev] = nxt
         if nxt == EMPTY:
-            self._tails[cls][queue] = prev
+            self._tails[queue] = prev
         else:
             self.prev[nxt] = prev
-        self._sizes[cls][queue] -= 1
+        self._sizes[queue] -= 1
 
-    def class_size(self, cls: int) -> int:
-        return sum(self._sizes[cls])
-
-    def coldest(self, cls: int) -> int:
-        """A cold row of the class (the head of its oldest queue), or EMPTY; for slab balancing."""
-        heads = [h for h in self._heads[cls] if h != EMPTY]
-        return min(heads, key=lambda r: int(self.tick[r])) if heads else EMPTY
-
-    def choose_victim(self, cls: int, protected: set[int], rank: RankFn) -> int:
-        """The row of `cls` to evict next, skipping `protected` rows, or EMPTY if none is free.
+    def choose_victim(self, protected: set[int], rank: RankFn) -> int:
+        """The row to evict next, skipping `protected` rows, or EMPTY if none is free.
 
         Does not remove it; S3-FIFO may move rows between its queues while it looks.
         """
         if self.policy == "s3fifo":
-            return self._s3fifo_victim(cls, protected)
-        row = self._heads[cls][_SMALL]
+            return self._s3fifo_victim(protected)
+        row = self._heads[_SMALL]
         if self.policy == "lru":
             while row != EMPTY and row in protected:
                 row = int(self.next[row])
@@ -385,8 +374,8 @@ class SsdIndex:
             row = int(self.next[row])
         return leaf if leaf != EMPTY else first
 
-    def _s3fifo_victim(self, cls: int, protected: set[int]) -> int:
-        sizes = self._sizes[cls]
+    def _s3fifo_victim(self, protected: set[int]) -> int:
+        sizes = self._sizes
         # Each row moves or decays at most 4 times before it is evicted or found pinned.
         budget = 4 * (sizes[0] + sizes[1]) + 4
         small_skips = 0  # pinned rows rotated in the small queue: stop once all were seen
@@ -401,21 +390,21 @@ class SsdIndex:
                 queue = _SMALL
             else:
                 return EMPTY
-            row = self._heads[cls][queue]
+            row = self._heads[queue]
             self._unlink(row)
             if row in protected:
-                self._link(row, cls, queue)
+                self._link(row, queue)
                 small_skips += queue == _SMALL
                 continue
             freq = int(self.freq[row])
             if queue == _SMALL and freq > 0:
                 self.freq[row] = 0
-                self._link(row, cls, _MAIN)
+                self._link(row, _MAIN)
             elif queue == _MAIN and freq > 0:
                 self.freq[row] = freq - 1
-                self._link(row, cls, _MAIN)
+                self._link(row, _MAIN)
             else:
-                self._link(row, cls, queue)  # stays listed until the caller removes it
+                self._link(row, queue)  # stays listed until the caller removes it
                 if queue == _SMALL:
                     self._ghost_add(self.key_of(row))
                 return row
@@ -448,7 +437,7 @@ class SsdIndex:
         """The persisted fields of every live row (for a checkpoint)."""
         return self.rows[self.live_rows()]
 
-    def load(self, records: npt.NDArray[np.void], classes: npt.NDArray[np.int64]) -> None:
+    def load(self, records: npt.NDArray[np.void]) -> None:
         """Replace the contents with `records` (distinct keys), in the given order as recency."""
         n = len(records)
         self._alloc_columns(max(16, n * 9 // 8), build=False)
@@ -456,30 +445,25 @@ class SsdIndex:
         self._live = n
         self._free_rows = []
         self.rows[:n] = records
-        self.cls[:n] = classes
+        self.live[:n] = True
         self.tick[:n] = 0
-        self._heads = [[EMPTY, EMPTY] for _ in range(self.n_classes)]
-        self._tails = [[EMPTY, EMPTY] for _ in range(self.n_classes)]
-        self._sizes = [[0, 0] for _ in range(self.n_classes)]
-        for cls in np.unique(classes):
-            rows = np.flatnonzero(classes == cls).astype(np.int32)
-            self.prev[rows[1:]] = rows[:-1]
-            self.next[rows[:-1]] = rows[1:]
-            self.prev[rows[0]] = EMPTY
-            self.next[rows[-1]] = EMPTY
-            self._heads[int(cls)][_SMALL] = int(rows[0])
-            self._tails[int(cls)][_SMALL] = int(rows[-1])
-            self._sizes[int(cls)][_SMALL] = len(rows)
+        self._heads, self._tails, self._sizes = [EMPTY, EMPTY], [EMPTY, EMPTY], [0, 0]
+        if n:
+            rows = np.arange(n, dtype=np.int32)
+            self.prev[1:n] = rows[:-1]
+            self.next[: n - 1] = rows[1:]
+            self.prev[0] = self.next[n - 1] = EMPTY
+            self._heads[_SMALL], self._tails[_SMALL], self._sizes[_SMALL] = 0, n - 1, n
         self.queue[:n] = _SMALL
         self.tenant_bytes = {}
-        sizes = np.asarray(self._class_bytes, dtype=np.int64)
-        if n and len(sizes):
-            per = np.bincount(self.rows["tenant"][:n], weights=sizes[classes], minlength=1)
+        if n:
+            sizes = slot_sizes(PAGE + self.rows["length"][:n].astype(np.int64))
+            per = np.bincount(self.rows["tenant"][:n], weights=sizes, minlength=1)
             self.tenant_bytes = {int(t): int(b) for t, b in enumerate(per) if b}
         self._build_tables()
 
     def memory_bytes(self) -> int:
         """Bytes held by the index's arrays (what `bench ssd` reports per entry)."""
-        arrays = (self.rows, self.tick, self.cls, self.freq, self.queue, self.prev, self.next,
+        arrays = (self.rows, self.tick, self.live, self.freq, self.queue, self.prev, self.next,
                   self.sibling, self._table, self._buckets, *self._ghosts)  # fmt: skip
         return sum(a.nbytes for a in arrays) + 8 * len(self._free_rows)

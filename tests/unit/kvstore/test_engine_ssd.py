@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import time
 from pathlib import Path
@@ -229,7 +230,7 @@ def test_ssd_quota_evicts_only_the_tenants_own_coldest_blocks(tmp_path: Path) ->
     with Engine(config(tmp_path)) as engine:
         ssd = engine._ssd
         assert ssd is not None
-        slot = ssd.classes.sizes[ssd.slot_class(BLOCK) or 0]
+        slot = 4096 + -(-BLOCK // 4096) * 4096  # a header page and the value's pages
         quota = 6 * slot
         engine.set_quota("a", None, ssd_bytes=quota)
         for i in range(100, 110):  # tenant b: no quota
@@ -363,3 +364,31 @@ def test_tier_listener_follows_blocks_across_tiers(tmp_path: Path) -> None:
         assert ("stored", key(1), "dram") in heard  # a promotion
         engine.delete(key(1))
         assert not [h for h in heard if h[0] == "removed" and h[1] == key(1)]  # caller's own
+
+
+def test_ssd_tier_holds_mixed_sizes(tmp_path: Path) -> None:
+    # Values of 16-256 KiB through 4 MiB of DRAM into 32 MiB of SSD, 3x over: the SSD keeps
+    # most of its capacity live (size-classed slabs kept one or two classes' worth).
+    rng = np.random.default_rng(3)
+    with Engine(config(tmp_path, ssd=32 << 20)) as engine:
+        for i in range(700):
+            engine.put(key(i), bytes(int(rng.integers(16 << 10, 256 << 10))))
+        ssd = engine.stats().tiers[1]
+        assert ssd.evictions > 0
+        assert ssd.stored_bytes >= 0.85 * ssd.capacity_bytes
+
+
+def test_store_format_1_opens_and_is_upgraded(tmp_path: Path) -> None:
+    with Engine(config(tmp_path)) as engine:
+        for i in range(30):
+            engine.put(key(i), value(i), durable=True)
+    meta_path = tmp_path / "kvoffload.meta"
+    meta = json.loads(meta_path.read_text())
+    meta.update(format="kvoffload-store-1", slab_bytes=2 << 20, class_growth=1.05)
+    meta_path.write_text(json.dumps(meta))
+    with Engine(config(tmp_path)) as engine:
+        assert all(read(engine, i) == value(i) for i in range(30))
+    assert json.loads(meta_path.read_text())["format"] == "kvoffload-store-2"
+    meta_path.write_text(json.dumps({**meta, "format": "kvoffload-store-9"}))
+    with pytest.raises(ConfigError, match="unknown store format"):
+        Engine(config(tmp_path))

@@ -125,7 +125,7 @@ class TieredMachine(RuleBasedStateMachine):
         ssd = self.engine._ssd
         assert ssd is not None
         rows = ssd.index.live_rows()
-        held = sum(ssd.classes.sizes[int(c)] for c in ssd.index.cls[rows])
+        held = sum(4096 + -(-int(n) // 4096) * 4096 for n in ssd.index.rows["length"][rows])
         assert stats.ssd_tenant_bytes == ({"": held} if held else {})
 
     def teardown(self) -> None:

@@ -23,19 +23,18 @@ class IndexMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.index = SsdIndex(n_classes=3, policy=self.policy, capacity=4)
-        self.model: dict[bytes, tuple[int, bytes | None, int]] = {}
+        self.index = SsdIndex(policy=self.policy, capacity=4)
+        self.model: dict[bytes, tuple[int, bytes | None]] = {}
         self.seq = 0
 
-    @rule(key=st.sampled_from(KEYS), parent=st.none() | st.sampled_from(KEYS),
-          cls=st.integers(0, 2))  # fmt: skip
-    def insert(self, key: bytes, parent: bytes | None, cls: int) -> None:
+    @rule(key=st.sampled_from(KEYS), parent=st.none() | st.sampled_from(KEYS))
+    def insert(self, key: bytes, parent: bytes | None) -> None:
         if key in self.model:
             self.index.remove(self.index.find(key))
         self.seq += 1
         self.index.insert(key, page=self.seq, length=self.seq, seq=self.seq, crc=7,
-                          parent=parent, tenant=1, cls=cls, tick=self.seq)  # fmt: skip
-        self.model[key] = (self.seq, parent, cls)
+                          parent=parent, tenant=1, tick=self.seq)  # fmt: skip
+        self.model[key] = (self.seq, parent)
 
     @rule(key=st.sampled_from(KEYS))
     def remove(self, key: bytes) -> None:
@@ -52,12 +51,12 @@ class IndexMachine(RuleBasedStateMachine):
             self.seq += 1
             self.index.touch(row, self.seq)
 
-    @rule(cls=st.integers(0, 2), data=st.data())
-    def evict(self, cls: int, data: st.DataObject) -> None:
-        members = [k for k, v in self.model.items() if v[2] == cls]
+    @rule(data=st.data())
+    def evict(self, data: st.DataObject) -> None:
+        members = list(self.model)
         protected_keys = data.draw(st.sets(st.sampled_from(members))) if members else set()
         protected = {self.index.find(k) for k in protected_keys}
-        row = self.index.choose_victim(cls, protected, no_rank)
+        row = self.index.choose_victim(protected, no_rank)
         if row == EMPTY:
             assert set(members) <= protected_keys
             return
@@ -74,15 +73,16 @@ class IndexMachine(RuleBasedStateMachine):
             if key not in self.model:
                 assert row == EMPTY
                 continue
-            seq, parent, cls = self.model[key]
+            seq, parent = self.model[key]
             assert self.index.key_of(row) == key
             assert self.index.parent_of(row) == parent
-            assert int(self.index.rows["seq"][row]) == seq and int(self.index.cls[row]) == cls
+            assert int(self.index.rows["seq"][row]) == seq and self.index.live[row]
         for key in KEYS[:10]:
             expected = any(v[1] == key for v in self.model.values())
             assert self.index.has_child(key) == expected
-        for cls in range(3):
-            assert self.index.class_size(cls) == sum(1 for v in self.model.values() if v[2] == cls)
+        # Tenant 1's slot bytes: a header page plus the value's pages (length = seq here).
+        held = sum(4096 + -(-seq // 4096) * 4096 for seq, _ in self.model.values())
+        assert self.index.tenant_bytes == ({1: held} if held else {})
 
 
 @pytest.mark.parametrize("policy", ["lru", "s3fifo", "prefix"])
@@ -92,51 +92,50 @@ def test_index_matches_dict_model(policy: str) -> None:
 
 
 def test_lru_order_and_touch() -> None:
-    index = SsdIndex(1, "lru")
-    rows = [index.insert(k, page=0, length=1, seq=1, crc=0, parent=None, tenant=0, cls=0,
+    index = SsdIndex("lru")
+    rows = [index.insert(k, page=0, length=1, seq=1, crc=0, parent=None, tenant=0,
                          tick=i) for i, k in enumerate(KEYS[:4])]  # fmt: skip
     index.touch(rows[0], 10)
-    assert index.choose_victim(0, set(), no_rank) == rows[1]
-    assert index.choose_victim(0, {rows[1]}, no_rank) == rows[2]
+    assert index.choose_victim(set(), no_rank) == rows[1]
+    assert index.choose_victim({rows[1]}, no_rank) == rows[2]
 
 
 def test_prefix_prefers_orphans_then_leaves() -> None:
-    index = SsdIndex(1, "prefix")
-    rows = [index.insert(k, page=0, length=1, seq=1, crc=0, parent=None, tenant=0, cls=0,
+    index = SsdIndex("prefix")
+    rows = [index.insert(k, page=0, length=1, seq=1, crc=0, parent=None, tenant=0,
                          tick=i) for i, k in enumerate(KEYS[:4])]  # fmt: skip
     ranks = {rows[0]: 2, rows[1]: 1, rows[2]: 0, rows[3]: 1}
-    assert index.choose_victim(0, set(), lambda _, r: ranks[r]) == rows[2]
-    assert index.choose_victim(0, {rows[2]}, lambda _, r: ranks[r]) == rows[1]
+    assert index.choose_victim(set(), lambda _, r: ranks[r]) == rows[2]
+    assert index.choose_victim({rows[2]}, lambda _, r: ranks[r]) == rows[1]
 
 
 def test_s3fifo_keeps_reused_rows() -> None:
-    index = SsdIndex(1, "s3fifo")
-    hot = index.insert(KEYS[0], page=0, length=1, seq=1, crc=0, parent=None, tenant=0, cls=0,
+    index = SsdIndex("s3fifo")
+    hot = index.insert(KEYS[0], page=0, length=1, seq=1, crc=0, parent=None, tenant=0,
                        tick=0)  # fmt: skip
     index.touch(hot, 1)
     for i, key in enumerate(KEYS[1:30], start=2):
-        index.insert(key, page=0, length=1, seq=i, crc=0, parent=None, tenant=0, cls=0, tick=i)
-        victim = index.choose_victim(0, set(), no_rank)
+        index.insert(key, page=0, length=1, seq=i, crc=0, parent=None, tenant=0, tick=i)
+        victim = index.choose_victim(set(), no_rank)
         assert victim != hot
         index.remove(victim)
     assert index.find(KEYS[0]) == hot
 
 
 def test_export_load_round_trip_and_growth() -> None:
-    index = SsdIndex(2, "lru", capacity=16)
+    index = SsdIndex("lru", capacity=16)
     rng = np.random.default_rng(1)
     keys = [rng.bytes(16) for _ in range(5000)]
     for i, key in enumerate(keys):
         parent = keys[i - 1] if i else None
         index.insert(key, page=i, length=i, seq=i, crc=i, parent=parent, tenant=0,
-                     cls=i % 2, tick=i)  # fmt: skip
+                     tick=i)  # fmt: skip
     for key in keys[::7]:
         index.remove(index.find(key))
     records = index.export()
-    classes = index.cls[index.live_rows()].astype(np.int64)
-    again = SsdIndex(2, "lru")
-    again.load(records, classes)
-    assert len(again) == len(index)
+    again = SsdIndex("lru")
+    again.load(records)
+    assert len(again) == len(index) and again.tenant_bytes == index.tenant_bytes
     for i, key in enumerate(keys):
         row = again.find(key)
         assert (row == EMPTY) == (i % 7 == 0)
