@@ -71,20 +71,21 @@ def _round_up(n: int, to: int) -> int:
 
 @dataclass(frozen=True)
 class DramConfig:
-    """The DRAM tier: one preallocated arena cut into slabs of size-classed slots."""
+    """The DRAM tier: one preallocated arena of page-aligned slots as large as their values."""
 
     # Arena size in bytes; a hard bound on what the tier holds (slot sizes included).
     capacity_bytes: int = 1 << 30
     # Largest value the tier accepts (what the engine sees, i.e. header plus payload);
     # 0 derives it from the capacity: a sixteenth of it, clamped to [1 MiB, 64 MiB].
     max_value_bytes: int = 0
-    # Slab size; 0 derives it from max_value_bytes. Every slab serves one size class at a time.
+    # Ignored: the tier has had no slabs since its extent allocator (kept so older config
+    # files still load; the engine logs a warning when it is set).
     slab_bytes: int = 0
     # Eviction policy name: "lru", "s3fifo" or "prefix" (see kvstore.eviction.POLICIES).
     policy: str = "lru"
     # Touch every page at start so that the first puts do not pay for page faults.
     prefault: bool = True
-    # Ratio between neighbouring size classes; bounds internal waste per slot.
+    # Ignored, as slab_bytes: there are no size classes.
     class_growth: float = 1.05
 
     def __post_init__(self) -> None:
@@ -94,19 +95,10 @@ class DramConfig:
             raise ConfigError(
                 f"dram.max_value_bytes must not be negative, got {self.max_value_bytes}"
             )
-        if self.slab_bytes < 0:
-            raise ConfigError(f"dram.slab_bytes must not be negative, got {self.slab_bytes}")
-        if self.slab_bytes and self.slab_bytes < self.effective_max_value_bytes:
+        if self.capacity_bytes < _round_up(self.effective_max_value_bytes, PAGE):
             raise ConfigError(
-                f"dram.slab_bytes ({self.slab_bytes}) must hold the largest value "
-                f"(dram.max_value_bytes = {self.effective_max_value_bytes})"
-            )
-        if not 1.01 <= self.class_growth <= 2.0:
-            raise ConfigError(f"dram.class_growth must be in [1.01, 2.0], got {self.class_growth}")
-        if self.capacity_bytes < self.effective_slab_bytes:
-            raise ConfigError(
-                f"dram capacity {format_size(self.capacity_bytes)} is smaller than one slab "
-                f"({format_size(self.effective_slab_bytes)}); raise the capacity or lower "
+                f"dram capacity {format_size(self.capacity_bytes)} cannot hold one largest value "
+                f"({format_size(self.effective_max_value_bytes)}); raise the capacity or lower "
                 "max_value_bytes"
             )
         from kvoffload.kvstore.eviction import POLICIES
@@ -121,12 +113,6 @@ class DramConfig:
         if self.max_value_bytes:
             return self.max_value_bytes
         return min(64 << 20, max(1 << 20, _round_up(self.capacity_bytes // 16, PAGE)))
-
-    @property
-    def effective_slab_bytes(self) -> int:
-        if self.slab_bytes:
-            return _round_up(self.slab_bytes, PAGE)
-        return _round_up(self.effective_max_value_bytes, PAGE)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from kvoffload.errors import (
 from kvoffload.kvstore.admission import FrequencySketch
 from kvoffload.kvstore.arena import Arena
 from kvoffload.kvstore.buffers import Bytes, as_readable, as_writable
-from kvoffload.kvstore.config import PAGE, EngineConfig
+from kvoffload.kvstore.config import PAGE, DramConfig, EngineConfig
 from kvoffload.kvstore.eviction import Rank, make_policy
 from kvoffload.kvstore.extents import ExtentAllocator, slot_bytes
 from kvoffload.kvstore.slotio import AlignedBuffer
@@ -243,6 +243,8 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         dram = self.config.dram
+        if dram.slab_bytes or dram.class_growth != DramConfig.class_growth:
+            log.warning("dram.slab_bytes and dram.class_growth are no longer used: ignored")
         self._alloc = ExtentAllocator(dram.capacity_bytes)
         self._lock = threading.Lock()
         self._index: dict[bytes, _Entry] = {}

@@ -40,10 +40,9 @@ def test_format_size_round_trips_roughly() -> None:
     assert parse_size(format_size(3 << 20).replace(" ", "")) == 3 << 20
 
 
-def test_defaults_derive_slab_and_max_value() -> None:
+def test_defaults_derive_max_value() -> None:
     cfg = DramConfig(capacity_bytes=64 << 20)
     assert cfg.effective_max_value_bytes == 4 << 20
-    assert cfg.effective_slab_bytes == 4 << 20
     big = DramConfig(capacity_bytes=16 << 30, prefault=False)
     assert big.effective_max_value_bytes == 64 << 20
 
@@ -55,9 +54,7 @@ def test_defaults_derive_slab_and_max_value() -> None:
         {"capacity_bytes": -1},
         {"capacity_bytes": 1 << 20, "max_value_bytes": 2 << 20},
         {"max_value_bytes": -1},
-        {"slab_bytes": 4096, "max_value_bytes": 8192},
         {"policy": "mru"},
-        {"class_growth": 1.0},
     ],
 )
 def test_bad_dram_config_is_a_clear_error(kwargs: dict[str, object]) -> None:
