@@ -213,11 +213,8 @@ def _slot(payload: int) -> int:
 
 
 def _ssd_bytes(blocks: int, slot: int) -> int:
-    """SSD capacity holding `blocks` blocks: the tier adds a header page per slot and cuts its
-    space into 64 slabs, so round up to whole slabs of whole slots."""
-    ssd_slot = slot + PAGE
-    per_slab = -(-blocks // 64)
-    return 64 * per_slab * ssd_slot
+    """SSD capacity holding `blocks` blocks: the tier adds a header page per slot."""
+    return blocks * (slot + PAGE)
 
 
 def plan(
@@ -242,7 +239,7 @@ def plan(
 
 def _local_url(config: Config, slot: int, scratch: Path | None) -> str:
     params = (
-        f"dram={config.dram_blocks * slot}&max_value={slot}&slab={slot}&prefault=0"
+        f"dram={config.dram_blocks * slot}&max_value={slot}&prefault=0"
         f"&policy={config.system}"
     )
     if not config.ssd:
@@ -644,7 +641,7 @@ def run(
             if target:
                 return None if ssd else target
             real = _slot(profile.bytes_per_token * block_tokens)
-            base = f"dram={64 * real}&max_value={real}&slab={real}&prefault=0"
+            base = f"dram={64 * real}&max_value={real}&prefault=0"
             if not ssd:
                 return f"local://?{base}"
             if "ssd" not in tiers:
