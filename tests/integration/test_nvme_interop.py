@@ -8,11 +8,13 @@ this sandbox), and the pure-Python TrueNAS client (`nvmeof-client`) is not on Py
 below is written from the byte layouts of shared/ref/nvme-tcp-kv.md with `struct` alone (not
 from `kvoffload.client_sdk.wire`), and sends PDUs the way the independent host that found the
 bug does: PDO = 72 on every capsule, data or not; an all-zero SGL (type 00h) on commands
-without data; MAXR2T carrying 0x400000 in its ICReq. Covered: ICReq/ICResp, Fabrics Connect of
-the admin queue, Property Get/Set (CAP, CC, CSTS, VS), Identify Controller / Active Namespace
-list / Namespace (NVM shim) / descriptors / KV namespace, Get Log Page, Set Features Number of
-Queues, Keep Alive, an I/O queue Connect, KV Store (in capsule, and via R2T + H2CData), Retrieve
-(C2HData), Exist, List, Delete, Fabrics Disconnect of the I/O queue, and a CC.SHN shutdown.
+without data; MAXR2T carrying 0x400000 in its ICReq. It runs plain and with header and data
+digests (CRC32C from the `crc32c` package, checked on every PDU the target sends). Covered:
+ICReq/ICResp, Fabrics Connect of the admin queue, Property Get/Set (CAP, CC, CSTS, VS),
+Identify Controller / Active Namespace list / Namespace (NVM shim) / descriptors / KV
+namespace, Get Log Page, Set Features Number of Queues, Keep Alive, an I/O queue Connect, KV
+Store (in capsule, and via R2T + H2CData), Retrieve (C2HData, full and short buffer), Exist,
+List, Delete, Fabrics Disconnect of the I/O queue, and a CC.SHN shutdown.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+import crc32c
 import pytest
 
 from kvoffload.client_sdk import Client
@@ -94,13 +97,30 @@ def _ch(ptype: int, flags: int, hlen: int, pdo: int, plen: int) -> bytes:
     return bytes((ptype, flags, hlen, pdo)) + plen.to_bytes(3, "little") + b"\0"
 
 
-class _Host:
-    """One NVMe/TCP connection (one queue), blocking, no digests."""
+def _crc(data: bytes) -> bytes:
+    return struct.pack("<I", crc32c.crc32c(data))
 
-    def __init__(self, port: int) -> None:
+
+class _Host:
+    """One NVMe/TCP connection (one queue), blocking; header and data digests if asked."""
+
+    def __init__(self, port: int, digests: bool = False) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
         self.cid = 0
         self.maxh2cdata = 0
+        self.digests = digests
+        self.hd = 4 if digests else 0
+
+    def _send(self, ptype: int, flags: int, hlen: int, psh: bytes, data: bytes = b"") -> None:
+        """One PDU; PDO is set whether data follows or not (the independent host's way)."""
+        pdo = hlen + self.hd
+        dd = 4 if self.digests and data else 0
+        if self.digests:
+            flags |= 0x01 | (0x02 if data else 0)
+        header = _ch(ptype, flags, hlen, pdo, pdo + len(data) + dd) + psh
+        if self.digests:
+            header += _crc(header)
+        self.sock.sendall(header + data + (_crc(data) if dd else b""))
 
     def close(self) -> None:
         self.sock.close()
@@ -121,15 +141,23 @@ class _Host:
         assert hlen in (24, 128), head
         raw = head + self._read(plen - 8)
         assert ptype != C2H_TERM, f"target terminated: FES {raw[8:10].hex()} {raw[8:]!r}"
+        if self.digests and ptype in (RESP, C2H_DATA, R2T):
+            assert flags & 0x01 and raw[hlen : hlen + 4] == _crc(raw[:hlen])
+            if ptype == C2H_DATA:
+                assert flags & 0x02 and raw[-4:] == _crc(raw[pdo:-4])
+                raw = raw[:-4]  # the data digest, checked
         return ptype, flags, pdo, raw
 
     def icreq(self) -> None:
-        body = struct.pack("<HBBI", 0, 0, 0, 0x400000) + bytes(112)
+        asked = 0x3 if self.digests else 0
+        body = struct.pack("<HBBI", 0, 0, asked, 0x400000) + bytes(112)
         self.sock.sendall(_ch(IC_REQ, 0, 128, 0, 128) + body)
+        digests, self.digests = self.digests, False  # ICResp never carries digests
         ptype, _, _, raw = self.pdu()
+        self.digests = digests
         assert ptype == IC_RESP and len(raw) == 128
         pfv, cpda, dgst, self.maxh2cdata = struct.unpack_from("<HBBI", raw, 8)
-        assert (pfv, cpda, dgst) == (0, 0, 0)
+        assert (pfv, cpda, dgst) == (0, 0, asked)
         assert self.maxh2cdata >= 4096 and self.maxh2cdata % 4 == 0
 
     def next_cid(self) -> int:
@@ -139,8 +167,7 @@ class _Host:
     def run(self, sqe: bytes, data: bytes = b"", *, in_capsule: bool = True) -> tuple[Cqe, bytes]:
         """Send one command (PDO = 72 whether data follows or not) and run it to its CQE:
         answer R2Ts with H2CData, gather C2HData."""
-        carried = data if in_capsule else b""
-        self.sock.sendall(_ch(CMD, 0, 72, 72, 72 + len(carried)) + sqe + carried)
+        self._send(CMD, 0, 72, sqe, data if in_capsule else b"")
         cid = struct.unpack_from("<H", sqe, 2)[0]
         read = bytearray()
         while True:
@@ -152,8 +179,7 @@ class _Host:
                     n = min(self.maxh2cdata, r2to + r2tl - pos)
                     last = LAST_PDU if pos + n == r2to + r2tl else 0
                     head = struct.pack("<HHII4x", cid, ttag, pos, n)
-                    piece = data[pos : pos + n]
-                    self.sock.sendall(_ch(H2C_DATA, last, 24, 24, 24 + n) + head + piece)
+                    self._send(H2C_DATA, last, 24, head, data[pos : pos + n])
             elif ptype == C2H_DATA:
                 cccid, _, datao, datal = struct.unpack_from("<HHII", raw, 8)
                 assert cccid == cid and datao == len(read) and len(raw) - pdo == datal
@@ -238,12 +264,13 @@ class _Host:
         return keys
 
 
-def test_an_independent_host_runs_a_whole_session(start_daemon: Any) -> None:
+@pytest.mark.parametrize("digests", [False, True], ids=["plain", "digests"])
+def test_an_independent_host_runs_a_whole_session(start_daemon: Any, digests: bool) -> None:
     daemon = start_daemon(config=CONFIG)
     port = daemon.ports["nvme"]
 
     # ---- admin queue: connect and enable the controller the way the host does
-    admin = _Host(port)
+    admin = _Host(port, digests)
     admin.icreq()
     c = admin.connect(0)
     assert c.ok, c
@@ -284,7 +311,7 @@ def test_an_independent_host_runs_a_whole_session(start_daemon: Any) -> None:
     assert admin.admin(0x18).ok  # Keep Alive
 
     # ---- I/O queue: KV commands
-    io = _Host(port)
+    io = _Host(port, digests)
     io.icreq()
     assert io.connect(1, cntlid).ok
     small, small_value = os.urandom(16), os.urandom(100)
