@@ -386,7 +386,7 @@ class _Cmd:
     direction: Direction
     length: int  # bytes the transport SGL allows to move (0 for in-capsule or no data)
     moved: int = 0  # bytes moved so far by R2T/H2CData or C2HData
-    last: bool = False  # a C2HData with LAST_PDU was seen
+    last: bool = False  # a C2HData with LAST_PDU was sent (what we send stays strict)
     r2t: _R2TWindow | None = None
 
 

@@ -474,6 +474,17 @@ def test_target_accepts_ignored_fields_of_a_capsule(name: str, pdu: bytes) -> No
     assert _drain(tgt) == [CapsuleCmd(EXIST, 0)], name
 
 
+@given(st.integers(0, 255), st.integers(0, 255), st.booleans())
+def test_flags_and_pdo_never_matter_without_data(flags: int, pdo: int, digests: bool) -> None:
+    host, tgt = _pair(digests)
+    raw = bytearray(host.send(CapsuleCmd(EXIST)))
+    raw[1], raw[3] = flags, pdo
+    if digests:  # the sender's header digest covers its own FLAGS and PDO
+        raw[72:76] = struct.pack("<I", digest([bytes(raw[:72])]))
+    tgt.receive_data(bytes(raw))
+    assert _drain(tgt) == [CapsuleCmd(EXIST, 0)]
+
+
 def test_target_accepts_the_failing_hosts_admin_sequence() -> None:
     # Property Set and Identify, each with PDO = 72 and no data, then one with in-capsule data
     # (PDO = 72 is right there), all after an ICReq whose reserved fields are not zero.
