@@ -97,7 +97,7 @@ AFTER_IC: list[tuple[str, bytes, Fes]] = [
     ("an unknown type", _ch(0x33, 0, 24, 0, 24), Fes.INVALID_HEADER_FIELD),
     ("a second ICReq", _ch(0, 0, 128, 0, 128) + bytes(120), Fes.SEQUENCE_ERROR),
     ("a CapsuleCmd with HLEN 24", _ch(4, 0, 24, 0, 24) + bytes(16), Fes.INVALID_HEADER_FIELD),
-    ("a digest nobody negotiated", _ch(4, 1, 72, 0, 76) + bytes(68), Fes.INVALID_HEADER_FIELD),
+    ("data inside the header (PDO 0)", _ch(4, 1, 72, 0, 76) + bytes(68), Fes.INVALID_HEADER_FIELD),
     ("a CapsuleResp from the host", _ch(5, 0, 24, 0, 24) + bytes(16), Fes.INVALID_HEADER_FIELD),
     ("H2CData nobody asked for", _ch(6, 4, 24, 24, 32) + bytes(24), Fes.INVALID_HEADER_FIELD),
     # Oversized: declared lengths are refused before anything is allocated.
