@@ -29,9 +29,7 @@ from kvoffload.client_sdk.wire import nvme_data as nd
 from kvoffload.client_sdk.wire.nvme_cmd import (
     FABRICS,
     KEY_MAX,
-    PSDT_SGL,
     SGL_IN_CAPSULE,
-    SGL_TRANSPORT,
     AdminOpc,
     CmdSc,
     Command,
@@ -643,7 +641,7 @@ class _Queue(Session):
         limit = _read_length(cmd, data_length)
         first = next(iter(ctrl.namespaces.values()), None)
         info = self.front.store_info(first) if first is not None else _no_info
-        self._complete(cmd.cid, data=ctrl.log_page(cmd, info)[:limit])
+        self._complete(cmd.cid, data=ctrl.log_page(cmd, info, limit))
 
     def _set_features(self, cmd: Command, data_length: int) -> None:
         if data_length:
@@ -681,9 +679,9 @@ class _Queue(Session):
 
     def _kv_store(self, cmd: Command, data_length: int) -> Awaitable[object] | None:
         ns, key = self._kv_namespace(cmd)
-        options = (cmd.cdw11 >> 8) & 0xFF
+        options = (cmd.cdw11 >> 8) & 0xFF  # bits 7:3 are reserved: ignored
         both = StoreOption.ONLY_IF_EXISTS | StoreOption.ONLY_IF_ABSENT
-        if options & ~0x7 or options & both == both:
+        if options & both == both:  # contradictory, not reserved
             raise invalid_field(f"store options {options:#x}")
         sgl = cmd.sgl
         in_capsule = _write_sgl(cmd, data_length)
@@ -837,21 +835,22 @@ class _Queue(Session):
         self._complete(cmd.cid, dw0=count, data=data)
 
 
+# PSDT (CDW0 bits 7:6) is not checked: over fabrics DPTR is always an SGL descriptor, whatever
+# PSDT says (SPDK's target does not look either), and its descriptor type beyond "in the
+# capsule or not" does not change how TCP moves the data (Sgl.transport_length).
+
+
 def _read_length(cmd: Command, data_length: int) -> int:
-    """Bytes a command that returns data may receive (its transport SGL's length)."""
+    """Bytes a command that returns data may receive (its SGL's length)."""
     _no_data(data_length)
-    if cmd.flags & 0xC0 != PSDT_SGL:
-        raise invalid_field("NVMe over Fabrics uses SGLs (PSDT 01b)")
-    if cmd.sgl.type != SGL_TRANSPORT:
-        raise CommandFailed(Sct.GENERIC, Sc.SGL_TYPE_INVALID, f"SGL type {cmd.sgl.type:#x}")
-    return cmd.sgl.length
+    if cmd.sgl.type == SGL_IN_CAPSULE:
+        raise CommandFailed(Sct.GENERIC, Sc.SGL_TYPE_INVALID, "read data cannot be in-capsule")
+    return cmd.sgl.transport_length
 
 
 def _write_sgl(cmd: Command, data_length: int) -> bool:
     """Check the SGL of a command that sends data; True if the data is in the capsule."""
     sgl = cmd.sgl
-    if cmd.flags & 0xC0 != PSDT_SGL:
-        raise invalid_field("NVMe over Fabrics uses SGLs (PSDT 01b)")
     if sgl.type == SGL_IN_CAPSULE:
         if sgl.address != 0:  # ICDOFF is 0: data starts at the capsule's data area
             raise CommandFailed(Sct.GENERIC, Sc.SGL_OFFSET_INVALID, f"offset {sgl.address}")
@@ -862,8 +861,6 @@ def _write_sgl(cmd: Command, data_length: int) -> bool:
                 f"SGL says {sgl.length} B, the capsule holds {data_length}",
             )
         return True
-    if sgl.type != SGL_TRANSPORT:
-        raise CommandFailed(Sct.GENERIC, Sc.SGL_TYPE_INVALID, f"SGL type {sgl.type:#x}")
     _no_data(data_length)
     return False
 

@@ -55,6 +55,9 @@ CSTS_SHST_DONE = 0x2 << 2
 # Features
 FID_NUM_QUEUES, FID_ASYNC_EVENT, FID_KATO = 0x07, 0x0B, 0x0F
 AER_LIMIT = 4  # Identify AERL + 1
+# Zeros a Get Log Page may read past a page's end (hosts that read a fixed 4 KiB); more is
+# Invalid Field rather than memory and bandwidth spent on nothing.
+LOG_PAD_MAX = 64 << 10
 KAS_MS = 100  # keep-alive granularity (Identify KAS = 1)
 _CSUPP, _LBCC = 0x1, 0x2
 
@@ -386,8 +389,17 @@ class Controller:
 
     # ------------------------------------------------------------------ log pages
 
-    def log_page(self, cmd: Command, store: Callable[[], StoreInfo]) -> bytes:
-        """The Get Log Page data of `cmd`, cut or zero-padded to the length it asks for."""
+    def log_page(self, cmd: Command, store: Callable[[], StoreInfo], limit: int) -> bytes:
+        """The Get Log Page data of `cmd`: NUMD dwords from its offset, cut to the `limit`
+        bytes its SGL takes, zero-padded past the page's end (up to `LOG_PAD_MAX` bytes).
+
+        Only what is sent is built: NUMD (up to 16 GiB) and the SGL length (up to 4 GiB) are
+        the host's words, not sizes to allocate.
+
+        Raises:
+            CommandFailed: unknown page, unaligned offset, an offset past the page, or a read
+                that would pad more than `LOG_PAD_MAX` bytes of zeros (Invalid Field).
+        """
         lid = cmd.cdw10 & 0xFF
         numd = (((cmd.cdw11 & 0xFFFF) << 16) | (cmd.cdw10 >> 16)) + 1
         offset = cmd.cdw12 | (cmd.cdw13 << 32)
@@ -409,8 +421,11 @@ class Controller:
             raise CommandFailed(Sct.COMMAND_SPECIFIC, CmdSc.INVALID_LOG_PAGE, f"log page {lid:#x}")
         if offset > len(page):
             raise invalid_field(f"log page offset {offset} beyond its {len(page)} bytes")
-        data = page[offset : offset + numd * 4]
-        return data + bytes(numd * 4 - len(data))
+        length = min(numd * 4, limit)
+        data = page[offset : offset + length]
+        if length - len(data) > LOG_PAD_MAX:
+            raise invalid_field(f"{length} bytes asked of a {len(page)}-byte log page")
+        return data + bytes(length - len(data))
 
 
 def _smart(info: StoreInfo) -> bytes:

@@ -183,6 +183,15 @@ class Sgl:
         if not (0 <= self.address <= _U64 and 0 <= self.length <= _U32 and 0 <= self.type <= _U8):
             raise LocalProtocolError(f"SGL field out of range: {self}")
 
+    @property
+    def transport_length(self) -> int:
+        """Bytes the transport moves for this descriptor (R2T/H2CData or C2HData): its length
+        unless the data is in the capsule. Like Linux's target, every descriptor other than
+        the in-capsule one counts as transport data, whatever its type and subtype say: over
+        TCP the address means nothing, and a host that sends 0x50 or 0x00 still means "move
+        this many bytes"."""
+        return 0 if self.type == SGL_IN_CAPSULE else self.length
+
 
 NULL_SGL = Sgl()
 

@@ -386,7 +386,7 @@ class _Cmd:
     direction: Direction
     length: int  # bytes the transport SGL allows to move (0 for in-capsule or no data)
     moved: int = 0  # bytes moved so far by R2T/H2CData or C2HData
-    last: bool = False  # a C2HData with LAST_PDU was seen
+    last: bool = False  # a C2HData with LAST_PDU was sent (what we send stays strict)
     r2t: _R2TWindow | None = None
 
 
@@ -417,6 +417,10 @@ class NvmeTcpConnection(ReceiveBuffer):
         max_outstanding: commands one queue may have in progress (a target refuses more).
         maxh2cdata: a target's MAXH2CDATA (sent in its ICResp); a host learns it from ICResp.
     """
+
+    # A host's C2HData may declare up to its whole read buffer, whose size comes from the
+    # target (KVVML): allocate as the bytes come, not as declared.
+    _alloc_ahead: ClassVar[int | None] = 16 << 20
 
     def __init__(
         self,
@@ -559,6 +563,11 @@ class NvmeTcpConnection(ReceiveBuffer):
     # ------------------------------------------------------------------ parsing
 
     def _parse_ch(self) -> None:
+        # Liberal in what we accept, as Linux's nvmet and SPDK are: only what breaks framing
+        # (type, HLEN, PLEN, where the data starts) or the session (sequence) is refused.
+        # FLAGS bits a type does not define, and PDO where no data follows, are ignored; the
+        # digest flags too: the digests negotiated in ICReq/ICResp decide where the bytes
+        # are, and the digests themselves are checked.
         ptype, flags, hlen, pdo, plen = CH.unpack_from(self._buf, self._start)
         self._need = CH.size  # what a TermReq quotes if this header is the bad one
         if ptype not in _RECEIVABLE[self.role]:
@@ -570,15 +579,8 @@ class NvmeTcpConnection(ReceiveBuffer):
             raise _Fatal(f"{kind.name} out of sequence", Fes.SEQUENCE_ERROR, FEI_TYPE)
         if hlen != _HLEN[kind]:
             raise _Fatal(f"{kind.name} with HLEN {hlen}", Fes.INVALID_HEADER_FIELD, FEI_HLEN)
-        if flags & ~_ALLOWED_FLAGS[kind]:
-            raise _Fatal(f"{kind.name} with flags {flags:#x}", Fes.INVALID_HEADER_FIELD, FEI_FLAGS)
+        flags &= _ALLOWED_FLAGS[kind]
         hd = 4 if self.hdgst and kind in _DIGESTED else 0
-        if bool(flags & FLAG_HDGST) != bool(hd):
-            raise _Fatal(
-                f"{kind.name} header digest flag disagrees with the negotiated digest",
-                Fes.INVALID_HEADER_FIELD,
-                FEI_FLAGS,
-            )
         self._hd = hd
         if kind in _TERM_TYPES:
             if not hlen <= plen <= hlen + _TERM_MAX_COPY:
@@ -586,44 +588,30 @@ class NvmeTcpConnection(ReceiveBuffer):
             self._pdu_data = 0
             self._need = plen
         else:
-            self._pdu_data = self._check_lengths(kind, flags, hlen, pdo, plen, hd)
-            self._need = hlen + hd
+            self._pdu_data, self._need = self._check_lengths(kind, hlen, pdo, plen, hd)
         self._ch = (kind, flags, hlen, pdo, plen)
         self._rx = _Rx.HEADER
 
     def _check_lengths(
-        self, kind: PduType, flags: int, hlen: int, pdo: int, plen: int, hd: int
-    ) -> int:
-        """Data bytes the PDU declares, after checking PLEN, PDO and the data digest flag."""
+        self, kind: PduType, hlen: int, pdo: int, plen: int, hd: int
+    ) -> tuple[int, int]:
+        """(data bytes the PDU declares, bytes up to where its data starts), from PLEN and PDO.
+
+        PDO counts only when data follows. It may leave padding after the header (SPDK's
+        target skips it too); data that would start inside the header, or no room for data
+        between PDO and the end, breaks the framing.
+        """
         rest = plen - hlen - hd
         if rest < 0 or (rest and kind not in _WITH_DATA):
             raise _Fatal(f"{kind.name} with PLEN {plen}", Fes.INVALID_HEADER_FIELD, FEI_PLEN)
         if rest == 0:
             if kind in (PduType.H2C_DATA, PduType.C2H_DATA):
                 raise _Fatal(f"{kind.name} without data", Fes.INVALID_HEADER_FIELD, FEI_PLEN)
-            if pdo != 0:
-                raise _Fatal(
-                    f"{kind.name} without data has PDO {pdo}", Fes.INVALID_HEADER_FIELD, FEI_PDO
-                )
-            if flags & FLAG_DDGST:
-                raise _Fatal(
-                    f"{kind.name} without data has a data digest",
-                    Fes.INVALID_HEADER_FIELD,
-                    FEI_FLAGS,
-                )
-            return 0
-        if pdo != hlen + hd:  # CPDA = HPDA = 0: no padding before the data
-            raise _Fatal(f"{kind.name} with PDO {pdo}", Fes.INVALID_HEADER_FIELD, FEI_PDO)
+            return 0, hlen + hd
         dd = 4 if self.ddgst else 0
-        if bool(flags & FLAG_DDGST) != bool(dd):
-            raise _Fatal(
-                f"{kind.name} data digest flag disagrees with the negotiated digest",
-                Fes.INVALID_HEADER_FIELD,
-                FEI_FLAGS,
-            )
-        length = rest - dd
-        if length <= 0:
-            raise _Fatal(f"{kind.name} with PLEN {plen}", Fes.INVALID_HEADER_FIELD, FEI_PLEN)
+        if not hlen + hd <= pdo < plen - dd:
+            raise _Fatal(f"{kind.name} with PDO {pdo}", Fes.INVALID_HEADER_FIELD, FEI_PDO)
+        length = plen - pdo - dd
         if kind is PduType.CAPSULE_CMD and length > self.in_capsule:
             raise _Fatal(
                 f"{length} bytes of in-capsule data (this queue takes {self.in_capsule})",
@@ -636,7 +624,7 @@ class NvmeTcpConnection(ReceiveBuffer):
                 Fes.DATA_LIMIT_EXCEEDED,
                 FEI_PLEN,
             )
-        return length
+        return length, pdo
 
     def _parse_header(self) -> Event:
         kind, flags, hlen, _, plen = self._ch
@@ -665,8 +653,7 @@ class NvmeTcpConnection(ReceiveBuffer):
             raise _Fatal(f"ICReq PFV {pfv}", Fes.UNSUPPORTED_PARAMETER, FEI_PFV)
         if hpda != 0:  # like Linux's target: no padding support
             raise _Fatal(f"ICReq HPDA {hpda}", Fes.UNSUPPORTED_PARAMETER, FEI_PDA)
-        if dgst & ~0x3:
-            raise _Fatal(f"ICReq digest bits {dgst:#x}", Fes.INVALID_HEADER_FIELD, FEI_DGST)
+        # DGST bits 7:2 and bytes 16..127 are reserved: ignored, as Linux and SPDK do.
         event = ICReq(bool(dgst & 1), bool(dgst & 2), maxr2t, hpda, pfv)
         self._asked = event
         self._rx_phase = _Phase.READY
@@ -679,6 +666,7 @@ class NvmeTcpConnection(ReceiveBuffer):
             raise _Fatal(f"ICResp PFV {pfv}", Fes.UNSUPPORTED_PARAMETER, FEI_PFV)
         if cpda != 0:
             raise _Fatal(f"ICResp CPDA {cpda}", Fes.UNSUPPORTED_PARAMETER, FEI_PDA)
+        dgst &= 0x3  # bits 7:2 are reserved
         if dgst != asked.hdgst | (asked.ddgst << 1):
             raise _Fatal(
                 f"ICResp grants digests {dgst:#x}, not what was asked",
@@ -711,9 +699,7 @@ class NvmeTcpConnection(ReceiveBuffer):
                 Fes.SEQUENCE_ERROR,
                 FEI_TYPE,
             )
-        sgl = command.sgl
-        length = sgl.length if sgl.type == SGL_TRANSPORT else 0
-        self._cmds[command.cid] = _Cmd(command.direction, length)
+        self._cmds[command.cid] = _Cmd(command.direction, command.sgl.transport_length)
         self._data_cid = command.cid
         return CapsuleCmd(command, self._pdu_data)
 
@@ -746,13 +732,9 @@ class NvmeTcpConnection(ReceiveBuffer):
                 FEI_TTAG,
             )
         self._check_data(PduType.H2C_DATA, datao, datal, window.next, window.end)
-        last = bool(flags & FLAG_LAST)
-        if last != (datao + datal == window.end):
-            raise _Fatal(
-                "H2CData LAST_PDU flag does not mark the R2T's end",
-                Fes.INVALID_HEADER_FIELD,
-                FEI_FLAGS,
-            )
+        # The byte count, not LAST_PDU, says when the R2T's data is in (as Linux's target
+        # and SPDK's count it): a host that sets the flag early or late moves the same bytes.
+        last = datao + datal == window.end
         window.next += datal
         cmd.moved += datal
         if last:
@@ -771,15 +753,12 @@ class NvmeTcpConnection(ReceiveBuffer):
             )
         if flags & FLAG_SUCCESS:  # only allowed with SQ flow control disabled, never asked for
             raise _Fatal("C2HData with the SUCCESS flag", Fes.INVALID_HEADER_FIELD, FEI_FLAGS)
-        if cmd.last:
-            raise _Fatal(
-                f"C2HData for command {cccid} after its last one", Fes.SEQUENCE_ERROR, FEI_TYPE
-            )
+        # LAST_PDU is informational here too: DATAO must continue the data and stay inside
+        # the buffer whatever the flag said before.
         self._check_data(PduType.C2H_DATA, datao, datal, cmd.moved, cmd.length)
         cmd.moved += datal
-        cmd.last = bool(flags & FLAG_LAST)
         self._data_cid = cccid
-        return C2HData(cccid, datao, datal, cmd.last)
+        return C2HData(cccid, datao, datal, bool(flags & FLAG_LAST))
 
     def _check_data(self, kind: PduType, datao: int, datal: int, expected: int, end: int) -> None:
         """What H2CData and C2HData share: DATAL is the PDU's data, DATAO continues where the

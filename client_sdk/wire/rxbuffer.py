@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import ClassVar
 
 __all__ = ["ReceiveBuffer"]
 
@@ -34,6 +35,12 @@ class _Payload(enum.Enum):
 
 class ReceiveBuffer:
     """Received bytes, parsed in place; payloads delivered into sinks."""
+
+    # A payload with no sink is allocated up to this many bytes at once (None: all of it);
+    # beyond that the memory grows, doubling, as bytes arrive, so that a length the peer
+    # declares but never sends costs no memory. A codec whose declared lengths are not
+    # already bounded by its own limits sets it.
+    _alloc_ahead: ClassVar[int | None] = None
 
     def __init__(self) -> None:
         self._buf = bytearray(_READ_CHUNK)
@@ -123,8 +130,20 @@ class ReceiveBuffer:
         self._payload = _Payload.CLAIMED
 
     def _allocate(self) -> None:
-        memory = memoryview(bytearray(self._left))
+        ahead = self._left if self._alloc_ahead is None else self._alloc_ahead
+        memory = memoryview(bytearray(min(self._left, ahead)))
         self._claim([memory], discard=False)
+        self._allocated = memory
+
+    def _grow(self) -> None:
+        """The allocated payload memory is full and more is coming: double it (at most to the
+        payload's size), keeping what arrived."""
+        assert self._allocated is not None
+        filled = len(self._allocated)
+        grown = bytearray(min(filled + self._left, 2 * filled))
+        grown[:filled] = self._allocated
+        memory = memoryview(grown)
+        self._sink, self._sink_i, self._sink_fill = [memory], 0, filled
         self._allocated = memory
 
     def _advance_sink(self, n: int) -> None:
@@ -138,7 +157,10 @@ class ReceiveBuffer:
                 self._sink_i += 1
                 self._sink_fill = 0
         if self._left and self._sink_i == len(self._sink):
-            self._payload = _Payload.UNCLAIMED  # a partial sink is full: ask for the next one
+            if self._allocated is not None:
+                self._grow()
+            else:
+                self._payload = _Payload.UNCLAIMED  # a partial sink is full: ask for the next
 
     def _drain(self) -> None:
         """Move buffered payload bytes into the sink (or drop them) until it is full."""

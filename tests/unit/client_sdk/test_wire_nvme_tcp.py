@@ -312,11 +312,15 @@ STORE_R2T = nc.kv_store(3, 1, KEY, 100, in_capsule=False)
         ("unknown type", _ch(0x42, 0, 24, 0, 24), Fes.INVALID_HEADER_FIELD, 0),
         ("second ICReq", _ch(0, 0, 128, 0, 128) + bytes(120), Fes.SEQUENCE_ERROR, 0),
         ("wrong HLEN", _ch(4, 0, 64, 0, 64), Fes.INVALID_HEADER_FIELD, 2),
-        ("unknown flag", _ch(4, 0x10, 72, 0, 72), Fes.INVALID_HEADER_FIELD, 1),
-        ("header digest flag not negotiated", _ch(4, 1, 72, 0, 76), Fes.INVALID_HEADER_FIELD, 1),
+        # A digest nobody negotiated: its 4 bytes are data that starts inside the header.
+        ("data at PDO 0", _ch(4, 1, 72, 0, 76), Fes.INVALID_HEADER_FIELD, 3),
         ("PLEN shorter than the header", _ch(4, 0, 72, 0, 40), Fes.INVALID_HEADER_FIELD, 4),
-        ("PDO with no data", _ch(4, 0, 72, 72, 72), Fes.INVALID_HEADER_FIELD, 3),
-        ("PDO not after the header", _ch(4, 0, 72, 80, 100), Fes.INVALID_HEADER_FIELD, 3),
+        ("PDO inside the header", _ch(4, 0, 72, 64, 100), Fes.INVALID_HEADER_FIELD, 3),
+        ("PDO at the end of the PDU", _ch(4, 0, 72, 100, 100), Fes.INVALID_HEADER_FIELD, 3),
+        ("PDO past the end of the PDU", _ch(4, 0, 72, 200, 100), Fes.INVALID_HEADER_FIELD, 3),
+        ("H2CData with no data", _ch(6, 4, 24, 24, 24), Fes.INVALID_HEADER_FIELD, 4),
+        ("R2T from a host", _ch(9, 0, 24, 0, 24), Fes.INVALID_HEADER_FIELD, 0),
+        ("TermReq shorter than its header", _ch(2, 0, 24, 0, 20), Fes.INVALID_HEADER_FIELD, 4),
         (
             "in-capsule data over the limit",
             _ch(4, 0, 72, 72, 72 + 8193),
@@ -359,7 +363,6 @@ def test_target_refuses_bad_pdus(name: str, data: bytes, fes: Fes, fei: int) -> 
     [
         ("PFV", struct.pack("<HBBI", 1, 0, 0, 0), Fes.UNSUPPORTED_PARAMETER, 8),
         ("HPDA", struct.pack("<HBBI", 0, 3, 0, 0), Fes.UNSUPPORTED_PARAMETER, 10),
-        ("digest bits", struct.pack("<HBBI", 0, 0, 4, 0), Fes.INVALID_HEADER_FIELD, 11),
     ],
 )
 def test_target_refuses_bad_icreq(name: str, icreq: bytes, fes: Fes, fei: int) -> None:
@@ -384,9 +387,11 @@ def test_a_bad_header_digest_is_fatal() -> None:
 
 
 def test_missing_digests_once_negotiated_are_fatal() -> None:
+    # The negotiated digests decide the framing (the flags do not): a capsule without its
+    # digest is 4 bytes short of its header.
     plain, _ = _pair(False)
     error = _target_error(plain.send(CapsuleCmd(nc.kv_exist(1, 1, KEY))), digests=True)
-    assert (error.fes, error.fei) == (Fes.INVALID_HEADER_FIELD, 1)
+    assert (error.fes, error.fei) == (Fes.INVALID_HEADER_FIELD, 4)
 
 
 def _r2t_pair() -> tuple[NvmeTcpConnection, NvmeTcpConnection]:
@@ -417,8 +422,12 @@ def _h2c_pdu(
         ),
         ("DATAO not where the data stands", _h2c_pdu(7, 10, 90), Fes.INVALID_HEADER_FIELD, 12),
         ("beyond the R2T", _h2c_pdu(7, 0, 120), Fes.DATA_OUT_OF_RANGE, 12),
-        ("LAST_PDU missing at the end", _h2c_pdu(7, 0, 100, flags=0), Fes.INVALID_HEADER_FIELD, 1),
-        ("LAST_PDU before the end", _h2c_pdu(7, 0, 50), Fes.INVALID_HEADER_FIELD, 1),
+        (
+            "PDO inside the header",
+            _h2c_pdu(7, 0, 100)[:3] + b"\x10" + _h2c_pdu(7, 0, 100)[4:],
+            Fes.INVALID_HEADER_FIELD,
+            3,
+        ),  # fmt: skip
     ],
 )
 def test_h2c_data_must_follow_its_r2t(name: str, pdu: bytes, fes: Fes, fei: int) -> None:
@@ -427,6 +436,173 @@ def test_h2c_data_must_follow_its_r2t(name: str, pdu: bytes, fes: Fes, fei: int)
     with pytest.raises(PduError) as info:
         _drain(tgt)
     assert (info.value.fes, info.value.fei) == (fes, fei), name
+
+
+# ------------------------------------------------------------------ liberal in what we accept
+# Fields that Linux's nvmet and SPDK's target ignore are ignored here too (reserved bits,
+# FLAGS bits a PDU type does not define, PDO when no data follows); only what breaks the
+# framing is refused (above).
+
+
+def _with(pdu: bytes, *, flags: int | None = None, pdo: int | None = None) -> bytes:
+    """`pdu` with its common header's FLAGS and/or PDO replaced."""
+    raw = bytearray(pdu)
+    if flags is not None:
+        raw[1] = flags
+    if pdo is not None:
+        raw[3] = pdo
+    return bytes(raw)
+
+
+EXIST = nc.kv_exist(5, 1, KEY)
+
+
+@pytest.mark.parametrize(
+    ("name", "pdu"),
+    [
+        # What the independent host sent: PDO = 72 on a capsule with no data.
+        ("PDO set on a capsule without data", _with(_cmd_pdu(EXIST), pdo=72)),
+        ("PDO 255 on a capsule without data", _with(_cmd_pdu(EXIST), pdo=255)),
+        ("FLAGS bits CapsuleCmd does not define", _with(_cmd_pdu(EXIST), flags=0xF4)),
+        ("a header digest flag nobody negotiated", _with(_cmd_pdu(EXIST), flags=0x01)),
+        ("a data digest flag with no data", _with(_cmd_pdu(EXIST), flags=0x02)),
+    ],
+)
+def test_target_accepts_ignored_fields_of_a_capsule(name: str, pdu: bytes) -> None:
+    _, tgt = _pair()
+    tgt.receive_data(pdu)
+    assert _drain(tgt) == [CapsuleCmd(EXIST, 0)], name
+
+
+@given(st.integers(0, 255), st.integers(0, 255), st.booleans())
+def test_flags_and_pdo_never_matter_without_data(flags: int, pdo: int, digests: bool) -> None:
+    host, tgt = _pair(digests)
+    raw = bytearray(host.send(CapsuleCmd(EXIST)))
+    raw[1], raw[3] = flags, pdo
+    if digests:  # the sender's header digest covers its own FLAGS and PDO
+        raw[72:76] = struct.pack("<I", digest([bytes(raw[:72])]))
+    tgt.receive_data(bytes(raw))
+    assert _drain(tgt) == [CapsuleCmd(EXIST, 0)]
+
+
+def test_target_accepts_the_failing_hosts_admin_sequence() -> None:
+    # Property Set and Identify, each with PDO = 72 and no data, then one with in-capsule data
+    # (PDO = 72 is right there), all after an ICReq whose reserved fields are not zero.
+    tgt = NvmeTcpConnection(Role.TARGET)
+    icreq = bytearray(_ch(0, 0xF0, 128, 0x48, 128) + struct.pack("<HBBI", 0, 0, 0xFC, 0x400000))
+    icreq += b"\xff" * 112
+    tgt.receive_data(bytes(icreq))
+    assert _drain(tgt) == [ICReq(maxr2t=0x400000)]
+    tgt.send(ICResp())
+    prop = nc.property_set(1, 0x14, 0x460001)
+    ident = nc.identify(2, 1)
+    tgt.receive_data(_with(_cmd_pdu(prop), pdo=72) + _with(_cmd_pdu(ident), pdo=72))
+    tgt.receive_data(_cmd_pdu(nc.kv_store(3, 1, KEY, 4, in_capsule=True), b"abcd"))
+    assert _collect(_drain(tgt)) == [
+        CapsuleCmd(prop, 0),
+        CapsuleCmd(ident, 0),
+        CapsuleCmd(nc.kv_store(3, 1, KEY, 4, in_capsule=True), 4),
+        ("end", 3, b"abcd", True),
+    ]
+
+
+def test_padding_between_header_and_data_is_skipped() -> None:
+    # PDO past the header: the bytes between are padding (SPDK skips them the same way).
+    for digests in (False, True):
+        host, tgt = _pair(digests)
+        cmd = nc.kv_store(3, 1, KEY, 5, in_capsule=True)
+        raw = host.send(CapsuleCmd(cmd, 5), [b"hello"])
+        start = 72 + (4 if digests else 0)
+        padded = bytearray(raw[:start] + bytes(12) + raw[start:])
+        padded[3] = start + 12
+        padded[4:8] = struct.pack("<I", len(padded))
+        if digests:
+            padded[72:76] = struct.pack("<I", digest([bytes(padded[:72])]))
+        for i in range(len(padded)):  # byte at a time: the padding is never taken for data
+            tgt.receive_data(bytes(padded[i : i + 1]))
+        assert _collect(_drain(tgt)) == [CapsuleCmd(cmd, 5), ("end", 3, b"hello", True)]
+
+
+def test_negotiated_digests_decide_even_when_the_flags_are_clear() -> None:
+    host, tgt = _pair(True)
+    cmd = nc.kv_store(3, 1, KEY, 4, in_capsule=True)
+    raw = bytearray(_with(host.send(CapsuleCmd(cmd, 4), [b"abcd"]), flags=0))
+    raw[72:76] = struct.pack("<I", digest([bytes(raw[:72])]))  # its sender's header digest
+    tgt.receive_data(bytes(raw))  # digests present and right, HDGSTF/DDGSTF clear
+    assert _collect(_drain(tgt)) == [CapsuleCmd(cmd, 4), ("end", 3, b"abcd", True)]
+
+
+@pytest.mark.parametrize(
+    ("name", "pdus", "last"),
+    [
+        ("LAST_PDU missing at the end", [(0, 60, 0), (60, 40, 0)], False),
+        ("LAST_PDU before the end", [(0, 60, 4), (60, 40, 4)], True),
+        ("FLAGS bits H2CData does not define", [(0, 100, 0xF4)], True),
+    ],
+)
+def test_target_counts_h2c_bytes_not_flags(
+    name: str, pdus: list[tuple[int, int, int]], last: bool
+) -> None:
+    _, tgt = _r2t_pair()
+    tgt.receive_data(b"".join(_h2c_pdu(7, datao, datal, flags) for datao, datal, flags in pdus))
+    events = _drain(tgt)
+    datas = [e for e in events if isinstance(e, H2CData)]
+    assert [(e.datao, e.datal) for e in datas] == [(o, n) for o, n, _ in pdus], name
+    assert datas[-1].last  # the R2T's data is complete at its last byte, whatever the flag
+    tgt.send(CapsuleResp(Completion(3)))  # so the command may complete
+
+
+def test_host_accepts_ignored_fields() -> None:
+    host, tgt = _pair()
+    host.send(CapsuleCmd(READ))
+    host.send(CapsuleCmd(STORE_R2T))
+    tgt.receive_data(b"".join([_cmd_pdu(READ), _cmd_pdu(STORE_R2T)]))
+    _drain(tgt)
+    stream = _with(tgt.send(R2T(3, 1, 0, 100)), flags=0xF0, pdo=24)
+    stream += _c2h_pdu(2, 0, 10) + _c2h_pdu(2, 10, 10, flags=0xF4)  # data after a LAST_PDU
+    stream += _ch(5, 0xFE, 24, 24, 24) + Completion(2).pack()  # PDO set, no data
+    host.receive_data(stream)
+    events = _collect(_drain(host))
+    assert events == [
+        R2T(3, 1, 0, 100),
+        C2HData(2, 0, 10, True),
+        ("end", 2, bytes(10), True),
+        C2HData(2, 10, 10, True),
+        ("end", 2, bytes(10), True),
+        CapsuleResp(Completion(2)),
+    ]
+
+
+def test_host_ignores_reserved_icresp_digest_bits() -> None:
+    host = NvmeTcpConnection(Role.HOST)
+    host.send(ICReq())
+    host.receive_data(_ch(1, 0, 128, 0, 128) + struct.pack("<HBBI", 0, 0, 0xFC, 8192) + bytes(112))
+    assert _drain(host) == [ICResp(maxh2cdata=8192)]
+
+
+def test_a_declared_length_costs_memory_only_as_it_arrives() -> None:
+    # A C2HData may declare the host's whole read buffer (a size the target chose) in one PDU:
+    # with no sink set, memory grows with the bytes that come, not with DATAL.
+    host, tgt = _pair()
+    big = nc.kv_retrieve(2, 1, KEY, 1 << 30)
+    host.send(CapsuleCmd(big))
+    host.receive_data(_ch(7, 4, 24, 24, 24 + (1 << 30)) + struct.pack("<HHII4x", 2, 0, 0, 1 << 30))
+    (event,) = _drain(host)
+    assert isinstance(event, C2HData) and event.datal == 1 << 30
+    host.receive_data(bytes(1000))
+    assert host._allocated is not None and len(host._allocated) <= 16 << 20
+    # ... and a payload that does arrive whole comes back whole.
+    host2, tgt2 = _pair()
+    value = os.urandom(40 << 20)
+    host2.send(CapsuleCmd(nc.kv_retrieve(2, 1, KEY, len(value))))
+    tgt2.receive_data(_cmd_pdu(nc.kv_retrieve(2, 1, KEY, len(value))))
+    _drain(tgt2)
+    raw = tgt2.send(C2HData(2, 0, len(value), True), [value])
+    events: list[Event] = []
+    for pos in range(0, len(raw), 3 << 20):
+        host2.receive_data(raw[pos : pos + (3 << 20)])
+        events += _drain(host2)
+    assert _collect(events)[-1] == ("end", 2, value, True)
 
 
 def test_too_many_commands_in_progress() -> None:
@@ -485,11 +661,11 @@ READ = nc.kv_retrieve(2, 1, KEY, 100)
             1,
         ),
         (
-            "C2HData after the last one",
-            _c2h_pdu(2, 0, 10) + _c2h_pdu(2, 10, 10),
+            "C2HData that skips bytes after a LAST_PDU",
+            _c2h_pdu(2, 0, 10) + _c2h_pdu(2, 20, 10),
             [READ],
-            Fes.SEQUENCE_ERROR,
-            0,
+            Fes.INVALID_HEADER_FIELD,
+            12,
         ),
         ("R2T for a read", _r2t_raw(2, 0, 10), [READ], Fes.INVALID_HEADER_FIELD, 8),
         ("R2T of nothing", _r2t_raw(3, 0, 0), [STORE_R2T], Fes.INVALID_HEADER_FIELD, 16),

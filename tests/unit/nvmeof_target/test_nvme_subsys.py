@@ -4,6 +4,7 @@ who sees which namespace and which engine key a namespace key becomes."""
 from __future__ import annotations
 
 import struct
+from dataclasses import replace
 
 import pytest
 
@@ -17,6 +18,7 @@ from kvoffload.nvmeof_target.config import (
     TenantConfig,
 )
 from kvoffload.nvmeof_target.nvme_subsys import (
+    LOG_PAD_MAX,
     CommandFailed,
     Controller,
     StoreInfo,
@@ -175,8 +177,13 @@ def test_namespace_identify_structures() -> None:
         assert _status(info.value) == (0, 0x02)
 
 
-def _log(ctrl: Controller, lid: int, length: int, csi: int = 0, offset: int = 0) -> bytes:
-    return ctrl.log_page(nc.get_log_page(1, lid, length, csi=csi, offset=offset), _store)
+def _log(
+    ctrl: Controller, lid: int, length: int, csi: int = 0, offset: int = 0, sgl: int = 0
+) -> bytes:
+    cmd = nc.get_log_page(1, lid, min(length, 4096), csi=csi, offset=offset)
+    numd = length // 4 - 1  # 0's based: up to 2**32 dwords (16 GiB), past any SGL
+    cmd = replace(cmd, cdw10=lid | (numd & 0xFFFF) << 16, cdw11=numd >> 16)
+    return ctrl.log_page(cmd, _store, sgl or length)
 
 
 def test_log_pages() -> None:
@@ -195,6 +202,24 @@ def test_log_pages() -> None:
     assert _status(info.value) == (1, 0x09)
     with pytest.raises(CommandFailed):
         _log(ctrl, nd.Lid.EFFECTS, 4096, csi=nd.Csi.ZNS)
+
+
+def test_log_page_builds_only_what_the_sgl_takes() -> None:
+    # NUMD asks for 1 GiB (or the most it can: 16 GiB), the SGL takes 4 KiB: 4 KiB are built.
+    ctrl = _controller()
+    page = _log(ctrl, nd.Lid.EFFECTS, 4096, csi=nd.Csi.KV)
+    for numd_bytes in (1 << 30, 1 << 34):
+        got = _log(ctrl, nd.Lid.EFFECTS, numd_bytes, csi=nd.Csi.KV, sgl=4096)
+        assert got == page
+    assert _log(ctrl, nd.Lid.SMART, 1 << 30, sgl=600) == _log(ctrl, nd.Lid.SMART, 512) + bytes(88)
+    # Zeros past a page's end only up to LOG_PAD_MAX; a read of more is Invalid Field.
+    assert len(_log(ctrl, nd.Lid.ERROR, 1 << 30, sgl=64 + LOG_PAD_MAX)) == 64 + LOG_PAD_MAX
+    with pytest.raises(CommandFailed) as info:
+        _log(ctrl, nd.Lid.ERROR, 1 << 30, sgl=65 + LOG_PAD_MAX)
+    assert _status(info.value) == (0, 0x02)
+    with pytest.raises(CommandFailed) as info:
+        _log(ctrl, nd.Lid.SMART, 1 << 30, sgl=1 << 30)
+    assert _status(info.value) == (0, 0x02)
 
 
 def test_namespace_keys() -> None:
