@@ -33,6 +33,7 @@ from kvoffload.kvstore.buffers import Bytes, as_readable, as_writable
 from kvoffload.kvstore.config import PAGE, DramConfig, EngineConfig
 from kvoffload.kvstore.eviction import Rank, make_policy
 from kvoffload.kvstore.extents import ExtentAllocator, slot_bytes
+from kvoffload.kvstore.journal import Journal
 from kvoffload.kvstore.slotio import AlignedBuffer
 from kvoffload.kvstore.ssd import META_NAME, Recovery, SsdTier
 from kvoffload.kvstore.ssdindex import EMPTY, SsdIndex
@@ -70,6 +71,8 @@ class _Entry:
     # The SSD holds the same value, so evicting this block from DRAM needs no write.
     on_ssd: bool = False
     durable: bool = False
+    # SSD sequence number of a durable put's own write (0 for any other entry).
+    seq: int = 0
     # A block read from the SSD while DRAM had no room for it: served from a buffer of its own
     # (offset -1), never published.
     staging: AlignedBuffer | None = None
@@ -256,9 +259,10 @@ class Engine:
         # start and end: the neighbours of a hole are found here.
         self._slots: dict[int, _Entry] = {}
         self._slot_ends: dict[int, _Entry] = {}
-        # Keys with a durable put between its SSD write and its publish: a demotion of an older
-        # value of such a key must not commit over it.
-        self._writing_through: dict[bytes, int] = {}
+        # Durable puts between planning their SSD write and publishing, by key: their SSD seqs.
+        # A demotion of an older DRAM value of such a key must not commit over them, and a fast
+        # put must not delete their SSD copies.
+        self._writing_through: dict[bytes, set[int]] = {}
         self._tick = 0
         self._closed = False
         self._quotas: dict[str, int] = {}
@@ -534,7 +538,7 @@ class Engine:
     def delete(self, key: bytes) -> bool:
         """Remove `key` from every tier; True if it was stored. A pinned view stays valid."""
         _check_key(key)
-        wipe: tuple[int, int, int] | None = None
+        wipe: tuple[Journal, int, int, int] | None = None
         with self._lock:
             self._check_open()
             found = False
@@ -551,7 +555,7 @@ class Engine:
             self._n["deletes"] += found
         if ssd is not None and wipe is not None:
             try:
-                ssd.wipe_slot(wipe[1])
+                ssd.wipe_slot(wipe[2])
             except StorageIOError as exc:
                 # Still deleted from the index; only a rebuild from slot headers could revive it.
                 log.error("could not wipe the slot of deleted block %s: %s", key.hex(), exc)
@@ -822,6 +826,7 @@ class Engine:
                     "holds is pinned"
                 )
             self._n["evictions"] += 1
+            self._policy.remove(victim)  # as a policy victim: a demotion may put it back
             self._evict(self._index[victim])
 
     def _rank(self, key: bytes, parent: bytes | None) -> Rank:
@@ -864,47 +869,59 @@ class Engine:
     def _commit_durable(self, entry: _Entry) -> bool:
         """Write through to the SSD, wait for the journal, then publish in DRAM.
 
-        While this runs the key is in `_writing_through`: a demotion of an older DRAM value of
-        the key cannot commit over our SSD copy, and a fast put does not delete it.
+        The SSD decides the order of overlapping durable puts of a key: the highest seq wins in
+        both tiers, so what readers see before a crash is what the store holds after it.
         """
         ssd = self._ssd
         assert ssd is not None
         key = entry.key
-        with self._lock:
-            self._writing_through[key] = self._writing_through.get(key, 0) + 1
         try:
             seq = self._write_through(entry)
         except BaseException:
-            with self._lock:
-                self._done_writing_through(key)
-                self._unpin_locked(entry)  # never published: frees the slot
+            self._unpin(entry)  # never published: frees the slot
             raise
         with self._lock:
-            self._done_writing_through(key)
+            self._writing_through_done(key, seq)
+            self._n["durable"] += 1
             row = ssd.find(key)
-            # A newer durable put of the key may have replaced our SSD copy meanwhile.
-            entry.on_ssd = entry.durable = row != EMPTY and int(ssd.index.rows["seq"][row]) == seq
+            row_seq = int(ssd.index.rows["seq"][row]) if row != EMPTY else -1
+            if row_seq > seq:
+                # A newer durable put of the key owns the SSD copy: ours comes before it. Until
+                # that put publishes, DRAM must not serve anything older than it.
+                current = self._index.get(key)
+                if current is not None and current.seq != row_seq:
+                    self._drop(current)
+                    self._notify("removed", key, "dram")
+                self._n["puts"] += 1
+                self._unpin_locked(entry)
+                return True
+            entry.on_ssd = entry.durable = row_seq == seq
+            entry.seq = seq
             self._publish(entry, put=True, ssd_seq=seq)
-        self._n["durable"] += 1
         return True
 
-    def _done_writing_through(self, key: bytes) -> None:
-        left = self._writing_through.pop(key) - 1
-        if left:
-            self._writing_through[key] = left
+    def _writing_through_done(self, key: bytes, seq: int) -> None:
+        seqs = self._writing_through[key]
+        seqs.discard(seq)
+        if not seqs:
+            del self._writing_through[key]
 
     def _write_through(self, entry: _Entry) -> int:
         """Write a pending entry to the SSD and wait until it and its record are durable;
-        returns the SSD sequence number of the write."""
+        returns the SSD sequence number of the write, registered in `_writing_through` (the
+        caller takes it out once it has published)."""
         ssd = self._ssd
         assert ssd is not None
+        key = entry.key
         with self._lock:
             self._check_open()
-            plan = ssd.plan_write(entry.key, entry.length, entry.parent, entry.tenant)
+            plan = ssd.plan_write(key, entry.length, entry.parent, entry.tenant)
+            self._writing_through.setdefault(key, set()).add(plan.seq)
         try:
             ssd.write_slot(plan, self._slot_pages(entry))
         except StorageIOError:
             with self._lock:
+                self._writing_through_done(key, plan.seq)
                 ssd.abort_write(plan)
                 self._n["io_errors"] += 1
             raise
@@ -912,19 +929,21 @@ class Engine:
             try:
                 ticket = ssd.commit_write(plan)
             except StorageIOError:
+                self._writing_through_done(key, plan.seq)
                 self._n["io_errors"] += 1
                 raise
             journal = ssd.journal
             if ticket is not None:
-                self._notify("stored", entry.key, "ssd")
+                self._notify("stored", key, "ssd")
         assert journal is not None
         try:
             # None: a newer version of the key won the race; its record is queued already.
             journal.wait(ticket)
         except StorageIOError:
             with self._lock:
+                self._writing_through_done(key, plan.seq)
                 self._n["io_errors"] += 1
-                row = ssd.find(entry.key)
+                row = ssd.find(key)
                 if row != EMPTY and int(ssd.index.rows["seq"][row]) == plan.seq:
                     ssd.drop_row(row)  # the journal is dead: no DEL record can be written
             raise
@@ -937,23 +956,22 @@ class Engine:
 
     def _publish(self, entry: _Entry, *, put: bool, ssd_seq: int | None = None) -> None:
         """Make a filled entry the key's DRAM value. An SSD copy of an older value goes: for a
-        durable put (`ssd_seq`) one older than its own write, for a fast put one that no durable
-        put of the key is still writing."""
+        durable put (`ssd_seq`) one older than its own write, for a fast put any copy but one
+        that a durable put of the key is still writing (those are newer or overlap it)."""
         key = entry.key
         old = self._index.get(key)
         if old is not None:
             self._drop(old)
-            if old.pins and entry.tenant in self._quotas:
-                # A reader pinned the old value after _fit_quota counted it as freed.
-                self._fit_quota(entry.tenant, key, 0, strict=False)
         if self._ssd is not None and not entry.on_ssd:
             row = self._ssd.find(key)
-            if row != EMPTY and (
-                int(self._ssd.index.rows["seq"][row]) < ssd_seq
-                if ssd_seq is not None
-                else key not in self._writing_through
-            ):
-                self._ssd.remove_row(row)  # an older value of this key
+            if row != EMPTY:
+                row_seq = int(self._ssd.index.rows["seq"][row])
+                if (
+                    row_seq < ssd_seq
+                    if ssd_seq is not None
+                    else row_seq not in self._writing_through.get(key, ())
+                ):
+                    self._ssd.remove_row(row)  # an older value of this key
         entry.live = True
         entry.pins -= 1
         self._index[key] = entry
@@ -973,6 +991,10 @@ class Engine:
             self._pinned.discard(key)
         else:
             self._pinned.add(key)
+        if old is not None and old.pins and entry.tenant in self._quotas:
+            # A reader pinned the old value after _fit_quota counted it as freed. Last: this
+            # may release the lock (demotions), and the index is consistent by now.
+            self._fit_quota(entry.tenant, key, 0, strict=False)
 
     def _drop(self, entry: _Entry) -> None:
         """Take a live entry out of the DRAM index; free its slot unless a view pins it."""
@@ -1103,6 +1125,7 @@ class Engine:
             self._fit_quota(tenant, key, size, strict=False)
             try:
                 entry = self._claim(key, length, size, parent, tenant)
+                entry.seq = snap[3]
                 entry.on_ssd = True
                 dst = self._slot_pages(entry)
             except CapacityError:
@@ -1194,11 +1217,17 @@ class Engine:
         Raises:
             CapacityError: pinned blocks leave no hole of `size` bytes.
         """
+        evicted = 0
         while True:
             offset = self._alloc.alloc(size)
             if offset is not None:
                 return offset
-            victims = self._policy.evict(1, self._pinned)
+            # Pinned blocks may leave no hole large enough at all: find out before evicting
+            # everything else for nothing (checked only once evictions did not suffice).
+            if evicted > 2 * size and not self._room_possible(size):
+                victims = None
+            else:
+                victims = self._policy.evict(1, self._pinned)
             if victims is None:
                 raise CapacityError(
                     f"no room for a {size}-byte slot: every block that could make room is "
@@ -1206,8 +1235,18 @@ class Engine:
                 )
             victim = self._index[victims[0]]
             self._n["evictions"] += 1
+            evicted += victim.slot
             self._evict(victim)
             self._widen(victim.offset, size)
+
+    def _room_possible(self, size: int) -> bool:
+        """Whether evicting every unpinned block would leave a hole of `size` bytes."""
+        at = 0
+        for start in sorted(o for o, e in self._slots.items() if e.pins):
+            if start - at >= size:
+                return True
+            at = start + self._slots[start].slot
+        return self._alloc.size - at >= size
 
     def _widen(self, offset: int, size: int) -> None:
         """Evict the unpinned blocks next to the hole at `offset` until it holds `size` bytes."""
@@ -1216,7 +1255,9 @@ class Engine:
             if hole is None or hole[1] - hole[0] >= size:
                 return  # taken meanwhile (the lock was released), or large enough
             sides = (self._slot_ends.get(hole[0]), self._slots.get(hole[1]))
-            movable = [e for e in sides if e is not None and e.live and e.pins == 0]
+            movable = [
+                e for e in sides if e is not None and e.pins == 0 and self._index.get(e.key) is e
+            ]
             if not movable:
                 return
             entry = min(movable, key=lambda e: e.tick)

@@ -104,8 +104,8 @@ def _scan(tier: SsdTier, report: FsckReport) -> list[_Found]:
     order decides). The device is read in windows that overlap by one largest slot, so a block
     that starts near a window's end is still read whole.
     """
-    step = 4 << 20
     reach = slot_bytes(PAGE + tier.max_value_bytes)
+    step = max(4 << 20, reach)  # so no window reads more than twice what it advances
     buf = AlignedBuffer(step + reach)
     found: list[_Found] = []
     try:

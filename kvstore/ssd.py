@@ -195,8 +195,9 @@ class SsdTier:
         self.seq = 0
         self.tick = 0
         self.pinned: dict[int, int] = {}  # row -> readers in flight
-        # Slots freed by a record not yet durable: (journal ticket, offset, bytes).
-        self._pending_free: list[tuple[int, int, int]] = []
+        # Slots freed by a record not yet durable: (journal, ticket, offset, bytes). The journal
+        # is kept with its ticket: a checkpoint may switch journals before the slot is queued.
+        self._pending_free: list[tuple[jr.Journal, int, int, int]] = []
         self.counters = _Counters()
         self._pages = threading.local()
         self.journal: jr.Journal | None = None
@@ -345,7 +346,9 @@ class SsdTier:
         rows["flags"] = final["flags"]
         rows["crc"] = final["pcrc"]
         sizes = slot_sizes(PAGE + rows["length"].astype(np.int64))
-        ok = self.alloc.restore(rows["page"].astype(np.int64) * PAGE, sizes)
+        fits = rows["length"] <= self.max_value_bytes
+        ok = np.zeros(len(rows), dtype=bool)
+        ok[fits] = self.alloc.restore(rows["page"][fits].astype(np.int64) * PAGE, sizes[fits])
         self.index.load(rows[ok])
         return int((~ok).sum())
 
@@ -438,17 +441,21 @@ class SsdTier:
                 self.remove_row(int(row))
 
     def _release_pending(self, *, wait: bool = False) -> None:
-        if not self._pending_free or self.journal is None:
+        if not self._pending_free:
             return
         if wait:
-            self.journal.wait(max(t for t, _, _ in self._pending_free))
-        durable = self.journal.durable_ticket
+            last: dict[jr.Journal, int] = {}
+            for journal, ticket, _, _ in self._pending_free:
+                last[journal] = max(last.get(journal, 0), ticket)
+            for journal, ticket in last.items():
+                journal.wait(ticket)
         keep = []
-        for ticket, offset, size in self._pending_free:
-            if ticket <= durable:
+        for pending in self._pending_free:
+            journal, ticket, offset, size = pending
+            if ticket <= journal.durable_ticket:
                 self.alloc.free(offset, size)
             else:
-                keep.append((ticket, offset, size))
+                keep.append(pending)
         self._pending_free = keep
 
     def _reserve(self, size: int) -> int:
@@ -462,7 +469,7 @@ class SsdTier:
             offset = self.alloc.alloc(size)
             if offset is not None:
                 return offset
-            waiting = sum(n for _, _, n in self._pending_free)
+            waiting = sum(n for _, _, _, n in self._pending_free)
             victim = EMPTY
             if waiting < size:
                 victim = self.index.choose_victim(set(self.pinned), self._rank)
@@ -481,10 +488,10 @@ class SsdTier:
         """Forget a stored block; its slot is reused once the DEL record is durable."""
         self.release_slot(*self.detach_row(row))
 
-    def detach_row(self, row: int, *, notify: bool = True) -> tuple[int, int, int]:
-        """Forget a stored block but keep its slot out of reuse; returns (ticket, offset, bytes)
-        for `release_slot`, after the caller has wiped the slot (`wipe_slot`). `notify` False
-        skips the removal callback (the caller's own delete)."""
+    def detach_row(self, row: int, *, notify: bool = True) -> tuple[jr.Journal, int, int, int]:
+        """Forget a stored block but keep its slot out of reuse; returns (journal, ticket,
+        offset, bytes) for `release_slot`, after the caller has wiped the slot (`wipe_slot`).
+        `notify` False skips the removal callback (the caller's own delete)."""
         assert self.journal is not None
         key = self.index.key_of(row)
         offset, size = self._slot_of(row)
@@ -493,7 +500,7 @@ class SsdTier:
         self.index.remove(row)
         if notify:
             self._on_removed(key)
-        return ticket, offset, size
+        return self.journal, ticket, offset, size
 
     def _slot_of(self, row: int) -> tuple[int, int]:
         rows = self.index.rows
@@ -506,8 +513,8 @@ class SsdTier:
         self.index.remove(row)
         self._on_removed(key)
 
-    def release_slot(self, ticket: int, offset: int, size: int) -> None:
-        self._pending_free.append((ticket, offset, size))
+    def release_slot(self, journal: jr.Journal, ticket: int, offset: int, size: int) -> None:
+        self._pending_free.append((journal, ticket, offset, size))
 
     def wipe_slot(self, offset: int) -> None:
         """Zero a slot's header page (unlocked), so a rebuild from slot headers cannot bring a
@@ -541,7 +548,7 @@ class SsdTier:
         if old != EMPTY:
             # No DEL record: this PUT's higher seq supersedes the old one on replay. The old
             # slot is reused only once this PUT is durable, so replay never points at it.
-            self._pending_free.append((ticket, *self._slot_of(old)))
+            self._pending_free.append((self.journal, ticket, *self._slot_of(old)))
             self.index.remove(old)
         self.index.insert(plan.key, page=plan.offset // PAGE, length=plan.length, seq=plan.seq,
                           crc=plan.crc, parent=plan.parent, tenant=plan.tenant,

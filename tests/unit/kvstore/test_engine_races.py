@@ -119,3 +119,79 @@ def test_get_of_an_ssd_block_with_dram_all_pinned_is_served(engine: Engine) -> N
         for v in pinned:
             v.release()
     assert engine.stats().tiers[0].entries == 20
+
+
+def test_fast_put_during_a_durable_put_never_brings_back_an_older_value(tmp_path: Path) -> None:
+    v0, v1, v2 = (t * (BLOCK // 8) for t in (b"v0......", b"v1......", b"v2......"))
+    with Engine(config(tmp_path)) as engine:
+        engine.put(K, v0, durable=True)  # on the SSD
+        held = HeldWrite(engine, v2[:8])
+        put = threading.Thread(target=engine.put, args=(K, v2), kwargs={"durable": True})
+        put.start()
+        assert held.started.wait(30)
+        engine.put(K, v1)  # acknowledged while v2 writes through
+        assert read(engine, K) == v1
+        fill(engine, 0)  # v1 leaves DRAM while v2 still writes: a miss, never v0
+        assert read(engine, K) in (None, v1)
+        held.release()
+        put.join(30)
+        assert read(engine, K) == v2
+
+
+def test_overlapping_durable_puts_read_the_same_before_and_after_a_crash(tmp_path: Path) -> None:
+    va, vb = b"vA......" * (BLOCK // 8), b"vB......" * (BLOCK // 8)
+    engine = Engine(config(tmp_path))
+    held = HeldWrite(engine, va[:8])
+    a = threading.Thread(target=engine.put, args=(K, va), kwargs={"durable": True})
+    a.start()
+    assert held.started.wait(30)  # A planned its SSD write first
+    engine.put(K, vb, durable=True)  # B planned later: the newer SSD version
+    held.release()
+    a.join(30)
+    before = read(engine, K)
+    assert before in (va, vb)
+    # A crash: the SSD tier goes without flushing DRAM or checkpointing.
+    assert engine._pool is not None and engine._ssd is not None
+    engine._pool.shutdown()
+    engine._ssd.close(checkpoint=False)
+    with Engine(config(tmp_path)) as reopened:
+        assert read(reopened, K) == before
+
+
+def test_a_delete_across_a_checkpoint_does_not_hang_later_writes(tmp_path: Path) -> None:
+    cfg = EngineConfig(
+        DramConfig(capacity_bytes=1 << 20, max_value_bytes=256 << 10, prefault=False),
+        SsdConfig(capacity_bytes=4 << 20, admission_min_uses=1, sync_interval_s=0.02),
+        data_dir=str(tmp_path),
+    )
+    with Engine(cfg) as engine:
+        for i in range(40):  # many journal batches in the first journal
+            engine.put(key(i), bytes([i]) * BLOCK, durable=True)
+        slots = engine._ssd.slots  # type: ignore[union-attr]
+        write = slots.write
+        started, go = threading.Event(), threading.Event()
+
+        def held_wipe(offset: int, buffers: Sequence[memoryview]) -> None:
+            if len(buffers) == 1 and not started.is_set():  # the delete's header wipe
+                started.set()
+                assert go.wait(30)
+            write(offset, buffers)
+
+        slots.write = held_wipe  # type: ignore[method-assign]
+        victim = next(key(i) for i in range(40) if engine._ssd.find(key(i)) != -1)  # type: ignore[union-attr]
+        deleter = threading.Thread(target=engine.delete, args=(victim,))
+        deleter.start()
+        assert started.wait(30)
+        engine.checkpoint()  # a new journal: its tickets start again at 1
+        go.set()
+        deleter.join(30)
+        # A full SSD reuses the deleted slot: it must wait on the old journal's ticket.
+        writer = threading.Thread(
+            target=lambda: [
+                engine.put(key(i), bytes([i % 251]) * BLOCK, durable=True) for i in range(100, 140)
+            ]
+        )
+        writer.start()
+        writer.join(60)
+        assert not writer.is_alive(), "durable puts hung on a ticket of the previous journal"
+        assert read(engine, key(139)) == bytes([139 % 251]) * BLOCK
