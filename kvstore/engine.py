@@ -1016,8 +1016,22 @@ class Engine:
 
     def _checkpoint_in_background(self) -> None:
         assert self._ssd is not None
-        finish = self._ssd.begin_checkpoint()
-        threading.Thread(target=finish, name="kvoffload-checkpoint", daemon=True).start()
+        try:
+            finish = self._ssd.begin_checkpoint()
+        except StorageIOError as exc:  # no new journal (disk full?): keep the current one
+            log.error("checkpoint failed: %s", exc)
+            self._n["io_errors"] += 1
+            return
+
+        def run() -> None:
+            try:
+                finish()
+            except StorageIOError as exc:  # the old checkpoint and the journals still replay
+                log.error("checkpoint failed: %s", exc)
+                with self._lock:
+                    self._n["io_errors"] += 1
+
+        threading.Thread(target=run, name="kvoffload-checkpoint", daemon=True).start()
 
     def _promote(self, key: bytes, *, prefetch: bool = False) -> _Entry | None:
         """Read an SSD-only block into DRAM; the published entry, or None if it is gone or

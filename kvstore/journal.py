@@ -36,6 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload.errors import StorageIOError
+from kvoffload.kvstore import faults
 
 __all__ = [
     "DEL",
@@ -181,7 +182,10 @@ class Journal:
     ) -> None:
         self.path = path
         self._before_sync = before_sync
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise StorageIOError(f"opening journal {path}: {exc.strerror}") from exc
         self._interval = sync_interval
         self._cond = threading.Condition()
         self._pending: list[bytes] = []
@@ -189,11 +193,12 @@ class Journal:
         self._written = 0  # batches written
         self._durable = 0  # batches on stable storage
         self._want = 0  # highest ticket somebody waits on
-        self._error: OSError | None = None
+        self._error: StorageIOError | None = None  # the first failure; the journal stays failed
         self._closing = False
         self._last_sync = time.monotonic()
-        self._write = os.write  # fault-injection tests replace these two
-        self._sync = os.fdatasync
+        # Fault-injection seams: tests replace these, or name a plan in KVOFFLOAD_FAULTS.
+        self._write = faults.wrap("journal.write", os.write)
+        self._sync = faults.wrap("journal.sync", os.fdatasync)
         self._thread = threading.Thread(target=self._run, name="kvoffload-journal", daemon=True)
         self._thread.start()
 
@@ -236,7 +241,8 @@ class Journal:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise StorageIOError(f"journal {self.path} failed: {self._error}") from self._error
+            # A fresh exception per caller: waiters on several threads raise it at once.
+            raise StorageIOError(str(self._error)) from self._error.__cause__
 
     def _due(self) -> bool:
         return time.monotonic() - self._last_sync >= self._interval
@@ -256,17 +262,28 @@ class Journal:
                 batch, self._pending = self._pending, []
                 upto = self._queued
                 sync = self._want > self._durable or self._closing or self._due()
+            doing = "appending to"
             try:
                 if batch:
                     self._write_all(b"".join(batch))
                 if sync:
                     if self._before_sync is not None:
+                        doing = "flushing the slot file before syncing"
                         self._before_sync()
+                    doing = "syncing"
                     self._sync(self._fd)
-            except OSError as exc:
-                log.error("journal %s: %s", self.path, exc)
+            except (OSError, StorageIOError) as exc:
+                # A write may have left part of a record: nothing more is appended after it,
+                # so replay cuts the torn tail and keeps every record acknowledged before.
+                if isinstance(exc, OSError):
+                    error = StorageIOError(f"{doing} journal {self.path}: {exc.strerror or exc}")
+                    error.__cause__ = exc
+                else:
+                    error = StorageIOError(f"{exc} (journal {self.path} stopped)")
+                    error.__cause__ = exc.__cause__ or exc
+                log.error("%s", error)
                 with self._cond:
-                    self._error = exc
+                    self._error = error
                     self._cond.notify_all()
                 return
             with self._cond:

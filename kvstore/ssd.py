@@ -22,7 +22,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload.errors import CapacityError, ConfigError, StorageIOError
+from kvoffload.kvstore import faults
 from kvoffload.kvstore import journal as jr
 from kvoffload.kvstore.config import PAGE, EngineConfig
 from kvoffload.kvstore.gds import select_slot_file
@@ -123,6 +124,15 @@ class _Counters:
     checkpoints: int = 0
 
 
+@contextlib.contextmanager
+def _doing(what: str) -> Iterator[None]:
+    """Report an OSError as a StorageIOError that says what was being done to which file."""
+    try:
+        yield
+    except OSError as exc:
+        raise StorageIOError(f"{what}: {exc.strerror or exc}") from exc
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -131,15 +141,27 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """temp file -> full write -> fsync -> rename -> fsync of the directory."""
+def _write_atomic(path: Path, data: bytes, what: str) -> None:
+    """temp file -> full write -> fsync -> rename -> fsync of the directory. A failure leaves
+    the old file as it was and no temp file (a full disk must not fill up further).
+
+    Raises:
+        StorageIOError: naming `what` (meta, journal, checkpoint) and the file.
+    """
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    try:
+        with _doing(f"writing the {what} {tmp}"), open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            faults.check(f"{what}.write")
+            os.fsync(fh.fileno())
+        with _doing(f"renaming {tmp} to {path.name}"):
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+    except StorageIOError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 class SsdTier:
@@ -158,20 +180,30 @@ class SsdTier:
         self._rank = rank
         self._on_removed = on_removed
         self.dir = Path(config.data_dir)
+        # What creating a new store made, removed again if the create fails: the store exists
+        # only once kvoffload.meta is written, last.
+        self._made: list[Path] = []
+        self._creating = False
         self._open_dir(read_only)
         try:
             self._open(read_only)
         except BaseException:
             # Give the directory back: a failed open must not leave the store locked.
+            journal: jr.Journal | None = getattr(self, "journal", None)
+            if journal is not None:
+                with contextlib.suppress(StorageIOError):
+                    journal.close()
             slots: SlotFile | None = getattr(self, "slots", None)
             if slots is not None:
-                slots.close()
+                # A failed create removes the slot file it made, or shrinks a given one back.
+                slots.discard() if self._creating else slots.close()
+            self._undo_create()
             self._unlock()
             raise
 
     def _open(self, read_only: bool) -> None:
         ssd, config = self.config.ssd, self.config
-        self.meta = self._load_or_create_meta()
+        self.meta, creating = self._load_or_create_meta(read_only)
         slab = self.meta.slab_bytes
         self.classes = SizeClasses(self.meta.max_value_bytes + PAGE, self.meta.class_growth)
         self.capacity = self.meta.capacity_bytes // slab * slab
@@ -184,10 +216,9 @@ class SsdTier:
         self.quotas: dict[int, int] = {}  # tenant id -> SSD slot bytes it may hold
         self.store_id = bytes.fromhex(self.meta.store_id)
         self.max_value_bytes = self.meta.max_value_bytes
+        slot_path = self.meta.slot_path or str(self.dir / "ssd.slots")
         self.slots = select_slot_file(
-            self.config.ssd.io_backend,
-            self.meta.slot_path or str(self.dir / "ssd.slots"),
-            self.meta.capacity_bytes,
+            self.config.ssd.io_backend, slot_path, self.meta.capacity_bytes
         )
         self.tenants: list[str] = [""]
         self._tenant_ids = {"": 0}
@@ -203,12 +234,31 @@ class SsdTier:
         self.recovery = self._recover(read_only)
         if not read_only:
             self._generation += 1
+            if creating:
+                self._made.append(self._journal_path(self._generation))
             self.journal = self._open_journal(self._generation)
+        if creating:
+            _write_atomic(self.dir / META_NAME, json.dumps(asdict(self.meta), indent=2).encode(),
+                          "meta")  # fmt: skip
+            self._made.clear()  # the store exists: from here on nothing is undone
+            self._creating = False
+
+    def _undo_create(self) -> None:
+        """Remove what a failed create made, newest first (the data directory last)."""
+        for path in reversed(self._made):
+            try:
+                path.rmdir() if path.is_dir() else path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("cannot remove %s after a failed create: %s", path, exc)
+        self._made.clear()
 
     # ------------------------------------------------------------------ open / recovery
 
     def _open_dir(self, read_only: bool) -> None:
         d = self.dir
+        creating = self._creating = not (d / META_NAME).exists()
         if not d.exists():
             if read_only:
                 raise ConfigError(f"data directory {d} does not exist")
@@ -216,22 +266,37 @@ class SsdTier:
                 raise ConfigError(
                     f"data directory {d} cannot be created: its parent {d.parent} does not exist"
                 )
-            d.mkdir()
+            with _doing(f"creating the data directory {d}"):
+                d.mkdir()
+            self._made.append(d)
         elif not d.is_dir():
             raise ConfigError(f"data directory {d} is not a directory")
-        elif not (d / META_NAME).exists() and any(d.iterdir()):
+        elif creating and any(p.name != "LOCK" for p in d.iterdir()):
             raise ConfigError(
                 f"data directory {d} is not empty and holds no {META_NAME}: it is not a "
                 "kvoffload store (refusing to write into it)"
             )
-        self._lock_fd = os.open(d / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        lock = d / "LOCK"
+        if creating and not read_only and not lock.exists():
+            self._made.append(lock)
+        try:
+            with _doing(f"opening {lock}"):
+                self._lock_fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except BaseException:
+            self._undo_create()
+            raise
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(self._lock_fd)
             raise ConfigError(f"store {d} is in use by another process") from None
+        if creating and (d / META_NAME).exists():
+            # Another process created the store while we waited for the lock: it is theirs.
+            self._creating = False
+            self._made.clear()
 
-    def _load_or_create_meta(self) -> StoreMeta:
+    def _load_or_create_meta(self, read_only: bool) -> tuple[StoreMeta, bool]:
+        """The store's meta and whether the store is new (its meta then still to be written)."""
         ssd = self.config.ssd
         path = self.dir / META_NAME
         max_value = ssd.max_value_bytes or self.config.dram.effective_max_value_bytes
@@ -249,10 +314,9 @@ class SsdTier:
             created=time.time(),
         )
         if not path.exists():
-            if not ssd.capacity_bytes:
+            if read_only or not ssd.capacity_bytes:
                 raise ConfigError(f"{self.dir} holds no store and no SSD capacity was given")
-            _write_atomic(path, json.dumps(asdict(wanted), indent=2).encode())
-            return wanted
+            return wanted, True
         meta = StoreMeta.load(path)
         # Opened without a geometry (e.g. by fsck), a store keeps its own.
         checks = ["capacity_bytes"] if ssd.capacity_bytes else []
@@ -265,7 +329,10 @@ class SsdTier:
                     f"store {self.dir} was created with {name}={have!r}, the config asks for "
                     f"{want!r}; use the original setting or a new directory"
                 )
-        return meta
+        return meta, False
+
+    def _journal_path(self, generation: int) -> Path:
+        return self.dir / f"journal.{generation:08d}"
 
     def _journal_paths(self) -> list[tuple[int, Path]]:
         found = []
@@ -305,7 +372,7 @@ class SsdTier:
                 log.warning("%s: %s %d bytes of torn or corrupt tail", path, verb,
                             replay.dropped_bytes)  # fmt: skip
                 if not read_only:
-                    with open(path, "r+b") as fh:
+                    with _doing(f"cutting the torn tail of {path}"), open(path, "r+b") as fh:
                         fh.truncate(os.path.getsize(path) - replay.dropped_bytes)
             parts.append(replay.records)
             j_records += int(np.isin(replay.records["type"], (jr.PUT, jr.DEL)).sum())
@@ -356,12 +423,12 @@ class SsdTier:
     def _open_journal(self, generation: int) -> jr.Journal:
         """Create journal `generation` atomically (a crash never leaves one without a header),
         then open it for appending."""
-        path = self.dir / f"journal.{generation:08d}"
+        path = self._journal_path(generation)
         head = jr.file_header(self.store_id, generation, self.seq)
         # Tenant names go into every journal so that a journal replays on its own.
         names = [jr.record(jr.TENANT, 0, tenant=i, name=n.encode())
                  for i, n in enumerate(self.tenants) if i]  # fmt: skip
-        _write_atomic(path, head + (jr.pack(np.concatenate(names)) if names else b""))
+        _write_atomic(path, head + (jr.pack(np.concatenate(names)) if names else b""), "journal")
         return jr.Journal(
             str(path), sync_interval=self.config.ssd.sync_interval_s, before_sync=self.slots.flush
         )
@@ -670,10 +737,11 @@ class SsdTier:
         def finish() -> None:
             old.close()  # the snapshot already holds its records; this only flushes them
             data = jr.file_header(self.store_id, gen, seq, len(body)) + jr.pack(body)
-            _write_atomic(self.dir / "checkpoint", data)
+            _write_atomic(self.dir / "checkpoint", data, "checkpoint")
             for g, path in self._journal_paths():
                 if g < gen:
-                    path.unlink()
+                    with _doing(f"removing {path}, which the checkpoint covers"):
+                        path.unlink()
             self.counters.checkpoints += 1
 
         return finish
