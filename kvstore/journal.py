@@ -24,6 +24,7 @@ second. A torn or corrupt tail stops replay at the last good record and is cut.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -187,6 +188,8 @@ class Journal:
         except OSError as exc:
             raise StorageIOError(f"opening journal {path}: {exc.strerror}") from exc
         self._interval = sync_interval
+        # File length on stable storage: a failure cuts the journal back to it (committer only).
+        self._synced_bytes = self._bytes = os.fstat(self._fd).st_size
         self._cond = threading.Condition()
         self._pending: list[bytes] = []
         self._queued = 0  # batches queued so far; a batch's number is its ticket
@@ -272,9 +275,14 @@ class Journal:
                         self._before_sync()
                     doing = "syncing"
                     self._sync(self._fd)
+                    self._synced_bytes = self._bytes
             except (OSError, StorageIOError) as exc:
-                # A write may have left part of a record: nothing more is appended after it,
-                # so replay cuts the torn tail and keeps every record acknowledged before.
+                # Records that never became durable were never acknowledged: cut them (and a
+                # partly written one), so a reopen does not bring back puts that failed.
+                # Nothing is appended after a failure; if the cut fails too, replay still
+                # stops at a torn record.
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, self._synced_bytes)
                 if isinstance(exc, OSError):
                     error = StorageIOError(f"{doing} journal {self.path}: {exc.strerror or exc}")
                     error.__cause__ = exc
@@ -296,7 +304,9 @@ class Journal:
     def _write_all(self, data: bytes) -> None:
         view = memoryview(data)
         while view:
-            view = view[self._write(self._fd, view) :]
+            n = self._write(self._fd, view)
+            self._bytes += n
+            view = view[n:]
 
     def close(self) -> None:
         """Write and sync everything queued, then stop the committer.
