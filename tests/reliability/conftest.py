@@ -43,6 +43,7 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
             _cannot(f"{tool} is not installed: `apt-get install {package}` (.ci/deps does)")
     image, mnt = tmp_path / "fs.img", tmp_path / "mnt"
     mnt.mkdir()
+    image.touch()
     os.truncate(image, FS_BYTES)
     # -m 0: no blocks reserved for root, so what statvfs reports free is what the store gets.
     made = _run("mkfs.ext4", "-q", "-F", "-m", "0", str(image))
