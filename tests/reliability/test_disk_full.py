@@ -51,12 +51,12 @@ def test_a_first_start_too_big_for_the_disk_leaves_nothing_behind(
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert (sorted(data.iterdir()) == []) if existing else not data.exists()
+    assert free_bytes(small_fs) >= free - (64 << 10)  # the partial slot file is gone
     assert re.search(
         rf"allocating 1\.0 GiB for {re.escape(str(data))}/ssd\.slots: No space left on device",
         proc.stderr,
     ), proc.stderr
-    assert (sorted(data.iterdir()) == []) if existing else not data.exists()
-    assert free_bytes(small_fs) >= free - (64 << 10)  # the partial slot file is gone
     store = DaemonStore(start_daemon, data, dram=16 << 20, ssd=16 << 20, env={})
     store.put(key(1), value(1), durable=True)
     store.restart()
