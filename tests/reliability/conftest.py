@@ -27,7 +27,13 @@ def _cannot(reason: str) -> None:
     pytest.skip(reason)
 
 
-def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
+def _which(tool: str) -> str | None:
+    # The sbin folders may be missing from PATH outside a login shell.
+    return shutil.which(tool, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")
+
+
+def _run(tool: str, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [_which(tool) or tool, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
 
 
@@ -39,7 +45,7 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
     if os.geteuid() != 0:
         _cannot("mounting a 64 MiB ext4 image needs root (CI runs the suite as root)")
     for tool, package in (("mkfs.ext4", "e2fsprogs"), ("mount", "mount"), ("umount", "mount")):
-        if shutil.which(tool) is None:
+        if _which(tool) is None:
             _cannot(f"{tool} is not installed: `apt-get install {package}` (.ci/deps does)")
     image, mnt = tmp_path / "fs.img", tmp_path / "mnt"
     mnt.mkdir()
