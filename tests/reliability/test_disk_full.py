@@ -37,12 +37,12 @@ def assert_reads_back(store: Any, acked: dict[bytes, bytes]) -> None:
     assert not wrong, f"{len(wrong)} of {len(acked)} acknowledged durable puts lost: {wrong[:5]}"
 
 
-@pytest.mark.parametrize("existing", [False, True], ids=["new-dir", "empty-dir"])
+@pytest.mark.parametrize("where", ["new-dir", "empty-dir", "new-parents"])
 def test_a_first_start_too_big_for_the_disk_leaves_nothing_behind(
-    small_fs: Path, start_daemon: Callable[..., Any], existing: bool
+    small_fs: Path, start_daemon: Callable[..., Any], where: str
 ) -> None:
-    data = small_fs / "store"
-    if existing:
+    data = small_fs / "a" / "b" / "store" if where == "new-parents" else small_fs / "store"
+    if where == "empty-dir":
         data.mkdir()
     free = free_bytes(small_fs)
     argv = [sys.executable, "-m", "kvoffload.bench.cli", "serve", "--port", "0",
@@ -51,7 +51,10 @@ def test_a_first_start_too_big_for_the_disk_leaves_nothing_behind(
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert (sorted(data.iterdir()) == []) if existing else not data.exists()
+    if where == "empty-dir":
+        assert sorted(data.iterdir()) == []  # left as it was found
+    else:
+        assert sorted(small_fs.iterdir()) == [small_fs / "lost+found"]  # made, then removed
     assert free_bytes(small_fs) >= free - (64 << 10)  # the partial slot file is gone
     assert re.search(
         rf"allocating 1\.0 GiB for {re.escape(str(data))}/ssd\.slots: No space left on device",
