@@ -21,7 +21,8 @@ def free_bytes(fs: Path) -> int:
 
 
 def fill(fs: Path, leave: int) -> Path:
-    """Take all but about `leave` bytes of `fs` with a file (delete it to free them)."""
+    """Take all but about `leave` bytes of `fs` with a file (delete it to free them); with
+    `leave` 0, every last block."""
     path = fs / "filler"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
@@ -34,6 +35,16 @@ def fill(fs: Path, leave: int) -> Path:
                 if exc.errno != errno.ENOSPC:
                     raise
                 want -= 64 << 10
+        if not leave:
+            os.lseek(fd, 0, os.SEEK_END)
+            for _ in range(100_000):  # bounded: 400 MB at most, far more than the fs holds
+                try:
+                    os.write(fd, bytes(4096))
+                    os.fsync(fd)
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    break
         os.fsync(fd)
     finally:
         os.close(fd)

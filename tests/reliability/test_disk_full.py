@@ -37,6 +37,17 @@ def assert_reads_back(store: Any, acked: dict[bytes, bytes]) -> None:
     assert not wrong, f"{len(wrong)} of {len(acked)} acknowledged durable puts lost: {wrong[:5]}"
 
 
+def serve_and_fail(data: Path, ssd: str) -> subprocess.CompletedProcess[str]:
+    """Run `kvoffload serve` on `data`, expecting it to refuse to start."""
+    argv = [sys.executable, "-m", "kvoffload.bench.cli", "serve", "--port", "0",
+            "--nvme-port", "0", "--metrics-port", "0", "--dram", "16MiB", "--ssd", ssd,
+            "--data-dir", str(data)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    return proc
+
+
 @pytest.mark.parametrize("where", ["new-dir", "empty-dir", "new-parents"])
 def test_a_first_start_too_big_for_the_disk_leaves_nothing_behind(
     small_fs: Path, start_daemon: Callable[..., Any], where: str
@@ -45,12 +56,7 @@ def test_a_first_start_too_big_for_the_disk_leaves_nothing_behind(
     if where == "empty-dir":
         data.mkdir()
     free = free_bytes(small_fs)
-    argv = [sys.executable, "-m", "kvoffload.bench.cli", "serve", "--port", "0",
-            "--nvme-port", "0", "--metrics-port", "0", "--dram", "16MiB", "--ssd", "1GiB",
-            "--data-dir", str(data)]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
+    proc = serve_and_fail(data, "1GiB")
     if where == "empty-dir":
         assert sorted(data.iterdir()) == []  # left as it was found
     else:
@@ -135,3 +141,26 @@ def test_a_checkpoint_that_does_not_fit_keeps_the_old_one_and_the_journals(
         assert store.engine.stats().recovery["checkpoint_records"] == 200
     finally:
         store.stop()
+
+
+def test_a_restart_on_a_full_disk_names_the_file_and_changes_nothing(
+    small_fs: Path, start_daemon: Callable[..., Any]
+) -> None:
+    data = small_fs / "store"
+    store = DaemonStore(start_daemon, data, dram=4 << 20, ssd=16 << 20, env={})
+    acked = {}
+    for i in range(20):
+        store.put(key(i), value(i), durable=True)
+        acked[key(i)] = value(i)
+    assert store.stop() == ""
+    files = {p.name: p.read_bytes() for p in data.iterdir() if p.name != "ssd.slots"}
+    filler = fill(small_fs, leave=0)
+    proc = serve_and_fail(data, "16MiB")  # a new journal needs a block
+    assert re.search(
+        rf"writing the journal {re.escape(str(data))}/journal\.\d{{8}}\.tmp: No space left",
+        proc.stderr,
+    ), proc.stderr
+    assert {p.name: p.read_bytes() for p in data.iterdir() if p.name != "ssd.slots"} == files
+    filler.unlink()
+    store.restart()
+    assert_reads_back(store, acked)
