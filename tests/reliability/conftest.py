@@ -38,26 +38,32 @@ def _run(tool: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
-    """A 64 MiB ext4 file system of its own (an image, loop-mounted); unmounted at teardown.
-
-    ext4 and not tmpfs: the slot file is opened with O_DIRECT, which tmpfs refuses."""
+def small_fs(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB file system of its own, unmounted at teardown: ext4 on a loop-mounted image by
+    default (the slot file's O_DIRECT needs a real file system), or "tmpfs" through indirect
+    parametrisation (where O_DIRECT may be refused and the slot file falls back to buffered
+    I/O)."""
+    kind = getattr(request, "param", "ext4")
     if os.geteuid() != 0:
-        _cannot("mounting a 64 MiB ext4 image needs root (CI runs the suite as root)")
-    for tool, package in (("mkfs.ext4", "e2fsprogs"), ("mount", "mount"), ("umount", "mount")):
-        if _which(tool) is None:
-            _cannot(f"{tool} is not installed: `apt-get install {package}` (.ci/deps does)")
-    image, mnt = tmp_path / "fs.img", tmp_path / "mnt"
+        _cannot(f"mounting a 64 MiB {kind} needs root (CI runs the suite as root)")
+    mnt = tmp_path / "mnt"
     mnt.mkdir()
-    image.touch()
-    os.truncate(image, FS_BYTES)
-    # -m 0: no blocks reserved for root, so what statvfs reports free is what the store gets.
-    made = _run("mkfs.ext4", "-q", "-F", "-m", "0", str(image))
-    if made.returncode:
-        _cannot(f"mkfs.ext4 failed: {made.stderr.strip()}")
-    mounted = _run("mount", "-o", "loop", str(image), str(mnt))
+    image = tmp_path / "fs.img"
+    if kind == "tmpfs":
+        mounted = _run("mount", "-t", "tmpfs", "-o", f"size={FS_BYTES}", "tmpfs", str(mnt))
+    else:
+        for tool, package in (("mkfs.ext4", "e2fsprogs"), ("mount", "mount")):
+            if _which(tool) is None:
+                _cannot(f"{tool} is not installed: `apt-get install {package}` (.ci/deps does)")
+        image.touch()
+        os.truncate(image, FS_BYTES)
+        # -m 0: no blocks reserved for root: what statvfs reports free is what the store gets.
+        made = _run("mkfs.ext4", "-q", "-F", "-m", "0", str(image))
+        if made.returncode:
+            _cannot(f"mkfs.ext4 failed: {made.stderr.strip()}")
+        mounted = _run("mount", "-o", "loop", str(image), str(mnt))
     if mounted.returncode:
-        _cannot(f"cannot loop-mount an ext4 image (no loop device?): {mounted.stderr.strip()}")
+        _cannot(f"cannot mount a {kind} (no loop device?): {mounted.stderr.strip()}")
     try:
         yield mnt
     finally:
@@ -67,7 +73,7 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
             time.sleep(0.5)
         else:
             _run("umount", "-l", str(mnt))
-        image.unlink()
+        image.unlink(missing_ok=True)
 
 
 @pytest.fixture
