@@ -68,10 +68,11 @@ def test_a_first_start_too_big_for_the_disk_leaves_nothing_behind(
         rf"allocating 1\.0 GiB for {re.escape(str(data))}/ssd\.slots: No space left on device",
         proc.stderr,
     ), proc.stderr
-    store = DaemonStore(start_daemon, data, dram=16 << 20, ssd=16 << 20, env={})
-    store.put(key(1), value(1), durable=True)
-    store.restart()
-    assert store.get(key(1)) == value(1)
+    if where == "empty-dir":  # the store the too-big one would have blocked (once per fs)
+        store = DaemonStore(start_daemon, data, dram=16 << 20, ssd=16 << 20, env={})
+        store.put(key(1), value(1), durable=True)
+        store.restart()
+        assert store.get(key(1)) == value(1)
 
 
 def test_a_journal_that_fills_the_disk_fails_durable_puts_and_loses_nothing(
