@@ -879,9 +879,9 @@ class Engine:
         except StorageIOError:
             with self._lock:
                 self._n["io_errors"] += 1
-                row = ssd.find(entry.key)
-                if row != EMPTY and int(ssd.index.rows["seq"][row]) == plan.seq:
-                    ssd.drop_row(row)  # the journal is dead: no DEL record can be written
+                # The journal is dead: no DEL record can be written; the key keeps its old copy.
+                if ssd.undo_commit(plan):
+                    self._notify("stored", entry.key, "ssd")
             raise
         entry.on_ssd = entry.durable = True
         self._n["durable"] += 1

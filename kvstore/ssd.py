@@ -109,6 +109,21 @@ class WritePlan:
     offset: int
     seq: int
     crc: int = 0
+    replaced: _Row | None = None  # the key's SSD copy that `commit_write` took out of the index
+
+
+@dataclass(frozen=True, slots=True)
+class _Row:
+    """An index row as `SsdIndex.insert` takes it (to put a replaced copy back)."""
+
+    page: int
+    length: int
+    seq: int
+    crc: int
+    parent: bytes | None
+    tenant: int
+    cls: int
+    tick: int
 
 
 @dataclass
@@ -612,6 +627,23 @@ class SsdTier:
         self.index.remove(row)
         self._on_removed(key)
 
+    def undo_commit(self, plan: WritePlan) -> bool:
+        """The journal failed before `plan`'s record was durable: forget the block and give the
+        key back the SSD copy it replaced, whose record is durable (a reopen finds it too: the
+        journal is cut back to what was synced). True if that copy is back."""
+        row = self.index.find(plan.key)
+        if row != EMPTY and int(self.index.rows["seq"][row]) == plan.seq:
+            self.drop_row(row)
+        old = plan.replaced
+        if old is None or self.index.find(plan.key) != EMPTY:
+            return False  # nothing replaced, or a newer version took the key meanwhile
+        offset = old.page * PAGE
+        self._pending_free = [p for p in self._pending_free if p[1] != offset]
+        self.index.insert(plan.key, page=old.page, length=old.length, seq=old.seq, crc=old.crc,
+                          parent=old.parent, tenant=old.tenant, cls=old.cls,
+                          tick=old.tick)  # fmt: skip
+        return True
+
     def release_slot(self, ticket: int, offset: int) -> None:
         self._pending_free.append((ticket, offset))
 
@@ -648,6 +680,11 @@ class SsdTier:
             # No DEL record: this PUT's higher seq supersedes the old one on replay. The old
             # slot is reused only once this PUT is durable, so replay never points at it.
             self._pending_free.append((ticket, int(self.index.rows["page"][old]) * PAGE))
+            rows = self.index.rows
+            plan.replaced = _Row(int(rows["page"][old]), int(rows["length"][old]),
+                                 int(rows["seq"][old]), int(rows["crc"][old]),
+                                 self.index.parent_of(old), int(rows["tenant"][old]),
+                                 int(self.index.cls[old]), int(self.index.tick[old]))  # fmt: skip
             self.index.remove(old)
         self.index.insert(plan.key, page=plan.offset // PAGE, length=plan.length, seq=plan.seq,
                           crc=plan.crc, parent=plan.parent, tenant=plan.tenant, cls=plan.cls,
