@@ -277,7 +277,7 @@ class Engine:
         if self.config.ssd.capacity_bytes or (data_dir and (Path(data_dir) / META_NAME).exists()):
             self._ssd = SsdTier(self.config, rank=self._ssd_rank, on_removed=self._ssd_removed)
             if self._ssd.max_value_bytes < self.max_value_bytes:
-                self._ssd.close(checkpoint=False)
+                self._ssd.abandon()  # a store created just now is removed again
                 raise ConfigError(
                     f"dram.max_value_bytes ({self.max_value_bytes}) exceeds the store's SSD slot "
                     f"limit ({self._ssd.max_value_bytes}); lower it"
@@ -290,7 +290,7 @@ class Engine:
             self._arena = Arena(n_slabs * slab, prefault=dram.prefault)
         except BaseException:
             if self._ssd is not None:
-                self._ssd.close(checkpoint=False)
+                self._ssd.abandon()
             raise
 
     # ------------------------------------------------------------------ public API

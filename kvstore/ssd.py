@@ -195,26 +195,31 @@ class SsdTier:
         self._rank = rank
         self._on_removed = on_removed
         self.dir = Path(config.data_dir)
-        # What creating a new store made, removed again if the create fails: the store exists
-        # only once kvoffload.meta is written, last.
+        # What creating a new store made, removed again if the create fails (here, or in the
+        # engine around the tier: `abandon`). kvoffload.meta is written last.
         self._made: list[Path] = []
-        self._creating = False
+        self._creating = False  # this open creates the store
+        self.journal: jr.Journal | None = None
         self._open_dir(read_only)
         try:
             self._open(read_only)
         except BaseException:
-            # Give the directory back: a failed open must not leave the store locked.
-            journal: jr.Journal | None = getattr(self, "journal", None)
-            if journal is not None:
-                with contextlib.suppress(StorageIOError):
-                    journal.close()
-            slots: SlotFile | None = getattr(self, "slots", None)
-            if slots is not None:
-                # A failed create removes the slot file it made, or shrinks a given one back.
-                slots.discard() if self._creating else slots.close()
-            self._undo_create()
-            self._unlock()
+            self.abandon()
             raise
+
+    def abandon(self) -> None:
+        """Close without a checkpoint, releasing the directory; a store that this open created
+        is removed again (the slot file if it was made, else shrunk back)."""
+        journal, self.journal = self.journal, None
+        if journal is not None:
+            with contextlib.suppress(StorageIOError):
+                journal.close()
+        slots: SlotFile | None = getattr(self, "slots", None)
+        if slots is not None:
+            slots.discard() if self._creating else slots.close()
+        if self._creating:
+            self._undo_create()
+        self._unlock()
 
     def _open(self, read_only: bool) -> None:
         ssd, config = self.config.ssd, self.config
@@ -243,7 +248,6 @@ class SsdTier:
         self._pending_free: list[tuple[int, int]] = []  # (journal ticket, slot offset)
         self.counters = _Counters()
         self._pages = threading.local()
-        self.journal: jr.Journal | None = None
         self._generation = 0
         self._records_since_checkpoint = 0
         self.recovery = self._recover(read_only)
@@ -253,10 +257,9 @@ class SsdTier:
                 self._made.append(self._journal_path(self._generation))
             self.journal = self._open_journal(self._generation)
         if creating:
+            self._made.append(self.dir / META_NAME)
             _write_atomic(self.dir / META_NAME, json.dumps(asdict(self.meta), indent=2).encode(),
                           "meta")  # fmt: skip
-            self._made.clear()  # the store exists: from here on nothing is undone
-            self._creating = False
 
     def _undo_create(self) -> None:
         """Remove what a failed create made, newest first (the data directory last)."""
