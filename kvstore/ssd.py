@@ -179,6 +179,26 @@ def _write_atomic(path: Path, data: bytes, what: str) -> None:
         raise
 
 
+# What a create makes before kvoffload.meta, the last step (LOCK aside).
+_CREATE_FILES = frozenset({"ssd.slots", "journal.00000001", "journal.00000001.tmp",
+                           META_NAME + ".tmp"})  # fmt: skip
+
+
+def _create_leftovers(d: Path) -> list[Path] | None:
+    """What a create killed before writing kvoffload.meta left in `d` (holding no block: its
+    journal has no PUT or DEL), or None if `d` holds anything else."""
+    found = [p for p in d.iterdir() if p.name != "LOCK"]
+    if any(p.name not in _CREATE_FILES for p in found):
+        return None
+    journal = d / "journal.00000001"
+    if journal.exists():
+        with _doing(f"reading {journal}"):
+            records, _ = jr.parse(journal.read_bytes())
+        if np.isin(records["type"], (jr.PUT, jr.DEL)).any():
+            return None
+    return found
+
+
 class SsdTier:
     """Blocks on SSD: who is where (index), how to find room (allocator + eviction), and how
     the index survives crashes (journal + checkpoints)."""
@@ -289,7 +309,7 @@ class SsdTier:
             self._made.append(d)
         elif not d.is_dir():
             raise ConfigError(f"data directory {d} is not a directory")
-        elif creating and any(p.name != "LOCK" for p in d.iterdir()):
+        elif creating and _create_leftovers(d) is None:
             raise ConfigError(
                 f"data directory {d} is not empty and holds no {META_NAME}: it is not a "
                 "kvoffload store (refusing to write into it)"
@@ -312,6 +332,14 @@ class SsdTier:
             # Another process created the store while we waited for the lock: it is theirs.
             self._creating = False
             self._made.clear()
+        elif creating and not read_only:
+            leftovers = _create_leftovers(d) or []
+            if leftovers:
+                log.warning("%s: removing what an interrupted create left: %s", d,
+                            ", ".join(p.name for p in leftovers))  # fmt: skip
+            for path in leftovers:
+                with _doing(f"removing {path}, left by an interrupted create"):
+                    path.unlink()
 
     def _load_or_create_meta(self, read_only: bool) -> tuple[StoreMeta, bool]:
         """The store's meta and whether the store is new (its meta then still to be written)."""

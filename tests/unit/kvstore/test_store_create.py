@@ -7,6 +7,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,3 +131,43 @@ def test_a_store_created_for_an_engine_that_then_fails_to_start_is_removed(
     monkeypatch.undo()
     with Engine(config(data)):  # another size is no conflict: nothing of the first was kept
         pass
+
+
+KILLED_BEFORE_META = """
+import os, sys
+from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig, ssd
+
+real = ssd._write_atomic
+def write_atomic(path, data, what):
+    if what == "meta":
+        os._exit(9)  # killed between the first journal and the meta
+    real(path, data, what)
+ssd._write_atomic = write_atomic
+Engine(EngineConfig(DramConfig(capacity_bytes=4 << 20, prefault=False),
+                    SsdConfig(capacity_bytes=64 << 20), data_dir=sys.argv[1]))
+"""
+
+
+def test_a_create_killed_before_the_meta_is_cleared_by_the_next_start(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    proc = subprocess.run([sys.executable, "-c", KILLED_BEFORE_META, str(data)], timeout=120)
+    assert proc.returncode == 9
+    assert {p.name for p in data.iterdir()} == {"LOCK", "ssd.slots", "journal.00000001"}
+    with Engine(config(data)) as engine:  # another size: the killed create left no store
+        engine.put(bytes(16), b"x" * 1000, durable=True)
+    with Engine(config(data)) as engine:
+        assert engine.contains(bytes(16))
+
+
+def test_a_directory_with_a_journal_of_blocks_but_no_meta_is_refused(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with Engine(config(data)) as engine:
+        engine.put(bytes(16), b"x" * 1000, durable=True)
+        journal = (data / "journal.00000001").read_bytes()  # holds the PUT
+    for path in data.iterdir():
+        if path.name not in ("LOCK", "ssd.slots"):
+            path.unlink()
+    (data / "journal.00000001").write_bytes(journal)
+    with pytest.raises(ConfigError, match="not empty and holds no kvoffload.meta"):
+        Engine(config(data))
+    assert (data / "ssd.slots").exists()
