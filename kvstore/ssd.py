@@ -187,7 +187,8 @@ _CREATE_FILES = frozenset({"ssd.slots", "journal.00000001", "journal.00000001.tm
 def _create_leftovers(d: Path) -> list[Path] | None:
     """What a create killed before writing kvoffload.meta left in `d` (holding no block: its
     journal has no PUT or DEL), or None if `d` holds anything else."""
-    found = [p for p in d.iterdir() if p.name != "LOCK"]
+    with _doing(f"listing {d}"):
+        found = [p for p in d.iterdir() if p.name != "LOCK"]
     if any(p.name not in _CREATE_FILES for p in found):
         return None
     journal = d / "journal.00000001"
