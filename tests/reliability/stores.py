@@ -154,6 +154,13 @@ class DaemonStore:
         self._up()
         return said
 
+    def crash_and_restart(self) -> None:
+        """SIGKILL (by pid) and start again: only what reached the disk counts."""
+        self.client.close()
+        self.daemon.proc.kill()
+        self.daemon.stop()
+        self._up()
+
 
 def io_errors(stats: dict[str, Any]) -> int:
     return int(stats["tiers"][1]["io_errors"])
