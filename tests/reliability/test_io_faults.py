@@ -90,13 +90,21 @@ def test_eio_on_a_durable_puts_slot_write_keeps_the_old_value(
     assert_reads_back(store, acked)
 
 
-def test_eio_on_the_journal_sync_fails_the_put_for_good(
-    open_store: Callable[..., Any], fault_plan: FaultPlan, tmp_path: Path
+@pytest.mark.parametrize(
+    ("op", "said"),
+    [
+        ("journal_sync", r"syncing journal .*journal\.\d{8}: Input/output error"),
+        ("journal_write", r"appending to journal .*journal\.\d{8}: Input/output error"),
+        ("slot_flush", r"flushing .*ssd\.slots: Input/output error"),
+    ],
+)
+def test_eio_in_the_group_commit_fails_the_put_for_good(
+    open_store: Callable[..., Any], fault_plan: FaultPlan, tmp_path: Path, op: str, said: str
 ) -> None:
     store = open_store(tmp_path / "data", env=fault_plan.env)
     acked = put_durable(store, range(80))  # key 1 is on the SSD only by now
-    fault_plan.set(journal_sync="EIO")
-    with pytest.raises(StorageIOError, match=r"syncing journal .*journal\.\d{8}: Input/output"):
+    fault_plan.set(**{op: "EIO"})
+    with pytest.raises(StorageIOError, match=said):
         store.put(key(1), value(1, version=1), durable=True)
     assert store.get(key(1)) == value(1)  # its old copy, still indexed
     fault_plan.set()
