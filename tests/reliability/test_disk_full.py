@@ -1,7 +1,7 @@
 """A full disk, for real: a 64 MiB ext4 file system of the test's own (loop-mounted, so root;
-CI is root) filled by the store or by a filler file. ENOSPC is reported naming the file and
-what was being done; nothing acknowledged is lost; the store serves on; freeing space and
-restarting brings everything acknowledged back."""
+CI is root; the first start also on a size-limited tmpfs) filled by the store or a filler file.
+ENOSPC is reported naming the file and what was being done; nothing acknowledged is lost; the
+store serves on; freeing space and restarting brings everything acknowledged back."""
 
 from __future__ import annotations
 
