@@ -286,7 +286,7 @@ class Engine:
         if self.config.ssd.capacity_bytes or (data_dir and (Path(data_dir) / META_NAME).exists()):
             self._ssd = SsdTier(self.config, rank=self._ssd_rank, on_removed=self._ssd_removed)
             if self._ssd.max_value_bytes < self.max_value_bytes:
-                self._ssd.close(checkpoint=False)
+                self._ssd.abandon()  # a store created just now is removed again
                 raise ConfigError(
                     f"dram.max_value_bytes ({self.max_value_bytes}) exceeds the store's SSD slot "
                     f"limit ({self._ssd.max_value_bytes}); lower it"
@@ -299,7 +299,7 @@ class Engine:
             self._arena = Arena(self._alloc.size, prefault=dram.prefault)
         except BaseException:
             if self._ssd is not None:
-                self._ssd.close(checkpoint=False)
+                self._ssd.abandon()
             raise
 
     # ------------------------------------------------------------------ public API
@@ -943,9 +943,9 @@ class Engine:
             with self._lock:
                 self._writing_through_done(key, plan.seq)
                 self._n["io_errors"] += 1
-                row = ssd.find(key)
-                if row != EMPTY and int(ssd.index.rows["seq"][row]) == plan.seq:
-                    ssd.drop_row(row)  # the journal is dead: no DEL record can be written
+                # The journal is dead: no DEL record can be written; the key keeps its old copy.
+                if ssd.undo_commit(plan):
+                    self._notify("stored", entry.key, "ssd")
             raise
         return plan.seq
 
@@ -1089,8 +1089,22 @@ class Engine:
 
     def _checkpoint_in_background(self) -> None:
         assert self._ssd is not None
-        finish = self._ssd.begin_checkpoint()
-        threading.Thread(target=finish, name="kvoffload-checkpoint", daemon=True).start()
+        try:
+            finish = self._ssd.begin_checkpoint()
+        except StorageIOError as exc:  # no new journal (disk full?): keep the current one
+            log.error("checkpoint failed: %s", exc)
+            self._n["io_errors"] += 1
+            return
+
+        def run() -> None:
+            try:
+                finish()
+            except StorageIOError as exc:  # the old checkpoint and the journals still replay
+                log.error("checkpoint failed: %s", exc)
+                with self._lock:
+                    self._n["io_errors"] += 1
+
+        threading.Thread(target=run, name="kvoffload-checkpoint", daemon=True).start()
 
     def _promote(self, key: bytes, *, prefetch: bool = False) -> _Entry | None:
         """Read an SSD-only block into DRAM; the published entry, or None if it is gone or

@@ -162,7 +162,7 @@ def _rebuild(tier: SsdTier, report: FsckReport) -> None:
     generation = max([g for g, _ in journals] + [0]) + 1
     seq = int(recs["seq"].max()) if len(recs) else 0
     data = jr.file_header(tier.store_id, generation, seq, len(body)) + jr.pack(body)
-    _write_atomic(Path(tier.dir) / "checkpoint", data)
+    _write_atomic(Path(tier.dir) / "checkpoint", data, "checkpoint")
     for _, path in journals:
         path.unlink()
     report.rebuilt = True

@@ -24,6 +24,7 @@ second. A torn or corrupt tail stops replay at the last good record and is cut.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -36,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload.errors import StorageIOError
+from kvoffload.kvstore import faults
 
 __all__ = [
     "DEL",
@@ -181,19 +183,25 @@ class Journal:
     ) -> None:
         self.path = path
         self._before_sync = before_sync
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise StorageIOError(f"opening journal {path}: {exc.strerror}") from exc
         self._interval = sync_interval
+        # File length on stable storage: a failure cuts the journal back to it (committer only).
+        self._synced_bytes = self._bytes = os.fstat(self._fd).st_size
         self._cond = threading.Condition()
         self._pending: list[bytes] = []
         self._queued = 0  # batches queued so far; a batch's number is its ticket
         self._written = 0  # batches written
         self._durable = 0  # batches on stable storage
         self._want = 0  # highest ticket somebody waits on
-        self._error: OSError | None = None
+        self._error: StorageIOError | None = None  # the first failure; the journal stays failed
         self._closing = False
         self._last_sync = time.monotonic()
-        self._write = os.write  # fault-injection tests replace these two
-        self._sync = os.fdatasync
+        # Fault-injection seams: tests replace these, or name a plan in KVOFFLOAD_FAULTS.
+        self._write = faults.wrap("journal.write", os.write)
+        self._sync = faults.wrap("journal.sync", os.fdatasync)
         self._thread = threading.Thread(target=self._run, name="kvoffload-journal", daemon=True)
         self._thread.start()
 
@@ -236,7 +244,8 @@ class Journal:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise StorageIOError(f"journal {self.path} failed: {self._error}") from self._error
+            # A fresh exception per caller: waiters on several threads raise it at once.
+            raise StorageIOError(str(self._error)) from self._error.__cause__
 
     def _due(self) -> bool:
         return time.monotonic() - self._last_sync >= self._interval
@@ -256,17 +265,33 @@ class Journal:
                 batch, self._pending = self._pending, []
                 upto = self._queued
                 sync = self._want > self._durable or self._closing or self._due()
+            doing = "appending to"
             try:
                 if batch:
                     self._write_all(b"".join(batch))
                 if sync:
                     if self._before_sync is not None:
+                        doing = "flushing the slot file before syncing"
                         self._before_sync()
+                    doing = "syncing"
                     self._sync(self._fd)
-            except OSError as exc:
-                log.error("journal %s: %s", self.path, exc)
+                    self._synced_bytes = self._bytes
+            except (OSError, StorageIOError) as exc:
+                # Records that never became durable were never acknowledged: cut them (and a
+                # partly written one), so a reopen does not bring back puts that failed.
+                # Nothing is appended after a failure; if the cut fails too, replay still
+                # stops at a torn record.
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, self._synced_bytes)
+                if isinstance(exc, OSError):
+                    error = StorageIOError(f"{doing} journal {self.path}: {exc.strerror or exc}")
+                    error.__cause__ = exc
+                else:
+                    error = StorageIOError(f"{exc} (journal {self.path} stopped)")
+                    error.__cause__ = exc.__cause__ or exc
+                log.error("%s", error)
                 with self._cond:
-                    self._error = exc
+                    self._error = error
                     self._cond.notify_all()
                 return
             with self._cond:
@@ -279,7 +304,9 @@ class Journal:
     def _write_all(self, data: bytes) -> None:
         view = memoryview(data)
         while view:
-            view = view[self._write(self._fd, view) :]
+            n = self._write(self._fd, view)
+            self._bytes += n
+            view = view[n:]
 
     def close(self) -> None:
         """Write and sync everything queued, then stop the committer.

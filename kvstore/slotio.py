@@ -23,6 +23,7 @@ offset bytes field
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
@@ -34,7 +35,8 @@ from dataclasses import dataclass
 import crc32c
 
 from kvoffload.errors import StorageIOError
-from kvoffload.kvstore.config import PAGE
+from kvoffload.kvstore import faults
+from kvoffload.kvstore.config import PAGE, format_size
 
 __all__ = ["SLOT_HEADER", "AlignedBuffer", "SlotFile", "SlotHeader", "pack_header", "unpack_header"]
 
@@ -115,27 +117,44 @@ class SlotFile:
         self.path = path
         self.size = size
         self.direct = True
+        self.created = not os.path.exists(path)  # a failed open removes only a file it made
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
         try:
             self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
-                raise StorageIOError(f"cannot open SSD slot file {path}: {exc}") from exc
+                raise StorageIOError(f"opening SSD slot file {path}: {exc.strerror}") from exc
             log.warning("%s: O_DIRECT refused by the file system; using buffered I/O", path)
             self.direct = False
-            self.fd = os.open(path, flags, 0o644)
+            try:
+                self.fd = os.open(path, flags, 0o644)
+            except OSError as exc2:
+                raise StorageIOError(f"opening SSD slot file {path}: {exc2.strerror}") from exc2
+        self._size_before = 0
         try:
-            current = os.fstat(self.fd).st_size
-            if current < size and not _is_block_device(self.fd):
+            self._size_before = os.fstat(self.fd).st_size
+            if self._size_before < size and not _is_block_device(self.fd):
                 # Reserve the blocks now: a full disk fails here, at open, not mid-put.
                 os.posix_fallocate(self.fd, 0, size)
         except OSError as exc:
-            self.close()
-            raise StorageIOError(f"cannot preallocate {size} bytes for {path}: {exc}") from exc
-        # Fault-injection tests replace these.
-        self._preadv = os.preadv
-        self._pwritev = os.pwritev
-        self._fdatasync = os.fdatasync
+            self.discard()
+            raise StorageIOError(
+                f"allocating {format_size(size)} for {path}: {exc.strerror}"
+            ) from exc
+        # Fault-injection seams: tests replace these, or name a plan in KVOFFLOAD_FAULTS.
+        self._preadv = faults.wrap("slot.read", os.preadv)
+        self._pwritev = faults.wrap("slot.write", os.pwritev)
+        self._fdatasync = faults.wrap("slot.flush", os.fdatasync)
+
+    def discard(self) -> None:
+        """Close, and give back what opening took: the file if it made it, else the room it
+        grew the file by (a failed store create leaves a given file or device as it was)."""
+        with contextlib.suppress(OSError):
+            if self.created:
+                os.unlink(self.path)
+            elif not _is_block_device(self.fd):
+                os.ftruncate(self.fd, self._size_before)
+        self.close()
 
     def read(self, offset: int, buffers: Sequence[memoryview]) -> None:
         """Fill `buffers` (page-aligned, page-multiple) from `offset`.
@@ -175,9 +194,12 @@ class SlotFile:
         the file system's record of which preallocated blocks hold data).
 
         Raises:
-            OSError: the device failed; which slots are stable is then unknown.
+            StorageIOError: the device failed; which slots are stable is then unknown.
         """
-        self._fdatasync(self.fd)
+        try:
+            self._fdatasync(self.fd)
+        except OSError as exc:
+            raise StorageIOError(f"flushing {self.path}: {exc.strerror or exc}") from exc
 
     def close(self) -> None:
         os.close(self.fd)

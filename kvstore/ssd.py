@@ -23,7 +23,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload.errors import CapacityError, ConfigError, StorageIOError
+from kvoffload.kvstore import faults
 from kvoffload.kvstore import journal as jr
 from kvoffload.kvstore.config import PAGE, EngineConfig
 from kvoffload.kvstore.extents import ExtentAllocator, slot_bytes, slot_sizes
@@ -112,6 +113,20 @@ class WritePlan:
     offset: int
     seq: int
     crc: int = 0
+    replaced: _Row | None = None  # the key's SSD copy that `commit_write` took out of the index
+
+
+@dataclass(frozen=True, slots=True)
+class _Row:
+    """An index row as `SsdIndex.insert` takes it (to put a replaced copy back)."""
+
+    page: int
+    length: int
+    seq: int
+    crc: int
+    parent: bytes | None
+    tenant: int
+    tick: int
 
 
 @dataclass
@@ -126,6 +141,15 @@ class _Counters:
     checkpoints: int = 0
 
 
+@contextlib.contextmanager
+def _doing(what: str) -> Iterator[None]:
+    """Report an OSError as a StorageIOError that says what was being done to which file."""
+    try:
+        yield
+    except OSError as exc:
+        raise StorageIOError(f"{what}: {exc.strerror or exc}") from exc
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -134,15 +158,48 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """temp file -> full write -> fsync -> rename -> fsync of the directory."""
+def _write_atomic(path: Path, data: bytes, what: str) -> None:
+    """temp file -> full write -> fsync -> rename -> fsync of the directory. A failure leaves
+    the old file as it was and no temp file (a full disk must not fill up further).
+
+    Raises:
+        StorageIOError: naming `what` (meta, journal, checkpoint) and the file.
+    """
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    try:
+        with _doing(f"writing the {what} {tmp}"), open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            faults.check(f"{what}.write")
+            os.fsync(fh.fileno())
+        with _doing(f"renaming {tmp} to {path.name}"):
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+    except StorageIOError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+# What a create makes before kvoffload.meta, the last step (LOCK aside).
+_CREATE_FILES = frozenset({"ssd.slots", "journal.00000001", "journal.00000001.tmp",
+                           META_NAME + ".tmp"})  # fmt: skip
+
+
+def _create_leftovers(d: Path) -> list[Path] | None:
+    """What a create killed before writing kvoffload.meta left in `d` (holding no block: its
+    journal has no PUT or DEL), or None if `d` holds anything else."""
+    with _doing(f"listing {d}"):
+        found = [p for p in d.iterdir() if p.name != "LOCK"]
+    if any(p.name not in _CREATE_FILES for p in found):
+        return None
+    journal = d / "journal.00000001"
+    if journal.exists():
+        with _doing(f"reading {journal}"):
+            records, _ = jr.parse(journal.read_bytes())
+        if np.isin(records["type"], (jr.PUT, jr.DEL)).any():
+            return None
+    return found
 
 
 class SsdTier:
@@ -162,20 +219,35 @@ class SsdTier:
         self._on_removed = on_removed
         self._read_only = read_only
         self.dir = Path(config.data_dir)
+        # What creating a new store made, removed again if the create fails (here, or in the
+        # engine around the tier: `abandon`). kvoffload.meta is written last.
+        self._made: list[Path] = []
+        self._creating = False  # this open creates the store
+        self.journal: jr.Journal | None = None
         self._open_dir(read_only)
         try:
             self._open(read_only)
         except BaseException:
-            # Give the directory back: a failed open must not leave the store locked.
-            slots: SlotFile | None = getattr(self, "slots", None)
-            if slots is not None:
-                slots.close()
-            self._unlock()
+            self.abandon()
             raise
+
+    def abandon(self) -> None:
+        """Close without a checkpoint, releasing the directory; a store that this open created
+        is removed again (the slot file if it was made, else shrunk back)."""
+        journal, self.journal = self.journal, None
+        if journal is not None:
+            with contextlib.suppress(StorageIOError):
+                journal.close()
+        slots: SlotFile | None = getattr(self, "slots", None)
+        if slots is not None:
+            slots.discard() if self._creating else slots.close()
+        if self._creating:
+            self._undo_create()
+        self._unlock()
 
     def _open(self, read_only: bool) -> None:
         ssd, config = self.config.ssd, self.config
-        self.meta = self._load_or_create_meta()
+        self.meta, creating = self._load_or_create_meta(read_only)
         self.capacity = self.meta.capacity_bytes // PAGE * PAGE
         largest = slot_bytes(PAGE + self.meta.max_value_bytes)
         if self.capacity < largest:
@@ -185,10 +257,9 @@ class SsdTier:
         self.quotas: dict[int, int] = {}  # tenant id -> SSD slot bytes it may hold
         self.store_id = bytes.fromhex(self.meta.store_id)
         self.max_value_bytes = self.meta.max_value_bytes
+        slot_path = self.meta.slot_path or str(self.dir / "ssd.slots")
         self.slots = select_slot_file(
-            self.config.ssd.io_backend,
-            self.meta.slot_path or str(self.dir / "ssd.slots"),
-            self.meta.capacity_bytes,
+            self.config.ssd.io_backend, slot_path, self.meta.capacity_bytes
         )
         self.tenants: list[str] = [""]
         self._tenant_ids = {"": 0}
@@ -200,18 +271,35 @@ class SsdTier:
         self._pending_free: list[tuple[jr.Journal, int, int, int]] = []
         self.counters = _Counters()
         self._pages = threading.local()
-        self.journal: jr.Journal | None = None
         self._generation = 0
         self._records_since_checkpoint = 0
         self.recovery = self._recover(read_only)
         if not read_only:
             self._generation += 1
+            if creating:
+                self._made.append(self._journal_path(self._generation))
             self.journal = self._open_journal(self._generation)
+        if creating:
+            self._made.append(self.dir / META_NAME)
+            _write_atomic(self.dir / META_NAME, json.dumps(asdict(self.meta), indent=2).encode(),
+                          "meta")  # fmt: skip
+
+    def _undo_create(self) -> None:
+        """Remove what a failed create made, newest first (the data directory last)."""
+        for path in reversed(self._made):
+            try:
+                path.rmdir() if path.is_dir() else path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("cannot remove %s after a failed create: %s", path, exc)
+        self._made.clear()
 
     # ------------------------------------------------------------------ open / recovery
 
     def _open_dir(self, read_only: bool) -> None:
         d = self.dir
+        creating = self._creating = not (d / META_NAME).exists()
         if not d.exists():
             if read_only:
                 raise ConfigError(f"data directory {d} does not exist")
@@ -219,22 +307,45 @@ class SsdTier:
                 raise ConfigError(
                     f"data directory {d} cannot be created: its parent {d.parent} does not exist"
                 )
-            d.mkdir()
+            with _doing(f"creating the data directory {d}"):
+                d.mkdir()
+            self._made.append(d)
         elif not d.is_dir():
             raise ConfigError(f"data directory {d} is not a directory")
-        elif not (d / META_NAME).exists() and any(d.iterdir()):
+        elif creating and _create_leftovers(d) is None:
             raise ConfigError(
                 f"data directory {d} is not empty and holds no {META_NAME}: it is not a "
                 "kvoffload store (refusing to write into it)"
             )
-        self._lock_fd = os.open(d / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        lock = d / "LOCK"
+        if creating and not read_only and not lock.exists():
+            self._made.append(lock)
+        try:
+            with _doing(f"opening {lock}"):
+                self._lock_fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except BaseException:
+            self._undo_create()
+            raise
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(self._lock_fd)
             raise ConfigError(f"store {d} is in use by another process") from None
+        if creating and (d / META_NAME).exists():
+            # Another process created the store while we waited for the lock: it is theirs.
+            self._creating = False
+            self._made.clear()
+        elif creating and not read_only:
+            leftovers = _create_leftovers(d) or []
+            if leftovers:
+                log.warning("%s: removing what an interrupted create left: %s", d,
+                            ", ".join(p.name for p in leftovers))  # fmt: skip
+            for path in leftovers:
+                with _doing(f"removing {path}, left by an interrupted create"):
+                    path.unlink()
 
-    def _load_or_create_meta(self) -> StoreMeta:
+    def _load_or_create_meta(self, read_only: bool) -> tuple[StoreMeta, bool]:
+        """The store's meta and whether the store is new (its meta then still to be written)."""
         ssd = self.config.ssd
         path = self.dir / META_NAME
         max_value = ssd.max_value_bytes or self.config.dram.effective_max_value_bytes
@@ -246,10 +357,9 @@ class SsdTier:
             created=time.time(),
         )
         if not path.exists():
-            if not ssd.capacity_bytes:
+            if read_only or not ssd.capacity_bytes:
                 raise ConfigError(f"{self.dir} holds no store and no SSD capacity was given")
-            _write_atomic(path, json.dumps(asdict(wanted), indent=2).encode())
-            return wanted
+            return wanted, True
         meta = StoreMeta.load(path)
         # Opened without a geometry (e.g. by fsck), a store keeps its own.
         checks = ["capacity_bytes"] if ssd.capacity_bytes else []
@@ -264,9 +374,12 @@ class SsdTier:
                 )
         if meta.format != FORMAT and not self._read_only:
             meta = dataclasses.replace(meta, format=FORMAT)
-            _write_atomic(path, json.dumps(asdict(meta), indent=2).encode())
+            _write_atomic(path, json.dumps(asdict(meta), indent=2).encode(), "meta")
             log.info("%s: store format upgraded to %s", path, FORMAT)
-        return meta
+        return meta, False
+
+    def _journal_path(self, generation: int) -> Path:
+        return self.dir / f"journal.{generation:08d}"
 
     def _journal_paths(self) -> list[tuple[int, Path]]:
         found = []
@@ -306,7 +419,7 @@ class SsdTier:
                 log.warning("%s: %s %d bytes of torn or corrupt tail", path, verb,
                             replay.dropped_bytes)  # fmt: skip
                 if not read_only:
-                    with open(path, "r+b") as fh:
+                    with _doing(f"cutting the torn tail of {path}"), open(path, "r+b") as fh:
                         fh.truncate(os.path.getsize(path) - replay.dropped_bytes)
             parts.append(replay.records)
             j_records += int(np.isin(replay.records["type"], (jr.PUT, jr.DEL)).sum())
@@ -355,12 +468,12 @@ class SsdTier:
     def _open_journal(self, generation: int) -> jr.Journal:
         """Create journal `generation` atomically (a crash never leaves one without a header),
         then open it for appending."""
-        path = self.dir / f"journal.{generation:08d}"
+        path = self._journal_path(generation)
         head = jr.file_header(self.store_id, generation, self.seq)
         # Tenant names go into every journal so that a journal replays on its own.
         names = [jr.record(jr.TENANT, 0, tenant=i, name=n.encode())
                  for i, n in enumerate(self.tenants) if i]  # fmt: skip
-        _write_atomic(path, head + (jr.pack(np.concatenate(names)) if names else b""))
+        _write_atomic(path, head + (jr.pack(np.concatenate(names)) if names else b""), "journal")
         return jr.Journal(
             str(path), sync_interval=self.config.ssd.sync_interval_s, before_sync=self.slots.flush
         )
@@ -513,6 +626,23 @@ class SsdTier:
         self.index.remove(row)
         self._on_removed(key)
 
+    def undo_commit(self, plan: WritePlan) -> bool:
+        """The journal failed before `plan`'s record was durable: forget the block and give the
+        key back the SSD copy it replaced, whose record is durable (a reopen finds it too: the
+        journal is cut back to what was synced). True if that copy is back."""
+        row = self.index.find(plan.key)
+        if row != EMPTY and int(self.index.rows["seq"][row]) == plan.seq:
+            self.drop_row(row)
+        old = plan.replaced
+        if old is None or self.index.find(plan.key) != EMPTY:
+            return False  # nothing replaced, or a newer version took the key meanwhile
+        offset = old.page * PAGE
+        self._pending_free = [p for p in self._pending_free if p[2] != offset]
+        self.index.insert(plan.key, page=old.page, length=old.length, seq=old.seq, crc=old.crc,
+                          parent=old.parent, tenant=old.tenant,
+                          tick=old.tick)  # fmt: skip
+        return True
+
     def release_slot(self, journal: jr.Journal, ticket: int, offset: int, size: int) -> None:
         self._pending_free.append((journal, ticket, offset, size))
 
@@ -549,6 +679,11 @@ class SsdTier:
             # No DEL record: this PUT's higher seq supersedes the old one on replay. The old
             # slot is reused only once this PUT is durable, so replay never points at it.
             self._pending_free.append((self.journal, ticket, *self._slot_of(old)))
+            rows = self.index.rows
+            plan.replaced = _Row(int(rows["page"][old]), int(rows["length"][old]),
+                                 int(rows["seq"][old]), int(rows["crc"][old]),
+                                 self.index.parent_of(old), int(rows["tenant"][old]),
+                                 int(self.index.tick[old]))  # fmt: skip
             self.index.remove(old)
         self.index.insert(plan.key, page=plan.offset // PAGE, length=plan.length, seq=plan.seq,
                           crc=plan.crc, parent=plan.parent, tenant=plan.tenant,
@@ -638,10 +773,11 @@ class SsdTier:
         def finish() -> None:
             old.close()  # the snapshot already holds its records; this only flushes them
             data = jr.file_header(self.store_id, gen, seq, len(body)) + jr.pack(body)
-            _write_atomic(self.dir / "checkpoint", data)
+            _write_atomic(self.dir / "checkpoint", data, "checkpoint")
             for g, path in self._journal_paths():
                 if g < gen:
-                    path.unlink()
+                    with _doing(f"removing {path}, which the checkpoint covers"):
+                        path.unlink()
             self.counters.checkpoints += 1
 
         return finish

@@ -13,6 +13,7 @@ Once serving, it prints one line per listener, ``kvoffload: <what> listening on 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import os
@@ -22,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol, TextIO, cast
 
 from kvoffload import __version__
@@ -115,12 +117,25 @@ class Daemon:
             ConfigError, KVOffloadError, OSError: the engine or a listener could not start.
         """
         config = self.config
+        made: list[Path] = []  # parents of the data directory made here, outermost first
         if config.ssd.capacity_bytes and config.data_dir and not config.ssd.path:
-            os.makedirs(config.data_dir, exist_ok=True)
+            # The engine makes the data directory itself (and removes it if creating the
+            # store fails); its parents are made here, and removed again in that case.
+            for parent in reversed(Path(config.data_dir).absolute().parents):
+                if not parent.exists():
+                    parent.mkdir()
+                    made.append(parent)
         loop = asyncio.get_running_loop()
         executor = ThreadPoolExecutor(config.server.io_threads, thread_name_prefix="kvoffload-io")
         # Opening may replay a journal or prefault the arena: keep the loop responsive.
-        engine = await loop.run_in_executor(executor, Engine, config.engine)
+        try:
+            engine = await loop.run_in_executor(executor, Engine, config.engine)
+        except BaseException:
+            executor.shutdown(wait=False)
+            for parent in reversed(made):
+                with contextlib.suppress(OSError):
+                    parent.rmdir()
+            raise
         tenants = Tenants(config.tenants)
         tenants.apply_quotas(engine)
         metrics = Metrics(lambda: engine.stats().as_dict())
