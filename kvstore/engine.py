@@ -259,6 +259,7 @@ class Engine:
         # start and end: the neighbours of a hole are found here.
         self._slots: dict[int, _Entry] = {}
         self._slot_ends: dict[int, _Entry] = {}
+        self._last_hole = (0, 0)  # the free extent the last freed slot became part of
         # Durable puts between planning their SSD write and publishing, by key: their SSD seqs.
         # A demotion of an older DRAM value of such a key must not commit over them, and a fast
         # put must not delete their SSD copies.
@@ -787,7 +788,7 @@ class Engine:
             return
         del self._slots[entry.offset]
         del self._slot_ends[entry.offset + entry.slot]
-        self._alloc.free(entry.offset, entry.slot)
+        self._last_hole = self._alloc.free(entry.offset, entry.slot)
         self._charge(entry, -1)
 
     def _charge(self, entry: _Entry, sign: int) -> None:
@@ -1263,11 +1264,14 @@ class Engine:
         return self._alloc.size - at >= size
 
     def _widen(self, offset: int, size: int) -> None:
-        """Evict the unpinned blocks next to the hole at `offset` until it holds `size` bytes."""
+        """Evict the unpinned blocks next to the hole at `offset` (just freed) until it holds
+        `size` bytes."""
         while True:
-            hole = self._alloc.hole_at(offset)
-            if hole is None or hole[1] - hole[0] >= size:
-                return  # taken meanwhile (the lock was released), or large enough
+            hole = self._last_hole
+            if not (hole[0] <= offset < hole[1] and self._alloc.is_free(*hole)):
+                return  # not freed (a reader pinned it), or taken while the lock was released
+            if hole[1] - hole[0] >= size:
+                return
             sides = (self._slot_ends.get(hole[0]), self._slots.get(hole[1]))
             movable = [
                 e for e in sides if e is not None and e.pins == 0 and self._index.get(e.key) is e

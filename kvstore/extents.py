@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
-from sortedcontainers import SortedDict, SortedList
+from sortedcontainers import SortedList
 
 from kvoffload.kvstore.config import PAGE
 
@@ -30,13 +30,19 @@ def slot_sizes(lengths: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     return out
 
 
+# Free extents by size are kept as single ints, (pages << _SHIFT) | start page, so that best
+# fit is one bisect over ints (tuples compare several times slower).
+_SHIFT = 40
+
+
 class ExtentAllocator:
     """Best-fit allocation of page-multiple slots in `[0, size)`, with coalescing frees."""
 
     def __init__(self, size: int) -> None:
         self.size = size // PAGE * PAGE
-        self._free = SortedDict()  # start -> end, by address
-        self._by_size = SortedList()  # (length, start), for best fit
+        self._starts: dict[int, int] = {}  # free extents: start -> end ...
+        self._ends: dict[int, int] = {}  # ... and end -> start, to merge neighbours in O(1)
+        self._by_size = SortedList()
         self.used_bytes = 0
         if self.size:
             self._add_free(0, self.size)
@@ -44,55 +50,55 @@ class ExtentAllocator:
     # ------------------------------------------------------------------ free extents
 
     def _add_free(self, start: int, end: int) -> None:
-        self._free[start] = end
-        self._by_size.add((end - start, start))
+        self._starts[start] = end
+        self._ends[end] = start
+        self._by_size.add(((end - start) // PAGE) << _SHIFT | start // PAGE)
 
     def _take_free(self, start: int) -> int:
-        end: int = self._free.pop(start)
-        self._by_size.remove((end - start, start))
+        end = self._starts.pop(start)
+        del self._ends[end]
+        self._by_size.remove(((end - start) // PAGE) << _SHIFT | start // PAGE)
         return end
 
     # ------------------------------------------------------------------ public
 
     def alloc(self, nbytes: int) -> int | None:
         """Offset of a free slot of `nbytes` (a page multiple), or None if no extent fits."""
-        i = self._by_size.bisect_left((nbytes, -1))
+        i = self._by_size.bisect_left((nbytes // PAGE) << _SHIFT)
         if i == len(self._by_size):
             return None
-        start: int = self._by_size[i][1]
+        start: int = (self._by_size[i] & ((1 << _SHIFT) - 1)) * PAGE
         end = self._take_free(start)
         if end - start > nbytes:
             self._add_free(start + nbytes, end)
         self.used_bytes += nbytes
         return start
 
-    def free(self, offset: int, nbytes: int) -> None:
-        """Give the `nbytes` slot at `offset` back, merging it with free neighbours."""
+    def free(self, offset: int, nbytes: int) -> tuple[int, int]:
+        """Give the `nbytes` slot at `offset` back, merging it with free neighbours; returns
+        the free extent it became part of."""
         self.used_bytes -= nbytes
         start, end = offset, offset + nbytes
-        i = self._free.bisect_left(offset)
-        if i and self._free.peekitem(i - 1)[1] == offset:  # a free extent ends where we start
-            start = self._free.peekitem(i - 1)[0]
-            self._take_free(start)
-        if end in self._free:
+        left = self._ends.get(start)
+        if left is not None:
+            self._take_free(left)
+            start = left
+        if end in self._starts:
             end = self._take_free(end)
         self._add_free(start, end)
+        return start, end
 
-    def hole_at(self, offset: int) -> tuple[int, int] | None:
-        """The free extent that contains `offset`, or None if it is in use."""
-        i = self._free.bisect_right(offset)
-        if not i:
-            return None
-        start, end = self._free.peekitem(i - 1)
-        return (start, end) if offset < end else None
+    def is_free(self, start: int, end: int) -> bool:
+        """Whether `[start, end)` is exactly one free extent."""
+        return self._starts.get(start) == end
 
     @property
     def largest_free(self) -> int:
-        return self._by_size[-1][0] if self._by_size else 0
+        return (self._by_size[-1] >> _SHIFT) * PAGE if self._by_size else 0
 
     @property
     def free_extents(self) -> int:
-        return len(self._free)
+        return len(self._starts)
 
     def restore(
         self, offsets: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64]
@@ -111,7 +117,8 @@ class ExtentAllocator:
         keep = offsets[rows] >= reach
         ok[rows[~keep]] = False
         kept = rows[keep]
-        self._free.clear()
+        self._starts.clear()
+        self._ends.clear()
         self._by_size.clear()
         self.used_bytes = int(sizes[kept].sum())
         # The gaps between kept rows (in address order) are the free extents.
