@@ -155,20 +155,20 @@ class _Version:
 
 
 class _Latest:
-    """max{w.invoke : w acknowledged, w.complete < t} over a fixed set of intervals."""
+    """The write with the greatest invoke among the acknowledged writes completed before t."""
 
-    def __init__(self, intervals: Iterable[tuple[float, float]]) -> None:
-        ordered = sorted(intervals, key=lambda iv: iv[1])
-        self._completes = [c for _, c in ordered]
-        self._best: list[float] = []
-        best = -math.inf
-        for invoke, _ in ordered:
-            best = max(best, invoke)
-            self._best.append(best)
+    def __init__(self, writes: Iterable[Op]) -> None:
+        ordered = sorted(writes, key=lambda w: w.complete)
+        self._completes = [w.complete for w in ordered]
+        self._best: list[Op] = []
+        for w in ordered:
+            self._best.append(
+                w if not self._best or w.invoke > self._best[-1].invoke else self._best[-1]
+            )
 
-    def before(self, t: float) -> float:
+    def before(self, t: float) -> Op | None:
         i = bisect.bisect_left(self._completes, t)
-        return self._best[i - 1] if i else -math.inf
+        return self._best[i - 1] if i else None
 
 
 def check(history: Sequence[Op]) -> Report:
@@ -223,8 +223,8 @@ def _check_key(
         if op.kind != DELETE:
             assert op.value is not None
             versions[op.value] = _Version(op, end)
-    acked = [(w.invoke, w.complete) for w, _ in writes if w.ok]
-    durable_latest = _Latest((w.invoke, w.complete) for w, _ in writes if w.ok and w.kind == DPUT)
+    latest = _Latest(w for w, _ in writes if w.ok)
+    durable_latest = _Latest(w for w, _ in writes if w.ok and w.kind == DPUT)
     reads = [op for op in ops if op.kind == GET and op.ok]
     write_invokes = [w.invoke for w, _ in writes]
     read_invokes = [r.invoke for r in reads]
@@ -233,7 +233,8 @@ def _check_key(
     candidates = list(versions.values())
     previous = -math.inf
     for t, _ in crashes:
-        floor = max(previous, durable_latest.before(t))
+        durable = durable_latest.before(t)
+        floor = max(previous, durable.invoke if durable else -math.inf)
         kept = []
         for v in candidates:
             if v.write.invoke >= t:
@@ -246,7 +247,6 @@ def _check_key(
         candidates = kept
         _count_durable(writes, write_invokes, reads, read_invokes, previous, t, report)
         previous = t
-    latest = _Latest(acked)
     for read in reads:
         if read.bad:
             report.violations.append(Violation("corrupt", read, read.bad))
@@ -266,13 +266,14 @@ def _check_key(
             )
             continue
         newer = latest.before(read.invoke)
-        if newer > until:
+        if newer is not None and newer.invoke > until:
             report.violations.append(
                 Violation(
                     "stale",
                     read,
-                    f"key {key}: version {read.value} (write {version.write.invoke:.6f}-"
-                    f"{version.end:.6f}) superseded by a write invoked at {newer:.6f}",
+                    f"key {key}: read version {read.value} ({version.write.kind} "
+                    f"{version.write.invoke:.6f}-{version.end:.6f}) at {read.invoke:.6f}, but "
+                    f"{newer.kind} {newer.value} ran {newer.invoke:.6f}-{newer.complete:.6f}",
                 )
             )
 
