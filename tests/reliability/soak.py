@@ -29,6 +29,10 @@ from kvoffload.errors import DeadlineExceededError, KVOffloadError, TransportErr
 @dataclass(frozen=True)
 class Mix:
     keys: int = 32  # the hot key set every thread shares
+    # Each thread also has a key of its own (keys + thread number) that it picks this often:
+    # nobody else writes it, so its last write before a SIGKILL is often an acknowledged durable
+    # put that nothing overlapped, which must then survive.
+    own: float = 0.2
     min_size: int = 64 << 10
     max_size: int = (2 << 20) - (64 << 10)  # under the daemon's 2 MiB block limit (32 MiB DRAM)
     get: float = 0.5
@@ -49,8 +53,8 @@ def _size(rng: random.Random) -> int:
     return int(math.exp(rng.uniform(lo, hi)))
 
 
-def _one(client: Client, rng: random.Random, cid: int, version: int) -> Op:
-    k = rng.randrange(MIX.keys)
+def _one(client: Client, rng: random.Random, cid: int, own_key: int, version: int) -> Op:
+    k = own_key if rng.random() < MIX.own else rng.randrange(MIX.keys)
     key = key_bytes(k)
     r = rng.random()
     kind = GET if r < MIX.get else PUT if r < MIX.get + MIX.put else DPUT
@@ -77,14 +81,14 @@ def _one(client: Client, rng: random.Random, cid: int, version: int) -> Op:
     return Op(cid, kind, k, value, invoke, time.monotonic(), bad=bad)
 
 
-def _thread(url: str, seconds: float, cid: int, seed: int, out: list[Op]) -> None:
+def _thread(url: str, seconds: float, cid: int, own_key: int, seed: int, out: list[Op]) -> None:
     rng = random.Random(seed)
     deadline = time.monotonic() + seconds
     seq = 0
     with Client.connect(url) as client:
         while time.monotonic() < deadline:
             seq += 1
-            op = _one(client, rng, cid, (seed << 24) | seq)
+            op = _one(client, rng, cid, own_key, (seed << 24) | seq)
             out.append(op)
             if op.error in (TransportError.__name__, DeadlineExceededError.__name__):
                 time.sleep(0.1)  # the daemon is down: do not spin until it is back
@@ -98,7 +102,13 @@ def worker_main(wid: int, threads: int, seed: int) -> None:
             threading.Thread(
                 target=_thread,
                 # A seed unique to (worker, thread, round) also makes version ids unique.
-                args=(url, float(seconds), wid * 1000 + t, (seed + rounds) * 4096 + wid * 64 + t),
+                args=(
+                    url,
+                    float(seconds),
+                    wid * 1000 + t,
+                    MIX.keys + wid * threads + t,
+                    (seed + rounds) * 4096 + wid * 64 + t,
+                ),
                 kwargs={"out": ops[t]},
             )
             for t in range(threads)
@@ -161,11 +171,12 @@ class Workers:
                 proc.wait()
 
 
-def read_all(url: str, cid: int = -1) -> list[Op]:
-    """One get of every key, one after another (the reads right after a restart)."""
+def read_all(url: str, keys: int, cid: int = -1) -> list[Op]:
+    """One get of each of the first `keys` keys, one after another (the reads right after a
+    restart)."""
     ops = []
     with Client.connect(url) as client:
-        for k in range(MIX.keys):
+        for k in range(keys):
             invoke = time.monotonic()
             got = client.get(key_bytes(k))
             complete = time.monotonic()
