@@ -16,19 +16,19 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import Daemon
 from history import CRASH, Op, Report, check
 from soak import MIX, Workers, read_all
 
 from kvoffload.client_sdk import Client
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
 LONG = os.environ.get("KVOFFLOAD_RELIABILITY") == "long"
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1500 if LONG else 300)]
 SOAK_SECONDS = 60.0 if LONG else 30.0
 ROUNDS = 100 if LONG else 10
 ROUND_SECONDS = 4.0
@@ -44,6 +44,11 @@ assert 4 * KEYS * MIX.max_size < 1 << 30
 DOCUMENTED = {"put:CapacityError", "dput:CapacityError"}
 DOWN = {f"{op}:{e}" for op in ("get", "put", "dput", "del") for e in ("TransportError",)}
 DOWN |= {f"{op}:DeadlineExceededError" for op in ("get", "put", "dput", "del")}
+
+
+# tests/conftest.py's daemon helper (not imported: a conftest.py of this folder would shadow it).
+Daemon = Any
+Start = Callable[..., Daemon]
 
 
 class Stderr:
@@ -64,8 +69,8 @@ class Stderr:
         return "".join(self.lines)
 
 
-def start(home: Path) -> tuple[Daemon, Stderr]:
-    daemon = Daemon(home, *FLAGS, config=CONFIG)
+def start(start_daemon: Start, data: Path) -> tuple[Daemon, Stderr]:
+    daemon = start_daemon("--data-dir", str(data), *FLAGS, config=CONFIG)
     return daemon, Stderr(daemon)
 
 
@@ -97,10 +102,8 @@ def verdict(name: str, report: Report, stderr: str, allowed: set[str]) -> list[s
     return wrong
 
 
-def test_concurrent_soak_is_linearizable(tmp_path: Path) -> None:
-    home = tmp_path / "daemon"
-    home.mkdir()
-    daemon, stderr = start(home)
+def test_concurrent_soak_is_linearizable(tmp_path: Path, start_daemon: Start) -> None:
+    daemon, stderr = start(start_daemon, tmp_path / "data")
     workers = Workers(tmp_path, PROCESSES, THREADS, seed=random.randrange(1 << 16))
     try:
         ops = workers.run(daemon.url(), SOAK_SECONDS)
@@ -117,11 +120,12 @@ def test_concurrent_soak_is_linearizable(tmp_path: Path) -> None:
     assert demoted > 0
 
 
-def test_sigkill_rounds_under_load_keep_acknowledged_puts(tmp_path: Path) -> None:
-    home = tmp_path / "daemon"
-    home.mkdir()
+def test_sigkill_rounds_under_load_keep_acknowledged_puts(
+    tmp_path: Path, start_daemon: Start
+) -> None:
+    data = tmp_path / "data"
     rng = random.Random()
-    daemon, stderr = start(home)
+    daemon, stderr = start(start_daemon, data)
     logs: list[str] = []
     history: list[Op] = []
     workers = Workers(tmp_path, PROCESSES, THREADS, seed=rng.randrange(1 << 16))
@@ -134,7 +138,7 @@ def test_sigkill_rounds_under_load_keep_acknowledged_puts(tmp_path: Path) -> Non
             )
             daemon.stop()
             logs.append(stderr.text())
-            daemon, stderr = start(home)  # the same data directory
+            daemon, stderr = start(start_daemon, data)  # the same data directory
             history.append(Op(0, CRASH, -1, None, killed[0], time.monotonic()))
             history += read_all(daemon.url(), KEYS)
     finally:
