@@ -35,9 +35,9 @@ class Mix:
     own: float = 0.2
     min_size: int = 64 << 10
     max_size: int = (2 << 20) - (64 << 10)  # under the daemon's 2 MiB block limit (32 MiB DRAM)
-    get: float = 0.5
+    get: float = 0.45
     put: float = 0.25
-    dput: float = 0.17  # the rest are deletes
+    dput: float = 0.25  # the rest are deletes
 
 
 MIX = Mix()
