@@ -11,8 +11,11 @@ the long one.
 
 from __future__ import annotations
 
+import bisect
+import math
 import os
 import random
+import re
 import threading
 import time
 from collections import Counter
@@ -42,8 +45,7 @@ assert 4 * KEYS * MIX.max_size < 1 << 30
 # What clients may see: a full DRAM tier refuses puts (CapacityError); a SIGKILLed daemon fails
 # what was in flight and what is tried while it is down.
 DOCUMENTED = {"put:CapacityError", "dput:CapacityError"}
-DOWN = {f"{op}:{e}" for op in ("get", "put", "dput", "del") for e in ("TransportError",)}
-DOWN |= {f"{op}:DeadlineExceededError" for op in ("get", "put", "dput", "del")}
+DOWN = ("TransportError", "DeadlineExceededError")
 
 
 # tests/conftest.py's daemon helper (not imported: a conftest.py of this folder would shadow it).
@@ -88,10 +90,24 @@ def sigkill(daemon: Daemon, after: float, killed: list[float]) -> None:
     daemon.proc.wait()
 
 
+def failed_while_up(history: list[Op]) -> Counter[str]:
+    """Operations that failed as if the daemon were down although no SIGKILL came while they
+    ran (nor before them in the same round)."""
+    crashes = sorted((op.invoke, op.complete) for op in history if op.kind == CRASH)
+    early: Counter[str] = Counter()
+    for op in history:
+        if op.error in DOWN:
+            i = bisect.bisect_right(crashes, (op.complete, math.inf))
+            if not i or op.invoke > crashes[i - 1][1]:
+                early[f"{op.kind}:{op.error}"] += 1
+    return early
+
+
 def verdict(name: str, report: Report, stderr: str, allowed: set[str]) -> list[str]:
     """The summary line, printed, and what is wrong with the run."""
     tracebacks = stderr.count("Traceback")
-    print(f"{name}: {report.summary()}, daemon tracebacks {tracebacks}")
+    raised = Counter(re.findall(r"^(\w[\w.]*(?:Error|Exception)):", stderr, re.MULTILINE))
+    print(f"{name}: {report.summary()}, daemon tracebacks {tracebacks} {dict(raised)}")
     wrong = [f"{v.kind}: {v.detail} ({v.read})" for v in report.violations[:10]]
     if tracebacks:
         first = stderr[stderr.index("Traceback") :][:3000]
@@ -146,7 +162,11 @@ def test_sigkill_rounds_under_load_keep_acknowledged_puts(
         daemon.stop()
         logs.append(stderr.text())
     report = check(history)
-    wrong = verdict("sigkill", report, "".join(logs), DOCUMENTED | DOWN)
+    down = {f"{op}:{e}" for op in ("get", "put", "dput", "del") for e in DOWN}
+    wrong = verdict("sigkill", report, "".join(logs), DOCUMENTED | down)
+    early = failed_while_up(history)
+    if early:
+        wrong.append(f"errors while the daemon was up: {dict(early)}")
     assert report.durable_lost == 0 and report.durable_missing == 0, report.summary()
     assert not wrong, "\n".join(wrong)
     assert report.crashes == ROUNDS and report.durable_final > 0, report.summary()
