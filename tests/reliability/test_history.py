@@ -40,12 +40,13 @@ def test_values_name_their_key_and_version() -> None:
         data = make_value(KEY, 7, size)
         assert len(data) == max(size, HEADER_BYTES)
         assert parse_value(KEY, data) == 7
-    data = bytearray(make_value(KEY, 7, 4096))
-    assert "of key" in str(parse_value(bytes(16), bytes(data)))
-    assert "header says" in str(parse_value(KEY, bytes(data[:-8])))
-    assert "shorter" in str(parse_value(KEY, bytes(data[:8])))
-    data[1000] ^= 1
-    assert "CRC" in str(parse_value(KEY, bytes(data)))
+    good = make_value(KEY, 7, 4096)
+    assert "of key" in str(parse_value(bytes(16), good))
+    assert "header says" in str(parse_value(KEY, good[:-8]))
+    assert "shorter" in str(parse_value(KEY, good[:8]))
+    flipped = bytearray(good)
+    flipped[1000] ^= 1
+    assert "CRC" in str(parse_value(KEY, bytes(flipped)))
     assert make_value(KEY, 1, 4096) != make_value(KEY, 2, 4096)
 
 
