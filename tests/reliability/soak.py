@@ -85,13 +85,17 @@ def _thread(url: str, seconds: float, cid: int, own_key: int, seed: int, out: li
     rng = random.Random(seed)
     deadline = time.monotonic() + seconds
     seq = 0
-    with Client.connect(url) as client:
-        while time.monotonic() < deadline:
-            seq += 1
-            op = _one(client, rng, cid, own_key, (seed << 24) | seq)
-            out.append(op)
-            if op.error in (TransportError.__name__, DeadlineExceededError.__name__):
-                time.sleep(0.1)  # the daemon is down: do not spin until it is back
+    try:
+        with Client.connect(url) as client:
+            while time.monotonic() < deadline:
+                seq += 1
+                op = _one(client, rng, cid, own_key, (seed << 24) | seq)
+                out.append(op)
+                if op.error in (TransportError.__name__, DeadlineExceededError.__name__):
+                    time.sleep(0.1)  # the daemon is down: do not spin until it is back
+    except Exception as exc:  # opening or closing the client: recorded, the test fails on it
+        now = time.monotonic()
+        out.append(Op(cid, "client", -1, None, now, now, False, f"!{type(exc).__name__}"))
 
 
 def worker_main(wid: int, threads: int, seed: int) -> None:
