@@ -150,7 +150,8 @@ class _Version:
         latest = self.end if self.write.invoke < read.complete else None
         i = bisect.bisect_left(self.recovered, read.complete)
         if i:
-            latest = max(latest or -math.inf, self.recovered[i - 1])
+            kept = self.recovered[i - 1]
+            latest = kept if latest is None else max(latest, kept)
         return latest
 
 
