@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from history import (
     CRASH,
@@ -151,3 +153,75 @@ def test_durable_puts_are_counted_through_crashes() -> None:
     # A put from before the previous crash is not counted again.
     report = check([d1, crash(2, 3), r(1, 4, 5), crash(6, 7), r(1, 8, 9)])
     assert (report.durable_final, report.durable_survived) == (1, 1)
+
+
+def _legal_history(rng: random.Random) -> list[Op]:
+    """Ops on one key with random, overlapping intervals, each with a linearization point
+    inside; a model store applies them in that order (keeping a durable copy and what a crash
+    may bring back), so every read is legal by construction."""
+    ops: list[Op] = []
+    version = 0
+    state: int | None = None  # the register
+    durable: int | None = None  # what a crash keeps for sure ...
+    since: set[int] = set()  # ... or one of these fast puts made after it
+    start = 0.0
+    for _ in range(rng.randint(1, 3)):  # epochs, a crash after each but the last
+        points = sorted(rng.uniform(start + 1.5, start + 9) for _ in range(rng.randint(1, 25)))
+        for p in points:
+            invoke, complete = p - rng.uniform(0, 1), p + rng.uniform(0, 1)
+            kind = rng.choice([PUT, DPUT, DELETE, GET, GET])
+            if kind == GET:
+                hit = state is not None and rng.random() < 0.8
+                ops.append(Op(2, GET, 0, state if hit else None, invoke, complete))
+                continue
+            version += 1
+            ok = rng.random() < 0.85
+            if not ok:  # the client may give up before the store applies it
+                complete = invoke + rng.uniform(0, 1)
+            if ok or rng.random() < 0.5:  # a failed write may have been applied
+                state = None if kind == DELETE else version
+                if kind == DPUT:
+                    durable, since = version, set()
+                elif kind == PUT:
+                    since.add(version)
+            value = None if kind == DELETE else version
+            ops.append(Op(1, kind, 0, value, invoke, complete, ok, "" if ok else "X"))
+        start += 10
+        ops.append(crash(start, start + 0.5))
+        state = rng.choice([durable, *since, None])
+        durable, since = state, set()
+    return ops[:-1] if rng.random() < 0.5 else ops
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_legal_histories_pass(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(50):
+        ops = _legal_history(rng)
+        report = check(ops)
+        assert report.violations == [], (report.violations, ops)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_any_older_version_in_a_sequential_history_is_stale(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(50):
+        ops, state, t = [], None, 0.0
+        for version in range(1, 20):
+            t += 1
+            if rng.random() < 0.6:
+                kind = rng.choice([PUT, DPUT, DELETE])
+                ops.append(w(version, t, t + 0.5, kind=kind))
+                state = None if kind == DELETE else version
+            else:
+                ops.append(r(state, t, t + 0.5))
+        written = [op.value for op in ops if op.kind in (PUT, DPUT)]
+        hits = [i for i, op in enumerate(ops) if op.kind == GET]
+        if not hits:
+            continue
+        i = rng.choice(hits)
+        older = [v for v in written if v is not None and v < ops[i].invoke and v != ops[i].value]
+        if not older:
+            continue
+        ops[i] = r(rng.choice(older), ops[i].invoke, ops[i].complete)
+        assert kinds(*ops) == ["stale"], ops
