@@ -35,9 +35,11 @@ class Mix:
     own: float = 0.2
     min_size: int = 64 << 10
     max_size: int = (2 << 20) - (64 << 10)  # under the daemon's 2 MiB block limit (32 MiB DRAM)
+    # Operation weights; the stale-read race needs a fast put followed by a durable one.
     get: float = 0.45
     put: float = 0.25
-    dput: float = 0.25  # the rest are deletes
+    dput: float = 0.25
+    delete: float = 0.05
 
 
 MIX = Mix()
@@ -48,7 +50,7 @@ def key_bytes(k: int) -> bytes:
 
 
 def _size(rng: random.Random) -> int:
-    """Log-uniform: as many small values as large ones."""
+    """Log-uniform: as many values between 64 and 128 KiB as between 1 and 2 MiB."""
     lo, hi = math.log(MIX.min_size), math.log(MIX.max_size)
     return int(math.exp(rng.uniform(lo, hi)))
 
@@ -56,10 +58,8 @@ def _size(rng: random.Random) -> int:
 def _one(client: Client, rng: random.Random, cid: int, own_key: int, version: int) -> Op:
     k = own_key if rng.random() < MIX.own else rng.randrange(MIX.keys)
     key = key_bytes(k)
-    r = rng.random()
-    kind = GET if r < MIX.get else PUT if r < MIX.get + MIX.put else DPUT
-    if r >= MIX.get + MIX.put + MIX.dput:
-        kind = DELETE
+    weights = (MIX.get, MIX.put, MIX.dput, MIX.delete)
+    kind = rng.choices((GET, PUT, DPUT, DELETE), weights)[0]
     value: int | None = version if kind in (PUT, DPUT) else None
     data = make_value(key, version, _size(rng)) if value is not None else b""
     bad = ""
