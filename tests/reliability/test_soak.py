@@ -119,6 +119,7 @@ def verdict(name: str, report: Report, stderr: str, allowed: set[str]) -> list[s
 
 
 def test_concurrent_soak_is_linearizable(tmp_path: Path, start_daemon: Start) -> None:
+    """Every read legal for a register, no daemon traceback, only documented client errors."""
     daemon, stderr = start(start_daemon, tmp_path / "data")
     workers = Workers(tmp_path, PROCESSES, THREADS, seed=random.randrange(1 << 16))
     try:
@@ -139,6 +140,9 @@ def test_concurrent_soak_is_linearizable(tmp_path: Path, start_daemon: Start) ->
 def test_sigkill_rounds_under_load_keep_acknowledged_puts(
     tmp_path: Path, start_daemon: Start
 ) -> None:
+    """SIGKILL the daemon at a random moment of each round of load, restart it on the same data
+    directory and read every key: nothing older than allowed, ever; every acknowledged durable
+    put that no later write touched reads back."""
     data = tmp_path / "data"
     rng = random.Random()
     daemon, stderr = start(start_daemon, data)
@@ -167,6 +171,10 @@ def test_sigkill_rounds_under_load_keep_acknowledged_puts(
     early = failed_while_up(history)
     if early:
         wrong.append(f"errors while the daemon was up: {dict(early)}")
-    assert report.durable_lost == 0 and report.durable_missing == 0, report.summary()
+    if report.durable_lost or report.durable_missing:
+        wrong.append(
+            f"acknowledged durable puts nothing overwrote: {report.durable_lost} read back "
+            f"older, {report.durable_missing} missing after the restart"
+        )
     assert not wrong, "\n".join(wrong)
     assert report.crashes == ROUNDS and report.durable_final > 0, report.summary()
