@@ -16,8 +16,9 @@ A crash (the store is SIGKILLed at time T and serves again from a later time; ev
 invoked before T is over by then) keeps, per key, any version that no acknowledged *durable*
 write (or earlier recovery) strictly follows; fast puts and deletes may be lost. The checker
 models it as a recovery at T that rewrites the versions it keeps (so reads after T may return
-them) and makes every other version of the key stale for good. An operation that failed may or
-may not have taken effect before the next crash (or ever, without one).
+them) and makes every other version of the key stale for good. A write that failed may or may
+not have taken effect before the next crash (or ever, without one), unless the store answered
+that it changed nothing.
 
 Durability is also counted: a key whose last write before a crash was an acknowledged durable
 put that no other write overlapped must read back exactly that put on its first read after the
@@ -31,7 +32,7 @@ import json
 import math
 import struct
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import crc32c
@@ -172,9 +173,11 @@ class _Latest:
         return self._best[i - 1] if i else None
 
 
-def check(history: Sequence[Op]) -> Report:
+def check(history: Sequence[Op], *, no_effect: Collection[str] = ()) -> Report:
     """Check a whole history (any order) and count. A crash is an op of kind CRASH from the
-    SIGKILL (invoke) to the moment the restarted store serves again (complete)."""
+    SIGKILL (invoke) to the moment the restarted store serves again (complete). A write that
+    failed with an error named in `no_effect` (one the store answers, such as CapacityError)
+    changed nothing; any other failed write may have taken effect."""
     report = Report()
     crashes = sorted((op.invoke, op.complete) for op in history if op.kind == CRASH)
     report.crashes = len(crashes)
@@ -194,15 +197,20 @@ def check(history: Sequence[Op]) -> Report:
             report.writes_acked += 1
             report.durable_acked += op.kind == DPUT
     for key, ops in by_key.items():
-        _check_key(key, sorted(ops, key=lambda op: op.invoke), crashes, report)
+        _check_key(key, sorted(ops, key=lambda op: op.invoke), crashes, no_effect, report)
     return report
 
 
-def _effective_end(op: Op, crashes: Sequence[tuple[float, float]]) -> float | None:
+def _effective_end(
+    op: Op, crashes: Sequence[tuple[float, float]], no_effect: Collection[str]
+) -> float | None:
     """When a write's effect may have happened by: its completion once acknowledged; for a
-    failed one the next crash, or never without one; None if the store was down throughout."""
+    failed one the next crash, or never without one; None if it cannot have happened (the
+    store said so, or was down throughout)."""
     if op.ok:
         return op.complete
+    if op.error in no_effect:
+        return None
     i = bisect.bisect_right(crashes, (op.invoke, math.inf))
     if i and op.invoke < crashes[i - 1][1]:
         return None  # invoked while the store was down (between SIGKILL and restart)
@@ -210,14 +218,18 @@ def _effective_end(op: Op, crashes: Sequence[tuple[float, float]]) -> float | No
 
 
 def _check_key(
-    key: int, ops: list[Op], crashes: Sequence[tuple[float, float]], report: Report
+    key: int,
+    ops: list[Op],
+    crashes: Sequence[tuple[float, float]],
+    no_effect: Collection[str],
+    report: Report,
 ) -> None:
     versions: dict[int, _Version] = {}
     writes: list[tuple[Op, float]] = []  # (write, effective end) by invoke, every status
     for op in ops:
         if op.kind not in WRITES:
             continue
-        end = _effective_end(op, crashes)
+        end = _effective_end(op, crashes, no_effect)
         if end is None:
             continue
         writes.append((op, end))

@@ -98,6 +98,19 @@ def test_a_failed_write_may_have_happened() -> None:
     assert kinds(w(1, 0, 1), w(2, 2, 3, ok=False), r(1, 4, 5)) == []
 
 
+def test_a_write_the_store_refused_never_happened() -> None:
+    refused = Op(1, PUT, 0, 2, 2, 3, False, "CapacityError")
+    assert kinds(w(1, 0, 1), refused, r(2, 4, 5)) == []  # unless told otherwise
+    report = check([w(1, 0, 1), refused, r(2, 4, 5)], no_effect={"CapacityError"})
+    assert [v.kind for v in report.violations] == ["never-put"]
+    # ... so it does not excuse a durable put that is missing after a crash.
+    lost = [w(1, 0, 1, kind=DPUT), refused, crash(4, 5), r(None, 6, 7)]
+    report = check(lost, no_effect={"CapacityError"})
+    assert (report.durable_final, report.durable_missing) == (1, 1)
+    report = check(lost)
+    assert (report.durable_final, report.durable_missing) == (0, 0)
+
+
 def test_a_crash_may_lose_fast_writes_but_not_durable_ones() -> None:
     d1, f2 = w(1, 0, 1, kind=DPUT), w(2, 2, 3)
     assert kinds(d1, f2, crash(4, 5), r(1, 6, 7)) == []
