@@ -74,14 +74,22 @@ class Daemon:
         if "kvoffload: ready" not in self.lines:
             self.proc.kill()
             raise RuntimeError(f"daemon did not start: {self.lines} {self.proc.stderr.read()}")  # type: ignore[union-attr]
-        # Keep draining stdout so the daemon never blocks on a full pipe.
+        # Keep draining stdout and stderr so the daemon never blocks on a full pipe.
         self._drain = threading.Thread(target=self._read_rest, daemon=True)
         self._drain.start()
+        self._errors: list[str] = []
+        self._drain_err = threading.Thread(target=self._read_errors, daemon=True)
+        self._drain_err.start()
 
     def _read_rest(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
+
+    def _read_errors(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._errors.append(line)
 
     @property
     def port(self) -> int:
@@ -118,8 +126,10 @@ class Daemon:
         return self.proc.returncode
 
     def stderr(self) -> str:
-        assert self.proc.stderr is not None
-        return self.proc.stderr.read()
+        """What the daemon wrote on stderr (all of it once it has exited)."""
+        if self.proc.poll() is not None:
+            self._drain_err.join(timeout=10)
+        return "".join(self._errors)
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ import math
 import os
 import random
 import re
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -54,27 +53,8 @@ Daemon = Any
 Start = Callable[..., Daemon]
 
 
-class Stderr:
-    """Drains a daemon's stderr (a full pipe would block it) and keeps the text."""
-
-    def __init__(self, daemon: Daemon) -> None:
-        self.lines: list[str] = []
-        self._thread = threading.Thread(target=self._read, args=(daemon,), daemon=True)
-        self._thread.start()
-
-    def _read(self, daemon: Daemon) -> None:
-        assert daemon.proc.stderr is not None
-        for line in daemon.proc.stderr:
-            self.lines.append(line)
-
-    def text(self) -> str:
-        self._thread.join(timeout=10)
-        return "".join(self.lines)
-
-
-def start(start_daemon: Start, data: Path) -> tuple[Daemon, Stderr]:
-    daemon = start_daemon("--data-dir", str(data), *FLAGS, config=CONFIG)
-    return daemon, Stderr(daemon)
+def start(start_daemon: Start, data: Path) -> Daemon:
+    return start_daemon("--data-dir", str(data), *FLAGS, config=CONFIG)
 
 
 def demotions(daemon: Daemon) -> int:
@@ -121,7 +101,7 @@ def verdict(name: str, report: Report, stderr: str, allowed: set[str]) -> list[s
 
 def test_concurrent_soak_is_linearizable(tmp_path: Path, start_daemon: Start) -> None:
     """Every read legal for a register, no daemon traceback, only documented client errors."""
-    daemon, stderr = start(start_daemon, tmp_path / "data")
+    daemon = start(start_daemon, tmp_path / "data")
     workers = Workers(tmp_path, PROCESSES, THREADS, seed=random.randrange(1 << 16))
     try:
         ops = workers.run(daemon.url(), SOAK_SECONDS)
@@ -130,7 +110,7 @@ def test_concurrent_soak_is_linearizable(tmp_path: Path, start_daemon: Start) ->
         workers.close()
         daemon.stop()
     report = check(ops, no_effect=REFUSED)
-    wrong = verdict("soak", report, stderr.text(), DOCUMENTED)
+    wrong = verdict("soak", report, daemon.stderr(), DOCUMENTED)
     print(f"soak: {demoted} blocks demoted from DRAM to the SSD")
     assert not wrong, "\n".join(wrong)
     # The run exercised what it is meant to: hits, demotions, acknowledged durable overwrites.
@@ -146,7 +126,7 @@ def test_sigkill_rounds_under_load_keep_acknowledged_puts(
     put that no later write touched reads back."""
     data = tmp_path / "data"
     rng = random.Random()
-    daemon, stderr = start(start_daemon, data)
+    daemon = start(start_daemon, data)
     logs: list[str] = []
     history: list[Op] = []
     workers = Workers(tmp_path, PROCESSES, THREADS, seed=rng.randrange(1 << 16))
@@ -158,14 +138,14 @@ def test_sigkill_rounds_under_load_keep_acknowledged_puts(
                 daemon.url(), ROUND_SECONDS, during=partial(sigkill, daemon, after, killed)
             )
             daemon.stop()
-            logs.append(stderr.text())
-            daemon, stderr = start(start_daemon, data)  # the same data directory
+            logs.append(daemon.stderr())
+            daemon = start(start_daemon, data)  # the same data directory
             history.append(Op(0, CRASH, -1, None, killed[0], time.monotonic()))
             history += read_all(daemon.url(), KEYS)
     finally:
         workers.close()
         daemon.stop()
-        logs.append(stderr.text())
+        logs.append(daemon.stderr())
     report = check(history, no_effect=REFUSED)
     down = {f"{op}:{e}" for op in ("get", "put", "dput", "del") for e in DOWN}
     wrong = verdict("sigkill", report, "".join(logs), DOCUMENTED | down)
