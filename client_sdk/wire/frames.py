@@ -214,10 +214,39 @@ class FrameReader(ReceiveBuffer):
         return end
 
 
+# Lists and maps one frame header may hold. A real one has a handful (a stats answer a few
+# dozen); without a bound, a 4 MiB header of empty lists decodes to ~290 MiB of list objects.
+MAX_CONTAINERS = 1024
+
+
+class _TooNested(Exception):
+    pass
+
+
 def _unpack_map(raw: memoryview) -> dict[str, object]:
+    made = 0
+
+    def count(container: object) -> object:
+        nonlocal made
+        made += 1
+        if made > MAX_CONTAINERS:
+            raise _TooNested(f"more than {MAX_CONTAINERS} lists and maps")
+        return container
+
+    def no_ext(code: int, data: bytes) -> object:
+        raise _TooNested(f"msgpack extension type {code} (the protocol uses none)")
+
     try:
-        meta = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
-    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
+        meta = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            list_hook=count,
+            object_hook=count,
+            ext_hook=no_ext,
+        )
+    except (_TooNested, ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
         # msgpack's own errors (ExtraData, FormatError, StackError) derive from ValueError.
         raise LocalProtocolError(f"undecodable frame header: {exc}") from None
     if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
