@@ -452,7 +452,10 @@ def _decode(frame: Frame) -> Event:
     names = {f.name for f in fields(cls)} - {"request_id"}  # type: ignore[arg-type]
     unknown = set(frame.meta) - names
     if unknown:
-        raise LocalProtocolError(f"unknown fields {sorted(unknown)} in {cls.__name__}")
+        # The names are the peer's: quote a few, shortened (the message is logged and sent).
+        named = [name[:40] for name in sorted(unknown)[:3]]
+        more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+        raise LocalProtocolError(f"unknown fields {named}{more} in {cls.__name__}")
     try:
         event = cls(request_id=frame.request_id, **frame.meta)  # type: ignore[call-arg]
     except TypeError as exc:  # a required field is missing

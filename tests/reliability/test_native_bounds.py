@@ -82,3 +82,16 @@ def test_msgpack_extension_types_are_refused() -> None:
     server.receive_data(_frame(2, b"\x81\xa4keys\x91\xd4\x05\x00"))
     with pytest.raises(RemoteProtocolError, match="extension type 5"):
         server.next_event()
+
+
+def test_unknown_field_names_are_quoted_short() -> None:
+    """The names come from the peer and the message is logged and sent back: a header of
+    thousands of long field names must not become a megabyte log line."""
+    server = _ready_server()
+    header = msgpack.packb({f"{i:06d}" + "x" * 200: 0 for i in range(10_000)})
+    server.receive_data(_frame(2, header))
+    with pytest.raises(RemoteProtocolError, match="unknown fields") as caught:
+        server.next_event()
+    message = str(caught.value)
+    assert len(message) < 500, f"a {len(message)}-character error message"
+    assert "000000" in message and "9997 more" in message
