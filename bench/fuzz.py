@@ -25,6 +25,7 @@ import multiprocessing
 import os
 import random
 import re
+import resource
 import signal
 import socket
 import statistics
@@ -48,6 +49,7 @@ from kvoffload.client_sdk.wire import nvme_data as nd
 from kvoffload.client_sdk.wire import nvme_tcp as nt
 from kvoffload.client_sdk.wire.frames import FRAME
 from kvoffload.errors import ConfigError, KVOffloadError
+from kvoffload.kvstore.config import parse_size
 
 __all__ = ["HELP", "FuzzReport", "add_arguments", "daemon", "fuzz", "run", "run_from_args"]
 
@@ -56,11 +58,14 @@ HELP = "mutated native frames and NVMe/TCP PDUs at a live daemon; a good client'
 SUBNQN = "nqn.2026-11.io.kvoffload:store"
 HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-00000000f022"
 CC_ENABLE = (6 << 16) | (4 << 20) | (6 << 4) | 1
+_SQSIZE = 7  # 0's based: 8 commands per queue, what a daemon with queue_depth >= 8 admits
 _LISTEN = re.compile(r"^kvoffload: (\S+) listening on (\S+):(\d+)$")
 _GOOD_KEYS = 32
 _BASELINE_TRIPS = 500
 _WARMUP_TRIPS = 50  # not counted: first connections, first allocations
 _SOCKET_TIMEOUT = 2.0
+# Address space the daemon may use beyond its DRAM tier (its baseline is ~0.4 GiB).
+_DAEMON_ADDRESS_SPACE = 2 << 30
 
 
 @dataclass
@@ -97,11 +102,19 @@ class Daemon:
 
 @contextlib.contextmanager
 def daemon(
-    flags: Sequence[str] = (), *, dram: str = "256MiB", config: str = ""
+    flags: Sequence[str] = (),
+    *,
+    dram: str = "256MiB",
+    config: str = "",
+    address_space: int = _DAEMON_ADDRESS_SPACE,
 ) -> Iterator[Daemon]:
     """A `kvoffload serve` on 127.0.0.1 with free ports, `config` (TOML text) and `flags`
     (last: they win). Its stderr goes to a file (a pipe nobody reads would stall a daemon that
-    logs a lot)."""
+    logs a lot). It runs under RLIMIT_AS of its DRAM tier plus `address_space`, so that an
+    allocation a fuzzed field sized fails inside it (MemoryError) instead of taking the
+    machine's memory."""
+    limit = parse_size(dram) + address_space
+
     with tempfile.TemporaryDirectory(prefix="kvoffload-fuzz-") as tmp:
         args = [sys.executable, "-m", "kvoffload.bench.cli", "serve", "--port", "0"]
         args += ["--nvme-port", "0", "--metrics-port", "0", "--dram", dram, "--ssd", "0"]
@@ -113,8 +126,14 @@ def daemon(
         err = Path(tmp) / "stderr"
         with err.open("w") as err_file:
             proc = subprocess.Popen(
-                args, stdout=subprocess.PIPE, stderr=err_file, text=True, env=env
+                args,
+                stdout=subprocess.PIPE,
+                stderr=err_file,
+                text=True,
+                env=env,
             )
+        # Set from here (Linux prlimit), not in a preexec_fn: this process may run threads.
+        resource.prlimit(proc.pid, resource.RLIMIT_AS, (limit, limit))
         try:
             ports: dict[str, int] = {}
             assert proc.stdout is not None
@@ -276,8 +295,11 @@ def _nvme_corpus(rng: random.Random) -> list[bytes]:
 
 def _mutate_nvme(pdu: bytes, rng: random.Random) -> bytes:
     out = bytearray(pdu)
-    how = rng.randrange(5)
-    if how == 0:  # flip bytes anywhere
+    how = rng.randrange(6)
+    if how == 5 and len(out) >= 72:  # huge length fields: SGL length, NUMDL, NUMDU
+        offset, bits = rng.choice(((36, 0xFFFF0000), (48, 0xFFFF0000), (52, 0x0000FFFF)))
+        struct.pack_into("<I", out, offset, struct.unpack_from("<I", out, offset)[0] | bits)
+    elif how == 0:  # flip bytes anywhere
         for _ in range(rng.randint(1, 8)):
             out[rng.randrange(len(out))] ^= 1 << rng.randrange(8)
     elif how == 1 and len(out) >= 72:  # random command dwords (opcode, NSID, SGL, CDW10..15)
@@ -299,7 +321,7 @@ def _nvme_queue(sock: socket.socket, qid: int, cntlid: int) -> int | None:
     host = nt.NvmeTcpConnection(nt.Role.HOST)
     sock.sendall(host.send(nt.ICReq()))
     data = nd.ConnectData(bytes(16), cntlid, SUBNQN, HOSTNQN).pack()
-    connect = nc.connect(1, qid, 31)
+    connect = nc.connect(1, qid, _SQSIZE)
     answered = None
     while answered is None:
         chunk = sock.recv(65536)
@@ -464,23 +486,29 @@ def _slow_worker(job: _Job) -> tuple[int, int]:
 
 
 def _crowd_worker(job: _Job) -> tuple[int, int]:
-    """Many connections at once, each with half a Hello, held a while, then dropped."""
+    """Many connections at once, each with half a Hello (or ICReq), held a while, then
+    dropped."""
     rng = random.Random(job.seed)
-    hello = _hello()
+    firsts = {job.port: _hello()}
+    if job.nvme_port:
+        firsts[job.nvme_port] = nt.NvmeTcpConnection(nt.Role.HOST).send(nt.ICReq())
     sent = conns = 0
     while sent < job.quota and time.time() < job.deadline:
         socks = []
         for _ in range(min(64, job.quota - sent)):
-            sock = _connect(job, rng.choice((job.port, job.nvme_port or job.port)))
+            port = rng.choice(list(firsts))
+            sock = _connect(job, port)
             if sock is None:
                 break
             conns += 1
-            _send(sock, hello[: rng.randrange(1, len(hello))])
+            _send(sock, firsts[port][: rng.randrange(1, len(firsts[port]))])
             socks.append(sock)
             sent += 1
-        time.sleep(min(0.5, max(0.0, job.deadline - time.time())))
+        time.sleep(min(0.2, max(0.0, job.deadline - time.time())))
         for sock in socks:
             _close(sock, rng)
+        # Rest between crowds: a daemon with few connection slots must also see the others.
+        time.sleep(min(0.5, max(0.0, job.deadline - time.time())))
     return sent, conns
 
 
@@ -564,22 +592,28 @@ def fuzz(
         t0 = time.time()
         deadline = t0 + seconds
         # Most frames go to the workers that send many small ones; the slow and crowd workers
-        # count their connections' frames too.
-        shares = {"native": 6, "nvme": 4, "slow": 1, "crowd": 1}
-        plan = [k for k in kinds for _ in range(max(1, workers * shares[k] // 12))]
-        weight = sum(shares[k] for k in plan)
+        # count their connections' frames too (a few, each held a while).
+        procs = {
+            "native": max(1, workers // 2),
+            "nvme": max(1, workers // 4),
+            "slow": 1,
+            "crowd": 1,
+        }
+        shares = {"native": 30, "nvme": 20, "slow": 1, "crowd": 1}
+        weight = sum(shares[k] for k in kinds)
         jobs = [
             _Job(
                 kind,
                 "127.0.0.1",
                 native_port,
-                max(1, frames * shares[kind] // weight),
+                max(1, frames * shares[kind] // weight // procs[kind]),
                 deadline,
-                seed * 1000 + i,
+                seed * 1000 + len(kinds) * i + j,
                 limits,
                 nvme_port or 0,
             )
-            for i, kind in enumerate(plan)
+            for j, kind in enumerate(kinds)
+            for i in range(procs[kind])
         ]
         good.start()
         ctx = multiprocessing.get_context("spawn")

@@ -54,7 +54,13 @@ MARGIN = 64 << 20
 ALLOWANCE = MAX_CONNECTIONS * PER_CONNECTION + DECODE + MARGIN
 
 
-def _check_good_client(port: int) -> None:
+def first_traceback(stderr: str) -> str:
+    """The first traceback in a daemon's stderr, with the line that logged it."""
+    at = stderr.index("Traceback")
+    return stderr[stderr.rfind("\n", 0, max(0, at - 1)) + 1 :][:3000]
+
+
+def check_good_client(port: int) -> None:
     """A fresh client stores and reads back values bit-exact."""
     rng = random.Random(7)
     with Client.connect(f"kv://127.0.0.1:{port}") as client:
@@ -82,12 +88,12 @@ def test_native_front_survives_fuzzing_within_its_limits() -> None:
         print(f"frames {report.frames} in {report.seconds:.0f} s, {report.by_worker}")
         print(f"rss baseline {report.rss_baseline}, peak {report.rss_peak}, allowance {ALLOWANCE}")
         assert daemon.proc.poll() is None, daemon.stderr[-4000:]
-        _check_good_client(port)
+        check_good_client(port)
         stderr = daemon.stderr
     assert report.frames > 0 and report.during, "the fuzzer sent nothing"
     assert report.wrong_values == 0
     assert not report.good_errors, report.good_errors[:5]
-    assert "Traceback" not in stderr, stderr[-4000:]
+    assert "Traceback" not in stderr, first_traceback(stderr)
     assert report.rss_baseline is not None and report.rss_peak is not None
     assert report.rss_peak <= report.rss_baseline + ALLOWANCE, (
         f"RSS grew by {(report.rss_peak - report.rss_baseline) >> 20} MiB, "
