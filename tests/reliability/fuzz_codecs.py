@@ -158,6 +158,8 @@ def fuzz_native(data: bytes, role: nw.Role) -> None:
                     if event.payload_length > conn.limits.max_payload_bytes:
                         raise AssertionError(f"{event} beyond {conn.limits}")
                     _take_payload(conn, event.payload_length, mode)
+                elif isinstance(event, nw.SinkFull):
+                    _take_payload(conn, event.remaining, mode)
     except RemoteProtocolError:
         try:
             conn.next_event()
@@ -171,11 +173,13 @@ def fuzz_native(data: bytes, role: nw.Role) -> None:
 
 
 def _take_payload(conn: nw.NativeConnection, length: int, mode: int) -> None:
-    how = (mode >> 4) % 3
+    how = (mode >> 4) % 4
     if how == 0:
         conn.set_payload_sink([memoryview(bytearray(length))])
     elif how == 1:
         conn.discard_payload()
+    elif how == 2:  # piece by piece, as the daemon takes a batch's values
+        conn.set_payload_part([memoryview(bytearray(min(length, 1 + mode % 7)))])
     # else: the connection allocates
 
 
