@@ -248,7 +248,7 @@ def _mutate_native(frame: bytearray, rng: random.Random, limits: tuple[int, int]
         meta: dict[str, object] = {
             rng.choice(("key", "keys", "length", "lengths", "parents", "x")): _odd_meta(rng)
         }
-        packed = msgpack.packb(meta, use_bin_type=True)
+        packed: bytes = msgpack.packb(meta, use_bin_type=True)
         head = bytearray(frame[: FRAME.size])
         struct.pack_into("<IQ", head, 12, len(packed), 0)
         return bytes(head) + packed
