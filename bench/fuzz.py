@@ -652,6 +652,16 @@ def _pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
+def _deepest(stderr: str) -> str:
+    """The innermost frame and the exception of the first traceback in `stderr`."""
+    lines = stderr[stderr.index("Traceback") :].splitlines()[1:]
+    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    if not frames:
+        return ""
+    end = next((i for i in range(frames[-1] + 1, len(lines)) if not lines[i].startswith(" ")), -1)
+    return f"{lines[frames[-1]].strip()}: {lines[end] if end >= 0 else ''}"
+
+
 def rows(report: FuzzReport) -> list[Row]:
     ms = 1e3
     base, during = report.baseline, report.during
@@ -738,7 +748,10 @@ def run(
             stderr = d.stderr
         result.notes.append("daemon survived" if alive else "DAEMON DIED")
         if "Traceback" in stderr:
-            result.notes.append("the daemon's stderr has a traceback")
+            result.notes.append(
+                f"the daemon's stderr has {stderr.count('Traceback')} traceback(s); "
+                f"deepest frame of the first: {_deepest(stderr)}"
+            )
     result.rows = rows(report)
     return result
 
