@@ -25,6 +25,7 @@ BENCHES: dict[str, str] = {
     "codecs": "kvoffload.bench.codecs",
     "nvme": "kvoffload.bench.nvme",
     "trace": "kvoffload.bench.trace",
+    "fuzz": "kvoffload.bench.fuzz",
     # Last: it runs the benches above.
     "report": "kvoffload.bench.report",
 }

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
 import ssl
@@ -52,6 +53,7 @@ from kvoffload.client_sdk.wire.native import (
     PutMany,
     PutManyDone,
     Role,
+    SinkFull,
     Stats,
     StatsResult,
     Welcome,
@@ -85,17 +87,31 @@ def make_front(config: Config, services: Services) -> NativeFront | None:
 
 @dataclass
 class _PendingPut:
-    """A put whose payload is arriving into its reservations."""
+    """A put whose payload is arriving, value by value, into reservations.
+
+    A value's slot is reserved only when its bytes are next in the stream (empty values at
+    the end): a batch header that declares much and sends little must not pin, and evict for,
+    more of the arena than one value.
+    """
 
     request: Put | PutMany
-    reservations: list[PutReservation]
-    keys: list[tuple[bytes, bytes, bytes | None]]  # (engine key, client key, client parent)
+    items: list[tuple[bytes, int, bytes | None]]  # (client key, length, client parent)
+    reserved: dict[int, PutReservation] = dataclasses.field(default_factory=dict)  # index -> slot
+    at: int = -1  # the item whose bytes are arriving
     error: KVOffloadError | None = None
 
+    def next_item(self) -> int:
+        """The next item that carries bytes, after the one arriving."""
+        return next(i for i in range(self.at + 1, len(self.items)) if self.items[i][1])
+
+    @property
+    def empty_items(self) -> list[int]:
+        return [i for i, (_, length, _) in enumerate(self.items) if not length]
+
     def abort(self) -> None:
-        for reservation in self.reservations:
+        for reservation in self.reserved.values():
             reservation.abort()
-        self.reservations.clear()
+        self.reserved.clear()
 
 
 class NativeFront:
@@ -252,6 +268,8 @@ class _Session(Session):
                 return False
             if isinstance(event, PayloadEnd):
                 waiting = self._payload_end(event)
+            elif isinstance(event, SinkFull):
+                waiting = self._payload_part(event)
             else:
                 assert isinstance(event, Event)
                 waiting = self._dispatch(event)
@@ -387,58 +405,74 @@ class _Session(Session):
     def _begin_put(
         self, event: Put | PutMany, items: list[tuple[bytes, int, bytes | None]]
     ) -> Awaitable[object] | None:
-        reserve = partial(self._reserve, event, items)
+        pending = _PendingPut(event, items)
+        if not event.payload_length:
+            return self._reserve_then(pending, pending.empty_items, self._end_put)
+        self._puts[event.request_id] = pending
+        pending.at = pending.next_item()
+        return self._reserve_then(pending, [pending.at], self._sink)
+
+    def _payload_part(self, full: SinkFull) -> Awaitable[object] | None:
+        """One value's bytes are in: reserve the next one's slot and receive into it."""
+        pending = self._puts[full.request_id]
+        pending.at = pending.next_item()
+        return self._reserve_then(pending, [pending.at], self._sink)
+
+    def _payload_end(self, end: PayloadEnd) -> Awaitable[object] | None:
+        pending = self._puts.pop(end.request_id, None)
+        if pending is None:
+            return None
+        return self._reserve_then(pending, pending.empty_items, self._end_put)
+
+    def _reserve_then(
+        self,
+        pending: _PendingPut,
+        items: list[int],
+        then: Callable[[_PendingPut], Awaitable[object] | None],
+    ) -> Awaitable[object] | None:
+        reserve = partial(self._reserve, pending, items)
         if not self.services.blocking_engine:
-            return self._claim(event, reserve())
-        return self._reserve_off_loop(event, reserve)
+            return then(reserve())
+        return self._reserve_off_loop(reserve, then)
 
     async def _reserve_off_loop(
-        self, event: Put | PutMany, reserve: Callable[[], _PendingPut]
+        self,
+        reserve: Callable[[], _PendingPut],
+        then: Callable[[_PendingPut], Awaitable[object] | None],
     ) -> None:
         # Reserving may evict, which writes blocks to the SSD: not on the loop. The payload that
         # follows has nowhere to go until it is done, so this connection's reader waits.
-        waiting = self._claim(event, await self.off_loop(reserve, _PendingPut.abort))
+        waiting = then(await self.off_loop(reserve, _PendingPut.abort))
         if waiting is not None:
             await waiting
 
-    def _reserve(
-        self, event: Put | PutMany, items: list[tuple[bytes, int, bytes | None]]
-    ) -> _PendingPut:
-        """Reserve a slot per item (on any thread); a failure is kept in `error`."""
+    def _reserve(self, pending: _PendingPut, items: list[int]) -> _PendingPut:
+        """Reserve the slots of `items` (on any thread); a failure gives back every slot of the
+        put and is kept in `error`."""
+        if pending.error is not None or not items:
+            return pending
         me = self._me
-        pending = _PendingPut(event, [], [])
         try:
-            for key, length, parent in items:
-                engine_key = me.key(key)
-                pending.reservations.append(
-                    self.engine.reserve(
-                        engine_key,
-                        length,
-                        parent=me.opt_key(parent),
-                        durable=event.durable,
-                        tenant=me.name,
-                    )
+            for i in items:
+                key, length, parent = pending.items[i]
+                pending.reserved[i] = self.engine.reserve(
+                    me.key(key),
+                    length,
+                    parent=me.opt_key(parent),
+                    durable=pending.request.durable,
+                    tenant=me.name,
                 )
-                pending.keys.append((engine_key, key, parent))
         except KVOffloadError as exc:
             pending.abort()
             pending.error = exc
         return pending
 
-    def _claim(self, event: Put | PutMany, pending: _PendingPut) -> Awaitable[object] | None:
-        """Point the put's payload at its reservations (or drop it after a failure)."""
-        if event.payload_length == 0:
-            return self._end_put(pending)
+    def _sink(self, pending: _PendingPut) -> None:
+        """Receive the arriving value into its slot (or drop the rest after a failure)."""
         if pending.error is None:
-            self.conn.set_payload_sink([r.buffer for r in pending.reservations])
+            self.conn.set_payload_part([pending.reserved[pending.at].buffer])
         else:
             self.conn.discard_payload()
-        self._puts[event.request_id] = pending
-        return None
-
-    def _payload_end(self, end: PayloadEnd) -> Awaitable[object] | None:
-        pending = self._puts.pop(end.request_id, None)
-        return None if pending is None else self._end_put(pending)
 
     def _end_put(self, pending: _PendingPut) -> Awaitable[object] | None:
         rid = pending.request.request_id
@@ -448,19 +482,22 @@ class _Session(Session):
         answer: Event = PutDone(rid) if isinstance(pending.request, Put) else PutManyDone(rid)
 
         events = self.services.events
+        me = self._me
+        keys = [(me.key(key), key, parent) for key, _, parent in pending.items]
+        reservations = [pending.reserved[i] for i in range(len(pending.items))]
         if events is not None:
-            for engine_key, key, parent in pending.keys:
-                events.expect(engine_key, key, parent, self._me.name)
+            for engine_key, key, parent in keys:
+                events.expect(engine_key, key, parent, me.name)
 
         def commit() -> None:
             try:
-                for reservation in pending.reservations:
+                for reservation in reservations:
                     reservation.commit()
             finally:
-                for reservation in pending.reservations:
+                for reservation in reservations:
                     reservation.abort()  # no-op for the committed ones
                 if events is not None:
-                    for engine_key, _, _ in pending.keys:
+                    for engine_key, _, _ in keys:
                         events.settle(engine_key)
 
         def done(_: None) -> None:

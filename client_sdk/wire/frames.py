@@ -42,6 +42,7 @@ __all__ = [
     "Limits",
     "Need",
     "PayloadEnd",
+    "SinkFull",
     "encode_frame",
 ]
 
@@ -104,6 +105,15 @@ class PayloadEnd:
     data: memoryview | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class SinkFull:
+    """The partial sink set for the payload of `request_id` is full; `remaining` bytes follow.
+    Set another sink, discard them, or (doing neither) let the reader allocate them."""
+
+    request_id: int
+    remaining: int
+
+
 class _State(enum.Enum):
     HEAD = "head"
     META = "meta"
@@ -118,6 +128,7 @@ class FrameReader(ReceiveBuffer):
         self.limits = limits or Limits()
         self._state = _State.HEAD
         self._head: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)  # type, flags, id, hlen, plen
+        self._part = False  # the sink set last holds only part of the payload
 
     # ------------------------------------------------------------------ receive side
 
@@ -133,8 +144,12 @@ class FrameReader(ReceiveBuffer):
     def _header_room(self) -> int:
         return self._head[3] if self._state is _State.META else 0
 
-    def set_sink(self, buffers: Sequence[memoryview]) -> None:
+    def set_sink(self, buffers: Sequence[memoryview], *, part: bool = False) -> None:
         """Deliver the pending payload into `buffers` (in order; their sizes must add up to it).
+
+        With `part`, they may hold less than what remains: once they are full, `next_frame`
+        returns `SinkFull` and the consumer chooses where the rest goes (a server reserves
+        memory for a batch's values one at a time, as their bytes come).
 
         Raises:
             LocalProtocolError: no payload is pending, or the sizes do not match.
@@ -142,11 +157,11 @@ class FrameReader(ReceiveBuffer):
         if not self._unclaimed:
             raise LocalProtocolError("no payload is waiting for a sink")
         views = [memoryview(b).cast("B") for b in buffers if len(b)]
-        if sum(len(v) for v in views) != self._left:
-            raise LocalProtocolError(
-                f"sink of {sum(len(v) for v in views)} bytes for a {self._left}-byte payload"
-            )
+        size = sum(len(v) for v in views)
+        if size > self._left or (size != self._left and not (part and size)):
+            raise LocalProtocolError(f"sink of {size} bytes for a {self._left}-byte payload")
         self._claim(views, discard=False)
+        self._part = size < self._left
 
     def discard(self) -> None:
         """Read and drop the pending payload without allocating memory for it."""
@@ -154,7 +169,7 @@ class FrameReader(ReceiveBuffer):
             raise LocalProtocolError("no payload is waiting to be discarded")
         self._claim([], discard=True)
 
-    def next_frame(self) -> Frame | PayloadEnd | Need:
+    def next_frame(self) -> Frame | PayloadEnd | SinkFull | Need:
         """The next complete frame head or payload end, or `Need.DATA`.
 
         Raises:
@@ -203,21 +218,56 @@ class FrameReader(ReceiveBuffer):
         self._head = (ftype, flags, rid, hlen, plen)
         self._state = _State.META
 
-    def _drain_payload(self) -> PayloadEnd | Need:
-        if self._unclaimed:  # nobody chose a sink: the reader allocates
-            self._allocate()
-        self._drain()
-        if self._left:
-            return Need.DATA
+    def _drain_payload(self) -> PayloadEnd | SinkFull | Need:
+        while True:
+            if self._unclaimed:
+                if self._part:  # a partial sink is full: the consumer chooses again
+                    self._part = False
+                    return SinkFull(self._head[2], self._left)
+                self._allocate()  # nobody chose a sink (or not again): the reader allocates
+            self._drain()
+            if not self._left:
+                break
+            if not self._unclaimed:
+                return Need.DATA
         end = PayloadEnd(self._head[2], self._payload_done())
         self._state = _State.HEAD
         return end
 
 
+# Lists and maps one frame header may hold. A real one has a handful (a stats answer a few
+# dozen); without a bound, a 4 MiB header of empty lists decodes to ~290 MiB of list objects.
+MAX_CONTAINERS = 1024
+
+
+class _TooNested(Exception):
+    pass
+
+
 def _unpack_map(raw: memoryview) -> dict[str, object]:
+    made = 0
+
+    def count(container: object) -> object:
+        nonlocal made
+        made += 1
+        if made > MAX_CONTAINERS:
+            raise _TooNested(f"more than {MAX_CONTAINERS} lists and maps")
+        return container
+
+    def no_ext(code: int, data: bytes) -> object:
+        raise _TooNested(f"msgpack extension type {code} (the protocol uses none)")
+
     try:
-        meta = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
-    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
+        meta = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            list_hook=count,
+            object_hook=count,
+            ext_hook=no_ext,
+        )
+    except (_TooNested, ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
         # msgpack's own errors (ExtraData, FormatError, StackError) derive from ValueError.
         raise LocalProtocolError(f"undecodable frame header: {exc}") from None
     if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):

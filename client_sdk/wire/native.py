@@ -9,7 +9,8 @@ request admits.
 A frame that carries a payload (a put, a get's answer) yields its event as soon as its header is
 in, with `payload_length`; the receiver then chooses where the payload goes (`set_payload_sink`),
 drops it (`discard_payload`) or lets the connection allocate, and a `PayloadEnd` event follows
-once the last byte is in. Byte-at-a-time feeding yields exactly the same events.
+once the last byte is in (or takes it piece by piece: `set_payload_part`, and a `SinkFull`
+event asks for the next piece's memory). Byte-at-a-time feeding yields exactly the same events.
 
 Operations (request -> answer): Hello -> Welcome, Put -> PutDone, Get -> GetResult,
 Exists -> ExistsResult, Delete -> DeleteResult, PutMany -> PutManyDone, GetMany -> GetManyResult,
@@ -33,6 +34,7 @@ from kvoffload.client_sdk.wire.frames import (
     Limits,
     Need,
     PayloadEnd,
+    SinkFull,
     encode_frame,
 )
 from kvoffload.errors import LocalProtocolError, RemoteProtocolError
@@ -65,6 +67,7 @@ __all__ = [
     "PutMany",
     "PutManyDone",
     "Role",
+    "SinkFull",
     "Stats",
     "StatsResult",
     "Welcome",
@@ -452,7 +455,10 @@ def _decode(frame: Frame) -> Event:
     names = {f.name for f in fields(cls)} - {"request_id"}  # type: ignore[arg-type]
     unknown = set(frame.meta) - names
     if unknown:
-        raise LocalProtocolError(f"unknown fields {sorted(unknown)} in {cls.__name__}")
+        # The names are the peer's: quote a few, shortened (the message is logged and sent).
+        named = [name[:40] for name in sorted(unknown)[:3]]
+        more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+        raise LocalProtocolError(f"unknown fields {named}{more} in {cls.__name__}")
     try:
         event = cls(request_id=frame.request_id, **frame.meta)  # type: ignore[call-arg]
     except TypeError as exc:  # a required field is missing
@@ -533,11 +539,16 @@ class NativeConnection:
         """Put the payload of the event just returned into `buffers` (sizes must add up)."""
         self._reader.set_sink(buffers)
 
+    def set_payload_part(self, buffers: Sequence[memoryview]) -> None:
+        """Put the next bytes of the payload into `buffers`, which may hold less than what
+        remains; a `SinkFull` event follows when they are full."""
+        self._reader.set_sink(buffers, part=True)
+
     def discard_payload(self) -> None:
         """Drop the payload of the event just returned without storing it."""
         self._reader.discard()
 
-    def next_event(self) -> Event | PayloadEnd | ConnectionClosed | Need:
+    def next_event(self) -> Event | PayloadEnd | SinkFull | ConnectionClosed | Need:
         """The next event, `NEED_DATA`, or `ConnectionClosed` after a clean EOF.
 
         Raises:
@@ -551,7 +562,7 @@ class NativeConnection:
                 event = _decode(item)
                 self._admit(event)
                 return event
-            if isinstance(item, PayloadEnd):
+            if isinstance(item, (PayloadEnd, SinkFull)):
                 return item
             if self._eof:
                 if not self._reader.at_boundary:

@@ -192,7 +192,9 @@ class ReceiveBuffer:
 
     def _make_room(self) -> None:
         """Ensure free space after `_end`, and that the header being parsed fits contiguously."""
-        want = self._header_room()
+        # The header's room grows with the bytes that arrived (at most doubling): a peer that
+        # declares a large header and sends little must not make us allocate all of it.
+        want = min(self._header_room(), max(_READ_CHUNK, 2 * self.buffered))
         if len(self._buf) - self._end >= _MIN_READ and len(self._buf) - self._start >= want:
             return
         if self._start:
@@ -200,7 +202,7 @@ class ReceiveBuffer:
             # bytes(): the ranges may overlap, and bytearray slice assignment uses memcpy.
             self._buf[:n] = bytes(self._view[self._start : self._end])
             self._start, self._end = 0, n
-        # `want` was checked against the codec's limits; `buffered` is bounded by the caller,
+        # The header was checked against the codec's limits; `buffered` is bounded by the caller,
         # who drains events between reads (only feeding a huge chunk at once can push it up).
         size = max(_READ_CHUNK, want + _MIN_READ, self.buffered + _MIN_READ)
         if len(self._buf) < size or (len(self._buf) > size and self.buffered < _READ_CHUNK // 2):
