@@ -297,7 +297,13 @@ class Engine:
                 self.config.ssd.io_threads, thread_name_prefix="kvoffload-prefetch"
             )
         try:
-            self._arena = Arena(self._alloc.size, prefault=dram.prefault)
+            try:
+                self._arena = Arena(self._alloc.size, prefault=dram.prefault)
+            except OSError as exc:
+                raise ConfigError(
+                    f"cannot map a DRAM arena of {self._alloc.size} bytes: {exc}; "
+                    "lower dram.capacity_bytes"
+                ) from exc
         except BaseException:
             if self._ssd is not None:
                 self._ssd.abandon()

@@ -389,3 +389,18 @@ def _value(engine: Engine, k: bytes) -> bytes | None:
         return None
     with view:
         return bytes(view.data)
+
+
+def test_a_dram_tier_that_cannot_be_mapped_is_a_config_error() -> None:
+    import resource
+
+    # Room for what the process maps now plus 1 GiB: a 64 GiB arena cannot be mapped.
+    status = open("/proc/self/status").read()
+    mapped = int(status.split("VmSize:")[1].split()[0]) * 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + (1 << 30), hard))
+    try:
+        with pytest.raises(KVOffloadError, match="cannot map a DRAM arena"):
+            make(capacity=64 << 30)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
