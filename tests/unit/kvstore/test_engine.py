@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -395,7 +396,7 @@ def test_a_dram_tier_that_cannot_be_mapped_is_a_config_error() -> None:
     import resource
 
     # Room for what the process maps now plus 1 GiB: a 64 GiB arena cannot be mapped.
-    status = open("/proc/self/status").read()
+    status = Path("/proc/self/status").read_text()
     mapped = int(status.split("VmSize:")[1].split()[0]) * 1024
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (mapped + (1 << 30), hard))
