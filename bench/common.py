@@ -6,8 +6,10 @@ import datetime as _dt
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -26,6 +28,7 @@ __all__ = [
     "Row",
     "Summary",
     "machine_info",
+    "stop_process",
     "time_best",
     "time_median",
 ]
@@ -179,6 +182,16 @@ def peer_python(package: str, named: str | None, env: str) -> str:
         if candidate.exists():
             return str(candidate)
     return sys.executable
+
+
+def stop_process(proc: subprocess.Popen[str], timeout: float = 30) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def free_port() -> int:

@@ -26,7 +26,6 @@ import os
 import random
 import re
 import resource
-import signal
 import socket
 import statistics
 import struct
@@ -41,7 +40,7 @@ from pathlib import Path
 
 import msgpack
 
-from kvoffload.bench.common import BenchResult, Row
+from kvoffload.bench.common import BenchResult, Row, stop_process
 from kvoffload.client_sdk import Client
 from kvoffload.client_sdk.wire import native as nw
 from kvoffload.client_sdk.wire import nvme_cmd as nc
@@ -150,12 +149,7 @@ def daemon(
             threading.Thread(target=proc.stdout.read, daemon=True).start()
             yield Daemon(proc, ports, err)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc)
 
 
 def _status(pid: int, field_name: str) -> int | None:

@@ -42,7 +42,14 @@ from typing import Any
 
 import numpy as np
 
-from kvoffload.bench.common import BenchResult, Row, free_port, peer_python, time_median
+from kvoffload.bench.common import (
+    BenchResult,
+    Row,
+    free_port,
+    peer_python,
+    stop_process,
+    time_median,
+)
 from kvoffload.client_sdk import Client
 
 __all__ = ["HELP", "SIZES", "add_arguments", "run", "run_from_args"]
@@ -159,12 +166,7 @@ def _daemon(dram: str, tmp: str) -> Iterator[str]:
             raise RuntimeError("kvoffload serve did not start")
         yield f"kv://127.0.0.1:{port}"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 @contextlib.contextmanager

@@ -17,7 +17,6 @@ import contextlib
 import functools
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from kvoffload.bench.common import BenchResult, Row
+from kvoffload.bench.common import BenchResult, Row, stop_process
 from kvoffload.client_sdk import Client
 
 __all__ = ["HELP", "SIZES", "add_arguments", "run", "run_from_args"]
@@ -60,12 +59,7 @@ def _daemon(dram: str, tmp: str) -> Iterator[dict[str, int]]:
             raise RuntimeError(f"kvoffload serve did not start both fronts: {ports}")
         yield ports
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def _interleaved(

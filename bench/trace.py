@@ -238,10 +238,7 @@ def plan(
 
 
 def _local_url(config: Config, slot: int, scratch: Path | None) -> str:
-    params = (
-        f"dram={config.dram_blocks * slot}&max_value={slot}&prefault=0"
-        f"&policy={config.system}"
-    )
+    params = f"dram={config.dram_blocks * slot}&max_value={slot}&prefault=0&policy={config.system}"
     if not config.ssd:
         return f"local://?{params}"
     assert scratch is not None
