@@ -207,6 +207,12 @@ def _host_after_icresp(conn: nt.NvmeTcpConnection) -> bytes:
     return b"".join(out)
 
 
+# Bytes the harness's target still waits for, per command it sent an R2T for: DataEnd closes
+# one H2CData PDU, and a command is answered only once its R2T's data is all in (as the daemon
+# does).
+_r2t_left: dict[int, int] = {}
+
+
 def _target_answer(conn: nt.NvmeTcpConnection, event: nt.Event) -> bytes:
     """What the harness's target sends back for an event: enough to let the host go on."""
     if isinstance(event, nt.ICReq):
@@ -215,14 +221,18 @@ def _target_answer(conn: nt.NvmeTcpConnection, event: nt.Event) -> bytes:
         cmd = event.command
         length = cmd.sgl.length if cmd.sgl.type == nc.SGL_TRANSPORT else 0
         if cmd.direction is nc.Direction.TO_CONTROLLER and length and not event.data_length:
-            return conn.send(nt.R2T(cmd.cid, 7, 0, min(length, MAXH2CDATA)))
+            _r2t_left[cmd.cid] = min(length, MAXH2CDATA)
+            return conn.send(nt.R2T(cmd.cid, 7, 0, _r2t_left[cmd.cid]))
         if cmd.direction in (nc.Direction.TO_HOST, nc.Direction.BOTH) and length:
             n = min(length, 300)  # short: the harness parses it, no need for real content
             data = conn.send(nt.C2HData(cmd.cid, 0, n, last=True), [bytes(n)])
             return data + conn.send(nt.CapsuleResp(nc.Completion(cmd.cid)))
         if not event.data_length:
             return conn.send(nt.CapsuleResp(nc.Completion(cmd.cid)))
-    if isinstance(event, nt.DataEnd):
+    if isinstance(event, nt.H2CData) and event.cccid in _r2t_left:
+        _r2t_left[event.cccid] -= event.datal
+    if isinstance(event, nt.DataEnd) and _r2t_left.get(event.cid, 0) <= 0:
+        _r2t_left.pop(event.cid, None)
         return conn.send(nt.CapsuleResp(nc.Completion(event.cid)))
     return b""
 
@@ -269,6 +279,7 @@ def fuzz_nvme(data: bytes, role: nt.Role) -> None:
         _host_start(conn, mode)
         payload_bound = HOST_BUFFER
     _biggest.update(buffer=0, payload=0)
+    _r2t_left.clear()
     try:
         for chunk in [*chunks, b""]:
             conn.receive_data(chunk)

@@ -125,7 +125,7 @@ def test_a_store_created_for_an_engine_that_then_fails_to_start_is_removed(
     data = tmp_path / "data"
     data.mkdir()
     monkeypatch.setattr(engine_module, "Arena", no_memory)  # the DRAM tier cannot be mapped
-    with pytest.raises(OSError, match="Cannot allocate memory"):
+    with pytest.raises(ConfigError, match="cannot map a DRAM arena.*Cannot allocate memory"):
         Engine(config(data, ssd=1 << 30))
     assert list(data.iterdir()) == []
     monkeypatch.undo()
