@@ -18,9 +18,10 @@ import numpy as np
 
 from kvoffload.kvstore import journal as jr
 from kvoffload.kvstore.config import PAGE, DramConfig, EngineConfig
-from kvoffload.kvstore.extents import ExtentAllocator, slot_bytes, slot_sizes
+from kvoffload.kvstore.extents import ExtentAllocator, slot_bytes
 from kvoffload.kvstore.slotio import AlignedBuffer, unpack_header
-from kvoffload.kvstore.ssd import SsdTier, _write_atomic
+from kvoffload.kvstore.ssd import SsdTier, _write_atomic, restore_slots
+from kvoffload.kvstore.ssdindex import ssd_slot_bytes
 
 __all__ = ["FsckReport", "fsck"]
 
@@ -104,7 +105,7 @@ def _scan(tier: SsdTier, report: FsckReport) -> list[_Found]:
     order decides). The device is read in windows that overlap by one largest slot, so a block
     that starts near a window's end is still read whole.
     """
-    reach = slot_bytes(PAGE + tier.max_value_bytes)
+    reach = ssd_slot_bytes(tier.max_value_bytes)
     step = max(4 << 20, reach)  # so no window reads more than twice what it advances
     buf = AlignedBuffer(step + reach)
     found: list[_Found] = []
@@ -150,11 +151,9 @@ def _rebuild(tier: SsdTier, report: FsckReport) -> None:
         recs[i] = (0, jr.PUT, jr.HAS_PARENT if parent is not None else 0, tid, seq, key,
                    parent or b"", page_no, length, crc, b"")  # fmt: skip
     # Keep only what fits the slot layout, exactly as an open would.
-    sizes = slot_sizes(PAGE + recs["length"].astype(np.int64))
-    fits = recs["length"] <= tier.max_value_bytes
-    ok = np.zeros(len(recs), dtype=bool)
-    fresh = ExtentAllocator(tier.capacity)
-    ok[fits] = fresh.restore(recs["page"][fits].astype(np.int64) * PAGE, sizes[fits])
+    ok = restore_slots(
+        ExtentAllocator(tier.capacity), recs["page"], recs["length"], tier.max_value_bytes
+    )
     report.dropped += int((~ok).sum())
     tenants = [jr.record(jr.TENANT, 0, tenant=i, name=n.encode()) for n, i in names.items() if i]
     body = np.concatenate([*tenants, recs[ok]]) if tenants else recs[ok]

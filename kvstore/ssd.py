@@ -35,7 +35,7 @@ from kvoffload.errors import CapacityError, ConfigError, StorageIOError
 from kvoffload.kvstore import faults
 from kvoffload.kvstore import journal as jr
 from kvoffload.kvstore.config import PAGE, EngineConfig
-from kvoffload.kvstore.extents import ExtentAllocator, slot_bytes, slot_sizes
+from kvoffload.kvstore.extents import ExtentAllocator
 from kvoffload.kvstore.gds import select_slot_file
 from kvoffload.kvstore.slotio import (
     AlignedBuffer,
@@ -44,7 +44,14 @@ from kvoffload.kvstore.slotio import (
     pack_header,
     unpack_header,
 )
-from kvoffload.kvstore.ssdindex import EMPTY, ROW_DTYPE, RankFn, SsdIndex
+from kvoffload.kvstore.ssdindex import (
+    EMPTY,
+    ROW_DTYPE,
+    RankFn,
+    SsdIndex,
+    ssd_slot_bytes,
+    ssd_slot_sizes,
+)
 
 __all__ = ["META_NAME", "Recovery", "SsdTier", "WritePlan"]
 
@@ -202,6 +209,21 @@ def _create_leftovers(d: Path) -> list[Path] | None:
     return found
 
 
+def restore_slots(
+    alloc: ExtentAllocator,
+    pages: npt.NDArray[np.integer],
+    lengths: npt.NDArray[np.integer],
+    max_value_bytes: int,
+) -> npt.NDArray[np.bool_]:
+    """Mark the slots of stored rows in use in an empty allocator (an open, or fsck's
+    rebuild); returns the rows kept. A row longer than the store's largest value, outside the
+    file or overlapping another is refused."""
+    fits = lengths <= max_value_bytes
+    ok = np.zeros(len(pages), dtype=bool)
+    ok[fits] = alloc.restore(pages[fits].astype(np.int64) * PAGE, ssd_slot_sizes(lengths[fits]))
+    return ok
+
+
 class SsdTier:
     """Blocks on SSD: who is where (index), how to find room (allocator + eviction), and how
     the index survives crashes (journal + checkpoints)."""
@@ -249,7 +271,7 @@ class SsdTier:
         ssd, config = self.config.ssd, self.config
         self.meta, creating = self._load_or_create_meta(read_only)
         self.capacity = self.meta.capacity_bytes // PAGE * PAGE
-        largest = slot_bytes(PAGE + self.meta.max_value_bytes)
+        largest = ssd_slot_bytes(self.meta.max_value_bytes)
         if self.capacity < largest:
             raise ConfigError(f"SSD capacity must hold at least one slot of {largest} bytes")
         self.alloc = ExtentAllocator(self.capacity)
@@ -458,10 +480,7 @@ class SsdTier:
             rows[name] = final[name]
         rows["flags"] = final["flags"]
         rows["crc"] = final["pcrc"]
-        sizes = slot_sizes(PAGE + rows["length"].astype(np.int64))
-        fits = rows["length"] <= self.max_value_bytes
-        ok = np.zeros(len(rows), dtype=bool)
-        ok[fits] = self.alloc.restore(rows["page"][fits].astype(np.int64) * PAGE, sizes[fits])
+        ok = restore_slots(self.alloc, rows["page"], rows["length"], self.max_value_bytes)
         self.index.load(rows[ok])
         return int((~ok).sum())
 
@@ -508,7 +527,7 @@ class SsdTier:
         """
         if length > self.max_value_bytes:
             raise CapacityError(f"a {length}-byte value does not fit an SSD slot")
-        size = slot_bytes(PAGE + length)
+        size = ssd_slot_bytes(length)
         tid = self.tenant_id(tenant)
         self._fit_quota(tid, size)
         offset = self._reserve(size)
@@ -617,7 +636,7 @@ class SsdTier:
 
     def _slot_of(self, row: int) -> tuple[int, int]:
         rows = self.index.rows
-        return int(rows["page"][row]) * PAGE, slot_bytes(PAGE + int(rows["length"][row]))
+        return int(rows["page"][row]) * PAGE, ssd_slot_bytes(int(rows["length"][row]))
 
     def drop_row(self, row: int) -> None:
         """Forget a block whose record may never become durable (the journal failed), without

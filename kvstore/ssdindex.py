@@ -16,7 +16,7 @@ import numpy.typing as npt
 from kvoffload.kvstore.config import PAGE
 from kvoffload.kvstore.extents import slot_bytes, slot_sizes
 
-__all__ = ["EMPTY", "ROW_DTYPE", "RankFn", "SsdIndex"]
+__all__ = ["EMPTY", "ROW_DTYPE", "RankFn", "SsdIndex", "ssd_slot_bytes", "ssd_slot_sizes"]
 
 EMPTY = -1
 _TOMB = -2
@@ -41,6 +41,16 @@ _SMALL, _MAIN = 0, 1
 _LOOKAHEAD = 32  # prefix policy: candidates examined from the cold end
 # Ranks a row for the prefix policy: 0 orphan, 1 leaf, 2 interior (the tier knows both tiers).
 RankFn = Callable[["SsdIndex", int], int]
+
+
+def ssd_slot_bytes(length: int) -> int:
+    """Bytes of the SSD slot of a `length`-byte value: its header page plus the value's pages."""
+    return slot_bytes(PAGE + length)
+
+
+def ssd_slot_sizes(lengths: npt.NDArray[np.integer]) -> npt.NDArray[np.int64]:
+    """`ssd_slot_bytes` of each length."""
+    return slot_sizes(PAGE + lengths.astype(np.int64))
 
 
 def _hash_scalar(key: bytes) -> int:
@@ -287,7 +297,7 @@ class SsdIndex:
 
     def _charge(self, tenant: int, length: int, sign: int) -> None:
         """Keep the slot bytes each tenant holds (for its SSD quota)."""
-        used = self.tenant_bytes.get(tenant, 0) + sign * slot_bytes(PAGE + length)
+        used = self.tenant_bytes.get(tenant, 0) + sign * ssd_slot_bytes(length)
         if used:
             self.tenant_bytes[tenant] = used
         else:
@@ -457,7 +467,7 @@ class SsdIndex:
         self.queue[:n] = _SMALL
         self.tenant_bytes = {}
         if n:
-            sizes = slot_sizes(PAGE + self.rows["length"][:n].astype(np.int64))
+            sizes = ssd_slot_sizes(self.rows["length"][:n])
             per = np.bincount(self.rows["tenant"][:n], weights=sizes, minlength=1)
             self.tenant_bytes = {int(t): int(b) for t, b in enumerate(per) if b}
         self._build_tables()
