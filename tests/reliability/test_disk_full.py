@@ -37,6 +37,18 @@ def assert_reads_back(store: Any, acked: dict[bytes, bytes]) -> None:
     assert not wrong, f"{len(wrong)} of {len(acked)} acknowledged durable puts lost: {wrong[:5]}"
 
 
+def durable_store(
+    start_daemon: Callable[..., Any], data: Path
+) -> tuple[DaemonStore, dict[bytes, bytes]]:
+    """A daemon's store holding 20 acknowledged durable puts, and what they put."""
+    store = DaemonStore(start_daemon, data, dram=4 << 20, ssd=16 << 20, env={})
+    acked = {}
+    for i in range(20):
+        store.put(key(i), value(i), durable=True)
+        acked[key(i)] = value(i)
+    return store, acked
+
+
 def serve_and_fail(data: Path, ssd: str) -> subprocess.CompletedProcess[str]:
     """Run `kvoffload serve` on `data`, expecting it to refuse to start."""
     argv = [sys.executable, "-m", "kvoffload.bench.cli", "serve", "--port", "0",
@@ -79,11 +91,7 @@ def test_a_journal_that_fills_the_disk_fails_durable_puts_and_loses_nothing(
     small_fs: Path, start_daemon: Callable[..., Any]
 ) -> None:
     data = small_fs / "store"
-    store = DaemonStore(start_daemon, data, dram=4 << 20, ssd=16 << 20, env={})
-    acked = {}
-    for i in range(20):
-        store.put(key(i), value(i), durable=True)
-        acked[key(i)] = value(i)
+    store, acked = durable_store(start_daemon, data)
     filler = fill(small_fs, leave=32 << 10)
     failure: StorageIOError | None = None
     for i in range(20, 1500):  # 32 KiB hold 256 records; 1500 slots fit the 16 MiB tier
@@ -150,11 +158,7 @@ def test_a_restart_on_a_full_disk_names_the_file_and_changes_nothing(
     small_fs: Path, start_daemon: Callable[..., Any]
 ) -> None:
     data = small_fs / "store"
-    store = DaemonStore(start_daemon, data, dram=4 << 20, ssd=16 << 20, env={})
-    acked = {}
-    for i in range(20):
-        store.put(key(i), value(i), durable=True)
-        acked[key(i)] = value(i)
+    store, acked = durable_store(start_daemon, data)
     assert store.stop() == ""
     files = {p.name: p.read_bytes() for p in data.iterdir() if p.name != "ssd.slots"}
     filler = fill(small_fs, leave=0)
