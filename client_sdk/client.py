@@ -50,7 +50,7 @@ from kvoffload.errors import (
     TransportError,
     UnsupportedCodecConfigError,
 )
-from kvoffload.kvstore.buffers import Bytes, as_readable, as_writable
+from kvoffload.buffers import Bytes, as_readable, as_writable
 
 __all__ = ["AsyncClient", "Client", "ClientStats", "resolve_codec"]
 

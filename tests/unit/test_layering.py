@@ -10,17 +10,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ["kvstore", "client_sdk", "nvmeof_target", "connectors", "compression", "bench"]
 
-# package (or sub-package) -> kvoffload packages it may import; "errors" is allowed everywhere.
+# package (or sub-package) -> kvoffload packages it may import; the namespace root's "errors" and
+# "buffers" (the bottom layer) are allowed everywhere.
 ALLOWED = {
     "compression": {"compression"},
     "kvstore": {"kvstore"},
     "client_sdk.wire": {"client_sdk.wire"},
-    "client_sdk": {"client_sdk", "compression", "kvstore"},
+    "client_sdk": {"client_sdk", "compression"},
     "nvmeof_target": {"nvmeof_target", "kvstore", "client_sdk.wire"},
     "connectors": {"connectors", "client_sdk"},
     # The wire codecs are public too: the live fuzzer (bench/fuzz.py) builds frames with them.
     "bench": {*PACKAGES, "client_sdk.wire"},
 }
+# The SDK reaches the engine through local:// only (DESIGN §2).
+SDK_ENGINE_DOORS = {"client_sdk.transports.local"}
 # Third-party or stdlib modules a layer must not touch.
 FORBIDDEN = {
     "kvstore": {"socket", "asyncio", "ssl", "selectors", "torch"},
@@ -65,19 +68,23 @@ def test_import_edges(module: str, path: Path) -> None:
         if not name.startswith("kvoffload."):
             continue
         target = name.removeprefix("kvoffload.")
-        if target in ("errors", "__version__") or target.startswith("errors."):
+        if target in ("errors", "buffers", "__version__") or target.startswith(
+            ("errors.", "buffers.")
+        ):
             continue
         if "." not in target and target not in PACKAGES:
             continue  # `from kvoffload import __version__`-style names
         target_layer = _layer(target)
-        assert target_layer in ALLOWED[layer] or (
-            layer == "client_sdk" and target_layer == "client_sdk.wire"
+        assert (
+            target_layer in ALLOWED[layer]
+            or (layer == "client_sdk" and target_layer == "client_sdk.wire")
+            or (module in SDK_ENGINE_DOORS and target_layer == "kvstore")
         ), f"{module} ({layer}) may not import {name} ({target_layer})"
 
 
-def test_namespace_root_holds_only_init_and_errors() -> None:
+def test_namespace_root_holds_only_the_bottom_layer() -> None:
     files = {p.name for p in (ROOT / "kvoffload").iterdir() if not p.name.startswith("__pycache")}
-    assert files == {"__init__.py", "errors.py", "py.typed"}
+    assert files == {"__init__.py", "errors.py", "buffers.py", "py.typed"}
 
 
 def test_the_checker_catches_a_bad_edge(tmp_path: Path) -> None:
