@@ -117,7 +117,7 @@ def daemon(
     limit = parse_size(dram) + address_space
 
     with tempfile.TemporaryDirectory(prefix="kvoffload-fuzz-") as tmp:
-        args = [sys.executable, "-m", "kvoffload.bench.cli", "serve", "--port", "0"]
+        args = [sys.executable, "-m", "kvoffload.cli", "serve", "--port", "0"]
         args += ["--nvme-port", "0", "--metrics-port", "0", "--dram", dram, "--ssd", "0"]
         if config:
             (Path(tmp) / "kvoffload.toml").write_text(config)

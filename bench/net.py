@@ -148,7 +148,7 @@ def _raw_reference(max_size: int) -> Iterator[_RawClient]:
 
 @contextlib.contextmanager
 def _daemon(dram: str, tmp: str) -> Iterator[str]:
-    args = [sys.executable, "-m", "kvoffload.bench.cli", "serve", "--port", "0"]
+    args = [sys.executable, "-m", "kvoffload.cli", "serve", "--port", "0"]
     args += ["--nvme-port", "0", "--metrics-port", "0", "--dram", dram, "--ssd", "0"]
     args += ["--data-dir", tmp]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}

@@ -25,6 +25,7 @@ import numpy as np
 from rich.console import Console
 
 from kvoffload.bench.common import BenchResult, Row, machine_info
+from kvoffload.bench.registry import BENCHES
 from kvoffload.errors import ConfigError, KVOffloadError
 
 __all__ = [
@@ -39,7 +40,7 @@ __all__ = [
 ]
 
 HELP = "run engine, ssd, net, nvme, codecs and trace benches; write report.md with plots"
-BENCHES = ("engine", "ssd", "net", "nvme", "codecs", "trace")
+REPORTED = ("engine", "ssd", "net", "nvme", "codecs", "trace")
 TITLES = {
     "engine": "DRAM tier vs memcpy",
     "ssd": "SSD tier vs raw O_DIRECT",
@@ -53,8 +54,6 @@ GOAL_VS_LRU = 1.2
 
 
 def _bench_args(name: str, argv: Sequence[str]) -> argparse.Namespace:
-    from kvoffload.bench.cli import BENCHES
-
     module = importlib.import_module(BENCHES[name])
     parser = argparse.ArgumentParser(prog=f"kvoffload bench {name}")
     module.add_arguments(parser)
@@ -62,8 +61,6 @@ def _bench_args(name: str, argv: Sequence[str]) -> argparse.Namespace:
 
 
 def _run_bench(name: str, argv: Sequence[str]) -> BenchResult:
-    from kvoffload.bench.cli import BENCHES
-
     result: BenchResult = importlib.import_module(BENCHES[name]).run_from_args(
         _bench_args(name, argv)
     )
@@ -323,7 +320,7 @@ def run(
     *,
     out_dir: str = "bench/results",
     date: str | None = None,
-    benches: Sequence[str] = BENCHES,
+    benches: Sequence[str] = REPORTED,
     argv: dict[str, list[str]] | None = None,
     command: str = "kvoffload bench report",
     console: Console | None = None,
@@ -333,8 +330,6 @@ def run(
     Raises:
         ConfigError: the output directory cannot be written.
     """
-    from kvoffload.bench.cli import BENCHES
-
     console = console or Console(stderr=True)
     day = date or _dt.datetime.now(_dt.timezone.utc).date().isoformat()
     folder = Path(out_dir) / day
@@ -435,7 +430,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="only re-render DIR/report.md from the JSON an earlier run left",
     )
     parser.add_argument("--date", help="report folder name (default: today, UTC)")
-    parser.add_argument("--only", default=",".join(BENCHES), help="benches to run")
+    parser.add_argument("--only", default=",".join(REPORTED), help="benches to run")
     parser.add_argument("--dir", help="scratch directory for SSD stores (O_DIRECT capable)")
     parser.add_argument("--engine-working-set", type=int, default=64, metavar="MiB")
     parser.add_argument("--engine-rounds", type=int, default=3)

@@ -42,7 +42,7 @@ class Daemon:
         env: dict[str, str] | None = None,
         defaults: bool = True,
     ) -> None:
-        args = [sys.executable, "-m", "kvoffload.bench.cli", "serve"]
+        args = [sys.executable, "-m", "kvoffload.cli", "serve"]
         if defaults:  # the test's own flags come after these, so they win
             args += ["--port", "0", "--nvme-port", "0", "--metrics-port", "0"]
             args += ["--dram", "64MiB", "--ssd", "0"]

@@ -42,7 +42,7 @@ def test_rows_cover_every_case_and_reference() -> None:
 def test_cli_writes_the_json(tmp_path: Path) -> None:
     out = tmp_path / "net.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvoffload.bench.cli", "bench", "net", "--working-set", "1"]
+        [sys.executable, "-m", "kvoffload.cli", "bench", "net", "--working-set", "1"]
         + ["--rounds", "1", "--json", str(out)],
         capture_output=True,
         text=True,

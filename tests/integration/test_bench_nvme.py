@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.bench.nvme import run
+from kvoffload.bench.nvme_bench import run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -27,7 +27,7 @@ def test_rows_cover_every_case() -> None:
 def test_cli_writes_the_json(tmp_path: Path) -> None:
     out = tmp_path / "nvme.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvoffload.bench.cli", "bench", "nvme", "--working-set", "8"]
+        [sys.executable, "-m", "kvoffload.cli", "bench", "nvme", "--working-set", "8"]
         + ["--rounds", "1", "--json", str(out)],
         capture_output=True,
         text=True,

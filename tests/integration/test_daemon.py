@@ -219,7 +219,7 @@ def test_ssd_quota_without_an_ssd_tier_is_a_config_error(tmp_path: Path) -> None
     config = tmp_path / "kvoffload.toml"
     config.write_text('[tenants.alice]\ntoken = "t"\nssd_quota_bytes = "1GiB"\n')
     proc = subprocess.run(
-        [sys.executable, "-m", "kvoffload.bench.cli", "serve", "--port", "0", "--nvme-port", "0"]
+        [sys.executable, "-m", "kvoffload.cli", "serve", "--port", "0", "--nvme-port", "0"]
         + ["--metrics-port", "0", "--dram", "16MiB", "--ssd", "0", "--config", str(config)]
         + ["--data-dir", str(tmp_path / "data")],
         capture_output=True,
@@ -531,7 +531,7 @@ def test_stats_command_prints_a_summary(start_daemon: Start) -> None:
     with Client.connect(daemon.url()) as client:
         client.put(bytes(16), b"x")
     proc = subprocess.run(
-        [sys.executable, "-m", "kvoffload.bench.cli", "stats", daemon.url()],
+        [sys.executable, "-m", "kvoffload.cli", "stats", daemon.url()],
         capture_output=True,
         text=True,
         timeout=60,

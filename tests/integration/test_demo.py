@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 NO_TORCH = """
 import sys
 sys.modules["torch"] = None  # any import of torch now fails
-from kvoffload.bench.cli import main
+from kvoffload.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -51,7 +51,7 @@ def durable_store(
 
 def serve_and_fail(data: Path, ssd: str) -> subprocess.CompletedProcess[str]:
     """Run `kvoffload serve` on `data`, expecting it to refuse to start."""
-    argv = [sys.executable, "-m", "kvoffload.bench.cli", "serve", "--port", "0",
+    argv = [sys.executable, "-m", "kvoffload.cli", "serve", "--port", "0",
             "--nvme-port", "0", "--metrics-port", "0", "--dram", "16MiB", "--ssd", ssd,
             "--data-dir", str(data)]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import kvoffload
-from kvoffload.bench.cli import main
+from kvoffload.cli import main
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -43,7 +43,7 @@ def test_bad_url_is_a_clean_error_exit(capsys: pytest.CaptureFixture[str]) -> No
 
 def test_console_script_is_installed(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "kvoffload.bench.cli", "--version"],
+        [sys.executable, "-m", "kvoffload.cli", "--version"],
         capture_output=True,
         text=True,
         timeout=60,

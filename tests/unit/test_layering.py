@@ -84,7 +84,7 @@ def test_import_edges(module: str, path: Path) -> None:
 
 def test_namespace_root_holds_only_the_bottom_layer() -> None:
     files = {p.name for p in (ROOT / "kvoffload").iterdir() if not p.name.startswith("__pycache")}
-    assert files == {"__init__.py", "errors.py", "buffers.py", "py.typed"}
+    assert files == {"__init__.py", "errors.py", "buffers.py", "cli.py", "py.typed"}
 
 
 def test_the_checker_catches_a_bad_edge(tmp_path: Path) -> None:

@@ -3,8 +3,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvoffload.bench import engine
-from kvoffload.bench.cli import main
+from kvoffload.bench import engine_bench as engine
+from kvoffload.cli import main
 
 
 def test_engine_bench_rows_and_json(tmp_path: Path) -> None:

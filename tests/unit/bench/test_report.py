@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from kvoffload.bench import report
-from kvoffload.bench.cli import BENCHES, main
+from kvoffload.bench.registry import BENCHES
+from kvoffload.cli import main
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SMALL = ["--engine-working-set", "2", "--engine-rounds", "1", "--sessions", "3",

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from kvoffload.bench import ttft
-from kvoffload.bench.cli import main
 from kvoffload.bench.replay import Payloads, replay
 from kvoffload.bench.trace import Workload, _peer_runs, _peer_work, _slot, plan
 from kvoffload.bench.workload import PROFILES, TraceShape, generate, write_jsonl
+from kvoffload.cli import main
 from kvoffload.client_sdk import Client
 from kvoffload.errors import ConfigError, CorruptBlockError
 

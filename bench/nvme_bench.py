@@ -41,7 +41,7 @@ SUBNQN = "nqn.2026-11.io.kvoffload:store"
 @contextlib.contextmanager
 def _daemon(dram: str, tmp: str) -> Iterator[dict[str, int]]:
     """A daemon with both fronts on free ports; yields front name -> port."""
-    args = [sys.executable, "-m", "kvoffload.bench.cli", "serve", "--port", "0"]
+    args = [sys.executable, "-m", "kvoffload.cli", "serve", "--port", "0"]
     args += ["--nvme-port", "0", "--metrics-port", "0", "--dram", dram, "--ssd", "0"]
     args += ["--data-dir", tmp]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
