@@ -26,9 +26,7 @@ import os
 import random
 import re
 import resource
-import socket
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -38,15 +36,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import msgpack
-
 from kvoffload.bench.common import BenchResult, Row, stop_process
+from kvoffload.bench.fuzz_load import WORKERS, Job, work
 from kvoffload.client_sdk import Client
-from kvoffload.client_sdk.wire import native as nw
-from kvoffload.client_sdk.wire import nvme_cmd as nc
-from kvoffload.client_sdk.wire import nvme_data as nd
-from kvoffload.client_sdk.wire import nvme_tcp as nt
-from kvoffload.client_sdk.wire.frames import FRAME
 from kvoffload.errors import ConfigError, KVOffloadError
 from kvoffload.kvstore.config import parse_size
 
@@ -54,17 +46,12 @@ __all__ = ["HELP", "FuzzReport", "add_arguments", "daemon", "fuzz", "run", "run_
 
 HELP = "mutated native frames and NVMe/TCP PDUs at a live daemon; a good client's latency"
 
-SUBNQN = "nqn.2026-11.io.kvoffload:store"
-HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-00000000f022"
-CC_ENABLE = (6 << 16) | (4 << 20) | (6 << 4) | 1
-_SQSIZE = 7  # 0's based: 8 commands per queue, what a daemon with queue_depth >= 8 admits
 _LISTEN = re.compile(r"^kvoffload: (\S+) listening on (\S+):(\d+)$")
 _GOOD_KEYS = 32
 # Between the good client's round trips: it measures, it does not compete for the CPU.
 _GOOD_PACE = 0.002
 _BASELINE_TRIPS = 500
 _WARMUP_TRIPS = 50  # not counted: first connections, first allocations
-_SOCKET_TIMEOUT = 2.0
 # Address space the daemon may use beyond its DRAM tier (its baseline is ~0.4 GiB).
 _DAEMON_ADDRESS_SPACE = 2 << 30
 
@@ -171,358 +158,6 @@ def _reset_peak(pid: int) -> bool:
     return True
 
 
-# ---------------------------------------------------------------------------- native frames
-
-_KEYS = [bytes([i]) * 16 for i in range(1, 9)]
-
-
-def _native_corpus() -> list[bytes]:
-    """Valid requests, as a client that said Hello sends them (request ids rewritten later)."""
-    conn = nw.NativeConnection(nw.Role.CLIENT)
-    conn.send(nw.Hello(1))
-    requests: list[tuple[nw.Event, list[bytes]]] = [
-        (nw.Put(2, _KEYS[0], 100), [bytes(100)]),
-        (nw.Put(3, _KEYS[1], 5000, parent=_KEYS[0]), [os.urandom(5000)]),
-        (nw.Get(4, _KEYS[0]), []),
-        (nw.GetMany(5, tuple(_KEYS)), []),
-        (nw.PutMany(6, tuple(_KEYS[:3]), (10, 20, 30), durable=False), [bytes(60)]),
-        (nw.Exists(7, _KEYS[2]), []),
-        (nw.Delete(8, _KEYS[3]), []),
-        (nw.Lookup(9, tuple(_KEYS)), []),
-        (nw.Prefetch(10, tuple(_KEYS)), []),
-        (nw.Stats(11), []),
-    ]
-    return [conn.send(event, payload) for event, payload in requests]
-
-
-def _hello() -> bytes:
-    return nw.NativeConnection(nw.Role.CLIENT).send(nw.Hello(1, client="fuzz"))
-
-
-def _with_id(frame: bytes, rid: int) -> bytearray:
-    out = bytearray(frame)
-    struct.pack_into("<I", out, 8, rid)
-    return out
-
-
-def _odd_meta(rng: random.Random) -> object:
-    """A msgpack value of the wrong shape for any field."""
-    choices: list[Callable[[], object]] = [
-        lambda: rng.getrandbits(64),
-        lambda: -rng.getrandbits(63),
-        lambda: "x" * rng.randint(0, 10000),
-        lambda: os.urandom(rng.choice((0, 15, 17, 1000))),
-        lambda: [None] * rng.randint(0, 5000),
-        lambda: [[]] * rng.randint(0, 5000),
-        lambda: {"a": {"b": {"c": []}}},
-        lambda: rng.random(),
-        lambda: None,
-        lambda: True,
-    ]
-    return rng.choice(choices)()
-
-
-def _mutate_native(frame: bytearray, rng: random.Random, limits: tuple[int, int]) -> bytes:
-    max_header, max_payload = limits
-    how = rng.randrange(8)
-    if how == 0:  # flip bytes
-        for _ in range(rng.randint(1, 8)):
-            frame[rng.randrange(len(frame))] ^= 1 << rng.randrange(8)
-    elif how == 1:  # a header length around the limit, or anything
-        value = rng.choice((max_header - 1, max_header, max_header + 1, rng.getrandbits(32)))
-        struct.pack_into("<I", frame, 12, value)
-    elif how == 2:  # a payload length around the limit, or anything
-        value = rng.choice((max_payload, max_payload + 1, rng.getrandbits(64), 1 << 40))
-        struct.pack_into("<Q", frame, 16, value)
-    elif how == 3:  # truncated (what follows is then misaligned)
-        return bytes(frame[: rng.randrange(len(frame))])
-    elif how == 4:  # garbage
-        return os.urandom(rng.randint(1, 4096))
-    elif how == 5:  # a header map of the wrong shape, lengths kept consistent
-        meta: dict[str, object] = {
-            rng.choice(("key", "keys", "length", "lengths", "parents", "x")): _odd_meta(rng)
-        }
-        packed: bytes = msgpack.packb(meta, use_bin_type=True)
-        head = bytearray(frame[: FRAME.size])
-        struct.pack_into("<IQ", head, 12, len(packed), 0)
-        return bytes(head) + packed
-    elif how == 6:  # unknown type, flags or version
-        frame[rng.choice((4, 5, 6, 7))] = rng.randrange(256)
-    else:  # a header that declares more than is sent, then the next frame
-        struct.pack_into("<I", frame, 12, len(frame) - FRAME.size + rng.randint(1, 64))
-    return bytes(frame)
-
-
-# ---------------------------------------------------------------------------- NVMe/TCP PDUs
-
-
-def _capsule(cmd: nc.Command, data: bytes = b"") -> bytes:
-    hlen = nt.CH.size + nc.SQE.size
-    pdo = hlen if data else 0
-    return nt.CH.pack(nt.PduType.CAPSULE_CMD, 0, hlen, pdo, hlen + len(data)) + cmd.pack() + data
-
-
-def _h2c(cid: int, ttag: int, offset: int, data: bytes, last: bool = True) -> bytes:
-    head = struct.pack("<HHII4x", cid, ttag, offset, len(data))
-    plen = 24 + len(data)
-    return nt.CH.pack(nt.PduType.H2C_DATA, 0x04 if last else 0, 24, 24, plen) + head + data
-
-
-def _nvme_corpus(rng: random.Random) -> list[bytes]:
-    cid = rng.randrange(1, 0xFFFF)
-    key = rng.choice(_KEYS)
-    return [
-        _capsule(nc.identify(cid, nd.Cns.CONTROLLER)),
-        _capsule(nc.identify(cid, nd.Cns.ACTIVE_NAMESPACES)),
-        _capsule(nc.identify(cid, nd.Cns.NAMESPACE, nsid=1, csi=1)),
-        _capsule(nc.get_log_page(cid, 2, 512)),
-        _capsule(nc.get_features(cid, 7)),
-        _capsule(nc.property_get(cid, 0, True)),
-        _capsule(nc.keep_alive(cid)),
-        _capsule(nc.kv_store(cid, 1, key, 64, in_capsule=True), os.urandom(64)),
-        _capsule(nc.kv_store(cid, 1, key, 8192, in_capsule=False)),
-        _capsule(nc.kv_retrieve(cid, 1, key, 4096)),
-        _capsule(nc.kv_exist(cid, 1, key)),
-        _capsule(nc.kv_delete(cid, 1, key)),
-        _capsule(nc.kv_list(cid, 1, b"", 4096)),
-        _h2c(cid, rng.randrange(0x10000), 0, os.urandom(rng.choice((1, 512, 4096)))),
-    ]
-
-
-def _mutate_nvme(pdu: bytes, rng: random.Random) -> bytes:
-    out = bytearray(pdu)
-    how = rng.randrange(6)
-    if how == 5 and len(out) >= 72:  # huge length fields: SGL length, NUMDL, NUMDU
-        offset, bits = rng.choice(((36, 0xFFFF0000), (48, 0xFFFF0000), (52, 0x0000FFFF)))
-        struct.pack_into("<I", out, offset, struct.unpack_from("<I", out, offset)[0] | bits)
-    elif how == 0:  # flip bytes anywhere
-        for _ in range(rng.randint(1, 8)):
-            out[rng.randrange(len(out))] ^= 1 << rng.randrange(8)
-    elif how == 1 and len(out) >= 72:  # random command dwords (opcode, NSID, SGL, CDW10..15)
-        offset = rng.choice((8, 12, 32, 36, 40, 48, 52, 56, 60, 64, 68))
-        struct.pack_into("<I", out, offset, rng.getrandbits(32))
-    elif how == 2:  # PLEN / HLEN / PDO
-        struct.pack_into("<I", out, 4, rng.choice((0, 7, 1 << 20, rng.getrandbits(32))))
-        if rng.random() < 0.5:
-            out[rng.choice((2, 3))] = rng.randrange(256)
-    elif how == 3:
-        return bytes(out[: rng.randrange(len(out))])
-    else:
-        return os.urandom(rng.randint(1, 2048))
-    return bytes(out)
-
-
-def _nvme_queue(sock: socket.socket, qid: int, cntlid: int) -> int | None:
-    """ICReq and Fabrics Connect on a fresh socket; the controller id, or None if refused."""
-    host = nt.NvmeTcpConnection(nt.Role.HOST)
-    sock.sendall(host.send(nt.ICReq()))
-    data = nd.ConnectData(bytes(16), cntlid, SUBNQN, HOSTNQN).pack()
-    connect = nc.connect(1, qid, _SQSIZE)
-    answered = None
-    while answered is None:
-        chunk = sock.recv(65536)
-        if not chunk:
-            return None
-        host.receive_data(chunk)
-        while (event := host.next_event()) is not nt.NEED_DATA:
-            if isinstance(event, nt.ICResp):
-                sock.sendall(host.send(nt.CapsuleCmd(connect, len(data)), [data]))
-            elif isinstance(event, nt.CapsuleResp):
-                answered = event.completion
-            elif isinstance(event, nt.ConnectionClosed):
-                return None
-    if not answered.ok:
-        return None
-    if qid == 0:  # enable the controller, as a host does before any other command
-        sock.sendall(_capsule(nc.property_set(2, 0x14, CC_ENABLE)))
-    return answered.dw0 & 0xFFFF
-
-
-# ---------------------------------------------------------------------------- fuzz workers
-
-
-@dataclass
-class _Job:
-    kind: str
-    host: str
-    port: int
-    quota: int
-    deadline: float  # time.time() based: comparable across processes
-    seed: int
-    limits: tuple[int, int]  # the native front's max header / payload bytes (mutation targets)
-    nvme_port: int = 0
-
-
-def _drain(sock: socket.socket) -> bool:
-    """Read and drop what the daemon sent; False once it closed the connection."""
-    sock.setblocking(False)  # a socket with a timeout would wait for data, flags or not
-    try:
-        while True:
-            if not sock.recv(1 << 20):
-                return False
-    except (BlockingIOError, InterruptedError):
-        return True
-    except OSError:
-        return False
-    finally:
-        sock.settimeout(_SOCKET_TIMEOUT)
-
-
-def _send(sock: socket.socket, data: bytes) -> bool:
-    try:
-        sock.sendall(data)
-    except OSError:  # closed by the daemon, or it stopped reading us (flow control)
-        return False
-    return _drain(sock)
-
-
-def _connect(job: _Job, port: int) -> socket.socket | None:
-    try:
-        sock = socket.create_connection((job.host, port), timeout=_SOCKET_TIMEOUT)
-    except OSError:
-        time.sleep(0.01)
-        return None
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
-
-
-def _close(sock: socket.socket, rng: random.Random) -> None:
-    if rng.random() < 0.3:  # an abrupt reset instead of a clean close
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    sock.close()
-
-
-def _native_worker(job: _Job) -> tuple[int, int]:
-    rng = random.Random(job.seed)
-    corpus, hello = _native_corpus(), _hello()
-    sent = conns = 0
-    while sent < job.quota and time.time() < job.deadline:
-        sock = _connect(job, job.port)
-        if sock is None:
-            continue
-        conns += 1
-        first = hello if rng.random() < 0.9 else _mutate_native(bytearray(hello), rng, job.limits)
-        alive = _send(sock, first)
-        sent += 1
-        rid = 2
-        for _ in range(rng.randint(1, 40)):
-            if not alive or sent >= job.quota:
-                break
-            frame = _with_id(rng.choice(corpus), rid)
-            rid += 1
-            data = _mutate_native(frame, rng, job.limits) if rng.random() < 0.3 else bytes(frame)
-            alive = _send(sock, data)
-            sent += 1
-        _close(sock, rng)
-    return sent, conns
-
-
-def _nvme_worker(job: _Job) -> tuple[int, int]:
-    rng = random.Random(job.seed)
-    sent = conns = 0
-    while sent < job.quota and time.time() < job.deadline:
-        admin = _connect(job, job.nvme_port)
-        if admin is None:
-            continue
-        conns += 1
-        socks = [admin]
-        try:
-            cntlid = _nvme_queue(admin, 0, 0xFFFF)
-            if cntlid is not None and rng.random() < 0.5:
-                io = _connect(job, job.nvme_port)
-                if io is not None:
-                    conns += 1
-                    socks.append(io)
-                    if _nvme_queue(io, 1, cntlid) is None:
-                        socks.pop().close()
-        except (OSError, KVOffloadError):
-            cntlid = None
-        sent += 2
-        sock = socks[-1]
-        alive = True
-        for _ in range(rng.randint(1, 40)):
-            if not alive or sent >= job.quota:
-                break
-            pdu = rng.choice(_nvme_corpus(rng))
-            alive = _send(sock, _mutate_nvme(pdu, rng) if rng.random() < 0.4 else pdu)
-            sent += 1
-        for s in reversed(socks):
-            _close(s, rng)
-    return sent, conns
-
-
-def _slow_worker(job: _Job) -> tuple[int, int]:
-    """A valid put header, then its payload a few bytes at a time, until the daemon cuts the
-    connection off (its frame timeout) or the worker's share is sent; several at once."""
-    rng = random.Random(job.seed)
-    hello = _hello()
-    sent = conns = 0
-    while sent < job.quota and time.time() < job.deadline:
-        socks: list[socket.socket] = []
-        for rid in range(2, 6):
-            sock = _connect(job, job.port)
-            if sock is None:
-                continue
-            conns += 1
-            put = nw.NativeConnection(nw.Role.CLIENT)
-            put.send(nw.Hello(1))
-            head = put.send_parts(nw.Put(rid, rng.choice(_KEYS), 1 << 20), [bytes(1 << 20)])[0]
-            if _send(sock, hello + bytes(head)):
-                socks.append(sock)
-            sent += 2
-        # Each trickled piece counts as a frame sent (a piece of one).
-        while socks and sent < job.quota and time.time() < job.deadline:
-            for sock in list(socks):
-                sent += 1
-                if not _send(sock, os.urandom(rng.randint(1, 16))):
-                    socks.remove(sock)
-                    sock.close()
-            time.sleep(0.05)
-        for sock in socks:
-            sock.close()
-    return sent, conns
-
-
-def _crowd_worker(job: _Job) -> tuple[int, int]:
-    """Many connections at once, each with half a Hello (or ICReq), held a while, then
-    dropped."""
-    rng = random.Random(job.seed)
-    firsts = {job.port: _hello()}
-    if job.nvme_port:
-        firsts[job.nvme_port] = nt.NvmeTcpConnection(nt.Role.HOST).send(nt.ICReq())
-    sent = conns = 0
-    while sent < job.quota and time.time() < job.deadline:
-        socks = []
-        for _ in range(min(64, job.quota - sent)):
-            port = rng.choice(list(firsts))
-            sock = _connect(job, port)
-            if sock is None:
-                break
-            conns += 1
-            _send(sock, firsts[port][: rng.randrange(1, len(firsts[port]))])
-            socks.append(sock)
-            sent += 1
-        time.sleep(min(0.2, max(0.0, job.deadline - time.time())))
-        for sock in socks:
-            _close(sock, rng)
-        # Rest between crowds: a daemon with few connection slots must also see the others.
-        time.sleep(min(0.5, max(0.0, job.deadline - time.time())))
-    return sent, conns
-
-
-_WORKERS: dict[str, Callable[[_Job], tuple[int, int]]] = {
-    "native": _native_worker,
-    "nvme": _nvme_worker,
-    "slow": _slow_worker,
-    "crowd": _crowd_worker,
-}
-
-
-def _work(job: _Job) -> tuple[str, int, int]:
-    sent, conns = _WORKERS[job.kind](job)
-    return job.kind, sent, conns
-
-
 # ---------------------------------------------------------------------------- the good client
 
 
@@ -601,7 +236,7 @@ def fuzz(
         shares = {"native": 30, "nvme": 20, "slow": 1, "crowd": 1}
         weight = sum(shares[k] for k in kinds)
         jobs = [
-            _Job(
+            Job(
                 kind,
                 "127.0.0.1",
                 native_port,
@@ -618,7 +253,7 @@ def fuzz(
         ctx = multiprocessing.get_context("spawn")
         try:
             with ctx.Pool(len(jobs)) as pool:
-                results = pool.map_async(_work, jobs).get(seconds + 120)
+                results = pool.map_async(work, jobs).get(seconds + 120)
         finally:
             stop.set()
             good.join()
@@ -708,7 +343,7 @@ def run(
     seconds: float = 60.0,
     workers: int = 4,
     seed: int = 0,
-    kinds: Sequence[str] = tuple(_WORKERS),
+    kinds: Sequence[str] = tuple(WORKERS),
 ) -> BenchResult:
     result = BenchResult("fuzz")
     if url is not None:
@@ -764,8 +399,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--kinds",
-        default=",".join(_WORKERS),
-        help=f"fuzz workers to run, comma-separated (default all: {','.join(_WORKERS)})",
+        default=",".join(WORKERS),
+        help=f"fuzz workers to run, comma-separated (default all: {','.join(WORKERS)})",
     )
 
 
