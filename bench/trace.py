@@ -14,8 +14,6 @@ and the TTFT model plugs in load times of real-size blocks measured in the same 
 from __future__ import annotations
 
 import argparse
-import functools
-import heapq
 import json
 import os
 import shutil
@@ -25,29 +23,41 @@ import tempfile
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import numpy.typing as npt
 from rich.console import Console
 from rich.progress import Progress
-from rich.table import Table
 
 from kvoffload.bench import common, ttft
-from kvoffload.bench.common import BenchResult, Row
 from kvoffload.bench.replay import Payloads, ReplayResult, replay
+from kvoffload.bench.trace_model import (
+    DEFAULT_PAYLOAD,
+    PEERS,
+    Config,
+    Run,
+    Workload,
+    block_slot,
+    plan,
+    ssd_bytes,
+)
+from kvoffload.bench.trace_tables import (
+    TraceResult,
+    result_notes,
+    result_rows,
+    run_details,
+    ttft_summary,
+)
 from kvoffload.bench.workload import (
     PROFILES,
     ModelProfile,
     Trace,
     TraceShape,
-    chain_keys,
     generate,
     read_jsonl,
     write_jsonl,
 )
-from kvoffload.client_sdk import BlockKey, Client, Namespace
+from kvoffload.client_sdk import BlockKey, Client
 from kvoffload.errors import ConfigError, InvalidArgumentError
 from kvoffload.kvstore import POLICIES
 from kvoffload.kvstore.config import PAGE
@@ -56,186 +66,6 @@ __all__ = ["HELP", "PEERS", "TraceResult", "Workload", "add_arguments", "run", "
 
 HELP = "multi-turn trace replay: eviction policies x capacities, vLLM and LMCache side by side"
 
-# Peer name -> (package, environment variable naming the Python that has it).
-PEERS: dict[str, tuple[str, str]] = {
-    "vllm_lru": ("vllm", "KVOFFLOAD_VLLM_PYTHON"),
-    "vllm_arc": ("vllm", "KVOFFLOAD_VLLM_PYTHON"),
-    "lmcache": ("lmcache", "KVOFFLOAD_LMCACHE_PYTHON"),
-}
-SSD_SHARE = 0.75  # of a DRAM+SSD capacity, the SSD's part
-DEFAULT_PAYLOAD = 3968  # + the 96-byte block header = one 4 KiB slot
-CDF_POINTS = 101  # quantiles kept per run for latency CDFs
-
-
-@dataclass
-class Workload:
-    """A trace made concrete for one model and block size: chains of block keys."""
-
-    trace: Trace
-    profile: ModelProfile
-    namespace: Namespace
-    chains: list[list[BlockKey]]
-    prompt_tokens: npt.NDArray[np.int64]
-
-    @classmethod
-    def build(
-        cls, trace: Trace, profile: ModelProfile, block_tokens: int, salt: str = ""
-    ) -> Workload:
-        namespace = profile.namespace(block_tokens, salt)
-        prompts = np.array([r.prompt_tokens for r in trace.requests], dtype=np.int64)
-        return cls(trace, profile, namespace, chain_keys(trace.requests, namespace), prompts)
-
-    @property
-    def block_tokens(self) -> int:
-        return self.namespace.block_tokens
-
-    @property
-    def working_set(self) -> int:
-        """Distinct blocks in the trace: what an unbounded store ends up holding."""
-        return len({key for chain in self.chains for key in chain})
-
-    def belady_hit_tokens(self, capacity: int) -> int:
-        """Hit tokens of the offline Belady rule at `capacity` blocks: evict the block whose
-        next use is farthest away (deepest first among equals), under the replay's rules (a
-        request stores every block after its hit). A clairvoyant reference for the headroom
-        an online policy could reach, not a policy."""
-        never = len(self.chains)
-        next_use: list[list[int]] = [[] for _ in self.chains]
-        last: dict[BlockKey, int] = {}
-        for i in range(len(self.chains) - 1, -1, -1):
-            next_use[i] = [last.get(k, never) for k in self.chains[i]]
-            for k in self.chains[i]:
-                last[k] = i
-        due: dict[BlockKey, int] = {}  # stored block -> index of its next use
-        heap: list[tuple[int, int, BlockKey]] = []  # (-next use, -depth, key), lazily valid
-        hits = 0
-        for i, chain in enumerate(self.chains):
-            hit = 0
-            for key in chain:
-                if key not in due:
-                    break
-                hit += 1
-            hits += hit
-            for j, key in enumerate(chain):
-                if key not in due:
-                    while len(due) >= capacity:
-                        when, _, victim = heapq.heappop(heap)
-                        if due.get(victim) == -when:
-                            del due[victim]
-                due[key] = next_use[i][j]
-                heapq.heappush(heap, (-next_use[i][j], -j, key))
-        return hits * self.block_tokens
-
-    def ideal_hit_tokens(self) -> int:
-        """Hit tokens with unbounded capacity: every block seen before is a hit."""
-        seen: set[BlockKey] = set()
-        hits = 0
-        for chain in self.chains:
-            for key in chain:
-                if key not in seen:
-                    break
-                hits += 1
-            seen.update(chain)
-        return hits * self.block_tokens
-
-
-@dataclass(frozen=True)
-class Config:
-    """One store configuration of the sweep."""
-
-    system: str  # a kvoffload policy ("lru", "prefix", ...) or a peer ("vllm_arc", ...)
-    ssd: bool
-    percent: int
-    dram_blocks: int
-    ssd_blocks: int = 0
-
-    @property
-    def label(self) -> str:
-        return f"{self.system}+ssd" if self.ssd else self.system
-
-    @property
-    def case(self) -> str:
-        return f"hit_tokens/{self.label}/{self.percent}%"
-
-
-@dataclass
-class Run:
-    config: Config
-    hit_blocks: npt.NDArray[np.int64] | None = None
-    seconds: npt.NDArray[np.float64] | None = None  # per request (load + store)
-    load_s: npt.NDArray[np.float64] | None = None
-    ssd_hits: npt.NDArray[np.int64] | None = None
-    bytes_read: int = 0
-    bytes_written: int = 0
-    wall_s: float = 0.0
-    verified_blocks: int = 0
-    error: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.hit_blocks is not None
-
-
-@dataclass
-class TraceResult(BenchResult):
-    """The bench's rows plus the tables printed next to them."""
-
-    details: dict[str, object] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, object]:
-        out = super().as_dict()
-        out["details"] = self.details
-        return out
-
-    def print(self, console: Console | None = None) -> None:
-        console = console or Console()
-        _print_tables(self.details, console)
-        super().print(console)
-
-
-# ------------------------------------------------------------------------------- planning
-
-
-@functools.cache
-def _header_bytes() -> int:
-    """What the SDK adds to each stored value (its block header), read from a store's own
-    counters so the bench needs no private knowledge of the format."""
-    with Client.connect("local://?dram=1MiB&prefault=0") as client:
-        client.put(bytes(16), b"x")
-        tiers = client.stats().store["tiers"]
-        assert isinstance(tiers, (list, tuple))
-        return int(tiers[0]["stored_bytes"]) - 1
-
-
-def _slot(payload: int) -> int:
-    """The DRAM slot of one stored block (payload + SDK header, rounded to pages)."""
-    return -(-(payload + _header_bytes()) // PAGE) * PAGE
-
-
-def _ssd_bytes(blocks: int, slot: int) -> int:
-    """SSD capacity holding `blocks` blocks: the tier adds a header page per slot."""
-    return blocks * (slot + PAGE)
-
-
-def plan(
-    working_set: int,
-    percents: Sequence[int],
-    systems: Sequence[str],
-    tiers: Sequence[str],
-    ssd_percents: Sequence[int] | None = None,
-) -> list[Config]:
-    configs = []
-    for tier in tiers:
-        for percent in ssd_percents if tier == "ssd" and ssd_percents is not None else percents:
-            total = max(2, round(working_set * percent / 100))
-            for system in systems:
-                if tier == "ssd":
-                    dram = max(1, round(total * (1 - SSD_SHARE)))
-                    configs.append(Config(system, True, percent, dram, total - dram))
-                else:
-                    configs.append(Config(system, False, percent, total))
-    return configs
-
 
 def _local_url(config: Config, slot: int, scratch: Path | None) -> str:
     params = f"dram={config.dram_blocks * slot}&max_value={slot}&prefault=0&policy={config.system}"
@@ -243,7 +73,7 @@ def _local_url(config: Config, slot: int, scratch: Path | None) -> str:
         return f"local://?{params}"
     assert scratch is not None
     path = scratch / f"store-{config.system}-{config.percent}"
-    return f"local://{path}?{params}&ssd={_ssd_bytes(config.ssd_blocks, slot)}"
+    return f"local://{path}?{params}&ssd={ssd_bytes(config.ssd_blocks, slot)}"
 
 
 # ------------------------------------------------------------------------------- running
@@ -292,7 +122,7 @@ def _describe(store: dict[str, object], work: Workload, payload: int) -> Config:
     if not isinstance(tiers, (list, tuple)):
         tiers = ()
     sizes = [int(t.get("capacity_bytes", 0)) if isinstance(t, dict) else 0 for t in tiers]
-    slot = _slot(payload)
+    slot = block_slot(payload)
     dram = sizes[0] // slot if sizes else 0
     ssd = sizes[1] // (slot + PAGE) if len(sizes) > 1 else 0
     percent = round(100 * (dram + ssd) / max(1, work.working_set))
@@ -408,138 +238,6 @@ def measure_load_costs(url_for: Callable[[bool], str | None], profile: ModelProf
     return ttft.LoadCosts(dram_s, ssd_s)
 
 
-# ------------------------------------------------------------------------------- results
-
-
-def _quantiles(values: npt.NDArray[np.float64]) -> list[float]:
-    return [round(float(v), 6) for v in np.quantile(values, np.linspace(0, 1, CDF_POINTS))]
-
-
-def _ttft_summary(seconds: npt.NDArray[np.float64]) -> dict[str, object]:
-    ms = seconds * 1e3
-    return {"mean_ms": round(float(ms.mean()), 3), "p50_ms": round(float(np.median(ms)), 3),
-            "p90_ms": round(float(np.quantile(ms, 0.9)), 3), "cdf_ms": _quantiles(ms)}  # fmt: skip
-
-
-def _run_details(run: Run, work: Workload, costs: ttft.LoadCosts | None,
-                 gpus: Sequence[str]) -> dict[str, object]:  # fmt: skip
-    c = run.config
-    out: dict[str, object] = {
-        "system": c.system, "tier": "dram+ssd" if c.ssd else "dram", "percent": c.percent,
-        "dram_blocks": c.dram_blocks, "ssd_blocks": c.ssd_blocks, "error": run.error,
-    }  # fmt: skip
-    if not run.ok or run.hit_blocks is None or run.seconds is None:
-        return out
-    hit_tokens = run.hit_blocks * work.block_tokens
-    prompt_total = int(work.prompt_tokens.sum())
-    out.update(
-        hit_tokens=int(hit_tokens.sum()),
-        hit_ratio=round(float(hit_tokens.sum()) / max(1, prompt_total), 5),
-        bytes_read=run.bytes_read,
-        bytes_written=run.bytes_written,
-        wall_s=round(run.wall_s, 3),
-        ms_per_request=round(1e3 * float(run.seconds.mean()), 4),
-        verified_blocks=run.verified_blocks,
-        request_ms_cdf=_quantiles(run.seconds * 1e3),
-    )
-    if run.load_s is not None:
-        out["load_ms_cdf"] = _quantiles(run.load_s * 1e3)
-    if costs is not None and c.system in POLICIES:
-        ssd_hits = run.ssd_hits if run.ssd_hits is not None else np.zeros_like(run.hit_blocks)
-        model: dict[str, object] = {}
-        for name in gpus:
-            t = ttft.ttft_seconds(work.profile, ttft.GPUS[name], work.prompt_tokens,
-                                  run.hit_blocks, ssd_hits, work.block_tokens, costs)  # fmt: skip
-            model[name] = _ttft_summary(t)
-        out["ttft_model"] = model
-        out["ssd_hit_blocks"] = int(ssd_hits.sum())
-    return out
-
-
-def _rows(
-    runs: list[Run], policies: Sequence[str], peers: Sequence[str], work: Workload
-) -> list[Row]:
-    """`hit_tokens/<policy>[+ssd]/<pct>%` against lru (same tier) and each peer that was asked
-    for (vLLM's LRU and ARC, LMCache)."""
-    by_key = {(r.config.system, r.config.ssd, r.config.percent): r for r in runs}
-    rows = []
-    for run in runs:
-        c = run.config
-        if c.system not in policies or run.hit_blocks is None:
-            continue
-        value = float(run.hit_blocks.sum() * work.block_tokens)
-        for ref in ("lru", *peers):
-            if ref == c.system:
-                continue
-            other = by_key.get((ref, c.ssd, c.percent))
-            if other is None and ref in POLICIES:
-                continue  # our own policy, not part of this sweep
-            if other is None:
-                note = "no disk tier driven for this peer" if c.ssd else "peer not run"
-                rows.append(Row(c.case, value, "tokens", ref, None, note=note))
-            elif other.hit_blocks is None:
-                rows.append(Row(c.case, value, "tokens", ref, None, note=other.error))
-            else:
-                ref_value = float(other.hit_blocks.sum() * work.block_tokens)
-                rows.append(Row(c.case, value, "tokens", ref, ref_value))
-    return rows
-
-
-def _print_tables(details: dict[str, object], console: Console) -> None:
-    trace = details.get("trace", {})
-    runs = details.get("runs", [])
-    assert isinstance(trace, dict) and isinstance(runs, list)
-    console.print(
-        f"[bold]trace[/] {trace.get('source')}: {trace.get('requests', 0):,.0f} requests, "
-        f"{trace.get('conversations', 0):,.0f} conversations, mean prompt "
-        f"{trace.get('prompt_tokens_mean', 0):,.0f} tokens; working set "
-        f"{details.get('working_set_blocks', 0):,} blocks of {details.get('block_tokens')} "
-        f"tokens; ideal hit ratio {details.get('ideal_hit_ratio', 0):.3f}"
-    )
-    systems = list(dict.fromkeys(f"{r['system']}{'+ssd' if r['tier'] != 'dram' else ''}"
-                                 for r in runs))  # fmt: skip
-    table = Table(title="hit ratio (and ms per request) by capacity, % of the working set")
-    table.add_column("capacity", justify="right")
-    for s in systems:
-        table.add_column(s, justify="right")
-    belady = details.get("belady_hit_tokens", {})
-    trace_tokens = float(trace.get("prompt_tokens_total", 0)) or 1.0
-    assert isinstance(belady, dict)
-    table.add_column("belady (offline)", justify="right")
-    for percent in sorted({r["percent"] for r in runs}):
-        cells = []
-        for s in systems:
-            match = [r for r in runs if r["percent"] == percent and
-                     f"{r['system']}{'+ssd' if r['tier'] != 'dram' else ''}" == s]  # fmt: skip
-            if not match:
-                cells.append("")
-            elif "hit_ratio" not in match[0]:
-                cells.append("n/a")
-            else:
-                cells.append(f"{match[0]['hit_ratio']:.3f} ({match[0]['ms_per_request']:.2f})")
-        ref = belady.get(str(percent))
-        cells.append("" if ref is None else f"{ref / trace_tokens:.3f}")
-        table.add_row(f"{percent}%", *cells)
-    console.print(table)
-    ttft_rows = [r for r in runs if "ttft_model" in r]
-    base = details.get("ttft_no_cache", {})
-    if ttft_rows and isinstance(base, dict):
-        gpu = next(iter(base))
-        t = Table(title=f"TTFT (model, {ttft.GPUS[gpu].name}; see notes): mean / p90 ms")
-        t.add_column("run")
-        t.add_column("mean", justify="right")
-        t.add_column("p90", justify="right")
-        t.add_row("no store", f"{base[gpu]['mean_ms']:.1f}", f"{base[gpu]['p90_ms']:.1f}")
-        for r in ttft_rows:
-            m = r["ttft_model"][gpu]
-            label = f"{r['system']}{'+ssd' if r['tier'] != 'dram' else ''} @ {r['percent']}%"
-            t.add_row(label, f"{m['mean_ms']:.1f}", f"{m['p90_ms']:.1f}")
-        console.print(t)
-
-
-# ------------------------------------------------------------------------------- entry
-
-
 @contextmanager
 def _scratch(directory: str | None) -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="kvoffload-bench-trace-", dir=directory))
@@ -597,7 +295,7 @@ def run(
     work = Workload.build(trace, profile, block_tokens, salt)
     size = profile.bytes_per_token * block_tokens if full else payload
     payloads = Payloads(size)
-    slot = _slot(size)
+    slot = block_slot(size)
     working_set = work.working_set
     result = TraceResult("trace")
     configs = [] if url else plan(working_set, percents, policies, tiers, ssd_percents)
@@ -637,13 +335,13 @@ def run(
         def url_for(ssd: bool, target: str | None = url) -> str | None:
             if target:
                 return None if ssd else target
-            real = _slot(profile.bytes_per_token * block_tokens)
+            real = block_slot(profile.bytes_per_token * block_tokens)
             base = f"dram={64 * real}&max_value={real}&prefault=0"
             if not ssd:
                 return f"local://?{base}"
             if "ssd" not in tiers:
                 return None
-            return f"local://{scratch / 'calibration'}?{base}&ssd={_ssd_bytes(64, real)}"
+            return f"local://{scratch / 'calibration'}?{base}&ssd={ssd_bytes(64, real)}"
 
         calibration = ""
         try:
@@ -655,12 +353,10 @@ def run(
     prompt_total = int(work.prompt_tokens.sum())
     summary = trace.summary()
     own = policies if not url else [r.config.system for r in runs]
-    result.rows = _rows(runs, own, [] if url else peers, work)
+    result.rows = result_rows(runs, own, [] if url else peers, work)
     none = np.zeros_like(work.prompt_tokens)
     no_cache = {
-        name: _ttft_summary(
-            ttft.prefill_seconds(profile, ttft.GPUS[name], work.prompt_tokens, none)
-        )
+        name: ttft_summary(ttft.prefill_seconds(profile, ttft.GPUS[name], work.prompt_tokens, none))
         for name in gpus
     }
     result.details = {
@@ -684,50 +380,12 @@ def run(
         "gpus": {g: vars(ttft.GPUS[g]) for g in gpus},
         "ttft_no_cache": no_cache,
         "peers": peer_info,
-        "runs": [_run_details(r, work, costs, gpus) for r in runs],
+        "runs": [run_details(r, work, costs, gpus) for r in runs],
     }  # fmt: skip
-    result.notes += _notes(work, size, full, costs, url, peer_info)
+    result.notes += result_notes(work, size, full, costs, url, peer_info)
     if calibration:
         result.notes.append(calibration)
     return result
-
-
-def _notes(work: Workload, size: int, full: bool, costs: ttft.LoadCosts, url: str | None,
-           peer_info: dict[str, object]) -> list[str]:  # fmt: skip
-    real = work.profile.bytes_per_token * work.block_tokens
-    notes = [
-        f"model {work.profile.name}: {work.profile.bytes_per_token:,} B/token per rank, "
-        f"{work.block_tokens}-token blocks of {real:,} B",
-        (
-            f"blocks stored at their real size ({size:,} B)"
-            if full
-            else f"scaled: each block's payload is {size:,} B instead of {real:,} B and every "
-            "capacity is a number of blocks, so hit counts are those of real-size blocks; bytes "
-            "read and written are of the scaled payloads"
-        ),
-        "hit tokens count leading blocks loaded and verified bit for bit; a request stores "
-        "every block after its hit, with its parent key",
-        f"DRAM+SSD runs split each capacity {1 - SSD_SHARE:.0%} DRAM / {SSD_SHARE:.0%} SSD "
-        "(admission: the engine default)",
-        "TTFT is a MODEL: prefill = (2 P (n-h) + 2 L d (n^2-h^2)) / (tp x peak x mfu), plus "
-        f"measured load time per real-size block (DRAM {costs.dram_s * 1e3:.3f} ms"
-        + (f", SSD {costs.ssd_s * 1e3:.3f} ms" if costs.ssd_s is not None else "")
-        + ") plus the host-to-GPU copy at the profile's bandwidth",
-    ]
-    if url:
-        notes.append(f"replayed once against {url} (its own policy and capacity)")
-    for peer, info in peer_info.items():
-        assert isinstance(info, dict)
-        if info.get("error"):
-            package = PEERS[peer][0]
-            notes.append(f"{peer}: absent or failed: {info['error']} (skipped; `bash "
-                         f".ci/engines.sh {package}` builds .venv-{package}, which is found "
-                         f"by itself, or name a Python with --{package}-python)")  # fmt: skip
-        else:
-            notes.append(f"{peer}: version {info.get('version')} via {info.get('python')}")
-            if info.get("note"):
-                notes.append(f"{peer}: {info['note']}")
-    return notes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

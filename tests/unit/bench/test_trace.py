@@ -15,7 +15,7 @@ import pytest
 
 from kvoffload.bench import ttft
 from kvoffload.bench.replay import Payloads, replay
-from kvoffload.bench.trace import Workload, _peer_runs, _peer_work, _slot, plan
+from kvoffload.bench.trace import Workload, _peer_runs, _peer_work, block_slot, plan
 from kvoffload.bench.workload import PROFILES, TraceShape, generate, write_jsonl
 from kvoffload.cli import main
 from kvoffload.client_sdk import Client
@@ -31,7 +31,7 @@ def work() -> Workload:
 
 
 def _url(blocks: int, policy: str) -> str:
-    slot = _slot(PAYLOAD)
+    slot = block_slot(PAYLOAD)
     return f"local://?dram={blocks * slot}&max_value={slot}&slab={slot}&prefault=0&policy={policy}"
 
 
@@ -78,7 +78,7 @@ def test_replay_at_full_capacity_hits_everything_seen_before(work: Workload) -> 
 
 
 def test_replay_with_an_ssd_tier(work: Workload, tmp_path: Path) -> None:
-    slot = _slot(PAYLOAD)
+    slot = block_slot(PAYLOAD)
     url = (f"local://{tmp_path / 'store'}?dram={32 * slot}&max_value={slot}&slab={slot}"
            f"&prefault=0&policy=prefix&ssd={64 * (slot + 4096) * 4}&admit=1")  # fmt: skip
     with Client.connect(url, namespace=work.namespace) as client:

@@ -1,0 +1,209 @@
+"""`bench trace`'s results: per-run details, rows, notes and the printed tables."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+from rich.console import Console
+from rich.table import Table
+
+from kvoffload.bench import ttft
+from kvoffload.bench.common import BenchResult, Row
+from kvoffload.bench.trace_model import (
+    CDF_POINTS,
+    PEERS,
+    SSD_SHARE,
+    Run,
+    Workload,
+)
+from kvoffload.kvstore import POLICIES
+
+
+@dataclass
+class TraceResult(BenchResult):
+    """The bench's rows plus the tables printed next to them."""
+
+    details: dict[str, object] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        out = super().as_dict()
+        out["details"] = self.details
+        return out
+
+    def print(self, console: Console | None = None) -> None:
+        console = console or Console()
+        print_tables(self.details, console)
+        super().print(console)
+
+
+# ------------------------------------------------------------------------------- results
+
+
+def quantiles(values: npt.NDArray[np.float64]) -> list[float]:
+    return [round(float(v), 6) for v in np.quantile(values, np.linspace(0, 1, CDF_POINTS))]
+
+
+def ttft_summary(seconds: npt.NDArray[np.float64]) -> dict[str, object]:
+    ms = seconds * 1e3
+    return {"mean_ms": round(float(ms.mean()), 3), "p50_ms": round(float(np.median(ms)), 3),
+            "p90_ms": round(float(np.quantile(ms, 0.9)), 3), "cdf_ms": quantiles(ms)}  # fmt: skip
+
+
+def run_details(run: Run, work: Workload, costs: ttft.LoadCosts | None,
+                 gpus: Sequence[str]) -> dict[str, object]:  # fmt: skip
+    c = run.config
+    out: dict[str, object] = {
+        "system": c.system, "tier": "dram+ssd" if c.ssd else "dram", "percent": c.percent,
+        "dram_blocks": c.dram_blocks, "ssd_blocks": c.ssd_blocks, "error": run.error,
+    }  # fmt: skip
+    if not run.ok or run.hit_blocks is None or run.seconds is None:
+        return out
+    hit_tokens = run.hit_blocks * work.block_tokens
+    prompt_total = int(work.prompt_tokens.sum())
+    out.update(
+        hit_tokens=int(hit_tokens.sum()),
+        hit_ratio=round(float(hit_tokens.sum()) / max(1, prompt_total), 5),
+        bytes_read=run.bytes_read,
+        bytes_written=run.bytes_written,
+        wall_s=round(run.wall_s, 3),
+        ms_per_request=round(1e3 * float(run.seconds.mean()), 4),
+        verified_blocks=run.verified_blocks,
+        request_ms_cdf=quantiles(run.seconds * 1e3),
+    )
+    if run.load_s is not None:
+        out["load_ms_cdf"] = quantiles(run.load_s * 1e3)
+    if costs is not None and c.system in POLICIES:
+        ssd_hits = run.ssd_hits if run.ssd_hits is not None else np.zeros_like(run.hit_blocks)
+        model: dict[str, object] = {}
+        for name in gpus:
+            t = ttft.ttft_seconds(work.profile, ttft.GPUS[name], work.prompt_tokens,
+                                  run.hit_blocks, ssd_hits, work.block_tokens, costs)  # fmt: skip
+            model[name] = ttft_summary(t)
+        out["ttft_model"] = model
+        out["ssd_hit_blocks"] = int(ssd_hits.sum())
+    return out
+
+
+def result_rows(
+    runs: list[Run], policies: Sequence[str], peers: Sequence[str], work: Workload
+) -> list[Row]:
+    """`hit_tokens/<policy>[+ssd]/<pct>%` against lru (same tier) and each peer that was asked
+    for (vLLM's LRU and ARC, LMCache)."""
+    by_key = {(r.config.system, r.config.ssd, r.config.percent): r for r in runs}
+    rows = []
+    for run in runs:
+        c = run.config
+        if c.system not in policies or run.hit_blocks is None:
+            continue
+        value = float(run.hit_blocks.sum() * work.block_tokens)
+        for ref in ("lru", *peers):
+            if ref == c.system:
+                continue
+            other = by_key.get((ref, c.ssd, c.percent))
+            if other is None and ref in POLICIES:
+                continue  # our own policy, not part of this sweep
+            if other is None:
+                note = "no disk tier driven for this peer" if c.ssd else "peer not run"
+                rows.append(Row(c.case, value, "tokens", ref, None, note=note))
+            elif other.hit_blocks is None:
+                rows.append(Row(c.case, value, "tokens", ref, None, note=other.error))
+            else:
+                ref_value = float(other.hit_blocks.sum() * work.block_tokens)
+                rows.append(Row(c.case, value, "tokens", ref, ref_value))
+    return rows
+
+
+def print_tables(details: dict[str, object], console: Console) -> None:
+    trace = details.get("trace", {})
+    runs = details.get("runs", [])
+    assert isinstance(trace, dict) and isinstance(runs, list)
+    console.print(
+        f"[bold]trace[/] {trace.get('source')}: {trace.get('requests', 0):,.0f} requests, "
+        f"{trace.get('conversations', 0):,.0f} conversations, mean prompt "
+        f"{trace.get('prompt_tokens_mean', 0):,.0f} tokens; working set "
+        f"{details.get('working_set_blocks', 0):,} blocks of {details.get('block_tokens')} "
+        f"tokens; ideal hit ratio {details.get('ideal_hit_ratio', 0):.3f}"
+    )
+    systems = list(dict.fromkeys(f"{r['system']}{'+ssd' if r['tier'] != 'dram' else ''}"
+                                 for r in runs))  # fmt: skip
+    table = Table(title="hit ratio (and ms per request) by capacity, % of the working set")
+    table.add_column("capacity", justify="right")
+    for s in systems:
+        table.add_column(s, justify="right")
+    belady = details.get("belady_hit_tokens", {})
+    trace_tokens = float(trace.get("prompt_tokens_total", 0)) or 1.0
+    assert isinstance(belady, dict)
+    table.add_column("belady (offline)", justify="right")
+    for percent in sorted({r["percent"] for r in runs}):
+        cells = []
+        for s in systems:
+            match = [r for r in runs if r["percent"] == percent and
+                     f"{r['system']}{'+ssd' if r['tier'] != 'dram' else ''}" == s]  # fmt: skip
+            if not match:
+                cells.append("")
+            elif "hit_ratio" not in match[0]:
+                cells.append("n/a")
+            else:
+                cells.append(f"{match[0]['hit_ratio']:.3f} ({match[0]['ms_per_request']:.2f})")
+        ref = belady.get(str(percent))
+        cells.append("" if ref is None else f"{ref / trace_tokens:.3f}")
+        table.add_row(f"{percent}%", *cells)
+    console.print(table)
+    ttft_rows = [r for r in runs if "ttft_model" in r]
+    base = details.get("ttft_no_cache", {})
+    if ttft_rows and isinstance(base, dict):
+        gpu = next(iter(base))
+        t = Table(title=f"TTFT (model, {ttft.GPUS[gpu].name}; see notes): mean / p90 ms")
+        t.add_column("run")
+        t.add_column("mean", justify="right")
+        t.add_column("p90", justify="right")
+        t.add_row("no store", f"{base[gpu]['mean_ms']:.1f}", f"{base[gpu]['p90_ms']:.1f}")
+        for r in ttft_rows:
+            m = r["ttft_model"][gpu]
+            label = f"{r['system']}{'+ssd' if r['tier'] != 'dram' else ''} @ {r['percent']}%"
+            t.add_row(label, f"{m['mean_ms']:.1f}", f"{m['p90_ms']:.1f}")
+        console.print(t)
+
+
+# ------------------------------------------------------------------------------- entry
+
+
+def result_notes(work: Workload, size: int, full: bool, costs: ttft.LoadCosts, url: str | None,
+           peer_info: dict[str, object]) -> list[str]:  # fmt: skip
+    real = work.profile.bytes_per_token * work.block_tokens
+    notes = [
+        f"model {work.profile.name}: {work.profile.bytes_per_token:,} B/token per rank, "
+        f"{work.block_tokens}-token blocks of {real:,} B",
+        (
+            f"blocks stored at their real size ({size:,} B)"
+            if full
+            else f"scaled: each block's payload is {size:,} B instead of {real:,} B and every "
+            "capacity is a number of blocks, so hit counts are those of real-size blocks; bytes "
+            "read and written are of the scaled payloads"
+        ),
+        "hit tokens count leading blocks loaded and verified bit for bit; a request stores "
+        "every block after its hit, with its parent key",
+        f"DRAM+SSD runs split each capacity {1 - SSD_SHARE:.0%} DRAM / {SSD_SHARE:.0%} SSD "
+        "(admission: the engine default)",
+        "TTFT is a MODEL: prefill = (2 P (n-h) + 2 L d (n^2-h^2)) / (tp x peak x mfu), plus "
+        f"measured load time per real-size block (DRAM {costs.dram_s * 1e3:.3f} ms"
+        + (f", SSD {costs.ssd_s * 1e3:.3f} ms" if costs.ssd_s is not None else "")
+        + ") plus the host-to-GPU copy at the profile's bandwidth",
+    ]
+    if url:
+        notes.append(f"replayed once against {url} (its own policy and capacity)")
+    for peer, info in peer_info.items():
+        assert isinstance(info, dict)
+        if info.get("error"):
+            package = PEERS[peer][0]
+            notes.append(f"{peer}: absent or failed: {info['error']} (skipped; `bash "
+                         f".ci/engines.sh {package}` builds .venv-{package}, which is found "
+                         f"by itself, or name a Python with --{package}-python)")  # fmt: skip
+        else:
+            notes.append(f"{peer}: version {info.get('version')} via {info.get('python')}")
+            if info.get("note"):
+                notes.append(f"{peer}: {info['note']}")
+    return notes
