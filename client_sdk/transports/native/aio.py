@@ -7,7 +7,6 @@ import socket
 import ssl
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import TypeVar, cast
 
 from kvoffload.client_sdk.transports.base import (
@@ -19,31 +18,11 @@ from kvoffload.client_sdk.transports.base import (
     received_many_into_async,
 )
 from kvoffload.client_sdk.transports.core import AsyncRunner, left, retrying_async
+from kvoffload.client_sdk.transports.native import plans
 from kvoffload.client_sdk.transports.native.options import NativeOptions
-from kvoffload.client_sdk.transports.native.plans import (
-    key_event,
-    plan_get,
-    plan_get_into,
-    plan_get_many,
-    plan_get_many_into,
-    plan_hello,
-    plan_lookup,
-    plan_prefetch,
-    plan_put,
-    plan_put_many,
-    plan_simple,
-)
 from kvoffload.client_sdk.transports.native.session import Call, Plan, Req, Session
 from kvoffload.client_sdk.url import StoreURL
-from kvoffload.client_sdk.wire.native import (
-    Delete,
-    DeleteResult,
-    Exists,
-    ExistsResult,
-    Stats,
-    StatsResult,
-    Welcome,
-)
+from kvoffload.client_sdk.wire.native import Welcome
 from kvoffload.errors import DeadlineExceededError, TransportError
 
 __all__ = ["AsyncNativeTransport", "open_native_async"]
@@ -129,7 +108,7 @@ class _AsyncConnection(AsyncRunner[Req, Call]):
         sock = protocol.transport.get_extra_info("socket") if protocol.transport else None
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.welcome = await self.run(plan_hello(self.options.token), deadline)
+        self.welcome = await self.run(plans.hello(self.options.token), deadline)
 
     @property
     def healthy(self) -> bool:
@@ -243,48 +222,45 @@ class AsyncNativeTransport:
     async def put(
         self, key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool = False
     ) -> None:
-        await self._run(lambda: plan_put(key, parts, parent, durable))
+        await self._run(lambda: plans.put(key, parts, parent, durable))
 
     async def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None:
         budget = (await self._welcomed()).max_payload_bytes
-        await self._run(lambda: plan_put_many(items, durable, budget))
+        await self._run(lambda: plans.put_many(items, durable, budget))
 
     async def get(self, key: bytes) -> HeldBlock | None:
-        return await self._run(lambda: plan_get(key))
+        return await self._run(lambda: plans.get(key))
 
     async def get_into(self, key: bytes, buffer: memoryview) -> HeldBlock | Received | None:
         into = IntoBuffer(buffer)
-        return await received_into_async(into, lambda: self._run(lambda: plan_get_into(key, into)))
+        return await received_into_async(into, lambda: self._run(lambda: plans.get_into(key, into)))
 
     async def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]:
-        return await self._run(lambda: plan_get_many(keys))
+        return await self._run(lambda: plans.get_many(keys))
 
     async def get_many_into(
         self, keys: Sequence[bytes], buffers: Sequence[memoryview]
     ) -> list[HeldBlock | Received | None]:
         into = [IntoBuffer(b) for b in buffers]
         got = await received_many_into_async(
-            into, lambda: self._run(lambda: plan_get_many_into(keys, into))
+            into, lambda: self._run(lambda: plans.get_many_into(keys, into))
         )
         return list(got)
 
     async def exists(self, key: bytes) -> bool:
-        answer = await self._run(lambda: plan_simple(partial(key_event, Exists, key)))
-        return cast(ExistsResult, answer).found
+        return await self._run(lambda: plans.exists(key))
 
     async def lookup(self, keys: Sequence[bytes]) -> int:
-        return await self._run(lambda: plan_lookup(keys))
+        return await self._run(lambda: plans.lookup(keys))
 
     async def prefetch(self, keys: Sequence[bytes]) -> int:
-        return await self._run(lambda: plan_prefetch(keys))
+        return await self._run(lambda: plans.prefetch(keys))
 
     async def delete(self, key: bytes) -> bool:
-        answer = await self._run(lambda: plan_simple(partial(key_event, Delete, key)))
-        return cast(DeleteResult, answer).deleted
+        return await self._run(lambda: plans.delete(key))
 
     async def stats(self) -> dict[str, object]:
-        answer = await self._run(lambda: plan_simple(Stats))
-        return cast(StatsResult, answer).stats
+        return await self._run(plans.stats)
 
     async def close(self) -> None:
         if self._conn is not None:

@@ -13,7 +13,11 @@ from kvoffload.client_sdk.transports.core import Held, one, too_small
 from kvoffload.client_sdk.transports.native.session import Call, Plan, Req, Sink
 from kvoffload.client_sdk.wire.block import HEADER_BYTES
 from kvoffload.client_sdk.wire.native import (
+    Delete,
+    DeleteResult,
     Event,
+    Exists,
+    ExistsResult,
     Get,
     GetMany,
     GetManyResult,
@@ -25,22 +29,25 @@ from kvoffload.client_sdk.wire.native import (
     PrefetchResult,
     Put,
     PutMany,
+    Stats,
+    StatsResult,
     Welcome,
 )
 from kvoffload.errors import RemoteProtocolError
 
 __all__ = [
-    "key_event",
-    "plan_get",
-    "plan_get_into",
-    "plan_get_many",
-    "plan_get_many_into",
-    "plan_hello",
-    "plan_lookup",
-    "plan_prefetch",
-    "plan_put",
-    "plan_put_many",
-    "plan_simple",
+    "delete",
+    "exists",
+    "get",
+    "get_into",
+    "get_many",
+    "get_many_into",
+    "hello",
+    "lookup",
+    "prefetch",
+    "put",
+    "put_many",
+    "stats",
 ]
 
 T = TypeVar("T")
@@ -54,7 +61,7 @@ def _ask(req: Req) -> Generator[list[Req], list[Call], Event]:
     return call.result()
 
 
-def plan_hello(token: str) -> Plan[Welcome]:
+def hello(token: str) -> Plan[Welcome]:
     answer = yield from _ask(Req(lambda rid: Hello(rid, token=token, client=_CLIENT)))
     return cast(Welcome, answer)
 
@@ -66,9 +73,7 @@ def _nbytes(parts: Sequence[object]) -> int:
     return total
 
 
-def plan_put(
-    key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool
-) -> Plan[None]:
+def put(key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool) -> Plan[None]:
     length = _nbytes(parts)
     yield from _ask(Req(partial(_put_event, key, length, parent, durable), parts))
 
@@ -94,11 +99,11 @@ def _keys_event(
     return cls(rid, keys)
 
 
-def key_event(cls: Callable[[int, bytes], Event], key: bytes, rid: int) -> Event:
+def _key_event(cls: Callable[[int, bytes], Event], key: bytes, rid: int) -> Event:
     return cls(rid, key)
 
 
-def plan_put_many(items: Sequence[PutItem], durable: bool, budget: int) -> Plan[None]:
+def put_many(items: Sequence[PutItem], durable: bool, budget: int) -> Plan[None]:
     reqs: list[Req] = []
     for chunk in _chunks(items, budget):
         keys = tuple(k for k, _, _ in chunk)
@@ -125,15 +130,15 @@ def _chunks(items: Sequence[PutItem], budget: int) -> list[list[PutItem]]:
     return [c for c in chunks if c]
 
 
-def plan_get(key: bytes) -> Plan[HeldBlock | None]:
-    (call,) = yield [Req(partial(key_event, Get, key))]
+def get(key: bytes) -> Plan[HeldBlock | None]:
+    (call,) = yield [Req(partial(_key_event, Get, key))]
     answer = cast(GetResult, call.result())
     if answer.length is None:
         return None
     return Held(call.payload if call.payload is not None else memoryview(b""))
 
 
-def plan_get_into(key: bytes, buffer: IntoBuffer) -> Plan[Received | None]:
+def get_into(key: bytes, buffer: IntoBuffer) -> Plan[Received | None]:
     got: Received | None = None
 
     def sink(event: Event) -> list[memoryview]:
@@ -142,7 +147,7 @@ def plan_get_into(key: bytes, buffer: IntoBuffer) -> Plan[Received | None]:
         got = _land(buffer, cast(GetResult, event).length or 0, parts)
         return parts
 
-    (call,) = yield [Req(partial(key_event, Get, key), sink=sink)]
+    (call,) = yield [Req(partial(_key_event, Get, key), sink=sink)]
     answer = cast(GetResult, call.result())
     if answer.length is None:
         return None
@@ -201,11 +206,11 @@ def _get_batches(
     return out
 
 
-def plan_get_many(keys: Sequence[bytes]) -> Plan[list[HeldBlock | None]]:
+def get_many(keys: Sequence[bytes]) -> Plan[list[HeldBlock | None]]:
     return (yield from _get_batches(keys, None, lambda _, a, c: _split(a.lengths, c.payload)))
 
 
-def plan_get_many_into(
+def get_many_into(
     keys: Sequence[bytes], buffers: Sequence[IntoBuffer]
 ) -> Plan[list[Received | None]]:
     """GetMany whose answers are received straight into the caller's buffers (one per key):
@@ -252,11 +257,22 @@ def _split(lengths: Sequence[int | None], payload: memoryview | None) -> list[He
     return out
 
 
-def plan_simple(make: Callable[[int], Event]) -> Plan[Event]:
-    return (yield from _ask(Req(make)))
+def exists(key: bytes) -> Plan[bool]:
+    answer = yield from _ask(Req(partial(_key_event, Exists, key)))
+    return cast(ExistsResult, answer).found
 
 
-def plan_lookup(keys: Sequence[bytes]) -> Plan[int]:
+def delete(key: bytes) -> Plan[bool]:
+    answer = yield from _ask(Req(partial(_key_event, Delete, key)))
+    return cast(DeleteResult, answer).deleted
+
+
+def stats() -> Plan[dict[str, object]]:
+    answer = yield from _ask(Req(Stats))
+    return cast(StatsResult, answer).stats
+
+
+def lookup(keys: Sequence[bytes]) -> Plan[int]:
     total = 0
     for i in range(0, len(keys), _BATCH_KEYS):
         chunk = tuple(keys[i : i + _BATCH_KEYS])
@@ -269,7 +285,7 @@ def plan_lookup(keys: Sequence[bytes]) -> Plan[int]:
     return total
 
 
-def plan_prefetch(keys: Sequence[bytes]) -> Plan[int]:
+def prefetch(keys: Sequence[bytes]) -> Plan[int]:
     chunks = [tuple(keys[i : i + _BATCH_KEYS]) for i in range(0, len(keys), _BATCH_KEYS)]
     calls = yield [Req(partial(_keys_event, Prefetch, c)) for c in chunks]
     counts = [cast(PrefetchResult, call.result()).count for call in calls]

@@ -9,8 +9,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
-from typing import TypeVar, cast
+from typing import TypeVar
 
 from kvoffload.client_sdk.transports.base import (
     HeldBlock,
@@ -29,36 +28,12 @@ from kvoffload.client_sdk.transports.core import (
     retrying,
     send_all,
 )
+from kvoffload.client_sdk.transports.native import plans
 from kvoffload.client_sdk.transports.native.options import NativeOptions
-from kvoffload.client_sdk.transports.native.plans import (
-    key_event,
-    plan_get,
-    plan_get_into,
-    plan_get_many,
-    plan_get_many_into,
-    plan_hello,
-    plan_lookup,
-    plan_prefetch,
-    plan_put,
-    plan_put_many,
-    plan_simple,
-)
 from kvoffload.client_sdk.transports.native.session import Call, Plan, Req, Session
 from kvoffload.client_sdk.url import StoreURL
-from kvoffload.client_sdk.wire.native import (
-    Delete,
-    DeleteResult,
-    Exists,
-    ExistsResult,
-    Stats,
-    StatsResult,
-    Welcome,
-)
-from kvoffload.errors import (
-    DeadlineExceededError,
-    KVOffloadError,
-    TransportError,
-)
+from kvoffload.client_sdk.wire.native import Welcome
+from kvoffload.errors import DeadlineExceededError, KVOffloadError, TransportError
 
 __all__ = ["NativeTransport", "open_native"]
 
@@ -89,7 +64,7 @@ class _SyncConnection(SyncRunner[Req, Call]):
         self.sock = sock
         self.tls = context is not None
         self.reused = False  # taken from the pool: the daemon may have closed it meanwhile
-        self.welcome: Welcome = self.run(plan_hello(options.token), deadline)
+        self.welcome: Welcome = self.run(plans.hello(options.token), deadline)
 
     def room(self, calls: list[Call]) -> bool:
         return sum(1 for c in calls if not c.done) < _WINDOW
@@ -247,46 +222,43 @@ class NativeTransport:
     def put(
         self, key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool = False
     ) -> None:
-        self._run(lambda: plan_put(key, parts, parent, durable))
+        self._run(lambda: plans.put(key, parts, parent, durable))
 
     def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None:
         budget = self._budget()
-        self._run(lambda: plan_put_many(items, durable, budget))
+        self._run(lambda: plans.put_many(items, durable, budget))
 
     def get(self, key: bytes) -> HeldBlock | None:
-        return self._run(lambda: plan_get(key))
+        return self._run(lambda: plans.get(key))
 
     def get_into(self, key: bytes, buffer: memoryview) -> HeldBlock | Received | None:
         into = IntoBuffer(buffer)
-        return received_into(into, lambda: self._run(lambda: plan_get_into(key, into)))
+        return received_into(into, lambda: self._run(lambda: plans.get_into(key, into)))
 
     def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]:
-        return self._run(lambda: plan_get_many(keys))
+        return self._run(lambda: plans.get_many(keys))
 
     def get_many_into(
         self, keys: Sequence[bytes], buffers: Sequence[memoryview]
     ) -> list[HeldBlock | Received | None]:
         into = [IntoBuffer(b) for b in buffers]
-        got = received_many_into(into, lambda: self._run(lambda: plan_get_many_into(keys, into)))
+        got = received_many_into(into, lambda: self._run(lambda: plans.get_many_into(keys, into)))
         return list(got)
 
     def exists(self, key: bytes) -> bool:
-        answer = self._run(lambda: plan_simple(partial(key_event, Exists, key)))
-        return cast(ExistsResult, answer).found
+        return self._run(lambda: plans.exists(key))
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        return self._run(lambda: plan_lookup(keys))
+        return self._run(lambda: plans.lookup(keys))
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
-        return self._run(lambda: plan_prefetch(keys))
+        return self._run(lambda: plans.prefetch(keys))
 
     def delete(self, key: bytes) -> bool:
-        answer = self._run(lambda: plan_simple(partial(key_event, Delete, key)))
-        return cast(DeleteResult, answer).deleted
+        return self._run(lambda: plans.delete(key))
 
     def stats(self) -> dict[str, object]:
-        answer = self._run(lambda: plan_simple(Stats))
-        return cast(StatsResult, answer).stats
+        return self._run(plans.stats)
 
     def close(self) -> None:
         with self._cond:

@@ -17,18 +17,18 @@ from kvoffload.client_sdk.wire.nvme_cmd import Command, Sc, Sct
 from kvoffload.errors import RemoteProtocolError
 
 __all__ = [
+    "count",
+    "delete",
+    "exists",
+    "get",
+    "get_into",
+    "get_many",
+    "get_many_into",
     "keyed",
+    "lookup",
     "miss",
-    "plan_count",
-    "plan_delete",
-    "plan_exists",
-    "plan_get",
-    "plan_get_into",
-    "plan_get_many",
-    "plan_get_many_into",
-    "plan_lookup",
-    "plan_put",
-    "plan_put_many",
+    "put",
+    "put_many",
     "store",
 ]
 
@@ -68,12 +68,12 @@ def _peek_length(header: memoryview) -> int | None:
     return int(stored)
 
 
-def plan_put(nsid: int, in_capsule: int, key: bytes, parts: Sequence[object]) -> Plan[None]:
+def put(nsid: int, in_capsule: int, key: bytes, parts: Sequence[object]) -> Plan[None]:
     call: Call = yield from one(store(nsid, key, views(parts), in_capsule))
     call.ok("KV Store")
 
 
-def plan_put_many(nsid: int, in_capsule: int, items: Sequence[PutItem]) -> Plan[None]:
+def put_many(nsid: int, in_capsule: int, items: Sequence[PutItem]) -> Plan[None]:
     calls = yield [store(nsid, key, views(parts), in_capsule) for key, parts, _ in items]
     for call in calls:  # the first failure in order is the one to report
         call.ok("KV Store")
@@ -93,13 +93,13 @@ def _held(call: Call) -> HeldBlock | None:
     return Held(data)
 
 
-def plan_get(nsid: int, size: int, key: bytes) -> Plan[HeldBlock | None]:
+def get(nsid: int, size: int, key: bytes) -> Plan[HeldBlock | None]:
     """KV Retrieve into a `size`-byte buffer (the namespace's largest value)."""
     call: Call = yield from one(_retrieve(nsid, size, key))
     return _held(call)
 
 
-def plan_get_many(nsid: int, size: int, keys: Sequence[bytes]) -> Plan[list[HeldBlock | None]]:
+def get_many(nsid: int, size: int, keys: Sequence[bytes]) -> Plan[list[HeldBlock | None]]:
     calls = yield [_retrieve(nsid, size, k) for k in keys]
     return [_held(c) for c in calls]
 
@@ -142,12 +142,12 @@ def _retrieve_into(
     return Cmd(make, sink=sink), result
 
 
-def plan_get_into(nsid: int, key: bytes, buffer: IntoBuffer) -> Plan[Received | None]:
+def get_into(nsid: int, key: bytes, buffer: IntoBuffer) -> Plan[Received | None]:
     cmd, result = _retrieve_into(nsid, key, buffer)
     return result((yield from one(cmd)))
 
 
-def plan_get_many_into(
+def get_many_into(
     nsid: int, keys: Sequence[bytes], buffers: Sequence[IntoBuffer]
 ) -> Plan[list[Received | None]]:
     """One Retrieve per key, all in flight together (queue depth permitting)."""
@@ -156,7 +156,7 @@ def plan_get_many_into(
     return [result(call) for (_, result), call in zip(retrievals, calls, strict=True)]
 
 
-def plan_exists(nsid: int, key: bytes) -> Plan[bool]:
+def exists(nsid: int, key: bytes) -> Plan[bool]:
     call: Call = yield from one(Cmd(partial(keyed, fn=nc.kv_exist, nsid=nsid, key=key)))
     if miss(call):
         return False
@@ -164,7 +164,7 @@ def plan_exists(nsid: int, key: bytes) -> Plan[bool]:
     return True
 
 
-def plan_delete(nsid: int, key: bytes) -> Plan[bool]:
+def delete(nsid: int, key: bytes) -> Plan[bool]:
     call: Call = yield from one(Cmd(partial(keyed, fn=nc.kv_delete, nsid=nsid, key=key)))
     if miss(call):
         return False
@@ -172,7 +172,7 @@ def plan_delete(nsid: int, key: bytes) -> Plan[bool]:
     return True
 
 
-def plan_lookup(nsid: int, keys: Sequence[bytes], window: int) -> Plan[int]:
+def lookup(nsid: int, keys: Sequence[bytes], window: int) -> Plan[int]:
     """Leading keys present: Exist commands pipelined a window at a time, stopping at a miss."""
     total = 0
     for i in range(0, len(keys), window):
@@ -186,7 +186,7 @@ def plan_lookup(nsid: int, keys: Sequence[bytes], window: int) -> Plan[int]:
     return total
 
 
-def plan_count(nsid: int, keys: Sequence[bytes]) -> Plan[int]:
+def count(nsid: int, keys: Sequence[bytes]) -> Plan[int]:
     calls = yield [Cmd(partial(keyed, fn=nc.kv_exist, nsid=nsid, key=k)) for k in keys]
     found = 0
     for call in calls:

@@ -18,20 +18,9 @@ from kvoffload.client_sdk.transports.base import (
     received_many_into,
 )
 from kvoffload.client_sdk.transports.core import left, retrying
+from kvoffload.client_sdk.transports.nvme import plans
 from kvoffload.client_sdk.transports.nvme.host import NvmeHost
 from kvoffload.client_sdk.transports.nvme.options import NvmeOptions
-from kvoffload.client_sdk.transports.nvme.plans import (
-    plan_count,
-    plan_delete,
-    plan_exists,
-    plan_get,
-    plan_get_into,
-    plan_get_many,
-    plan_get_many_into,
-    plan_lookup,
-    plan_put,
-    plan_put_many,
-)
 from kvoffload.client_sdk.transports.nvme.queue import Plan
 from kvoffload.client_sdk.url import StoreURL
 from kvoffload.client_sdk.wire import nvme_cmd as nc
@@ -86,44 +75,44 @@ class NvmeTransport:
     ) -> None:
         if durable:
             raise InvalidArgumentError("nvme+tcp:// has no durable stores (no FUA in KV Store)")
-        self._run(lambda h: plan_put(h.nsid, h.in_capsule, key, parts))
+        self._run(lambda h: plans.put(h.nsid, h.in_capsule, key, parts))
 
     def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None:
         if durable:
             raise InvalidArgumentError("nvme+tcp:// has no durable stores (no FUA in KV Store)")
-        self._run(lambda h: plan_put_many(h.nsid, h.in_capsule, items))
+        self._run(lambda h: plans.put_many(h.nsid, h.in_capsule, items))
 
     def get(self, key: bytes) -> HeldBlock | None:
-        return self._run(lambda h: plan_get(h.nsid, h.namespace.max_value, key))
+        return self._run(lambda h: plans.get(h.nsid, h.namespace.max_value, key))
 
     def get_into(self, key: bytes, buffer: memoryview) -> HeldBlock | Received | None:
         into = IntoBuffer(buffer)
-        return received_into(into, lambda: self._run(lambda h: plan_get_into(h.nsid, key, into)))
+        return received_into(into, lambda: self._run(lambda h: plans.get_into(h.nsid, key, into)))
 
     def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]:
-        return self._run(lambda h: plan_get_many(h.nsid, h.namespace.max_value, keys))
+        return self._run(lambda h: plans.get_many(h.nsid, h.namespace.max_value, keys))
 
     def get_many_into(
         self, keys: Sequence[bytes], buffers: Sequence[memoryview]
     ) -> list[HeldBlock | Received | None]:
         into = [IntoBuffer(b) for b in buffers]
         got = received_many_into(
-            into, lambda: self._run(lambda h: plan_get_many_into(h.nsid, keys, into))
+            into, lambda: self._run(lambda h: plans.get_many_into(h.nsid, keys, into))
         )
         return list(got)
 
     def exists(self, key: bytes) -> bool:
-        return self._run(lambda h: plan_exists(h.nsid, key))
+        return self._run(lambda h: plans.exists(h.nsid, key))
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        return self._run(lambda h: plan_lookup(h.nsid, keys, 4 * h.options.depth))
+        return self._run(lambda h: plans.lookup(h.nsid, keys, 4 * h.options.depth))
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         # NVMe KV has no prefetch: count what is there (every tier of the store serves reads).
-        return self._run(lambda h: plan_count(h.nsid, keys))
+        return self._run(lambda h: plans.count(h.nsid, keys))
 
     def delete(self, key: bytes) -> bool:
-        return self._run(lambda h: plan_delete(h.nsid, key))
+        return self._run(lambda h: plans.delete(h.nsid, key))
 
     def stats(self) -> dict[str, object]:
         host = self._association(time.monotonic() + self.options.timeout)
