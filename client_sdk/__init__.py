@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvoffload.client_sdk.client import AsyncClient, Client, ClientStats
+    from kvoffload.client_sdk.client import AsyncClient, Client
     from kvoffload.client_sdk.keys import (
         BlockHash,
         BlockKey,
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         engine_hashes,
         engine_keys,
     )
+    from kvoffload.client_sdk.request_layer import ClientStats
 
 __all__ = [
     "AsyncClient",
@@ -37,7 +38,7 @@ __all__ = [
 _HOME = {
     "AsyncClient": "client",
     "Client": "client",
-    "ClientStats": "client",
+    "ClientStats": "request_layer",
     "BlockHash": "keys",
     "BlockKey": "keys",
     "Namespace": "keys",

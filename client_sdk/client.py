@@ -1,432 +1,35 @@
 """`Client` and `AsyncClient`: thin sync and async faces over one request layer.
 
-The request layer (`_Requests`) owns everything that is not I/O: key checks, the block header,
-integrity verification and counters. The two clients differ only in how they wait on the
-transport.
+The request layer (`request_layer.RequestLayer`) owns everything that is not I/O: key checks,
+the block header, integrity verification and counters. The two clients differ only in how
+they wait on the transport.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import threading
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 
-import numpy as np
-
-from kvoffload.buffers import Bytes, as_readable, as_writable
-from kvoffload.client_sdk.keys import BlockKey, Namespace, to_key
+from kvoffload.buffers import Bytes, as_writable
+from kvoffload.client_sdk.keys import Namespace, to_key
+from kvoffload.client_sdk.request_layer import (
+    ClientStats,
+    RequestLayer,
+    encoded,
+    many_into,
+    put_items,
+    resolve_codec,
+    to_keys,
+)
 from kvoffload.client_sdk.transports import open_async_transport, open_transport
-from kvoffload.client_sdk.transports.base import (
-    AsyncTransport,
-    HeldBlock,
-    PutItem,
-    Received,
-    Transport,
-)
+from kvoffload.client_sdk.transports.base import AsyncTransport, HeldBlock, Received, Transport
 from kvoffload.client_sdk.url import DEFAULT_URL, parse_url
-from kvoffload.client_sdk.wire.block import (
-    HEADER_BYTES,
-    BlockHeader,
-    open_parts,
-    peek_codec,
-    seal,
-)
-from kvoffload.compression import (
-    CODEC_NONE,
-    DTYPE_BYTES,
-    BlockSpec,
-    Codec,
-    codec_for_id,
-    get_codec,
-)
-from kvoffload.errors import (
-    CodecError,
-    CodecMismatchError,
-    CorruptBlockError,
-    DeadlineExceededError,
-    InvalidArgumentError,
-    TransportError,
-    UnsupportedCodecConfigError,
-)
+from kvoffload.client_sdk.wire.block import peek_codec
+from kvoffload.compression import CODEC_NONE, Codec
+from kvoffload.errors import DeadlineExceededError, TransportError
 
 __all__ = ["AsyncClient", "Client", "ClientStats", "resolve_codec"]
-
-log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ClientStats:
-    """What this client did, plus the store's own counters (`store`).
-
-    Byte counters follow a block through the client: `bytes_put` raw bytes go in, the codec
-    turns them into `bytes_stored` bytes on their way to the store (header included); a hit
-    moves `bytes_fetched` stored bytes back and hands `bytes_got` decoded bytes to the caller.
-    ``bytes_put / bytes_stored`` is the compression ratio this client achieved, headers
-    included.
-    """
-
-    puts: int
-    hits: int
-    misses: int
-    corrupt_blocks: int  # blocks that failed verification and were served as misses
-    bytes_put: int  # raw value bytes handed to put / put_many (before encoding)
-    bytes_stored: int  # bytes sent to the store: header + encoded payload
-    bytes_got: int  # decoded value bytes returned by get / get_into
-    bytes_fetched: int = 0  # bytes read from the store for hits: header + encoded payload
-    # Blocks that passed verification but could not be decoded (unknown codec id, malformed
-    # payload); served as misses and logged.
-    codec_errors: int = 0
-    unreachable: int = 0  # lookups and exists answered as misses because the store was down
-    store: dict[str, object] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, object]:
-        return asdict(self)
-
-
-@dataclass(frozen=True, slots=True)
-class _Put:
-    key: BlockKey
-    parent: BlockKey | None
-    header: bytes
-    payload: Bytes
-    raw_size: int
-
-
-def resolve_codec(namespace: Namespace | None, codec: str | Codec | None) -> Codec:
-    """The codec a client writes with: its own choice, else the namespace's, else ``none``.
-
-    A lossy codec must be the namespace's own (it is part of block identity), and a namespace
-    that names a lossy codec is written with that codec only.
-
-    Raises:
-        UnsupportedCodecConfigError: unknown codec, or a lossy choice that contradicts the
-            namespace.
-    """
-    declared = namespace.codec if namespace is not None else ""
-    if codec is None:
-        chosen = get_codec(declared or "none")
-    else:
-        chosen = get_codec(codec) if isinstance(codec, str) else codec
-    lossy = namespace.lossy_codec if namespace is not None else ""
-    if lossy and chosen.name != lossy:
-        raise UnsupportedCodecConfigError(
-            f"the namespace declares the lossy codec {lossy!r}; its blocks cannot be written "
-            f"with {chosen.name!r}"
-        )
-    if not chosen.lossless and chosen.name != lossy:
-        raise UnsupportedCodecConfigError(
-            f"lossy codec {chosen.name!r} changes the KV readers get, so it must be part of "
-            f"block identity: declare it as Namespace(..., codec={chosen.name!r})"
-        )
-    return chosen
-
-
-def _value_dtype(value: object) -> str | None:
-    """The element dtype a numpy array or torch tensor declares (None for plain buffers)."""
-    dtype = getattr(value, "dtype", None)
-    if dtype is None:
-        return None
-    name = str(dtype).removeprefix("torch.")
-    return name if name in DTYPE_BYTES else None
-
-
-class _Requests:
-    """Validation, encoding, sealing, verification, decoding and counting around any
-    transport; no I/O."""
-
-    def __init__(
-        self,
-        namespace: Namespace | None,
-        max_value_bytes: Callable[[], int],
-        codec: str | Codec | None,
-    ) -> None:
-        self.namespace = namespace
-        self.codec = resolve_codec(namespace, codec)
-        self._fingerprint = namespace.fingerprint if namespace is not None else None
-        # Asked on first use: a remote store tells its limit when the connection opens.
-        self._max_value_bytes = max_value_bytes
-        self._max_payload: int | None = None
-        self._lock = threading.Lock()
-        self._puts = self._hits = self._misses = self._corrupt = self._codec_errors = 0
-        self._unreachable = 0
-        self._bytes_put = self._bytes_stored = self._bytes_got = self._bytes_fetched = 0
-
-    @property
-    def max_payload(self) -> int:
-        if self._max_payload is None:
-            self._max_payload = self._max_value_bytes() - HEADER_BYTES
-        return self._max_payload
-
-    def _spec(self, value: object, size: int) -> BlockSpec | None:
-        """What the codec may assume about `value`: the namespace's dtype and, for a whole
-        block, its shape; without a namespace, the dtype the value itself declares."""
-        declared = _value_dtype(value)
-        ns = self.namespace
-        if ns is None:
-            return BlockSpec(declared) if declared is not None else None
-        if declared not in (None, "uint8", ns.dtype):
-            raise CodecMismatchError(
-                f"value of dtype {declared} does not match the namespace's dtype {ns.dtype}"
-            )
-        spec = ns.block_spec
-        # Byte planes work on any length; a quantiser reports a value that is not one block.
-        return spec if size == spec.nbytes or not self.codec.lossless else spec.flat()
-
-    def prepare_put(self, key: bytes, value: object, parent: bytes | None) -> _Put:
-        block_key = to_key(key)
-        parent_key = None if parent is None else to_key(parent, "parent")
-        raw = as_readable(value)
-        if raw.size > self.max_payload:
-            raise InvalidArgumentError(
-                f"value of {raw.size} bytes exceeds the store's limit of {self.max_payload} "
-                "bytes per block"
-            )
-        codec = self.codec
-        payload = raw
-        if codec.codec_id != CODEC_NONE:
-            spec = self._spec(value, raw.size) if codec.typed else None
-            payload = as_readable(codec.encode(raw, spec))
-            if codec.lossless and payload.size >= raw.size:
-                codec, payload = self._none, raw  # incompressible: store it as it is
-        header = seal(
-            key_or_hash=bytes(key),
-            payload=payload.data,
-            stored_length=payload.size,
-            raw_length=raw.size,
-            namespace=self._fingerprint,
-            codec_id=codec.codec_id,
-        )
-        return _Put(block_key, parent_key, header, payload, raw.size)
-
-    @property
-    def _none(self) -> Codec:
-        return codec_for_id(CODEC_NONE)
-
-    def prepare_many(
-        self, items: Iterable[tuple[bytes, object]], parents: Sequence[bytes | None] | None
-    ) -> list[_Put]:
-        return [self.prepare_put(k, v, p) for k, v, p in _pairs(items, parents)]
-
-    def put_done(self, *puts: _Put) -> None:
-        with self._lock:
-            for put in puts:
-                self._puts += 1
-                self._bytes_put += put.raw_size
-                self._bytes_stored += put.payload.size + HEADER_BYTES
-
-    def unreachable(self, what: str, exc: Exception) -> None:
-        """A lookup-type call that could not reach the store: it answers as a miss."""
-        log.warning("%s: store unreachable (%s); answering as a miss", what, exc)
-        with self._lock:
-            self._unreachable += 1
-
-    def verify(self, key: bytes, held: HeldBlock | None) -> tuple[BlockHeader, Bytes] | None:
-        """The header and payload of a verified block, or None (a counted miss; corrupt blocks
-        are logged). On None the block has been released."""
-        if held is None:
-            self._count_miss()
-            return None
-        data = held.data
-        header = self._open(key, data[:HEADER_BYTES], data[HEADER_BYTES:])
-        if header is None:
-            held.release()
-            return None
-        return header, as_readable(data[HEADER_BYTES:])
-
-    def _open(self, key: bytes, header: memoryview, payload: memoryview) -> BlockHeader | None:
-        """Verify a block's header and payload; None is a counted, logged corrupt miss."""
-        try:
-            opened = open_parts(
-                header, payload, key_or_hash=bytes(key), namespace=self._fingerprint
-            )
-            if opened.raw_length > self.max_payload:
-                raise CorruptBlockError(
-                    f"header declares {opened.raw_length} raw bytes, more than any put accepts"
-                )
-        except CorruptBlockError as exc:
-            log.warning("block %s failed verification (%s); served as a miss", key.hex(), exc)
-            self._count_miss(corrupt=True)
-            return None
-        return opened
-
-    def _count_miss(self, *, corrupt: bool = False, codec_error: bool = False) -> None:
-        with self._lock:
-            self._misses += 1
-            self._corrupt += corrupt
-            self._codec_errors += codec_error
-
-    def _decode(self, key: bytes, header: BlockHeader, payload: Bytes, out: Bytes) -> bool:
-        """Decode a verified payload into `out` (exactly its raw length). False is a counted,
-        logged miss: an unknown codec leaves `out` untouched, a failed decode zeroes it rather
-        than leave it half-decoded."""
-        try:
-            codec = codec_for_id(header.codec_id)
-            lossy = self.namespace.lossy_codec if self.namespace is not None else ""
-            if not codec.lossless and codec.name != lossy:
-                # Lossy KV only reaches readers whose namespace declares that codec.
-                raise UnsupportedCodecConfigError(
-                    f"a {codec.name} (lossy) block, and this reader did not declare it"
-                )
-        except CodecError as exc:
-            self._undecodable(key, header, exc)
-            return False
-        try:
-            codec.decode_into(payload, out)
-        except CodecError as exc:
-            out[:] = 0
-            self._undecodable(key, header, exc)
-            return False
-        self._count_hit(header, payload)
-        return True
-
-    def _undecodable(self, key: bytes, header: BlockHeader, exc: CodecError) -> None:
-        log.warning(
-            "block %s (codec id %d) could not be decoded (%s); served as a miss",
-            key.hex(),
-            header.codec_id,
-            exc,
-        )
-        self._count_miss(codec_error=True)
-
-    def _count_hit(self, header: BlockHeader, payload: Bytes) -> None:
-        with self._lock:
-            self._hits += 1
-            self._bytes_got += header.raw_length
-            self._bytes_fetched += HEADER_BYTES + payload.size
-
-    def read_bytes(self, key: bytes, held: HeldBlock | None) -> bytes | None:
-        verified = self.verify(key, held)
-        if verified is None or held is None:
-            return None
-        header, payload = verified
-        try:
-            if header.codec_id == CODEC_NONE and header.raw_length == payload.size:
-                self._count_hit(header, payload)
-                return payload.tobytes()  # the one copy; decoding would add a second
-            out = np.empty(header.raw_length, dtype=np.uint8)
-            return out.tobytes() if self._decode(key, header, payload, out) else None
-        finally:
-            held.release()
-
-    def read_into(self, key: bytes, held: HeldBlock | Received | None, buffer: Bytes) -> int | None:
-        if isinstance(held, Received):
-            return self._received(key, held, buffer)
-        verified = self.verify(key, held)
-        if verified is None or held is None:
-            return None
-        header, payload = verified
-        try:
-            if header.raw_length > buffer.size:
-                raise InvalidArgumentError(
-                    f"buffer of {buffer.size} bytes is too small for a "
-                    f"{header.raw_length}-byte block"
-                )
-            ok = self._decode(key, header, payload, buffer[: header.raw_length])
-            return header.raw_length if ok else None
-        finally:
-            held.release()
-
-    def read_many_into(
-        self,
-        keys: Sequence[bytes],
-        got: Sequence[HeldBlock | Received | None],
-        buffers: Sequence[Bytes],
-    ) -> list[int | None]:
-        """`read_into` for each block; if one raises, the blocks after it are released too
-        (a held block pins its store slot until then)."""
-        out: list[int | None] = []
-        try:
-            for key, held, buffer in zip(keys, got, buffers, strict=True):
-                out.append(self.read_into(key, held, buffer))
-        except BaseException:
-            for held in got[len(out) + 1 :]:
-                if held is not None and not isinstance(held, Received):
-                    held.release()
-            raise
-        return out
-
-    def _received(self, key: bytes, got: Received, buffer: Bytes) -> int | None:
-        """Verify (and decode in place) a payload a transport already put into `buffer`; a
-        corrupt one is zeroed there, so that no byte of it is left for a caller who ignores the
-        miss."""
-        payload = buffer[: got.length]
-        header = self._open(key, got.header, payload.data)
-        if header is None:
-            payload[:] = 0
-            return None
-        if header.codec_id == CODEC_NONE and header.raw_length == got.length:
-            self._count_hit(header, payload)
-            return got.length
-        if header.raw_length > buffer.size:
-            payload[:] = 0
-            raise InvalidArgumentError(
-                f"buffer of {buffer.size} bytes is too small for a {header.raw_length}-byte block"
-            )
-        encoded = payload.copy()  # decoding writes over where the encoded bytes landed
-        if self._decode(key, header, encoded, buffer[: header.raw_length]):
-            return header.raw_length
-        payload[:] = 0  # no byte of an undecodable block stays in the caller's buffer
-        return None
-
-    def stats(self, store: dict[str, object]) -> ClientStats:
-        with self._lock:
-            return ClientStats(
-                puts=self._puts,
-                hits=self._hits,
-                misses=self._misses,
-                corrupt_blocks=self._corrupt,
-                bytes_put=self._bytes_put,
-                bytes_stored=self._bytes_stored,
-                bytes_got=self._bytes_got,
-                bytes_fetched=self._bytes_fetched,
-                codec_errors=self._codec_errors,
-                unreachable=self._unreachable,
-                store=store,
-            )
-
-
-def _keys(keys: Sequence[bytes]) -> list[BlockKey]:
-    try:
-        return [to_key(k) for k in keys]
-    except TypeError:
-        raise InvalidArgumentError(
-            f"expected a sequence of keys, got {type(keys).__name__}"
-        ) from None
-
-
-def _many_into(
-    keys: Sequence[bytes], buffers: Sequence[object]
-) -> tuple[list[Bytes], list[BlockKey]]:
-    block_keys = _keys(keys)
-    if len(buffers) != len(block_keys):
-        raise InvalidArgumentError(f"{len(block_keys)} keys but {len(buffers)} buffers")
-    return [as_writable(b) for b in buffers], block_keys
-
-
-def _encoded(held: HeldBlock | Received | None) -> bool:
-    """Whether a received block needs decoding (CPU work to keep off an event loop)."""
-    if held is None:
-        return False
-    return peek_codec(held.header if isinstance(held, Received) else held.data) != CODEC_NONE
-
-
-def _put_items(puts: Sequence[_Put]) -> list[PutItem]:
-    return [(p.key, (p.header, p.payload), p.parent) for p in puts]
-
-
-def _pairs(
-    items: Iterable[tuple[bytes, object]], parents: Sequence[bytes | None] | None
-) -> list[tuple[bytes, object, bytes | None]]:
-    try:
-        pairs = [(k, v) for k, v in items]
-    except (TypeError, ValueError):
-        raise InvalidArgumentError("items must be (key, value) pairs") from None
-    if parents is not None and len(parents) != len(pairs):
-        raise InvalidArgumentError(f"{len(pairs)} items but {len(parents)} parents")
-    return [(k, v, parents[i] if parents else None) for i, (k, v) in enumerate(pairs)]
 
 
 class Client:
@@ -459,7 +62,7 @@ class Client:
                 not declare.
         """
         self._transport = transport
-        self._requests = _Requests(namespace, lambda: transport.max_value_bytes, codec)
+        self._requests = RequestLayer(namespace, lambda: transport.max_value_bytes, codec)
 
     @classmethod
     def connect(
@@ -524,7 +127,7 @@ class Client:
                 the failing one are stored.
         """
         puts = self._requests.prepare_many(items, parents)
-        self._transport.put_many(_put_items(puts))
+        self._transport.put_many(put_items(puts))
         self._requests.put_done(*puts)
 
     def get(self, key: bytes) -> bytes | None:
@@ -551,7 +154,7 @@ class Client:
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """`get` for each key, in as few round trips as the transport allows."""
-        held = self._transport.get_many(_keys(keys))
+        held = self._transport.get_many(to_keys(keys))
         return [self._requests.read_bytes(k, h) for k, h in zip(keys, held, strict=True)]
 
     def get_many_into(self, keys: Sequence[bytes], buffers: Sequence[object]) -> list[int | None]:
@@ -566,7 +169,7 @@ class Client:
             TransportError, DeadlineExceededError: the store could not be read (no partial
                 block is left in any buffer).
         """
-        dsts, block_keys = _many_into(keys, buffers)
+        dsts, block_keys = many_into(keys, buffers)
         got = self._transport.get_many_into(block_keys, [d.data for d in dsts])
         return self._requests.read_many_into(keys, got, dsts)
 
@@ -582,7 +185,7 @@ class Client:
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading blocks of the chain `keys` the store holds (0 when the store cannot
         be reached: a serving engine then recomputes instead of failing)."""
-        block_keys = _keys(keys)
+        block_keys = to_keys(keys)
         try:
             return self._transport.lookup(block_keys)
         except (TransportError, DeadlineExceededError) as exc:
@@ -591,7 +194,7 @@ class Client:
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Ask the store to stage `keys` in its fastest tier; returns how many are there."""
-        return self._transport.prefetch(_keys(keys))
+        return self._transport.prefetch(to_keys(keys))
 
     def delete(self, key: bytes) -> bool:
         """Delete `key`; True if the store held it.
@@ -632,7 +235,7 @@ class AsyncClient:
         codec: str | Codec | None = None,
     ) -> None:
         self._transport = transport
-        self._requests = _Requests(namespace, lambda: transport.max_value_bytes, codec)
+        self._requests = RequestLayer(namespace, lambda: transport.max_value_bytes, codec)
         self._opened = False
 
     @classmethod
@@ -686,7 +289,7 @@ class AsyncClient:
             puts = requests.prepare_many(items, parents)
         else:  # encoding takes CPU time: keep it off the event loop
             puts = await asyncio.to_thread(requests.prepare_many, items, parents)
-        await self._transport.put_many(_put_items(puts))
+        await self._transport.put_many(put_items(puts))
         requests.put_done(*puts)
 
     async def get(self, key: bytes) -> bytes | None:
@@ -698,7 +301,7 @@ class AsyncClient:
     async def get_into(self, key: bytes, buffer: object) -> int | None:
         dst = as_writable(buffer)
         held = await self._transport.get_into(to_key(key), dst.data)
-        if _encoded(held):
+        if encoded(held):
             # Decoding takes CPU time: keep it off the event loop.
             return await asyncio.to_thread(self._requests.read_into, key, held, dst)
         return self._requests.read_into(key, held, dst)
@@ -706,9 +309,9 @@ class AsyncClient:
     async def get_many_into(
         self, keys: Sequence[bytes], buffers: Sequence[object]
     ) -> list[int | None]:
-        dsts, block_keys = _many_into(keys, buffers)
+        dsts, block_keys = many_into(keys, buffers)
         got = await self._transport.get_many_into(block_keys, [d.data for d in dsts])
-        if any(_encoded(h) for h in got):
+        if any(encoded(h) for h in got):
             return await asyncio.to_thread(self._read_many_into, keys, got, dsts)
         return self._read_many_into(keys, got, dsts)
 
@@ -721,7 +324,7 @@ class AsyncClient:
         return self._requests.read_many_into(keys, got, dsts)
 
     async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        held = await self._transport.get_many(_keys(keys))
+        held = await self._transport.get_many(to_keys(keys))
         if any(h is not None and peek_codec(h.data) != CODEC_NONE for h in held):
             return await asyncio.to_thread(self._read_all, keys, held)
         return self._read_all(keys, held)
@@ -738,7 +341,7 @@ class AsyncClient:
             return False
 
     async def lookup(self, keys: Sequence[bytes]) -> int:
-        block_keys = _keys(keys)
+        block_keys = to_keys(keys)
         try:
             return await self._transport.lookup(block_keys)
         except (TransportError, DeadlineExceededError) as exc:
@@ -746,7 +349,7 @@ class AsyncClient:
             return 0
 
     async def prefetch(self, keys: Sequence[bytes]) -> int:
-        return await self._transport.prefetch(_keys(keys))
+        return await self._transport.prefetch(to_keys(keys))
 
     async def delete(self, key: bytes) -> bool:
         """Delete `key`; True if the store held it (False after a retry: see `Client.delete`)."""

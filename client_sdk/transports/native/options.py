@@ -1,0 +1,74 @@
+"""What a `kv://` URL says: where the daemon is and how to reach it."""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+from typing import Any
+
+from kvoffload.client_sdk.transports.core import RETRY_PARAMS, typed_params
+from kvoffload.client_sdk.url import StoreURL
+from kvoffload.errors import ConfigError
+
+__all__ = ["DEFAULT_PORT", "NativeOptions"]
+
+DEFAULT_PORT = 7480
+_PARAMS = {
+    "token": "the tenant's token",
+    **RETRY_PARAMS,
+    "pool": "connections of a sync client (default 4)",
+    "tls": "1 to connect with TLS",
+    "ca": "CA file that signed the daemon's certificate",
+    "server_name": "certificate name to expect (default: the URL's host)",
+}
+
+
+@dataclass(frozen=True)
+class NativeOptions:
+    """Where and how to reach a daemon (from a `kv://` URL)."""
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    token: str = ""
+    timeout: float = 30.0
+    connect_timeout: float = 5.0
+    retries: int = 3
+    backoff: float = 0.05
+    pool: int = 4
+    tls: bool = False
+    ca: str = ""
+    server_name: str = ""
+
+    @classmethod
+    def from_url(cls, url: StoreURL) -> NativeOptions:
+        """Raises: ConfigError: unknown parameter or bad value."""
+        params = url.take(_PARAMS)
+        kwargs: dict[str, Any] = {"host": url.host or "127.0.0.1", "port": url.port or DEFAULT_PORT}
+        kwargs |= typed_params(
+            "kv://",
+            params,
+            floats=("timeout", "connect_timeout", "backoff"),
+            ints={"retries": "retries", "pool": "pool"},
+            flags=("tls",),
+        )
+        for name in ("token", "ca", "server_name"):
+            if name in params:
+                kwargs[name] = params[name]
+        options = cls(**kwargs)
+        if options.timeout <= 0 or options.connect_timeout <= 0 or options.backoff < 0:
+            raise ConfigError("kv:// timeouts must be positive and backoff non-negative")
+        if options.retries < 0 or options.pool < 1:
+            raise ConfigError("kv:// retries must be >= 0 and pool >= 1")
+        return options
+
+    @property
+    def url(self) -> str:
+        return f"kv://{self.host}:{self.port}"
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        if not self.tls:
+            return None
+        try:
+            return ssl.create_default_context(cafile=self.ca or None)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"cannot load CA file {self.ca!r}: {exc}") from None

@@ -1,0 +1,294 @@
+"""The native protocol's operations, each written once as a plan (see `core`): the sync and
+asyncio drivers run the same plans."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from functools import partial
+from typing import TypeVar, cast
+
+from kvoffload import __version__
+from kvoffload.client_sdk.transports.base import HeldBlock, IntoBuffer, PutItem, Received
+from kvoffload.client_sdk.transports.core import Held, one, too_small
+from kvoffload.client_sdk.transports.native.session import Call, Plan, Req, Sink
+from kvoffload.client_sdk.wire.block import HEADER_BYTES
+from kvoffload.client_sdk.wire.native import (
+    Delete,
+    DeleteResult,
+    Event,
+    Exists,
+    ExistsResult,
+    Get,
+    GetMany,
+    GetManyResult,
+    GetResult,
+    Hello,
+    Lookup,
+    LookupResult,
+    Prefetch,
+    PrefetchResult,
+    Put,
+    PutMany,
+    Stats,
+    StatsResult,
+    Welcome,
+)
+from kvoffload.errors import RemoteProtocolError
+
+__all__ = [
+    "delete",
+    "exists",
+    "get",
+    "get_into",
+    "get_many",
+    "get_many_into",
+    "hello",
+    "lookup",
+    "prefetch",
+    "put",
+    "put_many",
+    "stats",
+]
+
+T = TypeVar("T")
+# Keys per batch frame; keeps a frame's header well under the daemon's limit.
+_BATCH_KEYS = 4096
+_CLIENT = f"kvoffload-sdk/{__version__} python"
+
+
+def _ask(req: Req) -> Generator[list[Req], list[Call], Event]:
+    call: Call = yield from one(req)
+    return call.result()
+
+
+def hello(token: str) -> Plan[Welcome]:
+    answer = yield from _ask(Req(lambda rid: Hello(rid, token=token, client=_CLIENT)))
+    return cast(Welcome, answer)
+
+
+def _nbytes(parts: Sequence[object]) -> int:
+    total = 0
+    for part in parts:
+        total += memoryview(part).nbytes  # type: ignore[arg-type]
+    return total
+
+
+def put(key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool) -> Plan[None]:
+    length = _nbytes(parts)
+    yield from _ask(Req(partial(_put_event, key, length, parent, durable), parts))
+
+
+def _put_event(key: bytes, length: int, parent: bytes | None, durable: bool, rid: int) -> Event:
+    return Put(rid, key, length, parent, durable)
+
+
+def _put_many_event(
+    keys: tuple[bytes, ...],
+    lengths: tuple[int, ...],
+    parents: tuple[bytes | None, ...],
+    durable: bool,
+    rid: int,
+) -> Event:
+    used = parents if any(p is not None for p in parents) else ()
+    return PutMany(rid, keys, lengths, used, durable)
+
+
+def _keys_event(
+    cls: Callable[[int, tuple[bytes, ...]], Event], keys: tuple[bytes, ...], rid: int
+) -> Event:
+    return cls(rid, keys)
+
+
+def _key_event(cls: Callable[[int, bytes], Event], key: bytes, rid: int) -> Event:
+    return cls(rid, key)
+
+
+def put_many(items: Sequence[PutItem], durable: bool, budget: int) -> Plan[None]:
+    reqs: list[Req] = []
+    for chunk in _chunks(items, budget):
+        keys = tuple(k for k, _, _ in chunk)
+        lengths = tuple(_nbytes(parts) for _, parts, _ in chunk)
+        parents = tuple(p for _, _, p in chunk)
+        payload = [p for _, parts, _ in chunk for p in parts]
+        reqs.append(Req(partial(_put_many_event, keys, lengths, parents, durable), payload))
+    calls = yield reqs
+    for call in calls:  # the first failure in order is the one to report
+        call.result()
+
+
+def _chunks(items: Sequence[PutItem], budget: int) -> list[list[PutItem]]:
+    """Split a batch so that each frame stays within `budget` payload bytes and _BATCH_KEYS."""
+    chunks: list[list[PutItem]] = [[]]
+    size = 0
+    for item in items:
+        n = _nbytes(item[1])
+        if chunks[-1] and (size + n > budget or len(chunks[-1]) >= _BATCH_KEYS):
+            chunks.append([])
+            size = 0
+        chunks[-1].append(item)
+        size += n
+    return [c for c in chunks if c]
+
+
+def get(key: bytes) -> Plan[HeldBlock | None]:
+    (call,) = yield [Req(partial(_key_event, Get, key))]
+    answer = cast(GetResult, call.result())
+    if answer.length is None:
+        return None
+    return Held(call.payload if call.payload is not None else memoryview(b""))
+
+
+def get_into(key: bytes, buffer: IntoBuffer) -> Plan[Received | None]:
+    got: Received | None = None
+
+    def sink(event: Event) -> list[memoryview]:
+        nonlocal got
+        parts: list[memoryview] = []
+        got = _land(buffer, cast(GetResult, event).length or 0, parts)
+        return parts
+
+    (call,) = yield [Req(partial(_key_event, Get, key), sink=sink)]
+    answer = cast(GetResult, call.result())
+    if answer.length is None:
+        return None
+    if got is None:  # an empty value: no payload came, so no sink call
+        return Received(memoryview(bytearray(HEADER_BYTES)), 0)
+    return got
+
+
+def _land(into: IntoBuffer, length: int, parts: list[memoryview], index: int = -1) -> Received:
+    """Where a stored block of `length` bytes goes, appended to `parts`: its header into a
+    small buffer of its own, its payload to the start of the caller's buffer `into`."""
+    if length < HEADER_BYTES:  # not one of ours: verification will say so
+        header = memoryview(bytearray(length))
+        parts.append(header)
+        return Received(header, 0)
+    if length - HEADER_BYTES > len(into):
+        which = "buffer" if index < 0 else f"buffer {index}"
+        raise too_small(len(into), length - HEADER_BYTES, which)
+    header = memoryview(bytearray(HEADER_BYTES))
+    parts += [header, into.region(0, length - HEADER_BYTES)]
+    return Received(header, length - HEADER_BYTES)
+
+
+def _get_batches(
+    keys: Sequence[bytes],
+    sink: Callable[[int], Sink] | None,
+    take: Callable[[int, GetManyResult, Call], list[T]],
+) -> Plan[list[T]]:
+    """GetMany in frames of up to _BATCH_KEYS keys, asking again from where the daemon
+    answered only a prefix; `sink(first)` places the payload of the frame starting at key
+    `first`, `take` turns its answer into one result per answered key."""
+    out: list[T] = []
+    done = 0
+    while done < len(keys):
+        starts = range(done, len(keys), _BATCH_KEYS)
+        calls = yield [
+            Req(
+                partial(_keys_event, GetMany, tuple(keys[i : i + _BATCH_KEYS])),
+                sink=None if sink is None else sink(i),
+            )
+            for i in starts
+        ]
+        for first, call in zip(starts, calls, strict=True):
+            answer = cast(GetManyResult, call.result())
+            asked = min(_BATCH_KEYS, len(keys) - first)
+            # A prefix of at least one key, or the loop would ask again forever (or the
+            # results would not line up with the keys).
+            if not 1 <= len(answer.lengths) <= asked:
+                raise RemoteProtocolError(
+                    f"the daemon answered {len(answer.lengths)} keys of {asked} asked for"
+                )
+            out += take(first, answer, call)
+            done = first + len(answer.lengths)
+            if len(answer.lengths) < asked:
+                break  # the daemon answered a prefix; ask again from there
+    return out
+
+
+def get_many(keys: Sequence[bytes]) -> Plan[list[HeldBlock | None]]:
+    return (yield from _get_batches(keys, None, lambda _, a, c: _split(a.lengths, c.payload)))
+
+
+def get_many_into(
+    keys: Sequence[bytes], buffers: Sequence[IntoBuffer]
+) -> Plan[list[Received | None]]:
+    """GetMany whose answers are received straight into the caller's buffers (one per key):
+    each block's header into a small buffer of its own, its payload into the key's buffer."""
+    answered: dict[int, list[Received | None]] = {}
+
+    def take(first: int, answer: GetManyResult, _: Call) -> list[Received | None]:
+        # No sink call: nothing had a payload (every key a miss).
+        return answered.pop(first, [None] * len(answer.lengths))
+
+    def sink(first: int) -> Sink:
+        return partial(_many_sink, buffers, answered, first)
+
+    return (yield from _get_batches(keys, sink, take))
+
+
+def _many_sink(
+    buffers: Sequence[IntoBuffer],
+    answered: dict[int, list[Received | None]],
+    first: int,
+    event: Event,
+) -> list[memoryview]:
+    """Where a GetManyResult for keys from `first` on goes; records what each key got."""
+    parts: list[memoryview] = []
+    got = answered[first] = []
+    for i, length in enumerate(cast(GetManyResult, event).lengths):
+        if length is None:
+            got.append(None)
+            continue
+        got.append(_land(buffers[first + i], length, parts, first + i))
+    return parts
+
+
+def _split(lengths: Sequence[int | None], payload: memoryview | None) -> list[HeldBlock | None]:
+    out: list[HeldBlock | None] = []
+    pos = 0
+    data = payload if payload is not None else memoryview(b"")
+    for n in lengths:
+        if n is None:
+            out.append(None)
+        else:
+            out.append(Held(data[pos : pos + n]))
+            pos += n
+    return out
+
+
+def exists(key: bytes) -> Plan[bool]:
+    answer = yield from _ask(Req(partial(_key_event, Exists, key)))
+    return cast(ExistsResult, answer).found
+
+
+def delete(key: bytes) -> Plan[bool]:
+    answer = yield from _ask(Req(partial(_key_event, Delete, key)))
+    return cast(DeleteResult, answer).deleted
+
+
+def stats() -> Plan[dict[str, object]]:
+    answer = yield from _ask(Req(Stats))
+    return cast(StatsResult, answer).stats
+
+
+def lookup(keys: Sequence[bytes]) -> Plan[int]:
+    total = 0
+    for i in range(0, len(keys), _BATCH_KEYS):
+        chunk = tuple(keys[i : i + _BATCH_KEYS])
+        answer = cast(LookupResult, (yield from _ask(Req(partial(_keys_event, Lookup, chunk)))))
+        if not 0 <= answer.count <= len(chunk):
+            raise RemoteProtocolError(f"lookup of {len(chunk)} keys answered {answer.count}")
+        total += answer.count
+        if answer.count < len(chunk):
+            break
+    return total
+
+
+def prefetch(keys: Sequence[bytes]) -> Plan[int]:
+    chunks = [tuple(keys[i : i + _BATCH_KEYS]) for i in range(0, len(keys), _BATCH_KEYS)]
+    calls = yield [Req(partial(_keys_event, Prefetch, c)) for c in chunks]
+    counts = [cast(PrefetchResult, call.result()).count for call in calls]
+    if any(not 0 <= n <= len(c) for n, c in zip(counts, chunks, strict=True)):
+        raise RemoteProtocolError(f"prefetch answered {counts} for chunks of {len(chunks[0])}")
+    return sum(counts)

@@ -1,0 +1,274 @@
+"""The blocking `kv://` driver: a pool of sockets, each pipelining a plan's requests."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import select
+import ssl
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from kvoffload.client_sdk.transports.base import (
+    HeldBlock,
+    IntoBuffer,
+    PutItem,
+    Received,
+    received_into,
+    received_many_into,
+)
+from kvoffload.client_sdk.transports.core import (
+    SyncRunner,
+    connect,
+    left,
+    lost,
+    receive,
+    retrying,
+    send_all,
+)
+from kvoffload.client_sdk.transports.native import plans
+from kvoffload.client_sdk.transports.native.options import NativeOptions
+from kvoffload.client_sdk.transports.native.session import Call, Plan, Req, Session
+from kvoffload.client_sdk.url import StoreURL
+from kvoffload.client_sdk.wire.native import Welcome
+from kvoffload.errors import DeadlineExceededError, KVOffloadError, TransportError
+
+__all__ = ["NativeTransport", "open_native"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# Frames a plan may have in flight on one connection before it reads answers.
+_WINDOW = 16
+
+
+class _SyncConnection(SyncRunner[Req, Call]):
+    """One blocking socket and its session."""
+
+    def __init__(
+        self, options: NativeOptions, context: ssl.SSLContext | None, deadline: float
+    ) -> None:
+        self.options = options
+        self.session = Session()
+        sock = connect(options, deadline)
+        if context is not None:
+            try:
+                sock = context.wrap_socket(
+                    sock, server_hostname=options.server_name or options.host
+                )
+            except (ssl.SSLError, OSError) as exc:
+                sock.close()
+                raise TransportError(f"TLS handshake with {options.url} failed: {exc}") from None
+        self.sock = sock
+        self.tls = context is not None
+        self.reused = False  # taken from the pool: the daemon may have closed it meanwhile
+        self.welcome: Welcome = self.run(plans.hello(options.token), deadline)
+
+    def room(self, calls: list[Call]) -> bool:
+        return sum(1 for c in calls if not c.done) < _WINDOW
+
+    def start(self, request: Req, deadline: float) -> Call:
+        call, parts = self.session.start(request)
+        try:
+            self.sock.settimeout(left(deadline))
+            if self.tls:  # an SSL socket has no sendmsg
+                for part in parts:
+                    self.sock.sendall(part)
+            else:
+                send_all(self.sock, parts)
+        except OSError as exc:
+            raise self._lost(exc) from None
+        return call
+
+    def pump(self, deadline: float) -> None:
+        try:
+            receive(self.sock, self.session.conn, left(deadline))
+        except OSError as exc:
+            raise self._lost(exc) from None
+        self.session.feed()
+
+    def _lost(self, exc: OSError) -> KVOffloadError:
+        error = lost(self.options.url, exc)
+        self.session.fail(error)
+        self.session.conn.send_failed()
+        self.close()
+        return error
+
+    @property
+    def healthy(self) -> bool:
+        return self.session.broken is None and not self.session.calls
+
+    def stale(self) -> bool:
+        """Whether the daemon closed this idle connection (a goodbye or EOF is waiting)."""
+        try:
+            if not select.select([self.sock], [], [], 0)[0]:
+                return False
+            receive(self.sock, self.session.conn, 0)
+        except (ssl.SSLWantReadError, BlockingIOError):
+            return False  # TLS bytes that are not a whole record yet
+        except (OSError, ValueError):
+            return True
+        self.session.feed()
+        return self.session.broken is not None
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class NativeTransport:
+    """Blocking `kv://` transport: a pool of connections, each pipelining a plan's requests."""
+
+    def __init__(self, options: NativeOptions) -> None:
+        self.options = options
+        self._context = options.ssl_context()
+        self._idle: list[_SyncConnection] = []
+        self._open = 0
+        self._cond = threading.Condition()
+        self._welcome: Welcome | None = None
+        self._closed = False
+        try:  # connect now for an early AuthError; a daemon that is down is only a warning
+            self._release(self._acquire(time.monotonic() + options.connect_timeout), True)
+        except (TransportError, DeadlineExceededError) as exc:
+            log.warning("%s is not reachable yet (%s); will retry on use", options.url, exc)
+
+    # ------------------------------------------------------------------ pool
+
+    def _acquire(self, deadline: float) -> _SyncConnection:
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise TransportError("the client is closed")
+                while self._idle:
+                    conn = self._idle.pop()
+                    if not conn.stale():
+                        conn.reused = True
+                        return conn
+                    conn.close()
+                    self._open -= 1
+                if self._open < self.options.pool:
+                    self._open += 1
+                    break
+                if not self._cond.wait(timeout=left(deadline)):
+                    raise DeadlineExceededError(f"no free connection to {self.options.url}")
+        try:
+            conn = _SyncConnection(self.options, self._context, deadline)
+        except BaseException:
+            with self._cond:
+                self._open -= 1
+                self._cond.notify()
+            raise
+        self._welcome = conn.welcome
+        return conn
+
+    def _release(self, conn: _SyncConnection, healthy: bool) -> None:
+        with self._cond:
+            if healthy and conn.healthy and not self._closed:
+                self._idle.append(conn)
+            else:
+                conn.close()
+                self._open -= 1
+            self._cond.notify()
+
+    def _run(self, plan: Callable[[], Plan[T]]) -> T:
+        """Run a fresh plan, retrying on a lost connection (every operation is idempotent)."""
+        return retrying(self.options, self._attempt, plan)
+
+    def _attempt(self, plan: Callable[[], Plan[T]], deadline: float) -> T:
+        while True:
+            conn = self._acquire(deadline)
+            try:
+                result = conn.run(plan(), deadline)
+            except TransportError as exc:
+                self._release(conn, False)
+                if conn.reused and conn.session.peer_closed:
+                    # The daemon closed a pooled connection (idle) just as this request
+                    # went out: not a failure of the request. Each pooled connection can
+                    # cause this once, so it needs no retry budget.
+                    log.debug("pooled connection was closed (%s); reconnecting", exc)
+                    continue
+                raise
+            except KVOffloadError:
+                self._release(conn, True)  # an error answer leaves the connection usable
+                raise
+            except BaseException:
+                self._release(conn, False)
+                raise
+            self._release(conn, True)
+            return result
+
+    # ------------------------------------------------------------------ Transport
+
+    @property
+    def max_value_bytes(self) -> int:
+        if self._welcome is None:
+            self._release(self._acquire(time.monotonic() + self.options.timeout), True)
+        assert self._welcome is not None
+        return self._welcome.max_value_bytes
+
+    @property
+    def tenant(self) -> str:
+        self.max_value_bytes  # noqa: B018 - connects if needed
+        assert self._welcome is not None
+        return self._welcome.tenant
+
+    def _budget(self) -> int:
+        self.max_value_bytes  # noqa: B018 - connects if needed
+        assert self._welcome is not None
+        return self._welcome.max_payload_bytes
+
+    def put(
+        self, key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool = False
+    ) -> None:
+        self._run(lambda: plans.put(key, parts, parent, durable))
+
+    def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None:
+        budget = self._budget()
+        self._run(lambda: plans.put_many(items, durable, budget))
+
+    def get(self, key: bytes) -> HeldBlock | None:
+        return self._run(lambda: plans.get(key))
+
+    def get_into(self, key: bytes, buffer: memoryview) -> HeldBlock | Received | None:
+        into = IntoBuffer(buffer)
+        return received_into(into, lambda: self._run(lambda: plans.get_into(key, into)))
+
+    def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]:
+        return self._run(lambda: plans.get_many(keys))
+
+    def get_many_into(
+        self, keys: Sequence[bytes], buffers: Sequence[memoryview]
+    ) -> list[HeldBlock | Received | None]:
+        into = [IntoBuffer(b) for b in buffers]
+        got = received_many_into(into, lambda: self._run(lambda: plans.get_many_into(keys, into)))
+        return list(got)
+
+    def exists(self, key: bytes) -> bool:
+        return self._run(lambda: plans.exists(key))
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        return self._run(lambda: plans.lookup(keys))
+
+    def prefetch(self, keys: Sequence[bytes]) -> int:
+        return self._run(lambda: plans.prefetch(keys))
+
+    def delete(self, key: bytes) -> bool:
+        return self._run(lambda: plans.delete(key))
+
+    def stats(self) -> dict[str, object]:
+        return self._run(plans.stats)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._cond.notify_all()
+        for conn in idle:
+            conn.close()
+
+
+def open_native(url: StoreURL) -> NativeTransport:
+    """Open `kv://host:port?token=...` (blocking)."""
+    return NativeTransport(NativeOptions.from_url(url))
