@@ -68,7 +68,7 @@ from kvoffload.errors import (
 from kvoffload.kvstore import BlockView, PutReservation
 from kvoffload.nvmeof_target.channel import Channel, TlsChannel
 from kvoffload.nvmeof_target.config import Config, NativeConfig
-from kvoffload.nvmeof_target.server import Services
+from kvoffload.nvmeof_target.services import Services
 from kvoffload.nvmeof_target.session import Instruments, Session, stop_sessions
 from kvoffload.nvmeof_target.tenants import Tenant
 

@@ -69,7 +69,7 @@ from kvoffload.nvmeof_target.nvme_subsys import (
     AER_LIMIT,
     CommandFailed,
     Controller,
-    Namespace,
+    NvmeNamespace,
     StoreInfo,
     Subsystem,
     build_subsystems,
@@ -77,7 +77,7 @@ from kvoffload.nvmeof_target.nvme_subsys import (
     invalid_field,
     next_cntlid,
 )
-from kvoffload.nvmeof_target.server import Services
+from kvoffload.nvmeof_target.services import Services
 from kvoffload.nvmeof_target.session import Instruments, Session, stop_sessions
 
 __all__ = ["NvmeFront", "make_front"]
@@ -212,7 +212,7 @@ class NvmeFront:
                     future.add_done_callback(functools.partial(self._swept, ns))
                     return
 
-    def _swept(self, ns: Namespace, future: asyncio.Future[list[bytes]]) -> None:
+    def _swept(self, ns: NvmeNamespace, future: asyncio.Future[list[bytes]]) -> None:
         self._sweeping = False
         failed = future.cancelled() or future.exception() is not None
         ns.directory.end_sweep(None if failed else future.result())
@@ -260,7 +260,7 @@ class NvmeFront:
             self._members[ctrl.cntlid].discard(queue)
             ctrl.connected_queues -= 1
 
-    def store_info(self, ns: Namespace) -> Callable[[], StoreInfo]:
+    def store_info(self, ns: NvmeNamespace) -> Callable[[], StoreInfo]:
         def read() -> StoreInfo:
             stats = self.engine.stats()
             used = sum(t.used_bytes for t in stats.tiers)
@@ -293,7 +293,7 @@ class _Store:
     """A KV Store command whose value is on its way."""
 
     cid: int
-    ns: Namespace
+    ns: NvmeNamespace
     key: bytes
     engine_key: bytes
     options: int
@@ -670,7 +670,9 @@ class _Queue(Session):
 
     # ------------------------------------------------------------------ Key Value
 
-    def _kv_namespace(self, cmd: Command, *, empty_key: bool = False) -> tuple[Namespace, bytes]:
+    def _kv_namespace(
+        self, cmd: Command, *, empty_key: bool = False
+    ) -> tuple[NvmeNamespace, bytes]:
         ns = self._controller.namespace(cmd.nsid)
         kl = cmd.cdw11 & 0xFF
         if not (0 if empty_key else 1) <= kl <= KEY_MAX:

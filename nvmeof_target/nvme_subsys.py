@@ -37,7 +37,7 @@ from kvoffload.nvmeof_target.tenants import Tenant
 __all__ = [
     "CommandFailed",
     "Controller",
-    "Namespace",
+    "NvmeNamespace",
     "StoreInfo",
     "Subsystem",
     "build_subsystems",
@@ -101,7 +101,7 @@ class StoreInfo:
 
 
 @dataclass
-class Namespace:
+class NvmeNamespace:
     """One KV namespace: a tenant's key space, visible to some hosts."""
 
     nsid: int
@@ -133,7 +133,7 @@ class Namespace:
 class Subsystem:
     nqn: str
     allow_hosts: frozenset[str]
-    namespaces: dict[int, Namespace]
+    namespaces: dict[int, NvmeNamespace]
     serial: str
     open_to_any: bool  # no allow list and bound to loopback
 
@@ -155,7 +155,7 @@ def build_subsystems(config: NvmeConfig, tenant: Callable[[str], Tenant]) -> dic
 
 def _subsystem(sub: SubsystemConfig, loopback: bool, tenant: Callable[[str], Tenant]) -> Subsystem:
     namespaces = {
-        ns.nsid: Namespace(
+        ns.nsid: NvmeNamespace(
             ns.nsid,
             tenant(ns.tenant),
             frozenset(ns.hosts),
@@ -200,14 +200,14 @@ class Controller:
     max_value: int = 0  # KVVML: the engine's largest value
 
     @property
-    def namespaces(self) -> dict[int, Namespace]:
+    def namespaces(self) -> dict[int, NvmeNamespace]:
         return {
             nsid: ns
             for nsid, ns in self.subsystem.namespaces.items()
             if ns.visible_to(self.hostnqn)
         }
 
-    def namespace(self, nsid: int) -> Namespace:
+    def namespace(self, nsid: int) -> NvmeNamespace:
         """The namespace `nsid` as this controller sees it.
 
         Raises:
@@ -321,7 +321,7 @@ class Controller:
             raise invalid_field(f"Identify CNS {cns:#x} is not supported")
         return handler(self, nsid, csi, store)
 
-    def _active(self, nsid: int) -> Namespace | None:
+    def _active(self, nsid: int) -> NvmeNamespace | None:
         """The namespace if active for this host; None if inactive (a valid NSID that holds
         nothing for it). Raises Invalid Namespace for NSIDs that are not valid at all."""
         if nsid == 0 or nsid > max(self.subsystem.nn, 1):

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from kvoffload.errors import KVOffloadError, RemoteProtocolError, TransportError
 from kvoffload.nvmeof_target.channel import Channel
 from kvoffload.nvmeof_target.metrics import Metrics
-from kvoffload.nvmeof_target.server import Services
+from kvoffload.nvmeof_target.services import Services
 
 __all__ = ["Instruments", "Session", "stop_sessions"]
 
