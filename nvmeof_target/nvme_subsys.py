@@ -21,6 +21,7 @@ from kvoffload.client_sdk.wire import nvme_data as nd
 from kvoffload.client_sdk.wire.nvme_cmd import (
     FABRICS,
     KEY_MAX,
+    SGL_IN_CAPSULE,
     AdminOpc,
     CmdSc,
     Command,
@@ -479,3 +480,44 @@ _IDENTIFY: dict[int, Callable[[Controller, int, int, Callable[[], StoreInfo]], b
     nd.Cns.CSI_CONTROLLER: Controller._id_csi_controller,
     nd.Cns.INDEPENDENT_NAMESPACE: Controller._id_independent,
 }
+
+
+# ---------------------------------------------------------------------------- command data
+
+# PSDT (CDW0 bits 7:6) is not checked: over fabrics DPTR is always an SGL descriptor, whatever
+# PSDT says (SPDK's target does not look either), and its descriptor type beyond "in the
+# capsule or not" does not change how TCP moves the data (Sgl.transport_length).
+
+
+def read_length(cmd: Command, data_length: int) -> int:
+    """Bytes a command that returns data may receive (its SGL's length)."""
+    no_data(data_length)
+    if cmd.sgl.type == SGL_IN_CAPSULE:
+        raise CommandFailed(Sct.GENERIC, Sc.SGL_TYPE_INVALID, "read data cannot be in-capsule")
+    return cmd.sgl.transport_length
+
+
+def write_sgl(cmd: Command, data_length: int) -> bool:
+    """Check the SGL of a command that sends data; True if the data is in the capsule."""
+    sgl = cmd.sgl
+    if sgl.type == SGL_IN_CAPSULE:
+        if sgl.address != 0:  # ICDOFF is 0: data starts at the capsule's data area
+            raise CommandFailed(Sct.GENERIC, Sc.SGL_OFFSET_INVALID, f"offset {sgl.address}")
+        if sgl.length != data_length:
+            raise CommandFailed(
+                Sct.GENERIC,
+                Sc.SGL_LENGTH_INVALID,
+                f"SGL says {sgl.length} B, the capsule holds {data_length}",
+            )
+        return True
+    no_data(data_length)
+    return False
+
+
+def no_data(data_length: int) -> None:
+    if data_length:
+        raise CommandFailed(Sct.GENERIC, Sc.SGL_LENGTH_INVALID, "unexpected in-capsule data")
+
+
+def no_info() -> StoreInfo:
+    return StoreInfo(0, 0, 0, 0, 0, 0, 0.0)
