@@ -333,10 +333,6 @@ class NvmeQueue(Session):
         self.aers.add(cid)
         self._started.pop(cid, None)  # not a request that waits: keep it out of the latencies
 
-    def end_after_answers(self) -> None:
-        """Take no more commands; the connection closes once what is queued is out."""
-        self._reading = False
-
 
 _EVENTS: dict[type[Event], Callable[[NvmeQueue, Any], Awaitable[object] | None]] = {
     ICReq: NvmeQueue._on_icreq,

@@ -154,6 +154,10 @@ class Session:
         if self._reader is not None:
             self._reader.cancel()
 
+    def end_after_answers(self) -> None:
+        """Take no more requests; the connection closes once what is queued is out."""
+        self._reading = False
+
     def abort(self) -> None:
         """Close now, dropping whatever is queued."""
         self._reading = False
