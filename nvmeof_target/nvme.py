@@ -8,7 +8,7 @@ capsule or fetched with R2T/H2CData — is received straight into the slot `Engi
 out, and a Retrieve's C2HData is sent straight from the pinned `BlockView`.
 
 The front owns the listener, the subsystems and their controllers, and the watchdog;
-`nvme_queue.NvmeQueue` serves each connection, with the commands in `nvme_admin` and `nvme_kv`.
+`nvme_queue.NvmeQueue` serves each connection, with the commands in `nvme_admin` and `nvme_io`.
 
 A PDU that breaks the transport rules gets a C2HTermReq with its Fatal Error Status and the
 connection is closed; other connections carry on. A command that fails gets an NVMe status

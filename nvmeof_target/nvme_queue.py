@@ -2,7 +2,7 @@
 
 A thin shell in the shape of h11's example servers: read into the codec
 (`client_sdk/wire/nvme_tcp.py`), drain its events through `_EVENTS`, hand each command to its
-handler from the tables in `nvme_admin` (Fabrics, Admin) and `nvme_kv` (Key Value), and write
+handler from the tables in `nvme_admin` (Fabrics, Admin) and `nvme_io` (Key Value), and write
 what they answer. The queue only routes data and answers; the handlers decide.
 """
 
@@ -50,7 +50,7 @@ from kvoffload.client_sdk.wire.status import nvme_status_of
 from kvoffload.errors import KVOffloadError, LocalProtocolError, RemoteProtocolError
 from kvoffload.nvmeof_target.channel import Channel
 from kvoffload.nvmeof_target.nvme_admin import ADMIN, ADMIN_FABRICS, FABRICS
-from kvoffload.nvmeof_target.nvme_kv import IO
+from kvoffload.nvmeof_target.nvme_io import IO
 from kvoffload.nvmeof_target.nvme_subsys import CommandFailed, Controller, invalid_field
 from kvoffload.nvmeof_target.session import Session
 

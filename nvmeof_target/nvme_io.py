@@ -1,5 +1,6 @@
-"""The NVMe/TCP front's Key Value commands (Store, Retrieve, Exist, Delete, List) on the
-engine, as a handler table the queue dispatches on (see `nvme_admin` for the handler shape).
+"""The NVMe/TCP front's I/O commands: the Key Value command set (Store, Retrieve, Exist,
+Delete, List) on the engine, as a handler table the queue dispatches on (see `nvme_admin`
+for the handler shape).
 
 A Store's value is received straight into the slot `Engine.reserve` hands out (from the
 capsule, or fetched with one R2T); a Retrieve's C2HData is sent from the pinned `BlockView`.
