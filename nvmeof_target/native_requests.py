@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 from kvoffload import __version__
 from kvoffload.client_sdk.wire.native import (
@@ -177,16 +177,28 @@ def on_stats(s: NativeSession, event: Stats) -> None:
     s.reply(StatsResult(event.request_id, stats))
 
 
+R = TypeVar("R", bound=Event)
+
+
+def _row(
+    kind: type[R], handler: Callable[[NativeSession, R], Awaitable[object] | None]
+) -> tuple[type[Event], Callable[..., Awaitable[object] | None]]:
+    """A table row whose handler mypy checks against its request type."""
+    return kind, handler
+
+
 # Request type -> its handler.
-HANDLERS: dict[type[Event], Callable[[NativeSession, Any], Awaitable[object] | None]] = {
-    Hello: on_hello,
-    Put: on_put,
-    PutMany: on_put_many,
-    Get: on_get,
-    GetMany: on_get_many,
-    Exists: on_exists,
-    Lookup: on_lookup,
-    Prefetch: on_prefetch,
-    Delete: on_delete,
-    Stats: on_stats,
-}
+HANDLERS: dict[type[Event], Callable[..., Awaitable[object] | None]] = dict(
+    [
+        _row(Hello, on_hello),
+        _row(Put, on_put),
+        _row(PutMany, on_put_many),
+        _row(Get, on_get),
+        _row(GetMany, on_get_many),
+        _row(Exists, on_exists),
+        _row(Lookup, on_lookup),
+        _row(Prefetch, on_prefetch),
+        _row(Delete, on_delete),
+        _row(Stats, on_stats),
+    ]
+)

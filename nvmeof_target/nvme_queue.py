@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from kvoffload.client_sdk.wire.nvme_cmd import (
     FABRICS as FABRICS_OPC,
@@ -334,14 +334,27 @@ class NvmeQueue(Session):
         self._started.pop(cid, None)  # not a request that waits: keep it out of the latencies
 
 
-_EVENTS: dict[type[Event], Callable[[NvmeQueue, Any], Awaitable[object] | None]] = {
-    ICReq: NvmeQueue._on_icreq,
-    H2CTermReq: NvmeQueue._on_termreq,
-    CapsuleCmd: NvmeQueue._on_capsule,
-    H2CData: NvmeQueue._on_h2c,
-    DataEnd: NvmeQueue._on_data_end,
-    SinkFull: NvmeQueue._on_sink_full,
-}
+E = TypeVar("E", bound=Event)
+
+
+def _row(
+    kind: type[E], on: Callable[[NvmeQueue, E], Awaitable[object] | None]
+) -> tuple[type[Event], Callable[..., Awaitable[object] | None]]:
+    """A table row whose handler mypy checks against its event type."""
+    return kind, on
+
+
+# Event type -> what the queue does with it (the codec admits no other event on a target).
+_EVENTS: dict[type[Event], Callable[..., Awaitable[object] | None]] = dict(
+    [
+        _row(ICReq, NvmeQueue._on_icreq),
+        _row(H2CTermReq, NvmeQueue._on_termreq),
+        _row(CapsuleCmd, NvmeQueue._on_capsule),
+        _row(H2CData, NvmeQueue._on_h2c),
+        _row(DataEnd, NvmeQueue._on_data_end),
+        _row(SinkFull, NvmeQueue._on_sink_full),
+    ]
+)
 _FABRICS_NAMES = {int(t): t.name.lower() for t in FabricsType}
 # Admin and KV opcodes overlap (02h, 06h): the queue says which set a command is from.
 _ADMIN_NAMES = {int(o): o.name.lower() for o in AdminOpc}
