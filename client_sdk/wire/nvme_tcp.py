@@ -88,6 +88,8 @@ from kvoffload.client_sdk.wire.nvme_tcp_events import (
 from kvoffload.client_sdk.wire.nvme_tcp_readers import PARSERS, check_lengths
 from kvoffload.client_sdk.wire.nvme_tcp_state import (
     _NOW,
+    _ON_RECEIVE,
+    _ON_SEND,
     _RECEIVABLE,
     _SENDABLE,
     QueueState,
@@ -334,7 +336,11 @@ class NvmeTcpConnection(ReceiveBuffer, QueueState):
                     f"{PduType(kind).name} header digest mismatch", Fes.HEADER_DIGEST_ERROR, hlen
                 )
         psh = self._view[start : start + self._need]
-        event = PARSERS[PduType(kind)](self, psh, flags)
+        ptype = PduType(kind)
+        event = PARSERS[ptype](self, psh, flags)
+        phases = _ON_RECEIVE.get(ptype)
+        if phases is not None:
+            self._enter(phases)
         self._start += self._need
         if self._pdu_data:
             self._ddgst = self.ddgst
@@ -386,8 +392,9 @@ class NvmeTcpConnection(ReceiveBuffer, QueueState):
         parts: list[bytes | memoryview] = [header, *views]
         if dd:
             parts.append(_DIGEST.pack(digest(views)))
-        if isinstance(event, _TermReq):
-            self._tx_phase = _Phase.BROKEN
+        phases = _ON_SEND.get(ptype)
+        if phases is not None:
+            self._enter(phases)
         return parts
 
     def send(self, event: Event, data: Sequence[bytes | memoryview] = ()) -> bytes:

@@ -46,7 +46,7 @@ from kvoffload.client_sdk.wire.nvme_tcp_events import (
     PduType,
     _Fatal,
 )
-from kvoffload.client_sdk.wire.nvme_tcp_state import QueueState, Role, _Cmd, _Phase, _R2TWindow
+from kvoffload.client_sdk.wire.nvme_tcp_state import QueueState, Role, _Cmd, _R2TWindow
 
 __all__ = ["PARSERS", "check_lengths"]
 
@@ -95,7 +95,6 @@ def read_icreq(st: QueueState, psh: memoryview, flags: int) -> Event:
     # DGST bits 7:2 and bytes 16..127 are reserved: ignored, as Linux and SPDK do.
     event = ICReq(bool(dgst & 1), bool(dgst & 2), maxr2t, hpda, pfv)
     st._asked = event
-    st._rx_phase = _Phase.READY
     return event
 
 
@@ -116,14 +115,12 @@ def read_icresp(st: QueueState, psh: memoryview, flags: int) -> Event:
     if maxh2cdata % 4 or maxh2cdata < 4096:
         raise _Fatal(f"ICResp MAXH2CDATA {maxh2cdata}", Fes.UNSUPPORTED_PARAMETER, FEI_MAXDATA)
     st.hdgst, st.ddgst, st.maxh2cdata = bool(dgst & 1), bool(dgst & 2), maxh2cdata
-    st._rx_phase = st._tx_phase = _Phase.READY
     return ICResp(st.hdgst, st.ddgst, maxh2cdata, cpda, pfv)
 
 
 def read_term(st: QueueState, psh: memoryview, flags: int) -> Event:
     fes, fei = _TERM.unpack_from(psh, CH.size)
     cls = H2CTermReq if st.role is Role.TARGET else C2HTermReq
-    st._rx_phase = _Phase.BROKEN  # nothing may follow a TermReq
     return cls(fes, fei, bytes(psh[_HLEN[PduType.H2C_TERM_REQ] :]))
 
 

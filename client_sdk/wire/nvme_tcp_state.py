@@ -62,6 +62,19 @@ _NOW = {
     (Role.HOST, _Phase.AWAIT_IC): frozenset({PduType.IC_RESP, PduType.C2H_TERM_REQ}),
     (Role.HOST, _Phase.READY): _RECEIVABLE[Role.HOST] - {PduType.IC_RESP},
 }
+# PDU type -> the phases receiving / sending it moves to, as (receive side, send side); None
+# leaves that side as it is. Each type comes from one role only, so the type is the key.
+_ON_RECEIVE: dict[PduType, tuple[_Phase | None, _Phase | None]] = {
+    PduType.IC_REQ: (_Phase.READY, None),  # a target: its ICResp is still to be sent
+    PduType.IC_RESP: (_Phase.READY, _Phase.READY),  # a host: initialized both ways
+    PduType.H2C_TERM_REQ: (_Phase.BROKEN, None),  # nothing may follow a TermReq
+    PduType.C2H_TERM_REQ: (_Phase.BROKEN, None),
+}
+_ON_SEND: dict[PduType, tuple[_Phase | None, _Phase | None]] = {
+    PduType.IC_RESP: (None, _Phase.READY),
+    PduType.H2C_TERM_REQ: (None, _Phase.BROKEN),
+    PduType.C2H_TERM_REQ: (None, _Phase.BROKEN),
+}
 _SENDABLE = {
     Role.HOST: frozenset({ICReq, H2CTermReq, CapsuleCmd, H2CData}),
     Role.TARGET: frozenset({ICResp, C2HTermReq, CapsuleResp, C2HData, R2T}),
@@ -103,6 +116,14 @@ class QueueState:
         self._cmds: dict[int, _Cmd] = {}
         self._pdu_data = 0  # data bytes the PDU being received declares
         self._data_cid = 0  # the command the data being received belongs to
+
+    def _enter(self, phases: tuple[_Phase | None, _Phase | None]) -> None:
+        """Move to the phases a row of `_ON_RECEIVE` / `_ON_SEND` gives."""
+        rx, tx = phases
+        if rx is not None:
+            self._rx_phase = rx
+        if tx is not None:
+            self._tx_phase = tx
 
     def _ready(self) -> None:
         if self._tx_phase is not _Phase.READY:

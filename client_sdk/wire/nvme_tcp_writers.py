@@ -52,7 +52,6 @@ def write_icresp(st: QueueState, event: ICResp, length: int) -> tuple[bytes, int
     if event.maxh2cdata % 4 or event.maxh2cdata < 4096 or event.cpda:
         raise LocalProtocolError(f"unusable ICResp {event}")
     st.hdgst, st.ddgst, st.maxh2cdata = event.hdgst, event.ddgst, event.maxh2cdata
-    st._tx_phase = _Phase.READY
     dgst = event.hdgst | (event.ddgst << 1)
     return _IC.pack(event.pfv, event.cpda, dgst, event.maxh2cdata) + bytes(112), 0
 
