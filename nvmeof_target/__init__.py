@@ -1,11 +1,12 @@
 """The storage daemon (`kvoffload serve`): network fronts over the engine.
 
-`server.Daemon` holds the engine, tenants, metrics and KV events and starts every registered
-front (`server.FRONTS`); `native.py` is the native-protocol front. Configuration:
-`config.load_config`.
+`server.Daemon` holds the engine, tenants, metrics and KV events and starts every front in
+`server.FRONTS`: `native.py` (the native protocol) and `nvme.py` (NVMe/TCP), which share
+`services.Services`. Configuration: `config.load_config`.
 """
 
 from kvoffload.nvmeof_target.config import Config, load_config
-from kvoffload.nvmeof_target.server import FRONTS, Daemon, Services, register_front
+from kvoffload.nvmeof_target.server import FRONTS, Daemon
+from kvoffload.nvmeof_target.services import Services
 
-__all__ = ["FRONTS", "Config", "Daemon", "Services", "load_config", "register_front"]
+__all__ = ["FRONTS", "Config", "Daemon", "Services", "load_config"]

@@ -21,6 +21,7 @@ from kvoffload.client_sdk.wire import nvme_data as nd
 from kvoffload.client_sdk.wire.nvme_cmd import (
     FABRICS,
     KEY_MAX,
+    SGL_IN_CAPSULE,
     AdminOpc,
     CmdSc,
     Command,
@@ -37,7 +38,7 @@ from kvoffload.nvmeof_target.tenants import Tenant
 __all__ = [
     "CommandFailed",
     "Controller",
-    "Namespace",
+    "NvmeNamespace",
     "StoreInfo",
     "Subsystem",
     "build_subsystems",
@@ -101,7 +102,7 @@ class StoreInfo:
 
 
 @dataclass
-class Namespace:
+class NvmeNamespace:
     """One KV namespace: a tenant's key space, visible to some hosts."""
 
     nsid: int
@@ -133,7 +134,7 @@ class Namespace:
 class Subsystem:
     nqn: str
     allow_hosts: frozenset[str]
-    namespaces: dict[int, Namespace]
+    namespaces: dict[int, NvmeNamespace]
     serial: str
     open_to_any: bool  # no allow list and bound to loopback
 
@@ -155,7 +156,7 @@ def build_subsystems(config: NvmeConfig, tenant: Callable[[str], Tenant]) -> dic
 
 def _subsystem(sub: SubsystemConfig, loopback: bool, tenant: Callable[[str], Tenant]) -> Subsystem:
     namespaces = {
-        ns.nsid: Namespace(
+        ns.nsid: NvmeNamespace(
             ns.nsid,
             tenant(ns.tenant),
             frozenset(ns.hosts),
@@ -200,14 +201,14 @@ class Controller:
     max_value: int = 0  # KVVML: the engine's largest value
 
     @property
-    def namespaces(self) -> dict[int, Namespace]:
+    def namespaces(self) -> dict[int, NvmeNamespace]:
         return {
             nsid: ns
             for nsid, ns in self.subsystem.namespaces.items()
             if ns.visible_to(self.hostnqn)
         }
 
-    def namespace(self, nsid: int) -> Namespace:
+    def namespace(self, nsid: int) -> NvmeNamespace:
         """The namespace `nsid` as this controller sees it.
 
         Raises:
@@ -321,7 +322,7 @@ class Controller:
             raise invalid_field(f"Identify CNS {cns:#x} is not supported")
         return handler(self, nsid, csi, store)
 
-    def _active(self, nsid: int) -> Namespace | None:
+    def _active(self, nsid: int) -> NvmeNamespace | None:
         """The namespace if active for this host; None if inactive (a valid NSID that holds
         nothing for it). Raises Invalid Namespace for NSIDs that are not valid at all."""
         if nsid == 0 or nsid > max(self.subsystem.nn, 1):
@@ -479,3 +480,44 @@ _IDENTIFY: dict[int, Callable[[Controller, int, int, Callable[[], StoreInfo]], b
     nd.Cns.CSI_CONTROLLER: Controller._id_csi_controller,
     nd.Cns.INDEPENDENT_NAMESPACE: Controller._id_independent,
 }
+
+
+# ---------------------------------------------------------------------------- command data
+
+# PSDT (CDW0 bits 7:6) is not checked: over fabrics DPTR is always an SGL descriptor, whatever
+# PSDT says (SPDK's target does not look either), and its descriptor type beyond "in the
+# capsule or not" does not change how TCP moves the data (Sgl.transport_length).
+
+
+def read_length(cmd: Command, data_length: int) -> int:
+    """Bytes a command that returns data may receive (its SGL's length)."""
+    no_data(data_length)
+    if cmd.sgl.type == SGL_IN_CAPSULE:
+        raise CommandFailed(Sct.GENERIC, Sc.SGL_TYPE_INVALID, "read data cannot be in-capsule")
+    return cmd.sgl.transport_length
+
+
+def write_sgl(cmd: Command, data_length: int) -> bool:
+    """Check the SGL of a command that sends data; True if the data is in the capsule."""
+    sgl = cmd.sgl
+    if sgl.type == SGL_IN_CAPSULE:
+        if sgl.address != 0:  # ICDOFF is 0: data starts at the capsule's data area
+            raise CommandFailed(Sct.GENERIC, Sc.SGL_OFFSET_INVALID, f"offset {sgl.address}")
+        if sgl.length != data_length:
+            raise CommandFailed(
+                Sct.GENERIC,
+                Sc.SGL_LENGTH_INVALID,
+                f"SGL says {sgl.length} B, the capsule holds {data_length}",
+            )
+        return True
+    no_data(data_length)
+    return False
+
+
+def no_data(data_length: int) -> None:
+    if data_length:
+        raise CommandFailed(Sct.GENERIC, Sc.SGL_LENGTH_INVALID, "unexpected in-capsule data")
+
+
+def no_info() -> StoreInfo:
+    return StoreInfo(0, 0, 0, 0, 0, 0, 0.0)

@@ -1,8 +1,8 @@
 """`kvoffload serve`: one asyncio process holding the engine and its network fronts.
 
 The daemon opens the engine, applies tenant quotas, starts metrics and KV events, then starts
-every front in `FRONTS` (a registry of lazy factories, so the NVMe/TCP front plugs in beside the
-native one). Each front gets the whole config and the shared `Services` and picks its own section.
+every front in `FRONTS` (the native front, then the NVMe/TCP one). Each front gets the whole
+config and the shared `Services` (services.py) and picks its own section.
 SIGTERM/SIGINT stop it gracefully: fronts stop accepting, finish the requests they have, and the
 engine is closed last (which flushes its journal).
 
@@ -14,85 +14,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 import os
 import signal
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, TextIO, cast
+from typing import TextIO, cast
 
-from kvoffload import __version__
 from kvoffload.errors import ConfigError, KVOffloadError
 from kvoffload.kvstore import Engine
+from kvoffload.nvmeof_target import native, nvme
 from kvoffload.nvmeof_target.config import Config, load_config
 from kvoffload.nvmeof_target.events import KVEvents
 from kvoffload.nvmeof_target.metrics import Metrics
+from kvoffload.nvmeof_target.services import Front, Services
 from kvoffload.nvmeof_target.tenants import Tenants
 
-__all__ = ["FRONTS", "Daemon", "Front", "Services", "main", "register_front"]
+__all__ = ["FRONTS", "Daemon", "Front", "Services", "main"]
 
 log = logging.getLogger("kvoffload.serve")
 
 
-@dataclass
-class Services:
-    """What every front shares."""
-
-    config: Config
-    engine: Engine
-    tenants: Tenants
-    metrics: Metrics
-    executor: ThreadPoolExecutor
-    events: KVEvents | None = None
-    # True when engine calls that move blocks may wait on a device (SSD tier): fronts run
-    # reads, reservations (which may evict to the SSD), commits and deletes in `executor`.
-    blocking_engine: bool = False
-    started: float = field(default_factory=time.monotonic)
-
-    def server_info(self) -> dict[str, object]:
-        return {"version": __version__, "uptime_s": round(time.monotonic() - self.started, 3)}
-
-
-class Front(Protocol):
-    """A network front: started once, stopped once."""
-
-    name: str
-
-    async def start(self) -> list[tuple[str, str, int]]:
-        """Begin serving; returns (what, host, port) for each listener."""
-        ...
-
-    async def stop(self, timeout: float) -> None:
-        """Stop accepting, finish in-flight requests (for at most `timeout` s), close."""
-        ...
-
-
-# name -> "module:factory(config, services) -> Front | None" (None: disabled in the config).
-FRONTS: dict[str, str] = {
-    "native": "kvoffload.nvmeof_target.native:make_front",
-    "nvme": "kvoffload.nvmeof_target.nvme:make_front",
+# The fronts the daemon starts, in order: name -> factory (None: disabled in the config).
+FRONTS: dict[str, Callable[[Config, Services], Front | None]] = {
+    "native": native.make_front,
+    "nvme": nvme.make_front,
 }
-
-
-def register_front(name: str, target: str) -> None:
-    """Register a front factory ("module:function")."""
-    if name in FRONTS:
-        raise ConfigError(f"front {name!r} is already registered")
-    FRONTS[name] = target
-
-
-def _make_front(name: str, config: Config, services: Services) -> Front | None:
-    module, _, attr = FRONTS[name].partition(":")
-    factory = cast(
-        Callable[[Config, Services], "Front | None"],
-        getattr(importlib.import_module(module), attr),
-    )
-    return factory(config, services)
 
 
 class Daemon:
@@ -155,8 +104,8 @@ class Daemon:
             print(f"kvoffload: events publishing on {endpoint}", file=self._out, flush=True)
         if config.metrics.enabled:
             self._announce("metrics", *metrics.serve(config.metrics.host, config.metrics.port))
-        for name in FRONTS:
-            front = _make_front(name, config, services)
+        for make_front in FRONTS.values():
+            front = make_front(config, services)
             if front is None:
                 continue
             self._fronts.append(front)

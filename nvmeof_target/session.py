@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from kvoffload.errors import KVOffloadError, RemoteProtocolError, TransportError
 from kvoffload.nvmeof_target.channel import Channel
 from kvoffload.nvmeof_target.metrics import Metrics
-from kvoffload.nvmeof_target.server import Services
+from kvoffload.nvmeof_target.services import Services
 
 __all__ = ["Instruments", "Session", "stop_sessions"]
 
@@ -153,6 +153,10 @@ class Session:
         self._reading = False
         if self._reader is not None:
             self._reader.cancel()
+
+    def end_after_answers(self) -> None:
+        """Take no more requests; the connection closes once what is queued is out."""
+        self._reading = False
 
     def abort(self) -> None:
         """Close now, dropping whatever is queued."""

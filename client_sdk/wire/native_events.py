@@ -1,0 +1,439 @@
+"""Native-protocol events (DESIGN §5): one frozen, slotted dataclass per message, validated on
+construction, and `_decode` from a received frame. `native.NativeConnection` wires them to
+the state of one connection; every name is re-exported from `native`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+from kvoffload.client_sdk.wire.frames import FLAG_RESPONSE, MAX_REQUEST_ID, Frame, Need
+from kvoffload.errors import LocalProtocolError
+
+__all__ = [
+    "KEY_BYTES",
+    "NEED_DATA",
+    "PROTOCOL_VERSION",
+    "ConnectionClosed",
+    "Delete",
+    "DeleteResult",
+    "ErrorReply",
+    "Event",
+    "Exists",
+    "ExistsResult",
+    "Get",
+    "GetMany",
+    "GetManyResult",
+    "GetResult",
+    "Hello",
+    "Lookup",
+    "LookupResult",
+    "Prefetch",
+    "PrefetchResult",
+    "Put",
+    "PutDone",
+    "PutMany",
+    "PutManyDone",
+    "Stats",
+    "StatsResult",
+    "Welcome",
+]
+
+PROTOCOL_VERSION = 1
+KEY_BYTES = 16
+NEED_DATA = Need.DATA
+_MAX_TEXT = 4096
+_MAX_LENGTH = (1 << 63) - 1
+
+# ---------------------------------------------------------------------------- field validators
+# Each takes a decoded (or caller-given) value and returns it normalised (lists -> tuples), or
+# raises LocalProtocolError. They run when an event is constructed, on both sides.
+
+
+def _fail(what: str, value: object) -> LocalProtocolError:
+    shown = repr(value)
+    return LocalProtocolError(f"bad {what}: {shown[:80]}")
+
+
+def _uint(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_LENGTH:
+        raise _fail("unsigned integer", value)
+    return value
+
+
+def _flag(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise _fail("boolean", value)
+    return value
+
+
+def _text(value: object) -> str:
+    if not isinstance(value, str) or len(value) > _MAX_TEXT:
+        raise _fail("string", value)
+    return value
+
+
+def _key(value: object) -> bytes:
+    if not isinstance(value, bytes) or len(value) != KEY_BYTES:
+        raise _fail(f"{KEY_BYTES}-byte key", value)
+    return value
+
+
+def _opt_key(value: object) -> bytes | None:
+    return None if value is None else _key(value)
+
+
+def _opt_uint(value: object) -> int | None:
+    return None if value is None else _uint(value)
+
+
+def _seq(item: Callable[[object], object]) -> Callable[[object], tuple[object, ...]]:
+    def check(value: object) -> tuple[object, ...]:
+        if not isinstance(value, (list, tuple)):
+            raise _fail("list", value)
+        return tuple(item(v) for v in value)
+
+    return check
+
+
+def _stats_map(value: object) -> dict[str, object]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise _fail("stats map", value)
+    return value
+
+
+_VALIDATORS: dict[str, Callable[[object], object]] = {
+    "request_id": _uint,
+    "version": _uint,
+    "token": _text,
+    "client": _text,
+    "server": _text,
+    "tenant": _text,
+    "message": _text,
+    "key": _key,
+    "parent": _opt_key,
+    "durable": _flag,
+    "found": _flag,
+    "deleted": _flag,
+    "length": _uint,
+    "opt_length": _opt_uint,
+    "count": _uint,
+    "max_value_bytes": _uint,
+    "max_payload_bytes": _uint,
+    "status": _uint,
+    "keys": _seq(_key),
+    "parents": _seq(_opt_key),
+    "lengths": _seq(_uint),
+    "opt_lengths": _seq(_opt_uint),
+    "stats": _stats_map,
+}
+
+
+# ---------------------------------------------------------------------------- events
+
+
+class Event:
+    """Base of every native-protocol event. Subclasses are frozen, slotted dataclasses.
+
+    Class attributes: `OP` (the frame type), `RESPONSE` (direction), `CHECKS` (field name ->
+    validator name in `_VALIDATORS`, for fields whose name is not itself a validator).
+    """
+
+    __slots__ = ()
+    OP: ClassVar[int] = 0
+    RESPONSE: ClassVar[bool] = False
+    CHECKS: ClassVar[dict[str, str]] = {}
+    request_id: int
+
+    def __post_init__(self) -> None:
+        for name, check in _checks(type(self)):
+            object.__setattr__(self, name, check(getattr(self, name)))
+        if self.request_id > MAX_REQUEST_ID or (
+            self.request_id == 0 and type(self) is not ErrorReply
+        ):
+            raise _fail("request id", self.request_id)
+
+    @property
+    def payload_length(self) -> int:
+        """Raw bytes that follow this event's frame header."""
+        return 0
+
+    def meta(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name, _ in _checks(type(self))[1:]}
+
+
+# Event class -> (field name, validator) in field order, request_id first; built once per class
+# because dataclasses.fields() on every event costs more than the validation itself.
+_CHECKS: dict[type[Event], tuple[tuple[str, Callable[[object], object]], ...]] = {}
+
+
+def _checks(cls: type[Event]) -> tuple[tuple[str, Callable[[object], object]], ...]:
+    found = _CHECKS.get(cls)
+    if found is None:
+        names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+        assert names[0] == "request_id"
+        found = tuple((n, _VALIDATORS[cls.CHECKS.get(n, n)]) for n in names)
+        _CHECKS[cls] = found
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Event):
+    """First request on a connection: protocol version and the tenant's token."""
+
+    OP: ClassVar[int] = 1
+    request_id: int
+    version: int = PROTOCOL_VERSION
+    token: str = ""
+    client: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome(Event):
+    """Hello accepted: who the connection is, and the store's limits."""
+
+    OP: ClassVar[int] = 1
+    RESPONSE: ClassVar[bool] = True
+    request_id: int
+    version: int
+    tenant: str
+    max_value_bytes: int
+    max_payload_bytes: int
+    server: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Put(Event):
+    """Store `length` payload bytes under `key`."""
+
+    OP: ClassVar[int] = 2
+    request_id: int
+    key: bytes
+    length: int
+    parent: bytes | None = None
+    durable: bool = False
+
+    @property
+    def payload_length(self) -> int:
+        return self.length
+
+
+@dataclass(frozen=True, slots=True)
+class PutDone(Event):
+    OP: ClassVar[int] = 2
+    RESPONSE: ClassVar[bool] = True
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Get(Event):
+    OP: ClassVar[int] = 3
+    request_id: int
+    key: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class GetResult(Event):
+    """The value's length and then its bytes as payload; `length` None is a miss."""
+
+    OP: ClassVar[int] = 3
+    RESPONSE: ClassVar[bool] = True
+    CHECKS: ClassVar[dict[str, str]] = {"length": "opt_length"}
+    request_id: int
+    length: int | None
+
+    @property
+    def payload_length(self) -> int:
+        return self.length or 0
+
+
+@dataclass(frozen=True, slots=True)
+class Exists(Event):
+    OP: ClassVar[int] = 4
+    request_id: int
+    key: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ExistsResult(Event):
+    OP: ClassVar[int] = 4
+    RESPONSE: ClassVar[bool] = True
+    request_id: int
+    found: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Delete(Event):
+    OP: ClassVar[int] = 5
+    request_id: int
+    key: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteResult(Event):
+    OP: ClassVar[int] = 5
+    RESPONSE: ClassVar[bool] = True
+    request_id: int
+    deleted: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PutMany(Event):
+    """Store several values; the payload is their concatenation, in order."""
+
+    OP: ClassVar[int] = 6
+    request_id: int
+    keys: tuple[bytes, ...]
+    lengths: tuple[int, ...]
+    parents: tuple[bytes | None, ...] = ()
+    durable: bool = False
+
+    def __post_init__(self) -> None:
+        Event.__post_init__(self)
+        if len(self.lengths) != len(self.keys) or len(self.parents) not in (0, len(self.keys)):
+            raise LocalProtocolError(
+                f"put_many of {len(self.keys)} keys with {len(self.lengths)} lengths and "
+                f"{len(self.parents)} parents"
+            )
+
+    @property
+    def payload_length(self) -> int:
+        return sum(self.lengths)
+
+
+@dataclass(frozen=True, slots=True)
+class PutManyDone(Event):
+    OP: ClassVar[int] = 6
+    RESPONSE: ClassVar[bool] = True
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class GetMany(Event):
+    OP: ClassVar[int] = 7
+    request_id: int
+    keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GetManyResult(Event):
+    """Lengths for a prefix of the requested keys (None = miss), then the hits' bytes in order.
+
+    The server answers fewer keys than asked when the values would not fit one frame; the client
+    asks again for the rest.
+    """
+
+    OP: ClassVar[int] = 7
+    RESPONSE: ClassVar[bool] = True
+    CHECKS: ClassVar[dict[str, str]] = {"lengths": "opt_lengths"}
+    request_id: int
+    lengths: tuple[int | None, ...]
+
+    @property
+    def payload_length(self) -> int:
+        return sum(n for n in self.lengths if n is not None)
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup(Event):
+    """How many leading keys of a chain are stored."""
+
+    OP: ClassVar[int] = 8
+    request_id: int
+    keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult(Event):
+    OP: ClassVar[int] = 8
+    RESPONSE: ClassVar[bool] = True
+    request_id: int
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Prefetch(Event):
+    OP: ClassVar[int] = 9
+    request_id: int
+    keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchResult(Event):
+    OP: ClassVar[int] = 9
+    RESPONSE: ClassVar[bool] = True
+    request_id: int
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stats(Event):
+    OP: ClassVar[int] = 10
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class StatsResult(Event):
+    OP: ClassVar[int] = 10
+    RESPONSE: ClassVar[bool] = True
+    request_id: int
+    stats: dict[str, object]
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply(Event):
+    """A request failed (`status` from wire/status.py); request id 0: the connection did."""
+
+    OP: ClassVar[int] = 0x7F
+    RESPONSE: ClassVar[bool] = True
+    request_id: int
+    status: int
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionClosed:
+    """The peer closed its side at a frame boundary."""
+
+
+# Request class -> the answer it admits besides ErrorReply.
+_ANSWER: dict[type[Event], type[Event]] = {
+    Hello: Welcome,
+    Put: PutDone,
+    Get: GetResult,
+    Exists: ExistsResult,
+    Delete: DeleteResult,
+    PutMany: PutManyDone,
+    GetMany: GetManyResult,
+    Lookup: LookupResult,
+    Prefetch: PrefetchResult,
+    Stats: StatsResult,
+}
+# (frame type, is response) -> event class: the parser's dispatch table.
+_ALL: tuple[type[Event], ...] = (*_ANSWER, *_ANSWER.values(), ErrorReply)
+_BY_FRAME: dict[tuple[int, bool], type[Event]] = {(c.OP, c.RESPONSE): c for c in _ALL}
+
+
+def _decode(frame: Frame) -> Event:
+    cls = _BY_FRAME.get((frame.type, bool(frame.flags & FLAG_RESPONSE)))
+    if cls is None:
+        raise LocalProtocolError(f"unknown frame type {frame.type}")
+    names = {f.name for f in fields(cls)} - {"request_id"}  # type: ignore[arg-type]
+    unknown = set(frame.meta) - names
+    if unknown:
+        # The names are the peer's: quote a few, shortened (the message is logged and sent).
+        named = [name[:40] for name in sorted(unknown)[:3]]
+        more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+        raise LocalProtocolError(f"unknown fields {named}{more} in {cls.__name__}")
+    try:
+        event = cls(request_id=frame.request_id, **frame.meta)  # type: ignore[call-arg]
+    except TypeError as exc:  # a required field is missing
+        raise LocalProtocolError(f"malformed {cls.__name__}: {exc}") from None
+    if event.payload_length != frame.payload_length:
+        raise LocalProtocolError(
+            f"{cls.__name__} declares {event.payload_length} payload bytes, frame carries "
+            f"{frame.payload_length}"
+        )
+    return event

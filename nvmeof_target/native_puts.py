@@ -1,0 +1,186 @@
+"""Native puts (Put, PutMany) on the daemon: payload bytes straight into engine reservations.
+
+A value's slot is reserved only when its bytes are next in the stream; `payload_part` and
+`payload_end` follow the codec's `SinkFull` / `PayloadEnd` events. With an SSD tier,
+reserving (which may evict) runs on the I/O threads and the session's reader waits for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
+
+from kvoffload.client_sdk.wire.native import (
+    Event,
+    PayloadEnd,
+    Put,
+    PutDone,
+    PutMany,
+    PutManyDone,
+    SinkFull,
+)
+from kvoffload.errors import KVOffloadError
+from kvoffload.kvstore import PutReservation
+
+if TYPE_CHECKING:
+    from kvoffload.nvmeof_target.native_session import NativeSession
+
+__all__ = ["PendingPut", "on_put", "on_put_many", "payload_end", "payload_part"]
+
+
+@dataclass
+class PendingPut:
+    """A put whose payload is arriving, value by value, into reservations.
+
+    A value's slot is reserved only when its bytes are next in the stream (empty values at
+    the end): a batch header that declares much and sends little must not pin, and evict for,
+    more of the arena than one value.
+    """
+
+    request: Put | PutMany
+    items: list[tuple[bytes, int, bytes | None]]  # (client key, length, client parent)
+    reserved: dict[int, PutReservation] = dataclasses.field(default_factory=dict)  # index -> slot
+    at: int = -1  # the item whose bytes are arriving
+    error: KVOffloadError | None = None
+
+    def next_item(self) -> int:
+        """The next item that carries bytes, after the one arriving."""
+        return next(i for i in range(self.at + 1, len(self.items)) if self.items[i][1])
+
+    @property
+    def empty_items(self) -> list[int]:
+        return [i for i, (_, length, _) in enumerate(self.items) if not length]
+
+    def abort(self) -> None:
+        for reservation in self.reserved.values():
+            reservation.abort()
+        self.reserved.clear()
+
+
+def on_put(s: NativeSession, event: Put) -> Awaitable[object] | None:
+    return _begin_put(s, event, [(event.key, event.length, event.parent)])
+
+
+def on_put_many(s: NativeSession, event: PutMany) -> Awaitable[object] | None:
+    parents = event.parents or (None,) * len(event.keys)
+    return _begin_put(s, event, list(zip(event.keys, event.lengths, parents, strict=True)))
+
+
+def _begin_put(
+    s: NativeSession, event: Put | PutMany, items: list[tuple[bytes, int, bytes | None]]
+) -> Awaitable[object] | None:
+    pending = PendingPut(event, items)
+    if not event.payload_length:
+        return _reserve_then(s, pending, pending.empty_items, _end_put)
+    s.puts[event.request_id] = pending
+    pending.at = pending.next_item()
+    return _reserve_then(s, pending, [pending.at], _sink)
+
+
+def payload_part(s: NativeSession, full: SinkFull) -> Awaitable[object] | None:
+    """One value's bytes are in: reserve the next one's slot and receive into it."""
+    pending = s.puts[full.request_id]
+    pending.at = pending.next_item()
+    return _reserve_then(s, pending, [pending.at], _sink)
+
+
+def payload_end(s: NativeSession, end: PayloadEnd) -> Awaitable[object] | None:
+    pending = s.puts.pop(end.request_id, None)
+    if pending is None:
+        return None
+    return _reserve_then(s, pending, pending.empty_items, _end_put)
+
+
+def _reserve_then(
+    s: NativeSession,
+    pending: PendingPut,
+    items: list[int],
+    then: Callable[[NativeSession, PendingPut], Awaitable[object] | None],
+) -> Awaitable[object] | None:
+    reserve = partial(_reserve, s, pending, items)
+    if not s.services.blocking_engine:
+        return then(s, reserve())
+    return _reserve_off_loop(s, reserve, then)
+
+
+async def _reserve_off_loop(
+    s: NativeSession,
+    reserve: Callable[[], PendingPut],
+    then: Callable[[NativeSession, PendingPut], Awaitable[object] | None],
+) -> None:
+    # Reserving may evict, which writes blocks to the SSD: not on the loop. The payload that
+    # follows has nowhere to go until it is done, so this connection's reader waits.
+    waiting = then(s, await s.off_loop(reserve, PendingPut.abort))
+    if waiting is not None:
+        await waiting
+
+
+def _reserve(s: NativeSession, pending: PendingPut, items: list[int]) -> PendingPut:
+    """Reserve the slots of `items` (on any thread); a failure gives back every slot of the
+    put and is kept in `error`."""
+    if pending.error is not None or not items:
+        return pending
+    me = s.me
+    try:
+        for i in items:
+            key, length, parent = pending.items[i]
+            pending.reserved[i] = s.engine.reserve(
+                me.key(key),
+                length,
+                parent=me.opt_key(parent),
+                durable=pending.request.durable,
+                tenant=me.name,
+            )
+    except KVOffloadError as exc:
+        pending.abort()
+        pending.error = exc
+    return pending
+
+
+def _sink(s: NativeSession, pending: PendingPut) -> None:
+    """Receive the arriving value into its slot (or drop the rest after a failure)."""
+    if pending.error is None:
+        s.conn.set_payload_part([pending.reserved[pending.at].buffer])
+    else:
+        s.conn.discard_payload()
+
+
+def _end_put(s: NativeSession, pending: PendingPut) -> Awaitable[object] | None:
+    rid = pending.request.request_id
+    if pending.error is not None:
+        s.fail(rid, pending.error)
+        return None
+    answer: Event = PutDone(rid) if isinstance(pending.request, Put) else PutManyDone(rid)
+
+    events = s.services.events
+    me = s.me
+    keys = [(me.key(key), key, parent) for key, _, parent in pending.items]
+    reservations = [pending.reserved[i] for i in range(len(pending.items))]
+    if events is not None:
+        for engine_key, key, parent in keys:
+            events.expect(engine_key, key, parent, me.name)
+
+    def commit() -> None:
+        try:
+            for reservation in reservations:
+                reservation.commit()
+        finally:
+            for reservation in reservations:
+                reservation.abort()  # no-op for the committed ones
+            if events is not None:
+                for engine_key, _, _ in keys:
+                    events.settle(engine_key)
+
+    def done(_: None) -> None:
+        s.services.metrics.bytes_in.labels(s.front_name).inc(pending.request.payload_length)
+        s.reply(answer)
+
+    if pending.request.durable:
+        # A durable commit waits for the SSD and the journal: off the loop, and the reader
+        # goes on meanwhile (a get pipelined behind it may miss it).
+        s.offload_request(rid, commit, done)
+        return None
+    return s.in_order(commit, done, partial(s.fail, rid))

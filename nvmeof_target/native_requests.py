@@ -1,0 +1,204 @@
+"""The native front's requests, as the handler table its sessions dispatch on.
+
+A handler takes the session and the request; it answers through `NativeSession.reply` (now,
+or once engine work on the I/O threads is done) and returns what the reader must await before
+it takes the next request, or None. Puts are in `native_puts`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import TYPE_CHECKING, TypeVar
+
+from kvoffload import __version__
+from kvoffload.client_sdk.wire.native import (
+    PROTOCOL_VERSION,
+    Delete,
+    DeleteResult,
+    Event,
+    Exists,
+    ExistsResult,
+    Get,
+    GetMany,
+    GetManyResult,
+    GetResult,
+    Hello,
+    Lookup,
+    LookupResult,
+    Prefetch,
+    PrefetchResult,
+    Put,
+    PutMany,
+    Stats,
+    StatsResult,
+    Welcome,
+)
+from kvoffload.errors import AuthError, RemoteProtocolError
+from kvoffload.kvstore import BlockView
+from kvoffload.nvmeof_target.native_puts import on_put, on_put_many
+
+if TYPE_CHECKING:
+    from kvoffload.nvmeof_target.native_session import NativeSession
+
+__all__ = ["HANDLERS"]
+
+log = logging.getLogger("kvoffload.native")
+
+
+def on_hello(s: NativeSession, event: Hello) -> None:
+    if event.version != PROTOCOL_VERSION:
+        s.fail(
+            event.request_id,
+            RemoteProtocolError(
+                f"protocol version {event.version} is not supported (this daemon speaks "
+                f"{PROTOCOL_VERSION})"
+            ),
+        )
+        s.end_after_answers()
+        return
+    try:
+        s.tenant = s.services.tenants.authenticate(event.token)
+    except AuthError as exc:
+        s.services.metrics.auth_failures.labels(s.front_name).inc()
+        log.info("refused %s: %s", s.peer, exc)
+        s.fail(event.request_id, exc)
+        s.end_after_answers()  # nothing pipelined behind a refused Hello is served
+        return
+    s.conn.set_limits(s.front.limits)
+    s.reply(
+        Welcome(
+            event.request_id,
+            PROTOCOL_VERSION,
+            s.tenant.name,
+            s.engine.max_value_bytes,
+            s.config.max_payload_bytes,
+            server=f"kvoffload {__version__}",
+        )
+    )
+
+
+def on_get(s: NativeSession, event: Get) -> None:
+    key = s.me.key(event.key)
+
+    def send(view: BlockView | None) -> None:
+        if view is None:
+            s.reply(GetResult(event.request_id, None))
+            return
+        s.services.metrics.bytes_out.labels(s.front_name).inc(len(view))
+        s.reply(GetResult(event.request_id, len(view)), [view.data], view.release)
+
+    s.read_request(event.request_id, lambda: s.engine.get(key), send)
+
+
+def on_get_many(s: NativeSession, event: GetMany) -> None:
+    keys = s.me.keys(event.keys)
+    budget = s.config.max_payload_bytes
+
+    def fetch() -> list[BlockView | None]:
+        views: list[BlockView | None] = []
+        total = 0
+        try:
+            for key in keys:
+                view = s.engine.get(key)
+                if view is not None and views and total + len(view) > budget:
+                    view.release()  # answer a prefix; the client asks again for the rest
+                    break
+                total += len(view) if view is not None else 0
+                views.append(view)
+        except BaseException:
+            # A get that fails part-way (a promotion finding every DRAM block pinned, some
+            # by this very request) must not leave the views taken so far pinned for good.
+            for view in views:
+                if view is not None:
+                    view.release()
+            raise
+        return views
+
+    def send(views: list[BlockView | None]) -> None:
+        hits = [v for v in views if v is not None]
+        lengths = tuple(None if v is None else len(v) for v in views)
+        s.services.metrics.bytes_out.labels(s.front_name).inc(sum(len(v) for v in hits))
+
+        def release() -> None:
+            for view in hits:
+                view.release()
+
+        s.reply(GetManyResult(event.request_id, lengths), [v.data for v in hits], release)
+
+    s.read_request(event.request_id, fetch, send)
+
+
+def on_exists(s: NativeSession, event: Exists) -> None:
+    found = s.engine.contains(s.me.key(event.key))
+    s.reply(ExistsResult(event.request_id, found))
+
+
+def on_lookup(s: NativeSession, event: Lookup) -> None:
+    count = s.engine.lookup(s.me.keys(event.keys))
+    s.reply(LookupResult(event.request_id, count))
+
+
+def on_prefetch(s: NativeSession, event: Prefetch) -> None:
+    keys = s.me.keys(event.keys)
+    s.read_request(
+        event.request_id,
+        lambda: s.engine.prefetch(keys),
+        lambda n: s.reply(PrefetchResult(event.request_id, n)),
+    )
+
+
+def on_delete(s: NativeSession, event: Delete) -> Awaitable[object] | None:
+    engine_key = s.me.key(event.key)
+
+    def done(deleted: bool) -> None:
+        if deleted and s.services.events is not None:
+            s.services.events.removed(engine_key)
+        s.reply(DeleteResult(event.request_id, deleted))
+
+    # With an SSD tier a delete wipes the block's slot header: in_order takes it off the loop.
+    return s.in_order(partial(s.engine.delete, engine_key), done, partial(s.fail, event.request_id))
+
+
+def on_stats(s: NativeSession, event: Stats) -> None:
+    stats = s.engine.stats().as_dict()
+    me = s.me
+    for field in ("tenant_bytes", "ssd_tenant_bytes"):
+        held = stats.get(field)
+        if isinstance(held, dict) and me.name:
+            # A tenant sees its own usage, not who else uses the store.
+            stats[field] = {me.name: held.get(me.name, 0)}
+    stats["server"] = {
+        **s.services.server_info(),
+        "tenant": me.name,
+        "connections": s.front.connection_count,
+    }
+    s.reply(StatsResult(event.request_id, stats))
+
+
+R = TypeVar("R", bound=Event)
+
+
+def _row(
+    kind: type[R], handler: Callable[[NativeSession, R], Awaitable[object] | None]
+) -> tuple[type[Event], Callable[..., Awaitable[object] | None]]:
+    """A table row whose handler mypy checks against its request type."""
+    return kind, handler
+
+
+# Request type -> its handler.
+HANDLERS: dict[type[Event], Callable[..., Awaitable[object] | None]] = dict(
+    [
+        _row(Hello, on_hello),
+        _row(Put, on_put),
+        _row(PutMany, on_put_many),
+        _row(Get, on_get),
+        _row(GetMany, on_get_many),
+        _row(Exists, on_exists),
+        _row(Lookup, on_lookup),
+        _row(Prefetch, on_prefetch),
+        _row(Delete, on_delete),
+        _row(Stats, on_stats),
+    ]
+)

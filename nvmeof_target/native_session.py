@@ -1,0 +1,190 @@
+"""One connection of the native front (`NativeSession`).
+
+A thin shell in the shape of h11's example servers: read into the codec's buffer, drain its
+events, hand each request to its handler (`native_requests.HANDLERS`; puts in `native_puts`),
+write what they answer. The session owns the flow control, the timeouts and how answers and
+errors go out; the handlers decide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, TypeVar
+
+from kvoffload.client_sdk.wire.native import (
+    NEED_DATA,
+    ConnectionClosed,
+    ErrorReply,
+    Event,
+    NativeConnection,
+    PayloadEnd,
+    Role,
+    SinkFull,
+)
+from kvoffload.client_sdk.wire.status import Status, status_of
+from kvoffload.errors import KVOffloadError, LocalProtocolError, RemoteProtocolError
+from kvoffload.nvmeof_target.channel import Channel, TlsChannel
+from kvoffload.nvmeof_target.native_puts import PendingPut, payload_end, payload_part
+from kvoffload.nvmeof_target.native_requests import HANDLERS
+from kvoffload.nvmeof_target.session import Session
+from kvoffload.nvmeof_target.tenants import Tenant
+
+if TYPE_CHECKING:
+    from kvoffload.nvmeof_target.native import NativeFront
+
+__all__ = ["FRONT", "NativeSession"]
+
+log = logging.getLogger("kvoffload.native")
+FRONT = "native"
+T = TypeVar("T")
+
+
+class NativeSession(Session):
+    """One client connection."""
+
+    def __init__(self, front: NativeFront, channel: Channel, peer: str) -> None:
+        super().__init__(
+            FRONT, front.services, channel, peer, front.instruments, front.config.frame_timeout_s
+        )
+        self.front = front
+        self.engine = front.services.engine
+        self.config = front.config
+        self.conn = NativeConnection(Role.SERVER, front.hello_limits)
+        self.tenant: Tenant | None = None
+        self.puts: dict[int, PendingPut] = {}  # request id -> its payload on the way
+        self._created = self._last_rx = time.monotonic()
+        self._frame_since: float | None = None
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _read_loop(self) -> None:
+        if isinstance(self.channel, TlsChannel):
+            await self.channel.handshake()
+        while self._reading:
+            if not await self._drain_events():
+                return
+            self._frame_since = (
+                None if self.conn.at_frame_boundary else self._frame_since or time.monotonic()
+            )
+            n = await self.channel.recv_into(self.conn.get_buffer())
+            self._last_rx = time.monotonic()
+            if n:
+                self.conn.buffer_updated(n)
+            else:
+                self.conn.receive_eof()
+
+    async def _drain_events(self) -> bool:
+        """Handle buffered events; False once the connection is done with reading."""
+        while self._reading:
+            if not self._has_room():
+                self._room.clear()
+                await self._room.wait()
+                continue
+            event = self.conn.next_event()
+            if event is NEED_DATA:
+                return True
+            if isinstance(event, ConnectionClosed):
+                return False
+            if isinstance(event, PayloadEnd):
+                waiting = payload_end(self, event)
+            elif isinstance(event, SinkFull):
+                waiting = payload_part(self, event)
+            else:
+                assert isinstance(event, Event)
+                waiting = self._dispatch(event)
+            if waiting is not None:
+                await waiting  # engine work on the I/O threads that later requests must follow
+        return False
+
+    def _dispatch(self, event: Event) -> Awaitable[object] | None:
+        self._started_now(event.request_id, type(event).__name__.lower())
+        try:
+            return HANDLERS[type(event)](self, event)
+        except KVOffloadError as exc:  # e.g. the engine closing under a stopping daemon
+            self.fail(event.request_id, exc)
+            return None
+
+    def _has_room(self) -> bool:
+        return (
+            self.conn.pending < self.config.max_pending
+            and self._inflight_bytes < self.config.max_inflight_bytes
+        )
+
+    def _wake(self) -> None:
+        if self._has_room():
+            self._room.set()
+
+    def overdue(self, now: float) -> str:
+        """Why the watchdog should close this connection ("" if it should not)."""
+        if self._frame_since is not None and now - self._frame_since > self.config.frame_timeout_s:
+            return "frame timeout"
+        if self.send_stalled(now):
+            return "send timeout"
+        if self.tenant is None and now - self._created > self.config.hello_timeout_s:
+            return "hello timeout"
+        busy = self.conn.pending or self._tasks or self._inflight_bytes
+        if not busy and now - self._last_rx > self.config.idle_timeout_s:
+            return "idle timeout"
+        return ""
+
+    def _protocol_error(self, exc: RemoteProtocolError) -> None:
+        log.info("protocol error from %s: %s", self.peer, exc)
+        self.say_goodbye(Status.PROTOCOL, str(exc))
+
+    def _internal_error(self) -> None:
+        self.say_goodbye(Status.INTERNAL, "internal error")
+
+    def _abandon(self) -> None:
+        for pending in self.puts.values():  # partially received puts never become visible
+            pending.abort()
+        self.puts.clear()
+
+    def _forget(self) -> None:
+        self.front.forget(self)
+
+    def say_goodbye(self, status: Status, message: str) -> None:
+        self._reading = False
+        with contextlib.suppress(LocalProtocolError):
+            self.channel.write(self.conn.send_parts(ErrorReply(0, status, message[:500])))
+
+    # ------------------------------------------------------------------ answering
+
+    def reply(
+        self,
+        event: Event,
+        payload: Sequence[memoryview] = (),
+        on_done: Callable[[], None] | None = None,
+    ) -> None:
+        try:
+            parts = self.conn.send_parts(event, payload)
+        except LocalProtocolError:
+            if on_done is not None:
+                on_done()
+            raise
+        status = "ok" if not isinstance(event, ErrorReply) else Status(event.status).name.lower()
+        self._answer(event.request_id, parts, status, on_done)
+        self._wake()
+
+    def fail(self, request_id: int, exc: KVOffloadError) -> None:
+        self.reply(ErrorReply(request_id, status_of(exc), str(exc)[:1000]))
+
+    def offload_request(
+        self, request_id: int, work: Callable[[], T], then: Callable[[T], None]
+    ) -> None:
+        """Run `work` on the I/O threads (it may block), then `then(result)` on the loop."""
+        self.offload(work, then, partial(self.fail, request_id))
+
+    def read_request(
+        self, request_id: int, work: Callable[[], T], then: Callable[[T], None]
+    ) -> None:
+        """Run an engine read inline, or on the I/O threads when it may wait on a device."""
+        self.read(work, then, partial(self.fail, request_id))
+
+    @property
+    def me(self) -> Tenant:
+        assert self.tenant is not None  # the codec admits nothing before Hello
+        return self.tenant

@@ -1,0 +1,53 @@
+"""What the daemon hands its fronts: the shared `Services`, and the `Front` protocol each
+front implements. Its own module so that the fronts and the daemon (`server.py`, which imports
+the fronts) depend on it rather than on each other.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvoffload import __version__
+from kvoffload.kvstore import Engine
+from kvoffload.nvmeof_target.config import Config
+from kvoffload.nvmeof_target.events import KVEvents
+from kvoffload.nvmeof_target.metrics import Metrics
+from kvoffload.nvmeof_target.tenants import Tenants
+
+__all__ = ["Front", "Services"]
+
+
+@dataclass
+class Services:
+    """What every front shares."""
+
+    config: Config
+    engine: Engine
+    tenants: Tenants
+    metrics: Metrics
+    executor: ThreadPoolExecutor
+    events: KVEvents | None = None
+    # True when engine calls that move blocks may wait on a device (SSD tier): fronts run
+    # reads, reservations (which may evict to the SSD), commits and deletes in `executor`.
+    blocking_engine: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+    def server_info(self) -> dict[str, object]:
+        return {"version": __version__, "uptime_s": round(time.monotonic() - self.started, 3)}
+
+
+class Front(Protocol):
+    """A network front: started once, stopped once."""
+
+    name: str
+
+    async def start(self) -> list[tuple[str, str, int]]:
+        """Begin serving; returns (what, host, port) for each listener."""
+        ...
+
+    async def stop(self, timeout: float) -> None:
+        """Stop accepting, finish in-flight requests (for at most `timeout` s), close."""
+        ...
