@@ -181,7 +181,7 @@ class Session:
     ) -> None:
         """Queue the buffers that answer `request`: they count against the in-flight budget
         until the kernel has them (then `on_done` runs: a pinned view may be released), and
-        the request's counter and latency are recorded."""
+        the request's counter and latency are recorded (before the write)."""
         size = sum(len(p) for p in parts)
         self._inflight_bytes += size
 
@@ -191,11 +191,13 @@ class Session:
                 on_done()
             self._wake()
 
-        self.channel.write(parts, done)
+        # Counted before the write: the write may reach the client at once, and a client that
+        # then scrapes the metrics must find its request there.
         op, t0 = self._started.pop(request, ("?", time.perf_counter()))
         counter, histogram = self._instruments(op, status)
         counter.inc()
         histogram.observe(time.perf_counter() - t0)
+        self.channel.write(parts, done)
 
     def offload(
         self,
