@@ -181,7 +181,7 @@ class Session:
     ) -> None:
         """Queue the buffers that answer `request`: they count against the in-flight budget
         until the kernel has them (then `on_done` runs: a pinned view may be released), and
-        the request's counter and latency are recorded (before the write)."""
+        the request's counter and latency are recorded."""
         size = sum(len(p) for p in parts)
         self._inflight_bytes += size
 
@@ -192,12 +192,13 @@ class Session:
             self._wake()
 
         # Counted before the write: the write may reach the client at once, and a client that
-        # then scrapes the metrics must find its request there.
+        # then scrapes the metrics must find its request there. The latency includes the write
+        # (the send call, TLS encryption), as it always has.
         op, t0 = self._started.pop(request, ("?", time.perf_counter()))
         counter, histogram = self._instruments(op, status)
         counter.inc()
-        histogram.observe(time.perf_counter() - t0)
         self.channel.write(parts, done)
+        histogram.observe(time.perf_counter() - t0)
 
     def offload(
         self,

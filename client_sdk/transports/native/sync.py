@@ -64,7 +64,11 @@ class _SyncConnection(SyncRunner[Req, Call]):
         self.sock = sock
         self.tls = context is not None
         self.reused = False  # taken from the pool: the daemon may have closed it meanwhile
-        self.welcome: Welcome = self.run(plans.hello(options.token), deadline)
+        try:
+            self.welcome: Welcome = self.run(plans.hello(options.token), deadline)
+        except BaseException:
+            sock.close()  # refused Hello (bad token, version): do not wait for the collector
+            raise
 
     def room(self, calls: list[Call]) -> bool:
         return sum(1 for c in calls if not c.done) < _WINDOW
