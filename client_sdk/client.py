@@ -16,6 +16,7 @@ from types import TracebackType
 
 import numpy as np
 
+from kvoffload.buffers import Bytes, as_readable, as_writable
 from kvoffload.client_sdk.keys import BlockKey, Namespace, to_key
 from kvoffload.client_sdk.transports import open_async_transport, open_transport
 from kvoffload.client_sdk.transports.base import (
@@ -50,7 +51,6 @@ from kvoffload.errors import (
     TransportError,
     UnsupportedCodecConfigError,
 )
-from kvoffload.buffers import Bytes, as_readable, as_writable
 
 __all__ = ["AsyncClient", "Client", "ClientStats", "resolve_codec"]
 

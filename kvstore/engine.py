@@ -20,6 +20,7 @@ from types import TracebackType
 
 import numpy as np
 
+from kvoffload.buffers import Bytes, as_readable, as_writable
 from kvoffload.errors import (
     CapacityError,
     ConfigError,
@@ -29,7 +30,6 @@ from kvoffload.errors import (
 )
 from kvoffload.kvstore.admission import FrequencySketch
 from kvoffload.kvstore.arena import Arena
-from kvoffload.buffers import Bytes, as_readable, as_writable
 from kvoffload.kvstore.config import PAGE, DramConfig, EngineConfig
 from kvoffload.kvstore.eviction import Rank, make_policy
 from kvoffload.kvstore.extents import ExtentAllocator, slot_bytes

@@ -29,7 +29,7 @@ def test_mypy_strict(tmp_path: Path) -> None:
     # modules under their real names.
     root = tmp_path / "kvoffload"
     root.mkdir()
-    for name in ("__init__.py", "errors.py", "py.typed"):
+    for name in ("__init__.py", "errors.py", "buffers.py", "py.typed"):
         (root / name).symlink_to(ROOT / "kvoffload" / name)
     for package in PACKAGES:
         (root / package).symlink_to(ROOT / package)
