@@ -117,7 +117,7 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _fsck(args: argparse.Namespace) -> int:
-    from kvoffload.kvstore.fsck import fsck
+    from kvoffload.kvstore.ssd.fsck import fsck
 
     report = fsck(args.directory, rebuild=args.rebuild)
     if args.json:

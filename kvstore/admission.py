@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvoffload.kvstore.ssdindex import _hash_scalar
+from kvoffload.kvstore.ssd.index import _hash_scalar
 
 __all__ = ["FrequencySketch"]
 

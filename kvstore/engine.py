@@ -33,10 +33,10 @@ from kvoffload.kvstore.arena import Arena
 from kvoffload.kvstore.config import PAGE, DramConfig, EngineConfig
 from kvoffload.kvstore.eviction import Rank, make_policy
 from kvoffload.kvstore.extents import ExtentAllocator, slot_bytes
-from kvoffload.kvstore.journal import Journal
-from kvoffload.kvstore.slotio import AlignedBuffer
-from kvoffload.kvstore.ssd import META_NAME, Recovery, SsdTier
-from kvoffload.kvstore.ssdindex import EMPTY, SsdIndex
+from kvoffload.kvstore.ssd.index import EMPTY, SsdIndex
+from kvoffload.kvstore.ssd.journal import Journal
+from kvoffload.kvstore.ssd.slotio import AlignedBuffer
+from kvoffload.kvstore.ssd.tier import META_NAME, Recovery, SsdTier
 
 __all__ = [
     "KEY_BYTES",

@@ -16,12 +16,12 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
-from kvoffload.kvstore import journal as jr
 from kvoffload.kvstore.config import PAGE, DramConfig, EngineConfig
 from kvoffload.kvstore.extents import ExtentAllocator, slot_bytes
-from kvoffload.kvstore.slotio import AlignedBuffer, unpack_header
-from kvoffload.kvstore.ssd import SsdTier, _write_atomic, restore_slots
-from kvoffload.kvstore.ssdindex import ssd_slot_bytes
+from kvoffload.kvstore.ssd import journal as jr
+from kvoffload.kvstore.ssd.index import ssd_slot_bytes
+from kvoffload.kvstore.ssd.slotio import AlignedBuffer, unpack_header
+from kvoffload.kvstore.ssd.tier import SsdTier, _write_atomic, restore_slots
 
 __all__ = ["FsckReport", "fsck"]
 

@@ -33,24 +33,24 @@ import numpy.typing as npt
 
 from kvoffload.errors import CapacityError, ConfigError, StorageIOError
 from kvoffload.kvstore import faults
-from kvoffload.kvstore import journal as jr
 from kvoffload.kvstore.config import PAGE, EngineConfig
 from kvoffload.kvstore.extents import ExtentAllocator
-from kvoffload.kvstore.gds import select_slot_file
-from kvoffload.kvstore.slotio import (
-    AlignedBuffer,
-    SlotFile,
-    SlotHeader,
-    pack_header,
-    unpack_header,
-)
-from kvoffload.kvstore.ssdindex import (
+from kvoffload.kvstore.ssd import journal as jr
+from kvoffload.kvstore.ssd.gds import select_slot_file
+from kvoffload.kvstore.ssd.index import (
     EMPTY,
     ROW_DTYPE,
     RankFn,
     SsdIndex,
     ssd_slot_bytes,
     ssd_slot_sizes,
+)
+from kvoffload.kvstore.ssd.slotio import (
+    AlignedBuffer,
+    SlotFile,
+    SlotHeader,
+    pack_header,
+    unpack_header,
 )
 
 __all__ = ["META_NAME", "Recovery", "SsdTier", "WritePlan"]
