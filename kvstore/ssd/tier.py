@@ -52,8 +52,9 @@ from kvoffload.kvstore.ssd.slotio import (
     pack_header,
     unpack_header,
 )
+from kvoffload.kvstore.stats import TierStats
 
-__all__ = ["META_NAME", "Recovery", "SsdTier", "WritePlan"]
+__all__ = ["META_NAME", "Recovery", "SsdRead", "SsdTier", "SsdWipe", "WritePlan"]
 
 log = logging.getLogger(__name__)
 
@@ -138,14 +139,37 @@ class _Row:
 
 @dataclass
 class _Counters:
-    hits: int = 0
-    misses: int = 0
     evictions: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
-    corrupt: int = 0
-    write_errors: int = 0
+    corrupt: int = 0  # blocks that failed their checksum (served as misses)
+    io_errors: int = 0  # device or journal failures
     checkpoints: int = 0
+
+
+@dataclass(eq=False, slots=True)
+class SsdRead:
+    """A block being read back (`find_block` .. `finish_read`): its row as it was indexed."""
+
+    row: int
+    snap: tuple[bytes, int, int, int, int]  # key, page, length, seq, crc
+    parent: bytes | None
+    tenant: str
+
+    @property
+    def length(self) -> int:
+        return self.snap[2]
+
+
+@dataclass(frozen=True, slots=True)
+class SsdWipe:
+    """A deleted block's slot, kept out of reuse until its header page is wiped."""
+
+    key: bytes
+    journal: jr.Journal
+    ticket: int
+    offset: int
+    size: int
 
 
 @contextlib.contextmanager
@@ -233,12 +257,21 @@ class SsdTier:
         config: EngineConfig,
         *,
         rank: RankFn,
+        lock: threading.Lock | None = None,
+        on_stored: Callable[[bytes], None] = lambda key: None,
         on_removed: Callable[[bytes], None] = lambda key: None,
         read_only: bool = False,
     ) -> None:
         self.config = config
+        # The lock every coarse operation expects held (the engine's); released for I/O.
+        self._lock = lock or threading.Lock()
         self._rank = rank
+        self._on_stored = on_stored
         self._on_removed = on_removed
+        # Durable puts between planning their write and publishing, by key: their seqs. A
+        # demotion of an older DRAM value of such a key must not commit over them, and a fast
+        # put must not delete their copies.
+        self._writing: dict[bytes, set[int]] = {}
         self._read_only = read_only
         self.dir = Path(config.data_dir)
         # What creating a new store made, removed again if the create fails (here, or in the
@@ -757,6 +790,235 @@ class SsdTier:
         rows = self.index.rows
         return (self.index.key_of(row), int(rows["page"][row]), int(rows["length"][row]),
                 int(rows["seq"][row]), int(rows["crc"][row]))  # fmt: skip
+
+    # ------------------------------------------------------------------ coarse operations
+    # What the engine calls. Each expects the lock held and holds it again on return; the ones
+    # that do I/O release it meanwhile, on a slot set aside or a row pinned beforehand.
+
+    @contextlib.contextmanager
+    def _unlocked(self) -> Iterator[None]:
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
+
+    def contains(self, key: bytes) -> bool:
+        return self.index.find(key) != EMPTY
+
+    def length_of(self, key: bytes) -> int | None:
+        row = self.index.find(key)
+        return None if row == EMPTY else int(self.index.rows["length"][row])
+
+    def seq_of(self, key: bytes) -> int:
+        """The seq of the key's SSD copy; -1 if there is none."""
+        row = self.index.find(key)
+        return int(self.index.rows["seq"][row]) if row != EMPTY else -1
+
+    def drop_older(self, key: bytes, seq: int | None) -> None:
+        """A new value of `key` was published in DRAM: an SSD copy of an older value goes. For
+        a durable put (`seq` of its own write) a copy older than that write; for a fast put
+        (None) any copy but one that a durable put of the key is still writing (those are
+        newer or overlap it)."""
+        row = self.index.find(key)
+        if row == EMPTY:
+            return
+        row_seq = int(self.index.rows["seq"][row])
+        if row_seq < seq if seq is not None else row_seq not in self._writing.get(key, ()):
+            self.remove_row(row)
+
+    def write_through(
+        self, key: bytes, length: int, parent: bytes | None, tenant: str, payload: memoryview
+    ) -> int:
+        """Write a block and wait until it and its journal record are durable; returns the
+        write's seq, registered as in flight until `write_through_done`. Releases the lock for
+        the write and the wait.
+
+        Raises:
+            CapacityError: no slot could be freed.
+            StorageIOError: the device or the journal failed; the key keeps its old copy.
+        """
+        plan = self.plan_write(key, length, parent, tenant)
+        self._writing.setdefault(key, set()).add(plan.seq)
+        try:
+            with self._unlocked():
+                self.write_slot(plan, payload)
+        except StorageIOError:
+            self.write_through_done(key, plan.seq)
+            self.abort_write(plan)
+            self.counters.io_errors += 1
+            raise
+        try:
+            ticket = self.commit_write(plan)
+        except StorageIOError:
+            self.write_through_done(key, plan.seq)
+            self.counters.io_errors += 1
+            raise
+        journal = self.journal
+        assert journal is not None
+        if ticket is not None:
+            self._on_stored(key)
+        try:
+            with self._unlocked():
+                # None: a newer version of the key won the race; its record is queued already.
+                journal.wait(ticket)
+        except StorageIOError:
+            self.write_through_done(key, plan.seq)
+            self.counters.io_errors += 1
+            # The journal is dead: no DEL record can be written; the key keeps its old copy.
+            if self.undo_commit(plan):
+                self._on_stored(key)
+            raise
+        return plan.seq
+
+    def write_through_done(self, key: bytes, seq: int) -> None:
+        """The durable put that wrote `seq` has published (or failed)."""
+        seqs = self._writing[key]
+        seqs.discard(seq)
+        if not seqs:
+            del self._writing[key]
+
+    def demote(self, plan: WritePlan, payload: memoryview, keep: Callable[[], bool]) -> bool:
+        """Write a planned block from DRAM (pinned by the caller) and commit it unless it
+        failed, `keep()` no longer holds, or a durable put of the key is writing a newer copy,
+        which ours must not replace. True if committed. Releases the lock for the write."""
+        key = plan.key
+        try:
+            with self._unlocked():
+                self.write_slot(plan, payload)
+            failed = False
+        except StorageIOError as exc:
+            log.error("demotion of block %s failed: %s", key.hex(), exc)
+            failed = True
+        if failed or not keep() or key in self._writing:
+            self.abort_write(plan)
+            self.counters.io_errors += failed
+            return False
+        try:
+            committed = self.commit_write(plan) is not None
+        except StorageIOError as exc:  # the journal failed: the block is only in DRAM
+            log.error("demotion of block %s failed: %s", key.hex(), exc)
+            self.counters.io_errors += 1
+            return False
+        if committed:
+            self._on_stored(key)
+        return committed
+
+    def find_block(self, key: bytes) -> SsdRead | None:
+        """The key's block as indexed now, to read back; None if the SSD does not hold it."""
+        row = self.index.find(key)
+        if row == EMPTY:
+            return None
+        tenant = self.tenants[int(self.index.rows["tenant"][row])]
+        return SsdRead(row, self.snapshot(row), self.index.parent_of(row), tenant)
+
+    def pin(self, read: SsdRead) -> None:
+        """Keep the block's slot from eviction until `unpin`."""
+        self.pinned[read.row] = self.pinned.get(read.row, 0) + 1
+
+    def unpin(self, read: SsdRead) -> None:
+        left = self.pinned.pop(read.row) - 1
+        if left:
+            self.pinned[read.row] = left
+
+    def read_into(self, read: SsdRead, dst: memoryview) -> bool | None:
+        """Read a pinned block into `dst` (page-aligned, whole pages): whether it verified, or
+        None if the device failed. Releases the lock for the read."""
+        try:
+            with self._unlocked():
+                return self.read_slot(read.snap, dst)
+        except StorageIOError as exc:
+            log.error("reading block %s from the SSD failed: %s", read.snap[0].hex(), exc)
+            return None
+
+    def finish_read(self, read: SsdRead, ok: bool | None) -> bool | None:
+        """Account for a `read_into` that returned `ok` (the block unpinned by now): None if
+        the read failed, else whether the block is still the key's indexed copy. A block that
+        failed verification while still indexed as read is corrupt and is dropped; one that
+        was deleted or replaced meanwhile may hold another block by now: a miss, not damage."""
+        current = self.index.find(read.snap[0])
+        same = current == read.row and self.snapshot(current) == read.snap
+        if not ok:
+            if ok is None:
+                self.counters.io_errors += 1
+            elif same:
+                self.counters.corrupt += 1
+                log.warning("SSD block %s failed its checksum; dropped, served as a miss",
+                            read.snap[0].hex())  # fmt: skip
+                self.remove_row(read.row)
+            return None
+        self.counters.bytes_read += read.length
+        return same
+
+    def touch(self, read: SsdRead) -> None:
+        """The block was read back into DRAM: it is recently used."""
+        self.index.touch(read.row, self.next_tick())
+
+    def detach(self, key: bytes) -> SsdWipe | None:
+        """Delete `key`'s block from the index (no removal callback: the caller's own delete);
+        its slot stays out of reuse until `wipe`. None if the SSD does not hold it."""
+        row = self.index.find(key)
+        if row == EMPTY:
+            return None
+        return SsdWipe(key, *self.detach_row(row, notify=False))
+
+    def wipe(self, wipe: SsdWipe) -> None:
+        """Zero a detached block's header page, then let its slot be reused. Called without
+        the lock; takes it for the last step."""
+        try:
+            self.wipe_slot(wipe.offset)
+        except StorageIOError as exc:
+            # Still deleted from the index; only a rebuild from slot headers could revive it.
+            log.error("could not wipe the slot of deleted block %s: %s", wipe.key.hex(), exc)
+        with self._lock:
+            self.release_slot(wipe.journal, wipe.ticket, wipe.offset, wipe.size)
+
+    def checkpoint_if_due(self) -> None:
+        """Checkpoint once the journal has grown enough; the slow part runs on a thread."""
+        if not self.checkpoint_due():
+            return
+        try:
+            finish = self.begin_checkpoint()
+        except StorageIOError as exc:  # no new journal (disk full?): keep the current one
+            log.error("checkpoint failed: %s", exc)
+            self.counters.io_errors += 1
+            return
+
+        def run() -> None:
+            try:
+                finish()
+            except StorageIOError as exc:  # the old checkpoint and the journals still replay
+                log.error("checkpoint failed: %s", exc)
+                with self._lock:
+                    self.counters.io_errors += 1
+
+        threading.Thread(target=run, name="kvoffload-checkpoint", daemon=True).start()
+
+    def stats(self, n: dict[str, int]) -> TierStats:
+        """This tier's counters; `n` holds the engine's (hits, misses, moves between tiers)."""
+        c = self.counters
+        return TierStats(
+            name="ssd",
+            capacity_bytes=self.capacity,
+            used_bytes=self.used_bytes,
+            stored_bytes=self.stored_bytes(),
+            entries=len(self.index),
+            pinned=len(self.pinned),
+            hits=n["ssd_hits"],
+            misses=n["misses"],
+            evictions=c.evictions,
+            bytes_written=c.bytes_written,
+            bytes_read=c.bytes_read,
+            demotions=n["demotions"],
+            promotions=n["promotions"],
+            prefetches=n["prefetches"],
+            corrupt_blocks=c.corrupt,
+            io_errors=c.io_errors,
+        )
+
+    def tenant_usage(self) -> dict[str, int]:
+        """SSD slot bytes held per tenant name (tenants that hold anything)."""
+        return {self.tenants[t]: b for t, b in self.index.tenant_bytes.items()}
 
     # ------------------------------------------------------------------ checkpoints
 
