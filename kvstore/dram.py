@@ -1,16 +1,18 @@
 """The DRAM tier: one arena carved into page-aligned extents, the eviction policy and the pins.
 
 Bookkeeping only, under the engine's lock: which extent holds which entry, which holes are
-free, which keys readers pin. What to evict and where it goes is decided by the engine's
-manager (`kvstore.manager`); the bytes move outside the lock, on pinned slots.
+free, which keys readers pin, and which blocks to evict to make room. Where an evicted block
+goes is decided by the engine's manager (`kvstore.manager`); the bytes move outside the lock,
+on pinned slots.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvoffload.errors import ConfigError
+from kvoffload.errors import CapacityError, ConfigError
 from kvoffload.kvstore.arena import Arena
 from kvoffload.kvstore.config import PAGE, DramConfig
 from kvoffload.kvstore.eviction import make_policy
@@ -108,7 +110,46 @@ class DramTier:
             return entry.staging.view[: entry.length]
         return self.arena.view[entry.offset : entry.offset + entry.length]
 
-    def room_possible(self, size: int) -> bool:
+    def reserve(
+        self,
+        size: int,
+        index: dict[bytes, DramEntry],
+        evict: Callable[[DramEntry, bool], None],
+    ) -> int:
+        """Find a free `size`-byte slot, evicting blocks when needed.
+
+        Evicts the policy's victim, then widens the hole it left with the blocks on either side
+        (colder first) until the value fits; pinned blocks are never moved or evicted, so this
+        fails only when they leave no room. `evict(entry, neighbour)` makes a live, unpinned
+        entry of `index` leave DRAM; it may release the lock while it writes to the SSD.
+
+        Raises:
+            CapacityError: pinned blocks leave no hole of `size` bytes.
+        """
+        evicted = 0
+        while True:
+            offset = self.alloc.alloc(size)
+            if offset is not None:
+                return offset
+            # Pinned blocks may leave no hole large enough at all: find out before evicting
+            # everything else for nothing (checked only once evictions did not suffice).
+            if evicted > 2 * size and not self._room_possible(size):
+                victims = None
+            else:
+                victims = self.policy.evict(1, self.pinned)
+            if victims is None:
+                raise CapacityError(
+                    f"no room for a {size}-byte slot: every block that could make room is "
+                    "pinned by an unreleased view"
+                )
+            victim = index[victims[0]]
+            evicted += victim.slot
+            evict(victim, False)
+            while (entry := self._next_to_hole(victim.offset, size)) is not None:
+                self.policy.remove(entry.key)
+                evict(entry, True)
+
+    def _room_possible(self, size: int) -> bool:
         """Whether evicting every unpinned block would leave a hole of `size` bytes."""
         at = 0
         for start in sorted(o for o, e in self.slots.items() if e.pins):
@@ -117,7 +158,7 @@ class DramTier:
             at = start + self.slots[start].slot
         return self.alloc.size - at >= size
 
-    def next_to_hole(self, offset: int, size: int) -> DramEntry | None:
+    def _next_to_hole(self, offset: int, size: int) -> DramEntry | None:
         """The colder unpinned live block beside the hole at `offset` (just freed), while that
         hole is still free and smaller than `size` bytes; None when there is nothing to widen."""
         hole = self.last_hole

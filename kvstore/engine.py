@@ -16,8 +16,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
 from pathlib import Path
 from types import TracebackType
 
@@ -28,11 +26,9 @@ from kvoffload.errors import ConfigError, InvalidArgumentError, KVOffloadError
 from kvoffload.kvstore.arena import Arena
 from kvoffload.kvstore.config import DramConfig, EngineConfig
 from kvoffload.kvstore.dram import DramEntry, DramTier
-from kvoffload.kvstore.extents import slot_bytes
 from kvoffload.kvstore.manager import Manager, TierListener
 from kvoffload.kvstore.ssd import META_NAME, Recovery, SsdTier
-from kvoffload.kvstore.ssd.tier import SsdWipe
-from kvoffload.kvstore.stats import EngineStats, TierStats
+from kvoffload.kvstore.stats import EngineStats, TierStats, snapshot
 
 __all__ = [
     "KEY_BYTES",
@@ -155,6 +151,39 @@ def _check_key(key: object, what: str = "key") -> bytes:
     return key
 
 
+def _check_put(key: bytes, parent: bytes | None, length: int, max_value_bytes: int) -> None:
+    _check_key(key)
+    if parent is not None:
+        _check_key(parent, "parent")
+    if length < 0:
+        raise InvalidArgumentError(f"value length must not be negative, got {length}")
+    if length > max_value_bytes:
+        raise InvalidArgumentError(
+            f"value of {length} bytes exceeds the largest slot ({max_value_bytes} bytes);"
+            " raise dram.max_value_bytes or store smaller blocks"
+        )
+
+
+def _open_ssd(config: EngineConfig, m: Manager) -> SsdTier | None:
+    """The SSD tier of the config, attached to the manager, or None without one."""
+    data_dir = config.data_dir
+    # A data directory that already holds a store is opened with its own geometry.
+    if not (config.ssd.capacity_bytes or (data_dir and (Path(data_dir) / META_NAME).exists())):
+        return None
+    ssd = SsdTier(config, rank=m.ssd_rank, lock=m.lock, on_stored=m.mover.ssd_stored,
+                  on_removed=m.mover.ssd_removed)  # fmt: skip
+    limit = config.dram.effective_max_value_bytes
+    if ssd.max_value_bytes < limit:
+        ssd.abandon()  # a store created just now is removed again
+        raise ConfigError(
+            f"dram.max_value_bytes ({limit}) exceeds the store's SSD slot "
+            f"limit ({ssd.max_value_bytes}); lower it"
+        )
+    m.attach_ssd(ssd)
+    m.mover.start(config.ssd.io_threads)
+    return ssd
+
+
 class Engine:
     """A KV block store: opaque values under 16-byte keys, in a DRAM arena and (optionally) an
     SSD tier that survives restarts and crashes.
@@ -173,22 +202,8 @@ class Engine:
         self._dram = DramTier(dram)
         self._m = m = Manager(self.config, self._lock, self._dram)
         self._index = m.index
-        self._ssd: SsdTier | None = None
-        self._pool: ThreadPoolExecutor | None = None
-        data_dir = self.config.data_dir
-        # A data directory that already holds a store is opened with its own geometry.
-        if self.config.ssd.capacity_bytes or (data_dir and (Path(data_dir) / META_NAME).exists()):
-            self._ssd = SsdTier(self.config, rank=m.ssd_rank, lock=self._lock,
-                                on_stored=m.ssd_stored, on_removed=m.ssd_removed)  # fmt: skip
-            if self._ssd.max_value_bytes < self.max_value_bytes:
-                self._ssd.abandon()  # a store created just now is removed again
-                raise ConfigError(
-                    f"dram.max_value_bytes ({self.max_value_bytes}) exceeds the store's SSD slot "
-                    f"limit ({self._ssd.max_value_bytes}); lower it"
-                )
-            m.attach_ssd(self._ssd)
-            m.mover.start(self.config.ssd.io_threads)
-            self._pool = m.mover.pool
+        self._ssd = _open_ssd(self.config, m)
+        self._pool = m.mover.pool
         try:
             self._dram.map_arena()
         except BaseException:
@@ -196,8 +211,6 @@ class Engine:
                 self._ssd.abandon()
             raise
         self._arena = self._dram.arena
-
-    # ------------------------------------------------------------------ public API
 
     @property
     def max_value_bytes(self) -> int:
@@ -289,29 +302,13 @@ class Engine:
         Raises:
             InvalidArgumentError, CapacityError: as for `put`.
         """
-        _check_key(key)
-        if parent is not None:
-            _check_key(parent, "parent")
+        _check_put(key, parent, length, self.max_value_bytes)
         if durable and self._ssd is None:
             raise InvalidArgumentError(
                 "a durable put needs the SSD tier; open the store with an SSD capacity"
             )
-        if length < 0:
-            raise InvalidArgumentError(f"value length must not be negative, got {length}")
-        if length > self.max_value_bytes:
-            raise InvalidArgumentError(
-                f"value of {length} bytes exceeds the largest slot ({self.max_value_bytes} bytes);"
-                " raise dram.max_value_bytes or store smaller blocks"
-            )
-        m = self._m
-        with self._lock:
-            m.check_open()
-            size = slot_bytes(length)
-            m.fit_quota(tenant, key, size)
-            entry = m.claim(key, length, size, parent, tenant)
-            if m.sketch is not None:
-                m.sketch.add(key)
-        return PutReservation(m, self._arena, entry, durable)
+        entry = self._m.reserve(key, length, parent, tenant)
+        return PutReservation(self._m, self._arena, entry, durable)
 
     def put_many(
         self,
@@ -396,15 +393,7 @@ class Engine:
         """How many leading keys of a chain are stored in any tier (the usable prefix)."""
         for key in keys:
             _check_key(key)
-        m = self._m
-        with self._lock:
-            m.check_open()
-            for n, key in enumerate(keys):
-                if not m.stored(key):
-                    return n
-                if m.sketch is not None:
-                    m.sketch.add(key)
-            return len(keys)
+        return self._m.lookup(keys)
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Start reading SSD-only blocks of `keys` into DRAM in the background.
@@ -419,22 +408,7 @@ class Engine:
     def delete(self, key: bytes) -> bool:
         """Remove `key` from every tier; True if it was stored. A pinned view stays valid."""
         _check_key(key)
-        wipe: SsdWipe | None = None
-        m, ssd = self._m, self._ssd
-        with self._lock:
-            m.check_open()
-            found = False
-            entry = self._index.get(key)
-            if entry is not None:
-                m.drop(entry)
-                found = True
-            if ssd is not None:
-                wipe = ssd.detach(key)
-                found |= wipe is not None
-            m.n["deletes"] += found
-        if ssd is not None and wipe is not None:
-            ssd.wipe(wipe)
-        return found
+        return self._m.mover.delete(key)
 
     def set_quota(
         self, tenant: str, quota_bytes: int | None, *, ssd_bytes: int | None = None
@@ -450,18 +424,7 @@ class Engine:
         Raises:
             InvalidArgumentError: a negative quota, or an SSD quota without an SSD tier.
         """
-        for what, value in (("quota", quota_bytes), ("SSD quota", ssd_bytes)):
-            if value is not None and value < 0:
-                raise InvalidArgumentError(f"{what} must not be negative, got {value}")
-        with self._lock:
-            if ssd_bytes is not None and self._ssd is None:
-                raise InvalidArgumentError("an SSD quota needs an SSD tier")
-            if quota_bytes is None:
-                self._m.quotas.pop(tenant, None)
-            else:
-                self._m.quotas[tenant] = quota_bytes
-            if self._ssd is not None:
-                self._ssd.set_quota(tenant, ssd_bytes)
+        self._m.set_quota(tenant, quota_bytes, ssd_bytes)
 
     def set_tier_listener(self, listener: TierListener | None) -> None:
         """Call `listener(kind, key, tier)` whenever a block enters or leaves a tier.
@@ -478,39 +441,12 @@ class Engine:
 
     def checkpoint(self) -> None:
         """Snapshot the SSD index now (it also happens on its own as the journal grows)."""
-        if self._ssd is None:
-            return
-        with self._lock:
-            self._m.check_open()
-            finish = self._ssd.begin_checkpoint()
-        finish()
+        if self._ssd is not None:
+            self._m.mover.checkpoint()
 
     def stats(self) -> EngineStats:
-        m = self._m
-        n = m.n
         with self._lock:
-            tiers = [self._dram.stats(n, len(self._index))]
-            ssd = self._ssd
-            if ssd is not None:
-                tiers.append(ssd.stats(n))
-            used = self._dram.tenant_used
-            return EngineStats(
-                policy=self.config.dram.policy,
-                puts=n["puts"],
-                gets=n["gets"],
-                hits=n["hits"] + n["ssd_hits"],
-                misses=n["misses"],
-                deletes=n["deletes"],
-                evictions=n["evictions"],
-                neighbour_evictions=n["neighbours"],
-                tiers=tuple(tiers),
-                tenant_bytes={t: used.get(t, 0) for t in used.keys() | m.quotas.keys()},
-                ssd_tenant_bytes=ssd.tenant_usage() if ssd is not None else {},
-                durable_puts=n["durable"],
-                admission_rejected=n["admission_rejected"],
-                checkpoints=ssd.counters.checkpoints if ssd is not None else 0,
-                recovery=asdict(ssd.recovery) if ssd is not None else {},
-            )
+            return snapshot(self._m, self.config.dram.policy)
 
     def close(self) -> None:
         """Stop background work, write DRAM-only blocks to the SSD (`ssd.flush_on_close`),

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from kvoffload.errors import CapacityError, KVOffloadError
+from kvoffload.errors import CapacityError, InvalidArgumentError, KVOffloadError
 from kvoffload.kvstore.admission import FrequencySketch
 from kvoffload.kvstore.config import EngineConfig
 from kvoffload.kvstore.dram import DramEntry, DramTier
 from kvoffload.kvstore.eviction import Rank
+from kvoffload.kvstore.extents import slot_bytes
 from kvoffload.kvstore.mover import Mover
 from kvoffload.kvstore.ssd import SsdIndex, SsdTier
 
@@ -58,6 +59,21 @@ class Manager:
         self.ssd = self.mover.ssd = ssd
         self.sketch = FrequencySketch()
 
+    def set_quota(self, tenant: str, quota_bytes: int | None, ssd_bytes: int | None) -> None:
+        """See `Engine.set_quota` (called without the lock)."""
+        for what, value in (("quota", quota_bytes), ("SSD quota", ssd_bytes)):
+            if value is not None and value < 0:
+                raise InvalidArgumentError(f"{what} must not be negative, got {value}")
+        with self.lock:
+            if ssd_bytes is not None and self.ssd is None:
+                raise InvalidArgumentError("an SSD quota needs an SSD tier")
+            if quota_bytes is None:
+                self.quotas.pop(tenant, None)
+            else:
+                self.quotas[tenant] = quota_bytes
+            if self.ssd is not None:
+                self.ssd.set_quota(tenant, ssd_bytes)
+
     def notify(self, kind: str, key: bytes, tier: str) -> None:
         if self.listener is not None:
             self.listener(kind, key, tier)
@@ -69,6 +85,17 @@ class Manager:
     def next_tick(self) -> int:
         self._tick += 1
         return self._tick
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys either tier holds (called without the lock)."""
+        with self.lock:
+            self.check_open()
+            for n, key in enumerate(keys):
+                if not self.stored(key):
+                    return n
+                if self.sketch is not None:
+                    self.sketch.add(key)
+            return len(keys)
 
     def stored(self, key: bytes) -> bool:
         if key in self.index:
@@ -123,9 +150,20 @@ class Manager:
         self, key: bytes, length: int, size: int, parent: bytes | None, tenant: str
     ) -> DramEntry:
         """A pinned, unpublished entry on a fresh `size`-byte slot (may evict to make room)."""
-        offset = self._reserve(size)
+        offset = self.dram.reserve(size, self.index, self._evict_for_room)
         entry = DramEntry(key, offset, length, size, parent, self.next_tick(), tenant, pins=1)
         self.dram.place(entry)
+        return entry
+
+    def reserve(self, key: bytes, length: int, parent: bytes | None, tenant: str) -> DramEntry:
+        """`claim` a slot for a put within the tenant's quota (called without the lock)."""
+        with self.lock:
+            self.check_open()
+            size = slot_bytes(length)
+            self.fit_quota(tenant, key, size)
+            entry = self.claim(key, length, size, parent, tenant)
+            if self.sketch is not None:
+                self.sketch.add(key)
         return entry
 
     def commit(self, entry: DramEntry, durable: bool, if_stored: bool | None = None) -> bool:
@@ -200,6 +238,11 @@ class Manager:
 
     # ------------------------------------------------------------------ making room
 
+    def _evict_for_room(self, entry: DramEntry, neighbour: bool) -> None:
+        self.n["evictions"] += 1
+        self.n["neighbours"] += neighbour
+        self._evict(entry)
+
     def _evict(self, entry: DramEntry) -> None:
         """Make a live, unpinned entry leave DRAM: dropped, or first written to the SSD.
 
@@ -217,44 +260,6 @@ class Manager:
             self.notify("removed", entry.key, "dram")
             return
         self.mover.demote(entry, drop=True)
-
-    def _reserve(self, size: int) -> int:
-        """Find a free `size`-byte slot, evicting blocks when needed.
-
-        Evicts the policy's victim, then widens the hole it left with the blocks on either side
-        (colder first) until the value fits; pinned blocks are never moved or evicted, so this
-        fails only when they leave no room. May release the lock while evicted blocks are
-        written to the SSD.
-
-        Raises:
-            CapacityError: pinned blocks leave no hole of `size` bytes.
-        """
-        evicted = 0
-        while True:
-            offset = self._alloc.alloc(size)
-            if offset is not None:
-                return offset
-            # Pinned blocks may leave no hole large enough at all: find out before evicting
-            # everything else for nothing (checked only once evictions did not suffice).
-            if evicted > 2 * size and not self.dram.room_possible(size):
-                victims = None
-            else:
-                victims = self._policy.evict(1, self._pinned)
-            if victims is None:
-                raise CapacityError(
-                    f"no room for a {size}-byte slot: every block that could make room is "
-                    "pinned by an unreleased view"
-                )
-            victim = self.index[victims[0]]
-            self.n["evictions"] += 1
-            evicted += victim.slot
-            self._evict(victim)
-            # Widen the hole it left with its colder unpinned neighbours until `size` fits.
-            while (entry := self.dram.next_to_hole(victim.offset, size)) is not None:
-                self._policy.remove(entry.key)
-                self.n["evictions"] += 1
-                self.n["neighbours"] += 1
-                self._evict(entry)
 
     def fit_quota(self, tenant: str, key: bytes, size: int, *, strict: bool = True) -> None:
         """Evict the tenant's coldest unpinned blocks until `size` more bytes fit its quota.
@@ -305,15 +310,6 @@ class Manager:
         if index.has_child(key) or self._children.get(key):
             return int(Rank.INTERIOR)
         return int(Rank.LEAF)
-
-    def ssd_stored(self, key: bytes) -> None:
-        self.notify("stored", key, "ssd")
-
-    def ssd_removed(self, key: bytes) -> None:
-        entry = self.index.get(key)
-        if entry is not None:
-            entry.on_ssd = False  # the SSD copy is gone: evicting the DRAM copy must write it
-        self.notify("removed", key, "ssd")
 
     def _rerank(self, key: bytes) -> None:
         entry = self.index.get(key)

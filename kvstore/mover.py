@@ -20,6 +20,7 @@ from kvoffload.kvstore.dram import DramEntry
 from kvoffload.kvstore.extents import slot_bytes
 from kvoffload.kvstore.ssd import SsdTier
 from kvoffload.kvstore.ssd.slotio import AlignedBuffer
+from kvoffload.kvstore.ssd.tier import SsdWipe
 
 if TYPE_CHECKING:
     from kvoffload.kvstore.manager import Manager
@@ -44,6 +45,17 @@ class Mover:
     def start(self, io_threads: int) -> None:
         """Start the prefetch pool (with an SSD tier)."""
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-prefetch")
+
+    def ssd_stored(self, key: bytes) -> None:
+        """The SSD tier committed a copy of `key` (its callback, lock held)."""
+        self._m.notify("stored", key, "ssd")
+
+    def ssd_removed(self, key: bytes) -> None:
+        """The SSD tier dropped its copy of `key` (its callback, lock held)."""
+        entry = self._m.index.get(key)
+        if entry is not None:
+            entry.on_ssd = False  # the SSD copy is gone: evicting the DRAM copy must write it
+        self._m.notify("removed", key, "ssd")
 
     # ------------------------------------------------------------------ DRAM -> SSD
 
@@ -75,6 +87,15 @@ class Mover:
                 m.notify("removed", entry.key, "dram")
         ssd.checkpoint_if_due()
 
+    def checkpoint(self) -> None:
+        """Snapshot the SSD index now (called without the lock; the file is written without
+        it)."""
+        assert self.ssd is not None
+        with self._lock:
+            self._m.check_open()
+            finish = self.ssd.begin_checkpoint()
+        finish()
+
     def flush(self) -> None:
         """Write every live DRAM block without an SSD copy to the SSD (clean shutdown; called
         without the lock)."""
@@ -82,6 +103,26 @@ class Mover:
             for entry in list(self._m.index.values()):
                 if entry.live and not entry.on_ssd:
                     self.demote(entry, drop=False)
+
+    def delete(self, key: bytes) -> bool:
+        """Remove `key` from both tiers (called without the lock); True if it was stored. The
+        SSD slot's header is wiped with the lock released."""
+        ssd, m = self.ssd, self._m
+        wipe: SsdWipe | None = None
+        with self._lock:
+            m.check_open()
+            found = False
+            entry = m.index.get(key)
+            if entry is not None:
+                m.drop(entry)
+                found = True
+            if ssd is not None:
+                wipe = ssd.detach(key)
+                found |= wipe is not None
+            m.n["deletes"] += found
+        if ssd is not None and wipe is not None:
+            ssd.wipe(wipe)
+        return found
 
     def commit_durable(self, entry: DramEntry) -> bool:
         """Write a filled reservation through to the SSD, wait for its journal record, then

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
-__all__ = ["EngineStats", "TierStats"]
+if TYPE_CHECKING:
+    from kvoffload.kvstore.manager import Manager
+
+__all__ = ["EngineStats", "TierStats", "snapshot"]
 
 
 @dataclass(frozen=True)
@@ -54,3 +58,30 @@ class EngineStats:
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+def snapshot(m: Manager, policy: str) -> EngineStats:
+    """The engine's counters and both tiers' (the engine's lock held)."""
+    n = m.n
+    tiers = [m.dram.stats(n, len(m.index))]
+    ssd = m.ssd
+    if ssd is not None:
+        tiers.append(ssd.stats(n))
+    used = m.dram.tenant_used
+    return EngineStats(
+        policy=policy,
+        puts=n["puts"],
+        gets=n["gets"],
+        hits=n["hits"] + n["ssd_hits"],
+        misses=n["misses"],
+        deletes=n["deletes"],
+        evictions=n["evictions"],
+        neighbour_evictions=n["neighbours"],
+        tiers=tuple(tiers),
+        tenant_bytes={t: used.get(t, 0) for t in used.keys() | m.quotas.keys()},
+        ssd_tenant_bytes=ssd.tenant_usage() if ssd is not None else {},
+        durable_puts=n["durable"],
+        admission_rejected=n["admission_rejected"],
+        checkpoints=ssd.counters.checkpoints if ssd is not None else 0,
+        recovery=asdict(ssd.recovery) if ssd is not None else {},
+    )
