@@ -136,7 +136,7 @@ def test_a_store_created_for_an_engine_that_then_fails_to_start_is_removed(
 KILLED_BEFORE_META = """
 import os, sys
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
-from kvoffload.kvstore.ssd import tier as ssd
+from kvoffload.kvstore.ssd import store as ssd
 
 real = ssd._write_atomic
 def write_atomic(path, data, what):
