@@ -226,7 +226,7 @@ class Mover:
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Queue background promotions of the SSD-only blocks of `keys` not already being
-        read; returns how many of `keys` either tier holds."""
+        read (called without the lock); returns how many of `keys` either tier holds."""
         found = 0
         m = self._m
         with self._lock:
