@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvoffload.kvstore.ssdindex import _hash_scalar
+from kvoffload.kvstore.ssd.keyhash import hash_key
 
 __all__ = ["FrequencySketch"]
 
@@ -29,7 +29,7 @@ class FrequencySketch:
 
     def _cells(self, key: bytes) -> list[int]:
         # Two independent 64-bit hashes give four 20-bit row indices.
-        h = _hash_scalar(key) | (_hash_scalar(key[::-1] + b"\x01") << 64)
+        h = hash_key(key) | (hash_key(key[::-1] + b"\x01") << 64)
         return [(h >> (i * self._bits)) & self._mask for i in range(_ROWS)]
 
     def add(self, key: bytes) -> None:

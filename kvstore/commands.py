@@ -10,7 +10,7 @@ __all__ = ["add_commands"]
 
 
 def _fsck(args: argparse.Namespace) -> int:
-    from kvoffload.kvstore.fsck import fsck
+    from kvoffload.kvstore.ssd.fsck import fsck
 
     report = fsck(args.directory, rebuild=args.rebuild)
     if args.json:

@@ -11,7 +11,7 @@ import pytest
 from kvoffload.cli import main
 from kvoffload.errors import ConfigError
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
-from kvoffload.kvstore.fsck import fsck
+from kvoffload.kvstore.ssd.fsck import fsck
 
 
 def config(path: Path) -> EngineConfig:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvoffload.errors import StorageIOError
-from kvoffload.kvstore import journal as jr
+from kvoffload.kvstore.ssd import journal as jr
 
 STORE = bytes(range(16))
 

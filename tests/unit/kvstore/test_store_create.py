@@ -117,14 +117,14 @@ def test_a_bad_fault_plan_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.M
 def test_a_store_created_for_an_engine_that_then_fails_to_start_is_removed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvoffload.kvstore import engine as engine_module
+    from kvoffload.kvstore import dram as dram_module
 
     def no_memory(size: int, *, prefault: bool) -> None:
         raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
 
     data = tmp_path / "data"
     data.mkdir()
-    monkeypatch.setattr(engine_module, "Arena", no_memory)  # the DRAM tier cannot be mapped
+    monkeypatch.setattr(dram_module, "Arena", no_memory)  # the DRAM tier cannot be mapped
     with pytest.raises(ConfigError, match="cannot map a DRAM arena.*Cannot allocate memory"):
         Engine(config(data, ssd=1 << 30))
     assert list(data.iterdir()) == []
@@ -135,7 +135,8 @@ def test_a_store_created_for_an_engine_that_then_fails_to_start_is_removed(
 
 KILLED_BEFORE_META = """
 import os, sys
-from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig, ssd
+from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
+from kvoffload.kvstore.ssd import store as ssd
 
 real = ssd._write_atomic
 def write_atomic(path, data, what):

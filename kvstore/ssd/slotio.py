@@ -29,8 +29,10 @@ import logging
 import mmap
 import os
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import crc32c
 
@@ -38,7 +40,18 @@ from kvoffload.errors import StorageIOError
 from kvoffload.kvstore import faults
 from kvoffload.kvstore.config import PAGE, format_size
 
-__all__ = ["SLOT_HEADER", "AlignedBuffer", "SlotFile", "SlotHeader", "pack_header", "unpack_header"]
+if TYPE_CHECKING:
+    from kvoffload.kvstore.ssd.catalog import WritePlan
+
+__all__ = [
+    "SLOT_HEADER",
+    "AlignedBuffer",
+    "BlockIO",
+    "SlotFile",
+    "SlotHeader",
+    "pack_header",
+    "unpack_header",
+]
 
 log = logging.getLogger(__name__)
 
@@ -209,3 +222,59 @@ def _is_block_device(fd: int) -> bool:
     import stat
 
     return stat.S_ISBLK(os.fstat(fd).st_mode)
+
+
+class BlockIO:
+    """Blocks in a slot file: a header page, then the value's pages. Runs without the engine's
+    lock, on slots set aside for it; each thread has a header page of its own."""
+
+    def __init__(self, slots: SlotFile) -> None:
+        self.slots = slots
+        self._pages = threading.local()
+
+    def _header_page(self) -> AlignedBuffer:
+        buf: AlignedBuffer | None = getattr(self._pages, "buf", None)
+        if buf is None:
+            buf = self._pages.buf = AlignedBuffer(PAGE)
+        return buf
+
+    def write(self, plan: WritePlan, tenant_name: str, payload: memoryview) -> None:
+        """Write header and value (sets `plan.crc`); `payload` is page-aligned and spans whole
+        pages. The slot is stable once the journal record queued for it is.
+
+        Raises:
+            StorageIOError: the device failed.
+        """
+        plan.crc = crc32c.crc32c(payload[: plan.length])
+        page = self._header_page()
+        page.view[:] = bytes(PAGE)
+        pack_header(page.view, SlotHeader(plan.seq, plan.key, plan.parent, plan.length, plan.crc,
+                                          plan.tenant, tenant_name))  # fmt: skip
+        self.slots.write(plan.offset, [page.view, payload])
+
+    def read(self, row_snapshot: tuple[bytes, int, int, int, int], dst: memoryview) -> bool:
+        """Read a block into `dst` (page-aligned, whole pages); False if it fails verification.
+
+        `row_snapshot` is (key, page, length, seq, crc) taken under the lock.
+
+        Raises:
+            StorageIOError: the device failed.
+        """
+        key, page_no, length, seq, crc = row_snapshot
+        page = self._header_page()
+        self.slots.read(page_no * PAGE, [page.view, dst])
+        header = unpack_header(page.view)
+        if header is None or (header.key, header.seq, header.length) != (key, seq, length):
+            return False
+        return crc32c.crc32c(dst[:length]) == crc == header.crc
+
+    def wipe(self, offset: int) -> None:
+        """Zero a slot's header page, so a rebuild from slot headers cannot bring a deleted
+        block back.
+
+        Raises:
+            StorageIOError: the device failed.
+        """
+        page = self._header_page()
+        page.view[:] = bytes(PAGE)
+        self.slots.write(offset, [page.view])

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from kvoffload.kvstore.ssdindex import EMPTY, SsdIndex
+from kvoffload.kvstore.ssd.index import EMPTY, SsdIndex
 
 # Keys with trailing zero bytes and shared prefixes on purpose (numpy S16 strips NULs).
 KEYS = [bytes([i % 3, 0, 0, 0, 0, 0, 0, i]) + bytes(8) for i in range(40)]

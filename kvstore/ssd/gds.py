@@ -14,7 +14,7 @@ import logging
 from collections.abc import Sequence
 
 from kvoffload.errors import ConfigError, StorageIOError
-from kvoffload.kvstore.slotio import SlotFile
+from kvoffload.kvstore.ssd.slotio import SlotFile
 
 __all__ = ["KvikioSlotFile", "gds_available", "select_slot_file"]
 

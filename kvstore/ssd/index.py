@@ -15,12 +15,13 @@ import numpy.typing as npt
 
 from kvoffload.kvstore.config import PAGE
 from kvoffload.kvstore.extents import slot_bytes, slot_sizes
+from kvoffload.kvstore.ssd.keyhash import hash_key, hash_keys
+from kvoffload.kvstore.ssd.queues import EvictionQueues
 
 __all__ = ["EMPTY", "ROW_DTYPE", "RankFn", "SsdIndex", "ssd_slot_bytes", "ssd_slot_sizes"]
 
 EMPTY = -1
 _TOMB = -2
-_MASK64 = (1 << 64) - 1
 _NO_PARENT = b""
 # Columns persisted in checkpoints (and rebuilt from them); the rest is derived state.
 ROW_DTYPE = np.dtype(
@@ -36,9 +37,6 @@ ROW_DTYPE = np.dtype(
     ]
 )
 _HAS_PARENT = 1
-# Eviction queues: LRU and prefix use queue 0; S3-FIFO uses 0 (small) and 1 (main).
-_SMALL, _MAIN = 0, 1
-_LOOKAHEAD = 32  # prefix policy: candidates examined from the cold end
 # Ranks a row for the prefix policy: 0 orphan, 1 leaf, 2 interior (the tier knows both tiers).
 RankFn = Callable[["SsdIndex", int], int]
 
@@ -51,28 +49,6 @@ def ssd_slot_bytes(length: int) -> int:
 def ssd_slot_sizes(lengths: npt.NDArray[np.integer]) -> npt.NDArray[np.int64]:
     """`ssd_slot_bytes` of each length."""
     return slot_sizes(PAGE + lengths.astype(np.int64))
-
-
-def _hash_scalar(key: bytes) -> int:
-    """splitmix64 of the key's two halves (keys need not be uniform: tests use small ints)."""
-    h = int.from_bytes(key[:8], "little") ^ (
-        int.from_bytes(key[8:16], "little") * 0x9E3779B97F4A7C15
-    )
-    h &= _MASK64
-    h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return h ^ (h >> 31)
-
-
-def _hash_vector(keys: npt.NDArray[np.bytes_]) -> npt.NDArray[np.uint64]:
-    """`_hash_scalar` for a column of S16 keys (wrapping uint64 arithmetic)."""
-    halves = np.frombuffer(keys.tobytes(), dtype="<u8").reshape(-1, 2)
-    with np.errstate(over="ignore"):
-        h = halves[:, 0] ^ (halves[:, 1] * np.uint64(0x9E3779B97F4A7C15))
-        h = (h ^ (h >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        h = (h ^ (h >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    out: npt.NDArray[np.uint64] = h ^ (h >> np.uint64(31))
-    return out
 
 
 def _stored(key: bytes) -> bytes:
@@ -101,13 +77,8 @@ class SsdIndex:
         self._rows = 0  # rows ever used (high-water mark)
         self._free_rows: list[int] = []
         self._live = 0
+        self._queues = EvictionQueues(policy, max(capacity, 16))
         self._alloc_columns(max(capacity, 16))
-        self._heads = [EMPTY, EMPTY]
-        self._tails = [EMPTY, EMPTY]
-        self._sizes = [0, 0]
-        self._ghost_bits = 1 << 16
-        self._ghosts = [np.zeros(self._ghost_bits // 8, np.uint8) for _ in range(2)]
-        self._ghost_count = 0
 
     # ------------------------------------------------------------------ storage
 
@@ -115,20 +86,17 @@ class SsdIndex:
         self.rows = np.zeros(capacity, dtype=ROW_DTYPE)
         self.tick = np.zeros(capacity, dtype=np.uint32)
         self.live = np.zeros(capacity, dtype=bool)
-        self.freq = np.zeros(capacity, dtype=np.uint8)
-        self.queue = np.zeros(capacity, dtype=np.uint8)
-        self.prev = np.full(capacity, EMPTY, dtype=np.int32)
-        self.next = np.full(capacity, EMPTY, dtype=np.int32)
         self.sibling = np.full(capacity, EMPTY, dtype=np.int32)
         if build:
             self._build_tables()
 
     def _grow(self) -> None:
         old = self._rows
-        columns = ("rows", "tick", "live", "freq", "queue", "prev", "next", "sibling")
+        columns = ("rows", "tick", "live", "sibling")
         saved = {name: getattr(self, name)[:old].copy() for name in columns}
         # Modest growth keeps the slack (and so the bytes per block) low.
         self._alloc_columns(len(self.rows) * 5 // 4 + 16, build=False)
+        self._queues.resize(len(self.rows), old)
         for name, values in saved.items():
             getattr(self, name)[:old] = values
         self._build_tables()
@@ -146,9 +114,9 @@ class SsdIndex:
         if not len(live):
             return
         keys = self.rows["key"][live]
-        self._place(_hash_vector(keys) & np.uint64(self._mask), live)
+        self._place(hash_keys(keys) & np.uint64(self._mask), live)
         with_parent = live[(self.rows["flags"][live] & _HAS_PARENT) != 0]
-        buckets = (_hash_vector(self.rows["parent"][with_parent]) & np.uint64(self._bmask)).astype(
+        buckets = (hash_keys(self.rows["parent"][with_parent]) & np.uint64(self._bmask)).astype(
             np.int64
         )
         # Chain rows sharing a bucket: each row points at the next one of its bucket.
@@ -186,7 +154,7 @@ class SsdIndex:
     def find(self, key: bytes) -> int:
         """Row of `key`, or EMPTY."""
         want = _stored(key)
-        pos = _hash_scalar(key) & self._mask
+        pos = hash_key(key) & self._mask
         table, keys = self._table, self.rows["key"]
         while True:
             row = int(table[pos])
@@ -207,7 +175,7 @@ class SsdIndex:
     def has_child(self, key: bytes) -> bool:
         """Whether any stored row names `key` as its parent."""
         want = _stored(key)
-        row = int(self._buckets[_hash_scalar(key) & self._bmask])
+        row = int(self._buckets[hash_key(key) & self._bmask])
         parents = self.rows["parent"]
         while row != EMPTY:
             if parents[row] == want:
@@ -244,7 +212,6 @@ class SsdIndex:
                           _HAS_PARENT if parent is not None else 0, seq, crc)  # fmt: skip
         self.tick[row] = tick
         self.live[row] = True
-        self.freq[row] = 0
         self._live += 1
         self._charge(tenant, length, 1)
         if (self._live + self._tombs) * 10 > len(self._table) * 7:
@@ -252,17 +219,14 @@ class SsdIndex:
         else:
             self._table_insert(key, row)
             if parent is not None:
-                bucket = _hash_scalar(parent) & self._bmask
+                bucket = hash_key(parent) & self._bmask
                 self.sibling[row] = self._buckets[bucket]
                 self._buckets[bucket] = row
-        queue = _SMALL
-        if self.policy == "s3fifo" and self._ghost_take(key):
-            queue = _MAIN  # evicted recently and wanted again
-        self._link(row, queue)
+        self._queues.add(row, key)
         return row
 
     def _table_insert(self, key: bytes, row: int) -> None:
-        pos = _hash_scalar(key) & self._mask
+        pos = hash_key(key) & self._mask
         while int(self._table[pos]) >= 0:
             pos = (pos + 1) & self._mask
         if int(self._table[pos]) == _TOMB:
@@ -272,14 +236,14 @@ class SsdIndex:
     def remove(self, row: int) -> None:
         """Forget a row (the caller frees its SSD slot)."""
         key = self.key_of(row)
-        pos = _hash_scalar(key) & self._mask
+        pos = hash_key(key) & self._mask
         while int(self._table[pos]) != row:
             pos = (pos + 1) & self._mask
         self._table[pos] = _TOMB
         self._tombs += 1
         parent = self.parent_of(row)
         if parent is not None:
-            bucket = _hash_scalar(parent) & self._bmask
+            bucket = hash_key(parent) & self._bmask
             if int(self._buckets[bucket]) == row:
                 self._buckets[bucket] = self.sibling[row]
             else:
@@ -287,7 +251,7 @@ class SsdIndex:
                 while int(self.sibling[prev]) != row:
                     prev = int(self.sibling[prev])
                 self.sibling[prev] = self.sibling[row]
-        self._unlink(row)
+        self._queues.remove(row)
         self._charge(int(self.rows["tenant"][row]), int(self.rows["length"][row]), -1)
         self.live[row] = False
         self._live -= 1
@@ -324,122 +288,14 @@ class SsdIndex:
     def touch(self, row: int, tick: int) -> None:
         """The row was read: refresh its recency (LRU/prefix) or frequency (S3-FIFO)."""
         self.tick[row] = tick
-        if self.policy == "s3fifo":
-            self.freq[row] = min(int(self.freq[row]) + 1, 3)
-        else:
-            self._unlink(row)
-            self._link(row, _SMALL)
-
-    # ------------------------------------------------------------------ eviction lists
-
-    def _link(self, row: int, queue: int) -> None:
-        tail = self._tails[queue]
-        self.prev[row] = tail
-        self.next[row] = EMPTY
-        self.queue[row] = queue
-        if tail == EMPTY:
-            self._heads[queue] = row
-        else:
-            self.next[tail] = row
-        self._tails[queue] = row
-        self._sizes[queue] += 1
-
-    def _unlink(self, row: int) -> None:
-        queue = int(self.queue[row])
-        prev, nxt = int(self.prev[row]), int(self.next[row])
-        if prev == EMPTY:
-            self._heads[queue] = nxt
-        else:
-            self.next[prev] = nxt
-        if nxt == EMPTY:
-            self._tails[queue] = prev
-        else:
-            self.prev[nxt] = prev
-        self._sizes[queue] -= 1
+        self._queues.touch(row)
 
     def choose_victim(self, protected: set[int], rank: RankFn) -> int:
         """The row to evict next, skipping `protected` rows, or EMPTY if none is free.
 
         Does not remove it; S3-FIFO may move rows between its queues while it looks.
         """
-        if self.policy == "s3fifo":
-            return self._s3fifo_victim(protected)
-        row = self._heads[_SMALL]
-        if self.policy == "lru":
-            while row != EMPTY and row in protected:
-                row = int(self.next[row])
-            return row
-        # prefix: among the coldest candidates, an orphan first, then a leaf, then the coldest.
-        first, leaf, seen = EMPTY, EMPTY, 0
-        while row != EMPTY and seen < _LOOKAHEAD:
-            if row not in protected:
-                seen += 1
-                place = rank(self, row)
-                if place == 0:
-                    return row
-                if place == 1 and leaf == EMPTY:
-                    leaf = row
-                if first == EMPTY:
-                    first = row
-            row = int(self.next[row])
-        return leaf if leaf != EMPTY else first
-
-    def _s3fifo_victim(self, protected: set[int]) -> int:
-        sizes = self._sizes
-        # Each row moves or decays at most 4 times before it is evicted or found pinned.
-        budget = 4 * (sizes[0] + sizes[1]) + 4
-        small_skips = 0  # pinned rows rotated in the small queue: stop once all were seen
-        while budget > 0:
-            budget -= 1
-            small_ok = sizes[_SMALL] > small_skips
-            if small_ok and (not sizes[_MAIN] or sizes[_SMALL] * 10 >= sum(sizes)):
-                queue = _SMALL
-            elif sizes[_MAIN]:
-                queue = _MAIN
-            elif small_ok:
-                queue = _SMALL
-            else:
-                return EMPTY
-            row = self._heads[queue]
-            self._unlink(row)
-            if row in protected:
-                self._link(row, queue)
-                small_skips += queue == _SMALL
-                continue
-            freq = int(self.freq[row])
-            if queue == _SMALL and freq > 0:
-                self.freq[row] = 0
-                self._link(row, _MAIN)
-            elif queue == _MAIN and freq > 0:
-                self.freq[row] = freq - 1
-                self._link(row, _MAIN)
-            else:
-                self._link(row, queue)  # stays listed until the caller removes it
-                if queue == _SMALL:
-                    self._ghost_add(self.key_of(row))
-                return row
-        return EMPTY
-
-    def _ghost_slot(self, key: bytes) -> tuple[int, int]:
-        bit = _hash_scalar(key[::-1]) % self._ghost_bits
-        return bit >> 3, 1 << (bit & 7)
-
-    def _ghost_add(self, key: bytes) -> None:
-        byte, mask = self._ghost_slot(key)
-        self._ghosts[0][byte] |= mask
-        self._ghost_count += 1
-        # Two generations of bits: the older one is dropped once the newer has seen as many
-        # evictions as the main queues hold, which bounds the ghost's memory.
-        if self._ghost_count > max(1024, self._live):
-            self._ghosts = [np.zeros_like(self._ghosts[0]), self._ghosts[0]]
-            self._ghost_count = 0
-            if self._live * 8 > self._ghost_bits:
-                self._ghost_bits = 1 << (self._live * 8).bit_length()
-                self._ghosts = [np.zeros(self._ghost_bits // 8, np.uint8) for _ in range(2)]
-
-    def _ghost_take(self, key: bytes) -> bool:
-        byte, mask = self._ghost_slot(key)
-        return any(int(g[byte]) & mask for g in self._ghosts)
+        return self._queues.choose_victim(protected, rank, self)
 
     # ------------------------------------------------------------------ bulk
 
@@ -457,14 +313,8 @@ class SsdIndex:
         self.rows[:n] = records
         self.live[:n] = True
         self.tick[:n] = 0
-        self._heads, self._tails, self._sizes = [EMPTY, EMPTY], [EMPTY, EMPTY], [0, 0]
-        if n:
-            rows = np.arange(n, dtype=np.int32)
-            self.prev[1:n] = rows[:-1]
-            self.next[: n - 1] = rows[1:]
-            self.prev[0] = self.next[n - 1] = EMPTY
-            self._heads[_SMALL], self._tails[_SMALL], self._sizes[_SMALL] = 0, n - 1, n
-        self.queue[:n] = _SMALL
+        self._queues.resize(len(self.rows), 0)
+        self._queues.load(n)
         self.tenant_bytes = {}
         if n:
             sizes = ssd_slot_sizes(self.rows["length"][:n])
@@ -474,6 +324,7 @@ class SsdIndex:
 
     def memory_bytes(self) -> int:
         """Bytes held by the index's arrays (what `bench ssd` reports per entry)."""
-        arrays = (self.rows, self.tick, self.live, self.freq, self.queue, self.prev, self.next,
-                  self.sibling, self._table, self._buckets, *self._ghosts)  # fmt: skip
-        return sum(a.nbytes for a in arrays) + 8 * len(self._free_rows)
+        arrays = (self.rows, self.tick, self.live, self.sibling, self._table, self._buckets)
+        return (
+            sum(a.nbytes for a in arrays) + self._queues.memory_bytes() + 8 * len(self._free_rows)
+        )

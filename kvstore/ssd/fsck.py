@@ -16,12 +16,14 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
-from kvoffload.kvstore import journal as jr
 from kvoffload.kvstore.config import PAGE, DramConfig, EngineConfig
 from kvoffload.kvstore.extents import ExtentAllocator, slot_bytes
-from kvoffload.kvstore.slotio import AlignedBuffer, unpack_header
-from kvoffload.kvstore.ssd import SsdTier, _write_atomic, restore_slots
-from kvoffload.kvstore.ssdindex import ssd_slot_bytes
+from kvoffload.kvstore.ssd import journal as jr
+from kvoffload.kvstore.ssd.catalog import restore_slots
+from kvoffload.kvstore.ssd.index import ssd_slot_bytes
+from kvoffload.kvstore.ssd.slotio import AlignedBuffer, unpack_header
+from kvoffload.kvstore.ssd.store import _write_atomic
+from kvoffload.kvstore.ssd.tier import SsdTier
 
 __all__ = ["FsckReport", "fsck"]
 
@@ -85,9 +87,9 @@ def _verify(tier: SsdTier, report: FsckReport) -> None:
     buf = AlignedBuffer(slot_bytes(tier.max_value_bytes))
     try:
         for row in tier.index.live_rows():
-            snap = tier.snapshot(int(row))
+            snap = tier.cat.snapshot(int(row))
             pages = -(-snap[2] // PAGE) * PAGE
-            if tier.read_slot(snap, buf.view[:pages]):
+            if tier.io.read(snap, buf.view[:pages]):
                 report.good_blocks += 1
             else:
                 report.bad_blocks.append((snap[0].hex(), "slot header or checksum mismatch"))
@@ -157,7 +159,7 @@ def _rebuild(tier: SsdTier, report: FsckReport) -> None:
     report.dropped += int((~ok).sum())
     tenants = [jr.record(jr.TENANT, 0, tenant=i, name=n.encode()) for n, i in names.items() if i]
     body = np.concatenate([*tenants, recs[ok]]) if tenants else recs[ok]
-    journals = tier._journal_paths()
+    journals = tier.files.journal_paths()
     generation = max([g for g, _ in journals] + [0]) + 1
     seq = int(recs["seq"].max()) if len(recs) else 0
     data = jr.file_header(tier.store_id, generation, seq, len(body)) + jr.pack(body)

@@ -1,0 +1,257 @@
+"""The mover: carries blocks between the tiers once the manager has decided.
+
+Demotions (DRAM -> SSD, on eviction and at a clean close), promotions (SSD -> DRAM, for a get
+or a prefetch on the background pool, in-flight reads de-duplicated) and durable puts' writes
+through to the SSD. Methods expect the engine's lock held on entry and hold it on return unless
+they say otherwise; the bytes move with the lock released, on a DRAM entry and an SSD slot or
+row pinned meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from kvoffload.errors import CapacityError, KVOffloadError, StorageIOError
+from kvoffload.kvstore.dram import DramEntry
+from kvoffload.kvstore.extents import slot_bytes
+from kvoffload.kvstore.ssd import SsdTier
+from kvoffload.kvstore.ssd.slotio import AlignedBuffer
+from kvoffload.kvstore.ssd.tier import SsdWipe
+
+if TYPE_CHECKING:
+    from kvoffload.kvstore.manager import Manager
+
+__all__ = ["Mover"]
+
+log = logging.getLogger(__name__)
+
+
+class Mover:
+    """Moves blocks between the manager's DRAM tier and its SSD tier."""
+
+    def __init__(self, manager: Manager) -> None:
+        self._m = manager
+        self._lock = manager.lock
+        self._dram = manager.dram
+        self.ssd: SsdTier | None = None
+        self._inflight: dict[bytes, threading.Event] = {}  # promotions reading, by key
+        self._queued: set[bytes] = set()  # prefetches submitted, not finished
+        self.pool: ThreadPoolExecutor | None = None
+
+    def start(self, io_threads: int) -> None:
+        """Start the prefetch pool (with an SSD tier)."""
+        self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-prefetch")
+
+    def ssd_stored(self, key: bytes) -> None:
+        """The SSD tier committed a copy of `key` (its callback, lock held)."""
+        self._m.notify("stored", key, "ssd")
+
+    def ssd_removed(self, key: bytes) -> None:
+        """The SSD tier dropped its copy of `key` (its callback, lock held)."""
+        entry = self._m.index.get(key)
+        if entry is not None:
+            entry.on_ssd = False  # the SSD copy is gone: evicting the DRAM copy must write it
+        self._m.notify("removed", key, "ssd")
+
+    # ------------------------------------------------------------------ DRAM -> SSD
+
+    def demote(self, entry: DramEntry, *, drop: bool) -> None:
+        """Write a live DRAM block to the SSD, then with `drop` take it out of DRAM. Releases
+        the lock for the write."""
+        ssd, m = self.ssd, self._m
+        assert ssd is not None
+        try:
+            plan = ssd.plan_write(entry.key, entry.length, entry.parent, entry.tenant)
+        except (CapacityError, StorageIOError) as exc:
+            log.warning("cannot demote block %s: %s", entry.key.hex(), exc)
+            if drop:
+                m.drop(entry)
+            return
+        entry.pins += 1
+        self._dram.pinned.add(entry.key)
+        # Deleted or overwritten while writing: not committed.
+        if ssd.demote(plan, self._dram.pages(entry), lambda: entry.live):
+            entry.on_ssd = True
+            m.n["demotions"] += 1
+        m.unpin_locked(entry)
+        if drop and entry.live:
+            if entry.pins:
+                # A reader got here first; keep it evictable later (now a clean copy).
+                self._dram.policy.insert(entry.key, m.rank(entry.key, entry.parent))
+            else:
+                m.drop(entry)
+                m.notify("removed", entry.key, "dram")
+        ssd.checkpoint_if_due()
+
+    def checkpoint(self) -> None:
+        """Snapshot the SSD index now (called without the lock; the file is written without
+        it)."""
+        assert self.ssd is not None
+        with self._lock:
+            self._m.check_open()
+            finish = self.ssd.begin_checkpoint()
+        finish()
+
+    def flush(self) -> None:
+        """Write every live DRAM block without an SSD copy to the SSD (clean shutdown; called
+        without the lock)."""
+        with self._lock:
+            for entry in list(self._m.index.values()):
+                if entry.live and not entry.on_ssd:
+                    self.demote(entry, drop=False)
+
+    def delete(self, key: bytes) -> bool:
+        """Remove `key` from both tiers (called without the lock); True if it was stored. The
+        SSD slot's header is wiped with the lock released."""
+        ssd, m = self.ssd, self._m
+        wipe: SsdWipe | None = None
+        with self._lock:
+            m.check_open()
+            found = False
+            entry = m.index.get(key)
+            if entry is not None:
+                m.drop(entry)
+                found = True
+            if ssd is not None:
+                wipe = ssd.detach(key)
+                found |= wipe is not None
+            m.n["deletes"] += found
+        if ssd is not None and wipe is not None:
+            ssd.wipe(wipe)
+        return found
+
+    def commit_durable(self, entry: DramEntry) -> bool:
+        """Write a filled reservation through to the SSD, wait for its journal record, then
+        publish it in DRAM (called without the lock).
+
+        The SSD decides the order of overlapping durable puts of a key: the highest seq wins in
+        both tiers, so what readers see before a crash is what the store holds after it.
+        """
+        ssd, m = self.ssd, self._m
+        assert ssd is not None
+        key = entry.key
+        with self._lock:
+            try:
+                m.check_open()
+                seq = ssd.write_through(key, entry.length, entry.parent, entry.tenant,
+                                        self._dram.pages(entry))  # fmt: skip
+            except BaseException:
+                m.unpin_locked(entry)  # never published: frees the slot
+                raise
+            ssd.write_through_done(key, seq)
+            m.n["durable"] += 1
+            row_seq = ssd.seq_of(key)
+            if row_seq > seq:
+                # A newer durable put of the key owns the SSD copy: ours comes before it. Until
+                # that put publishes, DRAM must not serve anything older than it.
+                current = m.index.get(key)
+                if current is not None and current.seq != row_seq:
+                    m.drop(current)
+                    m.notify("removed", key, "dram")
+                m.n["puts"] += 1
+                m.unpin_locked(entry)
+                return True
+            entry.on_ssd = entry.durable = row_seq == seq
+            entry.seq = seq
+            m.publish(entry, put=True, ssd_seq=seq)
+        return True
+
+    # ------------------------------------------------------------------ SSD -> DRAM
+
+    def promote(self, key: bytes, *, prefetch: bool = False) -> DramEntry | None:
+        """Read an SSD-only block into DRAM; the published entry, or None if it is gone or
+        fails verification. Releases the lock for the read."""
+        ssd, m = self.ssd, self._m
+        assert ssd is not None
+        while key in self._inflight:
+            event = self._inflight[key]
+            self._lock.release()
+            try:
+                event.wait()
+            finally:
+                self._lock.acquire()
+            done = m.index.get(key)
+            if done is not None:
+                return done
+        block = ssd.find_block(key)
+        if block is None:
+            return None
+        length = block.length
+        if length > m.config.dram.effective_max_value_bytes:
+            return None  # written under a larger DRAM limit; cannot be staged in DRAM
+        ssd.pin(block)
+        event = threading.Event()
+        self._inflight[key] = event
+        entry: DramEntry | None = None
+        try:
+            size = slot_bytes(length)
+            m.fit_quota(block.tenant, key, size, strict=False)
+            try:
+                entry = m.claim(key, length, size, block.parent, block.tenant)
+                entry.seq = block.snap[3]
+                entry.on_ssd = True
+                dst = self._dram.pages(entry)
+            except CapacityError:
+                if prefetch:
+                    raise
+                # Pinned views hold all of DRAM: serve this get from a buffer of its own.
+                entry = DramEntry(key, -1, length, 0, block.parent, 0, block.tenant, pins=1)
+                entry.staging = AlignedBuffer(size)
+                dst = entry.staging.view
+            ok = ssd.read_into(block, dst)
+        finally:
+            ssd.unpin(block)
+            del self._inflight[key]
+            event.set()
+        current = ssd.finish_read(block, ok)
+        if current is None:
+            m.unpin_locked(entry)
+            return None
+        if key in m.index or not current:
+            m.unpin_locked(entry)  # written or deleted while we read: ours is stale
+            return m.index.get(key)
+        ssd.touch(block)
+        if entry.staging is not None:
+            entry.pins -= 1  # the caller's `acquire` pins it
+            return entry
+        m.n["promotions"] += 1
+        m.n["prefetches"] += prefetch
+        m.publish(entry, put=False)
+        m.notify("stored", key, "dram")
+        return entry
+
+    def prefetch(self, keys: Sequence[bytes]) -> int:
+        """Queue background promotions of the SSD-only blocks of `keys` not already being
+        read (called without the lock); returns how many of `keys` either tier holds."""
+        found = 0
+        m = self._m
+        with self._lock:
+            m.check_open()
+            todo = []
+            for key in keys:
+                if key in m.index:
+                    found += 1
+                elif self.ssd is not None and self.ssd.contains(key):
+                    found += 1
+                    if key not in self._inflight and key not in self._queued:
+                        self._queued.add(key)
+                        todo.append(key)
+        if self.pool is not None:
+            for key in todo:
+                self.pool.submit(self._prefetch_one, key)
+        return found
+
+    def _prefetch_one(self, key: bytes) -> None:
+        try:
+            with self._lock:
+                if not self._m.closed and key not in self._m.index:
+                    self.promote(key, prefetch=True)
+        except KVOffloadError as exc:  # a background task: report, the get will retry
+            log.warning("prefetch of block %s failed: %s", key.hex(), exc)
+        finally:
+            with self._lock:
+                self._queued.discard(key)

@@ -1,0 +1,333 @@
+"""The SSD tier: a preallocated slot file, its books (`kvstore.ssd.catalog`), the store's
+files (`kvstore.ssd.store`), and the coarse operations the engine calls.
+
+Every operation expects the engine's lock held and holds it again on return; those that do
+I/O (`write_through`, `demote`, `read_into`, `wipe`) release it meanwhile, on a slot set aside
+or a row pinned beforehand. Nothing here knows about DRAM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from kvoffload.errors import StorageIOError
+from kvoffload.kvstore.config import EngineConfig
+from kvoffload.kvstore.ssd import journal as jr
+from kvoffload.kvstore.ssd.catalog import WritePlan, restore_slots
+from kvoffload.kvstore.ssd.index import EMPTY, RankFn
+from kvoffload.kvstore.ssd.recovery import Recovery, SsdStore
+from kvoffload.kvstore.ssd.slotio import BlockIO
+from kvoffload.kvstore.ssd.store import META_NAME
+from kvoffload.kvstore.stats import TierStats
+
+__all__ = ["META_NAME", "Recovery", "SsdRead", "SsdTier", "SsdWipe", "WritePlan", "restore_slots"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False, slots=True)
+class SsdRead:
+    """A block being read back (`find_block` .. `finish_read`): its row as it was indexed."""
+
+    row: int
+    snap: tuple[bytes, int, int, int, int]  # key, page, length, seq, crc
+    parent: bytes | None
+    tenant: str
+
+    @property
+    def length(self) -> int:
+        return self.snap[2]
+
+
+@dataclass(frozen=True, slots=True)
+class SsdWipe:
+    """A deleted block's slot, kept out of reuse until its header page is wiped."""
+
+    key: bytes
+    journal: jr.Journal
+    ticket: int
+    offset: int
+    size: int
+
+
+class SsdTier:
+    """Blocks on SSD: who is where (index), how to find room (allocator + eviction), and how
+    the index survives crashes (journal + checkpoints)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        rank: RankFn,
+        lock: threading.Lock | None = None,
+        on_stored: Callable[[bytes], None] = lambda key: None,
+        on_removed: Callable[[bytes], None] = lambda key: None,
+        read_only: bool = False,
+    ) -> None:
+        self.config = config
+        # The lock every coarse operation expects held (the engine's); released for I/O.
+        self._lock = lock or threading.Lock()
+        self._on_stored = on_stored
+        self.store = store = SsdStore(config, rank=rank, on_removed=on_removed, lock=self._lock,
+                                      read_only=read_only)  # fmt: skip
+        self.files, self.dir, self.meta = store.files, store.files.dir, store.meta
+        self.recovery, self.store_id = store.recovery, store.store_id
+        self.capacity, self.max_value_bytes = store.capacity, store.max_value_bytes
+        self.slots, self.io, self.cat = store.slots, BlockIO(store.slots), store.cat
+        # The books' parts that callers read (never rebound by the catalog).
+        cat = self.cat
+        self.index, self.alloc, self.pinned = cat.index, cat.alloc, cat.pinned
+        self.tenants, self.counters = cat.tenants, cat.counters
+
+    def abandon(self) -> None:
+        """Close without a checkpoint; a store that this open created is removed again."""
+        self.store.abandon()
+
+    def begin_checkpoint(self) -> Callable[[], None]:
+        """See `SsdStore.begin_checkpoint` (lock held; returns the part to run without it)."""
+        return self.store.begin_checkpoint()
+
+    def checkpoint_if_due(self) -> None:
+        self.store.checkpoint_if_due()
+
+    def close(self, *, checkpoint: bool = True) -> None:
+        """See `SsdStore.close`."""
+        self.store.close(checkpoint=checkpoint)
+
+    @property
+    def journal(self) -> jr.Journal | None:
+        """The journal changes are appended to now (a checkpoint starts a new one)."""
+        return self.cat.journal
+
+    def find(self, key: bytes) -> int:
+        return self.index.find(key)
+
+    def plan_write(self, key: bytes, length: int, parent: bytes | None, tenant: str) -> WritePlan:
+        """See `SsdCatalog.plan_write`."""
+        return self.cat.plan_write(key, length, parent, tenant)
+
+    def commit_write(self, plan: WritePlan) -> int | None:
+        """See `SsdCatalog.commit_write`."""
+        return self.cat.commit_write(plan)
+
+    def set_quota(self, tenant: str, quota_bytes: int | None) -> None:
+        """See `SsdCatalog.set_quota`."""
+        self.cat.set_quota(tenant, quota_bytes)
+
+    # ------------------------------------------------------------------ coarse operations
+    # What the engine calls (see the module's docstring for the locking).
+
+    @contextlib.contextmanager
+    def _unlocked(self) -> Iterator[None]:
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
+
+    def contains(self, key: bytes) -> bool:
+        return self.index.find(key) != EMPTY
+
+    def length_of(self, key: bytes) -> int | None:
+        row = self.index.find(key)
+        return None if row == EMPTY else int(self.index.rows["length"][row])
+
+    def seq_of(self, key: bytes) -> int:
+        """The seq of the key's SSD copy; -1 if there is none."""
+        row = self.index.find(key)
+        return int(self.index.rows["seq"][row]) if row != EMPTY else -1
+
+    def drop_older(self, key: bytes, seq: int | None) -> None:
+        """A new value of `key` was published in DRAM: an SSD copy of an older value goes. For
+        a durable put (`seq` of its own write) a copy older than that write; for a fast put
+        (None) any copy but one that a durable put of the key is still writing (those are
+        newer or overlap it)."""
+        row = self.index.find(key)
+        if row == EMPTY:
+            return
+        row_seq = int(self.index.rows["seq"][row])
+        if row_seq < seq if seq is not None else row_seq not in self.cat.writing.get(key, ()):
+            self.cat.remove_row(row)
+
+    def write_through(
+        self, key: bytes, length: int, parent: bytes | None, tenant: str, payload: memoryview
+    ) -> int:
+        """Write a block and wait until it and its journal record are durable; returns the
+        write's seq, registered as in flight until `write_through_done`. Releases the lock for
+        the write and the wait.
+
+        Raises:
+            CapacityError: no slot could be freed.
+            StorageIOError: the device or the journal failed; the key keeps its old copy.
+        """
+        plan = self.cat.plan_write(key, length, parent, tenant)
+        self.cat.writing.setdefault(key, set()).add(plan.seq)
+        try:
+            with self._unlocked():
+                self.io.write(plan, self.tenants[plan.tenant], payload)
+        except StorageIOError:
+            self.write_through_done(key, plan.seq)
+            self.cat.abort_write(plan)
+            self.counters.io_errors += 1
+            raise
+        try:
+            ticket = self.cat.commit_write(plan)
+        except StorageIOError:
+            self.write_through_done(key, plan.seq)
+            self.counters.io_errors += 1
+            raise
+        journal = self.journal
+        assert journal is not None
+        if ticket is not None:
+            self._on_stored(key)
+        try:
+            with self._unlocked():
+                # None: a newer version of the key won the race; its record is queued already.
+                journal.wait(ticket)
+        except StorageIOError:
+            self.write_through_done(key, plan.seq)
+            self.counters.io_errors += 1
+            # The journal is dead: no DEL record can be written; the key keeps its old copy.
+            if self.cat.undo_commit(plan):
+                self._on_stored(key)
+            raise
+        return plan.seq
+
+    def write_through_done(self, key: bytes, seq: int) -> None:
+        """The durable put that wrote `seq` has published (or failed)."""
+        seqs = self.cat.writing[key]
+        seqs.discard(seq)
+        if not seqs:
+            del self.cat.writing[key]
+
+    def demote(self, plan: WritePlan, payload: memoryview, keep: Callable[[], bool]) -> bool:
+        """Write a planned block from DRAM (pinned by the caller) and commit it unless it
+        failed, `keep()` no longer holds, or a durable put of the key is writing a newer copy,
+        which ours must not replace. True if committed. Releases the lock for the write."""
+        key = plan.key
+        try:
+            with self._unlocked():
+                self.io.write(plan, self.tenants[plan.tenant], payload)
+            failed = False
+        except StorageIOError as exc:
+            log.error("demotion of block %s failed: %s", key.hex(), exc)
+            failed = True
+        if failed or not keep() or key in self.cat.writing:
+            self.cat.abort_write(plan)
+            self.counters.io_errors += failed
+            return False
+        try:
+            committed = self.cat.commit_write(plan) is not None
+        except StorageIOError as exc:  # the journal failed: the block is only in DRAM
+            log.error("demotion of block %s failed: %s", key.hex(), exc)
+            self.counters.io_errors += 1
+            return False
+        if committed:
+            self._on_stored(key)
+        return committed
+
+    def find_block(self, key: bytes) -> SsdRead | None:
+        """The key's block as indexed now, to read back; None if the SSD does not hold it."""
+        row = self.index.find(key)
+        if row == EMPTY:
+            return None
+        tenant = self.tenants[int(self.index.rows["tenant"][row])]
+        return SsdRead(row, self.cat.snapshot(row), self.index.parent_of(row), tenant)
+
+    def pin(self, read: SsdRead) -> None:
+        """Keep the block's slot from eviction until `unpin`."""
+        self.pinned[read.row] = self.pinned.get(read.row, 0) + 1
+
+    def unpin(self, read: SsdRead) -> None:
+        left = self.pinned.pop(read.row) - 1
+        if left:
+            self.pinned[read.row] = left
+
+    def read_into(self, read: SsdRead, dst: memoryview) -> bool | None:
+        """Read a pinned block into `dst` (page-aligned, whole pages): whether it verified, or
+        None if the device failed. Releases the lock for the read."""
+        try:
+            with self._unlocked():
+                return self.io.read(read.snap, dst)
+        except StorageIOError as exc:
+            log.error("reading block %s from the SSD failed: %s", read.snap[0].hex(), exc)
+            return None
+
+    def finish_read(self, read: SsdRead, ok: bool | None) -> bool | None:
+        """Account for a `read_into` that returned `ok` (the block unpinned by now): None if
+        the read failed, else whether the block is still the key's indexed copy. A block that
+        failed verification while still indexed as read is corrupt and is dropped; one that
+        was deleted or replaced meanwhile may hold another block by now: a miss, not damage."""
+        current = self.index.find(read.snap[0])
+        same = current == read.row and self.cat.snapshot(current) == read.snap
+        if not ok:
+            if ok is None:
+                self.counters.io_errors += 1
+            elif same:
+                self.counters.corrupt += 1
+                log.warning("SSD block %s failed its checksum; dropped, served as a miss",
+                            read.snap[0].hex())  # fmt: skip
+                self.cat.remove_row(read.row)
+            return None
+        self.counters.bytes_read += read.length
+        return same
+
+    def touch(self, read: SsdRead) -> None:
+        """The block was read back into DRAM: it is recently used."""
+        self.index.touch(read.row, self.cat.next_tick())
+
+    def detach(self, key: bytes) -> SsdWipe | None:
+        """Delete `key`'s block from the index (no removal callback: the caller's own delete);
+        its slot stays out of reuse until `wipe`. None if the SSD does not hold it."""
+        row = self.index.find(key)
+        if row == EMPTY:
+            return None
+        return SsdWipe(key, *self.cat.detach_row(row, notify=False))
+
+    def wipe(self, wipe: SsdWipe) -> None:
+        """Zero a detached block's header page, then let its slot be reused. Called without
+        the lock; takes it for the last step."""
+        try:
+            self.io.wipe(wipe.offset)
+        except StorageIOError as exc:
+            # Still deleted from the index; only a rebuild from slot headers could revive it.
+            log.error("could not wipe the slot of deleted block %s: %s", wipe.key.hex(), exc)
+        with self._lock:
+            self.cat.release_slot(wipe.journal, wipe.ticket, wipe.offset, wipe.size)
+
+    def stats(self, n: dict[str, int]) -> TierStats:
+        """This tier's counters; `n` holds the engine's (hits, misses, moves between tiers)."""
+        c = self.counters
+        return TierStats(
+            name="ssd",
+            capacity_bytes=self.capacity,
+            used_bytes=self.used_bytes,
+            stored_bytes=self.stored_bytes(),
+            entries=len(self.index),
+            pinned=len(self.pinned),
+            hits=n["ssd_hits"],
+            misses=n["misses"],
+            evictions=c.evictions,
+            bytes_written=c.bytes_written,
+            bytes_read=c.bytes_read,
+            demotions=n["demotions"],
+            promotions=n["promotions"],
+            prefetches=n["prefetches"],
+            corrupt_blocks=c.corrupt,
+            io_errors=c.io_errors,
+        )
+
+    def tenant_usage(self) -> dict[str, int]:
+        """SSD slot bytes held per tenant name (tenants that hold anything)."""
+        return {self.tenants[t]: b for t, b in self.index.tenant_bytes.items()}
+
+    @property
+    def used_bytes(self) -> int:
+        return self.alloc.used_bytes
+
+    def stored_bytes(self) -> int:
+        return int(self.index.rows["length"][self.index.live_rows()].sum())
