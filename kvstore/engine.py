@@ -151,10 +151,13 @@ def _check_key(key: object, what: str = "key") -> bytes:
     return key
 
 
-def _check_put(key: bytes, parent: bytes | None, length: int, max_value_bytes: int) -> None:
+def _check_keys(key: bytes, parent: bytes | None) -> None:
     _check_key(key)
     if parent is not None:
         _check_key(parent, "parent")
+
+
+def _check_length(length: int, max_value_bytes: int) -> None:
     if length < 0:
         raise InvalidArgumentError(f"value length must not be negative, got {length}")
     if length > max_value_bytes:
@@ -211,6 +214,19 @@ class Engine:
                 self._ssd.abandon()
             raise
         self._arena = self._dram.arena
+
+    @property
+    def _ssd(self) -> SsdTier | None:
+        # The manager and the mover hold the tier; setting None (close, or a test's simulated
+        # crash) takes it away from both, so every path behaves as without an SSD tier.
+        return self._m.ssd
+
+    @_ssd.setter
+    def _ssd(self, ssd: SsdTier | None) -> None:
+        if ssd is None:
+            self._m.detach_ssd()
+        elif ssd is not self._m.ssd:
+            self._m.attach_ssd(ssd)
 
     @property
     def max_value_bytes(self) -> int:
@@ -302,11 +318,12 @@ class Engine:
         Raises:
             InvalidArgumentError, CapacityError: as for `put`.
         """
-        _check_put(key, parent, length, self.max_value_bytes)
-        if durable and self._ssd is None:
+        _check_keys(key, parent)
+        if durable and self._m.ssd is None:
             raise InvalidArgumentError(
                 "a durable put needs the SSD tier; open the store with an SSD capacity"
             )
+        _check_length(length, self.max_value_bytes)
         entry = self._m.reserve(key, length, parent, tenant)
         return PutReservation(self._m, self._arena, entry, durable)
 
@@ -467,6 +484,8 @@ class Engine:
         finally:
             with self._lock:
                 self._m.closed = True
+                for entry in self._index.values():
+                    entry.live = False  # no longer a neighbour a reserve may evict
                 self._index.clear()
                 self._arena.close()
                 ssd, self._ssd = self._ssd, None

@@ -54,10 +54,15 @@ class Manager:
         self.sketch: FrequencySketch | None = None
         self.listener: TierListener | None = None
         self.mover = Mover(self)
+        self._evict_cb = self._evict_for_room  # bound once: `claim` runs on every put
 
     def attach_ssd(self, ssd: SsdTier) -> None:
         self.ssd = self.mover.ssd = ssd
         self.sketch = FrequencySketch()
+
+    def detach_ssd(self) -> None:
+        """From now on there is no SSD tier (a closed engine, or a test's simulated crash)."""
+        self.ssd = self.mover.ssd = None
 
     def set_quota(self, tenant: str, quota_bytes: int | None, ssd_bytes: int | None) -> None:
         """See `Engine.set_quota` (called without the lock)."""
@@ -150,7 +155,7 @@ class Manager:
         self, key: bytes, length: int, size: int, parent: bytes | None, tenant: str
     ) -> DramEntry:
         """A pinned, unpublished entry on a fresh `size`-byte slot (may evict to make room)."""
-        offset = self.dram.reserve(size, self.index, self._evict_for_room)
+        offset = self.dram.reserve(size, self.index, self._evict_cb)
         entry = DramEntry(key, offset, length, size, parent, self.next_tick(), tenant, pins=1)
         self.dram.place(entry)
         return entry

@@ -70,6 +70,7 @@ class Mover:
             log.warning("cannot demote block %s: %s", entry.key.hex(), exc)
             if drop:
                 m.drop(entry)
+                m.notify("removed", entry.key, "dram")  # routers must not count on it
             return
         entry.pins += 1
         self._dram.pinned.add(entry.key)

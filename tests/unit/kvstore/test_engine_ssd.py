@@ -392,3 +392,18 @@ def test_store_format_1_opens_and_is_upgraded(tmp_path: Path) -> None:
     meta_path.write_text(json.dumps({**meta, "format": "kvoffload-store-9"}))
     with pytest.raises(ConfigError, match="unknown store format"):
         Engine(config(tmp_path))
+
+
+def test_a_closed_engine_has_no_ssd_tier_left(tmp_path: Path) -> None:
+    engine = Engine(config(tmp_path))
+    engine.put(key(1), value(1), durable=True)
+    open_put = engine.reserve(key(1), BLOCK)  # a front's reservation left open across close
+    open_put.array[:] = np.frombuffer(value(1, 1), dtype=np.uint8)
+    engine.close()
+    assert [t.name for t in engine.stats().tiers] == ["dram"]
+    with pytest.raises(InvalidArgumentError, match="SSD tier"):
+        engine.set_quota("a", None, ssd_bytes=1 << 20)
+    engine.set_quota("new tenant", 1 << 20)  # no SSD books to touch
+    open_put.commit()  # the key's SSD row belongs to a closed tier: nothing to drop there
+    with Engine(config(tmp_path)) as reopened:
+        assert read(reopened, 1) == value(1)
