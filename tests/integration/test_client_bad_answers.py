@@ -133,8 +133,11 @@ def test_a_lookup_count_over_the_keys_asked_is_a_protocol_error() -> None:
     keys = [os.urandom(16) for _ in range(3)]
     with peer(_more_than_asked) as port:
         url = f"kv://127.0.0.1:{port}?retries=0&timeout=10"
-        with Client.connect(url) as client, pytest.raises(RemoteProtocolError, match="lookup"):
-            client.lookup(keys)
+        with Client.connect(url) as client:
+            with pytest.raises(RemoteProtocolError, match="lookup"):
+                client.lookup(keys)
+            # A daemon that answered nonsense does not get the connection back for reuse.
+            assert client._transport._idle == []
 
         async def main() -> None:
             async with AsyncClient.connect(url) as client:

@@ -33,7 +33,12 @@ from kvoffload.client_sdk.transports.native.options import NativeOptions
 from kvoffload.client_sdk.transports.native.session import Call, Plan, Req, Session
 from kvoffload.client_sdk.url import StoreURL
 from kvoffload.client_sdk.wire.native import Welcome
-from kvoffload.errors import DeadlineExceededError, KVOffloadError, TransportError
+from kvoffload.errors import (
+    DeadlineExceededError,
+    KVOffloadError,
+    RemoteProtocolError,
+    TransportError,
+)
 
 __all__ = ["NativeTransport", "open_native"]
 
@@ -193,6 +198,9 @@ class NativeTransport:
                     # cause this once, so it needs no retry budget.
                     log.debug("pooled connection was closed (%s); reconnecting", exc)
                     continue
+                raise
+            except RemoteProtocolError:
+                self._release(conn, False)  # a daemon that answers nonsense: not reused
                 raise
             except KVOffloadError:
                 self._release(conn, True)  # an error answer leaves the connection usable
