@@ -217,16 +217,14 @@ class Engine:
 
     @property
     def _ssd(self) -> SsdTier | None:
-        # The manager and the mover hold the tier; setting None (close, or a test's simulated
-        # crash) takes it away from both, so every path behaves as without an SSD tier.
         return self._m.ssd
 
     @_ssd.setter
     def _ssd(self, ssd: SsdTier | None) -> None:
+        # Tests and `bench ssd` simulate a crash with None: the manager and the mover lose the
+        # tier too, so every path behaves as without one.
         if ssd is None:
             self._m.detach_ssd()
-        elif ssd is not self._m.ssd:
-            self._m.attach_ssd(ssd)
 
     @property
     def max_value_bytes(self) -> int:
@@ -476,21 +474,7 @@ class Engine:
         with self._lock:
             if self._m.closed:
                 return
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-        try:
-            if self._ssd is not None and self.config.ssd.flush_on_close:
-                self._m.mover.flush()
-        finally:
-            with self._lock:
-                self._m.closed = True
-                for entry in self._index.values():
-                    entry.live = False  # no longer a neighbour a reserve may evict
-                self._index.clear()
-                self._arena.close()
-                ssd, self._ssd = self._ssd, None
-            if ssd is not None:
-                ssd.close()
+        self._m.mover.close(self.config.ssd.flush_on_close)
 
     def __enter__(self) -> Engine:
         return self

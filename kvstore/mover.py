@@ -105,6 +105,28 @@ class Mover:
                 if entry.live and not entry.on_ssd:
                     self.demote(entry, drop=False)
 
+    def close(self, flush: bool) -> None:
+        """The engine's close (called without the lock): stop the prefetch pool, write DRAM-only
+        blocks to the SSD (`flush`), then retire every DRAM entry, unmap the arena and detach
+        the SSD tier, which is closed last, outside the lock."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        try:
+            if self.ssd is not None and flush:
+                self.flush()
+        finally:
+            m = self._m
+            with self._lock:
+                m.closed = True
+                for entry in m.index.values():
+                    entry.live = False  # no longer a neighbour a reserve may evict
+                m.index.clear()
+                self._dram.arena.close()
+                ssd = self.ssd
+                m.detach_ssd()
+            if ssd is not None:
+                ssd.close()
+
     def delete(self, key: bytes) -> bool:
         """Remove `key` from both tiers (called without the lock); True if it was stored. The
         SSD slot's header is wiped with the lock released."""
