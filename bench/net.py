@@ -10,8 +10,12 @@ References:
 - raw_socket: a Python server process that `recv_into`s a preallocated buffer and answers with
   1 byte (put) or sends a preallocated buffer (get); the client uses `sendmsg` and `recv_into`.
   This is the floor of what any Python protocol on this machine can do.
-- redis: Debian's `redis-server` (persistence off) through redis-py, `SET`/`GET`, pipelines for
-  the pipelined cases. Skipped (row with a null reference) when either is not installed.
+- redis: Debian's `redis-server` (persistence off) through redis-py with its hiredis parser (as
+  a Redis user runs it; the note says when hiredis is missing), `SET`/`GET`, pipelines for the
+  pipelined cases. Skipped (row with a null reference) when either is not installed.
+
+`daemon_cpu_us/get/64KiB`: the CPU time of the daemon process (all its threads, from
+/proc/<pid>/stat) divided by the requests of a loop of `--cpu-requests` 64 KiB gets (goal 20 µs).
 - lmcache: LMCache's own `lm://` server (`lmcache.v1.server`), driven by `bench/lmserver.py`
   under a Python that has `lmcache` (`--lmcache-python`, env KVOFFLOAD_LMCACHE_PYTHON, else
   `.venv-lmcache` as `.ci/engines.sh lmcache` builds it, else this one). Its
@@ -147,7 +151,7 @@ def _raw_reference(max_size: int) -> Iterator[_RawClient]:
 
 
 @contextlib.contextmanager
-def _daemon(dram: str, tmp: str) -> Iterator[str]:
+def _daemon(dram: str, tmp: str) -> Iterator[tuple[str, int]]:
     args = [sys.executable, "-m", "kvoffload.cli", "serve", "--port", "0"]
     args += ["--nvme-port", "0", "--metrics-port", "0", "--dram", dram, "--ssd", "0"]
     args += ["--data-dir", tmp]
@@ -164,9 +168,47 @@ def _daemon(dram: str, tmp: str) -> Iterator[str]:
                 break
         if port is None:
             raise RuntimeError("kvoffload serve did not start")
-        yield f"kv://127.0.0.1:{port}"
+        yield f"kv://127.0.0.1:{port}", proc.pid
     finally:
         stop_process(proc)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU of process `pid`, all threads (fields 14 and 15 of /proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rpartition(")")[2].split()  # the name may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _daemon_cpu_row(client: Client, pid: int, requests: int) -> Row:
+    """Daemon CPU µs per 64 KiB get over `requests` gets of a few hot keys (DRAM hits)."""
+    size = 64 << 10
+    keys = [i.to_bytes(16, "big") for i in range(64)]
+    value = np.frombuffer(os.urandom(size), dtype=np.uint8)
+    out = np.empty(size, dtype=np.uint8)
+    for key in keys:
+        client.put(key, value)
+    for key in keys:
+        client.get_into(key, out)  # warm: first-touch and connection set-up not counted
+    t0, cpu0 = time.perf_counter(), _cpu_seconds(pid)
+    for i in range(requests):
+        client.get_into(keys[i % len(keys)], out)
+    cpu, wall = _cpu_seconds(pid) - cpu0, time.perf_counter() - t0
+    for key in keys:
+        client.delete(key)
+    note = (
+        f"{requests:,} gets in {wall:.2f} s ({wall / requests * 1e6:.0f} µs each, wall); CPU of "
+        "every daemon thread / requests, clock-tick resolution"
+    )
+    return Row("daemon_cpu_us/get/64KiB", cpu / requests * 1e6, "us", "goal", 20.0, note=note)
+
+
+def _redis_parser() -> str:
+    try:
+        from redis.utils import HIREDIS_AVAILABLE
+    except ImportError:
+        return "redis-py"
+    return "redis-py + hiredis" if HIREDIS_AVAILABLE else "redis-py without hiredis (slower)"
 
 
 @contextlib.contextmanager
@@ -214,6 +256,7 @@ def run(
     sizes: dict[str, int] | None = None,
     lookups: int = 300,
     lmcache_python: str | None = None,
+    cpu_requests: int = 20_000,
 ) -> BenchResult:
     """Measure every case over about `working_set` bytes of distinct values per size;
     LMCache's server runs under `lmcache_python` (default: this interpreter)."""
@@ -224,12 +267,13 @@ def run(
     dram = f"{max(256, 2 * working_set // (1 << 20) + 4 * largest // (1 << 20))}MiB"
     with (
         tempfile.TemporaryDirectory() as tmp,
-        _daemon(dram, tmp) as url,
+        _daemon(dram, tmp) as (url, pid),
         Client.connect(url) as client,
         _raw_reference(largest) as raw,
         _redis() as redis_client,
     ):
-        redis_note = "" if redis_client is not None else "redis-server or redis-py not installed"
+        missing = "redis-server or redis-py not installed"
+        redis_note = _redis_parser() if redis_client is not None else missing
         for label, size in sizes.items():
             n = max(DEPTH, working_set // size // DEPTH * DEPTH)
             keys = [i.to_bytes(16, "big") for i in range(n)]
@@ -300,6 +344,8 @@ def run(
                 for key in batch:
                     client.delete(key)
         result.rows += _lookup_rows(client, lookups)
+        if cpu_requests:
+            result.rows.append(_daemon_cpu_row(client, pid, cpu_requests))
     result.notes.append(
         f"one client, loopback, ~{working_set >> 20} MiB of distinct values per size, median of "
         f"{rounds} rounds; pipelined = batches of {DEPTH} in flight (put_many/get_many_into, Redis "
@@ -388,8 +434,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lmcache-python", help="Python with lmcache (env KVOFFLOAD_LMCACHE_PYTHON)"
     )
+    parser.add_argument(
+        "--cpu-requests",
+        type=int,
+        default=20_000,
+        help="64 KiB gets for the daemon_cpu_us row (0: skip it)",
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> BenchResult:
     python = peer_python("lmcache", args.lmcache_python, "KVOFFLOAD_LMCACHE_PYTHON")
-    return run(working_set=args.working_set << 20, rounds=args.rounds, lmcache_python=python)
+    return run(
+        working_set=args.working_set << 20,
+        rounds=args.rounds,
+        lmcache_python=python,
+        cpu_requests=args.cpu_requests,
+    )

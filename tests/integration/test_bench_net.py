@@ -18,7 +18,9 @@ HAVE_REDIS = shutil.which("redis-server") is not None and importlib.util.find_sp
 
 
 def test_rows_cover_every_case_and_reference() -> None:
-    result = run(working_set=1 << 20, rounds=1, sizes={"64KiB": 64 << 10}, lookups=5)
+    result = run(
+        working_set=1 << 20, rounds=1, sizes={"64KiB": 64 << 10}, lookups=5, cpu_requests=2000
+    )
     rows = {(r.case, r.ref): r for r in result.rows}
     for op in ("put", "get", "put_pipelined", "get_pipelined"):
         for ref in ("raw_socket", "redis", "lmcache"):
@@ -28,6 +30,7 @@ def test_rows_cover_every_case_and_reference() -> None:
         redis = rows[(f"{op}/64KiB", "redis")]
         if HAVE_REDIS:
             assert redis.ref_value and redis.ratio
+            assert redis.note == "redis-py + hiredis"  # the test extra installs the C parser
         else:
             assert redis.ref_value is None and "not installed" in redis.note
         lmcache = rows[(f"{op}/64KiB", "lmcache")]
@@ -37,13 +40,17 @@ def test_rows_cover_every_case_and_reference() -> None:
             assert lmcache.ref_value and lmcache.note.startswith("LMCache")
     lookup = rows[("lookup/1000keys", "goal_p50")]
     assert lookup.unit == "ms" and lookup.value > 0 and lookup.ref_value == 2.0
+    cpu = rows[("daemon_cpu_us/get/64KiB", "goal")]
+    # A daemon spends at least some µs of CPU per request; a wrong pid or field reads 0 or tiny.
+    assert cpu.unit == "us" and 1 < cpu.value < 100_000 and cpu.ref_value == 20.0
+    assert "2,000 gets" in cpu.note
 
 
 def test_cli_writes_the_json(tmp_path: Path) -> None:
     out = tmp_path / "net.json"
     proc = subprocess.run(
         [sys.executable, "-m", "kvoffload.cli", "bench", "net", "--working-set", "1"]
-        + ["--rounds", "1", "--json", str(out)],
+        + ["--rounds", "1", "--cpu-requests", "500", "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=240,
