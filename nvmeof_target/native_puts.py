@@ -175,7 +175,7 @@ def _end_put(s: NativeSession, pending: PendingPut) -> Awaitable[object] | None:
                     events.settle(engine_key)
 
     def done(_: None) -> None:
-        s.services.metrics.bytes_in.labels(s.front_name).inc(pending.request.payload_length)
+        s.bytes_in.inc(pending.request.payload_length)
         s.reply(answer)
 
     if pending.request.durable:

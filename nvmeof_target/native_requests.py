@@ -86,7 +86,7 @@ def on_get(s: NativeSession, event: Get) -> None:
         if view is None:
             s.reply(GetResult(event.request_id, None))
             return
-        s.services.metrics.bytes_out.labels(s.front_name).inc(len(view))
+        s.bytes_out.inc(len(view))
         s.reply(GetResult(event.request_id, len(view)), [view.data], view.release)
 
     s.read_request(event.request_id, lambda: s.engine.get(key), send)
@@ -119,7 +119,7 @@ def on_get_many(s: NativeSession, event: GetMany) -> None:
     def send(views: list[BlockView | None]) -> None:
         hits = [v for v in views if v is not None]
         lengths = tuple(None if v is None else len(v) for v in views)
-        s.services.metrics.bytes_out.labels(s.front_name).inc(sum(len(v) for v in hits))
+        s.bytes_out.inc(sum(len(v) for v in hits))
 
         def release() -> None:
             for view in hits:

@@ -173,7 +173,7 @@ def _store_done(
 
     def done(_: None) -> None:
         store.ns.directory.add(store.key, store.engine_key)
-        q.services.metrics.bytes_in.labels(q.front_name).inc(len(reservation))
+        q.bytes_in.inc(len(reservation))
         q.complete(store.cid)
 
     return q.in_order(commit, done, functools.partial(q.refuse, store.cid, data_length=0))
@@ -189,7 +189,7 @@ def _kv_retrieve(q: NvmeQueue, cmd: Command, data_length: int) -> None:
             q.complete(cmd.cid, _MISS)
             return
         n = min(len(view), limit)
-        q.services.metrics.bytes_out.labels(q.front_name).inc(n)
+        q.bytes_out.inc(n)
         # DW0 is the whole value's size: a host whose buffer was short asks again.
         q.complete(cmd.cid, dw0=len(view), data=view.data[:n], on_done=view.release)
 

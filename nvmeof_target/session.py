@@ -27,13 +27,15 @@ S = TypeVar("S", bound="Session")
 
 
 class Instruments:
-    """The request counter and latency histogram of each (op, status) of one front, looked up
-    once (label lookups cost more than the increments)."""
+    """The request counter and latency histogram of each (op, status) of one front, and its
+    payload byte counters, looked up once (label lookups cost more than the increments)."""
 
     def __init__(self, metrics: Metrics, front: str) -> None:
         self._metrics = metrics
         self._front = front
         self._found: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self.bytes_in = metrics.bytes_in.labels(front)
+        self.bytes_out = metrics.bytes_out.labels(front)
 
     def __call__(self, op: str, status: str) -> tuple[Any, Any]:
         found = self._found.get((op, status))
@@ -73,6 +75,8 @@ class Session:
         self.peer = peer
         self.send_timeout_s = send_timeout_s
         self._instruments = instruments
+        self.bytes_in = instruments.bytes_in
+        self.bytes_out = instruments.bytes_out
         self._started: dict[int, tuple[str, float]] = {}  # request/command id -> (op, t0)
         self._inflight_bytes = 0  # answer bytes queued and not yet in the kernel
         self._tasks: set[asyncio.Task[None]] = set()

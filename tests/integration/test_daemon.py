@@ -331,9 +331,15 @@ def test_metrics_are_scraped(start_daemon: Start) -> None:
     assert 'kvoffload_tier_evictions_total{tier="dram"} 0.0' in text
     assert 'kvoffload_connections{front="native"} 1.0' in text
     assert 'kvoffload_request_seconds_bucket{front="native",le="10.0",op="get"} 2.0' in text
-    assert (
-        "kvoffload_payload_bytes_in_total" in text and "kvoffload_payload_bytes_out_total" in text
-    )
+    # One stored value went in and came back out once (the miss sent nothing).
+    sent_in = _sample(text, 'kvoffload_payload_bytes_in_total{front="native"}')
+    sent_out = _sample(text, 'kvoffload_payload_bytes_out_total{front="native"}')
+    assert sent_in == sent_out >= 5000
+
+
+def _sample(text: str, name: str) -> float:
+    (line,) = [line for line in text.splitlines() if line.startswith(name + " ")]
+    return float(line.split()[-1])
 
 
 def test_kv_events_reach_a_zmq_subscriber(start_daemon: Start) -> None:
