@@ -54,6 +54,7 @@ class Channel:
         self._writing = False
         self._drained: asyncio.Future[None] | None = None
         self._waiter: asyncio.Future[None] | None = None  # a reader waiting for data
+        self._reading = False  # the fd is registered with the loop for reading
         self.error: BaseException | None = None
         self.closed = False
 
@@ -70,24 +71,34 @@ class Channel:
             try:
                 return self.sock.recv_into(buffer)
             except (BlockingIOError, InterruptedError):
-                await self._wait(self._loop.add_reader, self._loop.remove_reader)
+                await self._wait_readable()
             except OSError as exc:
                 raise self._fail(exc) from None
 
-    async def _wait(
-        self,
-        add: Callable[..., object],
-        remove: Callable[[int], object],
-    ) -> None:
+    async def _wait_readable(self) -> None:
+        # The fd stays registered between reads: a request/reply loop finds the socket empty on
+        # every read, and registering and unregistering it each time costs epoll_ctl calls and
+        # a loop wake-up per request. `_on_readable` unregisters it only when it fires with
+        # nobody waiting (so unread data cannot make a level-triggered loop spin) and `close`.
+        if not self._reading:
+            self._reading = True
+            self._loop.add_reader(self._fd, self._on_readable)
         ready: asyncio.Future[None] = self._loop.create_future()
         self._waiter = ready
-        add(self._fd, _resolve, ready)
         try:
             await ready
         finally:
             self._waiter = None
-            if not self.closed:
-                remove(self._fd)
+
+    def _on_readable(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        elif waiter is None and self._reading and not self.closed:
+            # Readable and no reader waiting (it is busy, paused or cancelled): stop watching
+            # until the next read finds the socket empty.
+            self._reading = False
+            self._loop.remove_reader(self._fd)
 
     # ------------------------------------------------------------------ writing
 
@@ -196,6 +207,7 @@ class Channel:
         self.closed = True
         if self._writing:
             self._loop.remove_writer(self._fd)
+        self._reading = False
         self._loop.remove_reader(self._fd)
         self._out.clear()
         self._queued = 0
@@ -287,8 +299,3 @@ def _take(out: collections.deque[memoryview], n: int) -> list[memoryview]:
     if len(out) <= n:
         return list(out)
     return [out[i] for i in range(n)]
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
