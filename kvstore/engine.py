@@ -205,13 +205,13 @@ class Engine:
         self._dram = DramTier(dram)
         self._m = m = Manager(self.config, self._lock, self._dram)
         self._index = m.index
-        self._ssd = _open_ssd(self.config, m)
+        ssd = _open_ssd(self.config, m)  # attached to the manager and the mover
         self._pool = m.mover.pool
         try:
             self._dram.map_arena()
         except BaseException:
-            if self._ssd is not None:
-                self._ssd.abandon()
+            if ssd is not None:
+                ssd.abandon()
             raise
         self._arena = self._dram.arena
 
@@ -220,11 +220,10 @@ class Engine:
         return self._m.ssd
 
     @_ssd.setter
-    def _ssd(self, ssd: SsdTier | None) -> None:
+    def _ssd(self, ssd: None) -> None:
         # Tests and `bench ssd` simulate a crash with None: the manager and the mover lose the
         # tier too, so every path behaves as without one.
-        if ssd is None:
-            self._m.detach_ssd()
+        self._m.detach_ssd()
 
     @property
     def max_value_bytes(self) -> int:
