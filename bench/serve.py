@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import re
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -125,10 +126,11 @@ class _Replayer:
         self.python, self.model, self.scratch = python, model, scratch
         self.max_tokens, self.console = max_tokens, console
         self._count = 0
+        self.log = scratch / "none.log"  # the last server's log
 
     def server(self, name: str, **kwargs: object) -> VllmServer:
         self._count += 1
-        log = self.scratch / f"{self._count:02d}-{name}.log"
+        log = self.log = self.scratch / f"{self._count:02d}-{name}.log"
         self.console.print(f"[dim]starting vLLM ({name}), log {log}[/]")
         return VllmServer(self.python, self.model, log, **kwargs)  # type: ignore[arg-type]
 
@@ -207,17 +209,24 @@ def run(
                 ):
                     replayer.replay(server, requests, run, reset=True)
         except RuntimeError as exc:
-            run.error = _first_error(str(exc))
+            run.error = _first_error(replayer.log, str(exc))
             console.print(f"[yellow]{name}: {run.error}[/]")
     return runs
 
 
-def _first_error(text: str) -> str:
-    """The line of a server log that says why it failed (the last RuntimeError's message)."""
-    for line in reversed(text.splitlines()):
-        if "Error:" in line or "error '" in line:
-            return line.strip()[-300:]
-    return text.strip().splitlines()[-1][-300:] if text.strip() else "failed"
+def _first_error(log: Path, fallback: str) -> str:
+    """Why a server failed: the root cause vLLM's engine reports (a worker's error), else the
+    last error line of its log, else `fallback`."""
+    try:
+        text = log.read_text(errors="replace") + "\n" + fallback
+    except OSError:
+        text = fallback
+    if m := re.search(r"failed with error '([^']+)'", text):
+        return m.group(1)
+    errors = [line.strip() for line in text.splitlines() if "Error:" in line]
+    if errors:
+        return errors[-1][-300:]
+    return fallback.strip().splitlines()[-1][-300:] if fallback.strip() else "failed"
 
 
 def common_console() -> Console:
