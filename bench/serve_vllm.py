@@ -319,9 +319,22 @@ class Daemon:
 
 
 @contextlib.contextmanager
-def daemon(data_dir: Path, *, dram: str, ssd: str = "0", python: str = sys.executable,
-           flags: Sequence[str] = ()) -> Iterator[Daemon]:  # fmt: skip
+def daemon(
+    data_dir: Path,
+    *,
+    dram: str,
+    ssd: str = "0",
+    python: str = sys.executable,
+    max_value_bytes: int = 8 << 20,
+    flags: Sequence[str] = (),
+    settings: Mapping[str, str] | None = None,
+) -> Iterator[Daemon]:
     """A `kvoffload serve` on 127.0.0.1 with free ports; stopped (SIGTERM) on exit.
+
+    `max_value_bytes` is the largest block the store takes: by default a DRAM tier takes a
+    sixteenth of its size, less than one 128-token block of SmolLM2 in float32 (5.6 MiB) when
+    the tier is small. `settings` are further config keys as environment variables
+    (``KVOFFLOAD_SSD__ADMISSION_MIN_USES``, ...).
 
     Raises:
         RuntimeError: it did not start.
@@ -330,6 +343,8 @@ def daemon(data_dir: Path, *, dram: str, ssd: str = "0", python: str = sys.execu
     argv += ["--metrics-port", "0", "--dram", dram, "--ssd", ssd, "--data-dir", str(data_dir)]
     argv += list(flags)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
+    env["KVOFFLOAD_DRAM__MAX_VALUE_BYTES"] = str(max_value_bytes)
+    env.update(settings or {})
     err = data_dir.parent / f"{data_dir.name}.stderr"
     data_dir.parent.mkdir(parents=True, exist_ok=True)
     with err.open("w") as err_file:

@@ -30,7 +30,8 @@ class Settings:
     # Blocks moved per staging batch (one staging buffer of this many blocks for saves and
     # one for loads, per worker).
     batch_blocks: int = 16
-    # Concurrent block reads per load (the kv:// client keeps a pool of connections).
+    # Unused since a load reads each staging batch in one pipelined request (kept so that
+    # existing configs still load).
     load_threads: int = 4
     # Save only prompt blocks (vLLM's OffloadingConnector default); by default blocks filled by
     # decoding are saved too, so the next turn of a conversation finds its previous answer.

@@ -3,10 +3,10 @@ store, off the forward path.
 
 Saves and loads run on background threads, one job at a time each, with their own staging
 buffer of `batch_blocks` blocks. A save gathers a batch of blocks from every layer with one
-tensor op and puts it pipelined; a load reads a batch with `load_threads` concurrent verified
-`get_into` calls and scatters it back with one tensor op. A block that cannot be read (evicted,
-corrupt, store down) ends its load there: it and the blocks after it are reported to vLLM,
-which recomputes them.
+tensor op and puts it in one pipelined `put_many`; a load reads a batch with one pipelined
+`get_many_into` (each block verified in its staging row) and scatters it back with one tensor
+op. A block that cannot be read (evicted, corrupt, store down) ends its load there: it and the
+blocks after it are reported to vLLM, which recomputes them.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ class WorkerHalf:
         self._load_stream: torch.cuda.Stream | None = None
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-save")
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-load")
-        self._readers = ThreadPoolExecutor(settings.load_threads, "kvoffload-read")
         self._lock = threading.Lock()
         self._save_futures: list[Future[None]] = []
         self._pending_saves: dict[str, int] = {}  # req_id -> save jobs not finished
@@ -153,7 +152,6 @@ class WorkerHalf:
     def shutdown(self) -> None:
         self._loader.shutdown(wait=True)
         self._saver.shutdown(wait=True)
-        self._readers.shutdown(wait=True)
         self._client.close()
 
     # -- background work ------------------------------------------------------------------
@@ -230,12 +228,7 @@ class WorkerHalf:
         batch = buffer.shape[0]
         for start in range(0, len(hashes), batch):
             chunk = hashes[start : start + batch]
-            reads = [
-                self._readers.submit(self._read, key, buffer[i]) for i, key in enumerate(chunk)
-            ]
-            # Every read finishes before the buffer is reused; the leading successes count.
-            results = [read.result() for read in reads]
-            ok = results.index(False) if False in results else len(results)
+            ok = self._read_batch(chunk, buffer)
             if ok:
                 ids = torch.tensor(job.block_ids[start : start + ok], dtype=torch.long)
                 with self._on(self._load_stream):
@@ -244,20 +237,24 @@ class WorkerHalf:
                 return start + ok
         return len(hashes)
 
-    def _read(self, key: BlockHash, row: torch.Tensor) -> bool:
-        """One verified block straight into a staging row; False if it cannot be used."""
+    def _read_batch(self, keys: Sequence[BlockHash], buffer: torch.Tensor) -> int:
+        """Verified blocks straight into the staging rows, in one pipelined batch; returns how
+        many leading blocks can be used."""
         try:
-            got = self._client.get_into(key, row)
+            got = self._client.get_many_into(keys, [buffer[i] for i in range(len(keys))])
         except KVOffloadError as exc:
-            log.warning("kvoffload: reading block %s failed: %s", key[:16].hex(), exc)
-            return False
-        if got == self.block_bytes:
-            return True
-        if got is not None:
-            log.warning("kvoffload: block %s holds %d bytes, expected %d", key[:16].hex(), got,
-                        self.block_bytes)  # fmt: skip
-        # Missing or damaged: drop whatever is stored under the key, so that the recomputed
-        # block is saved again instead of failing every later load.
-        with contextlib.suppress(KVOffloadError):
-            self._client.delete(key)
-        return False
+            log.warning("kvoffload: reading %d blocks failed: %s", len(keys), exc)
+            return 0
+        ok = 0
+        while ok < len(got) and got[ok] == self.block_bytes:
+            ok += 1
+        if ok < len(got):
+            key, size = keys[ok], got[ok]
+            if size is not None:
+                log.warning("kvoffload: block %s holds %d bytes, expected %d", key[:16].hex(),
+                            size, self.block_bytes)  # fmt: skip
+            # Missing or damaged: drop whatever is stored under the key, so that the recomputed
+            # block is saved again instead of failing every later load.
+            with contextlib.suppress(KVOffloadError):
+                self._client.delete(key)
+        return ok
