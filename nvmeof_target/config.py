@@ -61,8 +61,15 @@ class ServerConfig:
     # How long a graceful stop waits for in-flight requests before closing connections.
     shutdown_timeout_s: float = 10.0
     log_level: str = "info"
+    # Processes serving the node, each one shard of the keys with its own engine (DRAM/N,
+    # SSD/N, data_dir/shard-<i>); 0 = one per core. See docs/daemon.md#workers.
+    workers: int = 1
 
     def __post_init__(self) -> None:
+        if self.workers < 0 or self.workers > 256:
+            raise ConfigError(
+                f"server.workers must be in 0..256 (0 = one per core), got {self.workers}"
+            )
         if self.loop not in _LOOPS:
             raise ConfigError(f"server.loop must be one of {_LOOPS}, got {self.loop!r}")
         if self.log_level not in _LOG_LEVELS:
@@ -354,6 +361,7 @@ _FLAGS: dict[str, tuple[str, ...]] = {
     "events": ("events", "endpoint"),
     "nvme_port": ("nvme", "port"),
     "subnqn": ("nvme", "subnqn"),
+    "workers": ("server", "workers"),
 }
 
 
@@ -382,6 +390,11 @@ def build_flag_parser(
     add("--events", metavar="ENDPOINT", help="publish KV events on this ZMQ endpoint")
     add("--nvme-port", type=int, help="NVMe/TCP front port (default 4420; 0 = any free port)")
     add("--subnqn", metavar="NQN", help=f"NVMe subsystem NQN (default {DEFAULT_SUBNQN})")
+    add(
+        "--workers",
+        type=int,
+        help="processes serving the node, one shard of the keys each (default 1; 0 = one per core)",
+    )
     return parser
 
 

@@ -16,6 +16,7 @@ __all__ = [
     "KEY_BYTES",
     "NEED_DATA",
     "PROTOCOL_VERSION",
+    "PROTOCOL_VERSIONS",
     "ConnectionClosed",
     "Delete",
     "DeleteResult",
@@ -41,7 +42,10 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 1
+# 2: Welcome names the shard a connection reached and every shard's port (a daemon with
+# several workers). A daemon still answers version 1 Hellos, without those fields.
+PROTOCOL_VERSION = 2
+PROTOCOL_VERSIONS = (1, 2)
 KEY_BYTES = 16
 NEED_DATA = Need.DATA
 _MAX_TEXT = 4096
@@ -128,6 +132,8 @@ _VALIDATORS: dict[str, Callable[[object], object]] = {
     "lengths": _seq(_uint),
     "opt_lengths": _seq(_opt_uint),
     "stats": _stats_map,
+    "shard": _uint,
+    "shard_ports": _seq(_uint),
 }
 
 
@@ -202,6 +208,16 @@ class Welcome(Event):
     max_value_bytes: int
     max_payload_bytes: int
     server: str = ""
+    # Version 2: this connection's shard and every shard's port on the daemon's host, in shard
+    # order (empty: one process serves every key).
+    shard: int = 0
+    shard_ports: tuple[int, ...] = ()
+
+    def meta(self) -> dict[str, object]:
+        meta = Event.meta(self)
+        if self.version < 2:  # a version 1 peer rejects fields it does not know
+            del meta["shard"], meta["shard_ports"]
+        return meta
 
 
 @dataclass(frozen=True, slots=True)

@@ -221,6 +221,13 @@ class NativeTransport:
         return self._welcome.max_value_bytes
 
     @property
+    def welcome(self) -> Welcome:
+        """The daemon's Welcome (connects if needed)."""
+        self.max_value_bytes  # noqa: B018 - connects if needed
+        assert self._welcome is not None
+        return self._welcome
+
+    @property
     def tenant(self) -> str:
         self.max_value_bytes  # noqa: B018 - connects if needed
         assert self._welcome is not None
