@@ -58,6 +58,8 @@ def _fail(what: str, value: object) -> LocalProtocolError:
 
 
 def _uint(value: object) -> int:
+    if type(value) is int and 0 <= value <= _MAX_LENGTH:  # the common case, in one test
+        return value
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_LENGTH:
         raise _fail("unsigned integer", value)
     return value
@@ -76,6 +78,8 @@ def _text(value: object) -> str:
 
 
 def _key(value: object) -> bytes:
+    if type(value) is bytes and len(value) == KEY_BYTES:
+        return value
     if not isinstance(value, bytes) or len(value) != KEY_BYTES:
         raise _fail(f"{KEY_BYTES}-byte key", value)
     return value
@@ -148,8 +152,12 @@ class Event:
     request_id: int
 
     def __post_init__(self) -> None:
-        for name, check in _checks(type(self)):
-            object.__setattr__(self, name, check(getattr(self, name)))
+        checks = _CHECKS.get(type(self)) or _checks(type(self))
+        for name, check in checks:
+            value = getattr(self, name)
+            checked = check(value)
+            if checked is not value:  # lists become tuples; most values come back as they are
+                object.__setattr__(self, name, checked)
         if self.request_id > MAX_REQUEST_ID or (
             self.request_id == 0 and type(self) is not ErrorReply
         ):
@@ -420,9 +428,10 @@ def _decode(frame: Frame) -> Event:
     cls = _BY_FRAME.get((frame.type, bool(frame.flags & FLAG_RESPONSE)))
     if cls is None:
         raise LocalProtocolError(f"unknown frame type {frame.type}")
-    names = {f.name for f in fields(cls)} - {"request_id"}  # type: ignore[arg-type]
-    unknown = set(frame.meta) - names
-    if unknown:
+    names = _NAMES.get(cls) or _names(cls)
+    meta = frame.meta
+    if not meta.keys() <= names:
+        unknown = set(meta) - names
         # The names are the peer's: quote a few, shortened (the message is logged and sent).
         named = [name[:40] for name in sorted(unknown)[:3]]
         more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
@@ -437,3 +446,14 @@ def _decode(frame: Frame) -> Event:
             f"{frame.payload_length}"
         )
     return event
+
+
+# Event class -> the names its frame header may carry (all fields but request_id), once per
+# class: building the set on every decoded frame cost more than checking it.
+_NAMES: dict[type[Event], frozenset[str]] = {}
+
+
+def _names(cls: type[Event]) -> frozenset[str]:
+    names = frozenset(name for name, _ in _checks(cls)[1:])
+    _NAMES[cls] = names
+    return names
