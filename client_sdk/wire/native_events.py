@@ -169,7 +169,11 @@ class Event:
         return 0
 
     def meta(self) -> dict[str, object]:
-        return {name: getattr(self, name) for name, _ in _checks(type(self))[1:]}
+        names = _NAMES_IN_ORDER.get(type(self))
+        if names is None:
+            _names(type(self))
+            names = _NAMES_IN_ORDER[type(self)]
+        return {name: getattr(self, name) for name in names}
 
 
 # Event class -> (field name, validator) in field order, request_id first; built once per class
@@ -428,7 +432,9 @@ def _decode(frame: Frame) -> Event:
     cls = _BY_FRAME.get((frame.type, bool(frame.flags & FLAG_RESPONSE)))
     if cls is None:
         raise LocalProtocolError(f"unknown frame type {frame.type}")
-    names = _NAMES.get(cls) or _names(cls)
+    names = _NAMES.get(cls)
+    if names is None:
+        names = _names(cls)
     meta = frame.meta
     if not meta.keys() <= names:
         unknown = set(meta) - names
@@ -451,9 +457,11 @@ def _decode(frame: Frame) -> Event:
 # Event class -> the names its frame header may carry (all fields but request_id), once per
 # class: building the set on every decoded frame cost more than checking it.
 _NAMES: dict[type[Event], frozenset[str]] = {}
+_NAMES_IN_ORDER: dict[type[Event], tuple[str, ...]] = {}
 
 
 def _names(cls: type[Event]) -> frozenset[str]:
-    names = frozenset(name for name, _ in _checks(cls)[1:])
-    _NAMES[cls] = names
+    ordered = tuple(name for name, _ in _checks(cls)[1:])
+    _NAMES_IN_ORDER[cls] = ordered
+    names = _NAMES[cls] = frozenset(ordered)
     return names
