@@ -129,15 +129,36 @@ def _fill(url: str) -> None:
             client.put(i.to_bytes(16, "big"), value)
 
 
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    if int(fh.read().rpartition(")")[2].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    return found
+
+
 def mc_rows(rounds: int) -> list[Row]:
-    from kvoffload.bench.net import daemon
+    from kvoffload.bench.net import _cpu_seconds, daemon
 
     cores = len(os.sched_getaffinity(0))
     rates: dict[int, float] = {}
+    spread = ""
     for workers in (cores, 1) if cores > 1 else (1,):
-        with tempfile.TemporaryDirectory() as tmp, daemon("512MiB", tmp, workers) as (url, _):
+        with tempfile.TemporaryDirectory() as tmp, daemon("512MiB", tmp, workers) as (url, pid):
             _fill(url)
+            procs = [pid, *_children(pid)] if workers > 1 else [pid]
+            before = {p: _cpu_seconds(p) for p in procs}
             rates[workers] = _aggregate(_kv_client, url, rounds)
+            if workers > 1:
+                used = [_cpu_seconds(p) - before[p] for p in procs]
+                spread = "; daemon CPU s per process during the rounds (supervisor first): " + (
+                    ", ".join(f"{u:.2f}" for u in used)
+                )
     with _raw_mp() as port:
         raw = _aggregate(_raw_client, port, rounds)
     note = (
@@ -154,7 +175,7 @@ def mc_rows(rounds: int) -> list[Row]:
             "workers_1",
             rates.get(1),
             note=f"get_mc8 with {cores} workers vs 1; on {cores} cores the 8 clients compete "
-            "with the daemon for the same cores",
+            f"with the daemon for the same cores{spread}",
         )
     )
     return rows
