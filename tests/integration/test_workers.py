@@ -27,7 +27,7 @@ import zmq
 from kvoffload.client_sdk import AsyncClient, Client
 from kvoffload.client_sdk.wire.native import Hello, NativeConnection, Role
 from kvoffload.client_sdk.wire.shards import shard_of
-from kvoffload.errors import AuthError
+from kvoffload.errors import AuthError, KVOffloadError
 from tests.conftest import Daemon
 
 pytestmark = pytest.mark.integration
@@ -239,3 +239,43 @@ def test_a_dead_worker_takes_the_node_down(start_daemon: Callable[..., Daemon]) 
         status = Path(f"/proc/{pid}/status")
         assert not status.exists() or "zombie" in status.read_text()
     assert "exited with status" in daemon.stderr()
+
+
+def test_a_batch_that_fails_on_one_shard_leaves_nothing_behind(
+    start_daemon: Callable[..., Daemon],
+) -> None:
+    daemon = start_daemon(*WORKERS)
+    keys, values = _chain(24, 50_000, seed=7)
+    assert {shard_of(k, 2) for k in keys} == {0, 1}
+    url = daemon.url(timeout="2", retries="0")
+    with Client.connect(url) as client:
+        for key, value in zip(keys, values, strict=True):
+            client.put(key, value)
+        stats = client.stats().store
+        assert stats["shards"] == 2
+    workers = sorted(
+        int(pid)
+        for pid in subprocess.run(
+            ["pgrep", "-P", str(daemon.proc.pid)], capture_output=True, text=True, check=False
+        ).stdout.split()
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    )
+    frozen = workers[1]  # spawned second: shard 1
+    buffers = [np.full(50_000, 0xAA, np.uint8) for _ in keys]
+    with Client.connect(url) as client:
+        client.exists(keys[0])  # connected to every shard before one stops answering
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            with pytest.raises(KVOffloadError):
+                client.get_many_into(keys, buffers)
+        finally:
+            os.kill(frozen, signal.SIGCONT)
+        # Shard 0 answered, but its blocks are not handed over half a batch: nothing of any
+        # value stays in the caller's buffers.
+        for buf, value in zip(buffers, values, strict=True):
+            assert buf.tobytes() != value and value[:4096] not in buf.tobytes()
+        # The shard that answered holds no pin for the failed batch: its blocks can be
+        # overwritten and read back.
+        for key, value in zip(keys, values, strict=True):
+            client.put(key, value[::-1])
+        assert [bytes(b or b"") for b in client.get_many(keys)] == [v[::-1] for v in values]

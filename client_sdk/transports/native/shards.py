@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import replace
 from typing import TypeAlias, TypeVar
 
@@ -61,6 +61,41 @@ def _gather(
     return out
 
 
+def _settle(
+    groups: list[list[int]],
+    errors: Sequence[BaseException | None],
+    results: Sequence[T | None],
+    undo: Callable[[list[int], T], None] | None,
+) -> list[T]:
+    """The shards' results, or — when one failed — its error, once the others' results are
+    taken back: a batch that fails fails whole, holding nothing and leaving no bytes behind."""
+    failed = next((e for e in errors if e is not None), None)
+    if failed is None:
+        return [r for r in results]  # type: ignore[misc]
+    if undo is not None:
+        for at, error, result in zip(groups, errors, results, strict=True):
+            if error is None:
+                undo(at, result)  # type: ignore[arg-type]
+    raise failed
+
+
+def _release(at: list[int], got: Sequence[HeldBlock | Received | None]) -> None:
+    for block in got:
+        if block is not None and not isinstance(block, Received):
+            block.release()
+
+
+def _scrub(buffers: Sequence[memoryview]) -> Callable[[list[int], Sequence[Got]], None]:
+    def undo(at: list[int], got: Sequence[Got]) -> None:
+        for i, block in zip(at, got, strict=True):
+            if isinstance(block, Received):
+                buffers[i][: block.length] = bytes(block.length)
+            elif block is not None:
+                block.release()
+
+    return undo
+
+
 class ShardedTransport:
     """The blocking `kv://` transport, routing keys to shards when the daemon has workers."""
 
@@ -93,16 +128,26 @@ class ShardedTransport:
         return shards[shard_of(key, len(shards))] if len(shards) > 1 else shards[0]
 
     def _split(
-        self, keys: Sequence[bytes], call: Callable[[NativeTransport, list[int]], T]
+        self,
+        keys: Sequence[bytes],
+        call: Callable[[NativeTransport, list[int]], T],
+        undo: Callable[[list[int], T], None] | None = None,
     ) -> tuple[dict[int, list[int]], list[T]]:
         """Run `call(shard, positions)` for each shard that holds some of `keys`, side by
-        side; the first failure raises once all have finished."""
+        side. If one fails, the first failure raises once all have finished, after `undo`
+        took back what the others returned (blocks they hold, bytes they landed)."""
         shards = self._map()
         groups = _groups(keys, len(shards))
         if len(groups) <= 1 or self._pool is None:
             return groups, [call(shards[s], at) for s, at in groups.items()]
         futures = [self._pool.submit(call, shards[s], at) for s, at in groups.items()]
-        return groups, [f.result() for f in futures]
+        wait(futures)
+        return groups, _settle(
+            list(groups.values()),
+            [f.exception() for f in futures],
+            [f.result() if f.exception() is None else None for f in futures],
+            undo,
+        )
 
     @property
     def shard_count(self) -> int:
@@ -134,13 +179,14 @@ class ShardedTransport:
         return self._of(key).get_into(key, buffer)
 
     def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]:
-        groups, parts = self._split(keys, lambda s, at: s.get_many([keys[i] for i in at]))
+        groups, parts = self._split(keys, lambda s, at: s.get_many([keys[i] for i in at]), _release)
         return _gather(len(keys), groups, parts)
 
     def get_many_into(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[Got]:
         groups, parts = self._split(
             keys,
             lambda s, at: s.get_many_into([keys[i] for i in at], [buffers[i] for i in at]),
+            _scrub(buffers),
         )
         return _gather(len(keys), groups, parts)
 
@@ -210,12 +256,19 @@ class AsyncShardedTransport:
         return shards[shard_of(key, len(shards))] if len(shards) > 1 else shards[0]
 
     async def _split(
-        self, keys: Sequence[bytes], call: Callable[[AsyncNativeTransport, list[int]], Awaitable[T]]
+        self,
+        keys: Sequence[bytes],
+        call: Callable[[AsyncNativeTransport, list[int]], Awaitable[T]],
+        undo: Callable[[list[int], T], None] | None = None,
     ) -> tuple[dict[int, list[int]], list[T]]:
         shards = await self._map()
         groups = _groups(keys, len(shards))
-        got = await asyncio.gather(*(call(shards[s], at) for s, at in groups.items()))
-        return groups, list(got)
+        got = await asyncio.gather(
+            *(call(shards[s], at) for s, at in groups.items()), return_exceptions=True
+        )
+        errors = [g if isinstance(g, BaseException) else None for g in got]
+        results = [None if isinstance(g, BaseException) else g for g in got]
+        return groups, _settle(list(groups.values()), errors, results, undo)
 
     async def open(self) -> None:
         for shard in await self._map():
@@ -243,7 +296,9 @@ class AsyncShardedTransport:
         return await (await self._of(key)).get_into(key, buffer)
 
     async def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]:
-        groups, parts = await self._split(keys, lambda s, at: s.get_many([keys[i] for i in at]))
+        groups, parts = await self._split(
+            keys, lambda s, at: s.get_many([keys[i] for i in at]), _release
+        )
         return _gather(len(keys), groups, parts)
 
     async def get_many_into(
@@ -252,6 +307,7 @@ class AsyncShardedTransport:
         groups, parts = await self._split(
             keys,
             lambda s, at: s.get_many_into([keys[i] for i in at], [buffers[i] for i in at]),
+            _scrub(buffers),
         )
         return _gather(len(keys), groups, parts)
 
