@@ -279,3 +279,32 @@ def test_a_batch_that_fails_on_one_shard_leaves_nothing_behind(
         for key, value in zip(keys, values, strict=True):
             client.put(key, value[::-1])
         assert [bytes(b or b"") for b in client.get_many(keys)] == [v[::-1] for v in values]
+
+
+def test_nvme_hosts_reach_every_shard_through_its_subsystem(
+    start_daemon: Callable[..., Daemon],
+) -> None:
+    daemon = start_daemon(*WORKERS)
+    ports = [
+        int(m.group(2))
+        for line in daemon.lines
+        if (m := re.match(r"^kvoffload: nvme shard (\d) listening on \S+:(\d+)$", line))
+    ]
+    assert len(ports) == 2
+    nqn = "nqn.2026-11.io.kvoffload:store"
+    url = f"nvme+tcp://127.0.0.1:{ports[0]}/{nqn}?ports={ports[0]},{ports[1]}"
+    keys, values = _chain(20, 10_000, seed=8)
+    with Client.connect(daemon.url()) as native, Client.connect(url) as nvme:
+        for key, value in zip(keys[:10], values[:10], strict=True):
+            native.put(key, value)
+        for key, value in zip(keys[10:], values[10:], strict=True):
+            nvme.put(key, value)
+        # Both protocols place every key on the same shard: each reads what the other wrote.
+        assert [bytes(nvme.get(k) or b"") for k in keys] == values
+        assert [bytes(native.get(k) or b"") for k in keys] == values
+        assert nvme.lookup(keys) == len(keys)
+    # One subsystem alone holds only its shard's keys.
+    alone = f"nvme+tcp://127.0.0.1:{ports[1]}/{nqn}.shard1"
+    with Client.connect(alone) as shard1:
+        held = [shard1.exists(k) for k in keys]
+    assert held == [shard_of(k, 2) == 1 for k in keys]

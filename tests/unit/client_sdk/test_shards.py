@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvoffload.client_sdk.transports.native.shards import _gather, _groups, _leading_run
+from kvoffload.client_sdk.transports.sharding import gather, groups_of, leading_run
 from kvoffload.client_sdk.wire.shards import merge_stats, shard_of
 
 
@@ -27,7 +27,7 @@ def test_placement_is_stable_and_spreads_keys() -> None:
 def test_the_leading_run_from_shards_is_the_chains(present: list[bool], count: int) -> None:
     keys = [i.to_bytes(16, "big") for i in range(len(present))]
     stored = {k for k, p in zip(keys, present, strict=True) if p}
-    groups = _groups(keys, count)
+    groups = groups_of(keys, count)
     # Each shard answers lookup over its own keys, in order: its leading run.
     runs = []
     for positions in groups.values():
@@ -36,14 +36,14 @@ def test_the_leading_run_from_shards_is_the_chains(present: list[bool], count: i
             run += 1
         runs.append(run)
     expected = next((i for i, p in enumerate(present) if not p), len(present))
-    assert _leading_run(len(keys), groups, runs) == expected
+    assert leading_run(len(keys), groups, runs) == expected
 
 
 def test_answers_go_back_in_the_order_asked() -> None:
     keys = [i.to_bytes(16, "big") for i in range(50)]
-    groups = _groups(keys, 3)
+    groups = groups_of(keys, 3)
     parts = [[keys[i] for i in at] for at in groups.values()]
-    assert _gather(len(keys), groups, parts) == keys
+    assert gather(len(keys), groups, parts) == keys
 
 
 def test_stats_add_up_per_tier_and_tenant() -> None:
@@ -70,3 +70,26 @@ def test_stats_add_up_per_tier_and_tenant() -> None:
     assert merged["tenant_bytes"] == {"alice": 11, "bob": 2}
     assert merged["server"] == {"uptime_s": 6.5, "connections": 3, "version": "x"}
     assert a["tiers"] == [{"name": "dram", "entries": 2, "hits": 1}]  # inputs untouched
+
+
+def test_nvme_urls_name_a_multi_worker_daemons_subsystems() -> None:
+    import pytest
+
+    from kvoffload.client_sdk.transports.nvme.options import NvmeOptions
+    from kvoffload.client_sdk.url import parse_url
+    from kvoffload.errors import ConfigError
+
+    base = "nvme+tcp://10.0.0.5:4420/nqn.2026-11.io.kvoffload:store"
+    options = NvmeOptions.from_url(parse_url(base + "?shards=3"))
+    assert options.shard_ports == (4420, 4421, 4422)
+    second = options.shard(1)
+    assert (second.port, second.subnqn, second.shard_ports) == (
+        4421,
+        "nqn.2026-11.io.kvoffload:store.shard1",
+        (),
+    )
+    assert NvmeOptions.from_url(parse_url(base + "?ports=5000,6000")).shard_ports == (5000, 6000)
+    assert NvmeOptions.from_url(parse_url(base)).shard_ports == ()
+    for bad in ("?shards=x", "?ports=1,70000", "?shards=0"):
+        with pytest.raises(ConfigError, match="shard"):
+            NvmeOptions.from_url(parse_url(base + bad))
