@@ -57,8 +57,14 @@ class Daemon:
             args += ["--config", str(path)]
         environ = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
         environ.update(env or {})
+        # Its own process group: a crash test kills a multi-worker daemon's processes at once.
         self.proc = subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ
+            args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=environ,
+            start_new_session=True,
         )
         self.ports: dict[str, int] = {}
         self.events = ""
