@@ -17,8 +17,10 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, cast
+from urllib.parse import urlsplit
 
-from kvoffload.errors import ConfigError
+from kvoffload.client_sdk.wire.etcd import check_name
+from kvoffload.errors import ConfigError, InvalidArgumentError
 from kvoffload.kvstore import DramConfig, EngineConfig, parse_size
 from kvoffload.kvstore.config import SsdConfig
 
@@ -29,6 +31,7 @@ else:  # pragma: no cover - exercised only on 3.10
 
 __all__ = [
     "DEFAULT_SUBNQN",
+    "ClusterConfig",
     "Config",
     "EventsConfig",
     "MetricsConfig",
@@ -292,6 +295,46 @@ class TenantConfig:
                 raise ConfigError(f"tenants.{self.name}.{key} must not be negative")
 
 
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Membership in a cluster of storage nodes, registered in etcd (docs/cluster.md)."""
+
+    # etcd://HOST:PORT/NAME registers this node in cluster NAME; "" = a standalone node.
+    etcd: str = ""
+    # The host clients reach the fronts at; "" = each front's own (not a wildcard) address.
+    advertise: str = ""
+    # "" = generated once and kept in data_dir (a restart rejoins as the same node).
+    node_id: str = ""
+    # Share of placements against other nodes; 0 = the node's capacity in GiB.
+    weight: float = 0.0
+    # Seconds a crashed node's record outlives it (its lease is renewed every third of this).
+    lease_ttl_s: int = 10
+
+    def __post_init__(self) -> None:
+        try:
+            self.endpoint  # noqa: B018 - validates the URL
+            if self.node_id:
+                check_name(self.node_id, "cluster.node_id")
+        except InvalidArgumentError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.weight < 0 or not 2 <= self.lease_ttl_s <= 3600:
+            raise ConfigError("cluster.weight must be >= 0, lease_ttl_s 2..3600")
+
+    @property
+    def endpoint(self) -> tuple[str, int, str] | None:
+        """(etcd host, port, cluster name), or None for a standalone node."""
+        if not self.etcd:
+            return None
+        url = urlsplit(self.etcd)
+        try:
+            host, port = url.hostname, url.port
+        except ValueError:
+            host = port = None
+        if url.scheme != "etcd" or not host or not port or url.query:
+            raise ConfigError(f"cluster.etcd must be etcd://HOST:PORT/NAME, got {self.etcd!r}")
+        return host, port, check_name(url.path.strip("/"), "cluster name")
+
+
 def default_data_dir(environ: Mapping[str, str]) -> str:
     """``$XDG_DATA_HOME/kvoffload``, else ``~/.local/share/kvoffload``."""
     base = environ.get("XDG_DATA_HOME") or os.path.join(
@@ -309,6 +352,7 @@ class Config:
     nvme: NvmeConfig = NvmeConfig()
     metrics: MetricsConfig = MetricsConfig()
     events: EventsConfig = EventsConfig()
+    cluster: ClusterConfig = ClusterConfig()
     dram: DramConfig = DramConfig()
     ssd: SsdConfig = SsdConfig(capacity_bytes=4 << 30)
     # Directory of the SSD tier, its journal and checkpoints.
@@ -354,6 +398,8 @@ _FLAGS: dict[str, tuple[str, ...]] = {
     "events": ("events", "endpoint"),
     "nvme_port": ("nvme", "port"),
     "subnqn": ("nvme", "subnqn"),
+    "cluster": ("cluster", "etcd"),
+    "advertise": ("cluster", "advertise"),
 }
 
 
@@ -382,6 +428,8 @@ def build_flag_parser(
     add("--events", metavar="ENDPOINT", help="publish KV events on this ZMQ endpoint")
     add("--nvme-port", type=int, help="NVMe/TCP front port (default 4420; 0 = any free port)")
     add("--subnqn", metavar="NQN", help=f"NVMe subsystem NQN (default {DEFAULT_SUBNQN})")
+    add("--cluster", metavar="etcd://HOST:PORT/NAME", help="register in this cluster's etcd")
+    add("--advertise", metavar="HOST", help="address clients reach this node at (clusters)")
     return parser
 
 
