@@ -54,6 +54,7 @@ LOCK_FILE = "cluster.lock"
 # and putting the record, a few times over.
 _KEEP_NONCES = 8
 _WILDCARDS = ("", "0.0.0.0", "::")
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # Pauses between registration attempts while etcd is unreachable.
 _RETRY_FIRST_S, _RETRY_MAX_S = 0.5, 3.0
 
@@ -257,10 +258,11 @@ class Registration:
 
 def _fronts(config: Config, addresses: Mapping[str, tuple[str, int]]) -> dict[str, str]:
     fronts = {}
+    advertise = config.cluster.advertise
     for name, (host, port) in addresses.items():
-        if name == "metrics":
-            continue
-        host = config.cluster.advertise or host
+        if name == "metrics" or (advertise and advertise not in _LOOPBACK and host in _LOOPBACK):
+            continue  # not a data front, or one that only this host can reach
+        host = advertise or host
         if host in _WILDCARDS:
             raise ConfigError(
                 f"the {name} front listens on {host or 'every address'}: tell clients where "

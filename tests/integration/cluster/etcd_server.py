@@ -96,3 +96,11 @@ class EtcdServer:
         req = urllib.request.Request(f"http://{self.endpoint}/v3/kv/put", data=body)
         with urllib.request.urlopen(req, timeout=5):
             pass
+
+    def delete(self, key: bytes) -> None:
+        import base64
+
+        body = json.dumps({"key": base64.b64encode(key).decode()}).encode()
+        req = urllib.request.Request(f"http://{self.endpoint}/v3/kv/deleterange", data=body)
+        with urllib.request.urlopen(req, timeout=5):
+            pass
