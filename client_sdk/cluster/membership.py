@@ -34,6 +34,7 @@ __all__ = [
     "StaticMembership",
     "open_membership",
     "parse_cluster_url",
+    "read_members",
 ]
 
 log = logging.getLogger("kvoffload.cluster")
@@ -183,6 +184,24 @@ class StaticMembership:
 
     def close(self) -> None:
         self._closed.set()
+
+
+def read_members(host: str, port: int, cluster: str, *, timeout_s: float = 2.0) -> list[Member]:
+    """List the members registered in etcd once (no watch), skipping bad records with a log
+    line.
+
+    Raises:
+        TransportError, RemoteProtocolError: etcd cannot be reached or answered nonsense.
+    """
+    prefix = nodes_prefix(cluster)
+    _, kvs = parse_range(EtcdGateway(host, port, timeout_s).call(range_request(prefix)))
+    members = []
+    for kv in kvs:
+        try:
+            members.append(decode_member(kv.key, kv.value, prefix))
+        except KVOffloadError as exc:
+            log.warning("cluster %s: ignoring record %r: %s", cluster, kv.key, exc)
+    return sorted(members, key=lambda m: m.node_id)
 
 
 class EtcdMembership:

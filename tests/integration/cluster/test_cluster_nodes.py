@@ -3,6 +3,7 @@ EtcdMembership follows them through kills, restarts, an etcd outage and an id co
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 
@@ -12,6 +13,7 @@ from conftest import CLUSTER, LEASE_TTL_S, StartNode
 from etcd_server import EtcdServer
 from netns import Network
 
+from kvoffload.cli import main
 from kvoffload.client_sdk import Client
 from kvoffload.client_sdk.cluster import EtcdMembership, Member
 from kvoffload.client_sdk.wire.etcd import decode_member, nodes_prefix
@@ -114,6 +116,28 @@ def test_a_second_live_daemon_with_the_same_id_is_refused(
     # The first node's record is untouched.
     assert _until(membership, lambda m: _ids(m) == {first.node_id})
     assert _round_trip(first.url, seed=11)
+
+
+def test_cluster_status_reports_members_health_and_capacity(
+    start_node: StartNode,
+    membership: EtcdMembership,
+    cluster_etcd: EtcdServer,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    nodes = [start_node(env={"KVOFFLOAD_CLUSTER__LEASE_TTL_S": "60"}) for _ in range(2)]
+    assert _until(membership, lambda m: len(m) == 2)
+    assert _round_trip(nodes[0].url, seed=3)
+    url = f"etcd://{cluster_etcd.endpoint}/{CLUSTER}"
+    assert main(["cluster", "status", url, "--json"]) == 0
+    report = {n["node_id"]: n for n in json.loads(capsys.readouterr().out)}
+    assert set(report) == {n.node_id for n in nodes}
+    first = report[nodes[0].node_id]
+    assert first["up"] and first["blocks"] == 1 and first["capacity_bytes"] == 64 << 20
+    assert first["hit_ratio"] == 1.0 and report[nodes[1].node_id]["hit_ratio"] is None
+    nodes[1].kill()  # its record stays (60 s lease): status shows it down
+    assert main(["cluster", "status", url, "--timeout", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "1/2 node(s) up" in out and "down" in out
 
 
 def test_two_daemons_on_one_data_dir_are_refused(
