@@ -67,8 +67,23 @@ def test_three_nodes_register_and_a_client_sees_them(
         assert member.fronts["nvme"].startswith(f"{node.host.address}:{node.ports['nvme']}/nqn.")
         # Every node is reachable at the address it advertises, from the client's namespace.
         assert _round_trip(f"kv://{member.fronts['native']}", seed=len(member.node_id))
+        assert member.weight == round(64 / 1024, 3)  # its capacity in GiB (DRAM only)
     if network.isolated:
         assert len({m.fronts["native"].split(":")[0] for m in membership.members()}) == 3
+
+
+def test_a_node_started_while_etcd_is_down_serves_and_registers_later(
+    start_node: StartNode, membership: EtcdMembership, cluster_etcd: EtcdServer
+) -> None:
+    cluster_etcd.stop()
+    node = start_node()
+    assert node.node_id and _round_trip(node.url, seed=21)
+    end = time.monotonic() + 30  # stderr is read by a thread: wait for the warning to arrive
+    while "unreachable" not in "".join(node.errors) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert "registering when it answers" in "".join(node.errors)
+    cluster_etcd.start()
+    assert _until(membership, lambda m: _ids(m) == {node.node_id})
 
 
 def test_a_killed_node_leaves_after_its_lease_and_rejoins_under_its_id(
