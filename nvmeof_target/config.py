@@ -17,9 +17,8 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, cast
-from urllib.parse import urlsplit
 
-from kvoffload.client_sdk.wire.etcd import check_name
+from kvoffload.client_sdk.wire.etcd import check_name, parse_etcd_url
 from kvoffload.errors import ConfigError, InvalidArgumentError
 from kvoffload.kvstore import DramConfig, EngineConfig, parse_size
 from kvoffload.kvstore.config import SsdConfig
@@ -316,23 +315,14 @@ class ClusterConfig:
             if self.node_id:
                 check_name(self.node_id, "cluster.node_id")
         except InvalidArgumentError as exc:
-            raise ConfigError(str(exc)) from None
+            raise ConfigError(f"cluster: {exc}") from None
         if self.weight < 0 or not 2 <= self.lease_ttl_s <= 3600:
             raise ConfigError("cluster.weight must be >= 0, lease_ttl_s 2..3600")
 
     @property
     def endpoint(self) -> tuple[str, int, str] | None:
         """(etcd host, port, cluster name), or None for a standalone node."""
-        if not self.etcd:
-            return None
-        url = urlsplit(self.etcd)
-        try:
-            host, port = url.hostname, url.port
-        except ValueError:
-            host = port = None
-        if url.scheme != "etcd" or not host or not port or url.query:
-            raise ConfigError(f"cluster.etcd must be etcd://HOST:PORT/NAME, got {self.etcd!r}")
-        return host, port, check_name(url.path.strip("/"), "cluster name")
+        return parse_etcd_url(self.etcd) if self.etcd else None
 
 
 def default_data_dir(environ: Mapping[str, str]) -> str:

@@ -16,6 +16,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvoffload.errors import InvalidArgumentError, RemoteProtocolError
 
@@ -34,6 +35,7 @@ __all__ = [
     "lease_ttl",
     "nodes_prefix",
     "parse_claim",
+    "parse_etcd_url",
     "parse_grant",
     "parse_range",
     "parse_watch",
@@ -63,6 +65,22 @@ def check_name(name: str, what: str) -> str:
             "(starting with a letter or digit)"
         )
     return name
+
+
+def parse_etcd_url(url: str) -> tuple[str, int, str]:
+    """``etcd://HOST:PORT/NAME`` -> (host, port, cluster name).
+
+    Raises:
+        InvalidArgumentError: it is not such a URL.
+    """
+    parts = urlsplit(url)
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host = port = None
+    if parts.scheme != "etcd" or not host or not port or parts.query:
+        raise InvalidArgumentError(f"{url!r} is not etcd://HOST:PORT/NAME")
+    return host, port, check_name(parts.path.strip("/"), "cluster name")
 
 
 def nodes_prefix(cluster: str) -> bytes:
