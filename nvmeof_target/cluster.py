@@ -33,12 +33,14 @@ from kvoffload.client_sdk.wire.etcd import (
     claim_request,
     decode_member,
     encode_member,
+    get_request,
     grant_request,
     keepalive_request,
     lease_ttl,
     nodes_prefix,
     parse_claim,
     parse_grant,
+    parse_range,
     revoke_request,
 )
 from kvoffload.errors import ConfigError, KVOffloadError, RemoteProtocolError, TransportError
@@ -181,9 +183,12 @@ class Registration:
             NodeIdClaimedError: a live daemon's record holds the id (the lease is revoked).
             TransportError, RemoteProtocolError: etcd is unreachable or answered nonsense.
         """
+        self._claim(parse_grant(self._call(grant_request(self._ttl))))
+
+    def _claim(self, lease: int) -> None:
+        """Put the record under `lease` (see _register); revokes the lease when refused."""
         key = self._prefix + self.node_id.encode()
         value = encode_member(self.member)
-        lease = parse_grant(self._call(grant_request(self._ttl)))
         replace, theirs = 0, ""
         for _ in range(4):  # each retry follows a record that changed under us
             done, current = parse_claim(self._call(claim_request(key, value, lease, replace)))
@@ -204,6 +209,8 @@ class Registration:
             replace = current.mod_revision  # our crashed predecessor's: take it over
         with contextlib.suppress(KVOffloadError):
             self._call(revoke_request(lease))
+        if lease == self._lease:
+            self._lease = 0
         raise NodeIdClaimedError(
             f"node id {self.node_id!r} is held in cluster {self.cluster!r} by another live "
             f"daemon (its record's nonce is {theirs!r}, not one of this data dir's); stop it, "
@@ -220,6 +227,9 @@ class Registration:
             try:
                 if self._lease and lease_ttl(self._call(keepalive_request(self._lease))) > 0:
                     pause = _RETRY_FIRST_S
+                    if not self._record_is_ours():
+                        log.warning("cluster %s: record gone; putting it back", self.cluster)
+                        self._claim(self._lease)
                     continue
                 if self._lease:
                     log.warning("cluster %s: lease expired; registering again", self.cluster)
@@ -234,6 +244,11 @@ class Registration:
                         "cluster %s: etcd unreachable (%s); still serving", self.cluster, exc
                     )
             pause = min(pause * 2, _RETRY_MAX_S)
+
+    def _record_is_ours(self) -> bool:
+        """Whether our record is still in etcd (someone may have deleted it by hand)."""
+        _, kvs = parse_range(self._call(get_request(self._prefix + self.node_id.encode())))
+        return any(kv.lease == self._lease for kv in kvs)
 
     def _call(self, request: Request) -> dict[str, Any]:
         path, body = request

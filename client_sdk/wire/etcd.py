@@ -30,6 +30,7 @@ __all__ = [
     "claim_request",
     "decode_member",
     "encode_member",
+    "get_request",
     "grant_request",
     "keepalive_request",
     "lease_ttl",
@@ -228,6 +229,11 @@ def _header_revision(answer: Mapping[str, Any]) -> int:
 def range_request(prefix: bytes) -> Request:
     """List every key under `prefix`."""
     return "/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))}
+
+
+def get_request(key: bytes) -> Request:
+    """Read exactly `key` (parse the answer with parse_range)."""
+    return "/v3/kv/range", {"key": _b64(key)}
 
 
 def parse_range(answer: Mapping[str, Any]) -> tuple[int, list[KeyValue]]:

@@ -118,6 +118,21 @@ def test_a_restart_replaces_its_own_stale_record_at_once(
     assert decode_member(*record, PREFIX).fronts == membership.members()[0].fronts
 
 
+def test_a_record_deleted_by_hand_is_put_back(
+    start_node: StartNode, membership: EtcdMembership, cluster_etcd: EtcdServer
+) -> None:
+    node = start_node()
+    assert _until(membership, lambda m: _ids(m) == {node.node_id})
+    key = PREFIX + node.node_id.encode()
+    cluster_etcd.delete(key)
+    assert key not in cluster_etcd.keys(PREFIX)
+    end = time.monotonic() + 30  # back within a keepalive interval (a second here)
+    while key not in cluster_etcd.keys(PREFIX) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert key in cluster_etcd.keys(PREFIX)
+    assert _until(membership, lambda m: _ids(m) == {node.node_id})
+
+
 def test_a_second_live_daemon_with_the_same_id_is_refused(
     start_node: StartNode, membership: EtcdMembership
 ) -> None:
