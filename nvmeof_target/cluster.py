@@ -78,13 +78,12 @@ class Registration:
         self._fronts = _fronts(config, addresses)
         self._prefix = nodes_prefix(self.cluster)
         self.nonce = secrets.token_hex(8)
-        self.node_id = ""
+        self.node_id = config.cluster.node_id  # or, when "", the data dir's (open)
         self._own: set[str] = {self.nonce}
         self._lease = 0
         self._lock_fd = -1
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.registered = threading.Event()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -97,10 +96,10 @@ class Registration:
         """
         self._dir.mkdir(parents=True, exist_ok=True)
         self._lock()
-        self.node_id = self._load_identity()
         try:
+            self.node_id = self._load_identity()
             self._register()
-        except NodeIdClaimedError:
+        except (ConfigError, OSError):  # a claimed id, an unusable identity file
             self._unlock()
             raise
         except KVOffloadError as exc:
@@ -194,7 +193,6 @@ class Registration:
             done, current = parse_claim(self._call(claim_request(key, value, lease, replace)))
             if done:
                 self._lease = lease
-                self.registered.set()
                 log.info("cluster %s: registered node %s", self.cluster, self.node_id)
                 return
             if current is None:  # it expired between the compare and the read
