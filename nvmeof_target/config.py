@@ -18,10 +18,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, cast
 
-from kvoffload.client_sdk.wire.etcd import check_name, parse_etcd_url
-from kvoffload.errors import ConfigError, InvalidArgumentError
+from kvoffload.errors import ConfigError
 from kvoffload.kvstore import DramConfig, EngineConfig, parse_size
 from kvoffload.kvstore.config import SsdConfig
+from kvoffload.nvmeof_target.cluster_config import ClusterConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -63,8 +63,15 @@ class ServerConfig:
     # How long a graceful stop waits for in-flight requests before closing connections.
     shutdown_timeout_s: float = 10.0
     log_level: str = "info"
+    # Processes serving the node, each one shard of the keys with its own engine (DRAM/N,
+    # SSD/N, data_dir/shard-<i>); 0 = one per core. See docs/daemon.md#workers.
+    workers: int = 1
 
     def __post_init__(self) -> None:
+        if self.workers < 0 or self.workers > 256:
+            raise ConfigError(
+                f"server.workers must be in 0..256 (0 = one per core), got {self.workers}"
+            )
         if self.loop not in _LOOPS:
             raise ConfigError(f"server.loop must be one of {_LOOPS}, got {self.loop!r}")
         if self.log_level not in _LOG_LEVELS:
@@ -294,37 +301,6 @@ class TenantConfig:
                 raise ConfigError(f"tenants.{self.name}.{key} must not be negative")
 
 
-@dataclass(frozen=True)
-class ClusterConfig:
-    """Membership in a cluster of storage nodes, registered in etcd (docs/cluster.md)."""
-
-    # etcd://HOST:PORT/NAME registers this node in cluster NAME; "" = a standalone node.
-    etcd: str = ""
-    # The host clients reach the fronts at; "" = each front's own (not a wildcard) address.
-    advertise: str = ""
-    # "" = generated once and kept in data_dir (a restart rejoins as the same node).
-    node_id: str = ""
-    # Share of placements against other nodes; 0 = the node's capacity in GiB.
-    weight: float = 0.0
-    # Seconds a crashed node's record outlives it (its lease is renewed every third of this).
-    lease_ttl_s: int = 10
-
-    def __post_init__(self) -> None:
-        try:
-            self.endpoint  # noqa: B018 - validates the URL
-            if self.node_id:
-                check_name(self.node_id, "cluster.node_id")
-        except InvalidArgumentError as exc:
-            raise ConfigError(f"cluster: {exc}") from None
-        if self.weight < 0 or not 2 <= self.lease_ttl_s <= 3600:
-            raise ConfigError("cluster.weight must be >= 0, lease_ttl_s 2..3600")
-
-    @property
-    def endpoint(self) -> tuple[str, int, str] | None:
-        """(etcd host, port, cluster name), or None for a standalone node."""
-        return parse_etcd_url(self.etcd) if self.etcd else None
-
-
 def default_data_dir(environ: Mapping[str, str]) -> str:
     """``$XDG_DATA_HOME/kvoffload``, else ``~/.local/share/kvoffload``."""
     base = environ.get("XDG_DATA_HOME") or os.path.join(
@@ -358,6 +334,8 @@ class Config:
         if len(set(tokens)) != len(tokens):
             raise ConfigError("two tenants share a token")
         EngineConfig(dram=self.dram, ssd=self.ssd, data_dir=self.data_dir)  # validates them
+        if self.cluster.etcd and self.server.workers != 1:  # the supervisor does not register
+            raise ConfigError("[cluster] etcd needs server.workers = 1 (docs/cluster.md)")
         for subsystem in self.nvme.served:
             for ns in subsystem.active:
                 if ns.tenant and ns.tenant not in names:
@@ -388,6 +366,7 @@ _FLAGS: dict[str, tuple[str, ...]] = {
     "events": ("events", "endpoint"),
     "nvme_port": ("nvme", "port"),
     "subnqn": ("nvme", "subnqn"),
+    "workers": ("server", "workers"),
     "cluster": ("cluster", "etcd"),
     "advertise": ("cluster", "advertise"),
 }
@@ -418,6 +397,11 @@ def build_flag_parser(
     add("--events", metavar="ENDPOINT", help="publish KV events on this ZMQ endpoint")
     add("--nvme-port", type=int, help="NVMe/TCP front port (default 4420; 0 = any free port)")
     add("--subnqn", metavar="NQN", help=f"NVMe subsystem NQN (default {DEFAULT_SUBNQN})")
+    add(
+        "--workers",
+        type=int,
+        help="processes serving the node, one shard of the keys each (default 1; 0 = one per core)",
+    )
     add("--cluster", metavar="etcd://HOST:PORT/NAME", help="register in this cluster's etcd")
     add("--advertise", metavar="HOST", help="address clients reach this node at (clusters)")
     return parser

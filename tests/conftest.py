@@ -47,6 +47,9 @@ class Daemon:
             args += ["--port", "0", "--nvme-port", "0", "--metrics-port", "0"]
             args += ["--dram", "64MiB", "--ssd", "0"]
             args += ["--data-dir", str(tmp / "data")]
+            # Run the suite against multi-worker daemons (a check of the design, not for CI).
+            if os.environ.get("KVOFFLOAD_TEST_WORKERS"):
+                args += ["--workers", os.environ["KVOFFLOAD_TEST_WORKERS"]]
         args += flags
         if config is not None:
             path = tmp / "kvoffload.toml"
