@@ -21,6 +21,7 @@ from typing import Any, NoReturn, cast
 from kvoffload.errors import ConfigError
 from kvoffload.kvstore import DramConfig, EngineConfig, parse_size
 from kvoffload.kvstore.config import SsdConfig
+from kvoffload.nvmeof_target.cluster_config import ClusterConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -29,6 +30,7 @@ else:  # pragma: no cover - exercised only on 3.10
 
 __all__ = [
     "DEFAULT_SUBNQN",
+    "ClusterConfig",
     "Config",
     "EventsConfig",
     "MetricsConfig",
@@ -316,6 +318,7 @@ class Config:
     nvme: NvmeConfig = NvmeConfig()
     metrics: MetricsConfig = MetricsConfig()
     events: EventsConfig = EventsConfig()
+    cluster: ClusterConfig = ClusterConfig()
     dram: DramConfig = DramConfig()
     ssd: SsdConfig = SsdConfig(capacity_bytes=4 << 30)
     # Directory of the SSD tier, its journal and checkpoints.
@@ -331,6 +334,8 @@ class Config:
         if len(set(tokens)) != len(tokens):
             raise ConfigError("two tenants share a token")
         EngineConfig(dram=self.dram, ssd=self.ssd, data_dir=self.data_dir)  # validates them
+        if self.cluster.etcd and self.server.workers != 1:  # the supervisor does not register
+            raise ConfigError("[cluster] etcd needs server.workers = 1 (docs/cluster.md)")
         for subsystem in self.nvme.served:
             for ns in subsystem.active:
                 if ns.tenant and ns.tenant not in names:
@@ -362,6 +367,8 @@ _FLAGS: dict[str, tuple[str, ...]] = {
     "nvme_port": ("nvme", "port"),
     "subnqn": ("nvme", "subnqn"),
     "workers": ("server", "workers"),
+    "cluster": ("cluster", "etcd"),
+    "advertise": ("cluster", "advertise"),
 }
 
 
@@ -395,6 +402,8 @@ def build_flag_parser(
         type=int,
         help="processes serving the node, one shard of the keys each (default 1; 0 = one per core)",
     )
+    add("--cluster", metavar="etcd://HOST:PORT/NAME", help="register in this cluster's etcd")
+    add("--advertise", metavar="HOST", help="address clients reach this node at (clusters)")
     return parser
 
 

@@ -25,7 +25,7 @@ from typing import TextIO, cast
 
 from kvoffload.errors import ConfigError, KVOffloadError
 from kvoffload.kvstore import Engine
-from kvoffload.nvmeof_target import native, nvme
+from kvoffload.nvmeof_target import cluster, native, nvme
 from kvoffload.nvmeof_target.config import Config, load_config
 from kvoffload.nvmeof_target.events import KVEvents
 from kvoffload.nvmeof_target.metrics import Metrics
@@ -62,6 +62,7 @@ class Daemon:
         self._events_relay = events_relay
         self._fronts: list[Front] = []
         self._services: Services | None = None
+        self._cluster: cluster.Registration | None = None
         self._stop = asyncio.Event()
         self.addresses: dict[str, tuple[str, int]] = {}
 
@@ -130,6 +131,7 @@ class Daemon:
                 "write every block",
                 config.native.host,
             )
+        self._cluster = await cluster.join(config, self.addresses, self._out)
         print("kvoffload: ready", file=self._out, flush=True)
 
     @property
@@ -144,6 +146,8 @@ class Daemon:
 
     async def stop(self) -> None:
         """Stop fronts (finishing in-flight requests), then events, metrics and the engine."""
+        await cluster.leave(self._cluster)  # clients drop the node before its fronts close
+        self._cluster = None
         timeout = self.config.server.shutdown_timeout_s
         for front in reversed(self._fronts):
             try:
