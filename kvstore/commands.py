@@ -13,23 +13,37 @@ if TYPE_CHECKING:
 __all__ = ["add_commands"]
 
 
-def _stores(directory: str) -> list[str]:
-    """The store in `directory`, or each shard's (``shard-<i>``, a multi-worker daemon's)."""
-    shards = [p for p in Path(directory).glob("shard-*") if p.is_dir() and p.name[6:].isdigit()]
-    return [str(p) for p in sorted(shards, key=lambda p: int(p.name[6:]))] or [directory]
+def _stores(directory: str) -> tuple[list[str], list[str]]:
+    """The store in `directory`, or each shard's (``shard-<i>``, a multi-worker daemon's, as
+    many as its ``shards.json`` says): (stores to check, shards that are missing)."""
+    root = Path(directory)
+    try:
+        count = int(json.loads((root / "shards.json").read_text())["shards"])
+    except (OSError, ValueError, KeyError, TypeError):
+        count = 0
+    found = [p for p in root.glob("shard-*") if p.is_dir() and p.name[6:].isdigit()]
+    count = max([count, *(int(p.name[6:]) + 1 for p in found)])
+    if not count:
+        return [directory], []
+    shards = [root / f"shard-{i}" for i in range(count)]
+    return [str(p) for p in shards if p.is_dir()], [str(p) for p in shards if not p.is_dir()]
 
 
 def _fsck(args: argparse.Namespace) -> int:
     from kvoffload.kvstore.ssd.fsck import fsck
 
-    reports = [fsck(store, rebuild=args.rebuild) for store in _stores(args.directory)]
+    stores, missing = _stores(args.directory)
+    reports = [fsck(store, rebuild=args.rebuild) for store in stores]
     if args.json:
         found = [vars(r) for r in reports]
-        print(json.dumps(found[0] if len(found) == 1 else found, indent=2, default=str))
+        sharded = {"shards": found, "missing": missing}
+        print(json.dumps(sharded if missing or len(found) > 1 else found[0], indent=2, default=str))
     else:
         for report in reports:
             _print(report)
-    return 0 if all(r.clean or r.rebuilt for r in reports) else 1
+        for path in missing:
+            print(f"fsck {path}\n  missing: the store has this shard, its directory is gone")
+    return 0 if not missing and all(r.clean or r.rebuilt for r in reports) else 1
 
 
 def _print(report: FsckReport) -> None:

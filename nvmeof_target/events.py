@@ -67,11 +67,12 @@ class _Block:
 class KVEvents:
     """Collects block events and publishes them in batches on a ZMQ PUB socket."""
 
-    def __init__(self, config: EventsConfig, forward_to: str = "") -> None:
-        """`forward_to`: a worker of a multi-process daemon sends its batches to the
+    def __init__(self, config: EventsConfig, forward_to: str = "", source: int = 0) -> None:
+        """`forward_to`: worker `source` of a multi-process daemon sends its batches to the
         supervisor's `EventRelay` there (which numbers and publishes them) instead of binding."""
         self._config = config
         self._forward_to = forward_to
+        self._source = source.to_bytes(2, "big")
         self._topic = config.topic.encode()
         self._context: zmq.Context[Any] = zmq.Context.instance()
         self._socket: zmq.Socket[bytes] = self._context.socket(zmq.PUSH if forward_to else zmq.PUB)
@@ -176,11 +177,13 @@ class KVEvents:
             while self._pending and self._pending[0][0] == topic and len(events) < _MAX_BATCH:
                 events.append(self._pending.popleft()[1])
             payload = msgpack.packb([time.time(), events, None], use_bin_type=True)
-            if self._forward_to:  # the relay numbers it
-                with contextlib.suppress(zmq.Again):
-                    self._socket.send_multipart([topic, payload], flags=zmq.NOBLOCK)
-                continue
             seq = self._seq[topic] = self._seq.get(topic, 0) + 1
+            if self._forward_to:  # the relay renumbers it; a gap in ours becomes one in its
+                with contextlib.suppress(zmq.Again):
+                    self._socket.send_multipart(
+                        [self._source, topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK
+                    )
+                continue
             # PUB drops when subscribers lag: routers resynchronise from later events.
             with contextlib.suppress(zmq.Again):
                 self._socket.send_multipart(
@@ -219,6 +222,7 @@ class EventRelay:
         self._pull.bind(inbox)
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._seq: dict[bytes, int] = {}
+        self._last: dict[tuple[bytes, bytes], int] = {}  # (worker, topic) -> its last number
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvoffload-events", daemon=True)
         self._thread.start()
@@ -236,10 +240,15 @@ class EventRelay:
                 parts = self._pull.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(parts) != 2:
+            if len(parts) != 4:
                 continue  # only our workers connect here
-            topic, payload = parts
-            seq = self._seq[topic] = self._seq.get(topic, 0) + 1
+            source, topic, number, payload = parts
+            theirs = int.from_bytes(number, "big")
+            # A batch a worker dropped (its queue to the relay full) leaves a gap in the
+            # node's numbers too, so subscribers know to resynchronise.
+            lost = max(0, theirs - self._last.get((source, topic), 0) - 1)
+            self._last[(source, topic)] = theirs
+            seq = self._seq[topic] = self._seq.get(topic, 0) + 1 + lost
             with contextlib.suppress(zmq.Again):
                 self._pub.send_multipart([topic, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
 

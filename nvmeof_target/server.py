@@ -110,7 +110,9 @@ class Daemon:
         )
         self._services = services
         if config.events.enabled:
-            services.events = KVEvents(config.events, self._events_relay)
+            services.events = KVEvents(
+                config.events, self._events_relay, self._shard.index if self._shard else 0
+            )
             endpoint = services.events.start()
             engine.set_tier_listener(services.events.moved)
             print(f"kvoffload: events publishing on {endpoint}", file=self._out, flush=True)

@@ -54,6 +54,10 @@ LAYOUT_FILE = "shards.json"
 # How long the supervisor waits for a worker to open its engine (a journal replay may be long).
 _START_TIMEOUT_S = 600.0
 _STATS_TIMEOUT_S = 5.0
+_STORE_FILES = ("kvoffload.meta", "ssd.slots", "checkpoint")
+# A worker's engine close (journal flush, checkpoint) after its requests are done.
+_CLOSE_TIMEOUT_S = 600.0
+_SCRATCH_PREFIX = "kvoffload-node-"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -70,7 +74,11 @@ def shard_count(config: Config) -> int:
     made = _layout(config)
     wanted = config.server.workers
     if wanted == 0:
+        if made > 1:
+            _check_shards(config, made)
         return made or len(os.sched_getaffinity(0))
+    if made > 1:
+        _check_shards(config, made)
     if made and made != wanted:
         raise ConfigError(
             f"{config.data_dir} holds a store of {made} shard(s); run it with --workers {made} "
@@ -93,7 +101,7 @@ def _layout(config: Config) -> int:
     try:
         text = layout.read_text()
     except FileNotFoundError:
-        return 1 if root.is_dir() and any(root.iterdir()) else 0
+        return 1 if _holds_store(root) else 0
     except OSError as exc:
         raise ConfigError(f"cannot read {layout}: {exc.strerror}") from None
     try:
@@ -103,6 +111,24 @@ def _layout(config: Config) -> int:
     if not isinstance(count, int) or not 1 < count <= 256:
         raise ConfigError(f'{layout} is damaged (expected {{"shards": N}}, got {text[:80]!r})')
     return count
+
+
+def _holds_store(root: Path) -> bool:
+    """A one-process store's own files (a fresh mount's lost+found is not a store)."""
+    return any((root / name).exists() for name in _STORE_FILES) or any(root.glob("journal.*"))
+
+
+def _check_shards(config: Config, count: int) -> None:
+    """Every shard of an existing multi-worker store is there: a missing one would quietly
+    come back empty."""
+    root = Path(config.data_dir)
+    present = [i for i in range(count) if (root / f"shard-{i}").exists()]
+    if present and len(present) != count:
+        missing = sorted(set(range(count)) - set(present))
+        raise ConfigError(
+            f"{root} holds a store of {count} shards but shard-{missing[0]} is missing "
+            "(restore it, or start a new store in another --data-dir)"
+        )
 
 
 def _write_layout(config: Config, count: int) -> None:
@@ -167,6 +193,10 @@ def shard_config(config: Config, index: int, count: int) -> Config:
 # ---------------------------------------------------------------------------- the supervisor
 
 
+class _Stopped(Exception):
+    """SIGTERM/SIGINT while the workers were starting."""
+
+
 class _Worker:
     """A worker process and the supervisor's end of its control pipe."""
 
@@ -190,9 +220,12 @@ class _Worker:
         child.close()
         self.lock = threading.Lock()  # the pipe is shared by the scrape thread and the main one
         self.addresses: list[tuple[str, str, int]] = []
+        self._asked = 0  # stats requests sent: an answer to an older one is stale
 
-    def expect(self, kind: str, deadline: float) -> Any:
+    def expect(self, kind: str, deadline: float, stop: threading.Event) -> Any:
         while True:
+            if stop.is_set():
+                raise _Stopped
             if self.conn.poll(min(0.2, max(0.0, deadline - time.monotonic()))):
                 try:
                     what, value = self.conn.recv()
@@ -211,12 +244,16 @@ class _Worker:
                 raise ConfigError(f"worker {self.index} did not start in time")
 
     def stats(self) -> dict[str, object] | None:
+        """The worker's engine stats, or None if it does not answer in time (an answer that
+        comes later is recognised by its number and dropped, never taken for a newer one)."""
         with self.lock:
+            self._asked += 1
             try:
-                self.conn.send(("stats", None))
-                if self.conn.poll(_STATS_TIMEOUT_S):
-                    what, value = self.conn.recv()
-                    if what == "stats":
+                self.conn.send(("stats", self._asked))
+                deadline = time.monotonic() + _STATS_TIMEOUT_S
+                while self.conn.poll(max(0.0, deadline - time.monotonic())):
+                    what, (number, value) = self.conn.recv()
+                    if what == "stats" and number == self._asked:
                         return dict(value)
             except (EOFError, OSError):
                 pass
@@ -236,6 +273,16 @@ def supervise(config: Config, out: TextIO | None = None) -> int:
     if count == 1:
         return run(replace(config, server=replace(config.server, workers=1)))
     configs = [shard_config(config, i, count) for i in range(count)]  # validates the shares
+    largest = config.dram.effective_max_value_bytes
+    for tenant in configs[0].tenants:
+        if tenant.quota_bytes and tenant.quota_bytes < largest:
+            log.warning(
+                "tenant %s: its quota per worker (%d bytes) is below the largest value "
+                "(%d bytes); its larger values will not fit",
+                tenant.name,
+                tenant.quota_bytes,
+                largest,
+            )
     _write_layout(config, count)
     stream = out or sys.stdout
 
@@ -247,7 +294,8 @@ def supervise(config: Config, out: TextIO | None = None) -> int:
         listener = socket.create_server(
             (config.native.host, config.native.port), backlog=config.native.backlog
         )
-    scratch = tempfile.mkdtemp(prefix="kvoffload-node-")
+    _remove_stale_scratch()
+    scratch = tempfile.mkdtemp(prefix=f"{_SCRATCH_PREFIX}{os.getpid()}-")
     metrics_dir = os.path.join(scratch, "metrics")
     os.mkdir(metrics_dir)
     # Read by prometheus-client when each worker imports it: their metrics go to files here.
@@ -266,15 +314,20 @@ def supervise(config: Config, out: TextIO | None = None) -> int:
         inbox = f"ipc://{scratch}/events" if relay else ""
         workers = [_Worker(ctx, configs[i], i, count, listener, inbox) for i in range(count)]
         deadline = time.monotonic() + _START_TIMEOUT_S
-        ports = [int(w.expect("port", deadline)) for w in workers]
+        ports = [int(w.expect("port", deadline, stop)) for w in workers]
         for w in workers:
             w.conn.send(("map", ports))
-        for w in workers:
-            w.addresses = list(w.expect("ready", deadline))
         if listener is not None:
-            host, port = listener.getsockname()[:2]
+            # Every worker holds its own copy now; the supervisor's would keep the port
+            # accepting (and connections waiting) after the workers stop.
+            node_host, node_port = listener.getsockname()[:2]
+            listener.close()
+            listener = None
+        for w in workers:
+            w.addresses = list(w.expect("ready", deadline, stop))
+        if config.native.enabled:
             tls = "+tls" if config.native.tls.enabled else ""
-            say(f"native{tls} listening on {host}:{port}")
+            say(f"native{tls} listening on {node_host}:{node_port}")
         for w in workers:
             for what, host, port in w.addresses:
                 say(f"{what} shard {w.index} listening on {host}:{port}")
@@ -299,8 +352,10 @@ def supervise(config: Config, out: TextIO | None = None) -> int:
     except ConfigError as exc:
         print(f"kvoffload serve: {exc}", file=sys.stderr, flush=True)
         status = 2
+    except _Stopped:
+        log.info("stopped while starting")
     finally:
-        _stop_all(workers, config.server.shutdown_timeout_s + 30)
+        _stop_all(workers, config.server.shutdown_timeout_s)
         if listener is not None:
             listener.close()
         if metrics is not None:
@@ -313,6 +368,14 @@ def supervise(config: Config, out: TextIO | None = None) -> int:
     return status
 
 
+def _remove_stale_scratch() -> None:
+    """Scratch directories (metrics files, event socket) of supervisors that were killed."""
+    for path in Path(tempfile.gettempdir()).glob(f"{_SCRATCH_PREFIX}*-*"):
+        pid = path.name[len(_SCRATCH_PREFIX) :].split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def _node_stats(workers: list[_Worker]) -> dict[str, object]:
     parts = [s for s in (w.stats() for w in workers) if s is not None]
     stats = merge_stats(parts)
@@ -321,12 +384,13 @@ def _node_stats(workers: list[_Worker]) -> dict[str, object]:
     return stats
 
 
-def _stop_all(workers: list[_Worker], timeout: float) -> None:
+def _stop_all(workers: list[_Worker], shutdown_timeout: float) -> None:
+    """Stop every worker as a one-process daemon stops (finishing its requests, then closing
+    its engine, however long that takes); kill only one that is stuck."""
     for w in workers:
         w.stop()
-    deadline = time.monotonic() + timeout
     for w in workers:
-        w.process.join(max(0.1, deadline - time.monotonic()))
+        w.process.join(shutdown_timeout + _CLOSE_TIMEOUT_S)
         if w.process.is_alive():
             log.error("worker %d did not stop in time; killing it", w.index)
             w.process.kill()
@@ -352,7 +416,14 @@ def _worker_main(
     listeners: list[socket.socket] = []
     port = 0
     if listener is not None:
-        own = socket.create_server((config.native.host, 0), backlog=config.native.backlog)
+        # The node's port + 1 + index, so that a restarted node keeps its shard map (clients
+        # holding it reconnect where they were); any free port when the node's is 0.
+        port = config.native.port + 1 + index if config.native.port else 0
+        try:
+            own = socket.create_server((config.native.host, port), backlog=config.native.backlog)
+        except OSError as exc:
+            conn.send(("failed", f"cannot listen on {config.native.host}:{port}: {exc}"))
+            return
         port = own.getsockname()[1]
         listeners = [listener, own]
     conn.send(("port", port))
@@ -413,13 +484,13 @@ def _control(
     """Answer the supervisor: stats when it scrapes, stop when told (or when it is gone)."""
     while True:
         try:
-            what, _ = conn.recv()
+            what, number = conn.recv()
         except (EOFError, OSError):
             what = "stop"
         if what == "stats":
             engine = daemon.engine
             try:
-                conn.send(("stats", engine.stats().as_dict() if engine else {}))
+                conn.send(("stats", (number, engine.stats().as_dict() if engine else {})))
             except OSError:
                 what = "stop"
         if what == "stop":

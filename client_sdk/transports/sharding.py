@@ -18,6 +18,7 @@ from typing import TypeAlias, TypeVar
 
 from kvoffload.client_sdk.transports.base import HeldBlock, PutItem, Received, Transport
 from kvoffload.client_sdk.wire.shards import merge_stats, shard_of
+from kvoffload.errors import TransportError, WrongShardError
 
 __all__ = [
     "Got",
@@ -102,27 +103,59 @@ def scrub(buffers: Sequence[memoryview]) -> Callable[[list[int], Sequence[Got]],
 class ShardRouter:
     """A blocking transport over one transport per shard, placing keys with `shard_of`.
 
-    `resolve` gives the shards' transports in shard order; it runs once, on first use (it may
-    connect), under a lock. One transport means one shard: every call goes straight to it.
+    `resolve` gives the shards' transports in shard order; it runs on first use (it may
+    connect). One transport means one shard: every call goes straight to it. `remap`, when
+    given, is asked after a call failed to reach its shard whether the store's shards have
+    changed (a restarted daemon whose shards listen elsewhere): it returns the new shards'
+    transports (the call is then made once more) or None.
     """
 
-    def __init__(self, resolve: Callable[[], Sequence[Transport]]) -> None:
+    def __init__(
+        self,
+        resolve: Callable[[], Sequence[Transport]],
+        remap: Callable[[], Sequence[Transport] | None] | None = None,
+    ) -> None:
         self._resolve = resolve
+        self._remap = remap
         self._shards: list[Transport] | None = None
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    def _install(self, found: Sequence[Transport]) -> list[Transport]:
+        shards = list(found)
+        pool = ThreadPoolExecutor(len(shards), "kvoffload-shard") if len(shards) > 1 else None
+        old, old_pool = self._shards, self._pool
+        self._shards, self._pool = shards, pool
+        for shard in old or ():
+            if shard not in shards:
+                shard.close()
+        if old_pool is not None:
+            old_pool.shutdown(wait=False)
+        return shards
 
     def _map(self) -> list[Transport]:
         shards = self._shards
         if shards is None:
             with self._lock:
-                if self._shards is None:
-                    found = list(self._resolve())
-                    if len(found) > 1:
-                        self._pool = ThreadPoolExecutor(len(found), "kvoffload-shard")
-                    self._shards = found
-                shards = self._shards
+                if self._closed:
+                    raise TransportError("the client is closed")
+                shards = self._shards or self._install(self._resolve())
         return shards
+
+    def _again(self, op: Callable[[], T]) -> T:
+        """`op`, once more on a new shard map if it could not reach a shard of the old one."""
+        try:
+            return op()
+        except (TransportError, WrongShardError):
+            if self._remap is None or self._closed:
+                raise
+            with self._lock:
+                found = self._remap()
+                if found is None or self._closed:
+                    raise
+                self._install(found)
+        return op()
 
     def _of(self, key: bytes) -> Transport:
         shards = self._map()
@@ -137,15 +170,19 @@ class ShardRouter:
         """Run `call(shard, positions)` for each shard that holds some of `keys`, side by
         side. If one fails, the first failure raises once all have finished, after `undo`
         took back what the others returned (blocks they hold, bytes they landed)."""
-        shards = self._map()
-        groups = groups_of(keys, len(shards))
-        if len(groups) <= 1 or self._pool is None:
-            return groups, [call(shards[s], at) for s, at in groups.items()]
-        futures = [self._pool.submit(call, shards[s], at) for s, at in groups.items()]
-        wait(futures)
-        errors = [f.exception() for f in futures]
-        results = [None if e else f.result() for f, e in zip(futures, errors, strict=True)]
-        return groups, settle(list(groups.values()), errors, results, undo)
+
+        def run() -> tuple[dict[int, list[int]], list[T]]:
+            shards, pool = self._map(), self._pool
+            groups = groups_of(keys, len(shards))
+            if len(groups) <= 1 or pool is None:
+                return groups, [call(shards[s], at) for s, at in groups.items()]
+            futures = [pool.submit(call, shards[s], at) for s, at in groups.items()]
+            wait(futures)
+            errors = [f.exception() for f in futures]
+            results = [None if e else f.result() for f, e in zip(futures, errors, strict=True)]
+            return groups, settle(list(groups.values()), errors, results, undo)
+
+        return self._again(run)
 
     @property
     def shard_count(self) -> int:
@@ -153,7 +190,7 @@ class ShardRouter:
 
     @property
     def max_value_bytes(self) -> int:
-        return self._map()[0].max_value_bytes
+        return self._again(lambda: self._map()[0].max_value_bytes)
 
     @property
     def tenant(self) -> str:
@@ -162,7 +199,7 @@ class ShardRouter:
     def put(
         self, key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool = False
     ) -> None:
-        self._of(key).put(key, parts, parent, durable)
+        self._again(lambda: self._of(key).put(key, parts, parent, durable))
 
     def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None:
         self._split(
@@ -171,10 +208,10 @@ class ShardRouter:
         )
 
     def get(self, key: bytes) -> HeldBlock | None:
-        return self._of(key).get(key)
+        return self._again(lambda: self._of(key).get(key))
 
     def get_into(self, key: bytes, buffer: memoryview) -> Got:
-        return self._of(key).get_into(key, buffer)
+        return self._again(lambda: self._of(key).get_into(key, buffer))
 
     def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]:
         groups, parts = self._split(keys, lambda s, at: s.get_many([keys[i] for i in at]), release)
@@ -189,7 +226,7 @@ class ShardRouter:
         return gather(len(keys), groups, parts)
 
     def exists(self, key: bytes) -> bool:
-        return self._of(key).exists(key)
+        return self._again(lambda: self._of(key).exists(key))
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         groups, runs = self._split(keys, lambda s, at: s.lookup([keys[i] for i in at]))
@@ -200,19 +237,25 @@ class ShardRouter:
         return sum(counts)
 
     def delete(self, key: bytes) -> bool:
-        return self._of(key).delete(key)
+        return self._again(lambda: self._of(key).delete(key))
 
     def stats(self) -> dict[str, object]:
-        shards = self._map()
-        if len(shards) == 1:
-            return shards[0].stats()
-        pool = self._pool
-        parts = list(pool.map(lambda s: s.stats(), shards)) if pool else [s.stats() for s in shards]
-        merged = merge_stats(parts)
-        merged["shards"] = len(shards)
-        return merged
+        def run() -> dict[str, object]:
+            shards, pool = self._map(), self._pool
+            if len(shards) == 1:
+                return shards[0].stats()
+            parts = (
+                list(pool.map(lambda s: s.stats(), shards)) if pool else [s.stats() for s in shards]
+            )
+            merged = merge_stats(parts)
+            merged["shards"] = len(shards)
+            return merged
+
+        return self._again(run)
 
     def close(self) -> None:
+        """Close every shard's transport; later calls raise `TransportError`."""
+        self._closed = True
         with self._lock:
             shards, self._shards = self._shards or [], None
             pool, self._pool = self._pool, None

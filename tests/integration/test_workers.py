@@ -308,3 +308,82 @@ def test_nvme_hosts_reach_every_shard_through_its_subsystem(
     with Client.connect(alone) as shard1:
         held = [shard1.exists(k) for k in keys]
     assert held == [shard_of(k, 2) == 1 for k in keys]
+
+
+def _free_ports(count: int) -> int:
+    """A port P with P..P+count-1 free now (a node's port and its workers' ports)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + count > 65535:
+            continue
+        held = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise RuntimeError("no run of free ports")
+
+
+def test_clients_follow_a_restarted_node(
+    start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    port = _free_ports(3)
+    keys, values = _chain(16, 10_000, seed=9)
+    first = start_daemon("--port", str(port), *WORKERS)
+    assert sorted(int(line.rsplit(":", 1)[1]) for line in _shard_lines(first)) == [
+        port + 1,
+        port + 2,
+    ]
+    client = Client.connect(f"kv://127.0.0.1:{port}?retries=2&timeout=10")
+    for key, value in zip(keys, values, strict=True):
+        client.put(key, value)
+    assert first.stop() == 0
+    # The same port, now one process (DRAM only, so no store holds it to two shards): the
+    # client's shard ports are gone, it asks the node's port again and follows.
+    again = start_daemon("--port", str(port), "--workers", "1")
+    assert client.get(keys[0]) is None  # a fresh DRAM tier
+    client.put(keys[0], values[0])
+    assert bytes(client.get(keys[0]) or b"") == values[0]
+    assert client.stats().store.get("shards") is None
+    again.stop()
+    # And back to two workers on the same ports.
+    start_daemon("--port", str(port), *WORKERS)
+    client.put(keys[1], values[1])
+    assert bytes(client.get(keys[1]) or b"") == values[1]
+    assert client.stats().store["shards"] == 2
+    client.close()
+    with pytest.raises(KVOffloadError, match="closed"):
+        client.get(keys[1])
+
+
+def test_a_missing_shard_is_found_not_recreated(
+    start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    data = tmp_path / "store"
+    flags = ("--ssd", "64MiB", "--data-dir", str(data))
+    first = start_daemon(*WORKERS, *flags)
+    with Client.connect(first.url()) as client:
+        client.put(bytes(16), b"x" * 5000, durable=True)
+    first.stop()
+    (data / "shard-1").rename(tmp_path / "elsewhere")
+    check = subprocess.run(
+        [sys.executable, "-m", "kvoffload.cli", "fsck", str(data)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert check.returncode == 1 and "shard-1" in check.stdout and "missing" in check.stdout
+    home = tmp_path / "refused"
+    home.mkdir()
+    with pytest.raises(RuntimeError, match="shard-1 is missing"):
+        Daemon(home, *WORKERS, *flags)
+    assert not (data / "shard-1").exists()

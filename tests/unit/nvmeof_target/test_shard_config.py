@@ -71,7 +71,9 @@ def test_a_store_keeps_the_count_it_was_made_with(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="damaged"):
         shard_count(_config(tmp_path, "--workers", "0"))
     (data / "shards.json").unlink()
-    (data / "journal").write_text("a one-process store")
+    (data / "lost+found").mkdir()  # a fresh file system's: not a store
+    assert shard_count(_config(tmp_path, "--workers", "2")) == 2
+    (data / "kvoffload.meta").write_text("a one-process store")
     with pytest.raises(ConfigError, match="holds a store of 1 shard"):
         shard_count(_config(tmp_path, "--workers", "2"))
     with pytest.raises(ConfigError, match="server.workers"):
