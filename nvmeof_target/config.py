@@ -334,8 +334,6 @@ class Config:
         if len(set(tokens)) != len(tokens):
             raise ConfigError("two tenants share a token")
         EngineConfig(dram=self.dram, ssd=self.ssd, data_dir=self.data_dir)  # validates them
-        if self.cluster.etcd and self.server.workers != 1:  # the supervisor does not register
-            raise ConfigError("[cluster] etcd needs server.workers = 1 (docs/cluster.md)")
         for subsystem in self.nvme.served:
             for ns in subsystem.active:
                 if ns.tenant and ns.tenant not in names:

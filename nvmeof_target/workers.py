@@ -42,6 +42,7 @@ from typing import Any, TextIO
 
 from kvoffload.client_sdk.wire.shards import merge_stats
 from kvoffload.errors import ConfigError
+from kvoffload.nvmeof_target.cluster import Registration
 from kvoffload.nvmeof_target.config import Config
 from kvoffload.nvmeof_target.events import EventRelay
 from kvoffload.nvmeof_target.metrics import NodeMetrics
@@ -181,6 +182,7 @@ def shard_config(config: Config, index: int, count: int) -> Config:
     return replace(
         config,
         server=replace(config.server, workers=1),
+        cluster=replace(config.cluster, etcd=""),  # the supervisor registers the node
         nvme=nvme,
         metrics=replace(config.metrics, enabled=False),
         dram=dram,
@@ -305,6 +307,7 @@ def supervise(config: Config, out: TextIO | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     relay = None
     metrics = None
+    registration: Registration | None = None
     workers: list[_Worker] = []
     status = 0
     try:
@@ -337,6 +340,11 @@ def supervise(config: Config, out: TextIO | None = None) -> int:
             metrics = NodeMetrics(metrics_dir, lambda: _node_stats(workers))
             host, port = metrics.serve(config.metrics.host, config.metrics.port)
             say(f"metrics listening on {host}:{port}")
+        if config.cluster.etcd and config.native.enabled:
+            # One record for the node: its port; clients find the shards from there.
+            registration = Registration(config, {"native": (node_host, node_port)})
+            registration.open()
+            say(f"cluster {registration.cluster} node {registration.node_id}")
         log.info("serving %d shards", count)
         say("ready")
         while not stop.wait(0.2):
@@ -355,6 +363,8 @@ def supervise(config: Config, out: TextIO | None = None) -> int:
     except _Stopped:
         log.info("stopped while starting")
     finally:
+        if registration is not None:
+            registration.close()  # clients drop the node before its workers stop
         _stop_all(workers, config.server.shutdown_timeout_s)
         if listener is not None:
             listener.close()

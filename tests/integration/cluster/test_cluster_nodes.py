@@ -206,3 +206,21 @@ def test_etcd_down_for_ten_seconds_changes_nothing_for_nodes_or_clients(
     for node in nodes:
         seed += 1
         assert _round_trip(node.url, seed)
+
+
+def test_a_node_with_several_workers_registers_once(
+    start_node: StartNode, membership: EtcdMembership
+) -> None:
+    node = start_node(env={"KVOFFLOAD_SERVER__WORKERS": "2"})
+    assert node.node_id.startswith("kv-")
+    assert _until(membership, lambda m: _ids(m) == {node.node_id})
+    (member,) = membership.members()
+    # The node's port only: its shards are found from there (one subsystem per worker is not
+    # a node-wide NVMe front, so none is advertised).
+    assert set(member.fronts) == {"native"}
+    assert member.fronts["native"] == f"{node.host.address}:{node.ports['native']}"
+    assert _round_trip(f"kv://{member.fronts['native']}", seed=11)
+    with Client.connect(f"kv://{member.fronts['native']}") as client:
+        assert client.stats().store["shards"] == 2
+    assert node.stop() == 0
+    assert _until(membership, lambda m: not m)  # it leaves at once on a clean stop

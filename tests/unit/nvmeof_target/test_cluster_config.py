@@ -39,7 +39,6 @@ def test_flags_toml_and_environment(tmp_path: Path) -> None:
         ([], {"KVOFFLOAD_CLUSTER__LEASE_TTL_S": "1"}, "lease_ttl_s"),
         ([], {"KVOFFLOAD_CLUSTER__WEIGHT": "-1"}, "weight"),
         ([], {"KVOFFLOAD_CLUSTER__COLOUR": "red"}, "unknown"),
-        (["--cluster", "etcd://a:1/x", "--workers", "2"], {}, "workers = 1"),
     ],
 )
 def test_bad_values_are_config_errors(args: list[str], env: dict[str, str], says: str) -> None:
