@@ -71,23 +71,27 @@ _LISTEN = re.compile(r"^kvoffload: native listening on \S+:(\d+)$")
 
 
 def _raw_server(listener: socket.socket, max_size: int) -> None:
-    """Serve the raw protocol: b"P" + u64 n + n bytes -> b"k"; b"G" + u64 n -> n bytes."""
+    """Serve the raw protocol to one connection after another."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    buf = bytearray(max_size)
-    view = memoryview(buf)
-    head = bytearray(_HDR.size)
     while True:
         conn, _ = listener.accept()
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with conn:
-            while _recv_exact(conn, memoryview(head)):
-                op, n = _HDR.unpack(head)
-                if op == b"P":
-                    if not _recv_exact(conn, view[:n]):
-                        break
-                    conn.sendall(b"k")
-                else:
-                    conn.sendall(view[:n])
+        raw_connection(conn, max_size)
+
+
+def raw_connection(conn: socket.socket, max_size: int) -> None:
+    """Serve one connection: b"P" + u64 n + n bytes -> b"k"; b"G" + u64 n -> n bytes."""
+    view = memoryview(bytearray(max_size))
+    head = bytearray(_HDR.size)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with conn:
+        while _recv_exact(conn, memoryview(head)):
+            op, n = _HDR.unpack(head)
+            if op == b"P":
+                if not _recv_exact(conn, view[:n]):
+                    break
+                conn.sendall(b"k")
+            else:
+                conn.sendall(view[:n])
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
@@ -100,7 +104,7 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
     return True
 
 
-class _RawClient:
+class RawClient:
     def __init__(self, port: int, max_size: int) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -132,12 +136,12 @@ class _RawClient:
 
 
 @contextlib.contextmanager
-def _raw_reference(max_size: int) -> Iterator[_RawClient]:
+def _raw_reference(max_size: int) -> Iterator[RawClient]:
     listener = socket.create_server(("127.0.0.1", 0))
     ctx = multiprocessing.get_context("fork")
     server = ctx.Process(target=_raw_server, args=(listener, max_size), daemon=True)
     server.start()
-    client = _RawClient(listener.getsockname()[1], max_size)
+    client = RawClient(listener.getsockname()[1], max_size)
     listener.close()
     try:
         yield client
@@ -151,8 +155,18 @@ def _raw_reference(max_size: int) -> Iterator[_RawClient]:
 
 
 @contextlib.contextmanager
-def _daemon(dram: str, tmp: str) -> Iterator[tuple[str, int]]:
-    args = [sys.executable, "-m", "kvoffload.cli", "serve", "--port", "0"]
+def daemon(dram: str, tmp: str, workers: int = 1) -> Iterator[tuple[str, int]]:
+    """A `kvoffload serve` on loopback: (its kv:// URL, its pid)."""
+    args = [
+        sys.executable,
+        "-m",
+        "kvoffload.cli",
+        "serve",
+        "--port",
+        "0",
+        "--workers",
+        str(workers),
+    ]
     args += ["--nvme-port", "0", "--metrics-port", "0", "--dram", dram, "--ssd", "0"]
     args += ["--data-dir", tmp]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
@@ -257,6 +271,7 @@ def run(
     lookups: int = 300,
     lmcache_python: str | None = None,
     cpu_requests: int = 20_000,
+    multi_client: bool = True,
 ) -> BenchResult:
     """Measure every case over about `working_set` bytes of distinct values per size;
     LMCache's server runs under `lmcache_python` (default: this interpreter)."""
@@ -267,7 +282,7 @@ def run(
     dram = f"{max(256, 2 * working_set // (1 << 20) + 4 * largest // (1 << 20))}MiB"
     with (
         tempfile.TemporaryDirectory() as tmp,
-        _daemon(dram, tmp) as (url, pid),
+        daemon(dram, tmp) as (url, pid),
         Client.connect(url) as client,
         _raw_reference(largest) as raw,
         _redis() as redis_client,
@@ -346,6 +361,10 @@ def run(
         result.rows += _lookup_rows(client, lookups)
         if cpu_requests:
             result.rows.append(_daemon_cpu_row(client, pid, cpu_requests))
+    if multi_client:
+        from kvoffload.bench.net_mc import mc_rows
+
+        result.rows += mc_rows(rounds)
     result.notes.append(
         f"one client, loopback, ~{working_set >> 20} MiB of distinct values per size, median of "
         f"{rounds} rounds; pipelined = batches of {DEPTH} in flight (put_many/get_many_into, Redis "
@@ -440,6 +459,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=20_000,
         help="64 KiB gets for the daemon_cpu_us row (0: skip it)",
     )
+    parser.add_argument(
+        "--no-multi-client",
+        action="store_true",
+        help="skip get_mc8/workers_scaling (8 client processes against a multi-worker daemon)",
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> BenchResult:
@@ -449,4 +473,5 @@ def run_from_args(args: argparse.Namespace) -> BenchResult:
         rounds=args.rounds,
         lmcache_python=python,
         cpu_requests=args.cpu_requests,
+        multi_client=not args.no_multi_client,
     )

@@ -18,6 +18,7 @@ BENCHES: dict[str, str] = {
     "nvme": "kvoffload.bench.nvme_bench",
     "trace": "kvoffload.bench.trace",
     "fuzz": "kvoffload.bench.fuzz",
+    "cluster": "kvoffload.bench.cluster_bench",
     "serve": "kvoffload.bench.serve",
     # Last: it runs the benches above.
     "report": "kvoffload.bench.report",

@@ -22,6 +22,7 @@ __all__ = [
     "RemoteProtocolError",
     "StorageIOError",
     "TransportError",
+    "WrongShardError",
     "UnsupportedCodecConfigError",
 ]
 
@@ -59,6 +60,11 @@ class AuthError(KVOffloadError):
 
 class TransportError(KVOffloadError):
     """The connection to a store failed or was lost (not the built-in ``ConnectionError``)."""
+
+
+class WrongShardError(KVOffloadError):
+    """A key reached a worker of a multi-worker daemon that does not hold it: the client's map
+    of the node's shards is out of date (the node restarted with another worker count)."""
 
 
 class CapacityError(KVOffloadError):

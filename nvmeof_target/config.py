@@ -21,6 +21,7 @@ from typing import Any, NoReturn, cast
 from kvoffload.errors import ConfigError
 from kvoffload.kvstore import DramConfig, EngineConfig, parse_size
 from kvoffload.kvstore.config import SsdConfig
+from kvoffload.nvmeof_target.cluster_config import ClusterConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -29,6 +30,7 @@ else:  # pragma: no cover - exercised only on 3.10
 
 __all__ = [
     "DEFAULT_SUBNQN",
+    "ClusterConfig",
     "Config",
     "EventsConfig",
     "MetricsConfig",
@@ -61,8 +63,15 @@ class ServerConfig:
     # How long a graceful stop waits for in-flight requests before closing connections.
     shutdown_timeout_s: float = 10.0
     log_level: str = "info"
+    # Processes serving the node, each one shard of the keys with its own engine (DRAM/N,
+    # SSD/N, data_dir/shard-<i>); 0 = one per core. See docs/daemon.md#workers.
+    workers: int = 1
 
     def __post_init__(self) -> None:
+        if self.workers < 0 or self.workers > 256:
+            raise ConfigError(
+                f"server.workers must be in 0..256 (0 = one per core), got {self.workers}"
+            )
         if self.loop not in _LOOPS:
             raise ConfigError(f"server.loop must be one of {_LOOPS}, got {self.loop!r}")
         if self.log_level not in _LOG_LEVELS:
@@ -309,6 +318,7 @@ class Config:
     nvme: NvmeConfig = NvmeConfig()
     metrics: MetricsConfig = MetricsConfig()
     events: EventsConfig = EventsConfig()
+    cluster: ClusterConfig = ClusterConfig()
     dram: DramConfig = DramConfig()
     ssd: SsdConfig = SsdConfig(capacity_bytes=4 << 30)
     # Directory of the SSD tier, its journal and checkpoints.
@@ -354,6 +364,9 @@ _FLAGS: dict[str, tuple[str, ...]] = {
     "events": ("events", "endpoint"),
     "nvme_port": ("nvme", "port"),
     "subnqn": ("nvme", "subnqn"),
+    "workers": ("server", "workers"),
+    "cluster": ("cluster", "etcd"),
+    "advertise": ("cluster", "advertise"),
 }
 
 
@@ -382,6 +395,13 @@ def build_flag_parser(
     add("--events", metavar="ENDPOINT", help="publish KV events on this ZMQ endpoint")
     add("--nvme-port", type=int, help="NVMe/TCP front port (default 4420; 0 = any free port)")
     add("--subnqn", metavar="NQN", help=f"NVMe subsystem NQN (default {DEFAULT_SUBNQN})")
+    add(
+        "--workers",
+        type=int,
+        help="processes serving the node, one shard of the keys each (default 1; 0 = one per core)",
+    )
+    add("--cluster", metavar="etcd://HOST:PORT/NAME", help="register in this cluster's etcd")
+    add("--advertise", metavar="HOST", help="address clients reach this node at (clusters)")
     return parser
 
 

@@ -35,7 +35,7 @@ import zmq
 
 from kvoffload.nvmeof_target.config import EventsConfig
 
-__all__ = ["KVEvents", "event_hash"]
+__all__ = ["EventRelay", "KVEvents", "event_hash"]
 
 _MASK64 = (1 << 64) - 1
 MEDIUM_DRAM = "CPU"
@@ -67,11 +67,15 @@ class _Block:
 class KVEvents:
     """Collects block events and publishes them in batches on a ZMQ PUB socket."""
 
-    def __init__(self, config: EventsConfig) -> None:
+    def __init__(self, config: EventsConfig, forward_to: str = "", source: int = 0) -> None:
+        """`forward_to`: worker `source` of a multi-process daemon sends its batches to the
+        supervisor's `EventRelay` there (which numbers and publishes them) instead of binding."""
         self._config = config
+        self._forward_to = forward_to
+        self._source = source.to_bytes(2, "big")
         self._topic = config.topic.encode()
         self._context: zmq.Context[Any] = zmq.Context.instance()
-        self._socket: zmq.Socket[bytes] = self._context.socket(zmq.PUB)
+        self._socket: zmq.Socket[bytes] = self._context.socket(zmq.PUSH if forward_to else zmq.PUB)
         self._socket.setsockopt(zmq.SNDHWM, config.hwm)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._pending: collections.deque[tuple[bytes, dict[str, object]]] = collections.deque()
@@ -85,8 +89,12 @@ class KVEvents:
 
     def start(self) -> str:
         """Bind the socket and start publishing; returns the bound endpoint."""
-        self._socket.bind(self._config.endpoint)
-        self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self._forward_to:
+            self._socket.connect(self._forward_to)
+            self.endpoint = self._forward_to
+        else:
+            self._socket.bind(self._config.endpoint)
+            self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._task = asyncio.get_running_loop().create_task(self._run())
         return self.endpoint
 
@@ -170,6 +178,12 @@ class KVEvents:
                 events.append(self._pending.popleft()[1])
             payload = msgpack.packb([time.time(), events, None], use_bin_type=True)
             seq = self._seq[topic] = self._seq.get(topic, 0) + 1
+            if self._forward_to:  # the relay renumbers it; a gap in ours becomes one in its
+                with contextlib.suppress(zmq.Again):
+                    self._socket.send_multipart(
+                        [self._source, topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK
+                    )
+                continue
             # PUB drops when subscribers lag: routers resynchronise from later events.
             with contextlib.suppress(zmq.Again):
                 self._socket.send_multipart(
@@ -188,4 +202,60 @@ class KVEvents:
                 await self._task
             self._task = None
         self.flush()
-        self._socket.close(linger=0)
+        # A worker's last batches still have to reach the relay.
+        self._socket.close(linger=1000 if self._forward_to else 0)
+
+
+class EventRelay:
+    """The supervisor's half of a multi-process daemon's events: workers PUSH their batches
+    here; one PUB socket publishes them with per-topic sequence numbers, so a subscriber sees
+    one gap-free sequence per tenant however many workers there are."""
+
+    def __init__(self, config: EventsConfig, inbox: str) -> None:
+        self._context: zmq.Context[Any] = zmq.Context.instance()
+        self._pub: zmq.Socket[bytes] = self._context.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, config.hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pull: zmq.Socket[bytes] = self._context.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(config.endpoint)
+        self._pull.bind(inbox)
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._seq: dict[bytes, int] = {}
+        self._last: dict[tuple[bytes, bytes], int] = {}  # (worker, topic) -> its last number
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvoffload-events", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        while not self._stop.is_set():
+            if poller.poll(100):
+                self._relay()
+
+    def _relay(self) -> None:
+        while True:
+            try:
+                parts = self._pull.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(parts) != 4:
+                continue  # only our workers connect here
+            source, topic, number, payload = parts
+            theirs = int.from_bytes(number, "big")
+            # A batch a worker dropped (its queue to the relay full) leaves a gap in the
+            # node's numbers too, so subscribers know to resynchronise.
+            lost = max(0, theirs - self._last.get((source, topic), 0) - 1)
+            self._last[(source, topic)] = theirs
+            seq = self._seq[topic] = self._seq.get(topic, 0) + 1 + lost
+            with contextlib.suppress(zmq.Again):
+                self._pub.send_multipart([topic, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
+
+    def close(self) -> None:
+        """Call after the workers have stopped: what they sent last is published first."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._relay()
+        self._pull.close(linger=0)
+        self._pub.close(linger=0)

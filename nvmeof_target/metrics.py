@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["Metrics"]
+__all__ = ["Metrics", "NodeMetrics"]
 
 # Per-tier fields of `EngineStats.tiers` that only grow; every other numeric field is a gauge.
 # Fields the engine adds later (demotions, promotions, corrupt blocks...) are exported without
@@ -82,7 +82,31 @@ def _labelled(name: str, field: str, label: str) -> CounterMetricFamily | GaugeM
     return GaugeMetricFamily(name, doc, labels=[label])
 
 
-class Metrics:
+class _Endpoint:
+    """A registry served over HTTP (`/metrics`) from a background thread."""
+
+    registry: CollectorRegistry
+    _server: WSGIServer | None = None
+    _thread: threading.Thread | None = None
+
+    def serve(self, host: str, port: int) -> tuple[str, int]:
+        """Serve `/metrics` over HTTP from a background thread; returns the bound address."""
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server, self._thread = server, thread
+        bound_host, bound_port = server.server_address[:2]
+        return str(bound_host), int(bound_port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+
+class Metrics(_Endpoint):
     """The daemon's metrics registry and its HTTP endpoint."""
 
     def __init__(self, engine_stats: Callable[[], Mapping[str, Any]]) -> None:
@@ -105,7 +129,11 @@ class Metrics:
             "kvoffload_payload_bytes_out", "Value bytes sent", ["front"], registry=r
         )
         self.connections = Gauge(
-            "kvoffload_connections", "Open client connections", ["front"], registry=r
+            "kvoffload_connections",
+            "Open client connections",
+            ["front"],
+            registry=r,
+            multiprocess_mode="livesum",  # the node's sum over live workers
         )
         self.connections_total = Counter(
             "kvoffload_connections_accepted", "Connections accepted", ["front"], registry=r
@@ -126,21 +154,16 @@ class Metrics:
             "kvoffload_auth_failures", "Refused authentications", ["front"], registry=r
         )
         r.register(_EngineCollector(engine_stats))
-        self._server: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
 
-    def serve(self, host: str, port: int) -> tuple[str, int]:
-        """Serve `/metrics` over HTTP from a background thread; returns the bound address."""
-        server, thread = start_http_server(port, addr=host, registry=self.registry)
-        self._server, self._thread = server, thread
-        bound_host, bound_port = server.server_address[:2]
-        return str(bound_host), int(bound_port)
 
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+class NodeMetrics(_Endpoint):
+    """The /metrics of a daemon with several workers: the request metrics every worker writes
+    (prometheus-client's multiprocess files under `path`) plus the sum of their engines'
+    stats, which `engine_stats` gathers when scraped."""
+
+    def __init__(self, path: str, engine_stats: Callable[[], Mapping[str, Any]]) -> None:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        self.registry = CollectorRegistry()
+        MultiProcessCollector(self.registry, path=path)  # type: ignore[no-untyped-call]
+        self.registry.register(_EngineCollector(engine_stats))

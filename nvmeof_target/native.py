@@ -50,8 +50,8 @@ class NativeFront:
     def __init__(self, config: NativeConfig, services: Services) -> None:
         self.config = config
         self.services = services
-        self._listener: socket.socket | None = None
-        self._accept_task: asyncio.Task[None] | None = None
+        self._listeners: list[socket.socket] = []
+        self._accept_tasks: list[asyncio.Task[None]] = []
         self._watchdog: asyncio.Task[None] | None = None
         self._sessions: dict[NativeSession, asyncio.Task[None]] = {}
         self._tls: ssl.SSLContext | None = None
@@ -76,16 +76,25 @@ class NativeFront:
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             context.load_cert_chain(self.config.tls.cert_file, self.config.tls.key_file or None)
             self._tls = context
-        listener = socket.create_server(
-            (self.config.host, self.config.port), backlog=self.config.backlog, reuse_port=False
-        )
-        listener.setblocking(False)
-        self._listener = listener
+        shard = self.services.shard
+        if shard is not None:  # the worker's supervisor bound them
+            listeners = shard.listeners
+        else:
+            listeners = [
+                socket.create_server(
+                    (self.config.host, self.config.port),
+                    backlog=self.config.backlog,
+                    reuse_port=False,
+                )
+            ]
         loop = asyncio.get_running_loop()
-        self._accept_task = loop.create_task(self._accept(listener))
+        for listener in listeners:
+            listener.setblocking(False)
+            self._listeners.append(listener)
+            self._accept_tasks.append(loop.create_task(self._accept(listener)))
         self._watchdog = loop.create_task(self._watch())
-        host, port = listener.getsockname()[:2]
-        return [(FRONT + ("+tls" if self._tls else ""), str(host), int(port))]
+        what = FRONT + ("+tls" if self._tls else "")
+        return [(what, *_bound(listener)) for listener in listeners]
 
     async def _accept(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -132,13 +141,19 @@ class NativeFront:
         self._sessions.pop(session, None)
 
     async def stop(self, timeout: float) -> None:
-        for task in (self._accept_task, self._watchdog):
+        for task in (*self._accept_tasks, self._watchdog):
             if task is not None:
                 task.cancel()
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        self._accept_tasks.clear()
+        for listener in self._listeners:
+            listener.close()
+        self._listeners.clear()
         await stop_sessions(self._sessions, timeout)
+
+
+def _bound(listener: socket.socket) -> tuple[str, int]:
+    host, port = listener.getsockname()[:2]
+    return str(host), int(port)
 
 
 def _refuse(sock: socket.socket, why: str) -> None:

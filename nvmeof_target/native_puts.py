@@ -22,6 +22,7 @@ from kvoffload.client_sdk.wire.native import (
     PutManyDone,
     SinkFull,
 )
+from kvoffload.client_sdk.wire.shards import shard_of
 from kvoffload.errors import KVOffloadError
 from kvoffload.kvstore import PutReservation
 
@@ -124,9 +125,14 @@ def _reserve(s: NativeSession, pending: PendingPut, items: list[int]) -> Pending
     if pending.error is not None or not items:
         return pending
     me = s.me
+    shard = s.services.shard
     try:
         for i in items:
             key, length, parent = pending.items[i]
+            # A parent another worker holds is unknown to this engine: the block starts a
+            # chain here, rather than look like an orphan (first to be evicted).
+            if shard and parent is not None and shard_of(parent, shard.count) != shard.index:
+                parent = None
             pending.reserved[i] = s.engine.reserve(
                 me.key(key),
                 length,

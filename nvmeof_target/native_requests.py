@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from kvoffload import __version__
 from kvoffload.client_sdk.wire.native import (
-    PROTOCOL_VERSION,
+    PROTOCOL_VERSIONS,
     Delete,
     DeleteResult,
     Event,
@@ -48,14 +48,21 @@ log = logging.getLogger("kvoffload.native")
 
 
 def on_hello(s: NativeSession, event: Hello) -> None:
-    if event.version != PROTOCOL_VERSION:
-        s.fail(
-            event.request_id,
-            RemoteProtocolError(
-                f"protocol version {event.version} is not supported (this daemon speaks "
-                f"{PROTOCOL_VERSION})"
-            ),
+    shard = s.services.shard
+    refusal = ""
+    if event.version not in PROTOCOL_VERSIONS:
+        refusal = (
+            f"protocol version {event.version} is not supported (this daemon speaks "
+            f"{', '.join(map(str, PROTOCOL_VERSIONS))})"
         )
+    elif shard is not None and event.version < 2:
+        # A version 1 client cannot follow the shard map and would see 1/N of the store.
+        refusal = (
+            f"this daemon serves its keys from {shard.count} worker processes; a client "
+            f"speaking protocol {event.version} cannot reach them all: upgrade kvoffload"
+        )
+    if refusal:
+        s.fail(event.request_id, RemoteProtocolError(refusal))
         s.end_after_answers()
         return
     try:
@@ -70,11 +77,13 @@ def on_hello(s: NativeSession, event: Hello) -> None:
     s.reply(
         Welcome(
             event.request_id,
-            PROTOCOL_VERSION,
+            event.version,
             s.tenant.name,
             s.engine.max_value_bytes,
             s.config.max_payload_bytes,
             server=f"kvoffload {__version__}",
+            shard=shard.index if shard else 0,
+            shard_ports=tuple(shard.ports) if shard else (),
         )
     )
 

@@ -41,6 +41,8 @@ __all__ = ["FRONT", "NativeSession"]
 log = logging.getLogger("kvoffload.native")
 FRONT = "native"
 T = TypeVar("T")
+# Request class -> its operation's name in the metrics, built once per class.
+_OP_NAMES: dict[type[Event], str] = {}
 
 
 class NativeSession(Session):
@@ -101,7 +103,9 @@ class NativeSession(Session):
         return False
 
     def _dispatch(self, event: Event) -> Awaitable[object] | None:
-        self._started_now(event.request_id, type(event).__name__.lower())
+        cls = type(event)
+        op = _OP_NAMES.get(cls) or _OP_NAMES.setdefault(cls, cls.__name__.lower())
+        self._started_now(event.request_id, op)
         try:
             return HANDLERS[type(event)](self, event)
         except KVOffloadError as exc:  # e.g. the engine closing under a stopping daemon

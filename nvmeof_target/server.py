@@ -25,11 +25,11 @@ from typing import TextIO, cast
 
 from kvoffload.errors import ConfigError, KVOffloadError
 from kvoffload.kvstore import Engine
-from kvoffload.nvmeof_target import native, nvme
+from kvoffload.nvmeof_target import cluster, native, nvme
 from kvoffload.nvmeof_target.config import Config, load_config
 from kvoffload.nvmeof_target.events import KVEvents
 from kvoffload.nvmeof_target.metrics import Metrics
-from kvoffload.nvmeof_target.services import Front, Services
+from kvoffload.nvmeof_target.services import Front, Services, ShardRole
 from kvoffload.nvmeof_target.tenants import Tenants
 
 __all__ = ["FRONTS", "Daemon", "Front", "Services", "main"]
@@ -47,11 +47,22 @@ FRONTS: dict[str, Callable[[Config, Services], Front | None]] = {
 class Daemon:
     """The engine plus its fronts, metrics and events, in one event loop."""
 
-    def __init__(self, config: Config, out: TextIO | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        out: TextIO | None = None,
+        shard: ShardRole | None = None,
+        events_relay: str = "",
+    ) -> None:
+        """`shard` and `events_relay`: this daemon is one worker of a multi-process daemon
+        (workers.py), serving one shard and sending its KV events to the supervisor."""
         self.config = config
         self._out = out or sys.stdout
+        self._shard = shard
+        self._events_relay = events_relay
         self._fronts: list[Front] = []
         self._services: Services | None = None
+        self._cluster: cluster.Registration | None = None
         self._stop = asyncio.Event()
         self.addresses: dict[str, tuple[str, int]] = {}
 
@@ -95,10 +106,13 @@ class Daemon:
             metrics,
             executor,
             blocking_engine=config.ssd.capacity_bytes > 0 and _has_ssd_tier(engine),
+            shard=self._shard,
         )
         self._services = services
         if config.events.enabled:
-            services.events = KVEvents(config.events)
+            services.events = KVEvents(
+                config.events, self._events_relay, self._shard.index if self._shard else 0
+            )
             endpoint = services.events.start()
             engine.set_tier_listener(services.events.moved)
             print(f"kvoffload: events publishing on {endpoint}", file=self._out, flush=True)
@@ -119,7 +133,12 @@ class Daemon:
                 "write every block",
                 config.native.host,
             )
+        self._cluster = await cluster.join(config, self.addresses, self._out)
         print("kvoffload: ready", file=self._out, flush=True)
+
+    @property
+    def engine(self) -> Engine | None:
+        return self._services.engine if self._services else None
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -129,6 +148,8 @@ class Daemon:
 
     async def stop(self) -> None:
         """Stop fronts (finishing in-flight requests), then events, metrics and the engine."""
+        await cluster.leave(self._cluster)  # clients drop the node before its fronts close
+        self._cluster = None
         timeout = self.config.server.shutdown_timeout_s
         for front in reversed(self._fronts):
             try:
@@ -167,7 +188,7 @@ async def _serve(config: Config) -> int:
     return 0
 
 
-def _event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop]:
+def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop]:
     if choice in ("auto", "uvloop"):
         try:
             import uvloop
@@ -179,13 +200,22 @@ def _event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop]:
     return asyncio.new_event_loop
 
 
-def run(config: Config) -> int:
-    """Serve until SIGTERM/SIGINT; returns the exit status."""
+def setup_logging(config: Config, prefix: str = "") -> None:
     logging.basicConfig(
         level=config.server.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s",
     )
-    loop = _event_loop_factory(config.server.loop)()
+
+
+def run(config: Config) -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit status."""
+    from kvoffload.nvmeof_target.workers import shard_count, supervise
+
+    if config.server.workers != 1:
+        return supervise(config)
+    shard_count(config)  # refuses a data directory that holds a multi-worker store
+    setup_logging(config)
+    loop = event_loop_factory(config.server.loop)()
     try:
         return loop.run_until_complete(_serve(config))
     finally:

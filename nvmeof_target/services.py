@@ -5,6 +5,7 @@ the fronts) depend on it rather than on each other.
 
 from __future__ import annotations
 
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -17,7 +18,22 @@ from kvoffload.nvmeof_target.events import KVEvents
 from kvoffload.nvmeof_target.metrics import Metrics
 from kvoffload.nvmeof_target.tenants import Tenants
 
-__all__ = ["Front", "Services"]
+__all__ = ["Front", "Services", "ShardRole"]
+
+
+@dataclass
+class ShardRole:
+    """This process serves shard `index` of `count` (a daemon with several workers).
+
+    `listeners` are the native sockets it accepts on: the node's shared port (every worker
+    accepts there) and its own; `ports` are every shard's own port, in shard order, which
+    Welcome hands to clients so that they route each key straight to its shard.
+    """
+
+    index: int
+    count: int
+    listeners: list[socket.socket]
+    ports: list[int]
 
 
 @dataclass
@@ -33,6 +49,7 @@ class Services:
     # True when engine calls that move blocks may wait on a device (SSD tier): fronts run
     # reads, reservations (which may evict to the SSD), commits and deletes in `executor`.
     blocking_engine: bool = False
+    shard: ShardRole | None = None
     started: float = field(default_factory=time.monotonic)
 
     def server_info(self) -> dict[str, object]:

@@ -186,7 +186,9 @@ class Session:
         """Queue the buffers that answer `request`: they count against the in-flight budget
         until the kernel has them (then `on_done` runs: a pinned view may be released), and
         the request's counter and latency are recorded."""
-        size = sum(len(p) for p in parts)
+        size = 0
+        for part in parts:
+            size += len(part)
         self._inflight_bytes += size
 
         def done() -> None:

@@ -47,6 +47,9 @@ class Daemon:
             args += ["--port", "0", "--nvme-port", "0", "--metrics-port", "0"]
             args += ["--dram", "64MiB", "--ssd", "0"]
             args += ["--data-dir", str(tmp / "data")]
+            # Run the suite against multi-worker daemons (a check of the design, not for CI).
+            if os.environ.get("KVOFFLOAD_TEST_WORKERS"):
+                args += ["--workers", os.environ["KVOFFLOAD_TEST_WORKERS"]]
         args += flags
         if config is not None:
             path = tmp / "kvoffload.toml"
@@ -54,8 +57,14 @@ class Daemon:
             args += ["--config", str(path)]
         environ = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
         environ.update(env or {})
+        # Its own process group: a crash test kills a multi-worker daemon's processes at once.
         self.proc = subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ
+            args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=environ,
+            start_new_session=True,
         )
         self.ports: dict[str, int] = {}
         self.events = ""

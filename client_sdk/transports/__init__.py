@@ -27,13 +27,13 @@ __all__ = [
 # scheme -> "module:function(StoreURL) -> Transport"; imported only when a URL asks for it.
 _SCHEMES: dict[str, str] = {
     "local": "kvoffload.client_sdk.transports.local:open_local",
-    "kv": "kvoffload.client_sdk.transports.native:open_native",
+    "kv": "kvoffload.client_sdk.transports.native.shards:open_sharded",
     "nvme+tcp": "kvoffload.client_sdk.transports.nvme:open_nvme",
 }
 # scheme -> "module:function(StoreURL) -> AsyncTransport" for schemes with an asyncio
 # transport; the others are served from their sync transport in a worker thread.
 _ASYNC_SCHEMES: dict[str, str] = {
-    "kv": "kvoffload.client_sdk.transports.native:open_native_async",
+    "kv": "kvoffload.client_sdk.transports.native.shards:open_sharded_async",
 }
 
 

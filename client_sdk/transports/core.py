@@ -179,20 +179,34 @@ def _delays(endpoint: Endpoint, deadline: float) -> Iterator[float]:
         delay = min(delay * 2, 2.0)
 
 
-def retrying(endpoint: Endpoint, attempt: Callable[[A, float], T], arg: A) -> T:
+def retrying(
+    endpoint: Endpoint,
+    attempt: Callable[[A, float], T],
+    arg: A,
+    deadline: float | None = None,
+    failed: TransportError | None = None,
+) -> T:
     """`attempt(arg, deadline)` again after each `TransportError` while the retries and the
-    operation's deadline last (every operation is idempotent)."""
-    deadline = time.monotonic() + endpoint.timeout
+    operation's deadline last (every operation is idempotent).
+
+    A caller that already made the first attempt itself (a transport's fast path) passes its
+    `deadline` and the error it `failed` with: that attempt counts as the first.
+    """
+    if deadline is None:
+        deadline = time.monotonic() + endpoint.timeout
     delays = _delays(endpoint, deadline)
+    error = failed
     while True:
+        if error is not None:
+            wait = next(delays, None)
+            if wait is None:
+                raise error
+            log.debug("retrying after %s", error)
+            time.sleep(wait)
         try:
             return attempt(arg, deadline)
         except TransportError as exc:
-            wait = next(delays, None)
-            if wait is None:
-                raise
-            log.debug("retrying after %s", exc)
-            time.sleep(wait)
+            error = exc
 
 
 async def retrying_async(

@@ -39,6 +39,7 @@ from kvoffload.client_sdk.wire.native_events import (
     KEY_BYTES,
     NEED_DATA,
     PROTOCOL_VERSION,
+    PROTOCOL_VERSIONS,
     ConnectionClosed,
     Delete,
     DeleteResult,
@@ -70,6 +71,7 @@ __all__ = [
     "KEY_BYTES",
     "NEED_DATA",
     "PROTOCOL_VERSION",
+    "PROTOCOL_VERSIONS",
     "ConnectionClosed",
     "Delete",
     "DeleteResult",
@@ -256,7 +258,9 @@ class NativeConnection:
             event.meta(),
             payload,  # type: ignore[arg-type]
         )
-        sent = sum(len(p) for p in parts[1:])
+        sent = 0
+        for part in parts[1:]:
+            sent += len(part)
         if sent != event.payload_length:
             raise LocalProtocolError(
                 f"{type(event).__name__} declares {event.payload_length} payload bytes, got {sent}"

@@ -16,6 +16,7 @@ __all__ = [
     "KEY_BYTES",
     "NEED_DATA",
     "PROTOCOL_VERSION",
+    "PROTOCOL_VERSIONS",
     "ConnectionClosed",
     "Delete",
     "DeleteResult",
@@ -41,7 +42,10 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 1
+# 2: Welcome names the shard a connection reached and every shard's port (a daemon with
+# several workers). A daemon still answers version 1 Hellos, without those fields.
+PROTOCOL_VERSION = 2
+PROTOCOL_VERSIONS = (1, 2)
 KEY_BYTES = 16
 NEED_DATA = Need.DATA
 _MAX_TEXT = 4096
@@ -58,6 +62,8 @@ def _fail(what: str, value: object) -> LocalProtocolError:
 
 
 def _uint(value: object) -> int:
+    if type(value) is int and 0 <= value <= _MAX_LENGTH:  # the common case, in one test
+        return value
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_LENGTH:
         raise _fail("unsigned integer", value)
     return value
@@ -76,6 +82,8 @@ def _text(value: object) -> str:
 
 
 def _key(value: object) -> bytes:
+    if type(value) is bytes and len(value) == KEY_BYTES:
+        return value
     if not isinstance(value, bytes) or len(value) != KEY_BYTES:
         raise _fail(f"{KEY_BYTES}-byte key", value)
     return value
@@ -128,6 +136,8 @@ _VALIDATORS: dict[str, Callable[[object], object]] = {
     "lengths": _seq(_uint),
     "opt_lengths": _seq(_opt_uint),
     "stats": _stats_map,
+    "shard": _uint,
+    "shard_ports": _seq(_uint),
 }
 
 
@@ -148,8 +158,12 @@ class Event:
     request_id: int
 
     def __post_init__(self) -> None:
-        for name, check in _checks(type(self)):
-            object.__setattr__(self, name, check(getattr(self, name)))
+        checks = _CHECKS.get(type(self)) or _checks(type(self))
+        for name, check in checks:
+            value = getattr(self, name)
+            checked = check(value)
+            if checked is not value:  # lists become tuples; most values come back as they are
+                object.__setattr__(self, name, checked)
         if self.request_id > MAX_REQUEST_ID or (
             self.request_id == 0 and type(self) is not ErrorReply
         ):
@@ -161,7 +175,11 @@ class Event:
         return 0
 
     def meta(self) -> dict[str, object]:
-        return {name: getattr(self, name) for name, _ in _checks(type(self))[1:]}
+        names = _NAMES_IN_ORDER.get(type(self))
+        if names is None:
+            _names(type(self))
+            names = _NAMES_IN_ORDER[type(self)]
+        return {name: getattr(self, name) for name in names}
 
 
 # Event class -> (field name, validator) in field order, request_id first; built once per class
@@ -202,6 +220,16 @@ class Welcome(Event):
     max_value_bytes: int
     max_payload_bytes: int
     server: str = ""
+    # Version 2: this connection's shard and every shard's port on the daemon's host, in shard
+    # order (empty: one process serves every key).
+    shard: int = 0
+    shard_ports: tuple[int, ...] = ()
+
+    def meta(self) -> dict[str, object]:
+        meta = Event.meta(self)
+        if self.version < 2:  # a version 1 peer rejects fields it does not know
+            del meta["shard"], meta["shard_ports"]
+        return meta
 
 
 @dataclass(frozen=True, slots=True)
@@ -420,9 +448,12 @@ def _decode(frame: Frame) -> Event:
     cls = _BY_FRAME.get((frame.type, bool(frame.flags & FLAG_RESPONSE)))
     if cls is None:
         raise LocalProtocolError(f"unknown frame type {frame.type}")
-    names = {f.name for f in fields(cls)} - {"request_id"}  # type: ignore[arg-type]
-    unknown = set(frame.meta) - names
-    if unknown:
+    names = _NAMES.get(cls)
+    if names is None:
+        names = _names(cls)
+    meta = frame.meta
+    if not meta.keys() <= names:
+        unknown = set(meta) - names
         # The names are the peer's: quote a few, shortened (the message is logged and sent).
         named = [name[:40] for name in sorted(unknown)[:3]]
         more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
@@ -437,3 +468,16 @@ def _decode(frame: Frame) -> Event:
             f"{frame.payload_length}"
         )
     return event
+
+
+# Event class -> the names its frame header may carry (all fields but request_id), once per
+# class: building the set on every decoded frame cost more than checking it.
+_NAMES: dict[type[Event], frozenset[str]] = {}
+_NAMES_IN_ORDER: dict[type[Event], tuple[str, ...]] = {}
+
+
+def _names(cls: type[Event]) -> frozenset[str]:
+    ordered = tuple(name for name, _ in _checks(cls)[1:])
+    _NAMES_IN_ORDER[cls] = ordered
+    names = _NAMES[cls] = frozenset(ordered)
+    return names

@@ -20,6 +20,7 @@ from kvoffload.errors import (
     RemoteProtocolError,
     StorageIOError,
     TransportError,
+    WrongShardError,
 )
 
 __all__ = ["Status", "error_for", "nvme_error_for", "nvme_status_of", "status_of"]
@@ -39,11 +40,13 @@ class Status(enum.IntEnum):
     UNAVAILABLE = 8  # shutting down, too many connections: try again elsewhere or later
     CONFIG = 9
     INTERNAL = 10  # any other KVOffloadError on the server
+    WRONG_SHARD = 11  # a key sent to a worker that does not hold it (protocol 2)
 
 
 # Exception class -> status, most specific first (checked in order, so subclasses win).
 _STATUS_OF: tuple[tuple[type[KVOffloadError], Status], ...] = (
     (InvalidArgumentError, Status.INVALID_ARGUMENT),
+    (WrongShardError, Status.WRONG_SHARD),
     (CapacityError, Status.CAPACITY),
     (AuthError, Status.AUTH),
     (RemoteProtocolError, Status.PROTOCOL),
@@ -68,6 +71,7 @@ _ERROR_FOR: dict[int, type[KVOffloadError]] = {
     Status.UNAVAILABLE: TransportError,
     Status.CONFIG: ConfigError,
     Status.INTERNAL: KVOffloadError,
+    Status.WRONG_SHARD: WrongShardError,
 }
 
 

@@ -44,13 +44,19 @@ def test_rows_cover_every_case_and_reference() -> None:
     # A daemon spends at least some µs of CPU per request; a wrong pid or field reads 0 or tiny.
     assert cpu.unit == "us" and 1 < cpu.value < 100_000 and cpu.ref_value == 20.0
     assert "2,000 gets" in cpu.note
+    # 8 client processes against every worker, next to a forking raw server under them.
+    mc = rows[("get_mc8/2MiB", "raw_socket_mp")]
+    assert mc.unit == "GB/s" and mc.value > 0 and mc.ref_value and mc.ref_value > 0
+    scaling = rows[("workers_scaling/2MiB", "workers_1")]
+    assert scaling.value == mc.value
+    assert scaling.ref_value is None or scaling.ref_value > 0  # None on a one-core machine
 
 
 def test_cli_writes_the_json(tmp_path: Path) -> None:
     out = tmp_path / "net.json"
     proc = subprocess.run(
         [sys.executable, "-m", "kvoffload.cli", "bench", "net", "--working-set", "1"]
-        + ["--rounds", "1", "--cpu-requests", "500", "--json", str(out)],
+        + ["--rounds", "1", "--cpu-requests", "500", "--no-multi-client", "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=240,
@@ -61,3 +67,4 @@ def test_cli_writes_the_json(tmp_path: Path) -> None:
     cases = {(r["case"], r.get("ref")) for r in data["rows"]}
     assert ("get/2MiB", "raw_socket") in cases and ("put/8MiB", "lmcache") in cases
     assert all("ratio" in r for r in data["rows"])
+    assert not any(case.startswith("get_mc8") for case, _ in cases)

@@ -137,7 +137,7 @@ def test_a_lookup_count_over_the_keys_asked_is_a_protocol_error() -> None:
             with pytest.raises(RemoteProtocolError, match="lookup"):
                 client.lookup(keys)
             # A daemon that answered nonsense does not get the connection back for reuse.
-            assert client._transport._idle == []
+            assert client._transport._shards[0]._idle == []  # a one-process peer: one shard
 
         async def main() -> None:
             async with AsyncClient.connect(url) as client:

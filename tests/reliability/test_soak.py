@@ -16,6 +16,7 @@ import math
 import os
 import random
 import re
+import signal
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -67,7 +68,8 @@ def demotions(daemon: Daemon) -> int:
 def sigkill(daemon: Daemon, after: float, killed: list[float]) -> None:
     time.sleep(after)
     killed.append(time.monotonic())
-    daemon.proc.kill()
+    # The whole process group at once: with several workers, none may serve past the crash.
+    os.killpg(daemon.proc.pid, signal.SIGKILL)
     daemon.proc.wait()
 
 

@@ -198,7 +198,8 @@ class AsyncNativeTransport:
                     continue
                 raise
 
-    async def _welcomed(self) -> Welcome:
+    async def welcomed(self) -> Welcome:
+        """The daemon's Welcome (connects if needed)."""
         if self._welcome is None:
             await self._connection(time.monotonic() + self.options.timeout)
         assert self._welcome is not None
@@ -217,7 +218,7 @@ class AsyncNativeTransport:
             AuthError: the token was refused.
             TransportError, DeadlineExceededError: the daemon could not be reached.
         """
-        await self._welcomed()
+        await self.welcomed()
 
     async def put(
         self, key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool = False
@@ -225,7 +226,7 @@ class AsyncNativeTransport:
         await self._run(lambda: plans.put(key, parts, parent, durable))
 
     async def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None:
-        budget = (await self._welcomed()).max_payload_bytes
+        budget = (await self.welcomed()).max_payload_bytes
         await self._run(lambda: plans.put_many(items, durable, budget))
 
     async def get(self, key: bytes) -> HeldBlock | None:

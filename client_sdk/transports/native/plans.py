@@ -40,13 +40,16 @@ __all__ = [
     "exists",
     "get",
     "get_into",
+    "get_into_request",
     "get_many",
     "get_many_into",
     "hello",
     "lookup",
     "prefetch",
     "put",
+    "put_done",
     "put_many",
+    "put_request",
     "stats",
 ]
 
@@ -74,8 +77,17 @@ def _nbytes(parts: Sequence[object]) -> int:
 
 
 def put(key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool) -> Plan[None]:
-    length = _nbytes(parts)
-    yield from _ask(Req(partial(_put_event, key, length, parent, durable), parts))
+    yield from _ask(put_request(key, parts, parent, durable))
+
+
+def put_request(key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool) -> Req:
+    """The one request of `put` (a driver may send it without running the plan)."""
+    return Req(partial(_put_event, key, _nbytes(parts), parent, durable), parts)
+
+
+def put_done(call: Call) -> None:
+    """`put`'s result from its answered call."""
+    call.result()
 
 
 def _put_event(key: bytes, length: int, parent: bytes | None, durable: bool, rid: int) -> Event:
@@ -139,6 +151,16 @@ def get(key: bytes) -> Plan[HeldBlock | None]:
 
 
 def get_into(key: bytes, buffer: IntoBuffer) -> Plan[Received | None]:
+    req, finish = get_into_request(key, buffer)
+    (call,) = yield [req]
+    return finish(call)
+
+
+def get_into_request(
+    key: bytes, buffer: IntoBuffer
+) -> tuple[Req, Callable[[Call], Received | None]]:
+    """The one request of `get_into`, and how its answered call becomes the result (a driver
+    may send it without running the plan)."""
     got: Received | None = None
 
     def sink(event: Event) -> list[memoryview]:
@@ -147,13 +169,15 @@ def get_into(key: bytes, buffer: IntoBuffer) -> Plan[Received | None]:
         got = _land(buffer, cast(GetResult, event).length or 0, parts)
         return parts
 
-    (call,) = yield [Req(partial(_key_event, Get, key), sink=sink)]
-    answer = cast(GetResult, call.result())
-    if answer.length is None:
-        return None
-    if got is None:  # an empty value: no payload came, so no sink call
-        return Received(memoryview(bytearray(HEADER_BYTES)), 0)
-    return got
+    def finish(call: Call) -> Received | None:
+        answer = cast(GetResult, call.result())
+        if answer.length is None:
+            return None
+        if got is None:  # an empty value: no payload came, so no sink call
+            return Received(memoryview(bytearray(HEADER_BYTES)), 0)
+        return got
+
+    return Req(partial(_key_event, Get, key), sink=sink), finish
 
 
 def _land(into: IntoBuffer, length: int, parts: list[memoryview], index: int = -1) -> Received:

@@ -9,6 +9,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TypeVar
 
 from kvoffload.client_sdk.transports.base import (
@@ -47,6 +48,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 # Frames a plan may have in flight on one connection before it reads answers.
 _WINDOW = 16
+# A pooled connection idle for less than this is taken without asking the kernel whether the
+# daemon closed it (a select per request); if it did, the request's failure says so and it
+# goes again on a fresh connection, as it would after a check that came too early.
+_TRUST_IDLE_S = 0.5
 
 
 class _SyncConnection(SyncRunner[Req, Call]):
@@ -69,6 +74,11 @@ class _SyncConnection(SyncRunner[Req, Call]):
         self.sock = sock
         self.tls = context is not None
         self.reused = False  # taken from the pool: the daemon may have closed it meanwhile
+        self.idle_since = 0.0  # when it went back to the pool
+        # The socket's timeout as last set: setting it costs a system call, so each call
+        # sets it only when the deadline asks for another value (see `_arm`).
+        self._timeout = -1.0
+        self._slack = min(0.05 * options.timeout, 0.5)
         try:
             self.welcome: Welcome = self.run(plans.hello(options.token), deadline)
         except BaseException:
@@ -78,10 +88,22 @@ class _SyncConnection(SyncRunner[Req, Call]):
     def room(self, calls: list[Call]) -> bool:
         return sum(1 for c in calls if not c.done) < _WINDOW
 
+    def _arm(self, deadline: float) -> None:
+        """Bound the next socket call by `deadline`, give or take `_slack`.
+
+        The timeout is set to the time left plus the slack and kept while it stays within
+        that slack of the time left, so that back-to-back requests set it once, not per call;
+        a call may thus wait up to `_slack` past the deadline, never less than the deadline.
+        """
+        remaining = left(deadline)
+        if not remaining <= self._timeout <= remaining + self._slack:
+            self._timeout = remaining + self._slack
+            self.sock.settimeout(self._timeout)
+
     def start(self, request: Req, deadline: float) -> Call:
         call, parts = self.session.start(request)
         try:
-            self.sock.settimeout(left(deadline))
+            self._arm(deadline)
             if self.tls:  # an SSL socket has no sendmsg
                 for part in parts:
                     self.sock.sendall(part)
@@ -92,8 +114,14 @@ class _SyncConnection(SyncRunner[Req, Call]):
         return call
 
     def pump(self, deadline: float) -> None:
+        conn = self.session.conn
         try:
-            receive(self.sock, self.session.conn, left(deadline))
+            self._arm(deadline)
+            n = self.sock.recv_into(conn.get_buffer())
+            if n:
+                conn.buffer_updated(n)
+            else:
+                conn.receive_eof()
         except OSError as exc:
             raise self._lost(exc) from None
         self.session.feed()
@@ -114,6 +142,7 @@ class _SyncConnection(SyncRunner[Req, Call]):
         try:
             if not select.select([self.sock], [], [], 0)[0]:
                 return False
+            self._timeout = 0.0
             receive(self.sock, self.session.conn, 0)
         except (ssl.SSLWantReadError, BlockingIOError):
             return False  # TLS bytes that are not a whole record yet
@@ -152,7 +181,7 @@ class NativeTransport:
                     raise TransportError("the client is closed")
                 while self._idle:
                     conn = self._idle.pop()
-                    if not conn.stale():
+                    if time.monotonic() - conn.idle_since < _TRUST_IDLE_S or not conn.stale():
                         conn.reused = True
                         return conn
                     conn.close()
@@ -175,6 +204,7 @@ class NativeTransport:
     def _release(self, conn: _SyncConnection, healthy: bool) -> None:
         with self._cond:
             if healthy and conn.healthy and not self._closed:
+                conn.idle_since = time.monotonic()
                 self._idle.append(conn)
             else:
                 conn.close()
@@ -184,6 +214,40 @@ class NativeTransport:
     def _run(self, plan: Callable[[], Plan[T]]) -> T:
         """Run a fresh plan, retrying on a lost connection (every operation is idempotent)."""
         return retrying(self.options, self._attempt, plan)
+
+    def _single(self, req: Req, finish: Callable[[Call], T], plan: Callable[[], Plan[T]]) -> T:
+        """One request on a pooled connection without the plan and retry machinery (the
+        common `get_into` and `put`); only when that attempt fails does `plan` run the
+        general way, the failed attempt counting as the first of the retries."""
+        deadline = time.monotonic() + self.options.timeout
+        with self._cond:
+            conn = self._idle.pop() if self._idle and not self._closed else None
+        if conn is None or (time.monotonic() - conn.idle_since >= _TRUST_IDLE_S and conn.stale()):
+            if conn is not None:
+                self._release(conn, False)
+            return retrying(self.options, self._attempt, plan, deadline)
+        conn.reused = True
+        try:
+            call = conn.start(req, deadline)
+            while not call.done:
+                conn.pump(deadline)
+            result = finish(call)
+        except TransportError as exc:
+            self._release(conn, False)
+            # A pooled connection the daemon had closed costs no retry (as in `_attempt`).
+            failed = None if conn.session.peer_closed else exc
+            return retrying(self.options, self._attempt, plan, deadline, failed)
+        except RemoteProtocolError:
+            self._release(conn, False)
+            raise
+        except KVOffloadError:
+            self._release(conn, True)
+            raise
+        except BaseException:
+            self._release(conn, False)
+            raise
+        self._release(conn, True)
+        return result
 
     def _attempt(self, plan: Callable[[], Plan[T]], deadline: float) -> T:
         while True:
@@ -221,6 +285,13 @@ class NativeTransport:
         return self._welcome.max_value_bytes
 
     @property
+    def welcome(self) -> Welcome:
+        """The daemon's Welcome (connects if needed)."""
+        self.max_value_bytes  # noqa: B018 - connects if needed
+        assert self._welcome is not None
+        return self._welcome
+
+    @property
     def tenant(self) -> str:
         self.max_value_bytes  # noqa: B018 - connects if needed
         assert self._welcome is not None
@@ -234,7 +305,8 @@ class NativeTransport:
     def put(
         self, key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool = False
     ) -> None:
-        self._run(lambda: plans.put(key, parts, parent, durable))
+        req = plans.put_request(key, parts, parent, durable)
+        self._single(req, plans.put_done, lambda: plans.put(key, parts, parent, durable))
 
     def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None:
         budget = self._budget()
@@ -245,7 +317,9 @@ class NativeTransport:
 
     def get_into(self, key: bytes, buffer: memoryview) -> HeldBlock | Received | None:
         into = IntoBuffer(buffer)
-        return received_into(into, lambda: self._run(lambda: plans.get_into(key, into)))
+        req, finish = plans.get_into_request(key, into)
+        plan = partial(plans.get_into, key, into)
+        return received_into(into, partial(self._single, req, finish, plan))
 
     def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]:
         return self._run(lambda: plans.get_many(keys))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +25,25 @@ _PARAMS = {
     "hdgst": "1 for CRC32C header digests",
     "ddgst": "1 for CRC32C data digests",
     "kato": "keep-alive timeout in ms (default 15000; 0 = none)",
+    "shards": "a daemon with N workers: one subsystem <NQN>.shard<i> per worker on port+i",
+    "ports": "the workers' NVMe ports, comma-separated, when not consecutive",
     **RETRY_PARAMS,
 }
+
+
+def _shard_ports(params: dict[str, str], port: int) -> tuple[int, ...]:
+    try:
+        if "ports" in params:
+            ports = tuple(int(p) for p in params["ports"].split(","))
+        elif "shards" in params:
+            ports = tuple(port + i for i in range(int(params["shards"])))
+        else:
+            return ()
+    except ValueError:
+        raise ConfigError("nvme+tcp:// shards must be a count and ports a list of ports") from None
+    if not 1 <= len(ports) <= 256 or not all(0 < p < 65536 for p in ports):
+        raise ConfigError(f"nvme+tcp:// needs 1..256 shard ports in 1..65535, got {ports}")
+    return ports if len(ports) > 1 else ()
 
 
 def _default_host() -> tuple[str, bytes]:
@@ -62,6 +79,8 @@ class NvmeOptions:
     connect_timeout: float = 5.0
     retries: int = 3
     backoff: float = 0.05
+    # A multi-worker daemon's subsystems (`<subnqn>.shard<i>`), one port each, in shard order.
+    shard_ports: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.hostnqn:
@@ -106,7 +125,17 @@ class NvmeOptions:
         )
         if "hostnqn" in params:
             kwargs["hostnqn"] = params["hostnqn"]
+        kwargs["shard_ports"] = _shard_ports(params, kwargs["port"])
         return cls(**kwargs)
+
+    def shard(self, index: int) -> NvmeOptions:
+        """Options for shard `index`'s own subsystem."""
+        return replace(
+            self,
+            port=self.shard_ports[index],
+            subnqn=f"{self.subnqn}.shard{index}",
+            shard_ports=(),
+        )
 
     @property
     def url(self) -> str:

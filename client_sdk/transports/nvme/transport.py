@@ -22,6 +22,7 @@ from kvoffload.client_sdk.transports.nvme import plans
 from kvoffload.client_sdk.transports.nvme.host import NvmeHost
 from kvoffload.client_sdk.transports.nvme.options import NvmeOptions
 from kvoffload.client_sdk.transports.nvme.queue import Plan
+from kvoffload.client_sdk.transports.sharding import ShardRouter
 from kvoffload.client_sdk.url import StoreURL
 from kvoffload.client_sdk.wire import nvme_cmd as nc
 from kvoffload.client_sdk.wire import nvme_data as nd
@@ -144,6 +145,11 @@ class NvmeTransport:
             host.close()
 
 
-def open_nvme(url: StoreURL) -> NvmeTransport:
-    """Open `nvme+tcp://host:4420/<subsystem NQN>?hostnqn=...` (blocking)."""
-    return NvmeTransport(NvmeOptions.from_url(url))
+def open_nvme(url: StoreURL) -> NvmeTransport | ShardRouter:
+    """Open `nvme+tcp://host:4420/<subsystem NQN>?hostnqn=...` (blocking); with `shards=N` (or
+    `ports=`), a multi-worker daemon's N subsystems, each key sent to its own."""
+    options = NvmeOptions.from_url(url)
+    if options.shard_ports:
+        count = len(options.shard_ports)
+        return ShardRouter(lambda: [NvmeTransport(options.shard(i)) for i in range(count)])
+    return NvmeTransport(options)

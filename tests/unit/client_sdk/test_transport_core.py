@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -61,6 +62,31 @@ def test_retrying_retries_transport_errors_only() -> None:
     with pytest.raises(InvalidArgumentError):
         retrying(_Endpoint(), refused, None)
     assert len(attempts) == 1
+
+
+def test_retrying_counts_a_failed_first_attempt() -> None:
+    """A transport's fast path makes the first attempt itself: the retries that follow use
+    its deadline and the failure it passes counts against the budget."""
+    attempts: list[float] = []
+
+    def flaky(fail: int, deadline: float) -> str:
+        attempts.append(deadline)
+        if len(attempts) < fail:
+            raise TransportError("lost")
+        return "ok"
+
+    first = TransportError("fast path lost")
+    deadline = time.monotonic() + 5.0
+    assert retrying(_Endpoint(), flaky, 2, deadline, first) == "ok"
+    assert attempts == [deadline, deadline]
+    attempts.clear()
+    with pytest.raises(TransportError, match="lost"):
+        retrying(_Endpoint(), flaky, 3, deadline, first)  # 1 + the 2 retries are spent
+    assert len(attempts) == 2
+    attempts.clear()
+    # No failure passed (a pooled connection the daemon had closed): the full budget is left.
+    assert retrying(_Endpoint(), flaky, 3, deadline) == "ok"
+    assert len(attempts) == 3
 
 
 @dataclass

@@ -1,0 +1,327 @@
+"""Cluster membership records and etcd v3 HTTP/JSON gateway messages, sans-I/O.
+
+A storage node registers one record under ``/kvoffload/<cluster>/nodes/<node id>``; clients list
+and watch that prefix. The daemon writes records and the SDK reads them, so both sides use this
+one codec. etcd 3.4 serves its gRPC API as JSON under ``/v3/...`` (bytes fields are base64, 64-bit
+integers are strings); the builders here return ``(path, body)`` pairs and the parsers take the
+decoded JSON answer, so the callers own the sockets (docs/architecture.md says why the gateway).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvoffload.errors import InvalidArgumentError, RemoteProtocolError
+
+__all__ = [
+    "RECORD_VERSION",
+    "KeyValue",
+    "Member",
+    "Request",
+    "WatchEvent",
+    "check_name",
+    "claim_request",
+    "decode_member",
+    "encode_member",
+    "get_request",
+    "grant_request",
+    "keepalive_request",
+    "lease_ttl",
+    "nodes_prefix",
+    "parse_claim",
+    "parse_etcd_url",
+    "parse_grant",
+    "parse_range",
+    "parse_watch",
+    "range_request",
+    "revoke_request",
+    "watch_request",
+]
+
+RECORD_VERSION = 1
+# Cluster names and node ids become etcd key segments and log words: keep them plain.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+# Largest record accepted from etcd: a record is a few hundred bytes; bounds a hostile one.
+_MAX_RECORD = 4096
+# A front address: "host:port", optionally "/<subsystem nqn>" for NVMe/TCP.
+_FRONT = re.compile(r"[A-Za-z0-9._:\[\]-]{1,255}:[0-9]{1,5}(/[\x21-\x7e]{1,223})?")
+
+
+def check_name(name: str, what: str) -> str:
+    """Return `name` if it is a valid cluster name or node id.
+
+    Raises:
+        InvalidArgumentError: it is not.
+    """
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise InvalidArgumentError(
+            f"{what} {name!r} must be 1-63 letters, digits, '.', '_' or '-' "
+            "(starting with a letter or digit)"
+        )
+    return name
+
+
+def parse_etcd_url(url: str) -> tuple[str, int, str]:
+    """``etcd://HOST:PORT/NAME`` -> (host, port, cluster name).
+
+    Raises:
+        InvalidArgumentError: it is not such a URL.
+    """
+    parts = urlsplit(url)
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host = port = None
+    if parts.scheme != "etcd" or not host or not port or parts.query:
+        raise InvalidArgumentError(f"{url!r} is not etcd://HOST:PORT/NAME")
+    return host, port, check_name(parts.path.strip("/"), "cluster name")
+
+
+def nodes_prefix(cluster: str) -> bytes:
+    """The etcd prefix under which the nodes of `cluster` register."""
+    return f"/kvoffload/{check_name(cluster, 'cluster name')}/nodes/".encode()
+
+
+@dataclass(frozen=True)
+class Member:
+    """One storage node as its record describes it.
+
+    `fronts` maps a front name ("native", "nvme") to its address ("host:port", for NVMe/TCP
+    "host:port/<subsystem nqn>"); `weight` is the node's share of placements (its capacity);
+    `nonce` is random per daemon process, so a restart is told from a second live process.
+    """
+
+    node_id: str
+    fronts: Mapping[str, str] = field(default_factory=dict)
+    weight: float = 1.0
+    nonce: str = ""
+
+    def __post_init__(self) -> None:
+        node = check_name(self.node_id, "node id")
+        weight = self.weight
+        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0):
+            raise InvalidArgumentError(f"node {node}: weight must be a positive number")
+        for name, address in self.fronts.items():
+            if not (isinstance(name, str) and isinstance(address, str)):
+                raise InvalidArgumentError(f"node {node}: fronts must map names to addresses")
+            if not _FRONT.fullmatch(address):
+                raise InvalidArgumentError(f"node {node}: bad {name} front address {address!r}")
+        if not isinstance(self.nonce, str) or len(self.nonce) > 64:
+            raise InvalidArgumentError(f"node {node}: nonce must be a string of <= 64 chars")
+
+
+def encode_member(member: Member) -> bytes:
+    """The record's bytes (JSON: readable with `etcdctl get`)."""
+    record = {
+        "v": RECORD_VERSION,
+        "node_id": member.node_id,
+        "fronts": dict(member.fronts),
+        "weight": member.weight,
+        "nonce": member.nonce,
+    }
+    return json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+
+
+def decode_member(key: bytes, value: bytes, prefix: bytes) -> Member:
+    """Parse the record stored at `key`.
+
+    Raises:
+        RemoteProtocolError: not a record of this cluster (foreign key, bad JSON, unknown version,
+            a node id that is not the key's), or a bad field.
+    """
+    if not key.startswith(prefix):
+        raise RemoteProtocolError(f"key {key[:80]!r} is not under {prefix!r}")
+    if len(value) > _MAX_RECORD:
+        raise RemoteProtocolError(f"record {key[:80]!r} is {len(value)} bytes (> {_MAX_RECORD})")
+    try:
+        record = json.loads(value)
+    except (UnicodeDecodeError, ValueError):
+        raise RemoteProtocolError(f"record {key[:80]!r} is not JSON") from None
+    if not isinstance(record, dict) or record.get("v") != RECORD_VERSION:
+        raise RemoteProtocolError(f"record {key[:80]!r} is not a version {RECORD_VERSION} record")
+    node_id = key[len(prefix) :].decode("utf-8", "replace")
+    if record.get("node_id") != node_id:
+        raise RemoteProtocolError(f"record {key[:80]!r} names node {record.get('node_id')!r}")
+    fronts, weight, nonce = record.get("fronts"), record.get("weight"), record.get("nonce", "")
+    if not isinstance(fronts, dict) or isinstance(weight, bool):
+        raise RemoteProtocolError(f"record {key[:80]!r}: fronts must be a table")
+    try:
+        return Member(node_id, fronts, weight, nonce)  # type: ignore[arg-type]
+    except (TypeError, InvalidArgumentError) as exc:
+        raise RemoteProtocolError(f"record {key[:80]!r}: {exc}") from None
+
+
+# ---------------------------------------------------------------------------- the gateway
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    key: bytes
+    value: bytes
+    mod_revision: int
+    lease: int
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """A put (value set) or a delete (value None) of `key`."""
+
+    key: bytes
+    value: bytes | None
+    revision: int
+
+
+Request = tuple[str, dict[str, Any]]
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+def _unb64(text: Any) -> bytes:
+    if not isinstance(text, str):
+        raise RemoteProtocolError("etcd answer: a bytes field is not a string")
+    try:
+        return base64.b64decode(text, validate=True)
+    except ValueError:
+        raise RemoteProtocolError("etcd answer: a bytes field is not base64") from None
+
+
+def _int(value: Any, what: str) -> int:
+    # The gateway writes int64 as JSON strings and omits zero values.
+    if value is None:
+        return 0
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise RemoteProtocolError(f"etcd answer: {what} {value!r} is not an integer") from None
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    # The first key after every key that starts with `prefix` (etcd's range_end convention).
+    stripped = prefix.rstrip(b"\xff")
+    return stripped[:-1] + bytes([stripped[-1] + 1])
+
+
+def _kv(item: Any) -> KeyValue:
+    if not isinstance(item, dict):
+        raise RemoteProtocolError("etcd answer: a key-value is not an object")
+    return KeyValue(
+        _unb64(item.get("key", "")),
+        _unb64(item.get("value", "")),
+        _int(item.get("mod_revision"), "mod_revision"),
+        _int(item.get("lease"), "lease"),
+    )
+
+
+def _header_revision(answer: Mapping[str, Any]) -> int:
+    header = answer.get("header")
+    return _int(header.get("revision") if isinstance(header, dict) else None, "revision")
+
+
+def range_request(prefix: bytes) -> Request:
+    """List every key under `prefix`."""
+    return "/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))}
+
+
+def get_request(key: bytes) -> Request:
+    """Read exactly `key` (parse the answer with parse_range)."""
+    return "/v3/kv/range", {"key": _b64(key)}
+
+
+def parse_range(answer: Mapping[str, Any]) -> tuple[int, list[KeyValue]]:
+    """(revision of the listing, the key-values)."""
+    kvs = answer.get("kvs", [])
+    if not isinstance(kvs, list):
+        raise RemoteProtocolError("etcd answer: kvs is not a list")
+    return _header_revision(answer), [_kv(item) for item in kvs]
+
+
+def grant_request(ttl_s: int) -> Request:
+    return "/v3/lease/grant", {"TTL": str(ttl_s)}
+
+
+def parse_grant(answer: Mapping[str, Any]) -> int:
+    """The granted lease id."""
+    if answer.get("error"):
+        raise RemoteProtocolError(f"etcd refused a lease: {answer.get('error')}")
+    lease = _int(answer.get("ID"), "lease id")
+    if not lease:
+        raise RemoteProtocolError("etcd granted no lease id")
+    return lease
+
+
+def keepalive_request(lease: int) -> Request:
+    return "/v3/lease/keepalive", {"ID": str(lease)}
+
+
+def lease_ttl(answer: Mapping[str, Any]) -> int:
+    """Seconds a keepalive extended the lease by; 0 when the lease has expired."""
+    result = answer.get("result")
+    return _int(result.get("TTL") if isinstance(result, dict) else None, "TTL")
+
+
+def revoke_request(lease: int) -> Request:
+    return "/v3/lease/revoke", {"ID": str(lease)}
+
+
+def claim_request(key: bytes, value: bytes, lease: int, replace_revision: int = 0) -> Request:
+    """Put `value` at `key` held by `lease`, if the key is absent (`replace_revision` 0) or
+    still at `replace_revision`; otherwise read the key back (see parse_claim)."""
+    if replace_revision:
+        compare = {"target": "MOD", "mod_revision": str(replace_revision)}
+    else:
+        compare = {"target": "CREATE", "create_revision": "0"}
+    return "/v3/kv/txn", {
+        "compare": [{"key": _b64(key), "result": "EQUAL", **compare}],
+        "success": [{"request_put": {"key": _b64(key), "value": _b64(value), "lease": str(lease)}}],
+        "failure": [{"request_range": {"key": _b64(key)}}],
+    }
+
+
+def parse_claim(answer: Mapping[str, Any]) -> tuple[bool, KeyValue | None]:
+    """(whether the put happened, the record that stood in the way — None if it vanished)."""
+    if answer.get("succeeded") is True:
+        return True, None
+    for response in answer.get("responses", []) or []:
+        found = response.get("response_range") if isinstance(response, dict) else None
+        if isinstance(found, dict):
+            kvs = found.get("kvs") or []
+            return False, _kv(kvs[0]) if kvs else None
+    return False, None
+
+
+def watch_request(prefix: bytes, start_revision: int) -> Request:
+    """Stream every change under `prefix` from `start_revision` on."""
+    create = {
+        "key": _b64(prefix),
+        "range_end": _b64(_prefix_end(prefix)),
+        "start_revision": str(start_revision),
+    }
+    return "/v3/watch", {"create_request": create}
+
+
+def parse_watch(line: bytes) -> tuple[list[WatchEvent], bool]:
+    """One message of a watch stream: (its events, whether the watch ended — cancelled or
+    compacted past, so the caller lists again)."""
+    try:
+        message = json.loads(line)
+    except (UnicodeDecodeError, ValueError):
+        raise RemoteProtocolError("etcd watch: a message is not JSON") from None
+    result = message.get("result") if isinstance(message, dict) else None
+    if not isinstance(result, dict):
+        raise RemoteProtocolError(f"etcd watch: unexpected message {line[:120]!r}")
+    ended = bool(result.get("canceled")) or _int(result.get("compact_revision"), "compact") > 0
+    events = []
+    for event in result.get("events", []) or []:
+        kv = _kv(event.get("kv") if isinstance(event, dict) else None)
+        deleted = event.get("type") == "DELETE"
+        events.append(WatchEvent(kv.key, None if deleted else kv.value, kv.mod_revision))
+    return events, ended

@@ -1,0 +1,508 @@
+"""`kvoffload serve --workers N`: one storage node served by N processes, one shard each.
+
+CPython's GIL keeps threads from spreading Python work over cores, so the node runs N worker
+processes. Each is a complete daemon (`server.Daemon`) over its own engine — DRAM/N, SSD/N in
+``<data_dir>/shard-<i>``, tenant quotas/N — holding the keys that `client_sdk.shards.shard_of`
+assigns it. Every worker accepts on the node's port (one listening socket, shared) and on a
+port of its own; Welcome tells a client the shard it reached and every shard's port, and the
+SDK then sends each key straight to its shard, as Redis Cluster clients do. Nothing crosses
+processes on the data path. See docs/daemon.md#workers for why this design and its limits.
+
+The supervisor (this module, no event loop) binds the shared socket, starts the workers,
+hands them the port map, and then serves what belongs to the node as a whole: `/metrics`
+(the workers' request metrics through prometheus-client's multiprocess files, plus their
+engines' stats summed) and the KV event stream (one PUB socket; per-tenant sequence numbers
+stay gap-free however many workers publish). Each worker's NVMe/TCP front is its own
+subsystem (NQN ``<nqn>.shard<i>``, port ``<port>+i``): an NVMe controller's queues all live in
+one process. A worker that dies takes the node down (exit status 1) so that the service
+manager restarts it whole, rather than serving with a shard missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import io
+import json
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, TextIO
+
+from kvoffload.client_sdk.wire.shards import merge_stats
+from kvoffload.errors import ConfigError
+from kvoffload.nvmeof_target.cluster import Registration
+from kvoffload.nvmeof_target.config import Config
+from kvoffload.nvmeof_target.events import EventRelay
+from kvoffload.nvmeof_target.metrics import NodeMetrics
+from kvoffload.nvmeof_target.services import ShardRole
+
+__all__ = ["LAYOUT_FILE", "shard_config", "shard_count", "supervise"]
+
+log = logging.getLogger("kvoffload.serve")
+LAYOUT_FILE = "shards.json"
+# How long the supervisor waits for a worker to open its engine (a journal replay may be long).
+_START_TIMEOUT_S = 600.0
+_STATS_TIMEOUT_S = 5.0
+_STORE_FILES = ("kvoffload.meta", "ssd.slots", "checkpoint")
+# A worker's engine close (journal flush, checkpoint) after its requests are done.
+_CLOSE_TIMEOUT_S = 600.0
+_SCRATCH_PREFIX = "kvoffload-node-"
+_PR_SET_PDEATHSIG = 1
+
+
+# ---------------------------------------------------------------------------- layout
+
+
+def shard_count(config: Config) -> int:
+    """The number of workers: the configured count, or for 0 ("auto") the layout an existing
+    store was made with, else one per core.
+
+    Raises:
+        ConfigError: the data directory holds a store made with another count.
+    """
+    made = _layout(config)
+    wanted = config.server.workers
+    if wanted == 0:
+        if made > 1:
+            _check_shards(config, made)
+        return made or len(os.sched_getaffinity(0))
+    if made > 1:
+        _check_shards(config, made)
+    if made and made != wanted:
+        raise ConfigError(
+            f"{config.data_dir} holds a store of {made} shard(s); run it with --workers {made} "
+            f"(or 0 for the store's own count), or give a new --data-dir"
+        )
+    return wanted
+
+
+def _has_store(config: Config) -> bool:
+    return config.ssd.capacity_bytes > 0 and not config.ssd.path
+
+
+def _layout(config: Config) -> int:
+    """Shards of the store in the data directory: 0 when there is none yet, 1 for a
+    single-process store."""
+    if not _has_store(config):
+        return 0
+    root = Path(config.data_dir)
+    layout = root / LAYOUT_FILE
+    try:
+        text = layout.read_text()
+    except FileNotFoundError:
+        return 1 if _holds_store(root) else 0
+    except OSError as exc:
+        raise ConfigError(f"cannot read {layout}: {exc.strerror}") from None
+    try:
+        count = json.loads(text)["shards"]
+    except (ValueError, KeyError, TypeError):
+        count = None
+    if not isinstance(count, int) or not 1 < count <= 256:
+        raise ConfigError(f'{layout} is damaged (expected {{"shards": N}}, got {text[:80]!r})')
+    return count
+
+
+def _holds_store(root: Path) -> bool:
+    """A one-process store's own files (a fresh mount's lost+found is not a store)."""
+    return any((root / name).exists() for name in _STORE_FILES) or any(root.glob("journal.*"))
+
+
+def _check_shards(config: Config, count: int) -> None:
+    """Every shard of an existing multi-worker store is there: a missing one would quietly
+    come back empty."""
+    root = Path(config.data_dir)
+    present = [i for i in range(count) if (root / f"shard-{i}").exists()]
+    if present and len(present) != count:
+        missing = sorted(set(range(count)) - set(present))
+        raise ConfigError(
+            f"{root} holds a store of {count} shards but shard-{missing[0]} is missing "
+            "(restore it, or start a new store in another --data-dir)"
+        )
+
+
+def _write_layout(config: Config, count: int) -> None:
+    if not _has_store(config) or _layout(config) == count:
+        return
+    root = Path(config.data_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / (LAYOUT_FILE + ".tmp")
+    tmp.write_text(json.dumps({"shards": count}) + "\n")
+    os.replace(tmp, root / LAYOUT_FILE)
+
+
+def shard_config(config: Config, index: int, count: int) -> Config:
+    """Worker `index`'s own config: its share of the capacities and quotas, its own data
+    directory and NVMe subsystem, no metrics endpoint (the supervisor serves the node's).
+
+    Raises:
+        ConfigError: a share is too small to work (e.g. DRAM below one largest value).
+    """
+    if config.ssd.path and config.ssd.capacity_bytes:
+        raise ConfigError("ssd.path (one file or device) cannot be split over several workers")
+
+    def share(size: int) -> int:
+        return 0 if size == 0 else max(1, size // count)
+
+    def share_pages(size: int) -> int:
+        return 0 if size == 0 else max(4096, size // count // 4096 * 4096)
+
+    nvme = config.nvme
+    nvme = replace(
+        nvme,
+        port=nvme.port + index if nvme.port else 0,
+        subnqn=f"{nvme.subnqn}.shard{index}",
+        subsystems=tuple(replace(s, nqn=f"{s.nqn}.shard{index}") for s in nvme.subsystems),
+    )
+    tenants = tuple(
+        replace(t, quota_bytes=share(t.quota_bytes), ssd_quota_bytes=share(t.ssd_quota_bytes))
+        for t in config.tenants
+    )
+    try:
+        # The node's largest value stays what it would be with one worker: clients see the
+        # same limit whatever the worker count.
+        dram = replace(
+            config.dram,
+            capacity_bytes=share_pages(config.dram.capacity_bytes),
+            max_value_bytes=config.dram.effective_max_value_bytes,
+        )
+    except ConfigError as exc:
+        raise ConfigError(f"with {count} workers each gets 1/{count} of the DRAM: {exc}") from None
+    return replace(
+        config,
+        server=replace(config.server, workers=1),
+        cluster=replace(config.cluster, etcd=""),  # the supervisor registers the node
+        nvme=nvme,
+        metrics=replace(config.metrics, enabled=False),
+        dram=dram,
+        ssd=replace(config.ssd, capacity_bytes=share_pages(config.ssd.capacity_bytes)),
+        data_dir=os.path.join(config.data_dir, f"shard-{index}"),
+        tenants=tenants,
+    )
+
+
+# ---------------------------------------------------------------------------- the supervisor
+
+
+class _Stopped(Exception):
+    """SIGTERM/SIGINT while the workers were starting."""
+
+
+class _Worker:
+    """A worker process and the supervisor's end of its control pipe."""
+
+    def __init__(
+        self,
+        ctx: Any,
+        config: Config,
+        index: int,
+        count: int,
+        listener: socket.socket | None,
+        events: str,
+    ) -> None:
+        self.index = index
+        self.conn, child = multiprocessing.Pipe()
+        self.process = ctx.Process(
+            target=_worker_main,
+            args=(config, index, count, listener, child, events),
+            name=f"kvoffload-shard-{index}",
+        )
+        self.process.start()
+        child.close()
+        self.lock = threading.Lock()  # the pipe is shared by the scrape thread and the main one
+        self.addresses: list[tuple[str, str, int]] = []
+        self._asked = 0  # stats requests sent: an answer to an older one is stale
+
+    def expect(self, kind: str, deadline: float, stop: threading.Event) -> Any:
+        while True:
+            if stop.is_set():
+                raise _Stopped
+            if self.conn.poll(min(0.2, max(0.0, deadline - time.monotonic()))):
+                try:
+                    what, value = self.conn.recv()
+                except (EOFError, OSError):
+                    what, value = "failed", "exited"
+                if what == "failed":
+                    raise ConfigError(f"worker {self.index} could not start: {value}")
+                if what == kind:
+                    return value
+            elif not self.process.is_alive():
+                raise ConfigError(
+                    f"worker {self.index} exited with status {self.process.exitcode} "
+                    "while starting (see its log above)"
+                )
+            elif time.monotonic() >= deadline:
+                raise ConfigError(f"worker {self.index} did not start in time")
+
+    def stats(self) -> dict[str, object] | None:
+        """The worker's engine stats, or None if it does not answer in time (an answer that
+        comes later is recognised by its number and dropped, never taken for a newer one)."""
+        with self.lock:
+            self._asked += 1
+            try:
+                self.conn.send(("stats", self._asked))
+                deadline = time.monotonic() + _STATS_TIMEOUT_S
+                while self.conn.poll(max(0.0, deadline - time.monotonic())):
+                    what, (number, value) = self.conn.recv()
+                    if what == "stats" and number == self._asked:
+                        return dict(value)
+            except (EOFError, OSError):
+                pass
+        return None
+
+    def stop(self) -> None:
+        with self.lock, contextlib.suppress(OSError):
+            self.conn.send(("stop", None))
+
+
+def supervise(config: Config, out: TextIO | None = None) -> int:
+    """Run the node as `config.server.workers` shard processes until SIGTERM/SIGINT."""
+    from kvoffload.nvmeof_target.server import run, setup_logging
+
+    setup_logging(config, "supervisor ")
+    count = shard_count(config)
+    if count == 1:
+        return run(replace(config, server=replace(config.server, workers=1)))
+    configs = [shard_config(config, i, count) for i in range(count)]  # validates the shares
+    largest = config.dram.effective_max_value_bytes
+    for tenant in configs[0].tenants:
+        if tenant.quota_bytes and tenant.quota_bytes < largest:
+            log.warning(
+                "tenant %s: its quota per worker (%d bytes) is below the largest value "
+                "(%d bytes); its larger values will not fit",
+                tenant.name,
+                tenant.quota_bytes,
+                largest,
+            )
+    _write_layout(config, count)
+    stream = out or sys.stdout
+
+    def say(line: str) -> None:
+        print(f"kvoffload: {line}", file=stream, flush=True)
+
+    listener = None
+    if config.native.enabled:
+        listener = socket.create_server(
+            (config.native.host, config.native.port), backlog=config.native.backlog
+        )
+    _remove_stale_scratch()
+    scratch = tempfile.mkdtemp(prefix=f"{_SCRATCH_PREFIX}{os.getpid()}-")
+    metrics_dir = os.path.join(scratch, "metrics")
+    os.mkdir(metrics_dir)
+    # Read by prometheus-client when each worker imports it: their metrics go to files here.
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    relay = None
+    metrics = None
+    registration: Registration | None = None
+    workers: list[_Worker] = []
+    status = 0
+    try:
+        if config.events.enabled:
+            relay = EventRelay(config.events, f"ipc://{scratch}/events")
+        ctx = multiprocessing.get_context("spawn")
+        inbox = f"ipc://{scratch}/events" if relay else ""
+        workers = [_Worker(ctx, configs[i], i, count, listener, inbox) for i in range(count)]
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        ports = [int(w.expect("port", deadline, stop)) for w in workers]
+        for w in workers:
+            w.conn.send(("map", ports))
+        if listener is not None:
+            # Every worker holds its own copy now; the supervisor's would keep the port
+            # accepting (and connections waiting) after the workers stop.
+            node_host, node_port = listener.getsockname()[:2]
+            listener.close()
+            listener = None
+        for w in workers:
+            w.addresses = list(w.expect("ready", deadline, stop))
+        if config.native.enabled:
+            tls = "+tls" if config.native.tls.enabled else ""
+            say(f"native{tls} listening on {node_host}:{node_port}")
+        for w in workers:
+            for what, host, port in w.addresses:
+                say(f"{what} shard {w.index} listening on {host}:{port}")
+        if relay is not None:
+            say(f"events publishing on {relay.endpoint}")
+        if config.metrics.enabled:
+            metrics = NodeMetrics(metrics_dir, lambda: _node_stats(workers))
+            host, port = metrics.serve(config.metrics.host, config.metrics.port)
+            say(f"metrics listening on {host}:{port}")
+        if config.cluster.etcd and config.native.enabled:
+            # One record for the node: its port; clients find the shards from there.
+            registration = Registration(config, {"native": (node_host, node_port)})
+            registration.open()
+            say(f"cluster {registration.cluster} node {registration.node_id}")
+        log.info("serving %d shards", count)
+        say("ready")
+        while not stop.wait(0.2):
+            dead = [w for w in workers if not w.process.is_alive()]
+            if dead:
+                log.error(
+                    "worker %d exited with status %s; stopping the node",
+                    dead[0].index,
+                    dead[0].process.exitcode,
+                )
+                status = 1
+                break
+    except ConfigError as exc:
+        print(f"kvoffload serve: {exc}", file=sys.stderr, flush=True)
+        status = 2
+    except _Stopped:
+        log.info("stopped while starting")
+    finally:
+        if registration is not None:
+            registration.close()  # clients drop the node before its workers stop
+        _stop_all(workers, config.server.shutdown_timeout_s)
+        if listener is not None:
+            listener.close()
+        if metrics is not None:
+            metrics.close()
+        if relay is not None:
+            relay.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    say("stopped")
+    return status
+
+
+def _remove_stale_scratch() -> None:
+    """Scratch directories (metrics files, event socket) of supervisors that were killed."""
+    for path in Path(tempfile.gettempdir()).glob(f"{_SCRATCH_PREFIX}*-*"):
+        pid = path.name[len(_SCRATCH_PREFIX) :].split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _node_stats(workers: list[_Worker]) -> dict[str, object]:
+    parts = [s for s in (w.stats() for w in workers) if s is not None]
+    stats = merge_stats(parts)
+    stats["workers"] = len(workers)
+    stats["workers_answering"] = len(parts)
+    return stats
+
+
+def _stop_all(workers: list[_Worker], shutdown_timeout: float) -> None:
+    """Stop every worker as a one-process daemon stops (finishing its requests, then closing
+    its engine, however long that takes); kill only one that is stuck."""
+    for w in workers:
+        w.stop()
+    for w in workers:
+        w.process.join(shutdown_timeout + _CLOSE_TIMEOUT_S)
+        if w.process.is_alive():
+            log.error("worker %d did not stop in time; killing it", w.index)
+            w.process.kill()
+            w.process.join(5)
+        w.conn.close()
+
+
+# ---------------------------------------------------------------------------- a worker
+
+
+def _worker_main(
+    config: Config,
+    index: int,
+    count: int,
+    listener: socket.socket | None,
+    conn: multiprocessing.connection.Connection,
+    events: str,
+) -> None:
+    from kvoffload.nvmeof_target.server import event_loop_factory, setup_logging
+
+    setup_logging(config, f"shard{index} ")
+    _die_with_parent()
+    listeners: list[socket.socket] = []
+    port = 0
+    if listener is not None:
+        # The node's port + 1 + index, so that a restarted node keeps its shard map (clients
+        # holding it reconnect where they were); any free port when the node's is 0.
+        port = config.native.port + 1 + index if config.native.port else 0
+        try:
+            own = socket.create_server((config.native.host, port), backlog=config.native.backlog)
+        except OSError as exc:
+            conn.send(("failed", f"cannot listen on {config.native.host}:{port}: {exc}"))
+            return
+        port = own.getsockname()[1]
+        listeners = [listener, own]
+    conn.send(("port", port))
+    try:
+        what, ports = conn.recv()
+    except EOFError:
+        return
+    if what != "map":
+        return
+    role = ShardRole(index, count, listeners, list(ports))
+    loop = event_loop_factory(config.server.loop)()
+    try:
+        code = loop.run_until_complete(_serve_worker(config, role, conn, events))
+    finally:
+        loop.close()
+    sys.exit(code)
+
+
+def _die_with_parent() -> None:
+    """A supervisor killed outright (SIGKILL, the OOM killer) takes its workers with it, as a
+    one-process daemon would go: the store recovers them as from any crash."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the control pipe's EOF stops the worker
+        pass
+    if os.getppid() == 1:  # the supervisor died before the call
+        os._exit(1)
+
+
+async def _serve_worker(
+    config: Config, role: ShardRole, conn: multiprocessing.connection.Connection, events: str
+) -> int:
+    from kvoffload.nvmeof_target.server import Daemon
+
+    daemon = Daemon(config, out=io.StringIO(), shard=role, events_relay=events)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, daemon.request_stop)
+    try:
+        await daemon.start()
+    except Exception as exc:  # the supervisor reports it and stops the node
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        await daemon.stop()
+        return 2
+    conn.send(("ready", [(what, host, port) for what, (host, port) in daemon.addresses.items()]))
+    threading.Thread(
+        target=_control, args=(conn, daemon, loop), name="kvoffload-control", daemon=True
+    ).start()
+    await daemon.wait()
+    await daemon.stop()
+    return 0
+
+
+def _control(
+    conn: multiprocessing.connection.Connection, daemon: Any, loop: asyncio.AbstractEventLoop
+) -> None:
+    """Answer the supervisor: stats when it scrapes, stop when told (or when it is gone)."""
+    while True:
+        try:
+            what, number = conn.recv()
+        except (EOFError, OSError):
+            what = "stop"
+        if what == "stats":
+            engine = daemon.engine
+            try:
+                conn.send(("stats", (number, engine.stats().as_dict() if engine else {})))
+            except OSError:
+                what = "stop"
+        if what == "stop":
+            loop.call_soon_threadsafe(daemon.request_stop)
+            return

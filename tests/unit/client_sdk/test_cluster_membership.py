@@ -1,0 +1,155 @@
+"""Membership records, the etcd gateway messages and cluster URLs (no etcd: codecs only)."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+from kvoffload.client_sdk.cluster import StaticMembership, parse_cluster_url
+from kvoffload.client_sdk.wire import etcd
+from kvoffload.errors import ConfigError, InvalidArgumentError, RemoteProtocolError
+
+PREFIX = etcd.nodes_prefix("prod")
+
+
+def _member(node_id: str = "kv-1", **kw: object) -> etcd.Member:
+    fronts = {"native": "10.0.0.5:7480", "nvme": "10.0.0.5:4420/nqn.2026-11.io.kvoffload:store"}
+    return etcd.Member(node_id, kw.pop("fronts", fronts), **kw)  # type: ignore[arg-type]
+
+
+def test_a_record_round_trips() -> None:
+    member = _member(weight=3.5, nonce="abc")
+    assert etcd.decode_member(PREFIX + b"kv-1", etcd.encode_member(member), PREFIX) == member
+    assert PREFIX == b"/kvoffload/prod/nodes/"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "says"),
+    [
+        (b"/kvoffload/other/nodes/kv-1", None, "not under"),
+        (PREFIX + b"kv-1", b"not json", "not JSON"),
+        (PREFIX + b"kv-1", b"[1]", "version"),
+        (PREFIX + b"kv-1", json.dumps({"v": 2, "node_id": "kv-1"}).encode(), "version"),
+        (PREFIX + b"kv-2", None, "names node"),
+        (PREFIX + b"kv-1", json.dumps({"v": 1, "node_id": "kv-1", "fronts": 3}).encode(), "table"),
+        (PREFIX + b"kv-1", None, "weight"),
+        (PREFIX + b"kv-1", b" " * 5000, "bytes"),
+    ],
+)
+def test_malformed_or_foreign_records_are_protocol_errors(
+    key: bytes, value: bytes | None, says: str
+) -> None:
+    if value is None:
+        good = json.loads(etcd.encode_member(_member()))
+        if says == "weight":
+            good["weight"] = -1
+        value = json.dumps(good).encode()
+    with pytest.raises(RemoteProtocolError, match=says):
+        etcd.decode_member(key, value, PREFIX)
+
+
+@pytest.mark.parametrize("bad", ["", "a b", "-x", "x" * 64, "é", "a/b"])
+def test_names_are_plain(bad: str) -> None:
+    with pytest.raises(InvalidArgumentError):
+        etcd.check_name(bad, "node id")
+
+
+def test_members_check_their_fields() -> None:
+    with pytest.raises(InvalidArgumentError, match="front address"):
+        _member(fronts={"native": "no port"})
+    with pytest.raises(InvalidArgumentError, match="weight"):
+        _member(weight=float("nan"))
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+def test_range_covers_exactly_the_prefix() -> None:
+    path, body = etcd.range_request(PREFIX)
+    assert path == "/v3/kv/range"
+    assert base64.b64decode(body["range_end"]) == b"/kvoffload/prod/nodes0"
+    answer = {
+        "header": {"revision": "7"},
+        "kvs": [{"key": _b64(PREFIX + b"a"), "value": _b64(b"v"), "mod_revision": "5"}],
+    }
+    revision, kvs = etcd.parse_range(answer)
+    assert revision == 7 and kvs == [etcd.KeyValue(PREFIX + b"a", b"v", 5, 0)]
+    assert etcd.parse_range({"header": {"revision": "3"}}) == (3, [])
+
+
+def test_claim_compares_creation_or_the_stale_records_revision() -> None:
+    _, fresh = etcd.claim_request(b"k", b"v", 9)
+    assert fresh["compare"][0]["target"] == "CREATE"
+    assert fresh["success"][0]["request_put"]["lease"] == "9"
+    _, replace = etcd.claim_request(b"k", b"v", 9, replace_revision=41)
+    assert replace["compare"][0] == {
+        "key": _b64(b"k"), "result": "EQUAL", "target": "MOD", "mod_revision": "41"
+    }  # fmt: skip
+    assert etcd.parse_claim({"succeeded": True}) == (True, None)
+    held = {"responses": [{"response_range": {"kvs": [{"key": _b64(b"k"), "value": _b64(b"x")}]}}]}
+    assert etcd.parse_claim(held) == (False, etcd.KeyValue(b"k", b"x", 0, 0))
+    assert etcd.parse_claim({"responses": [{"response_range": {}}]}) == (False, None)
+
+
+def test_leases_and_their_expiry() -> None:
+    assert etcd.parse_grant({"ID": "123", "TTL": "5"}) == 123
+    with pytest.raises(RemoteProtocolError):
+        etcd.parse_grant({"error": "too many leases"})
+    assert etcd.lease_ttl({"result": {"ID": "123", "TTL": "5"}}) == 5
+    assert etcd.lease_ttl({"result": {"ID": "123"}}) == 0  # expired: the gateway omits TTL 0
+
+
+def test_watch_messages() -> None:
+    put = {"kv": {"key": _b64(b"a"), "value": _b64(b"v"), "mod_revision": "4"}}
+    gone = {"type": "DELETE", "kv": {"key": _b64(b"b"), "mod_revision": "5"}}
+    line = json.dumps({"result": {"events": [put, gone]}}).encode()
+    events, ended = etcd.parse_watch(line)
+    assert events == [etcd.WatchEvent(b"a", b"v", 4), etcd.WatchEvent(b"b", None, 5)]
+    assert not ended
+    assert etcd.parse_watch(b'{"result": {"created": true}}') == ([], False)
+    assert etcd.parse_watch(b'{"result": {"canceled": true}}')[1]
+    assert etcd.parse_watch(b'{"result": {"compact_revision": "9"}}')[1]
+    for bad in (b"{", b'{"error": {"message": "transport is closing"}}', b'{"result": {"events":'
+                b' [{"kv": {"key": 5}}]}}'):  # fmt: skip
+        with pytest.raises(RemoteProtocolError):
+            etcd.parse_watch(bad)
+
+
+def test_static_urls() -> None:
+    static = StaticMembership.from_url("cluster://10.0.0.6:7480,10.0.0.5:7480?replicas=2")
+    assert [m.node_id for m in static.members()] == ["10.0.0.5-7480", "10.0.0.6-7480"]
+    assert static.members()[0].fronts == {"native": "10.0.0.5:7480"}
+    nvme = parse_cluster_url("cluster://a:4420,b:4420/nqn.2026-11.io.kvoffload:store?front=nvme")
+    assert (nvme.front, nvme.path, nvme.replicas) == ("nvme", "nqn.2026-11.io.kvoffload:store", 1)
+    node = StaticMembership.from_spec(nvme).members()[0]
+    assert node.fronts == {"nvme": "a:4420/nqn.2026-11.io.kvoffload:store"}
+    spec = parse_cluster_url("cluster+etcd://127.0.0.1:2379/prod?replicas=3")
+    assert (spec.source, spec.addresses, spec.path, spec.replicas) == (
+        "etcd", (("127.0.0.1", 2379),), "prod", 3
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "kv://a:1",
+        "cluster://a:1,a:1",
+        "cluster://a",
+        "cluster://a:0",
+        "cluster://a:1?replicas=0",
+        "cluster://a:1?replicas=x",
+        "cluster://a:1?color=red",
+        "cluster://a:1?replicas=1&replicas=2",
+        "cluster://a:1?front=rdma",
+        "cluster://a:1?front=nvme",
+        "cluster+etcd://a:1,b:2/prod",
+        "cluster+etcd://a:1/bad name",
+        "cluster+etcd://a:1/",
+    ],
+)
+def test_bad_cluster_urls_say_what_is_wrong(url: str) -> None:
+    with pytest.raises(ConfigError, match="cluster URL"):
+        parse_cluster_url(url)

@@ -1,0 +1,95 @@
+"""Shard placement, how a chain's leading run is rebuilt from per-shard lookups, and how
+shards' stats add up (client_sdk/wire/shards.py, transports/native/shards.py)."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvoffload.client_sdk.transports.sharding import gather, groups_of, leading_run
+from kvoffload.client_sdk.wire.shards import merge_stats, shard_of
+
+
+def test_placement_is_stable_and_spreads_keys() -> None:
+    keys = [i.to_bytes(16, "big") for i in range(4000)]
+    counts = [0] * 4
+    for key in keys:
+        counts[shard_of(key, 4)] += 1
+        assert shard_of(key, 4) == shard_of(bytes(key), 4)  # a function of the bytes alone
+        assert shard_of(key, 1) == 0
+    assert min(counts) > 900  # about 1,000 each
+
+
+@given(
+    present=st.lists(st.booleans(), max_size=60),
+    count=st.integers(min_value=1, max_value=7),
+)
+def test_the_leading_run_from_shards_is_the_chains(present: list[bool], count: int) -> None:
+    keys = [i.to_bytes(16, "big") for i in range(len(present))]
+    stored = {k for k, p in zip(keys, present, strict=True) if p}
+    groups = groups_of(keys, count)
+    # Each shard answers lookup over its own keys, in order: its leading run.
+    runs = []
+    for positions in groups.values():
+        run = 0
+        while run < len(positions) and keys[positions[run]] in stored:
+            run += 1
+        runs.append(run)
+    expected = next((i for i, p in enumerate(present) if not p), len(present))
+    assert leading_run(len(keys), groups, runs) == expected
+
+
+def test_answers_go_back_in_the_order_asked() -> None:
+    keys = [i.to_bytes(16, "big") for i in range(50)]
+    groups = groups_of(keys, 3)
+    parts = [[keys[i] for i in at] for at in groups.values()]
+    assert gather(len(keys), groups, parts) == keys
+
+
+def test_stats_add_up_per_tier_and_tenant() -> None:
+    a = {
+        "puts": 3,
+        "policy": "lru",
+        "tiers": [{"name": "dram", "entries": 2, "hits": 1}],
+        "tenant_bytes": {"alice": 10},
+        "server": {"uptime_s": 5.0, "connections": 1, "version": "x"},
+    }
+    b = {
+        "puts": 4,
+        "policy": "lru",
+        "tiers": [{"name": "dram", "entries": 5, "hits": 0}, {"name": "ssd", "entries": 7}],
+        "tenant_bytes": {"alice": 1, "bob": 2},
+        "server": {"uptime_s": 6.5, "connections": 2, "version": "x"},
+    }
+    merged = merge_stats([a, b])
+    assert merged["puts"] == 7 and merged["policy"] == "lru"
+    assert merged["tiers"] == [
+        {"name": "dram", "entries": 7, "hits": 1},
+        {"name": "ssd", "entries": 7},
+    ]
+    assert merged["tenant_bytes"] == {"alice": 11, "bob": 2}
+    assert merged["server"] == {"uptime_s": 6.5, "connections": 3, "version": "x"}
+    assert a["tiers"] == [{"name": "dram", "entries": 2, "hits": 1}]  # inputs untouched
+
+
+def test_nvme_urls_name_a_multi_worker_daemons_subsystems() -> None:
+    import pytest
+
+    from kvoffload.client_sdk.transports.nvme.options import NvmeOptions
+    from kvoffload.client_sdk.url import parse_url
+    from kvoffload.errors import ConfigError
+
+    base = "nvme+tcp://10.0.0.5:4420/nqn.2026-11.io.kvoffload:store"
+    options = NvmeOptions.from_url(parse_url(base + "?shards=3"))
+    assert options.shard_ports == (4420, 4421, 4422)
+    second = options.shard(1)
+    assert (second.port, second.subnqn, second.shard_ports) == (
+        4421,
+        "nqn.2026-11.io.kvoffload:store.shard1",
+        (),
+    )
+    assert NvmeOptions.from_url(parse_url(base + "?ports=5000,6000")).shard_ports == (5000, 6000)
+    assert NvmeOptions.from_url(parse_url(base)).shard_ports == ()
+    for bad in ("?shards=x", "?ports=1,70000", "?shards=0"):
+        with pytest.raises(ConfigError, match="shard"):
+            NvmeOptions.from_url(parse_url(base + bad))
