@@ -35,6 +35,8 @@ from kvoffload.errors import LocalProtocolError
 __all__ = [
     "FLAG_RESPONSE",
     "FRAME",
+    "HEAD_READ",
+    "LARGE_PAYLOAD",
     "MAGIC",
     "VERSION",
     "Frame",
@@ -52,6 +54,10 @@ FLAG_RESPONSE = 0x1
 _KNOWN_FLAGS = FLAG_RESPONSE
 FRAME = struct.Struct("<4sBBHIIQ")  # 24 bytes
 MAX_REQUEST_ID = (1 << 32) - 1
+# A payload this large is worth a read of its own (see `FrameReader.after_large_payload`).
+LARGE_PAYLOAD = 32 << 10
+# What to read when only a frame's header (and a little more) is wanted.
+HEAD_READ = 512
 
 
 class Buffer(Protocol):
@@ -136,6 +142,16 @@ class FrameReader(ReceiveBuffer):
     def at_boundary(self) -> bool:
         """True between frames (nothing partial buffered)."""
         return self._state is _State.HEAD and self._start == self._end
+
+    @property
+    def after_large_payload(self) -> bool:
+        """Between frames, and the last one carried a payload of `LARGE_PAYLOAD` bytes or more.
+
+        The next frame is then likely large too (a connection that puts 64 KiB values keeps
+        doing so): reading only its header first lets its payload land in the sink the
+        consumer chooses instead of in this buffer, from which it would be copied.
+        """
+        return self._head[4] >= LARGE_PAYLOAD and self.at_boundary
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Feed received bytes (copying them through `get_buffer`)."""

@@ -194,6 +194,8 @@ class ReceiveBuffer:
         """Ensure free space after `_end`, and that the header being parsed fits contiguously."""
         # The header's room grows with the bytes that arrived (at most doubling): a peer that
         # declares a large header and sends little must not make us allocate all of it.
+        if self._start == self._end:  # all parsed: start over at the front, no compaction
+            self._start = self._end = 0
         want = min(self._header_room(), max(_READ_CHUNK, 2 * self.buffered))
         if len(self._buf) - self._end >= _MIN_READ and len(self._buf) - self._start >= want:
             return
