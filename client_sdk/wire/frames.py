@@ -260,7 +260,11 @@ class _TooNested(Exception):
     pass
 
 
-def _unpack_map(raw: memoryview) -> dict[str, object]:
+def _no_ext(code: int, data: bytes) -> object:
+    raise _TooNested(f"msgpack extension type {code} (the protocol uses none)")
+
+
+def _unpack_counted(raw: memoryview) -> object:
     made = 0
 
     def count(container: object) -> object:
@@ -270,19 +274,25 @@ def _unpack_map(raw: memoryview) -> dict[str, object]:
             raise _TooNested(f"more than {MAX_CONTAINERS} lists and maps")
         return container
 
-    def no_ext(code: int, data: bytes) -> object:
-        raise _TooNested(f"msgpack extension type {code} (the protocol uses none)")
+    return msgpack.unpackb(
+        raw,
+        raw=False,
+        strict_map_key=True,
+        use_list=True,
+        list_hook=count,
+        object_hook=count,
+        ext_hook=_no_ext,
+    )
 
+
+def _unpack_map(raw: memoryview) -> dict[str, object]:
     try:
-        meta = msgpack.unpackb(
-            raw,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            list_hook=count,
-            object_hook=count,
-            ext_hook=no_ext,
-        )
+        if len(raw) <= MAX_CONTAINERS:
+            # Every list or map takes a byte at least: a header this short cannot hold too
+            # many, so the count (a Python call per container) is left out.
+            meta = msgpack.unpackb(raw, raw=False, strict_map_key=True, ext_hook=_no_ext)
+        else:
+            meta = _unpack_counted(raw)
     except (_TooNested, ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
         # msgpack's own errors (ExtraData, FormatError, StackError) derive from ValueError.
         raise LocalProtocolError(f"undecodable frame header: {exc}") from None
