@@ -322,7 +322,7 @@ def _take(out: collections.deque[memoryview], n: int) -> list[memoryview]:
 def _unsent(parts: Sequence[bytes | memoryview], n: int) -> list[memoryview]:
     """What is left of `parts` once their first `n` bytes are sent."""
     for i, part in enumerate(parts):
-        size = memoryview(part).nbytes
+        size = part.nbytes if type(part) is memoryview else memoryview(part).nbytes
         if n < size:
             return [memoryview(part).cast("B")[n:], *(memoryview(p) for p in parts[i + 1 :])]
         n -= size

@@ -122,7 +122,10 @@ class NativeSession(Session):
         )
 
     def _wake(self) -> None:
-        if self._has_room():
+        if (  # `_has_room`, inline: this runs twice per answer
+            self.conn.pending < self.config.max_pending
+            and self._inflight_bytes < self.config.max_inflight_bytes
+        ):
             self._room.set()
 
     def overdue(self, now: float) -> str:

@@ -195,12 +195,12 @@ class FrameReader(ReceiveBuffer):
         if self._state is _State.PAYLOAD:
             return self._drain_payload()
         if self._state is _State.HEAD:
-            if self.buffered < FRAME.size:
+            if self._end - self._start < FRAME.size:
                 return Need.DATA
             self._parse_head()
         rid = self._head[2]
         hlen, plen = self._head[3], self._head[4]
-        if self.buffered < hlen:
+        if self._end - self._start < hlen:
             return Need.DATA
         raw = self._view[self._start : self._start + hlen]
         self._start += hlen
