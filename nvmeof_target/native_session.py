@@ -84,12 +84,16 @@ class NativeSession(Session):
 
     async def _drain_events(self) -> bool:
         """Handle buffered events; False once the connection is done with reading."""
+        conn, config = self.conn, self.config
         while self._reading:
-            if not self._has_room():
+            if not (  # room for another request (flow control), checked before each event
+                conn.pending < config.max_pending
+                and self._inflight_bytes < config.max_inflight_bytes
+            ):
                 self._room.clear()
                 await self._room.wait()
                 continue
-            event = self.conn.next_event()
+            event = conn.next_event()
             if event is NEED_DATA:
                 return True
             if isinstance(event, ConnectionClosed):
@@ -115,14 +119,8 @@ class NativeSession(Session):
             self.fail(event.request_id, exc)
             return None
 
-    def _has_room(self) -> bool:
-        return (
-            self.conn.pending < self.config.max_pending
-            and self._inflight_bytes < self.config.max_inflight_bytes
-        )
-
     def _wake(self) -> None:
-        if (  # `_has_room`, inline: this runs twice per answer
+        if (  # room again (as `_drain_events` checks it); inline: this runs twice per answer
             self.conn.pending < self.config.max_pending
             and self._inflight_bytes < self.config.max_inflight_bytes
         ):

@@ -25,6 +25,7 @@ import enum
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Protocol
 
 import msgpack
@@ -296,7 +297,8 @@ def _unpack_map(raw: memoryview) -> dict[str, object]:
     except (_TooNested, ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
         # msgpack's own errors (ExtraData, FormatError, StackError) derive from ValueError.
         raise LocalProtocolError(f"undecodable frame header: {exc}") from None
-    if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
+    # map/repeat: the keys are checked without a Python generator step per key
+    if not isinstance(meta, dict) or not all(map(isinstance, meta, repeat(str))):
         raise LocalProtocolError("frame header is not a map with string keys")
     return meta
 
