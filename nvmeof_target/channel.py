@@ -121,6 +121,24 @@ class Channel:
             return
         if not self._out:
             self.progress_at = time.monotonic()
+            if not self._writing and len(parts) <= _IOV_BATCH:
+                # Nothing queued: send at once, and queue only what the kernel did not take
+                # (a request/reply loop then skips the queue and its bookkeeping).
+                try:
+                    sent = self.sock.sendmsg(parts)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                except OSError as exc:
+                    self._fail(exc)
+                    if on_done is not None:
+                        on_done()
+                    return
+                self._sent += sent
+                parts = _unsent(parts, sent)
+                if not parts:
+                    if on_done is not None:
+                        on_done()
+                    return
         for part in parts:
             view = memoryview(part).cast("B")
             if len(view):
@@ -299,3 +317,13 @@ def _take(out: collections.deque[memoryview], n: int) -> list[memoryview]:
     if len(out) <= n:
         return list(out)
     return [out[i] for i in range(n)]
+
+
+def _unsent(parts: Sequence[bytes | memoryview], n: int) -> list[memoryview]:
+    """What is left of `parts` once their first `n` bytes are sent."""
+    for i, part in enumerate(parts):
+        size = part.nbytes if type(part) is memoryview else memoryview(part).nbytes
+        if n < size:
+            return [memoryview(part).cast("B")[n:], *(memoryview(p) for p in parts[i + 1 :])]
+        n -= size
+    return []

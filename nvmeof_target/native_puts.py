@@ -62,7 +62,16 @@ class PendingPut:
 
 
 def on_put(s: NativeSession, event: Put) -> Awaitable[object] | None:
-    return _begin_put(s, event, [(event.key, event.length, event.parent)])
+    items = [(event.key, event.length, event.parent)]
+    if not event.length or s.services.blocking_engine:
+        return _begin_put(s, event, items)
+    # The common put (DRAM only, one value with bytes): reserve and point the payload at the
+    # slot now, without the general path's item search and reserve-then plumbing.
+    pending = PendingPut(event, items, at=0)
+    s.puts[event.request_id] = pending
+    _reserve(s, pending, [0])
+    _sink(s, pending)
+    return None
 
 
 def on_put_many(s: NativeSession, event: PutMany) -> Awaitable[object] | None:
@@ -92,7 +101,38 @@ def payload_end(s: NativeSession, end: PayloadEnd) -> Awaitable[object] | None:
     pending = s.puts.pop(end.request_id, None)
     if pending is None:
         return None
+    request = pending.request
+    if type(request) is Put and not request.durable and not s.services.blocking_engine:
+        _commit_put(s, pending)  # its one value has bytes: no empty values left to reserve
+        return None
     return _reserve_then(s, pending, pending.empty_items, _end_put)
+
+
+def _commit_put(s: NativeSession, pending: PendingPut) -> None:
+    """`_end_put` for one non-durable value on a DRAM-only engine: commit inline and answer
+    without building the answer event (what `in_order` and `reply` would do, flattened)."""
+    request = pending.request
+    rid = request.request_id
+    if pending.error is not None:
+        s.fail(rid, pending.error)
+        return
+    assert isinstance(request, Put)
+    events = s.services.events
+    reservation = pending.reserved[0]
+    engine_key = s.me.key(request.key)
+    if events is not None:
+        events.expect(engine_key, request.key, request.parent, s.me.name)
+    try:
+        reservation.commit()
+    except KVOffloadError as exc:
+        s.fail(rid, exc)
+        return
+    finally:
+        reservation.abort()  # a no-op once committed
+        if events is not None:
+            events.settle(engine_key)
+    s.bytes_in.inc(request.length)
+    s.reply_put_done(rid)
 
 
 def _reserve_then(

@@ -23,7 +23,6 @@ from kvoffload.client_sdk.wire.native import (
     Get,
     GetMany,
     GetManyResult,
-    GetResult,
     Hello,
     Lookup,
     LookupResult,
@@ -35,7 +34,7 @@ from kvoffload.client_sdk.wire.native import (
     StatsResult,
     Welcome,
 )
-from kvoffload.errors import AuthError, RemoteProtocolError
+from kvoffload.errors import AuthError, KVOffloadError, RemoteProtocolError
 from kvoffload.kvstore import BlockView
 from kvoffload.nvmeof_target.native_puts import on_put, on_put_many
 
@@ -90,15 +89,16 @@ def on_hello(s: NativeSession, event: Hello) -> None:
 
 def on_get(s: NativeSession, event: Get) -> None:
     key = s.me.key(event.key)
-
-    def send(view: BlockView | None) -> None:
-        if view is None:
-            s.reply(GetResult(event.request_id, None))
-            return
-        s.bytes_out.inc(len(view))
-        s.reply(GetResult(event.request_id, len(view)), [view.data], view.release)
-
-    s.read_request(event.request_id, lambda: s.engine.get(key), send)
+    rid = event.request_id
+    if s.services.blocking_engine:  # the read may wait on the SSD: off the loop
+        s.read_request(rid, lambda: s.engine.get(key), partial(s.reply_get, rid))
+        return
+    try:  # DRAM only: inline, without the closures `read_request` takes
+        view = s.engine.get(key)
+    except KVOffloadError as exc:
+        s.fail(rid, exc)
+        return
+    s.reply_get(rid, view)
 
 
 def on_get_many(s: NativeSession, event: GetMany) -> None:

@@ -27,6 +27,7 @@ from kvoffload.client_sdk.wire.native import (
 )
 from kvoffload.client_sdk.wire.status import Status, status_of
 from kvoffload.errors import KVOffloadError, LocalProtocolError, RemoteProtocolError
+from kvoffload.kvstore import BlockView
 from kvoffload.nvmeof_target.channel import Channel, TlsChannel
 from kvoffload.nvmeof_target.native_puts import PendingPut, payload_end, payload_part
 from kvoffload.nvmeof_target.native_requests import HANDLERS
@@ -72,7 +73,9 @@ class NativeSession(Session):
             self._frame_since = (
                 None if self.conn.at_frame_boundary else self._frame_since or time.monotonic()
             )
-            n = await self.channel.recv_into(self.conn.get_buffer())
+            buffer = self.conn.get_buffer()
+            most = self.conn.read_size()
+            n = await self.channel.recv_into(buffer[:most] if most else buffer)
             self._last_rx = time.monotonic()
             if n:
                 self.conn.buffer_updated(n)
@@ -81,12 +84,16 @@ class NativeSession(Session):
 
     async def _drain_events(self) -> bool:
         """Handle buffered events; False once the connection is done with reading."""
+        conn, config = self.conn, self.config
         while self._reading:
-            if not self._has_room():
+            if not (  # room for another request (flow control), checked before each event
+                conn.pending < config.max_pending
+                and self._inflight_bytes < config.max_inflight_bytes
+            ):
                 self._room.clear()
                 await self._room.wait()
                 continue
-            event = self.conn.next_event()
+            event = conn.next_event()
             if event is NEED_DATA:
                 return True
             if isinstance(event, ConnectionClosed):
@@ -107,19 +114,16 @@ class NativeSession(Session):
         op = _OP_NAMES.get(cls) or _OP_NAMES.setdefault(cls, cls.__name__.lower())
         self._started_now(event.request_id, op)
         try:
-            return HANDLERS[type(event)](self, event)
+            return HANDLERS[cls](self, event)
         except KVOffloadError as exc:  # e.g. the engine closing under a stopping daemon
             self.fail(event.request_id, exc)
             return None
 
-    def _has_room(self) -> bool:
-        return (
+    def _wake(self) -> None:
+        if (  # room again (as `_drain_events` checks it); inline: this runs twice per answer
             self.conn.pending < self.config.max_pending
             and self._inflight_bytes < self.config.max_inflight_bytes
-        )
-
-    def _wake(self) -> None:
-        if self._has_room():
+        ):
             self._room.set()
 
     def overdue(self, now: float) -> str:
@@ -171,6 +175,27 @@ class NativeSession(Session):
             raise
         status = "ok" if not isinstance(event, ErrorReply) else Status(event.status).name.lower()
         self._answer(event.request_id, parts, status, on_done)
+        self._wake()
+
+    def reply_get(self, request_id: int, view: BlockView | None) -> None:
+        """Answer a Get with `view` (None: a miss): `reply` without building the answer
+        event; the view is released once the kernel has its bytes."""
+        if view is None:
+            parts = self.conn.send_get_result(request_id, None)
+            self._answer(request_id, parts, "ok")
+        else:
+            self.bytes_out.inc(len(view))
+            try:
+                parts = self.conn.send_get_result(request_id, len(view), (view.data,))
+            except LocalProtocolError:
+                view.release()
+                raise
+            self._answer(request_id, parts, "ok", view.release)
+        self._wake()
+
+    def reply_put_done(self, request_id: int) -> None:
+        """Answer a Put: `reply(PutDone(request_id))` without building the event."""
+        self._answer(request_id, self.conn.send_put_done(request_id), "ok")
         self._wake()
 
     def fail(self, request_id: int, exc: KVOffloadError) -> None:

@@ -25,6 +25,7 @@ import enum
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Protocol
 
 import msgpack
@@ -35,6 +36,8 @@ from kvoffload.errors import LocalProtocolError
 __all__ = [
     "FLAG_RESPONSE",
     "FRAME",
+    "HEAD_READ",
+    "LARGE_PAYLOAD",
     "MAGIC",
     "VERSION",
     "Frame",
@@ -52,6 +55,10 @@ FLAG_RESPONSE = 0x1
 _KNOWN_FLAGS = FLAG_RESPONSE
 FRAME = struct.Struct("<4sBBHIIQ")  # 24 bytes
 MAX_REQUEST_ID = (1 << 32) - 1
+# A payload this large is worth a read of its own (see `FrameReader.after_large_payload`).
+LARGE_PAYLOAD = 32 << 10
+# What to read when only a frame's header (and a little more) is wanted.
+HEAD_READ = 512
 
 
 class Buffer(Protocol):
@@ -137,6 +144,16 @@ class FrameReader(ReceiveBuffer):
         """True between frames (nothing partial buffered)."""
         return self._state is _State.HEAD and self._start == self._end
 
+    @property
+    def after_large_payload(self) -> bool:
+        """Between frames, and the last one carried a payload of `LARGE_PAYLOAD` bytes or more.
+
+        The next frame is then likely large too (a connection that puts 64 KiB values keeps
+        doing so): reading only its header first lets its payload land in the sink the
+        consumer chooses instead of in this buffer, from which it would be copied.
+        """
+        return self._head[4] >= LARGE_PAYLOAD and self.at_boundary
+
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Feed received bytes (copying them through `get_buffer`)."""
         self._feed(data)
@@ -179,12 +196,12 @@ class FrameReader(ReceiveBuffer):
         if self._state is _State.PAYLOAD:
             return self._drain_payload()
         if self._state is _State.HEAD:
-            if self.buffered < FRAME.size:
+            if self._end - self._start < FRAME.size:
                 return Need.DATA
             self._parse_head()
         rid = self._head[2]
         hlen, plen = self._head[3], self._head[4]
-        if self.buffered < hlen:
+        if self._end - self._start < hlen:
             return Need.DATA
         raw = self._view[self._start : self._start + hlen]
         self._start += hlen
@@ -244,7 +261,11 @@ class _TooNested(Exception):
     pass
 
 
-def _unpack_map(raw: memoryview) -> dict[str, object]:
+def _no_ext(code: int, data: bytes) -> object:
+    raise _TooNested(f"msgpack extension type {code} (the protocol uses none)")
+
+
+def _unpack_counted(raw: memoryview) -> object:
     made = 0
 
     def count(container: object) -> object:
@@ -254,23 +275,30 @@ def _unpack_map(raw: memoryview) -> dict[str, object]:
             raise _TooNested(f"more than {MAX_CONTAINERS} lists and maps")
         return container
 
-    def no_ext(code: int, data: bytes) -> object:
-        raise _TooNested(f"msgpack extension type {code} (the protocol uses none)")
+    return msgpack.unpackb(
+        raw,
+        raw=False,
+        strict_map_key=True,
+        use_list=True,
+        list_hook=count,
+        object_hook=count,
+        ext_hook=_no_ext,
+    )
 
+
+def _unpack_map(raw: memoryview) -> dict[str, object]:
     try:
-        meta = msgpack.unpackb(
-            raw,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            list_hook=count,
-            object_hook=count,
-            ext_hook=no_ext,
-        )
+        if len(raw) <= MAX_CONTAINERS:
+            # Every list or map takes a byte at least: a header this short cannot hold too
+            # many, so the count (a Python call per container) is left out.
+            meta = msgpack.unpackb(raw, raw=False, strict_map_key=True, ext_hook=_no_ext)
+        else:
+            meta = _unpack_counted(raw)
     except (_TooNested, ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
         # msgpack's own errors (ExtraData, FormatError, StackError) derive from ValueError.
         raise LocalProtocolError(f"undecodable frame header: {exc}") from None
-    if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
+    # map/repeat: the keys are checked without a Python generator step per key
+    if not isinstance(meta, dict) or not all(map(isinstance, meta, repeat(str))):
         raise LocalProtocolError("frame header is not a map with string keys")
     return meta
 

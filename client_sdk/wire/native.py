@@ -24,8 +24,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
+import msgpack
+
 from kvoffload.client_sdk.wire.frames import (
     FLAG_RESPONSE,
+    FRAME,
+    HEAD_READ,
+    MAGIC,
+    VERSION,
     Frame,
     FrameReader,
     Limits,
@@ -101,6 +107,11 @@ __all__ = [
     "StatsResult",
     "Welcome",
 ]
+
+# GetResult's packed map by value length: stores hold few distinct block sizes, so a get's
+# answer header is mostly a lookup. Bounded: the lengths are whatever the clients stored.
+_LENGTH_MAPS: dict[int | None, bytes] = {}
+_MAX_LENGTH_MAPS = 4096
 
 # ---------------------------------------------------------------------------- the connection
 
@@ -276,6 +287,56 @@ class NativeConnection:
             self._phase_out = _Phase.READY
         return parts
 
+    def send_get_result(
+        self, request_id: int, length: int | None, payload: Sequence[memoryview] = ()
+    ) -> list[bytes | memoryview]:
+        """`send_parts(GetResult(request_id, length), payload)`, byte for byte, without
+        building the event and its map (the daemon's most common answer). Anything unusual
+        (not an outstanding Get, a payload of another size) takes `send_parts`, which says
+        what is wrong.
+
+        Raises:
+            LocalProtocolError: as `send_parts`.
+        """
+        parts: list[bytes | memoryview] = [b""]
+        size = 0
+        for part in payload:
+            if len(part):
+                parts.append(part)
+                size += part.nbytes
+        if size != (length or 0) or not self._may_answer(request_id, Get):
+            return self.send_parts(GetResult(request_id, length), payload)
+        packed = _LENGTH_MAPS.get(length)
+        if packed is None:
+            packed = msgpack.packb({"length": length}, use_bin_type=True)
+            if len(_LENGTH_MAPS) < _MAX_LENGTH_MAPS:
+                _LENGTH_MAPS[length] = packed
+        del self._pending[request_id]
+        parts[0] = (
+            FRAME.pack(MAGIC, VERSION, GetResult.OP, FLAG_RESPONSE, request_id, len(packed), size)
+            + packed
+        )
+        return parts
+
+    def send_put_done(self, request_id: int) -> list[bytes | memoryview]:
+        """`send_parts(PutDone(request_id))`, byte for byte, without building the event.
+
+        Raises:
+            LocalProtocolError: as `send_parts`.
+        """
+        if not self._may_answer(request_id, Put):
+            return self.send_parts(PutDone(request_id))
+        del self._pending[request_id]
+        return [FRAME.pack(MAGIC, VERSION, PutDone.OP, FLAG_RESPONSE, request_id, 1, 0) + b"\x80"]
+
+    def _may_answer(self, request_id: int, asked: type[Event]) -> bool:
+        """A server may answer `request_id`, an outstanding `asked` request, now."""
+        return (
+            self._pending.get(request_id) is asked
+            and self.role is Role.SERVER
+            and self._phase_out is not _Phase.BROKEN
+        )
+
     def send(self, event: Event, payload: Sequence[object] = ()) -> bytes:
         """`send_parts` joined into one bytes object (copies the payload)."""
         return b"".join(self.send_parts(event, payload))
@@ -295,6 +356,17 @@ class NativeConnection:
     def at_frame_boundary(self) -> bool:
         """No partial frame is buffered (payloads included)."""
         return self._reader.at_boundary
+
+    def read_size(self) -> int:
+        """How much the next read should take: 0 for all `get_buffer` offers, or `HEAD_READ`
+        between frames after a large payload (its successor's payload then goes straight
+        into its sink, uncopied; a small frame still comes whole)."""
+        return HEAD_READ if self._reader.after_large_payload else 0
+
+    @property
+    def idle_between_frames(self) -> bool:
+        """Nothing partial buffered and no EOF to report: `next_event` would say NEED_DATA."""
+        return self._reader.at_boundary and not self._eof
 
     @property
     def idle(self) -> bool:

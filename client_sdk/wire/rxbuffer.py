@@ -148,6 +148,9 @@ class ReceiveBuffer:
 
     def _advance_sink(self, n: int) -> None:
         self._left -= n
+        if n < len(self._sink[self._sink_i]) - self._sink_fill:  # the piece is not full yet
+            self._sink_fill += n
+            return
         while n:
             room = len(self._sink[self._sink_i]) - self._sink_fill
             step = min(room, n)
@@ -164,8 +167,8 @@ class ReceiveBuffer:
 
     def _drain(self) -> None:
         """Move buffered payload bytes into the sink (or drop them) until it is full."""
-        while self._payload is _Payload.CLAIMED and self._left and self.buffered:
-            take = min(self.buffered, self._left)
+        while self._payload is _Payload.CLAIMED and self._left and self._end > self._start:
+            take = min(self._end - self._start, self._left)
             src = self._view[self._start : self._start + take]
             if self._discarding:
                 self._landed(src)
@@ -194,6 +197,14 @@ class ReceiveBuffer:
         """Ensure free space after `_end`, and that the header being parsed fits contiguously."""
         # The header's room grows with the bytes that arrived (at most doubling): a peer that
         # declares a large header and sends little must not make us allocate all of it.
+        if self._start == self._end:
+            # All parsed: start over at the front (no compaction), at the usual size again if
+            # a large header made the buffer grow. Any header fits: `want` is at most a chunk.
+            self._start = self._end = 0
+            if len(self._buf) > _READ_CHUNK:
+                self._buf = bytearray(_READ_CHUNK)
+                self._view = memoryview(self._buf)
+            return
         want = min(self._header_room(), max(_READ_CHUNK, 2 * self.buffered))
         if len(self._buf) - self._end >= _MIN_READ and len(self._buf) - self._start >= want:
             return

@@ -111,6 +111,8 @@ class Session:
             else:
                 assert isinstance(item, Event)
                 self._answer(item)
+            if not self.calls and self.conn.idle_between_frames:
+                return  # nothing to match and nothing buffered: skip the poll that says so
 
     def _answer(self, event: Event) -> None:
         if isinstance(event, ErrorReply) and event.request_id == 0:

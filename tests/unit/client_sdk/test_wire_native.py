@@ -407,3 +407,59 @@ def test_truncated_sessions_end_in_a_protocol_error_or_a_clean_close(cut: int) -
         assert "middle of a frame" in str(exc)
     else:
         assert events[-1] == ConnectionClosed()
+
+
+def _two_servers_after(requests: Sequence[Event]) -> tuple[NativeConnection, NativeConnection]:
+    servers = (NativeConnection(Role.SERVER), NativeConnection(Role.SERVER))
+    client = NativeConnection(Role.CLIENT)
+    data = b"".join(client.send(e) for e in [Hello(1, token="t", client="c"), *requests])
+    for server in servers:
+        server.receive_data(data)
+        _drain(server)
+        server.send(Welcome(1, 1, "t", 1 << 20, 1 << 30))
+    return servers
+
+
+# Lengths at each of msgpack's integer widths and their edges.
+_LENGTHS = [None, 0, 1, 127, 128, 255, 256, 65535, 65536, (1 << 32) - 1, 1 << 32]
+
+
+@pytest.mark.parametrize("length", _LENGTHS)
+def test_the_fast_get_answer_is_the_same_bytes(length: int | None) -> None:
+    # `send_get_result` skips the event and msgpack.packb of the map; the peer must see
+    # exactly what `send_parts(GetResult(...))` would have sent, from a fresh and then a
+    # cached header. The payload repeats one 1 MiB chunk, so 4 GiB cost no memory.
+    fast, plain = _two_servers_after([Get(2, K1), Get(3, K1)])
+    size = length or 0
+    chunk = memoryview(bytes(range(256)) * 4096)
+    payload = [chunk] * (size // len(chunk)) + [chunk[: size % len(chunk)]]
+    for rid in (2, 3):
+        got = fast.send_get_result(rid, length, payload)
+        want = plain.send_parts(GetResult(rid, length), payload)
+        assert bytes(got[0]) == bytes(want[0])  # the frame header and its map
+        # The same memory, uncopied, in the same pieces (comparing 4 GiB of bytes would be slow).
+        pieces = [(memoryview(p).obj, memoryview(p).nbytes) for p in got[1:]]
+        assert pieces == [(memoryview(p).obj, memoryview(p).nbytes) for p in want[1:]]
+    assert fast.pending == plain.pending == 0
+
+
+def test_the_fast_get_answer_refuses_what_send_parts_refuses() -> None:
+    (server, _) = _two_servers_after([Get(2, K1), Exists(3, K1)])
+    with pytest.raises(LocalProtocolError, match="declares 5 payload bytes, got 4"):
+        server.send_get_result(2, 5, [memoryview(b"four")])
+    with pytest.raises(LocalProtocolError, match="GetResult answers a Exists"):
+        server.send_get_result(3, None)
+    with pytest.raises(LocalProtocolError, match="unknown request id 9"):
+        server.send_get_result(9, None)
+    assert server.pending == 2  # nothing was settled by the refusals
+    assert server.send_get_result(2, 4, [memoryview(b"four")])[1] == b"four"
+
+
+def test_the_fast_put_answer_is_the_same_bytes() -> None:
+    fast, plain = _two_servers_after([Put(2, K1, 0), Put(3, K1, 0), Get(4, K1)])
+    for rid in (2, 3):
+        assert fast.send_put_done(rid) == plain.send_parts(PutDone(rid))
+    with pytest.raises(LocalProtocolError, match="PutDone answers a Get"):
+        fast.send_put_done(4)
+    with pytest.raises(LocalProtocolError, match="unknown request id 2"):
+        fast.send_put_done(2)

@@ -160,3 +160,46 @@ def test_a_reset_reaches_a_waiting_reader(
             ours.close()
 
     _run(new_loop, test)
+
+
+@LOOPS
+def test_writes_go_out_whole_and_in_order_and_on_done_runs_once_sent(
+    new_loop: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    # A write with nothing queued is sent at once: all of it (on_done runs before write
+    # returns) or what the kernel takes, the rest queued behind it for later writes to follow.
+    async def test(loop: asyncio.AbstractEventLoop, channel: Channel, peer: socket.socket) -> None:
+        done: list[str] = []
+        channel.write([b"head", memoryview(b"small")], lambda: done.append("small"))
+        assert done == ["small"] and not channel.buffered
+        big = bytes(range(256)) * (16 << 10)  # 4 MiB: more than a socket pair buffers
+        channel.write([b"", memoryview(big)[:3], memoryview(big)[3:]], lambda: done.append("big"))
+        channel.write([b"tail"], lambda: done.append("tail"))
+        assert channel.buffered and done == ["small"]  # the kernel took only part of it
+        got = bytearray()
+        want = len(b"headsmall") + len(big) + len(b"tail")
+        peer.setblocking(False)
+        while len(got) < want:
+            try:
+                got += peer.recv(1 << 20)
+            except BlockingIOError:
+                await asyncio.sleep(0.001)
+        await channel.drain()
+        assert bytes(got) == b"headsmall" + big + b"tail"
+        assert done == ["small", "big", "tail"] and not channel.buffered
+
+    _run(new_loop, test)
+
+
+@LOOPS
+def test_a_failed_write_runs_its_on_done(
+    new_loop: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    async def test(loop: asyncio.AbstractEventLoop, channel: Channel, peer: socket.socket) -> None:
+        peer.close()
+        done: list[int] = []
+        for _ in range(3):  # the first may still reach the kernel; a later one fails
+            channel.write([b"x" * 100_000], lambda: done.append(1))
+        assert len(done) == 3 and channel.error is not None and channel.closed
+
+    _run(new_loop, test)
