@@ -169,10 +169,12 @@ def _reserve(s: NativeSession, pending: PendingPut, items: list[int]) -> Pending
     try:
         for i in items:
             key, length, parent = pending.items[i]
-            # A parent another worker holds is unknown to this engine: the block starts a
-            # chain here, rather than look like an orphan (first to be evicted).
-            if shard and parent is not None and shard_of(parent, shard.count) != shard.index:
-                parent = None
+            if shard:
+                shard.check(key)
+                # A parent another worker holds is unknown to this engine: the block starts
+                # a chain here, rather than look like an orphan (first to be evicted).
+                if parent is not None and shard_of(parent, shard.count) != shard.index:
+                    parent = None
             pending.reserved[i] = s.engine.reserve(
                 me.key(key),
                 length,

@@ -18,10 +18,16 @@ from typing import TYPE_CHECKING, TypeVar
 from kvoffload.client_sdk.wire.native import (
     NEED_DATA,
     ConnectionClosed,
+    Delete,
     ErrorReply,
     Event,
+    Exists,
+    Get,
+    GetMany,
+    Lookup,
     NativeConnection,
     PayloadEnd,
+    Prefetch,
     Role,
     SinkFull,
 )
@@ -44,6 +50,8 @@ FRONT = "native"
 T = TypeVar("T")
 # Request class -> its operation's name in the metrics, built once per class.
 _OP_NAMES: dict[type[Event], str] = {}
+# Requests naming keys a worker of a multi-worker daemon must hold (puts check as they reserve).
+_KEYED: frozenset[type[Event]] = frozenset({Get, Exists, Delete, GetMany, Lookup, Prefetch})
 
 
 class NativeSession(Session):
@@ -59,6 +67,7 @@ class NativeSession(Session):
         self.conn = NativeConnection(Role.SERVER, front.hello_limits)
         self.tenant: Tenant | None = None
         self.puts: dict[int, PendingPut] = {}  # request id -> its payload on the way
+        self.shard = front.services.shard
         self._created = self._last_rx = time.monotonic()
         self._frame_since: float | None = None
 
@@ -114,6 +123,9 @@ class NativeSession(Session):
         op = _OP_NAMES.get(cls) or _OP_NAMES.setdefault(cls, cls.__name__.lower())
         self._started_now(event.request_id, op)
         try:
+            if self.shard is not None and cls in _KEYED:  # puts are checked as they reserve
+                keys = getattr(event, "keys", None)
+                self.shard.check_all(keys if keys is not None else (getattr(event, "key", b""),))
             return HANDLERS[cls](self, event)
         except KVOffloadError as exc:  # e.g. the engine closing under a stopping daemon
             self.fail(event.request_id, exc)

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvoffload import __version__
+from kvoffload.client_sdk.wire.shards import shard_of
+from kvoffload.errors import WrongShardError
 from kvoffload.kvstore import Engine
 from kvoffload.nvmeof_target.config import Config
 from kvoffload.nvmeof_target.events import KVEvents
@@ -34,6 +37,19 @@ class ShardRole:
     count: int
     listeners: list[socket.socket]
     ports: list[int]
+
+    def check(self, key: bytes) -> None:
+        """Raises: WrongShardError: another worker holds `key` (the client's map is stale)."""
+        owner = shard_of(key, self.count)
+        if owner != self.index:
+            raise WrongShardError(
+                f"key {key.hex()} belongs to shard {owner} of {self.count}, not {self.index}: "
+                "the client's shard map is out of date"
+            )
+
+    def check_all(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self.check(key)
 
 
 @dataclass

@@ -22,7 +22,10 @@ from kvoffload.client_sdk.wire.block import HEADER_BYTES
 from kvoffload.client_sdk.wire.native import (
     NEED_DATA,
     ConnectionClosed,
+    ErrorReply,
     Event,
+    Exists,
+    ExistsResult,
     Get,
     GetMany,
     GetManyResult,
@@ -34,6 +37,7 @@ from kvoffload.client_sdk.wire.native import (
     Role,
     Welcome,
 )
+from kvoffload.client_sdk.wire.status import Status
 from kvoffload.errors import KVOffloadError, RemoteProtocolError, TransportError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -43,9 +47,10 @@ Answer = Callable[[NativeConnection, Event], tuple[bytes, bool]]
 
 
 @contextlib.contextmanager
-def peer(answer: Answer) -> Iterator[int]:
+def peer(answer: Answer, speaks: tuple[int, ...] = (1, 2)) -> Iterator[int]:
     """A native-protocol server that welcomes every connection and answers every other request
-    with `answer`; yields its port."""
+    with `answer`; yields its port. It refuses a Hello of a version outside `speaks` as a
+    daemon of that age does (an error answer, then it closes)."""
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(0.2)
     done = threading.Event()
@@ -64,8 +69,17 @@ def peer(answer: Answer) -> Iterator[int]:
                 while (event := conn.next_event()) is not NEED_DATA:
                     if isinstance(event, ConnectionClosed):
                         return
-                    if isinstance(event, Hello):
-                        welcome = Welcome(event.request_id, 1, "", 1 << 20, 1 << 20)
+                    if isinstance(event, Hello) and event.version not in speaks:
+                        refusal = ErrorReply(
+                            event.request_id,
+                            Status.PROTOCOL,
+                            f"protocol version {event.version} is not supported (this daemon "
+                            f"speaks {max(speaks)})",
+                        )
+                        data, close = _joined(conn.send_parts(refusal)), True
+                    elif isinstance(event, Hello):
+                        version = min(event.version, max(speaks))
+                        welcome = Welcome(event.request_id, version, "", 1 << 20, 1 << 20)
                         data, close = _joined(conn.send_parts(welcome)), False
                     else:
                         data, close = answer(conn, event)
@@ -183,3 +197,26 @@ def test_a_get_into_that_fails_part_way_leaves_no_partial_block(close: bool) -> 
         buffer[:] = b"\x55" * (2 * BLOCK)
         asyncio.run(main())
         assert b"\xaa" not in buffer
+
+
+def _exists_answer(conn: NativeConnection, event: Event) -> tuple[bytes, bool]:
+    assert isinstance(event, Exists)
+    return _joined(conn.send_parts(ExistsResult(event.request_id, True))), False
+
+
+def test_a_daemon_of_protocol_1_is_spoken_to_in_protocol_1() -> None:
+    """A client newer than its daemon: the daemon refuses Hello version 2, the client says
+    Hello again in version 1 (the daemon's Welcome then has no shard fields) and works."""
+    with peer(_exists_answer, speaks=(1,)) as port:
+        url = f"kv://127.0.0.1:{port}?retries=0&timeout=10"
+        with Client.connect(url) as client:
+            assert client.exists(os.urandom(16))
+
+        async def main() -> None:
+            async with AsyncClient.connect(url) as client:
+                assert await client.exists(os.urandom(16))
+
+        asyncio.run(main())
+    # A daemon that speaks none of the client's versions: down to 1, then the refusal stands.
+    with peer(_exists_answer, speaks=(3,)) as port, pytest.raises(RemoteProtocolError):
+        Client.connect(f"kv://127.0.0.1:{port}?retries=0&timeout=10")

@@ -355,11 +355,16 @@ def test_clients_follow_a_restarted_node(
     assert bytes(client.get(keys[0]) or b"") == values[0]
     assert client.stats().store.get("shards") is None
     again.stop()
-    # And back to two workers on the same ports.
+    # And back to two workers on the same ports: the client's one connection still reaches
+    # the node's port, where a worker answers a key it does not hold with WRONG_SHARD, and the
+    # client asks for the map again.
     start_daemon("--port", str(port), *WORKERS)
-    client.put(keys[1], values[1])
-    assert bytes(client.get(keys[1]) or b"") == values[1]
+    for key, value in zip(keys, values, strict=True):
+        client.put(key, value)
+    assert [bytes(client.get(k) or b"") for k in keys] == values
     assert client.stats().store["shards"] == 2
+    with Client.connect(f"kv://127.0.0.1:{port}") as fresh:  # every key on its own shard
+        assert fresh.lookup(keys) == len(keys)
     client.close()
     with pytest.raises(KVOffloadError, match="closed"):
         client.get(keys[1])
@@ -387,3 +392,31 @@ def test_a_missing_shard_is_found_not_recreated(
     with pytest.raises(RuntimeError, match="shard-1 is missing"):
         Daemon(home, *WORKERS, *flags)
     assert not (data / "shard-1").exists()
+
+
+def test_a_worker_refuses_keys_it_does_not_hold(start_daemon: Callable[..., Daemon]) -> None:
+    from kvoffload.client_sdk.transports.native import NativeOptions, NativeTransport
+    from kvoffload.errors import WrongShardError
+
+    daemon = start_daemon(*WORKERS)
+    shard0 = int(next(line for line in _shard_lines(daemon) if "shard 0" in line).rsplit(":", 1)[1])
+    keys, _ = _chain(20, 1, seed=10)
+    mine = next(k for k in keys if shard_of(k, 2) == 0)
+    theirs = next(k for k in keys if shard_of(k, 2) == 1)
+    direct = NativeTransport(NativeOptions(port=shard0, retries=0))
+    try:
+        direct.put(mine, [b"ok"], None)
+        assert direct.exists(mine)
+        for call in (
+            lambda: direct.put(theirs, [b"lost?"], None),
+            lambda: direct.exists(theirs),
+            lambda: direct.get_many([mine, theirs]),
+            lambda: direct.lookup([mine, theirs]),
+        ):
+            with pytest.raises(WrongShardError, match="belongs to shard 1 of 2"):
+                call()
+        assert direct.exists(mine)  # the connection stays usable
+    finally:
+        direct.close()
+    with Client.connect(daemon.url()) as client:  # the refused put stored nothing anywhere
+        assert not client.exists(theirs)

@@ -22,8 +22,8 @@ from kvoffload.client_sdk.transports.native import plans
 from kvoffload.client_sdk.transports.native.options import NativeOptions
 from kvoffload.client_sdk.transports.native.session import Call, Plan, Req, Session
 from kvoffload.client_sdk.url import StoreURL
-from kvoffload.client_sdk.wire.native import Welcome
-from kvoffload.errors import DeadlineExceededError, TransportError
+from kvoffload.client_sdk.wire.native import PROTOCOL_VERSION, Welcome
+from kvoffload.errors import DeadlineExceededError, KVOffloadError, TransportError
 
 __all__ = ["AsyncNativeTransport", "open_native_async"]
 
@@ -80,6 +80,7 @@ class _AsyncConnection(AsyncRunner[Req, Call]):
         self.session = Session()
         self.protocol: _Protocol | None = None
         self.welcome: Welcome | None = None
+        self.version = PROTOCOL_VERSION  # the Hello's (the transport lowers it for old daemons)
         self._progress = asyncio.Event()
 
     def _notify(self) -> None:
@@ -108,7 +109,7 @@ class _AsyncConnection(AsyncRunner[Req, Call]):
         sock = protocol.transport.get_extra_info("socket") if protocol.transport else None
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.welcome = await self.run(plans.hello(self.options.token), deadline)
+        self.welcome = await self.run(plans.hello(self.options.token, self.version), deadline)
 
     @property
     def healthy(self) -> bool:
@@ -159,6 +160,7 @@ class AsyncNativeTransport:
         self._conn: _AsyncConnection | None = None
         self._connecting: asyncio.Lock | None = None
         self._welcome: Welcome | None = None
+        self._version = PROTOCOL_VERSION
 
     async def _connection(self, deadline: float) -> _AsyncConnection:
         if self._conn is not None and self._conn.healthy:
@@ -166,10 +168,18 @@ class AsyncNativeTransport:
         if self._connecting is None:
             self._connecting = asyncio.Lock()
         async with self._connecting:
-            if self._conn is None or not self._conn.healthy:
+            while self._conn is None or not self._conn.healthy:
                 conn = _AsyncConnection(self.options)
+                conn.version = self._version
                 try:
                     await conn.open(self._context, deadline)
+                except KVOffloadError as exc:
+                    conn.close()
+                    older = plans.older_version(exc, self._version)
+                    if older is None:
+                        raise
+                    self._version = older  # an older daemon: speak its version
+                    continue
                 except BaseException:
                     conn.close()
                     raise

@@ -13,6 +13,7 @@ from kvoffload.client_sdk.transports.core import Held, one, too_small
 from kvoffload.client_sdk.transports.native.session import Call, Plan, Req, Sink
 from kvoffload.client_sdk.wire.block import HEADER_BYTES
 from kvoffload.client_sdk.wire.native import (
+    PROTOCOL_VERSION,
     Delete,
     DeleteResult,
     Event,
@@ -33,7 +34,7 @@ from kvoffload.client_sdk.wire.native import (
     StatsResult,
     Welcome,
 )
-from kvoffload.errors import RemoteProtocolError
+from kvoffload.errors import KVOffloadError, RemoteProtocolError
 
 __all__ = [
     "delete",
@@ -64,9 +65,19 @@ def _ask(req: Req) -> Generator[list[Req], list[Call], Event]:
     return call.result()
 
 
-def hello(token: str) -> Plan[Welcome]:
-    answer = yield from _ask(Req(lambda rid: Hello(rid, token=token, client=_CLIENT)))
+def hello(token: str, version: int = PROTOCOL_VERSION) -> Plan[Welcome]:
+    answer = yield from _ask(
+        Req(lambda rid: Hello(rid, version=version, token=token, client=_CLIENT))
+    )
     return cast(Welcome, answer)
+
+
+def older_version(exc: KVOffloadError, version: int) -> int | None:
+    """The version to try after a refused Hello: one below `version` when the daemon refused
+    the version itself (an older daemon; none speaks below 1), else None."""
+    if version > 1 and isinstance(exc, RemoteProtocolError) and "protocol version" in str(exc):
+        return version - 1
+    return None
 
 
 def _nbytes(parts: Sequence[object]) -> int:

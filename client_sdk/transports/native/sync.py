@@ -34,7 +34,7 @@ from kvoffload.client_sdk.transports.native.options import NativeOptions
 from kvoffload.client_sdk.transports.native.session import Call, Plan, Req, Session
 from kvoffload.client_sdk.url import StoreURL
 from kvoffload.client_sdk.wire.frames import HEAD_READ
-from kvoffload.client_sdk.wire.native import Welcome
+from kvoffload.client_sdk.wire.native import PROTOCOL_VERSION, Welcome
 from kvoffload.errors import (
     DeadlineExceededError,
     KVOffloadError,
@@ -59,7 +59,11 @@ class _SyncConnection(SyncRunner[Req, Call]):
     """One blocking socket and its session."""
 
     def __init__(
-        self, options: NativeOptions, context: ssl.SSLContext | None, deadline: float
+        self,
+        options: NativeOptions,
+        context: ssl.SSLContext | None,
+        deadline: float,
+        version: int = PROTOCOL_VERSION,
     ) -> None:
         self.options = options
         self.session = Session()
@@ -81,7 +85,7 @@ class _SyncConnection(SyncRunner[Req, Call]):
         self._timeout = -1.0
         self._slack = min(0.05 * options.timeout, 0.5)
         try:
-            self.welcome: Welcome = self.run(plans.hello(options.token), deadline)
+            self.welcome: Welcome = self.run(plans.hello(options.token, version), deadline)
         except BaseException:
             sock.close()  # refused Hello (bad token, version): do not wait for the collector
             raise
@@ -168,6 +172,7 @@ class NativeTransport:
         self._open = 0
         self._cond = threading.Condition()
         self._welcome: Welcome | None = None
+        self._version = PROTOCOL_VERSION
         self._closed = False
         try:  # connect now for an early AuthError; a daemon that is down is only a warning
             self._release(self._acquire(time.monotonic() + options.connect_timeout), True)
@@ -194,7 +199,7 @@ class NativeTransport:
                 if not self._cond.wait(timeout=left(deadline)):
                     raise DeadlineExceededError(f"no free connection to {self.options.url}")
         try:
-            conn = _SyncConnection(self.options, self._context, deadline)
+            conn = self._connect(deadline)
         except BaseException:
             with self._cond:
                 self._open -= 1
@@ -202,6 +207,19 @@ class NativeTransport:
             raise
         self._welcome = conn.welcome
         return conn
+
+    def _connect(self, deadline: float) -> _SyncConnection:
+        """A new connection, speaking the newest protocol version the daemon accepts (an
+        older daemon refuses a newer Hello by its version; that is remembered)."""
+        while True:
+            try:
+                return _SyncConnection(self.options, self._context, deadline, self._version)
+            except KVOffloadError as exc:
+                older = plans.older_version(exc, self._version)
+                if older is None:
+                    raise
+                log.info("%s speaks an older protocol; using version %d", self.options.url, older)
+                self._version = older
 
     def _release(self, conn: _SyncConnection, healthy: bool) -> None:
         with self._cond:
