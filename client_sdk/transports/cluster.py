@@ -63,15 +63,8 @@ def _store_url(url: StoreURL) -> str:
     return f"{url.scheme}://{netloc}{url.path}{query}"
 
 
-class ClusterTransport:
-    """A blocking transport over the members of `membership`.
-
-    Args:
-        membership: where the members come from (static list or etcd watch).
-        replicas: copies of each block.
-        open_node: opens a member's transport (called on its first use).
-        deadline_s: the node transports' deadline; also the breaker's probe window.
-    """
+class _Nodes:
+    """The members, their placement and side-by-side calls to them (the transport's base)."""
 
     def __init__(
         self,
@@ -180,6 +173,31 @@ class ClusterTransport:
         for i in at:
             groups.setdefault(live[ranks[i, rank]], []).append(i)
         return groups
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._membership.close()
+        self._pool.shutdown(wait=True)
+        for target in list(self._targets.values()):
+            target.close()
+
+
+class ClusterTransport(_Nodes):
+    """A blocking transport over the members of `membership`.
+
+    Args:
+        membership: where the members come from (static list or etcd watch).
+        replicas: copies of each block.
+        open_node: opens a member's transport (called on its first use).
+        deadline_s: the node transports' deadline; also the breaker's probe window.
+    """
 
     # ------------------------------------------------------------------ the Transport API
 
@@ -412,20 +430,6 @@ class ClusterTransport:
                 "members": len(targets),
             }
         return merged
-
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self.counters[name] += n
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._membership.close()
-        self._pool.shutdown(wait=True)
-        for target in list(self._targets.values()):
-            target.close()
 
 
 class _ThreadedCluster(ThreadedAsyncTransport):
