@@ -83,6 +83,8 @@ class _Nodes:
         self._placements: dict[tuple[str, ...], Placement] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(_POOL_THREADS, "kvoffload-cluster")
+        # Copies to new owners on their own threads, so they never queue ahead of reads.
+        self._repair_pool = ThreadPoolExecutor(2, "kvoffload-cluster-repair")
         self._repairs = threading.BoundedSemaphore(_MAX_REPAIRS)
         self._max_value_bytes: int | None = None
         self._closed = False
@@ -185,6 +187,7 @@ class _Nodes:
             self._closed = True
         self._membership.close()
         self._pool.shutdown(wait=True)
+        self._repair_pool.shutdown(wait=True)
         for target in list(self._targets.values()):
             target.close()
 
@@ -362,7 +365,7 @@ class ClusterTransport(_Nodes):
                 self._repairs.release()
 
         self._count("repairs")
-        self._pool.submit(copy)
+        self._repair_pool.submit(copy)
 
     def exists(self, key: bytes) -> bool:
         live, ranks = self._plan([key], self.replicas + 1)
