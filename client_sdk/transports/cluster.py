@@ -169,12 +169,15 @@ class _Nodes:
 
     @staticmethod
     def _group(
-        live: list[Target], ranks: npt.NDArray[np.intp], rank: int, at: Sequence[int]
+        live: list[Target],
+        ranks: npt.NDArray[np.intp],
+        rank: int,
+        at: Sequence[int] | npt.NDArray[np.intp],
     ) -> dict[Target, list[int]]:
-        groups: dict[Target, list[int]] = {}
-        for i in at:
-            groups.setdefault(live[ranks[i, rank]], []).append(i)
-        return groups
+        """Positions `at` grouped by their node of rank `rank` (vectorised: one pass per node)."""
+        where = np.asarray(at, dtype=np.intp)
+        nodes = ranks[where, rank] if len(where) else where
+        return {live[n]: where[nodes == n].tolist() for n in np.unique(nodes)}
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -390,7 +393,7 @@ class ClusterTransport(_Nodes):
         present = np.zeros(len(keys), dtype=bool)
         run = 0
         for rank in range(ranks.shape[1]):
-            unknown = [i for i in range(run, len(keys)) if not present[i]]
+            unknown = np.flatnonzero(~present[run:]) + run
             groups = self._group(live, ranks, rank, unknown)
             answers = self._fanout(groups, lambda t, at: t.transport.lookup([keys[i] for i in at]))
             for _, at, found, _ in answers:
