@@ -157,6 +157,7 @@ def test_a_cut_link_costs_one_deadline_then_the_node_serves_again(
             started = time.monotonic()
             got = client.get_many(keys)
             took = time.monotonic() - started
+            print(f"first call after the cut: {took:.2f} s (deadline {deadline:g} s)")
             # One deadline for the cut node (its rank-2 fallback is another node); the
             # margin is for a shared, noisy machine, far below the 30 s of a kv:// default.
             assert took < deadline + 4, took
@@ -177,3 +178,23 @@ def test_a_cut_link_costs_one_deadline_then_the_node_serves_again(
             time.sleep(0.5)
         assert ratio == 1.0 and errors == []
         assert {m.node_id for m in members} == {m.node_id for m in _members(client)}
+
+
+def test_etcd_down_changes_nothing_for_a_client(
+    start_node: StartNode, cluster_etcd: EtcdServer
+) -> None:
+    [start_node() for _ in range(3)]
+    keys = _keys(300, seed=11)
+    with Client.connect(_url(cluster_etcd, replicas="2")) as client:
+        _wait_members(client, 3)
+        client.put_many([(k, _value(k)) for k in keys])
+        cluster_etcd.stop()
+        try:
+            hits, asked, errors = _load(client, keys, rounds=2)
+            assert (hits, errors) == (asked, [])
+            assert len(_members(client)) == 3  # the last membership stays
+            more = _keys(50, seed=12)
+            client.put_many([(k, _value(k)) for k in more])
+            assert client.get_many(more) == [_value(k) for k in more]
+        finally:
+            cluster_etcd.start()
