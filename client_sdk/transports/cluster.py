@@ -479,6 +479,8 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
         )
     node_params = {"timeout": f"{deadline:g}", "connect_timeout": f"{deadline:g}"}
     if "token" in spec.extra:
+        if spec.front != "native":
+            raise ConfigError("cluster URL: token= applies to the native front only")
         node_params["token"] = spec.extra["token"]
     scheme, front = ("kv", "native") if spec.front == "native" else ("nvme+tcp", "nvme")
     query = urlencode(node_params)

@@ -161,7 +161,7 @@ def test_async_client_and_bad_urls(three: list[object]) -> None:
             return await client.get_many(keys)
 
     assert asyncio.run(run()) == [_value(k) for k in keys]
-    for bad in ("replicas=0", "timeout=abc", "timeout=-1", "nope=1"):
+    for bad in ("replicas=0", "timeout=abc", "timeout=-1", "nope=1", "front=nvme&token=t"):
         with pytest.raises(ConfigError):
             Client.connect(_cluster(three) + "?" + bad)
 
