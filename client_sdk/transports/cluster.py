@@ -387,20 +387,28 @@ class ClusterTransport(_Nodes):
     def lookup(self, keys: Sequence[bytes]) -> int:
         """The chain's leading run; a key counts as present if any of its R + 1 best nodes has
         it. Rank by rank, each rank asked only about the keys not yet known present past the
-        run so far (a node's own leading run says nothing past its first miss, so the answer
-        can fall short, never over)."""
+        run so far. A node's leading run says nothing past its first miss, so when keys turned
+        up below their best node (after a membership change) the ranks are asked once more
+        about what is still unknown; the answer can fall short, never over."""
         live, ranks = self._plan(keys, self.replicas + 1)
         present = np.zeros(len(keys), dtype=bool)
         run = 0
-        for rank in range(ranks.shape[1]):
-            unknown = np.flatnonzero(~present[run:]) + run
-            groups = self._group(live, ranks, rank, unknown)
-            answers = self._fanout(groups, lambda t, at: t.transport.lookup([keys[i] for i in at]))
-            for _, at, found, _ in answers:
-                present[at[: found or 0]] = True
-            missing = np.flatnonzero(~present[run:])
-            run = run + int(missing[0]) if len(missing) else len(keys)
-            if run == len(keys):
+        for _ in range(2):
+            found_below = False
+            for rank in range(ranks.shape[1]):
+                unknown = np.flatnonzero(~present[run:]) + run
+                groups = self._group(live, ranks, rank, unknown)
+                answers = self._fanout(
+                    groups, lambda t, at: t.transport.lookup([keys[i] for i in at])
+                )
+                for _, at, found, _ in answers:
+                    present[at[: found or 0]] = True
+                    found_below = found_below or (rank > 0 and bool(found))
+                missing = np.flatnonzero(~present[run:])
+                run = run + int(missing[0]) if len(missing) else len(keys)
+                if run == len(keys):
+                    return run
+            if not found_below:
                 break
         return run
 

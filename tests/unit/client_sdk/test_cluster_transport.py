@@ -210,3 +210,23 @@ def test_get_many_into_finds_a_previous_owner_and_copies_the_block_over(
     with Client.connect(daemons[2].url()) as direct:  # type: ignore[attr-defined]
         # close() waited for the copies: the new owner serves them, verified, on its own.
         assert [direct.get(k) for k in moved] == [_value(k) for k in moved]
+
+
+def test_lookup_after_a_node_joined_counts_blocks_on_old_and_new_owners(
+    start_daemon: Start,
+) -> None:
+    daemons = [start_daemon() for _ in range(3)]
+    keys = _keys(40, seed=13)
+    new_id = f"127.0.0.1-{daemons[2].port}"  # type: ignore[attr-defined]
+    placement = Placement(_members(daemons))
+    moved = [i for i, k in enumerate(keys) if placement.owners(k)[0].node_id == new_id]
+    assert len(moved) >= 2
+    last = keys[moved[-1]]
+    # The old nodes hold every block but the last one the new node owns; only it holds that.
+    with Client.connect(_cluster(daemons[:2])) as client:
+        client.put_many([(k, _value(k)) for k in keys if k != last])
+    with Client.connect(daemons[2].url()) as direct:  # type: ignore[attr-defined]
+        direct.put(last, _value(last))
+    with Client.connect(_cluster(daemons)) as client:
+        assert client.lookup(keys) == len(keys)
+        assert client.lookup(keys[: moved[-1]] + _keys(3, seed=14)) == moved[-1]
