@@ -49,6 +49,9 @@ def parse_url(url: str) -> StoreURL:
     params = dict(pairs)
     if len(params) != len(pairs):
         raise ConfigError(f"repeated parameter in URL {url!r}")
+    if "," in parts.netloc:
+        # Several hosts (a cluster's node list): the transport parses them itself.
+        return StoreURL(parts.scheme.lower(), parts.netloc, None, parts.path, params)
     try:
         port = parts.port
     except ValueError as exc:

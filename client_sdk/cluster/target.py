@@ -1,0 +1,113 @@
+"""One storage node as a cluster client sees it: its transport, a circuit breaker and counters.
+
+The breaker opens on the first failed call (a node that is down, cut off or past its deadline)
+so later calls skip the node instead of paying its timeout; after a back-off (doubling up to a
+cap) one call is let through as a probe, and a success closes the breaker again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from kvoffload.client_sdk.transports.base import Transport
+from kvoffload.client_sdk.wire.etcd import Member
+
+__all__ = ["COUNTERS", "Target"]
+
+log = logging.getLogger("kvoffload.cluster")
+
+# Back-off of an open breaker: short first (a restart, a blip), capped (a long outage).
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 5.0
+COUNTERS = (
+    "requests",  # batched requests sent to the node
+    "failures",  # requests that failed (down, deadline, cut off)
+    "skipped",  # requests not sent because the breaker was open
+    "hits",
+    "misses",
+    "blocks_put",
+    "rerouted_in",  # blocks put here because an owner before it failed
+    "repairs",  # blocks copied here from a previous owner after a miss
+)
+
+
+class Target:
+    """A member's transport (opened on first use), breaker state and counters."""
+
+    def __init__(self, member: Member, open_transport: Callable[[], Transport], deadline_s: float):
+        self.member = member
+        self._open = open_transport
+        self._deadline_s = deadline_s
+        self._transport: Transport | None = None
+        self._lock = threading.Lock()
+        self._failing = False
+        self._open_until = 0.0
+        self._backoff = BACKOFF_FIRST_S
+        self.counters = dict.fromkeys(COUNTERS, 0)
+
+    @property
+    def node_id(self) -> str:
+        return self.member.node_id
+
+    @property
+    def transport(self) -> Transport:
+        transport = self._transport
+        if transport is None:
+            with self._lock:
+                transport = self._transport = self._transport or self._open()
+        return transport
+
+    @property
+    def up(self) -> bool:
+        """False while the breaker is open."""
+        return not self._failing
+
+    def admit(self) -> bool:
+        """Whether a call may use this node now; while the breaker is open, only the first
+        caller after the back-off gets through (the probe), the others skip the node."""
+        with self._lock:
+            if not self._failing:
+                return True
+            now = time.monotonic()
+            if now < self._open_until:
+                self.counters["skipped"] += 1
+                return False
+            # The probe may take a whole deadline: keep the others away meanwhile.
+            self._open_until = now + self._deadline_s + self._backoff
+            return True
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def succeeded(self, counted: bool = True) -> None:
+        """The node answered (`counted`: a data request, not a stats or limits query)."""
+        with self._lock:
+            self.counters["requests"] += counted
+            if self._failing:
+                log.warning("cluster: node %s answers again", self.node_id)
+                self._failing = False
+                self._backoff = BACKOFF_FIRST_S
+
+    def failed(self, exc: BaseException, counted: bool = True) -> None:
+        with self._lock:
+            self.counters["requests"] += counted
+            self.counters["failures"] += counted
+            if not self._failing:
+                log.warning("cluster: node %s failed (%s); skipping it for now", self.node_id, exc)
+            else:
+                self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
+            self._failing = True
+            self._open_until = time.monotonic() + self._backoff
+
+    def snapshot(self) -> dict[str, object]:
+        with self._lock:
+            return {**self.counters, "up": not self._failing}
+
+    def close(self) -> None:
+        with self._lock:
+            transport, self._transport = self._transport, None
+        if transport is not None:
+            transport.close()

@@ -1,0 +1,510 @@
+"""`cluster://` and `cluster+etcd://`: one transport over many storage nodes.
+
+Keys are placed by weighted rendezvous hashing over the nodes that answer (`Placement`); with
+`replicas=R` a put goes to a key's R best nodes and a read tries its R + 1 best in order, so
+after a membership change the previous owner (now one rank down) still answers, and the block
+is copied to the new owner. Every batch is one request per node, all nodes side by side; a read
+that needs a second rank sends a second batch only for the keys still missing.
+
+Failures are misses: a node that fails (down, past the deadline, cut off) answers nothing for
+that call and its breaker opens (`cluster.target`); a put meant for it goes to the next node in
+HRW order. A put raises only when some block could be stored on no node at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from functools import partial
+from typing import TypeVar
+from urllib.parse import urlencode
+
+import numpy as np
+import numpy.typing as npt
+
+from kvoffload.client_sdk.cluster.membership import Membership, open_membership, parse_cluster_url
+from kvoffload.client_sdk.cluster.placement import Placement
+from kvoffload.client_sdk.cluster.target import Target
+from kvoffload.client_sdk.transports.base import (
+    HeldBlock,
+    PutItem,
+    Received,
+    ThreadedAsyncTransport,
+    Transport,
+)
+from kvoffload.client_sdk.transports.sharding import Got, release
+from kvoffload.client_sdk.url import StoreURL, parse_url
+from kvoffload.client_sdk.wire.etcd import Member
+from kvoffload.client_sdk.wire.shards import merge_stats
+from kvoffload.errors import ConfigError, KVOffloadError, TransportError
+
+__all__ = ["ClusterTransport", "open_cluster", "open_cluster_async"]
+
+log = logging.getLogger("kvoffload.cluster")
+T = TypeVar("T")
+
+DEFAULT_DEADLINE_S = 2.0
+_PARAMS = {
+    "timeout": f"seconds per call to a node (default {DEFAULT_DEADLINE_S:g})",
+    "token": "the tenant's token on every node",
+}
+# Repairs (copies to a new owner) run in the background; past this many waiting, skip them.
+_MAX_REPAIRS = 64
+_POOL_THREADS = 32
+
+
+def _store_url(url: StoreURL) -> str:
+    """The URL text again (Client.connect parsed it; the cluster parser wants it whole)."""
+    netloc = url.host + (f":{url.port}" if url.port else "")
+    query = f"?{urlencode(dict(url.params))}" if url.params else ""
+    return f"{url.scheme}://{netloc}{url.path}{query}"
+
+
+class _Nodes:
+    """The members, their placement and side-by-side calls to them (the transport's base)."""
+
+    def __init__(
+        self,
+        membership: Membership,
+        replicas: int,
+        open_node: Callable[[Member], Transport],
+        deadline_s: float = DEFAULT_DEADLINE_S,
+    ) -> None:
+        self.replicas = replicas
+        self._membership = membership
+        self._open_node = open_node
+        self._deadline_s = deadline_s
+        self._targets: dict[tuple[str, tuple[tuple[str, str], ...]], Target] = {}
+        self._generation = -1
+        self._members: tuple[Target, ...] = ()
+        self._placements: dict[tuple[str, ...], Placement] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(_POOL_THREADS, "kvoffload-cluster")
+        # Copies to new owners on their own threads, so they never queue ahead of reads.
+        self._repair_pool = ThreadPoolExecutor(2, "kvoffload-cluster-repair")
+        self._repairs = threading.BoundedSemaphore(_MAX_REPAIRS)
+        self._max_value_bytes: int | None = None
+        self._closed = False
+        self.counters = dict.fromkeys(
+            ("puts_rerouted", "puts_short", "puts_lost", "repairs", "repairs_skipped"), 0
+        )
+
+    # ------------------------------------------------------------------ members and placement
+
+    def _current(self) -> tuple[Target, ...]:
+        """The targets of the members now (a new Target when a node's fronts change)."""
+        generation = self._membership.generation
+        if generation != self._generation:
+            with self._lock:
+                if self._closed:
+                    raise TransportError("the client is closed")
+                members = self._membership.members()
+                targets = []
+                for member in members:
+                    ident = (member.node_id, tuple(sorted(member.fronts.items())))
+                    target = self._targets.get(ident)
+                    if target is None:
+                        target = Target(member, partial(self._open_node, member), self._deadline_s)
+                        self._targets[ident] = target
+                    targets.append(target)
+                self._members, self._generation = tuple(targets), generation
+        if self._closed:
+            raise TransportError("the client is closed")
+        return self._members
+
+    def _plan(
+        self, keys: Sequence[bytes], width: int, exclude: frozenset[Target] = frozenset()
+    ) -> tuple[list[Target], npt.NDArray[np.intp]]:
+        """The nodes that may be used now and, per key, the indexes of its `width` best among
+        them (HRW over the admitted nodes = HRW over all with the others skipped)."""
+        live = [t for t in self._current() if t not in exclude and t.admit()]
+        if not live or not keys:
+            return live, np.zeros((len(keys), 0), dtype=np.intp)
+        ids = tuple(t.node_id for t in live)
+        placement = self._placements.get(ids)
+        if placement is None:
+            if len(self._placements) > 64:
+                self._placements.clear()
+            placement = self._placements[ids] = Placement([t.member for t in live])
+        # Placement sorts members by node id, like `live` (members come sorted).
+        return live, placement.rank_many(keys, width)
+
+    def _fanout(
+        self,
+        groups: dict[Target, list[int]],
+        call: Callable[[Target, list[int]], T],
+        counted: bool = True,
+    ) -> list[tuple[Target, list[int], T | None, BaseException | None]]:
+        """`call(target, positions)` for each group side by side (the last in this thread);
+        each answer or error, with the breaker told which."""
+
+        def one(target: Target, at: list[int]) -> T:
+            try:
+                result = call(target, at)
+            except KVOffloadError as exc:
+                target.failed(exc, counted)
+                raise
+            target.succeeded(counted)
+            return result
+
+        items = list(groups.items())
+        futures: list[Future[T]] = [self._pool.submit(one, t, at) for t, at in items[:-1]]
+        out: list[tuple[Target, list[int], T | None, BaseException | None]] = []
+        if items:
+            target, at = items[-1]
+            try:
+                out.append((target, at, one(target, at), None))
+            except KVOffloadError as exc:
+                out.append((target, at, None, exc))
+        wait(futures)
+        for (target, at), future in zip(items, futures, strict=False):
+            error = future.exception()
+            if error is not None and not isinstance(error, KVOffloadError):
+                raise error
+            out.append((target, at, None if error else future.result(), error))
+        return out
+
+    @staticmethod
+    def _group(
+        live: list[Target],
+        ranks: npt.NDArray[np.intp],
+        rank: int,
+        at: Sequence[int] | npt.NDArray[np.intp],
+    ) -> dict[Target, list[int]]:
+        """Positions `at` grouped by their node of rank `rank` (vectorised: one pass per node)."""
+        where = np.asarray(at, dtype=np.intp)
+        nodes = ranks[where, rank] if len(where) else where
+        return {live[n]: where[nodes == n].tolist() for n in np.unique(nodes)}
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._membership.close()
+        self._pool.shutdown(wait=True)
+        self._repair_pool.shutdown(wait=True)
+        for target in list(self._targets.values()):
+            target.close()
+
+
+class ClusterTransport(_Nodes):
+    """A blocking transport over the members of `membership`.
+
+    Args:
+        membership: where the members come from (static list or etcd watch).
+        replicas: copies of each block.
+        open_node: opens a member's transport (called on its first use).
+        deadline_s: the node transports' deadline; also the breaker's probe window.
+    """
+
+    # ------------------------------------------------------------------ the Transport API
+
+    @property
+    def max_value_bytes(self) -> int:
+        if self._max_value_bytes is None:
+            for target in self._current():
+                if not target.admit():
+                    continue
+                try:
+                    self._max_value_bytes = target.transport.max_value_bytes
+                    target.succeeded(counted=False)
+                    break
+                except KVOffloadError as exc:
+                    target.failed(exc, counted=False)
+            else:
+                raise TransportError("no storage node of the cluster can be reached")
+        return self._max_value_bytes
+
+    def put(
+        self, key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool = False
+    ) -> None:
+        self.put_many([(key, parts, parent)], durable)
+
+    def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None:
+        """Each block to its R best nodes; a failed node's blocks to the next node in HRW order.
+
+        Raises:
+            TransportError: some block could be stored on no node (none answers).
+        """
+        keys = [item[0] for item in items]
+        stored = [0] * len(items)
+        owners_of: list[set[Target]] = [set() for _ in items]
+        failed: set[Target] = set()
+        pending = list(range(len(items)))
+        for attempt in range(2):
+            live, ranks = self._plan([keys[i] for i in pending], self.replicas, frozenset(failed))
+            groups: dict[Target, list[int]] = {}
+            for row, i in enumerate(pending):
+                for r in range(ranks.shape[1]):
+                    target = live[ranks[row, r]]
+                    if target not in owners_of[i]:
+                        groups.setdefault(target, []).append(i)
+            sent = self._fanout(
+                groups, lambda t, at: t.transport.put_many([items[i] for i in at], durable)
+            )
+            retry: set[int] = set()
+            for target, at, _, exc in sent:
+                if exc is not None:
+                    failed.add(target)
+                    retry.update(at)
+                    continue
+                target.count("blocks_put", len(at))
+                if attempt:
+                    target.count("rerouted_in", len(at))
+                for i in at:
+                    stored[i] += 1
+                    owners_of[i].add(target)
+            pending = sorted(i for i in retry if stored[i] < self.replicas)
+            if not pending:
+                break
+            if not attempt:
+                self._count("puts_rerouted", len(pending))
+        self._settle_puts(stored, durable)
+
+    def _settle_puts(self, stored: list[int], durable: bool) -> None:
+        lost = sum(1 for n in stored if n == 0)
+        short = sum(1 for n in stored if 0 < n < self.replicas)
+        if short:
+            self._count("puts_short", short)
+            log.debug("cluster: %d block(s) stored on fewer than %d nodes", short, self.replicas)
+        if lost:
+            self._count("puts_lost", lost)
+            raise TransportError(
+                f"{lost} of {len(stored)} block(s) could not be stored on any cluster node"
+                + (" durably" if durable else "")
+            )
+
+    def get(self, key: bytes) -> HeldBlock | None:
+        return self.get_many([key])[0]
+
+    def get_into(self, key: bytes, buffer: memoryview) -> Got:
+        return self.get_many_into([key], [buffer])[0]
+
+    def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]:
+        got = self._read(keys, lambda t, at: t.transport.get_many([keys[i] for i in at]))
+        return [g if not isinstance(g, Received) else None for g in got]
+
+    def get_many_into(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[Got]:
+        return self._read(
+            keys,
+            lambda t, at: t.transport.get_many_into(
+                [keys[i] for i in at], [buffers[i] for i in at]
+            ),
+            buffers,
+        )
+
+    def _read(
+        self,
+        keys: Sequence[bytes],
+        call: Callable[[Target, list[int]], Sequence[Got]],
+        buffers: Sequence[memoryview] | None = None,
+    ) -> list[Got]:
+        """Rank by rank: the keys still missing go to their next node (up to R + 1 ranks); a
+        block found below an owner that answered "miss" is copied to that owner."""
+        out: list[Got] = [None] * len(keys)
+        live, ranks = self._plan(keys, self.replicas + 1)
+        missed: dict[int, list[Target]] = {}
+        pending = list(range(len(keys)))
+        try:
+            for rank in range(ranks.shape[1]):
+                still: list[int] = []
+                for target, at, got, exc in self._fanout(
+                    self._group(live, ranks, rank, pending), call
+                ):
+                    if exc is not None or got is None:
+                        still.extend(at)
+                        continue
+                    hits = 0
+                    for i, block in zip(at, got, strict=True):
+                        if block is None:
+                            still.append(i)
+                            if rank < self.replicas:
+                                missed.setdefault(i, []).append(target)
+                        else:
+                            out[i], hits = block, hits + 1
+                    target.count("hits", hits)
+                    target.count("misses", len(at) - hits)
+                pending = sorted(still)
+                if not pending:
+                    break
+        except BaseException:
+            release([], [b for b in out if b is not None])
+            raise
+        for i, owners in missed.items():
+            if out[i] is not None:
+                self._repair(keys[i], out[i], buffers[i] if buffers is not None else None, owners)
+        return out
+
+    def _repair(
+        self, key: bytes, block: Got, buffer: memoryview | None, owners: list[Target]
+    ) -> None:
+        """Copy a block found on a previous owner to the owners that missed it (background)."""
+        if not self._repairs.acquire(blocking=False):
+            self._count("repairs_skipped")
+            return
+        if isinstance(block, Received):
+            assert buffer is not None
+            value = bytes(block.header) + bytes(buffer[: block.length])
+        else:
+            value = bytes(block.data) if block is not None else b""
+
+        def copy() -> None:
+            try:
+                for target in owners:
+                    try:
+                        target.transport.put(key, [value], None)
+                        target.count("repairs")
+                    except KVOffloadError as exc:
+                        target.failed(exc)
+            finally:
+                self._repairs.release()
+
+        self._count("repairs")
+        self._repair_pool.submit(copy)
+
+    def exists(self, key: bytes) -> bool:
+        live, ranks = self._plan([key], self.replicas + 1)
+        for rank in range(ranks.shape[1]):
+            target = live[ranks[0, rank]]
+            try:
+                found = target.transport.exists(key)
+            except KVOffloadError as exc:
+                target.failed(exc)
+                continue
+            target.succeeded()
+            if found:
+                return True
+        return False
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """The chain's leading run; a key counts as present if any of its R + 1 best nodes has
+        it. Rank by rank, each rank asked only about the keys not yet known present past the
+        run so far. A node's leading run says nothing past its first miss, so when keys turned
+        up below their best node (after a membership change) the ranks are asked once more
+        about what is still unknown; the answer can fall short, never over."""
+        live, ranks = self._plan(keys, self.replicas + 1)
+        present = np.zeros(len(keys), dtype=bool)
+        run = 0
+        for _ in range(2):
+            found_below = False
+            for rank in range(ranks.shape[1]):
+                unknown = np.flatnonzero(~present[run:]) + run
+                groups = self._group(live, ranks, rank, unknown)
+                answers = self._fanout(
+                    groups, lambda t, at: t.transport.lookup([keys[i] for i in at])
+                )
+                for _, at, found, _ in answers:
+                    present[at[: found or 0]] = True
+                    found_below = found_below or (rank > 0 and bool(found))
+                missing = np.flatnonzero(~present[run:])
+                run = run + int(missing[0]) if len(missing) else len(keys)
+                if run == len(keys):
+                    return run
+            if not found_below:
+                break
+        return run
+
+    def prefetch(self, keys: Sequence[bytes]) -> int:
+        live, ranks = self._plan(keys, 1)
+        if not ranks.shape[1]:
+            return 0
+        groups = self._group(live, ranks, 0, range(len(keys)))
+        answers = self._fanout(groups, lambda t, at: t.transport.prefetch([keys[i] for i in at]))
+        return sum(n or 0 for _, _, n, _ in answers)
+
+    def delete(self, key: bytes) -> bool:
+        live, ranks = self._plan([key], self.replicas + 1)
+        groups = {live[r]: [0] for r in ranks[0]}
+        answers = self._fanout(groups, lambda t, at: t.transport.delete(key))
+        return any(found for _, _, found, _ in answers)
+
+    def stats(self) -> dict[str, object]:
+        """The nodes' stats added up, plus "nodes": {node id: this client's counters, "up"}
+        and "cluster": placement counters."""
+        targets = self._current()
+        groups = {t: [0] for t in targets if t.admit()}
+        answers = self._fanout(groups, lambda t, at: t.transport.stats(), counted=False)
+        merged = merge_stats([s for _, _, s, _ in answers if s is not None])
+        merged["nodes"] = {
+            t.node_id: {**t.snapshot(), "weight": t.member.weight, "fronts": dict(t.member.fronts)}
+            for t in targets
+        }
+        with self._lock:
+            merged["cluster"] = {
+                **self.counters,
+                "replicas": self.replicas,
+                "members": len(targets),
+            }
+        return merged
+
+
+class _ThreadedCluster(ThreadedAsyncTransport):
+    """The async API over a cluster: index calls may wait on the network (a node's deadline),
+    so they run in a worker thread too, never on the event loop."""
+
+    def __init__(self, inner: ClusterTransport) -> None:
+        super().__init__(inner)
+        self._cluster = inner
+
+    async def exists(self, key: bytes) -> bool:
+        return await asyncio.to_thread(self._cluster.exists, key)
+
+    async def lookup(self, keys: Sequence[bytes]) -> int:
+        return await asyncio.to_thread(self._cluster.lookup, keys)
+
+    async def delete(self, key: bytes) -> bool:
+        return await asyncio.to_thread(self._cluster.delete, key)
+
+    async def stats(self) -> dict[str, object]:
+        return await asyncio.to_thread(self._cluster.stats)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._cluster.close)
+
+
+def open_cluster(url: StoreURL) -> ClusterTransport:
+    """Open `cluster://h1:p1,h2:p2?replicas=R&timeout=S` or `cluster+etcd://host:port/NAME?...`.
+
+    Raises:
+        ConfigError: a bad cluster URL.
+    """
+    spec = parse_cluster_url(_store_url(url), _PARAMS)
+    try:
+        deadline = float(spec.extra.get("timeout", DEFAULT_DEADLINE_S))
+    except ValueError:
+        deadline = -1.0
+    if not 0 < deadline <= 3600:
+        raise ConfigError(
+            f"cluster URL: timeout must be seconds > 0, got {spec.extra['timeout']!r}"
+        )
+    node_params = {"timeout": f"{deadline:g}", "connect_timeout": f"{deadline:g}"}
+    if "token" in spec.extra:
+        if spec.front != "native":
+            raise ConfigError("cluster URL: token= applies to the native front only")
+        node_params["token"] = spec.extra["token"]
+    scheme, front = ("kv", "native") if spec.front == "native" else ("nvme+tcp", "nvme")
+    query = urlencode(node_params)
+
+    def open_node(member: Member) -> Transport:
+        from kvoffload.client_sdk.transports import open_transport
+
+        address = member.fronts.get(front)
+        if address is None:
+            raise TransportError(f"node {member.node_id} has no {front} front")
+        return open_transport(parse_url(f"{scheme}://{address}?{query}"))
+
+    membership = open_membership(spec, timeout_s=deadline)
+    return ClusterTransport(membership, spec.replicas, open_node, deadline)
+
+
+def open_cluster_async(url: StoreURL) -> _ThreadedCluster:
+    """`open_cluster` served to asyncio from worker threads."""
+    return _ThreadedCluster(open_cluster(url))

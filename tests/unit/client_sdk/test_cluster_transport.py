@@ -1,0 +1,232 @@
+"""The cluster transport over real daemons on loopback: routing by HRW, replicas, failures as
+misses, the breaker, previous owners after a membership change."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from kvoffload.client_sdk import AsyncClient, Client
+from kvoffload.client_sdk.cluster import Member, Placement
+from kvoffload.errors import ConfigError, TransportError
+
+pytestmark = pytest.mark.timeout(120)
+
+Start = Callable[..., object]
+
+
+def _cluster(daemons: list[object], **params: str) -> str:
+    hosts = ",".join(f"127.0.0.1:{d.port}" for d in daemons)  # type: ignore[attr-defined]
+    query = "&".join(f"{k}={v}" for k, v in params.items())
+    return f"cluster://{hosts}" + (f"?{query}" if query else "")
+
+
+def _members(daemons: list[object]) -> list[Member]:
+    ports = [d.port for d in daemons]  # type: ignore[attr-defined]
+    return [Member(f"127.0.0.1-{p}", {"native": f"127.0.0.1:{p}"}) for p in ports]
+
+
+def _keys(n: int, seed: int = 0) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [rng.bytes(16) for _ in range(n)]
+
+
+def _value(key: bytes) -> bytes:
+    return np.random.default_rng(int.from_bytes(key[:8], "little")).bytes(2048)
+
+
+def _holders(daemons: list[object], key: bytes) -> set[int]:
+    out = set()
+    for i, d in enumerate(daemons):
+        with Client.connect(d.url()) as c:  # type: ignore[attr-defined]
+            if c.exists(key):
+                out.add(i)
+    return out
+
+
+@pytest.fixture
+def three(start_daemon: Start) -> list[object]:
+    return [start_daemon() for _ in range(3)]
+
+
+def test_each_block_lands_on_its_hrw_owners_in_one_request_per_node(three: list[object]) -> None:
+    keys = _keys(60)
+    placement = Placement(_members(three))
+    port_index = {f"127.0.0.1-{d.port}": i for i, d in enumerate(three)}  # type: ignore[attr-defined]
+    with Client.connect(_cluster(three, replicas="2")) as client:
+        client.put_many([(k, _value(k)) for k in keys])
+        nodes = client.stats().store["nodes"]  # type: ignore[index]
+        # One batched put per node, never one per block.
+        assert all(n["requests"] == 1 for n in nodes.values())  # type: ignore[index]
+        assert sum(n["blocks_put"] for n in nodes.values()) == 2 * len(keys)  # type: ignore[index]
+        got = client.get_many(keys)
+        assert got == [_value(k) for k in keys]
+        assert client.lookup(keys) == len(keys)
+    for key in keys[:12]:
+        owners = {port_index[m.node_id] for m in placement.owners(key, 2)}
+        assert _holders(three, key) == owners
+
+
+def test_a_dead_node_costs_nothing_with_two_replicas_and_its_breaker_opens(
+    three: list[object],
+) -> None:
+    keys = _keys(90, seed=1)
+    with Client.connect(_cluster(three, replicas="2", timeout="1")) as client:
+        client.put_many([(k, _value(k)) for k in keys])
+        three[0].stop()  # type: ignore[attr-defined]
+        assert client.get_many(keys) == [_value(k) for k in keys]
+        assert client.lookup(keys) == len(keys)
+        assert all(client.exists(k) for k in keys[:10])
+        nodes = client.stats().store["nodes"]  # type: ignore[index]
+        dead = nodes[f"127.0.0.1-{three[0].port}"]  # type: ignore[attr-defined, index]
+        assert dead["up"] is False and dead["failures"] >= 1
+        sent = dead["requests"]
+        # The breaker keeps later calls off the dead node.
+        for _ in range(5):
+            assert client.get_many(keys[:30]) == [_value(k) for k in keys[:30]]
+        nodes = client.stats().store["nodes"]  # type: ignore[index]
+        dead = nodes[f"127.0.0.1-{three[0].port}"]  # type: ignore[attr-defined, index]
+        assert dead["requests"] == sent and dead["skipped"] >= 5
+        # Puts meant for it land on the next node: still two copies each.
+        more = _keys(30, seed=2)
+        client.put_many([(k, _value(k)) for k in more])
+        assert client.stats().store["cluster"]["puts_short"] == 0  # type: ignore[index]
+    for key in more[:10]:
+        assert len(_holders(three[1:], key)) == 2
+
+
+def test_with_one_replica_a_dead_node_is_a_share_of_misses_never_an_error(
+    three: list[object],
+) -> None:
+    keys = _keys(120, seed=3)
+    placement = Placement(_members(three))
+    dead_id = f"127.0.0.1-{three[2].port}"  # type: ignore[attr-defined]
+    lost = {k for k in keys if placement.owners(k)[0].node_id == dead_id}
+    with Client.connect(_cluster(three, timeout="1")) as client:
+        client.put_many([(k, _value(k)) for k in keys])
+        three[2].stop()  # type: ignore[attr-defined]
+        got = client.get_many(keys)
+        assert {k for k, g in zip(keys, got, strict=True) if g is None} == lost
+        assert all(g == _value(k) for k, g in zip(keys, got, strict=True) if g is not None)
+        assert 0 < len(lost) < len(keys)
+
+
+def test_no_live_node_means_misses_and_puts_raise(start_daemon: Start) -> None:
+    daemons = [start_daemon() for _ in range(2)]
+    url = _cluster(daemons, timeout="1")
+    for d in daemons:
+        d.stop()  # type: ignore[attr-defined]
+    keys = _keys(4, seed=4)
+    with Client.connect(url) as client:
+        assert client.get_many(keys) == [None] * 4
+        assert client.lookup(keys) == 0
+        assert client.exists(keys[0]) is False
+        with pytest.raises(TransportError):
+            client.put(keys[0], b"x" * 100)
+
+
+def test_a_new_owner_misses_then_the_previous_owner_answers_and_the_block_moves(
+    start_daemon: Start,
+) -> None:
+    daemons = [start_daemon() for _ in range(3)]
+    keys = _keys(80, seed=5)
+    with Client.connect(_cluster(daemons[:2])) as client:
+        client.put_many([(k, _value(k)) for k in keys])
+    placement = Placement(_members(daemons))
+    new_id = f"127.0.0.1-{daemons[2].port}"  # type: ignore[attr-defined]
+    moved = [k for k in keys if placement.owners(k)[0].node_id == new_id]
+    assert moved
+    with Client.connect(_cluster(daemons)) as client:
+        assert client.lookup(keys) == len(keys)
+        assert client.get_many(keys) == [_value(k) for k in keys]
+        assert client.stats().store["cluster"]["repairs"] == len(moved)  # type: ignore[index]
+    with Client.connect(daemons[2].url()) as direct:  # type: ignore[attr-defined]
+        end = time.monotonic() + 30  # the copies run in the background
+        while not all(direct.exists(k) for k in moved) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert all(direct.get(k) == _value(k) for k in moved)
+
+
+def test_async_client_and_bad_urls(three: list[object]) -> None:
+    keys = _keys(10, seed=6)
+
+    async def run() -> list[bytes | None]:
+        async with AsyncClient.connect(_cluster(three, replicas="2")) as client:
+            await client.put_many([(k, _value(k)) for k in keys])
+            assert await client.lookup(keys) == len(keys)
+            return await client.get_many(keys)
+
+    assert asyncio.run(run()) == [_value(k) for k in keys]
+    for bad in ("replicas=0", "timeout=abc", "timeout=-1", "nope=1", "front=nvme&token=t"):
+        with pytest.raises(ConfigError):
+            Client.connect(_cluster(three) + "?" + bad)
+
+
+def _requests(client: Client) -> dict[str, int]:
+    nodes = client.stats().store["nodes"]
+    assert isinstance(nodes, dict)
+    return {i: n["requests"] for i, n in nodes.items()}
+
+
+def test_a_1000_key_lookup_and_get_many_into_are_one_request_per_node(
+    three: list[object],
+) -> None:
+    keys = _keys(1000, seed=8)
+    with Client.connect(_cluster(three, replicas="2")) as client:
+        client.put_many([(k, _value(k)) for k in keys])
+        steps = [_requests(client)]
+        assert client.lookup(keys) == 1000
+        steps.append(_requests(client))
+        assert client.lookup(keys + _keys(5, seed=9)) == 1000  # a missing tail: ranks 2, 3 too
+        steps.append(_requests(client))
+        buffers = [bytearray(4096) for _ in keys[:200]]
+        assert client.get_many_into(keys[:200], buffers) == [2048] * 200
+        assert all(bytes(b[:2048]) == _value(k) for k, b in zip(keys, buffers, strict=False))
+        steps.append(_requests(client))
+    sent = [{i: b[i] - a[i] for i in a} for a, b in zip(steps, steps[1:], strict=False)]
+    # Each rank asked is one batched request per node, never one per key.
+    assert sent[0] == dict.fromkeys(sent[0], 1)
+    assert all(1 <= n <= 3 for n in sent[1].values())
+    assert sent[2] == dict.fromkeys(sent[2], 1)
+
+
+def test_get_many_into_finds_a_previous_owner_and_copies_the_block_over(
+    start_daemon: Start,
+) -> None:
+    daemons = [start_daemon() for _ in range(3)]
+    keys = _keys(60, seed=10)
+    with Client.connect(_cluster(daemons[:2])) as client:
+        client.put_many([(k, _value(k)) for k in keys])
+    new_id = f"127.0.0.1-{daemons[2].port}"  # type: ignore[attr-defined]
+    moved = [k for k in keys if Placement(_members(daemons)).owners(k)[0].node_id == new_id]
+    buffers = [bytearray(4096) for _ in keys]
+    with Client.connect(_cluster(daemons)) as client:
+        assert client.get_many_into(keys, buffers) == [2048] * len(keys)
+    assert all(bytes(b[:2048]) == _value(k) for k, b in zip(keys, buffers, strict=True))
+    with Client.connect(daemons[2].url()) as direct:  # type: ignore[attr-defined]
+        # close() waited for the copies: the new owner serves them, verified, on its own.
+        assert [direct.get(k) for k in moved] == [_value(k) for k in moved]
+
+
+def test_lookup_after_a_node_joined_counts_blocks_on_old_and_new_owners(
+    start_daemon: Start,
+) -> None:
+    daemons = [start_daemon() for _ in range(3)]
+    keys = _keys(40, seed=13)
+    new_id = f"127.0.0.1-{daemons[2].port}"  # type: ignore[attr-defined]
+    placement = Placement(_members(daemons))
+    moved = [i for i, k in enumerate(keys) if placement.owners(k)[0].node_id == new_id]
+    assert len(moved) >= 2
+    last = keys[moved[-1]]
+    # The old nodes hold every block but the last one the new node owns; only it holds that.
+    with Client.connect(_cluster(daemons[:2])) as client:
+        client.put_many([(k, _value(k)) for k in keys if k != last])
+    with Client.connect(daemons[2].url()) as direct:  # type: ignore[attr-defined]
+        direct.put(last, _value(last))
+    with Client.connect(_cluster(daemons)) as client:
+        assert client.lookup(keys) == len(keys)
+        assert client.lookup(keys[: moved[-1]] + _keys(3, seed=14)) == moved[-1]
