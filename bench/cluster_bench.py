@@ -8,18 +8,25 @@ Targets are named like the ids daemons generate; keys are random 16-byte block k
 from __future__ import annotations
 
 import argparse
+import contextlib
+import statistics
+import tempfile
+import time
 
 import numpy as np
 
 from kvoffload.bench.common import BenchResult, Row, time_median
+from kvoffload.bench.net import daemon
+from kvoffload.client_sdk import Client
 from kvoffload.client_sdk.cluster import Member, Placement
 
 __all__ = ["HELP", "add_arguments", "balance", "moved_fraction", "run", "run_from_args"]
 
-HELP = "cluster placement: balance over 4 targets, keys moved when a 5th joins"
+HELP = "cluster placement: balance over 4 targets, keys moved when a 5th joins, lookup p50"
 
 GOAL_BALANCE = 1.05
 GOAL_MOVED = 0.22
+GOAL_LOOKUP_MS = 3.0
 
 
 def targets(n: int) -> list[Member]:
@@ -46,7 +53,34 @@ def moved_fraction(before: list[Member], after: list[Member], keys: list[bytes])
     return float(np.mean(old_ids != new_ids))
 
 
-def run(*, keys: int = 100_000, seed: int = 0) -> BenchResult:
+def live_lookup_ms(targets_n: int, keys: list[bytes], calls: int) -> tuple[float, float]:
+    """(p50, p99) ms of `lookup` over a chain of `keys` through `cluster://` to `targets_n`
+    daemons on loopback (every key stored, so each lookup walks the whole chain)."""
+    with contextlib.ExitStack() as stack:
+        urls = []
+        for _ in range(targets_n):
+            tmp = stack.enter_context(tempfile.TemporaryDirectory())
+            url, _ = stack.enter_context(daemon("128MiB", tmp))
+            urls.append(url.removeprefix("kv://"))
+        client = stack.enter_context(Client.connect("cluster://" + ",".join(urls)))
+        parent = None
+        for key in keys:
+            client.put(key, b"v" * 64, parent=parent)
+            parent = key
+        if client.lookup(keys) != len(keys):
+            raise RuntimeError("a stored chain did not look up whole")
+        for _ in range(3):
+            client.lookup(keys)
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            client.lookup(keys)
+            times.append((time.perf_counter() - start) * 1e3)
+    times.sort()
+    return statistics.median(times), times[min(len(times) - 1, int(0.99 * len(times)))]
+
+
+def run(*, keys: int = 100_000, seed: int = 0, lookups: int = 60) -> BenchResult:
     result = BenchResult("cluster")
     chosen = block_keys(keys, seed)
     bal = balance(targets(4), chosen)
@@ -66,6 +100,14 @@ def run(*, keys: int = 100_000, seed: int = 0) -> BenchResult:
             note="CPU time to rank 1,000 keys for 2 replicas (median of 21): the placement "
             "part of a cluster lookup"),
     ]  # fmt: skip
+    if lookups:
+        p50, p99 = live_lookup_ms(4, lookup, lookups)
+        result.rows += [
+            Row("lookup/1000keys/4targets", p50, "ms", "goal_p50", GOAL_LOOKUP_MS,
+                note=f"p50 of {lookups} lookups of a stored 1,000-key chain through cluster:// "
+                "to 4 daemons on loopback (one host: the 4 daemons share its cores)"),
+            Row("lookup_p99/1000keys/4targets", p99, "ms", note="p99 of the same run"),
+        ]  # fmt: skip
     result.notes.append(
         "weighted rendezvous (HRW) hashing, equal weights; the goals are issue 12's; no peer "
         "reference (ref is empty: a goal, not a measured alternative)"
@@ -76,7 +118,10 @@ def run(*, keys: int = 100_000, seed: int = 0) -> BenchResult:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keys", type=int, default=100_000, help="keys to place")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random keys")
+    parser.add_argument(
+        "--lookups", type=int, default=60, help="timed lookups through 4 daemons (0: skip)"
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> BenchResult:
-    return run(keys=args.keys, seed=args.seed)
+    return run(keys=args.keys, seed=args.seed, lookups=args.lookups)
