@@ -6,11 +6,13 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -23,6 +25,7 @@ from rich.table import Table
 import kvoffload
 
 __all__ = [
+    "daemon_ports",
     "LOWER_IS_BETTER",
     "BenchResult",
     "Row",
@@ -192,6 +195,29 @@ def stop_process(proc: subprocess.Popen[str], timeout: float = 30) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+_LISTEN = re.compile(r"^kvoffload: (\S+) listening on (\S+):(\d+)$")
+
+
+def daemon_ports(proc: subprocess.Popen[str], err: Path) -> dict[str, int]:
+    """Read a starting `kvoffload serve`'s stdout up to ``kvoffload: ready``: its listeners'
+    ports by name; then keep draining stdout so the daemon never blocks on it.
+
+    Raises:
+        RuntimeError: it exited first (with the end of its stderr file `err`).
+    """
+    ports: dict[str, int] = {}
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if m := _LISTEN.match(line.strip()):
+            ports[m.group(1)] = int(m.group(3))
+        if line.strip() == "kvoffload: ready":
+            break
+    else:
+        raise RuntimeError(f"kvoffload serve did not start: {err.read_text()[-2000:]}")
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
+    return ports
 
 
 def free_port() -> int:

