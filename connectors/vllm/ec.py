@@ -49,7 +49,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorRole,
 )
 
-from kvoffload.client_sdk import Client, Namespace, engine_hashes
+from kvoffload.client_sdk import BlockHash, Client, Namespace, engine_hashes
 from kvoffload.client_sdk.wire.block import HEADER_BYTES
 from kvoffload.connectors.vllm import _compat
 from kvoffload.errors import (
@@ -235,7 +235,7 @@ class EncoderOutputStore:
         # "m" and "c" prefixes keep manifest and chunk names apart whatever the identifier is.
         return engine_hashes(self._ns, [b"m\0" + identifier.encode()])[0]
 
-    def _chunk_keys(self, nonce: bytes, n: int) -> list[bytes]:
+    def _chunk_keys(self, nonce: bytes, n: int) -> list[BlockHash]:
         return engine_hashes(self._ns, [b"c\0" + nonce + i.to_bytes(4, "little") for i in range(n)])
 
     def entry_keys(self, identifier: str) -> list[bytes]:
