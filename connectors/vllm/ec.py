@@ -28,6 +28,7 @@ so a read that misses or fails verification on any chunk is a miss, never partia
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -135,11 +136,11 @@ def ec_namespace(vllm_config: Any, salt: str) -> Namespace:
     a producer and a consumer of different TP sizes share entries.
     """
     model = vllm_config.model_config
-    described = {
-        k: v for k, v in model.hf_config.to_dict().items() if k not in _NOT_ENCODER
-    }
+    described = {k: v for k, v in model.hf_config.to_dict().items() if k not in _NOT_ENCODER}
     described["quantization"] = model.quantization
-    digest = blake3.blake3(repr(sorted(described.items())).encode()).hexdigest()[:32]
+    # Canonical JSON (sorted at every level), so equal configs hash alike in every process.
+    text = json.dumps(described, sort_keys=True, default=str)
+    digest = blake3.blake3(text.encode()).hexdigest()[:32]
     dtype = str(model.dtype).removeprefix("torch.")
     return Namespace(
         model=str(model.model),
