@@ -51,7 +51,6 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 
 from kvoffload.client_sdk import BlockHash, Client, Namespace, engine_hashes
-from kvoffload.client_sdk.wire.block import HEADER_BYTES
 from kvoffload.connectors.vllm import _compat
 from kvoffload.errors import (
     ConfigError,
@@ -87,6 +86,7 @@ _VERSION = 1
 # magic, version, ndim, dtype name length, chunk count, chunk bytes, payload bytes, nonce.
 _MANIFEST = struct.Struct("<4sHHHIQQ16s")
 _MAX_NDIM = 8
+_HEADER_ROOM = 4096
 # hf_config keys that name where or by what the model was saved, not what it computes.
 _NOT_ENCODER = ("_name_or_path", "transformers_version", "_commit_hash")
 
@@ -216,8 +216,9 @@ class EncoderOutputStore:
     def __init__(self, client: Client, namespace: Namespace, chunk_bytes: int = 0) -> None:
         self._client = client
         self._ns = namespace
-        # One value holds the store's header plus at most this many payload bytes.
-        largest = client.transport.max_value_bytes - HEADER_BYTES
+        # The store's limit covers its block header too (96 bytes; the wire layer that defines
+        # it is not the connectors' to import), so leave room for any header size.
+        largest = client.transport.max_value_bytes - _HEADER_ROOM
         self._chunk = min(chunk_bytes, largest) if chunk_bytes > 0 else largest
         self._largest = largest
         self._lock = threading.Lock()
