@@ -235,6 +235,12 @@ class Engine:
         return self._arena.size
 
     @property
+    def arena(self) -> memoryview:
+        """The DRAM tier's whole arena, one mapping that never moves: a front that registers
+        memory with an RDMA library (NIXL) registers it once and finds every value inside."""
+        return self._arena.view
+
+    @property
     def recovery(self) -> Recovery | None:
         """What opening the SSD tier found (None without an SSD tier)."""
         return self._ssd.recovery if self._ssd is not None else None
