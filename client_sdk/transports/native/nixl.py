@@ -55,8 +55,8 @@ log = logging.getLogger("kvoffload.client")
 T = TypeVar("T")
 # Polls of the socket and NIXL's progress before the wait starts sleeping in select between
 # progress calls (bounds the CPU a slow answer costs; a fast one never sleeps).
-_SPINS = 2000
-_NAP_S = 0.0002
+_SPINS = 50
+_NAP_S = 0.0001
 # Keys per NixlGet / NixlPut frame.
 _BATCH = 1024
 
