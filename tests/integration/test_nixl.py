@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from kvoffload.client_sdk import AsyncClient, Client
-from kvoffload.client_sdk.transports.native.nixl_memory import NixlMemory, address_of
+from kvoffload.client_sdk.transports.native.nixl_memory import NixlMemory
 from kvoffload.client_sdk.wire.native import (
     ConnectionClosed,
     ErrorReply,
@@ -28,9 +28,11 @@ from kvoffload.client_sdk.wire.native import (
     Hello,
     NativeConnection,
     NixlGet,
-    NixlMemory as NixlMemoryEvent,
     NixlMemoryDone,
     Role,
+)
+from kvoffload.client_sdk.wire.native import (
+    NixlMemory as NixlMemoryEvent,
 )
 from kvoffload.client_sdk.wire.shards import shard_of
 from kvoffload.client_sdk.wire.status import Status
@@ -175,9 +177,11 @@ def test_a_tls_daemon_refuses_nixl_unless_allowed(start_daemon: Start, tmp_path:
 
 def test_a_backend_that_cannot_be_created(start_daemon: Start, ucx: dict[str, str]) -> None:
     daemon = start_daemon(env={**ucx, "KVOFFLOAD_NATIVE__NIXL_BACKEND": "NOSUCH"})
-    with Client.connect(daemon.url(data="nixl")) as client:
-        with pytest.raises(ConfigError, match="NOSUCH"):
-            client.put(b"b" * 16, np.ones(1000, np.uint8))
+    with (
+        Client.connect(daemon.url(data="nixl")) as client,
+        pytest.raises(ConfigError, match="NOSUCH"),
+    ):
+        client.put(b"b" * 16, np.ones(1000, np.uint8))
     with Client.connect(daemon.url()) as plain:  # the daemon lives and serves kv://
         plain.put(b"b" * 16, b"still here")
         assert plain.get(b"b" * 16) == b"still here"
