@@ -32,6 +32,7 @@ from kvoffload.kvstore.stats import EngineStats, TierStats, snapshot
 
 __all__ = [
     "KEY_BYTES",
+    "arena_of",
     "TierListener",
     "BlockView",
     "Engine",
@@ -233,12 +234,6 @@ class Engine:
     @property
     def capacity_bytes(self) -> int:
         return self._arena.size
-
-    @property
-    def arena(self) -> memoryview:
-        """The DRAM tier's whole arena, one mapping that never moves: a front that registers
-        memory with an RDMA library (NIXL) registers it once and finds every value inside."""
-        return self._arena.view
 
     @property
     def recovery(self) -> Recovery | None:
@@ -491,3 +486,9 @@ class Engine:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def arena_of(engine: Engine) -> memoryview:
+    """The engine's whole DRAM arena, one mapping that never moves: a front that registers
+    memory with an RDMA library (NIXL) registers it once and finds every value inside."""
+    return engine._arena.view

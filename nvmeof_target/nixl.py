@@ -42,6 +42,7 @@ from kvoffload.errors import (
     TransportError,
 )
 from kvoffload.kvstore import BlockView, Engine, PutReservation
+from kvoffload.kvstore.engine import arena_of
 
 if TYPE_CHECKING:
     from kvoffload.nvmeof_target.native_session import NativeSession
@@ -91,7 +92,7 @@ class NixlAgent:
         try:
             self._agent: Any = api.nixl_agent(name, config)
             self._agent.create_backend(backend)
-            arena = engine.arena
+            arena = arena_of(engine)
             self._agent.register_memory([(_address(arena), len(arena), 0, "")], "DRAM")
         except self.errors as exc:
             raise ConfigError(f"NIXL backend {backend!r} cannot be created: {exc}") from None

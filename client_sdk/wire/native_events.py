@@ -444,13 +444,8 @@ class ErrorReply(Event):
 
 @dataclass(frozen=True, slots=True)
 class NixlMemory(Event):
-    """Version 3: the client's NIXL agent and the memory it lets the daemon reach.
-
-    `agent` is NIXL agent metadata (the whole agent's on the first NixlMemory of a connection,
-    then partial metadata for the added regions). `regions` and `revoke` are flat
-    (address, length) pairs added to and taken from what this connection may name; the daemon
-    honours descriptors only inside the regions still registered on this connection.
-    """
+    """Version 3: NIXL agent metadata (whole, then partial for new regions) and the flat
+    (address, length) pairs this connection may name from now on (`regions`) or no more."""
 
     OP: ClassVar[int] = 11
     CHECKS: ClassVar[dict[str, str]] = {"regions": "uints", "revoke": "uints"}

@@ -25,6 +25,8 @@ from kvoffload.client_sdk.wire.native import (
     ConnectionClosed,
     ErrorReply,
     Event,
+    Get,
+    GetResult,
     Hello,
     NativeConnection,
     NixlGet,
@@ -38,6 +40,7 @@ from kvoffload.client_sdk.wire.shards import shard_of
 from kvoffload.client_sdk.wire.status import Status
 from kvoffload.errors import ConfigError, InvalidArgumentError
 from tests.conftest import Daemon
+from tests.integration.test_client_bad_answers import peer
 from tests.integration.test_daemon import _self_signed
 
 _HAVE_NIXL = importlib.util.find_spec("nixl") is not None
@@ -156,6 +159,23 @@ def test_through_the_cluster_layer(start_daemon: Start, ucx: dict[str, str]) -> 
 
 
 # ---------------------------------------------------------------------------- refusals
+
+
+def test_a_protocol_2_daemon_gets_kv_payloads() -> None:
+    """A daemon older than the NIXL path refuses the version 3 Hello: the client moves the
+    payload through the socket instead (and never offers its agent)."""
+    asked: list[type[Event]] = []
+
+    def answer(conn: NativeConnection, event: Event) -> tuple[bytes, bool]:
+        asked.append(type(event))
+        return b"".join(conn.send_parts(GetResult(event.request_id, None))), False
+
+    with peer(answer, speaks=(1, 2)) as port:
+        url = f"kv://127.0.0.1:{port}?data=nixl&retries=0&timeout=10"
+        with Client.connect(url) as client:
+            assert client.get_into(os.urandom(16), np.zeros(100, np.uint8)) is None
+            assert client.get_into(os.urandom(16), np.zeros(100, np.uint8)) is None
+    assert asked == [Get, Get]
 
 
 def test_a_tls_daemon_refuses_nixl_unless_allowed(start_daemon: Start, tmp_path: Path) -> None:
