@@ -119,7 +119,7 @@ def nixl_rows(rounds: int = 5, working_set: int = 64 << 20, cpu_requests: int = 
                 def memcpy_crc(src: np.ndarray = src, dst: np.ndarray = dst, n: int = n) -> None:
                     for _ in range(n):
                         np.copyto(dst, src)
-                        crc32c.crc32c(memoryview(dst))
+                        crc32c.crc32c(dst.data)
 
                 t_ref, t_nixl = _ab(memcpy_crc, lambda: get(nixl), rounds)
                 rows.append(
