@@ -151,7 +151,7 @@ def test_through_the_cluster_layer(start_daemon: Start, ucx: dict[str, str]) -> 
     nodes = [start_daemon(env=ucx), start_daemon(env=ucx)]
     hosts = ",".join(f"127.0.0.1:{d.port}" for d in nodes)
     keys, values = _values(8, 50_000, seed=5)
-    with Client.connect(f"cluster://{hosts}?data=nixl&timeout=30") as client:
+    with Client.connect(f"cluster://{hosts}?data=nixl&timeout=60") as client:
         client.put_many(list(zip(keys, values, strict=True)))
         buffer = np.zeros(50_000, np.uint8)
         for key, value in zip(keys, values, strict=True):

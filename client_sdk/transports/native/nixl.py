@@ -57,6 +57,8 @@ T = TypeVar("T")
 # progress calls (bounds the CPU a slow answer costs; a fast one never sleeps).
 _SPINS = 50
 _NAP_S = 0.0001
+# The first NixlMemory of a lane may wait this long for the daemon to make its agent.
+_SETUP_S = 120.0
 # Keys per NixlGet / NixlPut frame.
 _BATCH = 1024
 
@@ -80,16 +82,20 @@ class _Lane:
         try:
             self.memory = NixlMemory()
             # The daemon refuses with a ConfigError if it cannot or may not (TLS) serve NIXL.
-            self.ask(lambda rid: NixlMemoryEvent(rid, agent=self.memory.metadata()))
+            # The daemon makes its agent on first use, loading NIXL's plugins: seconds on a
+            # busy host, so the first exchange may take longer than a request.
+            first = max(self.timeout, _SETUP_S)
+            self.ask(lambda rid: NixlMemoryEvent(rid, agent=self.memory.metadata()), first)
         except BaseException:
             self.conn.close()
             raise
 
-    def ask(self, make: Callable[[int], Event]) -> Event:
-        """Send one request and wait for its answer, driving NIXL's progress meanwhile (the
-        daemon's transfer into or out of our memory needs it on TCP)."""
+    def ask(self, make: Callable[[int], Event], timeout: float = 0.0) -> Event:
+        """Send one request and wait for its answer (at most `timeout` s, default the URL's),
+        driving NIXL's progress meanwhile (the daemon's transfer into or out of our memory
+        needs it on TCP)."""
         conn = self.conn
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + (timeout or self.timeout)
         call = conn.start(Req(make), deadline)
         sock = conn.sock
         spins = 0
