@@ -377,7 +377,8 @@ def run(
     if nixl == "also":
         from kvoffload.bench.net_nixl import nixl_rows
 
-        result.rows += nixl_rows(max(rounds, 5))
+        scale = min(working_set, 64 << 20), min(cpu_requests, 200)
+        result.rows += nixl_rows(max(rounds, 5), *scale)
     result.notes.append(
         f"one client, loopback, ~{working_set >> 20} MiB of distinct values per size, median of "
         f"{rounds} rounds; pipelined = batches of {DEPTH} in flight (put_many/get_many_into, Redis "

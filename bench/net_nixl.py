@@ -63,7 +63,9 @@ def nixl_rows(rounds: int = 5, working_set: int = 64 << 20, cpu_requests: int = 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     ucx = f"UCX_TLS={os.environ['UCX_TLS']} UCX_NET_DEVICES={os.environ['UCX_NET_DEVICES']}"
     rows: list[Row] = []
-    dram = f"{2 * working_set // (1 << 20) + 64}MiB"
+    # Room for the working set twice, and at least what an 8 MiB value needs (the largest
+    # value a daemon takes is a fraction of its arena).
+    dram = f"{max(2 * working_set, 256 << 20) // (1 << 20) + 64}MiB"
     with (
         tempfile.TemporaryDirectory() as tmp,
         daemon(dram, tmp) as (url, pid),

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvoffload.bench.net_nixl import nixl_rows
 from kvoffload.client_sdk import AsyncClient, Client
 from kvoffload.client_sdk.transports.native.nixl_memory import NixlMemory
 from kvoffload.client_sdk.wire.native import (
@@ -351,3 +352,16 @@ def _cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process and its threads (/proc/PID/stat)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_the_bench_rows(ucx: dict[str, str]) -> None:
+    rows = {row.case: row for row in nixl_rows(rounds=1, working_set=MiB, cpu_requests=20)}
+    assert set(rows) == {
+        "get_nixl/2MiB",
+        "get_nixl/8MiB",
+        "put_nixl/2MiB",
+        "daemon_cpu_us/get_nixl/2MiB",
+    }
+    assert rows["get_nixl/8MiB"].ref == "memcpy_crc"
+    for row in rows.values():
+        assert row.value > 0 and row.ref_value and row.ratio, row
