@@ -272,9 +272,18 @@ def run(
     lmcache_python: str | None = None,
     cpu_requests: int = 20_000,
     multi_client: bool = True,
+    nixl: str = "also",
 ) -> BenchResult:
     """Measure every case over about `working_set` bytes of distinct values per size;
-    LMCache's server runs under `lmcache_python` (default: this interpreter)."""
+    LMCache's server runs under `lmcache_python` (default: this interpreter). `nixl`: "also"
+    adds the NIXL data path's rows, "no" skips them, "only" measures nothing else."""
+    if nixl == "only":
+        from kvoffload.bench.net_nixl import nixl_rows
+
+        only = BenchResult("net")
+        only.rows += nixl_rows(max(rounds, 5))
+        only.notes.append("the NIXL data path's rows only (bench net --nixl only)")
+        return only
     sizes = sizes or SIZES
     largest = max(sizes.values())
     result = BenchResult("net")
@@ -365,6 +374,11 @@ def run(
         from kvoffload.bench.net_mc import mc_rows
 
         result.rows += mc_rows(rounds)
+    if nixl == "also":
+        from kvoffload.bench.net_nixl import nixl_rows
+
+        scale = min(working_set, 64 << 20), min(cpu_requests, 200)
+        result.rows += nixl_rows(max(rounds, 5), *scale)
     result.notes.append(
         f"one client, loopback, ~{working_set >> 20} MiB of distinct values per size, median of "
         f"{rounds} rounds; pipelined = batches of {DEPTH} in flight (put_many/get_many_into, Redis "
@@ -465,6 +479,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip get_mc8/workers_scaling (8 client processes against a multi-worker daemon)",
     )
 
+    parser.add_argument(
+        "--nixl",
+        choices=("also", "no", "only"),
+        default="also",
+        help="the NIXL data path's rows (get_nixl, put_nixl, daemon_cpu_us/get_nixl): "
+        "also (default), no, or only these",
+    )
+
 
 def run_from_args(args: argparse.Namespace) -> BenchResult:
     python = peer_python("lmcache", args.lmcache_python, "KVOFFLOAD_LMCACHE_PYTHON")
@@ -474,4 +496,5 @@ def run_from_args(args: argparse.Namespace) -> BenchResult:
         lmcache_python=python,
         cpu_requests=args.cpu_requests,
         multi_client=not args.no_multi_client,
+        nixl=args.nixl,
     )

@@ -32,6 +32,7 @@ from kvoffload.kvstore.stats import EngineStats, TierStats, snapshot
 
 __all__ = [
     "KEY_BYTES",
+    "arena_of",
     "TierListener",
     "BlockView",
     "Engine",
@@ -485,3 +486,9 @@ class Engine:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def arena_of(engine: Engine) -> memoryview:
+    """The engine's whole DRAM arena, one mapping that never moves: a front that registers
+    memory with an RDMA library (NIXL) registers it once and finds every value inside."""
+    return engine._arena.view

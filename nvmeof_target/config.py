@@ -121,6 +121,12 @@ class NativeConfig:
     # blocks released).
     frame_timeout_s: float = 60.0
     backlog: int = 512
+    # Serve the NIXL data path (protocol 3) to clients that ask, where nixl is installed.
+    nixl: bool = True
+    # The NIXL backend the daemon's agent moves payloads with (UCX: RDMA, shared memory, TCP).
+    nixl_backend: str = "UCX"
+    # NIXL transfers bypass TLS: a TLS daemon refuses them unless this allows it.
+    nixl_over_tls: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

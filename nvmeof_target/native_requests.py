@@ -26,6 +26,9 @@ from kvoffload.client_sdk.wire.native import (
     Hello,
     Lookup,
     LookupResult,
+    NixlGet,
+    NixlMemory,
+    NixlPut,
     Prefetch,
     PrefetchResult,
     Put,
@@ -37,6 +40,7 @@ from kvoffload.client_sdk.wire.native import (
 from kvoffload.errors import AuthError, KVOffloadError, RemoteProtocolError
 from kvoffload.kvstore import BlockView
 from kvoffload.nvmeof_target.native_puts import on_put, on_put_many
+from kvoffload.nvmeof_target.nixl import on_nixl_get, on_nixl_memory, on_nixl_put
 
 if TYPE_CHECKING:
     from kvoffload.nvmeof_target.native_session import NativeSession
@@ -73,6 +77,7 @@ def on_hello(s: NativeSession, event: Hello) -> None:
         s.end_after_answers()  # nothing pipelined behind a refused Hello is served
         return
     s.conn.set_limits(s.front.limits)
+    s.version = event.version
     s.reply(
         Welcome(
             event.request_id,
@@ -209,5 +214,8 @@ HANDLERS: dict[type[Event], Callable[..., Awaitable[object] | None]] = dict(
         _row(Prefetch, on_prefetch),
         _row(Delete, on_delete),
         _row(Stats, on_stats),
+        _row(NixlMemory, on_nixl_memory),
+        _row(NixlGet, on_nixl_get),
+        _row(NixlPut, on_nixl_put),
     ]
 )

@@ -26,6 +26,7 @@ from kvoffload.client_sdk.wire.native import (
     GetMany,
     Lookup,
     NativeConnection,
+    NixlGet,
     PayloadEnd,
     Prefetch,
     Role,
@@ -37,6 +38,7 @@ from kvoffload.kvstore import BlockView
 from kvoffload.nvmeof_target.channel import Channel, TlsChannel
 from kvoffload.nvmeof_target.native_puts import PendingPut, payload_end, payload_part
 from kvoffload.nvmeof_target.native_requests import HANDLERS
+from kvoffload.nvmeof_target.nixl import NixlPeer, forget
 from kvoffload.nvmeof_target.session import Session
 from kvoffload.nvmeof_target.tenants import Tenant
 
@@ -51,7 +53,9 @@ T = TypeVar("T")
 # Request class -> its operation's name in the metrics, built once per class.
 _OP_NAMES: dict[type[Event], str] = {}
 # Requests naming keys a worker of a multi-worker daemon must hold (puts check as they reserve).
-_KEYED: frozenset[type[Event]] = frozenset({Get, Exists, Delete, GetMany, Lookup, Prefetch})
+_KEYED: frozenset[type[Event]] = frozenset(
+    {Get, Exists, Delete, GetMany, Lookup, Prefetch, NixlGet}
+)
 
 
 class NativeSession(Session):
@@ -68,6 +72,8 @@ class NativeSession(Session):
         self.tenant: Tenant | None = None
         self.puts: dict[int, PendingPut] = {}  # request id -> its payload on the way
         self.shard = front.services.shard
+        self.version = 0  # the protocol version of the accepted Hello
+        self.nixl: NixlPeer | None = None  # the client's NIXL agent (protocol 3)
         self._created = self._last_rx = time.monotonic()
         self._frame_since: float | None = None
 
@@ -162,6 +168,7 @@ class NativeSession(Session):
         for pending in self.puts.values():  # partially received puts never become visible
             pending.abort()
         self.puts.clear()
+        forget(self)
 
     def _forget(self) -> None:
         self.front.forget(self)

@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvoffload import __version__
 from kvoffload.client_sdk.wire.shards import shard_of
@@ -20,6 +20,9 @@ from kvoffload.nvmeof_target.config import Config
 from kvoffload.nvmeof_target.events import KVEvents
 from kvoffload.nvmeof_target.metrics import Metrics
 from kvoffload.nvmeof_target.tenants import Tenants
+
+if TYPE_CHECKING:
+    from kvoffload.nvmeof_target.nixl import NixlAgent
 
 __all__ = ["Front", "Services", "ShardRole"]
 
@@ -66,6 +69,8 @@ class Services:
     # reads, reservations (which may evict to the SSD), commits and deletes in `executor`.
     blocking_engine: bool = False
     shard: ShardRole | None = None
+    # This process's NIXL agent, made when a client first asks for the NIXL data path.
+    nixl: NixlAgent | None = None
     started: float = field(default_factory=time.monotonic)
 
     def server_info(self) -> dict[str, object]:

@@ -50,6 +50,7 @@ DEFAULT_DEADLINE_S = 2.0
 _PARAMS = {
     "timeout": f"seconds per call to a node (default {DEFAULT_DEADLINE_S:g})",
     "token": "the tenant's token on every node",
+    "data": "kv (default) or nixl: how payloads move to native nodes (docs/nixl.md)",
 }
 # Repairs (copies to a new owner) run in the background; past this many waiting, skip them.
 _MAX_REPAIRS = 64
@@ -490,6 +491,10 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
         if spec.front != "native":
             raise ConfigError("cluster URL: token= applies to the native front only")
         node_params["token"] = spec.extra["token"]
+    if "data" in spec.extra:
+        if spec.front != "native":
+            raise ConfigError("cluster URL: data= applies to the native front only")
+        node_params["data"] = spec.extra["data"]
     scheme, front = ("kv", "native") if spec.front == "native" else ("nvme+tcp", "nvme")
     query = urlencode(node_params)
 

@@ -14,7 +14,8 @@ event asks for the next piece's memory). Byte-at-a-time feeding yields exactly t
 
 Operations (request -> answer): Hello -> Welcome, Put -> PutDone, Get -> GetResult,
 Exists -> ExistsResult, Delete -> DeleteResult, PutMany -> PutManyDone, GetMany -> GetManyResult,
-Lookup -> LookupResult, Prefetch -> PrefetchResult, Stats -> StatsResult; any request may be
+Lookup -> LookupResult, Prefetch -> PrefetchResult, Stats -> StatsResult, and from version 3
+NixlMemory -> NixlMemoryDone, NixlGet -> NixlGetResult, NixlPut -> NixlPutDone; any request may be
 answered with ErrorReply instead. ErrorReply with request id 0 concerns the whole connection
 (the sender closes it next).
 """
@@ -44,6 +45,7 @@ from kvoffload.client_sdk.wire.native_events import (
     _ANSWER,
     KEY_BYTES,
     NEED_DATA,
+    NIXL_VERSION,
     PROTOCOL_VERSION,
     PROTOCOL_VERSIONS,
     ConnectionClosed,
@@ -60,6 +62,12 @@ from kvoffload.client_sdk.wire.native_events import (
     Hello,
     Lookup,
     LookupResult,
+    NixlGet,
+    NixlGetResult,
+    NixlMemory,
+    NixlMemoryDone,
+    NixlPut,
+    NixlPutDone,
     Prefetch,
     PrefetchResult,
     Put,
@@ -76,6 +84,7 @@ from kvoffload.errors import LocalProtocolError, RemoteProtocolError
 __all__ = [
     "KEY_BYTES",
     "NEED_DATA",
+    "NIXL_VERSION",
     "PROTOCOL_VERSION",
     "PROTOCOL_VERSIONS",
     "ConnectionClosed",
@@ -94,6 +103,12 @@ __all__ = [
     "Lookup",
     "LookupResult",
     "NativeConnection",
+    "NixlGet",
+    "NixlGetResult",
+    "NixlMemory",
+    "NixlMemoryDone",
+    "NixlPut",
+    "NixlPutDone",
     "PayloadEnd",
     "Prefetch",
     "PrefetchResult",

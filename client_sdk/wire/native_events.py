@@ -15,6 +15,7 @@ from kvoffload.errors import LocalProtocolError
 __all__ = [
     "KEY_BYTES",
     "NEED_DATA",
+    "NIXL_VERSION",
     "PROTOCOL_VERSION",
     "PROTOCOL_VERSIONS",
     "ConnectionClosed",
@@ -31,6 +32,12 @@ __all__ = [
     "Hello",
     "Lookup",
     "LookupResult",
+    "NixlGet",
+    "NixlGetResult",
+    "NixlMemory",
+    "NixlMemoryDone",
+    "NixlPut",
+    "NixlPutDone",
     "Prefetch",
     "PrefetchResult",
     "Put",
@@ -44,12 +51,17 @@ __all__ = [
 
 # 2: Welcome names the shard a connection reached and every shard's port (a daemon with
 # several workers). A daemon still answers version 1 Hellos, without those fields.
-PROTOCOL_VERSION = 2
-PROTOCOL_VERSIONS = (1, 2)
+# 3: the NIXL data path (NixlMemory, NixlGet, NixlPut); nothing else changed, so a daemon
+# answers version 2 Hellos as before and a version 3 client falls back to kv:// payloads.
+PROTOCOL_VERSION = 3
+PROTOCOL_VERSIONS = (1, 2, 3)
+NIXL_VERSION = 3
 KEY_BYTES = 16
 NEED_DATA = Need.DATA
 _MAX_TEXT = 4096
 _MAX_LENGTH = (1 << 63) - 1
+# NIXL agent metadata, block headers: small; a peer's bigger blob is a protocol error.
+_MAX_BLOB = 1 << 20
 
 # ---------------------------------------------------------------------------- field validators
 # Each takes a decoded (or caller-given) value and returns it normalised (lists -> tuples), or
@@ -106,6 +118,12 @@ def _seq(item: Callable[[object], object]) -> Callable[[object], tuple[object, .
     return check
 
 
+def _blob(value: object) -> bytes:
+    if not isinstance(value, bytes) or len(value) > _MAX_BLOB:
+        raise _fail(f"byte string of at most {_MAX_BLOB} bytes", value)
+    return value
+
+
 def _stats_map(value: object) -> dict[str, object]:
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
         raise _fail("stats map", value)
@@ -138,6 +156,9 @@ _VALIDATORS: dict[str, Callable[[object], object]] = {
     "stats": _stats_map,
     "shard": _uint,
     "shard_ports": _seq(_uint),
+    "agent": _blob,
+    "uints": _seq(_uint),
+    "blobs": _seq(_blob),
 }
 
 
@@ -422,6 +443,98 @@ class ErrorReply(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class NixlMemory(Event):
+    """Version 3: NIXL agent metadata (whole, then partial for new regions) and the flat
+    (address, length) pairs this connection may name from now on (`regions`) or no more."""
+
+    OP: ClassVar[int] = 11
+    CHECKS: ClassVar[dict[str, str]] = {"regions": "uints", "revoke": "uints"}
+    request_id: int
+    agent: bytes = b""
+    regions: tuple[int, ...] = ()
+    revoke: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        Event.__post_init__(self)
+        if len(self.regions) % 2 or len(self.revoke) % 2:
+            raise LocalProtocolError("NIXL regions come in (address, length) pairs")
+
+
+@dataclass(frozen=True, slots=True)
+class NixlMemoryDone(Event):
+    OP: ClassVar[int] = 11
+    RESPONSE: ClassVar[bool] = True
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class NixlGet(Event):
+    """Version 3: the daemon WRITEs each hit's payload (the value past its header) to
+    `addrs[i]` in the client's registered memory, if it fits `caps[i]` bytes."""
+
+    OP: ClassVar[int] = 12
+    CHECKS: ClassVar[dict[str, str]] = {"addrs": "uints", "caps": "uints"}
+    request_id: int
+    keys: tuple[bytes, ...]
+    addrs: tuple[int, ...]
+    caps: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        Event.__post_init__(self)
+        if not len(self.keys) == len(self.addrs) == len(self.caps):
+            raise LocalProtocolError("NixlGet needs one address and capacity per key")
+
+
+@dataclass(frozen=True, slots=True)
+class NixlGetResult(Event):
+    """Stored value length per key (None: a miss) and each hit's header bytes, in order; a
+    hit's payload is in the client's buffer, unless it did not fit (nothing was written)."""
+
+    OP: ClassVar[int] = 12
+    RESPONSE: ClassVar[bool] = True
+    CHECKS: ClassVar[dict[str, str]] = {"lengths": "opt_lengths", "headers": "blobs"}
+    request_id: int
+    lengths: tuple[int | None, ...]
+    headers: tuple[bytes, ...]
+
+    def __post_init__(self) -> None:
+        Event.__post_init__(self)
+        if len(self.headers) != sum(n is not None for n in self.lengths):
+            raise LocalProtocolError("NixlGetResult needs one header per hit")
+
+
+@dataclass(frozen=True, slots=True)
+class NixlPut(Event):
+    """Version 3: store `heads[i]` followed by `lengths[i]` bytes the daemon READs from
+    `addrs[i]` in the client's registered memory, under `keys[i]`."""
+
+    OP: ClassVar[int] = 13
+    CHECKS: ClassVar[dict[str, str]] = {"heads": "blobs", "addrs": "uints"}
+    request_id: int
+    keys: tuple[bytes, ...]
+    heads: tuple[bytes, ...]
+    addrs: tuple[int, ...]
+    lengths: tuple[int, ...]
+    parents: tuple[bytes | None, ...] = ()
+    durable: bool = False
+
+    def __post_init__(self) -> None:
+        Event.__post_init__(self)
+        n = len(self.keys)
+        if not n == len(self.heads) == len(self.addrs) == len(self.lengths) or len(
+            self.parents
+        ) not in (0, n):
+            raise LocalProtocolError("NixlPut needs one head, address and length per key")
+
+
+@dataclass(frozen=True, slots=True)
+class NixlPutDone(Event):
+    OP: ClassVar[int] = 13
+    RESPONSE: ClassVar[bool] = True
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True)
 class ConnectionClosed:
     """The peer closed its side at a frame boundary."""
 
@@ -438,6 +551,9 @@ _ANSWER: dict[type[Event], type[Event]] = {
     Lookup: LookupResult,
     Prefetch: PrefetchResult,
     Stats: StatsResult,
+    NixlMemory: NixlMemoryDone,
+    NixlGet: NixlGetResult,
+    NixlPut: NixlPutDone,
 }
 # (frame type, is response) -> event class: the parser's dispatch table.
 _ALL: tuple[type[Event], ...] = (*_ANSWER, *_ANSWER.values(), ErrorReply)

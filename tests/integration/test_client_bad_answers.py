@@ -218,5 +218,5 @@ def test_a_daemon_of_protocol_1_is_spoken_to_in_protocol_1() -> None:
 
         asyncio.run(main())
     # A daemon that speaks none of the client's versions: down to 1, then the refusal stands.
-    with peer(_exists_answer, speaks=(3,)) as port, pytest.raises(RemoteProtocolError):
+    with peer(_exists_answer, speaks=(9,)) as port, pytest.raises(RemoteProtocolError):
         Client.connect(f"kv://127.0.0.1:{port}?retries=0&timeout=10")

@@ -20,7 +20,9 @@ _PARAMS = {
     "tls": "1 to connect with TLS",
     "ca": "CA file that signed the daemon's certificate",
     "server_name": "certificate name to expect (default: the URL's host)",
+    "data": "how payloads move: kv (through the connection, default) or nixl (docs/nixl.md)",
 }
+_DATA_PATHS = ("kv", "nixl")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class NativeOptions:
     tls: bool = False
     ca: str = ""
     server_name: str = ""
+    data: str = "kv"
 
     @classmethod
     def from_url(cls, url: StoreURL) -> NativeOptions:
@@ -51,12 +54,14 @@ class NativeOptions:
             ints={"retries": "retries", "pool": "pool"},
             flags=("tls",),
         )
-        for name in ("token", "ca", "server_name"):
+        for name in ("token", "ca", "server_name", "data"):
             if name in params:
                 kwargs[name] = params[name]
         options = cls(**kwargs)
         if options.timeout <= 0 or options.connect_timeout <= 0 or options.backoff < 0:
             raise ConfigError("kv:// timeouts must be positive and backoff non-negative")
+        if options.data not in _DATA_PATHS:
+            raise ConfigError(f"kv:// data must be one of {', '.join(_DATA_PATHS)}")
         if options.retries < 0 or options.pool < 1:
             raise ConfigError("kv:// retries must be >= 0 and pool >= 1")
         return options

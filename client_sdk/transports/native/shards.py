@@ -15,7 +15,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import TypeVar
 
-from kvoffload.client_sdk.transports.base import HeldBlock, PutItem, Transport
+from kvoffload.client_sdk.transports.base import (
+    HeldBlock,
+    PutItem,
+    ThreadedAsyncTransport,
+    Transport,
+)
 from kvoffload.client_sdk.transports.native.aio import AsyncNativeTransport
 from kvoffload.client_sdk.transports.native.options import NativeOptions
 from kvoffload.client_sdk.transports.native.sync import NativeTransport
@@ -60,7 +65,7 @@ class ShardedTransport(ShardRouter):
             log.warning("%s is not reachable yet (%s); will retry on use", options.url, exc)
 
     def _shard_transports(self) -> list[Transport]:
-        main = NativeTransport(self._options)
+        main = _sync_transport(self._options)
         try:
             ports = main.welcome.shard_ports  # connects
         except BaseException:
@@ -70,7 +75,7 @@ class ShardedTransport(ShardRouter):
         if not ports:
             return [main]
         main.close()
-        shards = [NativeTransport(replace(self._options, port=p)) for p in ports]
+        shards = [_sync_transport(replace(self._options, port=p)) for p in ports]
         try:
             for i, shard in enumerate(shards):
                 welcome = shard.welcome  # connects: each port must be the shard it claims
@@ -271,11 +276,25 @@ class AsyncShardedTransport:
             await shard.close()
 
 
+def _sync_transport(options: NativeOptions) -> NativeTransport:
+    """One daemon process's transport: payloads over NIXL with `data=nixl`."""
+    if options.data == "nixl":
+        from kvoffload.client_sdk.transports.native.nixl import NixlTransport
+
+        return NixlTransport(options)
+    return NativeTransport(options)
+
+
 def open_sharded(url: StoreURL) -> ShardedTransport:
     """Open `kv://host:port?...` (blocking; connects on first use)."""
     return ShardedTransport(NativeOptions.from_url(url))
 
 
-def open_sharded_async(url: StoreURL) -> AsyncShardedTransport:
-    """Open `kv://host:port?...` for asyncio (connects on `open` or first use)."""
-    return AsyncShardedTransport(NativeOptions.from_url(url))
+def open_sharded_async(url: StoreURL) -> AsyncShardedTransport | ThreadedAsyncTransport:
+    """Open `kv://host:port?...` for asyncio (connects on `open` or first use). With
+    `data=nixl` the blocking transport serves it from worker threads (a NIXL wait drives
+    progress in its thread, never on the event loop)."""
+    options = NativeOptions.from_url(url)
+    if options.data == "nixl":
+        return ThreadedAsyncTransport(ShardedTransport(options))
+    return AsyncShardedTransport(options)

@@ -1,0 +1,353 @@
+"""`kv://host:port?data=nixl`: the native protocol as control channel, payloads one-sided.
+
+A get asks the daemon to WRITE the block's payload straight into the caller's buffer and
+answers with the block's length and header; a put names where its payload lies and the daemon
+READs it into a reserved slot (docs/nixl.md). The client registers buffers once
+(`nixl_memory`); verification is the request layer's, as for every `Received` block.
+
+Each NIXL lane is one control connection (protocol 3) with its own agent: the daemon ties
+registered memory to the connection that registered it. A daemon that speaks only protocol 2
+(or refuses NIXL: TLS, no nixl installed there) leaves the lane closed and every operation
+takes the plain `kv://` path, logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import ssl
+import threading
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import TypeVar, cast
+
+from kvoffload.client_sdk.transports.base import (
+    HeldBlock,
+    IntoBuffer,
+    PutItem,
+    Received,
+    received_into,
+    received_many_into,
+)
+from kvoffload.client_sdk.transports.core import left, too_small
+from kvoffload.client_sdk.transports.native import plans
+from kvoffload.client_sdk.transports.native.nixl_memory import NixlMemory, address_of
+from kvoffload.client_sdk.transports.native.options import NativeOptions
+from kvoffload.client_sdk.transports.native.session import Req
+from kvoffload.client_sdk.transports.native.sync import NativeTransport, _SyncConnection
+from kvoffload.client_sdk.wire.block import HEADER_BYTES
+from kvoffload.client_sdk.wire.native import (
+    NIXL_VERSION,
+    Event,
+    NixlGet,
+    NixlGetResult,
+    NixlPut,
+)
+from kvoffload.client_sdk.wire.native import (
+    NixlMemory as NixlMemoryEvent,
+)
+from kvoffload.errors import KVOffloadError, RemoteProtocolError, TransportError
+
+__all__ = ["NixlTransport"]
+
+log = logging.getLogger("kvoffload.client")
+T = TypeVar("T")
+# Polls of the socket and NIXL's progress before the wait starts sleeping in select between
+# progress calls (bounds the CPU a slow answer costs; a fast one never sleeps).
+_SPINS = 50
+_NAP_S = 0.0001
+# The first NixlMemory of a lane may wait this long for the daemon to make its agent.
+_SETUP_S = 120.0
+# Keys per NixlGet / NixlPut frame.
+_BATCH = 1024
+
+
+class _Refused(Exception):
+    """The daemon speaks protocol 2 or older: no NIXL data path there."""
+
+
+class _Lane:
+    """One protocol 3 connection, its NIXL agent and the memory registered on it."""
+
+    def __init__(self, options: NativeOptions, context: ssl.SSLContext | None) -> None:
+        deadline = time.monotonic() + options.connect_timeout
+        try:
+            self.conn = _SyncConnection(options, context, deadline, NIXL_VERSION)
+        except RemoteProtocolError as exc:
+            if plans.older_version(exc, NIXL_VERSION) is not None:
+                raise _Refused(str(exc)) from None
+            raise
+        self.timeout = options.timeout
+        try:
+            self.memory = NixlMemory()
+            # The daemon refuses with a ConfigError if it cannot or may not (TLS) serve NIXL.
+            # The daemon makes its agent on first use, loading NIXL's plugins: seconds on a
+            # busy host, so the first exchange may take longer than a request.
+            first = max(self.timeout, _SETUP_S)
+            self.ask(lambda rid: NixlMemoryEvent(rid, agent=self.memory.metadata()), first)
+        except BaseException:
+            self.conn.close()
+            raise
+
+    def ask(self, make: Callable[[int], Event], timeout: float = 0.0) -> Event:
+        """Send one request and wait for its answer (at most `timeout` s, default the URL's),
+        driving NIXL's progress meanwhile (the daemon's transfer into or out of our memory
+        needs it on TCP)."""
+        conn = self.conn
+        deadline = time.monotonic() + (timeout or self.timeout)
+        call = conn.start(Req(make), deadline)
+        sock = conn.sock
+        spins = 0
+        while not call.done:
+            pending = isinstance(sock, ssl.SSLSocket) and sock.pending()
+            wait = 0.0 if spins < _SPINS else min(_NAP_S, left(deadline))
+            if pending or select.select([sock], [], [], wait)[0]:
+                conn.pump(deadline)
+                continue
+            self.memory.progress()
+            spins += 1
+            if spins % 256 == 0:
+                left(deadline)  # raises past the deadline
+        return call.result()
+
+    def reach(self, buffer: memoryview) -> int:
+        """The address of `buffer`, registering it (and telling the daemon) if needed.
+
+        Raises:
+            InvalidArgumentError: it cannot be registered (not contiguous, refused).
+        """
+        addr = address_of(buffer)
+        if self.memory.find(addr, buffer.nbytes) is None:
+            region, partial = self.memory.register(buffer)
+            old = self.memory.surplus()
+            revoke = tuple(x for r in old for x in r)
+            self.ask(lambda rid: NixlMemoryEvent(rid, partial, region, revoke))
+            for r in old:  # the daemon no longer names them: safe to unregister
+                self.memory.deregister(r)
+        return addr
+
+    def revoke(self, buffer: memoryview) -> bool:
+        """Revoke the region that holds exactly `buffer` (daemon first, then NIXL)."""
+        region = (address_of(buffer), buffer.nbytes)
+        if region not in self.memory.regions:
+            return False
+        self.ask(lambda rid: NixlMemoryEvent(rid, revoke=region))
+        self.memory.deregister(region)
+        return True
+
+    def close(self) -> None:
+        self.conn.close()  # the daemon forgets our agent with the connection
+        self.memory.close()
+
+
+class NixlTransport(NativeTransport):
+    """`NativeTransport` whose gets and puts move payloads over NIXL."""
+
+    def __init__(self, options: NativeOptions) -> None:
+        self._lanes: list[_Lane] = []
+        self._lanes_open = 0
+        self._lane_cond = threading.Condition()
+        self._refused = ""
+        super().__init__(options)
+
+    # ------------------------------------------------------------------ lanes
+
+    def _take(self) -> _Lane | None:
+        """An idle lane (opened if needed), or None when the daemon speaks no NIXL.
+
+        Raises:
+            ConfigError: NIXL cannot run here, or the daemon refuses it (TLS, not built).
+        """
+        with self._lane_cond:
+            while True:
+                if self._refused:
+                    return None
+                if self._lanes:
+                    return self._lanes.pop()
+                if self._lanes_open < self.options.pool:
+                    self._lanes_open += 1  # counts lanes in existence, idle or in use
+                    break
+                self._lane_cond.wait()
+        try:
+            return _Lane(self.options, self.options.ssl_context())
+        except _Refused as exc:
+            log.warning("%s speaks no NIXL (%s); using kv:// payloads", self.options.url, exc)
+            with self._lane_cond:
+                self._refused = str(exc)
+            return None
+        except BaseException:
+            with self._lane_cond:
+                self._lanes_open -= 1
+                self._lane_cond.notify()
+            raise
+
+    def _give(self, lane: _Lane, healthy: bool) -> None:
+        with self._lane_cond:
+            if healthy and lane.conn.healthy and not self._closed:
+                self._lanes.append(lane)
+            else:
+                lane.close()
+                self._lanes_open -= 1
+            self._lane_cond.notify()
+
+    def _with_lane(self, work: Callable[[_Lane], T], fallback: Callable[[], T]) -> T:
+        """`work` on a lane, once more on a fresh lane after a lost connection."""
+        for attempt in range(2):
+            lane = self._take()
+            if lane is None:
+                return fallback()
+            try:
+                result = work(lane)
+            except TransportError:
+                self._give(lane, False)
+                if attempt:
+                    raise
+                continue
+            except RemoteProtocolError:
+                self._give(lane, False)
+                raise
+            except KVOffloadError:
+                self._give(lane, True)
+                raise
+            except BaseException:
+                self._give(lane, False)
+                raise
+            self._give(lane, True)
+            return result
+        raise AssertionError("unreachable")
+
+    @property
+    def nixl_refused(self) -> str:
+        """Why the daemon refused the NIXL data path ("" when it did not, or not yet)."""
+        return self._refused
+
+    def revoke(self, buffer: memoryview) -> int:
+        """Unregister `buffer` on every idle lane (the daemon then refuses to touch it).
+        Returns how many lanes had it."""
+        with self._lane_cond:
+            lanes, self._lanes = self._lanes, []
+        done = 0
+        for lane in lanes:
+            try:
+                done += lane.revoke(buffer)
+            finally:
+                self._give(lane, True)
+        return done
+
+    # ------------------------------------------------------------------ gets
+
+    def get_into(self, key: bytes, buffer: memoryview) -> HeldBlock | Received | None:
+        into = IntoBuffer(buffer)
+
+        def nixl(lane: _Lane) -> HeldBlock | Received | None:
+            return self._get([key], [into], lane)[0]
+
+        def plain() -> HeldBlock | Received | None:
+            return NativeTransport.get_into(self, key, buffer)
+
+        return received_into(into, lambda: self._with_lane(nixl, plain))
+
+    def get_many_into(
+        self, keys: Sequence[bytes], buffers: Sequence[memoryview]
+    ) -> list[HeldBlock | Received | None]:
+        into = [IntoBuffer(b) for b in buffers]
+
+        def nixl(lane: _Lane) -> list[Received | None]:
+            out: list[Received | None] = []
+            for i in range(0, len(keys), _BATCH):
+                out += self._get(keys[i : i + _BATCH], into[i : i + _BATCH], lane, i)
+            return out
+
+        def plain() -> list[Received | None]:
+            return cast("list[Received | None]", NativeTransport.get_many_into(self, keys, buffers))
+
+        return list(received_many_into(into, lambda: self._with_lane(nixl, plain)))
+
+    def _get(
+        self, keys: Sequence[bytes], into: Sequence[IntoBuffer], lane: _Lane, first: int = 0
+    ) -> list[Received | None]:
+        regions = [b.region(0, len(b)) for b in into]  # all may be written: scrubbed on failure
+        addrs = tuple(lane.reach(r) for r in regions)
+        caps = tuple(len(b) for b in into)
+        answer = lane.ask(lambda rid: NixlGet(rid, tuple(keys), addrs, caps))
+        got = cast(NixlGetResult, answer)
+        if len(got.lengths) != len(keys):
+            raise RemoteProtocolError(f"NixlGet of {len(keys)} keys answered {len(got.lengths)}")
+        headers = iter(got.headers)
+        out: list[Received | None] = []
+        for i, length in enumerate(got.lengths):
+            if length is None:
+                out.append(None)
+                continue
+            header = memoryview(next(headers))
+            if length < HEADER_BYTES:  # not one of ours: the header check says so
+                out.append(Received(header, 0))
+            elif length - HEADER_BYTES > caps[i]:
+                which = "buffer" if len(keys) == 1 else f"buffer {first + i}"
+                raise too_small(caps[i], length - HEADER_BYTES, which)
+            else:
+                out.append(Received(header, length - HEADER_BYTES))
+        return out
+
+    # ------------------------------------------------------------------ puts
+
+    def put(
+        self, key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool = False
+    ) -> None:
+        self.put_many([(key, parts, parent)], durable)
+
+    def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None:
+        split = [_split(parts) for _, parts, _ in items]
+        if any(s is None for s in split):  # a value in several pieces: the socket takes it
+            NativeTransport.put_many(self, items, durable)
+            return
+
+        def nixl(lane: _Lane) -> None:
+            for i in range(0, len(items), _BATCH):
+                chunk = items[i : i + _BATCH]
+                heads = [cast("tuple[bytes, memoryview]", s) for s in split[i : i + _BATCH]]
+                event = partial(
+                    NixlPut,
+                    keys=tuple(k for k, _, _ in chunk),
+                    heads=tuple(h for h, _ in heads),
+                    addrs=tuple(lane.reach(p) if p.nbytes else 0 for _, p in heads),
+                    lengths=tuple(p.nbytes for _, p in heads),
+                    parents=_parents(chunk),
+                    durable=durable,
+                )
+                lane.ask(event)
+
+        self._with_lane(nixl, lambda: NativeTransport.put_many(self, items, durable))
+
+    def close(self) -> None:
+        with self._lane_cond:
+            lanes, self._lanes = self._lanes, []
+            self._refused = self._refused or "closed"
+            self._lane_cond.notify_all()
+        for lane in lanes:
+            lane.close()
+        super().close()
+
+
+def _split(parts: Sequence[object]) -> tuple[bytes, memoryview] | None:
+    """(header bytes, the payload's memory) of a value given as header + one payload part."""
+    if len(parts) != 2:
+        return None
+    head, payload = parts
+    if not isinstance(head, (bytes, bytearray, memoryview)):
+        return None
+    view = memoryview(payload)  # type: ignore[arg-type]
+    if not view.c_contiguous:
+        return None
+    return bytes(head), view.cast("B") if view.ndim != 1 or view.format != "B" else view
+
+
+def _parents(chunk: Sequence[PutItem]) -> tuple[bytes | None, ...]:
+    parents = tuple(p for _, _, p in chunk)
+    return parents if any(p is not None for p in parents) else ()
+
+
+def open_nixl(options: NativeOptions) -> NixlTransport:
+    """The blocking `kv://...?data=nixl` transport to one daemon process."""
+    return NixlTransport(options)

@@ -1,0 +1,134 @@
+"""The client's NIXL agent and its registration cache (the NIXL data path, docs/nixl.md).
+
+Registering memory costs a system call or more (on RDMA hardware it pins pages), and the daemon
+must learn each region, so buffers are registered once and remembered: a later get or put into
+the same buffer, or into a slice of a registered one, costs nothing extra. The cache holds a
+reference to each buffer it registered, so the memory cannot be freed (and its address reused)
+while the daemon may still write there; it is bounded, and what falls out of it is revoked on
+the daemon before it is deregistered here.
+
+The agent runs no progress thread (an idle client costs no CPU); `progress` is called by the
+request that waits for the daemon's answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from kvoffload.errors import ConfigError, InvalidArgumentError
+
+__all__ = ["NixlMemory", "Region", "address_of"]
+
+# Regions kept registered; the least recently used one is revoked past this.
+MAX_REGIONS = 64
+
+Region = tuple[int, int]  # (address, length)
+
+
+def address_of(buffer: memoryview) -> int:
+    """The address of a contiguous buffer's first byte.
+
+    Raises:
+        InvalidArgumentError: the buffer is not contiguous.
+    """
+    if not buffer.c_contiguous:
+        raise InvalidArgumentError("the NIXL data path needs contiguous buffers")
+    return int(np.frombuffer(buffer.cast("B"), dtype=np.uint8).ctypes.data)
+
+
+class NixlMemory:
+    """One NIXL agent (one per control connection) and the memory registered with it.
+
+    Raises (constructor):
+        ConfigError: NIXL is not installed, or its backend cannot be created.
+    """
+
+    def __init__(self, backend: str = "UCX") -> None:
+        try:
+            api = importlib.import_module("nixl._api")
+            bindings = importlib.import_module("nixl._bindings")
+        except ImportError as exc:
+            raise ConfigError(
+                f"data=nixl needs NIXL: pip install --no-deps nixl-cu12 nixl ({exc})"
+            ) from None
+        self.errors: tuple[type[Exception], ...] = (
+            RuntimeError,
+            ValueError,
+            *(
+                getattr(bindings, n)
+                for n in dir(bindings)
+                if n.startswith("nixl") and n.endswith("Error")
+            ),
+        )
+        name = f"kvoffload-client-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        try:
+            self._agent: Any = api.nixl_agent(
+                name, api.nixl_agent_config(enable_prog_thread=False, backends=[])
+            )
+            self._agent.create_backend(backend)
+        except self.errors as exc:
+            raise ConfigError(f"NIXL backend {backend!r} cannot be created: {exc}") from None
+        self.name = name
+        # region -> (the buffer kept alive, NIXL's registration), least recently used first
+        self._regions: OrderedDict[Region, tuple[memoryview, object]] = OrderedDict()
+
+    def metadata(self) -> bytes:
+        """The agent's whole metadata (connection info and every registration)."""
+        return bytes(self._agent.get_agent_metadata())
+
+    def find(self, addr: int, length: int) -> Region | None:
+        """A registered region holding [addr, addr+length), if any (marked recently used)."""
+        for region in reversed(self._regions):
+            start, size = region
+            if start <= addr and addr + length <= start + size:
+                self._regions.move_to_end(region)
+                return region
+        return None
+
+    def register(self, buffer: memoryview) -> tuple[Region, bytes]:
+        """Register `buffer`; returns its region and the partial metadata the daemon loads.
+
+        Raises:
+            InvalidArgumentError: NIXL refused to register it.
+        """
+        region = (address_of(buffer), buffer.nbytes)
+        try:
+            descs = self._agent.register_memory([(*region, 0, "")], "DRAM")
+            partial = bytes(self._agent.get_partial_agent_metadata(descs, False))
+        except self.errors as exc:
+            raise InvalidArgumentError(f"NIXL could not register the buffer: {exc}") from None
+        self._regions[region] = (memoryview(buffer), descs)  # our own view, to release
+        return region, partial
+
+    def surplus(self, keep: int = MAX_REGIONS) -> list[Region]:
+        """The least recently used regions past `keep`, to revoke and then `deregister`."""
+        return list(self._regions)[: max(0, len(self._regions) - keep)]
+
+    def deregister(self, region: Region) -> None:
+        """Drop a region (after the daemon has revoked it)."""
+        entry = self._regions.pop(region, None)
+        if entry is None:
+            return
+        # A failure means the agent is going away: nothing left to undo.
+        with contextlib.suppress(*self.errors):
+            self._agent.deregister_memory(entry[1])
+        entry[0].release()
+
+    @property
+    def regions(self) -> list[Region]:
+        return list(self._regions)
+
+    def progress(self) -> None:
+        """Drive NIXL's progress once (a waiting request calls it: no progress thread)."""
+        self._agent.get_new_notifs()
+
+    def close(self) -> None:
+        for region in list(self._regions):
+            self.deregister(region)
