@@ -285,7 +285,9 @@ class NixlFileIO:
             self._thread.join()
         with self._agent_lock:
             self._agent.close()
-        self._headers.close()
+        # A caller's traceback may still hold a header page; then the GC unmaps the pool later.
+        with contextlib.suppress(BufferError):
+            self._headers.close()
 
     # ------------------------------------------------------------------ the I/O thread
 
