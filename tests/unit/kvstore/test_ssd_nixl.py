@@ -7,6 +7,7 @@ makes a missing NIXL fail these tests instead.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 import threading
@@ -239,3 +240,21 @@ def test_gds_without_a_gpu_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="GDS backend cannot be created here .*GPU"):
         Engine(engine_config(tmp_path / "store", "nixl-gds"))
     assert not (tmp_path / "store").exists()
+
+
+@needs_nixl
+def test_bench_ssd_nixl_rows(tmp_path: Path) -> None:
+    from kvoffload.cli import main
+
+    out = tmp_path / "ssd.json"
+    argv = ["bench", "ssd", "--dir", str(tmp_path), "--size", "32", "--nixl", "only"]
+    assert main([*argv, "--rounds", "2", "--json", str(out)]) == 0
+    rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
+    for op in ("read", "write"):
+        for arm in ("nixl", "nixl_uring"):
+            rate, cpu = rows[f"ssd_{op}_{arm}/2MiB"], rows[f"cpu_us/ssd_{op}_{arm}/2MiB"]
+            assert rate["ref"] == cpu["ref"] == "threads"
+            assert rate["value"] > 0 and rate["ref_value"] > 0 and rate["unit"] == "GB/s"
+            assert cpu["unit"] == "us" and cpu["ratio"] == round(cpu["ref_value"] / cpu["value"], 3)
+            assert "O_DIRECT" in rate["note"]
+    assert not list(tmp_path.glob("kvoffload-bench-ssd-*"))  # cleaned up
