@@ -52,10 +52,9 @@ def filled(pages: int, seed: int) -> AlignedBuffer:
     return buf
 
 
-def thread_cpu_ticks(thread: threading.Thread) -> int:
-    """utime + stime of one thread of this process, in clock ticks (Linux /proc)."""
-    stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text()
-    fields = stat.rsplit(")", 1)[1].split()
+def process_cpu_ticks() -> int:
+    """utime + stime of this process and its threads, in clock ticks (Linux /proc)."""
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])
 
 
@@ -191,20 +190,21 @@ def test_io_uring_queue_round_trip(slots: SlotFile) -> None:
 
 
 @needs_nixl
-def test_an_idle_io_thread_does_not_poll_or_burn_cpu(slots: SlotFile) -> None:
+def test_idle_nixl_io_does_not_poll_or_burn_cpu(slots: SlotFile) -> None:
     from kvoffload.kvstore.ssd.nixl_io import NixlFileIO
 
+    threads = threading.active_count()
     io = NixlFileIO(slots, "nixl-posix")
     try:
         buf = filled(1, 1)
         io.transfer(True, [(buf.view, 0)])
-        polls, ticks = io.stats().polls, thread_cpu_ticks(io._thread)
+        assert threading.active_count() == threads  # the callers drive NIXL: no thread of ours
+        polls, cpu = io.stats().polls, process_cpu_ticks()
         time.sleep(0.5)  # idle: a spinning thread would use ~50 ticks of CPU meanwhile
         assert io.stats().polls == polls
-        assert thread_cpu_ticks(io._thread) - ticks <= 2
+        assert process_cpu_ticks() - cpu <= 5
     finally:
         io.close()
-    assert not io._thread.is_alive()
 
 
 def engine_config(path: Path, io_backend: str) -> EngineConfig:
