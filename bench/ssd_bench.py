@@ -253,9 +253,12 @@ class _NixlRounds:
                     continue
                 requests, transfers, polls = self.io[(op, arm)]
                 per = max(requests, 1)
+                mine, theirs = self.rate[(op, arm)], self.rate[(op, "threads")]
                 note = (
-                    f"{rounds} alternating rounds (median), {self.n} blocks, {THREADS} in "
-                    f"flight, O_DIRECT {'on' if self.direct else 'off (cache dropped)'}; NIXL: "
+                    f"{rounds} alternating rounds (median; rounds {min(mine):.2f}-"
+                    f"{max(mine):.2f} vs {min(theirs):.2f}-{max(theirs):.2f} GB/s), {self.n} "
+                    f"blocks, {THREADS} in flight, O_DIRECT "
+                    f"{'on' if self.direct else 'off (cache dropped)'}; NIXL: "
                     f"{transfers / per:.2f} transfers, {polls / per:.1f} checks per request"
                 )
                 cpu_us = statistics.median(self.cpu[(op, arm)]) / self.n * 1e6
