@@ -5,14 +5,14 @@ code, for a machine with a GPU and cuFile).
 
 No thread of its own: the callers drive NIXL. A caller queues its request (a slot's header
 page and value pages, or a header page alone); if no other caller is driving, it becomes the
-driver: it posts everything queued, small slots merged into one NIXL transfer per direction
-(up to 1 MiB: one submission for several slots when callers queue faster than the device
-answers), checks for completions in sleeps
-that grow from 20 µs to 200 µs, finishes every request that completes, and hands over once its
-own has. The others wait on a condition. Nothing polls while no transfer is in flight, and
-NIXL's own progress thread is off (the POSIX backend needs none). A dedicated I/O thread was
-tried first: on this 2-core machine each completion then cost two thread wake-ups and reads ran
-at 0.5-0.9x the thread path; with the callers driving they match it (docs/ssd-tier.md).
+driver: it posts everything queued, small slots merged into one NIXL transfer per direction (up
+to 1 MiB: one submission for several slots when callers queue faster than the device answers),
+checks for completions in sleeps that grow from 20 µs to 200 µs, finishes every request that
+completes, and hands over once its own has. The others wait on a condition. Nothing polls while
+no transfer is in flight, and NIXL's own progress thread is off (the POSIX backend needs none).
+A dedicated I/O thread was tried first: on this 2-core machine each completion then cost two
+thread wake-ups and reads ran at 0.5-0.9x the thread path; with the callers driving they are
+at par (docs/ssd-tier.md).
 
 Registered once: the slot file (its descriptor, whole length), the DRAM arena (the engine calls
 `register_memory`) and a pool of header pages. A buffer outside them (a staging buffer, fsck's)
@@ -57,7 +57,7 @@ _QUEUES = {"aio": {"use_aio": "true"}, "uring": {"use_uring": "true"}}
 _INSTALL = "pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1 (numpy is needed too)"
 _BATCH_DESCS = 32  # descriptors in one transfer
 # Bytes in one transfer: merging amortises a submission over small slots; a transfer ends when
-# its slowest I/O does, so large slots (2 MiB measured: 0.8x alone vs merged) go one by one.
+# its slowest I/O does, so large slots go one by one (2 MiB reads ran faster alone).
 _BATCH_BYTES = 1 << 20
 _INFLIGHT_DESCS = 128  # below the POSIX plugin's kernel queue (256 entries)
 _HEADER_PAGES = 64  # header pages of requests queued or in flight; more callers wait
@@ -172,10 +172,13 @@ class _Agent:
             handle.release()
 
     def close(self) -> None:
+        """Deregister everything and drop the agent. Idempotent."""
+        if self.agent is None:
+            return
         for reg in reversed(self._regs):
             self.deregister(reg)
         self._regs.clear()
-        del self.agent
+        self.agent = None
 
 
 @dataclass(eq=False)
@@ -225,7 +228,8 @@ class NixlFileIO:
         self._closing = False
         self._dead = ""  # why NIXL I/O stopped, if a driver hit a bug
         self._broken = False  # a transfer failed: rebuild the agent once none is in flight
-        self._stats = NixlIOStats()
+        self._stats = NixlIOStats()  # `requests` changes under the condition, the rest under
+        # the agent lock (by the driver)
 
     def start(self) -> None:
         with self._cond:
@@ -353,7 +357,9 @@ class NixlFileIO:
             time.sleep(delay)
 
     def _abandon(self, why: str) -> None:
-        """Fail everything queued or in flight (a bug in the driving code, not an I/O error)."""
+        """Fail everything queued or in flight, for good: a bug in the driving code or an agent
+        that cannot be rebuilt, not an I/O error (the kernel may then still be moving bytes of
+        what was in flight; nothing better is left to do)."""
         with self._cond:
             self._dead = why
             waiting = [r for b in self._inflight for r in b.requests] + list(self._pending)
