@@ -216,7 +216,7 @@ class _NixlRounds:
             counts[i] += c
 
     def write(self, arm: str) -> None:
-        store, cpu = self.dir / f"store-nixl-write-{arm}", []
+        store, cpu = self.dir / f"store-nixl-write-{arm}", list[float]()
         with _engine(store, self.ssd_bytes, *self.arms[arm]) as engine:
 
             def put(i: int, _: memoryview) -> None:
@@ -228,7 +228,7 @@ class _NixlRounds:
 
     def read(self, arm: str) -> None:
         _drop_cache(self.store / "ssd.slots")
-        missing, cpu = [], []
+        missing, cpu = list[int](), list[float]()
         with _engine(self.store, self.ssd_bytes, *self.arms[arm]) as engine:  # DRAM is cold
 
             def get(i: int, buf: memoryview) -> None:
