@@ -6,6 +6,10 @@
 - read/<size>: 8 threads reading blocks that are only on the SSD (the engine was reopened, so
   DRAM is cold): slot read into DRAM, header and CRC32C check, copy out. Against 8 threads of raw
   O_DIRECT `pread`, and fio.
+- ssd_read_nixl/2MiB, ssd_write_nixl/2MiB (and _uring): the same reads and durable writes with
+  the slot I/O going through NIXL's POSIX backend (`ssd.io_backend = "nixl-posix"`, Linux AIO
+  or io_uring), against the thread path ("posix", ref `threads`), in alternating rounds of one
+  run; O_DIRECT on both sides. cpu_us/...: process CPU time per block of the same rounds.
 - restart/1M: open a store whose index holds 1M blocks, from its checkpoint (after a clean
   close) and from the journal alone (after a crash). index_bytes/1M: bytes of the SSD index's
   arrays per block.
@@ -14,10 +18,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import mmap
 import os
 import shutil
+import statistics
 import subprocess
 import threading
 import time
@@ -41,9 +47,11 @@ def _aligned(n: int) -> memoryview:
     return memoryview(mmap.mmap(-1, -(-n // PAGE) * PAGE))
 
 
-def _parallel(count: int, size: int, work: Callable[[int, memoryview], object]) -> float:
+def _parallel(count: int, size: int, work: Callable[[int, memoryview], object],
+              cpu: list[float] | None = None) -> float:  # fmt: skip
     """Run work(i, buffer) for i in range(count) on THREADS threads, each with its own
-    page-aligned `size`-byte buffer; seconds taken."""
+    page-aligned `size`-byte buffer; seconds taken (and the process's CPU seconds meanwhile
+    appended to `cpu`)."""
     counter = iter(range(count))
     lock = threading.Lock()
     buffers = [_aligned(size) for _ in range(THREADS)]
@@ -59,11 +67,13 @@ def _parallel(count: int, size: int, work: Callable[[int, memoryview], object]) 
             work(i, buf)
 
     threads = [threading.Thread(target=loop, args=(b,)) for b in buffers]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if cpu is not None:
+        cpu.append(time.process_time() - cpu0)
     return time.perf_counter() - t0
 
 
@@ -103,11 +113,17 @@ def _fio(directory: Path, size: int, total: int, mode: str) -> float | None:
             f.unlink()
 
 
-def _engine(path: Path, ssd_bytes: int) -> Engine:
+def _engine(path: Path, ssd_bytes: int, io: str = "auto", queue: str = "aio") -> Engine:
     return Engine(
         EngineConfig(
             DramConfig(capacity_bytes=256 << 20, max_value_bytes=9 << 20),
-            SsdConfig(capacity_bytes=ssd_bytes, admission_min_uses=1, flush_on_close=False),
+            SsdConfig(
+                capacity_bytes=ssd_bytes,
+                admission_min_uses=1,
+                flush_on_close=False,
+                io_backend=io,
+                nixl_queue=queue,
+            ),  # fmt: skip
             data_dir=str(path),
         )
     )
@@ -145,6 +161,131 @@ def _tier_rows(directory: Path, label: str, size: int, total: int, result: Bench
         Row(f"read/{label}", read_rate, "GB/s", "odirect", raw_r),
         Row(f"read/{label}", read_rate, "GB/s", "fio", fio_r, note=note),
     ]
+
+
+# The arms of the NIXL rows: name -> (ssd.io_backend, ssd.nixl_queue); "threads" is the ref.
+_NIXL_ARMS = {"threads": ("posix", "aio"), "nixl": ("nixl-posix", "aio"),
+              "nixl_uring": ("nixl-posix", "uring")}  # fmt: skip
+
+
+def _drop_cache(path: Path) -> None:
+    """Drop the file's pages from the page cache (the slot file is read with O_DIRECT; this
+    covers a file system that refused it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _io_stats(engine: Engine) -> tuple[int, int, int]:
+    """(requests, transfers, completion checks) of a NIXL slot I/O backend; zeros otherwise."""
+    files = getattr(engine._ssd.io, "files", None) if engine._ssd is not None else None
+    if files is None:
+        return 0, 0, 0
+    st = files.stats()
+    return st.requests, st.transfers, st.polls
+
+
+class _NixlRounds:
+    """Alternating rounds of the arms: durable puts into a fresh store, then cold reads of a
+    store written once; GB/s, CPU seconds and NIXL's counters per arm."""
+
+    def __init__(self, directory: Path, total: int, arms: dict[str, tuple[str, str]]) -> None:
+        self.size = 2 << 20
+        self.n = max(THREADS * 2, total // self.size)
+        self.dir, self.arms = directory, arms
+        self.value = np.frombuffer(os.urandom(self.size), dtype=np.uint8)
+        self.keys = [i.to_bytes(16, "little") for i in range(self.n)]
+        self.ssd_bytes = int(self.n * (self.size + 2 * PAGE) * 1.3) + (64 << 20)
+        self.rate: dict[tuple[str, str], list[float]] = {}
+        self.cpu: dict[tuple[str, str], list[float]] = {}
+        self.io: dict[tuple[str, str], list[int]] = {}
+        self.direct = True
+        self.store = directory / "store-nixl-read"
+        with _engine(self.store, self.ssd_bytes, "posix") as engine:
+            _parallel(
+                self.n, self.size, lambda i, _: engine.put(self.keys[i], self.value, durable=True)
+            )
+
+    def _record(self, op: str, arm: str, seconds: float, cpu: float, engine: Engine) -> None:
+        self.rate.setdefault((op, arm), []).append(self.n * self.size / seconds / 1e9)
+        self.cpu.setdefault((op, arm), []).append(cpu)
+        counts = self.io.setdefault((op, arm), [0, 0, 0])
+        for i, c in enumerate(_io_stats(engine)):
+            counts[i] += c
+
+    def write(self, arm: str) -> None:
+        store, cpu = self.dir / f"store-nixl-write-{arm}", list[float]()
+        with _engine(store, self.ssd_bytes, *self.arms[arm]) as engine:
+
+            def put(i: int, _: memoryview) -> None:
+                engine.put(self.keys[i], self.value, durable=True)
+
+            seconds = _parallel(self.n, self.size, put, cpu)
+            self._record("write", arm, seconds, cpu[0], engine)
+        shutil.rmtree(store)
+
+    def read(self, arm: str) -> None:
+        _drop_cache(self.store / "ssd.slots")
+        missing, cpu = list[int](), list[float]()
+        with _engine(self.store, self.ssd_bytes, *self.arms[arm]) as engine:  # DRAM is cold
+
+            def get(i: int, buf: memoryview) -> None:
+                if engine.get_into(self.keys[i], buf) != self.size:
+                    missing.append(i)
+
+            seconds = _parallel(self.n, self.size, get, cpu)
+            corrupt = engine.stats().tiers[1].corrupt_blocks
+            assert engine._ssd is not None
+            self.direct &= engine._ssd.slots.direct
+            self._record("read", arm, seconds, cpu[0], engine)
+        if missing or corrupt:
+            raise RuntimeError(f"{arm}: {len(missing)} blocks did not read back, {corrupt} corrupt")
+
+    def rows(self, rounds: int) -> list[Row]:
+        out: list[Row] = []
+        for op in ("read", "write"):
+            ref = statistics.median(self.rate[(op, "threads")])
+            ref_cpu = statistics.median(self.cpu[(op, "threads")]) / self.n * 1e6
+            for arm in self.arms:
+                if arm == "threads":
+                    continue
+                requests, transfers, polls = self.io[(op, arm)]
+                per = max(requests, 1)
+                mine, theirs = self.rate[(op, arm)], self.rate[(op, "threads")]
+                note = (
+                    f"{rounds} alternating rounds (median; rounds {min(mine):.2f}-"
+                    f"{max(mine):.2f} vs {min(theirs):.2f}-{max(theirs):.2f} GB/s), {self.n} "
+                    f"blocks, {THREADS} in flight, O_DIRECT "
+                    f"{'on' if self.direct else 'off (cache dropped)'}; NIXL: "
+                    f"{transfers / per:.2f} transfers, {polls / per:.1f} checks per request"
+                )
+                cpu_us = statistics.median(self.cpu[(op, arm)]) / self.n * 1e6
+                case = f"ssd_{op}_{arm}/2MiB"
+                rate = statistics.median(self.rate[(op, arm)])
+                cpu_note = "process CPU time per block (all threads), same rounds"
+                out += [
+                    Row(case, rate, "GB/s", "threads", ref, note=note),
+                    Row(f"cpu_us/{case}", cpu_us, "us", "threads", ref_cpu, note=cpu_note),
+                ]
+        return out
+
+
+def _nixl_rows(directory: Path, total: int, rounds: int, result: BenchResult) -> None:
+    """The slot I/O through NIXL next to the thread path (`_NixlRounds`)."""
+    if importlib.util.find_spec("nixl") is None:
+        note = "NIXL not installed (pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1)"
+        result.rows += [Row(f"ssd_{op}_nixl/2MiB", 0.0, "GB/s", "threads", None, note=note)
+                        for op in ("read", "write")]  # fmt: skip
+        return
+    bench = _NixlRounds(directory, total, _NIXL_ARMS)
+    for r in range(rounds):
+        for arm in list(_NIXL_ARMS)[:: 1 if r % 2 == 0 else -1]:
+            bench.write(arm)
+            bench.read(arm)
+    shutil.rmtree(bench.store)
+    result.rows += bench.rows(rounds)
 
 
 def _restart_rows(directory: Path, entries: int, result: BenchResult) -> None:
@@ -193,15 +334,20 @@ def _restart_rows(directory: Path, entries: int, result: BenchResult) -> None:
 
 
 def run(*, directory: str = ".", size_mib: int = 512, entries: int = 1_000_000,
-        sizes: dict[str, int] | None = None) -> BenchResult:  # fmt: skip
-    """Measure in a scratch folder under `directory` (it must support O_DIRECT)."""
+        sizes: dict[str, int] | None = None, nixl: str = "on",
+        rounds: int = 3) -> BenchResult:  # fmt: skip
+    """Measure in a scratch folder under `directory` (it must support O_DIRECT). `nixl`: "on"
+    (with the NIXL rows), "off", or "only" (just them, `rounds` alternating rounds)."""
     result = BenchResult("ssd")
     work = Path(directory) / f"kvoffload-bench-ssd-{os.getpid()}"
     work.mkdir(parents=True)
     try:
-        for label, size in (sizes or SIZES).items():
-            _tier_rows(work, label, size, size_mib << 20, result)
-        if entries:
+        if nixl != "only":
+            for label, size in (sizes or SIZES).items():
+                _tier_rows(work, label, size, size_mib << 20, result)
+        if nixl != "off":
+            _nixl_rows(work, size_mib << 20, rounds, result)
+        if entries and nixl != "only":
             _restart_rows(work, entries, result)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -217,7 +363,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", default=".", help="where to put the scratch store (O_DIRECT)")
     parser.add_argument("--size", type=int, default=512, metavar="MiB", help="MiB per size")
     parser.add_argument("--entries", type=int, default=1_000_000, help="blocks for restart/index")
+    parser.add_argument(
+        "--nixl",
+        choices=("on", "off", "only"),
+        default="on",
+        help="rows of slot I/O through NIXL vs the threads (only: just those)",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the NIXL rows")
 
 
 def run_from_args(args: argparse.Namespace) -> BenchResult:
-    return run(directory=args.dir, size_mib=args.size, entries=args.entries)
+    return run(directory=args.dir, size_mib=args.size, entries=args.entries, nixl=args.nixl,
+               rounds=args.rounds)  # fmt: skip

@@ -65,6 +65,10 @@ def format_size(n: int) -> str:
     return f"{value:.1f} TiB"
 
 
+# Whether NIXL is installed is checked when the store opens (kvstore.ssd.nixl_io).
+_IO_BACKENDS = ("auto", "posix", "kvikio", "nixl-posix", "nixl-gds")
+
+
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
@@ -137,9 +141,12 @@ class SsdConfig:
     sync_interval_s: float = 0.05
     # On a clean close, write every DRAM block that is not on the SSD yet (so a restart keeps it).
     flush_on_close: bool = True
-    # Slot I/O: "posix" (O_DIRECT preadv/pwritev), "kvikio" (GPUDirect Storage), or "auto"
-    # (kvikio when it is installed and a CUDA device is present).
+    # Slot I/O: "posix" (O_DIRECT preadv/pwritev on the calling threads), "kvikio" (GPUDirect
+    # Storage), "auto" (kvikio when it is installed and a CUDA device is present), or through
+    # NIXL (an optional install): "nixl-posix" (its POSIX backend) or "nixl-gds" (its GDS one).
     io_backend: str = "auto"
+    # The kernel queue of "nixl-posix": "aio" (Linux AIO, NIXL's default) or "uring" (io_uring).
+    nixl_queue: str = "aio"
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 0:
@@ -157,10 +164,13 @@ class SsdConfig:
             raise ConfigError("ssd.admission_min_uses must be at least 1")
         if self.io_threads < 1:
             raise ConfigError("ssd.io_threads must be at least 1")
-        if self.io_backend not in ("auto", "posix", "kvikio"):
+        if self.io_backend not in _IO_BACKENDS:
             raise ConfigError(
-                f"ssd.io_backend must be 'auto', 'posix' or 'kvikio', got {self.io_backend!r}"
+                f"ssd.io_backend must be one of {', '.join(map(repr, _IO_BACKENDS))}, got "
+                f"{self.io_backend!r}"
             )
+        if self.nixl_queue not in ("aio", "uring"):
+            raise ConfigError(f"ssd.nixl_queue must be 'aio' or 'uring', got {self.nixl_queue!r}")
         if not 0 < self.sync_interval_s <= 10:
             raise ConfigError("ssd.sync_interval_s must be in (0, 10]")
 

@@ -215,6 +215,8 @@ class Engine:
                 ssd.abandon()
             raise
         self._arena = self._dram.arena
+        if ssd is not None:
+            ssd.register_memory(self._arena.view)  # for slot I/O that registers memory (NIXL)
 
     @property
     def _ssd(self) -> SsdTier | None:

@@ -30,7 +30,7 @@ import mmap
 import os
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -226,17 +226,38 @@ def _is_block_device(fd: int) -> bool:
 
 class BlockIO:
     """Blocks in a slot file: a header page, then the value's pages. Runs without the engine's
-    lock, on slots set aside for it; each thread has a header page of its own."""
+    lock, on slots set aside for it; each thread has a header page of its own, and the calling
+    thread does the I/O (`ssd.io_backend` "posix"). `kvstore.ssd.nixl_io` overrides the two
+    seams, `_header_page` and `_transfer`, to move the same pages through NIXL."""
 
     def __init__(self, slots: SlotFile) -> None:
         self.slots = slots
         self._pages = threading.local()
 
-    def _header_page(self) -> AlignedBuffer:
+    def register_memory(self, view: memoryview) -> None:
+        """Memory most transfers use (the DRAM arena); only a backend that registers memory
+        with the kernel or a library needs to know."""
+
+    def close(self) -> None:
+        """Stop what the backend runs (nothing here: the calling threads do the I/O)."""
+
+    @contextlib.contextmanager
+    def _header_page(self) -> Iterator[memoryview]:
         buf: AlignedBuffer | None = getattr(self._pages, "buf", None)
         if buf is None:
             buf = self._pages.buf = AlignedBuffer(PAGE)
-        return buf
+        yield buf.view
+
+    def _transfer(self, write: bool, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Move `buffers` (page-aligned, whole pages) to or from the slot file at `offset`.
+
+        Raises:
+            StorageIOError: the device failed.
+        """
+        if write:
+            self.slots.write(offset, buffers)
+        else:
+            self.slots.read(offset, buffers)
 
     def write(self, plan: WritePlan, tenant_name: str, payload: memoryview) -> None:
         """Write header and value (sets `plan.crc`); `payload` is page-aligned and spans whole
@@ -246,11 +267,11 @@ class BlockIO:
             StorageIOError: the device failed.
         """
         plan.crc = crc32c.crc32c(payload[: plan.length])
-        page = self._header_page()
-        page.view[:] = bytes(PAGE)
-        pack_header(page.view, SlotHeader(plan.seq, plan.key, plan.parent, plan.length, plan.crc,
-                                          plan.tenant, tenant_name))  # fmt: skip
-        self.slots.write(plan.offset, [page.view, payload])
+        with self._header_page() as page:
+            page[:] = bytes(PAGE)
+            pack_header(page, SlotHeader(plan.seq, plan.key, plan.parent, plan.length, plan.crc,
+                                         plan.tenant, tenant_name))  # fmt: skip
+            self._transfer(True, plan.offset, [page, payload])
 
     def read(self, row_snapshot: tuple[bytes, int, int, int, int], dst: memoryview) -> bool:
         """Read a block into `dst` (page-aligned, whole pages); False if it fails verification.
@@ -261,9 +282,9 @@ class BlockIO:
             StorageIOError: the device failed.
         """
         key, page_no, length, seq, crc = row_snapshot
-        page = self._header_page()
-        self.slots.read(page_no * PAGE, [page.view, dst])
-        header = unpack_header(page.view)
+        with self._header_page() as page:
+            self._transfer(False, page_no * PAGE, [page, dst])
+            header = unpack_header(page)
         if header is None or (header.key, header.seq, header.length) != (key, seq, length):
             return False
         return crc32c.crc32c(dst[:length]) == crc == header.crc
@@ -275,6 +296,6 @@ class BlockIO:
         Raises:
             StorageIOError: the device failed.
         """
-        page = self._header_page()
-        page.view[:] = bytes(PAGE)
-        self.slots.write(offset, [page.view])
+        with self._header_page() as page:
+            page[:] = bytes(PAGE)
+            self._transfer(True, offset, [page])

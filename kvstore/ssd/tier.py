@@ -19,8 +19,8 @@ from kvoffload.kvstore.config import EngineConfig
 from kvoffload.kvstore.ssd import journal as jr
 from kvoffload.kvstore.ssd.catalog import WritePlan, restore_slots
 from kvoffload.kvstore.ssd.index import EMPTY, RankFn
+from kvoffload.kvstore.ssd.nixl_io import open_block_io
 from kvoffload.kvstore.ssd.recovery import Recovery, SsdStore
-from kvoffload.kvstore.ssd.slotio import BlockIO
 from kvoffload.kvstore.ssd.store import META_NAME
 from kvoffload.kvstore.stats import TierStats
 
@@ -77,7 +77,12 @@ class SsdTier:
         self.files, self.dir, self.meta = store.files, store.files.dir, store.meta
         self.recovery, self.store_id = store.recovery, store.store_id
         self.capacity, self.max_value_bytes = store.capacity, store.max_value_bytes
-        self.slots, self.io, self.cat = store.slots, BlockIO(store.slots), store.cat
+        try:
+            io = open_block_io(config.ssd, store.slots)
+        except BaseException:
+            store.abandon()  # NIXL or its backend is missing: a store made just now goes
+            raise
+        self.slots, self.io, self.cat = store.slots, io, store.cat
         # The books' parts that callers read (never rebound by the catalog).
         cat = self.cat
         self.index, self.alloc, self.pinned = cat.index, cat.alloc, cat.pinned
@@ -85,7 +90,13 @@ class SsdTier:
 
     def abandon(self) -> None:
         """Close without a checkpoint; a store that this open created is removed again."""
+        self.io.close()
         self.store.abandon()
+
+    def register_memory(self, view: memoryview) -> None:
+        """`view` (the DRAM arena) is where most blocks move from and to: a slot I/O backend
+        that registers memory does it once, here."""
+        self.io.register_memory(view)
 
     def begin_checkpoint(self) -> Callable[[], None]:
         """See `SsdStore.begin_checkpoint` (lock held; returns the part to run without it)."""
@@ -96,6 +107,7 @@ class SsdTier:
 
     def close(self, *, checkpoint: bool = True) -> None:
         """See `SsdStore.close`."""
+        self.io.close()  # no slot I/O is left by now; the file closes with the store
         self.store.close(checkpoint=checkpoint)
 
     @property
