@@ -26,14 +26,16 @@ from kvoffload.errors import ConfigError, InvalidArgumentError, KVOffloadError
 from kvoffload.kvstore.arena import Arena
 from kvoffload.kvstore.config import DramConfig, EngineConfig
 from kvoffload.kvstore.dram import DramEntry, DramTier
-from kvoffload.kvstore.manager import Manager, TierListener
+from kvoffload.kvstore.manager import DescribedBlock, Manager, TierListener
 from kvoffload.kvstore.ssd import META_NAME, Recovery, SsdTier
 from kvoffload.kvstore.stats import EngineStats, TierStats, snapshot
 
 __all__ = [
     "KEY_BYTES",
+    "MAX_META_BYTES",
     "TierListener",
     "BlockView",
+    "DescribedBlock",
     "Engine",
     "EngineStats",
     "PutReservation",
@@ -44,6 +46,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 KEY_BYTES = 16
+# Block metadata is opaque here; the fronts bound it more tightly (client_sdk.BlockMeta). This
+# bound keeps a put's journal records few whatever a caller passes.
+MAX_META_BYTES = 4096
 
 
 class PutReservation:
@@ -157,6 +162,11 @@ def _check_keys(key: bytes, parent: bytes | None) -> None:
         _check_key(parent, "parent")
 
 
+def _check_meta(meta: object) -> None:
+    if meta is not None and (not isinstance(meta, bytes) or len(meta) > MAX_META_BYTES):
+        raise InvalidArgumentError(f"block metadata must be bytes of <= {MAX_META_BYTES} bytes")
+
+
 def _check_length(length: int, max_value_bytes: int) -> None:
     if length < 0:
         raise InvalidArgumentError(f"value length must not be negative, got {length}")
@@ -247,6 +257,7 @@ class Engine:
         parent: bytes | None = None,
         durable: bool = False,
         tenant: str = "",
+        meta: bytes | None = None,
     ) -> None:
         """Store `value` (any contiguous buffer) under `key`, replacing an older value.
 
@@ -260,16 +271,19 @@ class Engine:
             tenant: whose block this is; a tenant with a quota evicts its own coldest blocks
                 to stay within it. Keys are not separated by tenant here: callers that share
                 an engine between tenants mix the tenant into the key.
+            meta: opaque block metadata (at most `MAX_META_BYTES`), kept with the block in
+                both tiers and across restarts (`meta_of`, `described_blocks`); a put without
+                it drops what an older value of the key had.
 
         Raises:
-            InvalidArgumentError: bad key or parent, value larger than `max_value_bytes`, a
-                durable put without an SSD tier.
+            InvalidArgumentError: bad key, parent or metadata, value larger than
+                `max_value_bytes`, a durable put without an SSD tier.
             CapacityError: no slot can be freed because every candidate is pinned, or the
                 value alone exceeds the tenant's quota.
             StorageIOError: a durable put could not reach stable storage; the key keeps its
                 old value.
         """
-        self.put_parts(key, (value,), parent=parent, durable=durable, tenant=tenant)
+        self.put_parts(key, (value,), parent=parent, durable=durable, tenant=tenant, meta=meta)
 
     def put_parts(
         self,
@@ -279,6 +293,7 @@ class Engine:
         parent: bytes | None = None,
         durable: bool = False,
         tenant: str = "",
+        meta: bytes | None = None,
     ) -> None:
         """Store the concatenation of `parts` under `key` without joining them first.
 
@@ -287,7 +302,8 @@ class Engine:
         """
         arrays = [as_readable(p) for p in parts]
         reservation = self.reserve(
-            key, sum(a.size for a in arrays), parent=parent, durable=durable, tenant=tenant
+            key, sum(a.size for a in arrays), parent=parent, durable=durable, tenant=tenant,
+            meta=meta,
         )
         with reservation:
             pos = 0
@@ -304,6 +320,7 @@ class Engine:
         parent: bytes | None = None,
         durable: bool = False,
         tenant: str = "",
+        meta: bytes | None = None,
     ) -> PutReservation:
         """Claim a slot for a `length`-byte value and hand out its memory to fill in place.
 
@@ -316,12 +333,13 @@ class Engine:
             InvalidArgumentError, CapacityError: as for `put`.
         """
         _check_keys(key, parent)
+        _check_meta(meta)
         if durable and self._m.ssd is None:
             raise InvalidArgumentError(
                 "a durable put needs the SSD tier; open the store with an SSD capacity"
             )
         _check_length(length, self.max_value_bytes)
-        entry = self._m.reserve(key, length, parent, tenant)
+        entry = self._m.reserve(key, length, parent, tenant, meta)
         return PutReservation(self._m, self._arena, entry, durable)
 
     def put_many(
@@ -402,6 +420,26 @@ class Engine:
             if entry is not None:
                 return entry.length
             return self._ssd.length_of(key) if self._ssd is not None else None
+
+    def meta_of(self, key: bytes) -> bytes | None:
+        """The metadata the key's value was stored with, or None (a miss, or none given)."""
+        _check_key(key)
+        with self._lock:
+            self._m.check_open()
+            entry = self._index.get(key)
+            if entry is not None:
+                return entry.meta
+            return self._ssd.cat.meta_of(key) if self._ssd is not None else None
+
+    def described_blocks(self) -> list[DescribedBlock]:
+        """Every stored block that has metadata: its key, tenant, metadata and tiers.
+
+        Read from the indexes alone (no slot is read), so a daemon can announce what a
+        restarted store holds. One pass under the lock; its cost grows with the blocks.
+        """
+        with self._lock:
+            self._m.check_open()
+            return self._m.described()
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading keys of a chain are stored in any tier (the usable prefix)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from kvoffload.errors import CapacityError, InvalidArgumentError, KVOffloadError
 from kvoffload.kvstore.admission import FrequencySketch
@@ -21,10 +22,20 @@ from kvoffload.kvstore.extents import slot_bytes
 from kvoffload.kvstore.mover import Mover
 from kvoffload.kvstore.ssd import SsdIndex, SsdTier
 
-__all__ = ["Manager", "TierListener"]
+__all__ = ["DescribedBlock", "Manager", "TierListener"]
 
 # listener(kind, key, tier): kind "stored" or "removed", tier "dram" or "ssd".
 TierListener = Callable[[str, bytes, str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class DescribedBlock:
+    """A stored block that has metadata (`Engine.described_blocks`)."""
+
+    key: bytes
+    tenant: str
+    meta: bytes
+    tiers: tuple[str, ...]  # "ssd" and/or "dram", SSD first (a durable put's order)
 
 
 class Manager:
@@ -55,6 +66,25 @@ class Manager:
         self.listener: TierListener | None = None
         self.mover = Mover(self)
         self._evict_cb = self._evict_for_room  # bound once: `claim` runs on every put
+
+    def described(self) -> list[DescribedBlock]:
+        """Every stored block with metadata, from the indexes (lock held)."""
+        out: list[DescribedBlock] = []
+        in_dram = {k: e for k, e in self.index.items() if e.live and e.meta is not None}
+        ssd = self.ssd
+        if ssd is not None:
+            cat = ssd.cat
+            for key in cat.meta:
+                meta = cat.meta_of(key)
+                assert meta is not None
+                tenant = ssd.tenants[int(cat.index.rows["tenant"][cat.index.find(key)])]
+                dram = in_dram.pop(key, None)
+                tiers = ("ssd", "dram") if dram is not None else ("ssd",)
+                out.append(DescribedBlock(key, tenant, meta, tiers))
+        for key, entry in in_dram.items():
+            assert entry.meta is not None
+            out.append(DescribedBlock(key, entry.tenant, entry.meta, ("dram",)))
+        return out
 
     def attach_ssd(self, ssd: SsdTier) -> None:
         self.ssd = self.mover.ssd = ssd
@@ -160,13 +190,16 @@ class Manager:
         self.dram.place(entry)
         return entry
 
-    def reserve(self, key: bytes, length: int, parent: bytes | None, tenant: str) -> DramEntry:
+    def reserve(
+        self, key: bytes, length: int, parent: bytes | None, tenant: str, meta: bytes | None
+    ) -> DramEntry:
         """`claim` a slot for a put within the tenant's quota (called without the lock)."""
         with self.lock:
             self.check_open()
             size = slot_bytes(length)
             self.fit_quota(tenant, key, size)
             entry = self.claim(key, length, size, parent, tenant)
+            entry.meta = meta
             if self.sketch is not None:
                 self.sketch.add(key)
         return entry

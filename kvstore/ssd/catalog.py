@@ -44,6 +44,7 @@ class WritePlan:
     seq: int
     crc: int = 0
     replaced: _Row | None = None  # the key's SSD copy that `commit_write` took out of the index
+    meta: bytes | None = None  # the block's metadata, journaled with its PUT
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,7 @@ class _Row:
     parent: bytes | None
     tenant: int
     tick: int
+    meta: bytes | None = None  # its META records
 
 
 def restore_slots(
@@ -116,6 +118,9 @@ class SsdCatalog:
         # demotion of an older DRAM value of such a key must not commit over them, and a fast
         # put must not delete their copies.
         self.writing: dict[bytes, set[int]] = {}
+        # Key -> the packed META records of its SSD copy (blocks stored with metadata only):
+        # a checkpoint copies them as they are, and reading one back is a slice and a join.
+        self.meta: dict[bytes, bytes] = {}
 
     def apply(self, records: npt.NDArray[np.void]) -> int:
         """Rebuild index and allocator from replayed records (per key, the highest seq wins);
@@ -137,7 +142,27 @@ class SsdCatalog:
         winners = newest[first]
         winners = winners[kinds[winners] == jr.PUT]
         winners = winners[np.argsort(records["seq"][winners], kind="stable")]  # oldest first
-        return self._install(records[winners])
+        refused = self._install(records[winners])
+        self._install_meta(records, records["seq"][winners])
+        return refused
+
+    def _install_meta(self, records: npt.NDArray[np.void], seqs: npt.NDArray[np.uint64]) -> None:
+        """Keep the META records of the PUTs that won (a seq names one change), by key."""
+        metas = np.flatnonzero(records["type"] == jr.META)
+        metas = metas[np.isin(records["seq"][metas], seqs)]
+        if not len(metas):
+            return
+        part = records["tenant"][metas]  # a META record's slice number
+        order = np.lexsort((part, records["seq"][metas]))
+        metas, part = metas[order], part[order]
+        raw = records[metas].tobytes()
+        starts = np.flatnonzero(part == 0)
+        ends = np.append(starts[1:], len(metas))
+        keys = records["key"][metas[starts]]
+        for key, start, end in zip(keys.tolist(), starts.tolist(), ends.tolist(), strict=True):
+            key = key.ljust(16, b"\0")  # numpy drops trailing NULs of an S16 value
+            if self.index.find(key) != EMPTY:  # refused rows keep no metadata
+                self.meta[key] = raw[start * jr.RECORD_BYTES : end * jr.RECORD_BYTES]
 
     def _install(self, final: npt.NDArray[np.void]) -> int:
         """Load PUT records into an empty index and allocator; returns how many were refused."""
@@ -169,7 +194,9 @@ class SsdCatalog:
         self.tick = (self.tick + 1) & 0xFFFFFFFF
         return self.tick
 
-    def plan_write(self, key: bytes, length: int, parent: bytes | None, tenant: str) -> WritePlan:
+    def plan_write(
+        self, key: bytes, length: int, parent: bytes | None, tenant: str, meta: bytes | None = None
+    ) -> WritePlan:
         """Set aside a slot for `key`, evicting SSD blocks if needed.
 
         Raises:
@@ -183,7 +210,7 @@ class SsdCatalog:
         self._fit_quota(tid, size)
         offset = self._reserve(size)
         self.seq += 1
-        return WritePlan(key, parent, tid, length, size, offset, self.seq)
+        return WritePlan(key, parent, tid, length, size, offset, self.seq, meta=meta)
 
     def set_quota(self, tenant: str, quota_bytes: int | None) -> None:
         """Limit the SSD slot bytes `tenant` may hold (None: no limit); enforced on writes."""
@@ -281,6 +308,7 @@ class SsdCatalog:
         self.seq += 1
         ticket = self.journal.append(jr.pack(jr.record(jr.DEL, self.seq, key)))
         self.index.remove(row)
+        self.meta.pop(key, None)
         if notify:
             self._on_removed(key)
         return self.journal, ticket, offset, size
@@ -294,6 +322,7 @@ class SsdCatalog:
         a record of its own: its slot stays out of use until the tier is reopened."""
         key = self.index.key_of(row)
         self.index.remove(row)
+        self.meta.pop(key, None)
         self._on_removed(key)
 
     def undo_commit(self, plan: WritePlan) -> bool:
@@ -311,6 +340,8 @@ class SsdCatalog:
         self.index.insert(plan.key, page=old.page, length=old.length, seq=old.seq, crc=old.crc,
                           parent=old.parent, tenant=old.tenant,
                           tick=old.tick)  # fmt: skip
+        if old.meta is not None:
+            self.meta[plan.key] = old.meta
         return True
 
     def release_slot(self, journal: jr.Journal, ticket: int, offset: int, size: int) -> None:
@@ -329,8 +360,10 @@ class SsdCatalog:
             return None
         rec = jr.record(jr.PUT, plan.seq, plan.key, parent=plan.parent, page=plan.offset // PAGE,
                         length=plan.length, pcrc=plan.crc, tenant=plan.tenant)  # fmt: skip
+        # The metadata goes in the same batch, before the PUT: a PUT that replays has it.
+        meta = jr.meta_records(plan.key, plan.seq, plan.meta) if plan.meta else b""
         try:
-            ticket = self.journal.append(jr.pack(rec))
+            ticket = self.journal.append(meta + jr.pack(rec))
         except StorageIOError:
             self.abort_write(plan)  # the journal failed earlier: the index stays as it was
             raise
@@ -342,11 +375,15 @@ class SsdCatalog:
             plan.replaced = _Row(int(rows["page"][old]), int(rows["length"][old]),
                                  int(rows["seq"][old]), int(rows["crc"][old]),
                                  self.index.parent_of(old), int(rows["tenant"][old]),
-                                 int(self.index.tick[old]))  # fmt: skip
+                                 int(self.index.tick[old]), self.meta.get(plan.key))  # fmt: skip
             self.index.remove(old)
         self.index.insert(plan.key, page=plan.offset // PAGE, length=plan.length, seq=plan.seq,
                           crc=plan.crc, parent=plan.parent, tenant=plan.tenant,
                           tick=self.next_tick())  # fmt: skip
+        if meta:
+            self.meta[plan.key] = meta
+        else:
+            self.meta.pop(plan.key, None)
         self.counters.bytes_written += plan.length
         self.records_since_checkpoint += 1
         return ticket
@@ -378,4 +415,10 @@ class SsdCatalog:
         recs["pcrc"] = rows["crc"]
         tenants = [jr.record(jr.TENANT, 0, tenant=i, name=n.encode())
                    for i, n in enumerate(self.tenants) if i]  # fmt: skip
-        return np.concatenate([*tenants, recs]) if tenants else recs
+        metas = np.frombuffer(b"".join(self.meta.values()), dtype=jr.RECORD)
+        return np.concatenate([*tenants, metas, recs])
+
+    def meta_of(self, key: bytes) -> bytes | None:
+        """The metadata of the key's SSD copy, if it was stored with some."""
+        packed = self.meta.get(key)
+        return None if packed is None else jr.meta_of_records(packed)
