@@ -302,7 +302,11 @@ class Engine:
         """
         arrays = [as_readable(p) for p in parts]
         reservation = self.reserve(
-            key, sum(a.size for a in arrays), parent=parent, durable=durable, tenant=tenant,
+            key,
+            sum(a.size for a in arrays),
+            parent=parent,
+            durable=durable,
+            tenant=tenant,
             meta=meta,
         )
         with reservation:

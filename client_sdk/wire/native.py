@@ -43,6 +43,7 @@ from kvoffload.client_sdk.wire.frames import (
 from kvoffload.client_sdk.wire.native_events import (
     _ANSWER,
     KEY_BYTES,
+    META_VERSION,
     NEED_DATA,
     PROTOCOL_VERSION,
     PROTOCOL_VERSIONS,
@@ -75,6 +76,7 @@ from kvoffload.errors import LocalProtocolError, RemoteProtocolError
 
 __all__ = [
     "KEY_BYTES",
+    "META_VERSION",
     "NEED_DATA",
     "PROTOCOL_VERSION",
     "PROTOCOL_VERSIONS",
