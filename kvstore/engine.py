@@ -26,7 +26,7 @@ from kvoffload.errors import ConfigError, InvalidArgumentError, KVOffloadError
 from kvoffload.kvstore.arena import Arena
 from kvoffload.kvstore.config import DramConfig, EngineConfig
 from kvoffload.kvstore.dram import DramEntry, DramTier
-from kvoffload.kvstore.manager import DescribedBlock, Manager, TierListener
+from kvoffload.kvstore.manager import DescribedBlock, Manager, TierListener, described
 from kvoffload.kvstore.ssd import META_NAME, Recovery, SsdTier
 from kvoffload.kvstore.stats import EngineStats, TierStats, snapshot
 
@@ -197,7 +197,50 @@ def _open_ssd(config: EngineConfig, m: Manager) -> SsdTier | None:
     return ssd
 
 
-class Engine:
+class _EngineState:
+    """What the engine tells about its state besides values: the SSD tier, what opening it
+    found, and the blocks' metadata. (A base of `Engine`, to keep that class readable.)"""
+
+    _lock: threading.Lock
+    _m: Manager
+
+    @property
+    def _ssd(self) -> SsdTier | None:
+        return self._m.ssd
+
+    @_ssd.setter
+    def _ssd(self, ssd: None) -> None:
+        # Tests and `bench ssd` simulate a crash with None: the manager and the mover lose the
+        # tier too, so every path behaves as without one.
+        self._m.detach_ssd()
+
+    @property
+    def recovery(self) -> Recovery | None:
+        """What opening the SSD tier found (None without an SSD tier)."""
+        return self._ssd.recovery if self._ssd is not None else None
+
+    def meta_of(self, key: bytes) -> bytes | None:
+        """The metadata the key's value was stored with, or None (a miss, or none given)."""
+        _check_key(key)
+        with self._lock:
+            self._m.check_open()
+            entry = self._m.index.get(key)
+            if entry is not None:
+                return entry.meta
+            return self._ssd.cat.meta.get(key) if self._ssd is not None else None
+
+    def described_blocks(self) -> list[DescribedBlock]:
+        """Every stored block that has metadata: its key, tenant, metadata and tiers.
+
+        Read from the indexes alone (no slot is read), so a daemon can announce what a
+        restarted store holds. One pass under the lock; its cost grows with the blocks.
+        """
+        with self._lock:
+            self._m.check_open()
+            return described(self._m)
+
+
+class Engine(_EngineState):
     """A KV block store: opaque values under 16-byte keys, in a DRAM arena and (optionally) an
     SSD tier that survives restarts and crashes.
 
@@ -226,16 +269,6 @@ class Engine:
         self._arena = self._dram.arena
 
     @property
-    def _ssd(self) -> SsdTier | None:
-        return self._m.ssd
-
-    @_ssd.setter
-    def _ssd(self, ssd: None) -> None:
-        # Tests and `bench ssd` simulate a crash with None: the manager and the mover lose the
-        # tier too, so every path behaves as without one.
-        self._m.detach_ssd()
-
-    @property
     def max_value_bytes(self) -> int:
         """The largest value `put` accepts."""
         return self.config.dram.effective_max_value_bytes
@@ -243,11 +276,6 @@ class Engine:
     @property
     def capacity_bytes(self) -> int:
         return self._arena.size
-
-    @property
-    def recovery(self) -> Recovery | None:
-        """What opening the SSD tier found (None without an SSD tier)."""
-        return self._ssd.recovery if self._ssd is not None else None
 
     def put(
         self,
@@ -424,26 +452,6 @@ class Engine:
             if entry is not None:
                 return entry.length
             return self._ssd.length_of(key) if self._ssd is not None else None
-
-    def meta_of(self, key: bytes) -> bytes | None:
-        """The metadata the key's value was stored with, or None (a miss, or none given)."""
-        _check_key(key)
-        with self._lock:
-            self._m.check_open()
-            entry = self._index.get(key)
-            if entry is not None:
-                return entry.meta
-            return self._ssd.cat.meta_of(key) if self._ssd is not None else None
-
-    def described_blocks(self) -> list[DescribedBlock]:
-        """Every stored block that has metadata: its key, tenant, metadata and tiers.
-
-        Read from the indexes alone (no slot is read), so a daemon can announce what a
-        restarted store holds. One pass under the lock; its cost grows with the blocks.
-        """
-        with self._lock:
-            self._m.check_open()
-            return self._m.described()
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading keys of a chain are stored in any tier (the usable prefix)."""

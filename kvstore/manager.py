@@ -22,7 +22,7 @@ from kvoffload.kvstore.extents import slot_bytes
 from kvoffload.kvstore.mover import Mover
 from kvoffload.kvstore.ssd import SsdIndex, SsdTier
 
-__all__ = ["DescribedBlock", "Manager", "TierListener"]
+__all__ = ["DescribedBlock", "Manager", "TierListener", "described"]
 
 # listener(kind, key, tier): kind "stored" or "removed", tier "dram" or "ssd".
 TierListener = Callable[[str, bytes, str], None]
@@ -66,25 +66,6 @@ class Manager:
         self.listener: TierListener | None = None
         self.mover = Mover(self)
         self._evict_cb = self._evict_for_room  # bound once: `claim` runs on every put
-
-    def described(self) -> list[DescribedBlock]:
-        """Every stored block with metadata, from the indexes (lock held)."""
-        out: list[DescribedBlock] = []
-        in_dram = {k: e for k, e in self.index.items() if e.live and e.meta is not None}
-        ssd = self.ssd
-        if ssd is not None:
-            cat = ssd.cat
-            for key in cat.meta:
-                meta = cat.meta_of(key)
-                assert meta is not None
-                tenant = ssd.tenants[int(cat.index.rows["tenant"][cat.index.find(key)])]
-                dram = in_dram.pop(key, None)
-                tiers = ("ssd", "dram") if dram is not None else ("ssd",)
-                out.append(DescribedBlock(key, tenant, meta, tiers))
-        for key, entry in in_dram.items():
-            assert entry.meta is not None
-            out.append(DescribedBlock(key, entry.tenant, entry.meta, ("dram",)))
-        return out
 
     def attach_ssd(self, ssd: SsdTier) -> None:
         self.ssd = self.mover.ssd = ssd
@@ -353,3 +334,25 @@ class Manager:
         entry = self.index.get(key)
         if entry is not None:
             self._policy.set_rank(key, self.rank(key, entry.parent))
+
+
+def described(m: Manager) -> list[DescribedBlock]:
+    """Every stored block with metadata, from the indexes (lock held)."""
+    out: list[DescribedBlock] = []
+    in_dram = {k: e for k, e in m.index.items() if e.live and e.meta is not None}
+    ssd = m.ssd
+    if ssd is not None:
+        cat = ssd.cat
+        tenants, rows, one = ssd.tenants, cat.index.rows, len(ssd.tenants) == 1
+        for key in cat.meta.packed:
+            meta = cat.meta.get(key)
+            assert meta is not None
+            # One tenant (the common case): no index probe per block.
+            tenant = tenants[0] if one else tenants[int(rows["tenant"][cat.index.find(key)])]
+            dram = in_dram.pop(key, None)
+            tiers = ("ssd", "dram") if dram is not None else ("ssd",)
+            out.append(DescribedBlock(key, tenant, meta, tiers))
+    for key, entry in in_dram.items():
+        assert entry.meta is not None
+        out.append(DescribedBlock(key, entry.tenant, entry.meta, ("dram",)))
+    return out

@@ -210,20 +210,22 @@ class KVEvents:
         `BlockStored` per block and tier, SSD first. Returns how many blocks were announced
         (blocks whose metadata names no hash, stored without events, are not)."""
         found: list[_Block] = []
-        for described in blocks:
-            try:
-                meta = BlockMeta.decode(described.meta)
-            except LocalProtocolError:
-                continue  # not written by a daemon (an embedded engine's opaque metadata)
-            if meta.block_hash is None:
-                continue
-            block = _Block(meta.block_hash, meta.parent_hash, self.topic_of(described.tenant),
-                           set(described.tiers), meta=meta)  # fmt: skip
-            with self._lock:
-                if described.key in self._published:
-                    continue  # a put since the start already published it
+        topics: dict[str, bytes] = {}
+        with self._lock:  # once: a restart may announce millions of blocks
+            for described in blocks:
+                try:
+                    meta = BlockMeta.decode(described.meta)
+                except LocalProtocolError:
+                    continue  # not written by a daemon (an embedded engine's own metadata)
+                if meta.block_hash is None or described.key in self._published:
+                    continue  # no name for it, or a put since the start published it
+                topic = topics.get(described.tenant)
+                if topic is None:
+                    topic = topics[described.tenant] = self.topic_of(described.tenant)
+                block = _Block(meta.block_hash, meta.parent_hash, topic, set(described.tiers),
+                               meta=meta)  # fmt: skip
                 self._published[described.key] = block
-            found.append(block)
+                found.append(block)
         for block in _parents_first(found):
             for tier in sorted(block.tiers, reverse=True):  # "ssd" first
                 self._pending.append((block.topic, self._stored_event(block, tier)))

@@ -130,14 +130,19 @@ class BlockMeta:
             raise LocalProtocolError(f"malformed block metadata: {exc}") from None
         if version != _VERSION or pos != len(data) or flags & ~0xF:
             raise LocalProtocolError("malformed block metadata (version, flags or length)")
-        try:
-            return cls(tokens,
-                       block_hash if flags & _HASH else None,
-                       parent if flags & _PARENT else None,
-                       names[0] if flags & _LORA else None,
-                       names[1] if flags & _SALT else None, size)  # fmt: skip
-        except InvalidArgumentError as exc:
-            raise LocalProtocolError(f"block metadata out of bounds: {exc}") from None
+        if count > MAX_META_TOKENS or any(len(n.encode()) > MAX_NAME_BYTES for n in names):
+            raise LocalProtocolError("block metadata out of bounds (tokens or names)")
+        # Every other bound holds by construction (u32 tokens, u64 hashes): skip the
+        # per-token checks of __post_init__, which a restart announcing 1M blocks would pay.
+        meta = object.__new__(cls)
+        for name, value in (("token_ids", tokens),
+                            ("block_hash", block_hash if flags & _HASH else None),
+                            ("parent_hash", parent if flags & _PARENT else None),
+                            ("lora_name", names[0] if flags & _LORA else None),
+                            ("cache_salt", names[1] if flags & _SALT else None),
+                            ("block_size", size)):  # fmt: skip
+            object.__setattr__(meta, name, value)
+        return meta
 
 
 def check_meta(data: object) -> bytes:

@@ -25,8 +25,9 @@ from kvoffload.kvstore.ssd.index import (
     ssd_slot_bytes,
     ssd_slot_sizes,
 )
+from kvoffload.kvstore.ssd.metabook import MetaBook
 
-__all__ = ["Counters", "SsdCatalog", "WritePlan", "restore_slots"]
+__all__ = ["Counters", "SsdCatalog", "WritePlan", "export_records", "restore_slots"]
 
 _QUOTA_BATCH = 64  # rows one pass over the index hands to a tenant over its SSD quota
 
@@ -118,9 +119,7 @@ class SsdCatalog:
         # demotion of an older DRAM value of such a key must not commit over them, and a fast
         # put must not delete their copies.
         self.writing: dict[bytes, set[int]] = {}
-        # Key -> the packed META records of its SSD copy (blocks stored with metadata only):
-        # a checkpoint copies them as they are, and reading one back is a slice and a join.
-        self.meta: dict[bytes, bytes] = {}
+        self.meta = MetaBook()  # block metadata of the SSD copies
 
     def apply(self, records: npt.NDArray[np.void]) -> int:
         """Rebuild index and allocator from replayed records (per key, the highest seq wins);
@@ -143,26 +142,8 @@ class SsdCatalog:
         winners = winners[kinds[winners] == jr.PUT]
         winners = winners[np.argsort(records["seq"][winners], kind="stable")]  # oldest first
         refused = self._install(records[winners])
-        self._install_meta(records, records["seq"][winners])
+        self.meta.install(records, records["seq"][winners], lambda k: self.find(k) != EMPTY)
         return refused
-
-    def _install_meta(self, records: npt.NDArray[np.void], seqs: npt.NDArray[np.uint64]) -> None:
-        """Keep the META records of the PUTs that won (a seq names one change), by key."""
-        metas = np.flatnonzero(records["type"] == jr.META)
-        metas = metas[np.isin(records["seq"][metas], seqs)]
-        if not len(metas):
-            return
-        part = records["tenant"][metas]  # a META record's slice number
-        order = np.lexsort((part, records["seq"][metas]))
-        metas, part = metas[order], part[order]
-        raw = records[metas].tobytes()
-        starts = np.flatnonzero(part == 0)
-        ends = np.append(starts[1:], len(metas))
-        keys = records["key"][metas[starts]]
-        for key, start, end in zip(keys.tolist(), starts.tolist(), ends.tolist(), strict=True):
-            key = key.ljust(16, b"\0")  # numpy drops trailing NULs of an S16 value
-            if self.index.find(key) != EMPTY:  # refused rows keep no metadata
-                self.meta[key] = raw[start * jr.RECORD_BYTES : end * jr.RECORD_BYTES]
 
     def _install(self, final: npt.NDArray[np.void]) -> int:
         """Load PUT records into an empty index and allocator; returns how many were refused."""
@@ -194,9 +175,7 @@ class SsdCatalog:
         self.tick = (self.tick + 1) & 0xFFFFFFFF
         return self.tick
 
-    def plan_write(
-        self, key: bytes, length: int, parent: bytes | None, tenant: str, meta: bytes | None = None
-    ) -> WritePlan:
+    def plan_write(self, key: bytes, length: int, parent: bytes | None, tenant: str) -> WritePlan:
         """Set aside a slot for `key`, evicting SSD blocks if needed.
 
         Raises:
@@ -210,7 +189,7 @@ class SsdCatalog:
         self._fit_quota(tid, size)
         offset = self._reserve(size)
         self.seq += 1
-        return WritePlan(key, parent, tid, length, size, offset, self.seq, meta=meta)
+        return WritePlan(key, parent, tid, length, size, offset, self.seq)
 
     def set_quota(self, tenant: str, quota_bytes: int | None) -> None:
         """Limit the SSD slot bytes `tenant` may hold (None: no limit); enforced on writes."""
@@ -308,7 +287,7 @@ class SsdCatalog:
         self.seq += 1
         ticket = self.journal.append(jr.pack(jr.record(jr.DEL, self.seq, key)))
         self.index.remove(row)
-        self.meta.pop(key, None)
+        self.meta.drop(key)
         if notify:
             self._on_removed(key)
         return self.journal, ticket, offset, size
@@ -322,7 +301,7 @@ class SsdCatalog:
         a record of its own: its slot stays out of use until the tier is reopened."""
         key = self.index.key_of(row)
         self.index.remove(row)
-        self.meta.pop(key, None)
+        self.meta.drop(key)
         self._on_removed(key)
 
     def undo_commit(self, plan: WritePlan) -> bool:
@@ -340,8 +319,7 @@ class SsdCatalog:
         self.index.insert(plan.key, page=old.page, length=old.length, seq=old.seq, crc=old.crc,
                           parent=old.parent, tenant=old.tenant,
                           tick=old.tick)  # fmt: skip
-        if old.meta is not None:
-            self.meta[plan.key] = old.meta
+        self.meta.set(plan.key, old.meta)
         return True
 
     def release_slot(self, journal: jr.Journal, ticket: int, offset: int, size: int) -> None:
@@ -360,8 +338,7 @@ class SsdCatalog:
             return None
         rec = jr.record(jr.PUT, plan.seq, plan.key, parent=plan.parent, page=plan.offset // PAGE,
                         length=plan.length, pcrc=plan.crc, tenant=plan.tenant)  # fmt: skip
-        # The metadata goes in the same batch, before the PUT: a PUT that replays has it.
-        meta = jr.meta_records(plan.key, plan.seq, plan.meta) if plan.meta else b""
+        meta = self.meta.records(plan.key, plan.seq, plan.meta)  # same batch, before the PUT
         try:
             ticket = self.journal.append(meta + jr.pack(rec))
         except StorageIOError:
@@ -375,15 +352,13 @@ class SsdCatalog:
             plan.replaced = _Row(int(rows["page"][old]), int(rows["length"][old]),
                                  int(rows["seq"][old]), int(rows["crc"][old]),
                                  self.index.parent_of(old), int(rows["tenant"][old]),
-                                 int(self.index.tick[old]), self.meta.get(plan.key))  # fmt: skip
+                                 int(self.index.tick[old]),
+                                 self.meta.packed.get(plan.key))  # fmt: skip
             self.index.remove(old)
         self.index.insert(plan.key, page=plan.offset // PAGE, length=plan.length, seq=plan.seq,
                           crc=plan.crc, parent=plan.parent, tenant=plan.tenant,
                           tick=self.next_tick())  # fmt: skip
-        if meta:
-            self.meta[plan.key] = meta
-        else:
-            self.meta.pop(plan.key, None)
+        self.meta.set(plan.key, meta)
         self.counters.bytes_written += plan.length
         self.records_since_checkpoint += 1
         return ticket
@@ -404,21 +379,17 @@ class SsdCatalog:
     def checkpoint_due(self) -> bool:
         return self.records_since_checkpoint > max(100_000, 2 * len(self.index))
 
-    def export_records(self) -> npt.NDArray[np.void]:
-        """The index as journal records, tenant names first (a checkpoint's body)."""
-        rows = self.index.export()
-        recs = np.zeros(len(rows), dtype=jr.RECORD)
-        recs["type"] = jr.PUT
-        for name in ("key", "parent", "page", "length", "tenant", "seq"):
-            recs[name] = rows[name]
-        recs["flags"] = rows["flags"]
-        recs["pcrc"] = rows["crc"]
-        tenants = [jr.record(jr.TENANT, 0, tenant=i, name=n.encode())
-                   for i, n in enumerate(self.tenants) if i]  # fmt: skip
-        metas = np.frombuffer(b"".join(self.meta.values()), dtype=jr.RECORD)
-        return np.concatenate([*tenants, metas, recs])
 
-    def meta_of(self, key: bytes) -> bytes | None:
-        """The metadata of the key's SSD copy, if it was stored with some."""
-        packed = self.meta.get(key)
-        return None if packed is None else jr.meta_of_records(packed)
+def export_records(cat: SsdCatalog) -> npt.NDArray[np.void]:
+    """The index as journal records, tenant names first, then the blocks' META records before
+    their PUTs (a checkpoint's body)."""
+    rows = cat.index.export()
+    recs = np.zeros(len(rows), dtype=jr.RECORD)
+    recs["type"] = jr.PUT
+    for name in ("key", "parent", "page", "length", "tenant", "seq"):
+        recs[name] = rows[name]
+    recs["flags"] = rows["flags"]
+    recs["pcrc"] = rows["crc"]
+    tenants = [jr.record(jr.TENANT, 0, tenant=i, name=n.encode())
+               for i, n in enumerate(cat.tenants) if i]  # fmt: skip
+    return np.concatenate([*tenants, cat.meta.export(), recs])

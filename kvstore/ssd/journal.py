@@ -106,6 +106,8 @@ def meta_records(key: bytes, seq: int, meta: bytes) -> bytes:
 
 def meta_of_records(packed: bytes) -> bytes:
     """The metadata that `meta_records` packed (records in part order)."""
+    if len(packed) == RECORD_BYTES:  # the common case: one record
+        return packed[34 : 34 + int.from_bytes(packed[32:34], "little")]
     raw = b"".join(packed[i + 32 : i + RECORD_BYTES] for i in range(0, len(packed), RECORD_BYTES))
     return raw[2 : 2 + int.from_bytes(raw[:2], "little")]
 

@@ -115,8 +115,10 @@ class SsdTier:
         tenant: str,
         meta: bytes | None = None,
     ) -> WritePlan:
-        """See `SsdCatalog.plan_write`."""
-        return self.cat.plan_write(key, length, parent, tenant, meta)
+        """See `SsdCatalog.plan_write`; `meta` is journaled with the block."""
+        plan = self.cat.plan_write(key, length, parent, tenant)
+        plan.meta = meta
+        return plan
 
     def commit_write(self, plan: WritePlan) -> int | None:
         """See `SsdCatalog.commit_write`."""
@@ -178,7 +180,7 @@ class SsdTier:
             CapacityError: no slot could be freed.
             StorageIOError: the device or the journal failed; the key keeps its old copy.
         """
-        plan = self.cat.plan_write(key, length, parent, tenant, meta)
+        plan = self.plan_write(key, length, parent, tenant, meta)
         self.cat.writing.setdefault(key, set()).add(plan.seq)
         try:
             with self._unlocked():
@@ -251,7 +253,7 @@ class SsdTier:
             return None
         tenant = self.tenants[int(self.index.rows["tenant"][row])]
         return SsdRead(row, self.cat.snapshot(row), self.index.parent_of(row), tenant,
-                       self.cat.meta_of(key))  # fmt: skip
+                       self.cat.meta.get(key))  # fmt: skip
 
     def pin(self, read: SsdRead) -> None:
         """Keep the block's slot from eviction until `unpin`."""
