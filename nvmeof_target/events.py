@@ -90,7 +90,7 @@ def _removed_event(digest: int, tier: str) -> dict[str, object]:
     return {"type": "BlockRemoved", "block_hashes": [digest], "medium": MEDIA[tier]}
 
 
-@dataclass
+@dataclass(slots=True)
 class _Block:
     """A block this daemon has published (or is about to): what names it, where it is."""
 
@@ -169,7 +169,8 @@ class KVEvents:
             "type": "BlockStored",
             "block_hashes": [block.digest],
             "parent_block_hash": block.parent,
-            "token_ids": list(meta.token_ids) if meta is not None else [],
+            # msgpack writes a tuple as an array: no copy into a list.
+            "token_ids": meta.token_ids if meta is not None else (),
             "block_size": meta.tokens_per_block if meta is not None else 0,
             "lora_id": None,
             "medium": MEDIA[tier],
