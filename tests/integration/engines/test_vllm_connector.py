@@ -175,3 +175,35 @@ def test_bad_extra_config_is_refused(tiny_model: Path, engines: Any) -> None:
         engines(tiny_model, "kv://127.0.0.1:9", "LBNHC", batch=3)
     with pytest.raises(ConfigError, match="batch_blocks"):
         engines(tiny_model, "kv://127.0.0.1:9", "LBNHC", batch_blocks=0)
+
+
+def test_saved_blocks_carry_their_token_ids_into_the_store_s_events(
+    tiny_model: Path, start_daemon: Any, engines: Any
+) -> None:
+    import msgpack
+    import zmq
+
+    replay_env = {"KVOFFLOAD_EVENTS__REPLAY_ENDPOINT": "tcp://127.0.0.1:*"}
+    daemon = start_daemon("--events", "tcp://127.0.0.1:*", env=replay_env)
+    (replay,) = [line.rsplit(" ", 1)[1] for line in daemon.lines if "events replay on" in line]
+    engine = engines(tiny_model, daemon.url(), LAYOUTS[0])
+    _save_first_request(engine)
+    asker = zmq.Context.instance().socket(zmq.DEALER)
+    asker.connect(replay)
+    asker.send_multipart([b"", bytes(8)])
+    stored: list[dict[str, Any]] = []
+    while True:
+        assert asker.poll(20_000), "no replay answer"
+        _, seq, payload = asker.recv_multipart()
+        if seq == (-1).to_bytes(8, "big", signed=True):
+            break
+        stored += [e for e in msgpack.unpackb(payload)[1] if e["type"] == "BlockStored"]
+    asker.close(linger=0)
+    blocks = len(PREFIX) // BLOCK
+    by_tokens = {tuple(e["token_ids"]): e for e in stored}
+    chain = [by_tokens[tuple(PREFIX[i * BLOCK : (i + 1) * BLOCK])] for i in range(blocks)]
+    assert all(e["block_size"] == BLOCK for e in chain)
+    # vLLM's chained hashes, as its own events publish them: each block names its parent.
+    assert chain[0]["parent_block_hash"] is None
+    for parent, child in zip(chain, chain[1:], strict=False):
+        assert child["parent_block_hash"] == parent["block_hashes"][0]
