@@ -50,7 +50,9 @@ def _save(plt: Any, fig: Any, path: Path) -> bool:
 
 
 def _label(run: dict[str, Any]) -> str:
-    return f"{run['system']}{'+ssd' if run['tier'] != 'dram' else ''}"
+    from kvoffload.bench.trace_model import run_label
+
+    return run_label(run)
 
 
 def hit_ratio_plot(trace: dict[str, Any], path: Path) -> bool:

@@ -94,7 +94,9 @@ def _rows_table(data: dict[str, Any]) -> str:
 
 
 def _label(run: dict[str, Any]) -> str:
-    return f"{run['system']}{'+ssd' if run['tier'] != 'dram' else ''}"
+    from kvoffload.bench.trace_model import run_label
+
+    return run_label(run)
 
 
 def _hits(details: dict[str, Any], label: str, percent: int) -> int | None:
@@ -308,10 +310,10 @@ def _ttft_words(details: dict[str, Any]) -> str:
         f"costs {per_block * 1e3:.2f} ms on an {gpu.name} ({model.name}); loading it costs the "
         f"measured {costs['dram_ms']:.2f} ms from DRAM"
         + (f" or {ssd:.2f} ms from the SSD" if ssd else "")
-        + f", plus {h2d * 1e3:.3f} ms of host-to-GPU copy. Loads here run one block at a time "
-        "through the SDK (header and CRC32C checked, then copied) on a 2-vCPU VM, and the model "
-        "overlaps nothing, so the store shortens TTFT only where a block loads faster than it "
-        "computes; a block that loads slower (as SSD blocks do on this VM's disk) lengthens it."
+        + f", plus {h2d * 1e3:.3f} ms of host-to-GPU copy (per block of a batched, verified "
+        "`get_many_into` through the SDK on a 2-vCPU VM). The model overlaps nothing and "
+        "claims hits as the vLLM connector does: a request loads its hit blocks only where "
+        "that beats recomputing them, so the store never makes a request slower than no store."
     )
     return text
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import functools
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -26,6 +27,9 @@ PEERS: dict[str, tuple[str, str]] = {
     "lmcache": ("lmcache", "KVOFFLOAD_LMCACHE_PYTHON"),
 }
 SSD_SHARE = 0.75  # of a DRAM+SSD capacity, the SSD's part
+# The deployment an SSD tier is for: a small DRAM tier (10% of the working set) in front of an
+# SSD that holds all of it (DRAM 10% + SSD 100%, 110% in all).
+REALISTIC = ("dram10+ssd100", 10, 100)
 DEFAULT_PAYLOAD = 3968  # + the 96-byte block header = one 4 KiB slot
 CDF_POINTS = 101  # quantiles kept per run for latency CDFs
 
@@ -111,14 +115,30 @@ class Config:
     percent: int
     dram_blocks: int
     ssd_blocks: int = 0
+    layout: str = ""  # a named split, e.g. "dram10+ssd100"; "" for a same-total split
+
+    @property
+    def tier(self) -> str:
+        return self.layout or ("dram+ssd" if self.ssd else "dram")
 
     @property
     def label(self) -> str:
+        if self.layout:
+            return f"{self.system}+{self.layout}"
         return f"{self.system}+ssd" if self.ssd else self.system
 
     @property
     def case(self) -> str:
         return f"hit_tokens/{self.label}/{self.percent}%"
+
+
+def run_label(run: Mapping[str, Any]) -> str:
+    """A run's name in tables, plots and rows, from its details: the system, then "+ssd" for
+    a same-total DRAM+SSD split or "+<layout>" for a named one."""
+    tier = run["tier"]
+    if tier == "dram":
+        return str(run["system"])
+    return f"{run['system']}+{'ssd' if tier == 'dram+ssd' else tier}"
 
 
 @dataclass
@@ -169,7 +189,10 @@ def plan(
     systems: Sequence[str],
     tiers: Sequence[str],
     ssd_percents: Sequence[int] | None = None,
+    realistic: bool = False,
 ) -> list[Config]:
+    """The sweep: each tier x capacity x system; with `realistic` (and the SSD tier asked
+    for) also each system in the REALISTIC layout."""
     configs = []
     for tier in tiers:
         for percent in ssd_percents if tier == "ssd" and ssd_percents is not None else percents:
@@ -180,4 +203,9 @@ def plan(
                     configs.append(Config(system, True, percent, dram, total - dram))
                 else:
                     configs.append(Config(system, False, percent, total))
+    if realistic and "ssd" in tiers:
+        layout, dram_pct, ssd_pct = REALISTIC
+        dram = max(1, round(working_set * dram_pct / 100))
+        ssd = max(1, round(working_set * ssd_pct / 100))
+        configs += [Config(s, True, dram_pct + ssd_pct, dram, ssd, layout) for s in systems]
     return configs

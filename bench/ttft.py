@@ -10,8 +10,16 @@ predecessors (QK^T and AV: 4 d i FLOPs per layer, summed over i = h..n). The sto
 
     load_s = (blocks from DRAM) x t_dram + (blocks from SSD) x t_ssd + h x bytes_per_token / h2d
 
-with t_dram and t_ssd measured in the same run (a verified `get_into` of a block of the model's
-real size through the SDK) and the host-to-GPU copy modelled at the stated bandwidth.
+with t_dram and t_ssd measured in the same run (per block of a verified `get_many_into` batch of
+blocks of the model's real size through the SDK, as the vLLM connector loads them) and the
+host-to-GPU copy modelled at the stated bandwidth. Loading and computing are additive: the
+connector loads a request's blocks before its forward pass, it does not overlap them.
+
+The store is used the way the connector claims hits (`claim="cost"`): of the h hit blocks it
+loads the leading count c that gives the least prefill_s(n, c) + load_s(c). Prefill is concave in
+the loaded tokens and loading is linear per tier, so the best c is 0, the DRAM blocks (taken to
+lead the hit: a prefix store keeps shallow blocks hot) or all of them. A store used this way is
+never slower than no store; `claim="all"` loads every hit, as before.
 TTFT = prefill_s + load_s; without a store it is prefill_s(n, 0).
 """
 
@@ -24,7 +32,7 @@ import numpy.typing as npt
 
 from kvoffload.bench.workload import ModelProfile
 
-__all__ = ["GPUS", "GpuProfile", "LoadCosts", "prefill_seconds", "ttft_seconds"]
+__all__ = ["GPUS", "GpuProfile", "LoadCosts", "Modelled", "prefill_seconds", "ttft_seconds"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +52,8 @@ GPUS: dict[str, GpuProfile] = {
 
 @dataclass(frozen=True)
 class LoadCosts:
-    """Seconds to load one block of the model's real size, measured through the SDK."""
+    """Seconds to load one block of the model's real size, measured through the SDK (per
+    block of a batched read)."""
 
     dram_s: float
     ssd_s: float | None = None  # None: no SSD tier was measured
@@ -64,6 +73,14 @@ def prefill_seconds(
     return result
 
 
+@dataclass(frozen=True)
+class Modelled:
+    """Modelled TTFT of each request and the hit blocks the claim rule chose to load."""
+
+    seconds: npt.NDArray[np.float64]
+    loaded_blocks: npt.NDArray[np.int64]
+
+
 def ttft_seconds(
     model: ModelProfile,
     gpu: GpuProfile,
@@ -72,14 +89,32 @@ def ttft_seconds(
     ssd_blocks: npt.NDArray[np.int64],
     block_tokens: int,
     costs: LoadCosts,
-) -> npt.NDArray[np.float64]:
-    """Modelled TTFT of each request: prefill of what was not hit plus loading what was."""
-    hit_tokens = hit_blocks * block_tokens
+    claim: str = "cost",
+) -> Modelled:
+    """Modelled TTFT of each request: prefill of what was not loaded plus loading what was.
+
+    Raises:
+        ValueError: `claim` is neither "cost" nor "all".
+    """
+    if claim not in ("cost", "all"):
+        raise ValueError(f"claim must be 'cost' or 'all', not {claim!r}")
     ssd_s = costs.ssd_s if costs.ssd_s is not None else costs.dram_s
-    load = (
-        (hit_blocks - ssd_blocks) * costs.dram_s
-        + ssd_blocks * ssd_s
-        + hit_tokens * model.bytes_per_token / gpu.h2d_bytes_per_s
-    )
-    result: npt.NDArray[np.float64] = prefill_seconds(model, gpu, prompt, hit_tokens) + load
-    return result
+    dram_blocks = hit_blocks - ssd_blocks
+    copy_s = block_tokens * model.bytes_per_token / gpu.h2d_bytes_per_s
+
+    def total(loaded: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
+        from_dram = np.minimum(loaded, dram_blocks)
+        load = from_dram * costs.dram_s + (loaded - from_dram) * ssd_s + loaded * copy_s
+        t: npt.NDArray[np.float64] = (
+            prefill_seconds(model, gpu, prompt, loaded * block_tokens) + load
+        )
+        return t
+
+    if claim == "all":
+        return Modelled(total(hit_blocks), hit_blocks)
+    choices = np.stack([np.zeros_like(hit_blocks), dram_blocks, hit_blocks])
+    times = np.stack([total(c) for c in choices])
+    best = np.argmin(times, axis=0)  # ties go to loading less
+    picked = np.take_along_axis(choices, best[None, :], axis=0)[0]
+    seconds: npt.NDArray[np.float64] = np.take_along_axis(times, best[None, :], axis=0)[0]
+    return Modelled(seconds, picked)

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.kv_offload.base import (
     LookupResult,
@@ -50,6 +51,7 @@ __all__ = [
     "KVConnectorBase_V1",
     "KVConnectorMetadata",
     "KVConnectorRole",
+    "KVConnectorStats",
     "LookupResult",
     "Medium",
     "OffloadingEvent",

@@ -16,6 +16,7 @@ import torch
 from kvoffload.client_sdk import Client, Namespace
 from kvoffload.connectors.paged_kv import CANONICAL_LAYOUT
 from kvoffload.connectors.vllm import _compat
+from kvoffload.connectors.vllm.claim import KVOffloadStats
 from kvoffload.connectors.vllm.plan import Settings, StepPlan, namespace_for
 from kvoffload.connectors.vllm.scheduler import SchedulerHalf
 from kvoffload.connectors.vllm.worker import WorkerHalf
@@ -130,6 +131,23 @@ class KVOffloadConnector(_compat.KVConnectorBase_V1):
         if connector_output.invalid_block_ids:
             scheduler.loads_failed(connector_output.invalid_block_ids)
         scheduler.loads_finished(connector_output.finished_recving or ())
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        if isinstance(stats, KVOffloadStats):
+            scheduler.claim.observe(stats.data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVOffloadStats:
+        """vLLM's logger rebuilds the workers' stats from their data with this."""
+        stats = KVOffloadStats()
+        if data:
+            stats.data = dict(data)
+        else:
+            stats.reset()
+        return stats
+
+    def get_kv_connector_stats(self) -> KVOffloadStats | None:
+        """The workers' load and prefill rates since the last step (None on the scheduler)."""
+        return self._worker.take_rates() if self._worker is not None else None
 
     def request_finished(
         self, request: Any, block_ids: list[int]

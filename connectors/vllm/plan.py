@@ -39,6 +39,14 @@ class Settings:
     offload_prompt_only: bool = False
     # What vLLM does with blocks whose load failed: "recompute" them, or "fail" the request.
     load_failure_policy: str = "recompute"
+    # Which hits to claim: "cost" only those whose load beats recomputing them (from the rates
+    # below), "all" every hit (see connectors/vllm/claim.py).
+    claim: str = "cost"
+    # Blocks per second one worker loads; 0 = measured by the workers as they load.
+    load_blocks_per_s: float = 0.0
+    # Tokens per second one worker's forward pass computes in prefill; 0 = measured (CPU
+    # workers only: on a GPU the forward returns before its kernels finish, so tell it there).
+    prefill_tokens_per_s: float = 0.0
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> Settings:
@@ -58,6 +66,8 @@ class Settings:
             expected = type(getattr(cls, name))
             if expected is int and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ConfigError(f"{name} must be an integer, got {value!r}")
+            if expected is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)  # JSON writes 2000.0 as 2000
             if expected is not int and not isinstance(value, expected):
                 raise ConfigError(f"{name} must be a {expected.__name__}, got {value!r}")
             values[name] = value
@@ -68,6 +78,10 @@ class Settings:
             raise ConfigError("batch_blocks and load_threads must be positive")
         if settings.load_failure_policy not in ("recompute", "fail"):
             raise ConfigError('load_failure_policy must be "recompute" or "fail"')
+        if settings.claim not in ("cost", "all"):
+            raise ConfigError('claim must be "cost" or "all"')
+        if settings.load_blocks_per_s < 0 or settings.prefill_tokens_per_s < 0:
+            raise ConfigError("load_blocks_per_s and prefill_tokens_per_s must not be negative")
         return settings
 
 
@@ -156,3 +170,4 @@ class StepPlan:
     loads: tuple[LoadJob, ...] = ()
     saves: tuple[SaveJob, ...] = ()
     preempted: frozenset[str] = field(default_factory=frozenset)
+    scheduled_tokens: int = 0  # tokens this step's forward computes (for the prefill rate)

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvoffload.client_sdk import Client, Namespace, engine_keys
 from kvoffload.connectors.vllm import _compat
+from kvoffload.connectors.vllm.claim import ClaimRule
 from kvoffload.connectors.vllm.plan import LoadJob, SaveJob, Settings, StepPlan
 
 __all__ = ["SchedulerHalf"]
@@ -62,6 +63,8 @@ class SchedulerHalf:
         # req_id -> (first block not computed locally, leading blocks found in the store).
         self._lookups: dict[str, tuple[int, int]] = {}
         self._loads: list[LoadJob] = []
+        self.claim = ClaimRule(block_tokens, settings.claim, settings.load_blocks_per_s,
+                               settings.prefill_tokens_per_s)  # fmt: skip
 
     def _hashes(self, request: Any) -> list[bytes]:
         return _compat.request_hashes(request, self._hash_ratio)
@@ -87,8 +90,8 @@ class SchedulerHalf:
             return 0, False
         hit = self._stored_blocks(self._hashes(request)[:usable])
         self._lookups[request.request_id] = (start, hit)
-        if hit <= start:
-            return 0, False
+        if hit <= start or not self.claim.worth_loading(hit - start):
+            return 0, False  # the blocks stay known as stored: they are not saved again
         return (hit - start) * size, True
 
     def update_state_after_alloc(
@@ -140,6 +143,7 @@ class SchedulerHalf:
             loads=tuple(self._loads),
             saves=tuple(saves),
             preempted=frozenset(scheduler_output.preempted_req_ids or ()),
+            scheduled_tokens=int(scheduler_output.total_num_scheduled_tokens),
         )
         self._loads = []
         return plan

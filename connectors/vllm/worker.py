@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -21,6 +22,7 @@ import torch
 
 from kvoffload.client_sdk import BlockHash, Client, Namespace, engine_hashes
 from kvoffload.connectors.paged_kv import PagedKV
+from kvoffload.connectors.vllm.claim import MIN_PREFILL_TOKENS, KVOffloadStats, StepRates
 from kvoffload.connectors.vllm.plan import LoadJob, SaveJob, Settings, StepPlan, block_metas
 from kvoffload.errors import ConfigError, KVOffloadError
 
@@ -60,6 +62,8 @@ class WorkerHalf:
         self._loaded: set[str] = set()  # loads done since the last get_finished
         self._load_errors: set[int] = set()  # failed blocks of those loads
         self._reported_errors: set[int] = set()
+        self._rates = StepRates()  # under _lock: the loader thread adds to it
+        self._step: tuple[float, int] | None = None  # forward start, tokens it computes
 
     # -- registration ---------------------------------------------------------------------
 
@@ -104,8 +108,23 @@ class WorkerHalf:
     def start_loads(self, plan: StepPlan) -> None:
         for job in plan.loads:
             self._loader.submit(self._run_load, job)
+        # The forward runs between start_load_kv and wait_for_save; on a CPU it is done when
+        # wait_for_save is called (a GPU's is not: there the prefill rate is told instead).
+        on_cpu = self._kv is not None and self._kv.device.type == "cpu"
+        if on_cpu and plan.scheduled_tokens >= MIN_PREFILL_TOKENS:
+            self._step = (time.perf_counter(), plan.scheduled_tokens)
+
+    def take_rates(self) -> KVOffloadStats | None:
+        with self._lock:
+            return self._rates.take()
 
     def submit_saves(self, plan: StepPlan) -> None:
+        if self._step is not None:
+            start, tokens = self._step
+            self._step = None
+            with self._lock:
+                self._rates.prefill_tokens += tokens
+                self._rates.prefill_s += time.perf_counter() - start
         if not plan.saves:
             return
         # The saves read KV the forward just wrote: on a GPU, order them after it.
@@ -205,6 +224,7 @@ class WorkerHalf:
 
     def _run_load(self, job: LoadJob) -> None:
         loaded = 0
+        start = time.perf_counter()
         try:
             loaded = self._load(job)
         except KVOffloadError as exc:
@@ -221,6 +241,9 @@ class WorkerHalf:
         with self._lock:
             self._load_errors.update(job.block_ids[loaded:])
             self._loaded.add(job.req_id)
+            if loaded:
+                self._rates.load_blocks += loaded
+                self._rates.load_s += time.perf_counter() - start
 
     def _load(self, job: LoadJob) -> int:
         """Read and scatter the job's blocks; returns how many leading blocks were loaded."""

@@ -175,6 +175,68 @@ def test_bad_extra_config_is_refused(tiny_model: Path, engines: Any) -> None:
         engines(tiny_model, "kv://127.0.0.1:9", "LBNHC", batch=3)
     with pytest.raises(ConfigError, match="batch_blocks"):
         engines(tiny_model, "kv://127.0.0.1:9", "LBNHC", batch_blocks=0)
+    with pytest.raises(ConfigError, match="claim"):
+        engines(tiny_model, "kv://127.0.0.1:9", "LBNHC", claim="some")
+    with pytest.raises(ConfigError, match="negative"):
+        engines(tiny_model, "kv://127.0.0.1:9", "LBNHC", prefill_tokens_per_s=-1)
+
+
+def test_hits_that_load_slower_than_they_compute_are_recomputed(
+    tiny_model: Path, start_daemon: Any, engines: Any
+) -> None:
+    daemon = start_daemon()
+    # Told rates: the store delivers 16 tokens/s, the model computes a million.
+    engine = engines(tiny_model, daemon.url(), "LBNHC", load_blocks_per_s=1,
+                     prefill_tokens_per_s=1_000_000, claim="cost")  # fmt: skip
+    _save_first_request(engine)
+    engine.add("r2", PREFIX + [9, 9])
+    out = engine.step()
+    assert "r2" in out.num_scheduled_tokens  # not parked waiting for a load
+    engine.run()
+    _assert_recomputed(engine, "r2", loaded=0)
+    claim = engine.scheduler.connector._sched().claim
+    assert claim.skipped_tokens == len(PREFIX)
+
+    # The same store and rates with claim="all": every hit is loaded, as before.
+    engine.close()
+    every = engines(tiny_model, daemon.url(), "LBNHC", load_blocks_per_s=1,
+                    prefill_tokens_per_s=1_000_000, claim="all")  # fmt: skip
+    every.add("r3", PREFIX + [4])
+    every.run()
+    assert every.seen["r3"].first_computed == len(PREFIX)
+
+
+def test_workers_measure_the_rates_the_scheduler_claims_by(
+    tiny_model: Path, start_daemon: Any, engines: Any
+) -> None:
+    daemon = start_daemon()
+    engine = engines(tiny_model, daemon.url(), "LBNHC", claim="cost")
+    claim = engine.scheduler.connector._sched().claim
+    assert claim.load_blocks_per_s is None and claim.prefill_tokens_per_s is None
+    _save_first_request(engine)  # r1 computes 100 tokens on the CPU worker
+    prefill = claim.prefill_tokens_per_s
+    assert prefill is not None and prefill > 0
+    assert claim.load_blocks_per_s is None  # nothing loaded yet: every hit is claimed
+    engine.add("r2", PREFIX + [9, 9])
+    engine.run()
+    assert engine.seen["r2"].first_computed == len(PREFIX)
+    load = claim.load_blocks_per_s
+    assert load is not None and load > 0
+    # From now on the measured rates decide (this harness's synthetic forward is far cheaper
+    # than loading, so whichever way: the decision follows the rates it measured).
+    engine.scheduler.reset_prefix_cache()
+    loads = load * BLOCK > claim.prefill_tokens_per_s
+    engine.add("r3", PREFIX + [4])
+    engine.run()
+    assert engine.seen["r3"].first_computed == (len(PREFIX) if loads else 0)
+    assert claim.skipped_tokens == (0 if loads else len(PREFIX))
+    # What the workers reported is what vLLM's logger can rebuild and reduce.
+    stats = KVOffloadConnector.build_kv_connector_stats(
+        {"load_blocks": 6.0, "load_s": 0.5, "prefill_tokens": 100.0, "prefill_s": 0.25}
+    )
+    assert stats.reduce() == {"loaded_blocks": 6, "load_blocks_per_s": 12.0,
+                              "prefill_tokens_per_s": 400.0}  # fmt: skip
+    assert not stats.is_empty() and KVOffloadConnector.build_kv_connector_stats().is_empty()
 
 
 def test_saved_blocks_carry_their_token_ids_into_the_store_s_events(

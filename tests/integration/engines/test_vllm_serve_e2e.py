@@ -177,3 +177,34 @@ def test_every_request_completes_when_the_daemon_dies_mid_run(
     assert len(done) == 7 and all(len(r.token_ids) == ANSWER for r in done.values())
     assert done[2].token_ids == done[9].token_ids
     assert done[5].token_ids == reference["turn2"].token_ids
+
+
+def test_servers_share_prefixes_through_a_cluster_of_two_daemons(
+    model: Path, reference: dict[str, Completion], tmp_path: Path
+) -> None:
+    with (
+        daemon(tmp_path / "n1", dram="1GiB") as n1,
+        daemon(tmp_path / "n2", dram="1GiB") as n2,
+    ):
+        nodes = (n1, n2)
+        url = f"cluster://127.0.0.1:{n1.ports['native']},127.0.0.1:{n2.ports['native']}"
+        with _server(model, tmp_path, "c1", url) as a:
+            first = a.complete(TURN1, ANSWER)
+        assert first.token_ids == reference["turn1"].token_ids
+        puts = [node.metrics()["kvoffload_engine_puts_total"] for node in nodes]
+        # Rendezvous placement spreads the prefix's blocks over both nodes.
+        assert sum(puts) >= TURN1_BLOCKS and min(puts) > 0
+        hits = [node.metrics()["kvoffload_engine_hits_total"] for node in nodes]
+        with _server(model, tmp_path, "c2", url) as b:
+            second = b.complete(_turn2(first), ANSWER)
+            assert _external_hits(b) >= TURN1_BLOCKS * BLOCK
+            got = [node.metrics()["kvoffload_engine_hits_total"] - h
+                   for node, h in zip(nodes, hits, strict=True)]  # fmt: skip
+            assert sum(got) >= TURN1_BLOCKS and min(got) > 0  # read from both nodes
+            assert second.token_ids == reference["turn2"].token_ids
+            # One node gone: its blocks are misses, the prefix is recomputed from the first
+            # one it held; the answer is still the reference's.
+            n2.kill()
+            b.reset_prefix_cache()
+            third = b.complete(_turn2(first), ANSWER)
+            assert third.token_ids == reference["turn2"].token_ids

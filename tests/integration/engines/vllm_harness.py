@@ -160,7 +160,9 @@ class Engine:
             kv_connector="KVOffloadConnector",
             kv_connector_module_path="kvoffload.connectors.vllm",
             kv_role="kv_both",
-            kv_connector_extra_config={"url": url, "batch_blocks": 4, **extra},
+            # The forward here writes synthetic KV, far cheaper than a model's: the claim rule
+            # would rightly recompute every hit, so tests of loading claim them all.
+            kv_connector_extra_config={"url": url, "batch_blocks": 4, "claim": "all", **extra},
         )
         self.config, self.kv_config, self.spec = make_configs(model_dir, layout, transfer)
         tensor = self.kv_config.kv_cache_tensors[0]

@@ -122,15 +122,33 @@ def test_ttft_model_formula() -> None:
     assert got[0] == pytest.approx(flops0 / (989e12 * 0.5))
     assert 0 < got[1] < got[0] / 50
     costs = ttft.LoadCosts(dram_s=1e-3, ssd_s=5e-3)
-    t = ttft.ttft_seconds(model, gpu, n, np.array([0, 62]), np.array([0, 2]), 16, costs)
-    assert t[0] == pytest.approx(got[0])
+    t = ttft.ttft_seconds(model, gpu, n, np.array([0, 62]), np.array([0, 2]), 16, costs, "all")
+    assert t.seconds[0] == pytest.approx(got[0])
     load = 60 * 1e-3 + 2 * 5e-3 + 992 * 131_072 / 50e9
-    assert t[1] == pytest.approx(got[1] + load)
+    assert t.seconds[1] == pytest.approx(got[1] + load)
+    assert t.loaded_blocks.tolist() == [0, 62]
     seventy = PROFILES["llama-3.1-70b-tp8"]  # TP 8: the FLOPs spread over 8 GPUs
     single = ttft.prefill_seconds(seventy, gpu, n[:1], h[:1])[0]
     assert single == pytest.approx(
         (2 * 7.06e10 * 1000 + 2 * 80 * 8192 * 1000**2) / (8 * 989e12 * 0.5)
     )
+
+
+def test_ttft_model_claims_only_hits_that_beat_recomputing() -> None:
+    model, gpu = PROFILES["llama-3.1-8b"], ttft.GPUS["h100"]
+    n = np.array([1000, 1000, 1000], dtype=np.int64)
+    hits, ssd = np.array([62, 62, 62]), np.array([0, 62, 31])
+    none = ttft.prefill_seconds(model, gpu, n, np.zeros_like(n))
+    # recomputing a 16-token block here costs ~0.1 ms; DRAM loads cost 1 us, SSD loads 10 ms
+    costs = ttft.LoadCosts(dram_s=1e-6, ssd_s=1e-2)
+    every = ttft.ttft_seconds(model, gpu, n, hits, ssd, 16, costs, claim="all")
+    chosen = ttft.ttft_seconds(model, gpu, n, hits, ssd, 16, costs)
+    assert chosen.loaded_blocks.tolist() == [62, 0, 31]  # all DRAM; no SSD; the DRAM lead
+    assert np.all(chosen.seconds <= none + 1e-12) and np.all(chosen.seconds <= every.seconds)
+    assert every.seconds[1] > none[1]  # loading every SSD hit would have lost
+    assert chosen.seconds[1] == pytest.approx(none[1])
+    with pytest.raises(ValueError, match="claim"):
+        ttft.ttft_seconds(model, gpu, n, hits, ssd, 16, costs, claim="some")
 
 
 def test_trace_bench_end_to_end_without_peers_installed(
@@ -166,6 +184,15 @@ def test_trace_bench_end_to_end_without_peers_installed(
     assert 0 < tiered["dram_blocks"] < tiered["ssd_blocks"]
     assert full["ttft_model"]["h100"]["mean_ms"] > 0 < details["ttft_no_cache"]["h100"]["mean_ms"]
     assert details["load_costs"]["ssd_ms"] > 0 and trace_file.exists()
+    realistic = runs[("lru", "dram10+ssd100", 110)]  # DRAM 10% + SSD 100% of the working set
+    assert realistic["ssd_blocks"] == details["working_set_blocks"] > realistic["dram_blocks"]
+    ttft_cases = {case: row for (case, ref), row in rows.items() if case.startswith("ttft_model/")}
+    assert all(row["ref"] == "no_store" for row in ttft_cases.values())
+    assert "ttft_model/lru+ssd/100%/smollm2-135m/h100" in ttft_cases
+    assert "ttft_model/dram10+ssd100/smollm2-135m/h100" in ttft_cases  # the default policy
+    worst = ttft_cases["ttft_model/worst"]
+    assert worst["ratio"] == min(r["ratio"] for c, r in ttft_cases.items() if c.count("/") == 4)
+    assert worst["ratio"] >= 1.0  # hits are claimed only where loading beats recomputing
     assert not list(tmp_path.glob("kvoffload-bench-trace-*"))  # scratch removed
 
     # the trace it wrote replays to the same hits
@@ -186,7 +213,7 @@ def test_trace_bench_against_a_url(tmp_path: Path) -> None:
     assert data["details"]["url"] == url
     (run,) = data["details"]["runs"]
     assert run["system"] == "prefix" and run["hit_tokens"] > 0
-    assert {r["ref"] for r in data["rows"]} <= {"lru"}
+    assert {r["ref"] for r in data["rows"]} <= {"lru", "no_store"}
 
 
 @pytest.mark.integration
