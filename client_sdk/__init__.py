@@ -21,11 +21,13 @@ if TYPE_CHECKING:
         engine_keys,
     )
     from kvoffload.client_sdk.request_layer import ClientStats
+    from kvoffload.client_sdk.wire.blockmeta import BlockMeta
 
 __all__ = [
     "AsyncClient",
     "BlockHash",
     "BlockKey",
+    "BlockMeta",
     "Client",
     "ClientStats",
     "Namespace",
@@ -41,6 +43,7 @@ _HOME = {
     "ClientStats": "request_layer",
     "BlockHash": "keys",
     "BlockKey": "keys",
+    "BlockMeta": "wire.blockmeta",
     "Namespace": "keys",
     "block_hashes": "keys",
     "block_keys": "keys",

@@ -26,6 +26,7 @@ from kvoffload.client_sdk.transports import open_async_transport, open_transport
 from kvoffload.client_sdk.transports.base import AsyncTransport, HeldBlock, Received, Transport
 from kvoffload.client_sdk.url import DEFAULT_URL, parse_url
 from kvoffload.client_sdk.wire.block import peek_codec
+from kvoffload.client_sdk.wire.blockmeta import BlockMeta
 from kvoffload.compression import CODEC_NONE, Codec
 from kvoffload.errors import DeadlineExceededError, TransportError
 
@@ -95,13 +96,22 @@ class Client:
         return self._transport
 
     def put(
-        self, key: bytes, value: object, *, parent: bytes | None = None, durable: bool = False
+        self,
+        key: bytes,
+        value: object,
+        *,
+        parent: bytes | None = None,
+        durable: bool = False,
+        meta: BlockMeta | None = None,
     ) -> None:
         """Store `value` under `key`; `parent` is the previous block of the same chain.
 
         Args:
             durable: return only once the block is on stable storage (needs an SSD tier);
                 the default returns once the block is in the store's memory.
+            meta: what a KV-aware router needs to know of the block (its token ids, the
+                serving engine's block hash, LoRA); kept with the block and published in the
+                daemon's KV events. `nvme+tcp://` and daemons older than protocol 3 drop it.
 
         Raises:
             InvalidArgumentError: bad key, parent or value (nothing was stored).
@@ -109,8 +119,8 @@ class Client:
                 namespace, another dtype); an `InvalidArgumentError` too.
             CapacityError: the store cannot make room.
         """
-        put = self._requests.prepare_put(key, value, parent)
-        self._transport.put(put.key, (put.header, put.payload), put.parent, durable)
+        put = self._requests.prepare_put(key, value, parent, meta)
+        self._transport.put(put.key, (put.header, put.payload), put.parent, durable, put.meta)
         self._requests.put_done(put)
 
     def put_many(
@@ -118,15 +128,17 @@ class Client:
         items: Iterable[tuple[bytes, object]],
         *,
         parents: Sequence[bytes | None] | None = None,
+        metas: Sequence[BlockMeta | None] | None = None,
     ) -> None:
-        """`put` each (key, value) pair in order, with optional parents, in as few round trips
-        as the transport allows. Nothing is sent unless every item is valid.
+        """`put` each (key, value) pair in order, with optional parents and metadata (one per
+        item), in as few round trips as the transport allows. Nothing is sent unless every item
+        is valid.
 
         Raises:
             InvalidArgumentError, CapacityError: as for `put`; on CapacityError the items before
                 the failing one are stored.
         """
-        puts = self._requests.prepare_many(items, parents)
+        puts = self._requests.prepare_many(items, parents, metas)
         self._transport.put_many(put_items(puts))
         self._requests.put_done(*puts)
 
@@ -266,15 +278,21 @@ class AsyncClient:
         return self._requests.codec
 
     async def put(
-        self, key: bytes, value: object, *, parent: bytes | None = None, durable: bool = False
+        self,
+        key: bytes,
+        value: object,
+        *,
+        parent: bytes | None = None,
+        durable: bool = False,
+        meta: BlockMeta | None = None,
     ) -> None:
         await self._open()
         requests = self._requests
         if requests.codec.codec_id == CODEC_NONE:
-            put = requests.prepare_put(key, value, parent)
+            put = requests.prepare_put(key, value, parent, meta)
         else:  # encoding takes CPU time: keep it off the event loop
-            put = await asyncio.to_thread(requests.prepare_put, key, value, parent)
-        await self._transport.put(put.key, (put.header, put.payload), put.parent, durable)
+            put = await asyncio.to_thread(requests.prepare_put, key, value, parent, meta)
+        await self._transport.put(put.key, (put.header, put.payload), put.parent, durable, put.meta)
         requests.put_done(put)
 
     async def put_many(
@@ -282,13 +300,14 @@ class AsyncClient:
         items: Iterable[tuple[bytes, object]],
         *,
         parents: Sequence[bytes | None] | None = None,
+        metas: Sequence[BlockMeta | None] | None = None,
     ) -> None:
         await self._open()
         requests = self._requests
         if requests.codec.codec_id == CODEC_NONE:
-            puts = requests.prepare_many(items, parents)
+            puts = requests.prepare_many(items, parents, metas)
         else:  # encoding takes CPU time: keep it off the event loop
-            puts = await asyncio.to_thread(requests.prepare_many, items, parents)
+            puts = await asyncio.to_thread(requests.prepare_many, items, parents, metas)
         await self._transport.put_many(put_items(puts))
         requests.put_done(*puts)
 

@@ -22,6 +22,7 @@ from kvoffload.client_sdk.wire.block import (
     peek_codec,
     seal,
 )
+from kvoffload.client_sdk.wire.blockmeta import BlockMeta
 from kvoffload.compression import (
     CODEC_NONE,
     DTYPE_BYTES,
@@ -88,6 +89,7 @@ class PreparedPut:
     header: bytes
     payload: Bytes
     raw_size: int
+    meta: bytes | None = None  # `BlockMeta` in its byte form
 
 
 def resolve_codec(namespace: Namespace | None, codec: str | Codec | None) -> Codec:
@@ -170,9 +172,13 @@ class RequestLayer:
         # Byte planes work on any length; a quantiser reports a value that is not one block.
         return spec if size == spec.nbytes or not self.codec.lossless else spec.flat()
 
-    def prepare_put(self, key: bytes, value: object, parent: bytes | None) -> PreparedPut:
+    def prepare_put(
+        self, key: bytes, value: object, parent: bytes | None, meta: BlockMeta | None = None
+    ) -> PreparedPut:
         block_key = to_key(key)
         parent_key = None if parent is None else to_key(parent, "parent")
+        if meta is not None and not isinstance(meta, BlockMeta):
+            raise InvalidArgumentError(f"meta must be a BlockMeta, got {type(meta).__name__}")
         raw = as_readable(value)
         if raw.size > self.max_payload:
             raise InvalidArgumentError(
@@ -194,16 +200,24 @@ class RequestLayer:
             namespace=self._fingerprint,
             codec_id=codec.codec_id,
         )
-        return PreparedPut(block_key, parent_key, header, payload, raw.size)
+        encoded_meta = meta.encode() if meta is not None else None
+        return PreparedPut(block_key, parent_key, header, payload, raw.size, encoded_meta)
 
     @property
     def _none(self) -> Codec:
         return codec_for_id(CODEC_NONE)
 
     def prepare_many(
-        self, items: Iterable[tuple[bytes, object]], parents: Sequence[bytes | None] | None
+        self,
+        items: Iterable[tuple[bytes, object]],
+        parents: Sequence[bytes | None] | None,
+        metas: Sequence[BlockMeta | None] | None = None,
     ) -> list[PreparedPut]:
-        return [self.prepare_put(k, v, p) for k, v, p in _pairs(items, parents)]
+        pairs = _pairs(items, parents)
+        if metas is not None and len(metas) != len(pairs):
+            raise InvalidArgumentError(f"{len(pairs)} items but {len(metas)} metadata entries")
+        return [self.prepare_put(k, v, p, metas[i] if metas is not None else None)
+                for i, (k, v, p) in enumerate(pairs)]  # fmt: skip
 
     def put_done(self, *puts: PreparedPut) -> None:
         with self._lock:
@@ -409,7 +423,7 @@ def encoded(held: HeldBlock | Received | None) -> bool:
 
 
 def put_items(puts: Sequence[PreparedPut]) -> list[PutItem]:
-    return [(p.key, (p.header, p.payload), p.parent) for p in puts]
+    return [(p.key, (p.header, p.payload), p.parent, p.meta) for p in puts]
 
 
 def _pairs(

@@ -6,7 +6,9 @@ No sockets and no asyncio here; the daemon and the SDK drive the engine.
 from kvoffload.kvstore.config import DramConfig, EngineConfig, SsdConfig, format_size, parse_size
 from kvoffload.kvstore.engine import (
     KEY_BYTES,
+    MAX_META_BYTES,
     BlockView,
+    DescribedBlock,
     Engine,
     EngineStats,
     PutReservation,
@@ -17,11 +19,13 @@ from kvoffload.kvstore.eviction import POLICIES, EvictionPolicy, Rank, make_poli
 
 __all__ = [
     "KEY_BYTES",
+    "MAX_META_BYTES",
     "POLICIES",
     "PutReservation",
     "Recovery",
     "SsdConfig",
     "BlockView",
+    "DescribedBlock",
     "DramConfig",
     "Engine",
     "EngineConfig",

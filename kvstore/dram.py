@@ -43,6 +43,9 @@ class DramEntry:
     # A block read from the SSD while DRAM had no room for it: served from a buffer of its own
     # (offset -1), never published.
     staging: AlignedBuffer | None = None
+    # The client's block metadata (opaque bytes, bounded by the front that took the put);
+    # it travels with the block to the SSD and back.
+    meta: bytes | None = None
 
 
 class DramTier:

@@ -26,15 +26,17 @@ from kvoffload.errors import ConfigError, InvalidArgumentError, KVOffloadError
 from kvoffload.kvstore.arena import Arena
 from kvoffload.kvstore.config import DramConfig, EngineConfig
 from kvoffload.kvstore.dram import DramEntry, DramTier
-from kvoffload.kvstore.manager import Manager, TierListener
+from kvoffload.kvstore.manager import DescribedBlock, Manager, TierListener, described
 from kvoffload.kvstore.ssd import META_NAME, Recovery, SsdTier
 from kvoffload.kvstore.stats import EngineStats, TierStats, snapshot
 
 __all__ = [
     "KEY_BYTES",
+    "MAX_META_BYTES",
     "arena_of",
     "TierListener",
     "BlockView",
+    "DescribedBlock",
     "Engine",
     "EngineStats",
     "PutReservation",
@@ -45,6 +47,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 KEY_BYTES = 16
+# Block metadata is opaque here; the fronts bound it more tightly (client_sdk.BlockMeta). This
+# bound keeps a put's journal records few whatever a caller passes.
+MAX_META_BYTES = 4096
 
 
 class PutReservation:
@@ -158,6 +163,11 @@ def _check_keys(key: bytes, parent: bytes | None) -> None:
         _check_key(parent, "parent")
 
 
+def _check_meta(meta: object) -> None:
+    if meta is not None and (not isinstance(meta, bytes) or len(meta) > MAX_META_BYTES):
+        raise InvalidArgumentError(f"block metadata must be bytes of <= {MAX_META_BYTES} bytes")
+
+
 def _check_length(length: int, max_value_bytes: int) -> None:
     if length < 0:
         raise InvalidArgumentError(f"value length must not be negative, got {length}")
@@ -188,7 +198,50 @@ def _open_ssd(config: EngineConfig, m: Manager) -> SsdTier | None:
     return ssd
 
 
-class Engine:
+class _EngineState:
+    """What the engine tells about its state besides values: the SSD tier, what opening it
+    found, and the blocks' metadata. (A base of `Engine`, to keep that class readable.)"""
+
+    _lock: threading.Lock
+    _m: Manager
+
+    @property
+    def _ssd(self) -> SsdTier | None:
+        return self._m.ssd
+
+    @_ssd.setter
+    def _ssd(self, ssd: None) -> None:
+        # Tests and `bench ssd` simulate a crash with None: the manager and the mover lose the
+        # tier too, so every path behaves as without one.
+        self._m.detach_ssd()
+
+    @property
+    def recovery(self) -> Recovery | None:
+        """What opening the SSD tier found (None without an SSD tier)."""
+        return self._ssd.recovery if self._ssd is not None else None
+
+    def meta_of(self, key: bytes) -> bytes | None:
+        """The metadata the key's value was stored with, or None (a miss, or none given)."""
+        _check_key(key)
+        with self._lock:
+            self._m.check_open()
+            entry = self._m.index.get(key)
+            if entry is not None:
+                return entry.meta
+            return self._ssd.cat.meta.get(key) if self._ssd is not None else None
+
+    def described_blocks(self) -> list[DescribedBlock]:
+        """Every stored block that has metadata: its key, tenant, metadata and tiers.
+
+        Read from the indexes alone (no slot is read), so a daemon can announce what a
+        restarted store holds. One pass under the lock; its cost grows with the blocks.
+        """
+        with self._lock:
+            self._m.check_open()
+            return described(self._m)
+
+
+class Engine(_EngineState):
     """A KV block store: opaque values under 16-byte keys, in a DRAM arena and (optionally) an
     SSD tier that survives restarts and crashes.
 
@@ -219,16 +272,6 @@ class Engine:
             ssd.register_memory(self._arena.view)  # for slot I/O that registers memory (NIXL)
 
     @property
-    def _ssd(self) -> SsdTier | None:
-        return self._m.ssd
-
-    @_ssd.setter
-    def _ssd(self, ssd: None) -> None:
-        # Tests and `bench ssd` simulate a crash with None: the manager and the mover lose the
-        # tier too, so every path behaves as without one.
-        self._m.detach_ssd()
-
-    @property
     def max_value_bytes(self) -> int:
         """The largest value `put` accepts."""
         return self.config.dram.effective_max_value_bytes
@@ -236,11 +279,6 @@ class Engine:
     @property
     def capacity_bytes(self) -> int:
         return self._arena.size
-
-    @property
-    def recovery(self) -> Recovery | None:
-        """What opening the SSD tier found (None without an SSD tier)."""
-        return self._ssd.recovery if self._ssd is not None else None
 
     def put(
         self,
@@ -250,6 +288,7 @@ class Engine:
         parent: bytes | None = None,
         durable: bool = False,
         tenant: str = "",
+        meta: bytes | None = None,
     ) -> None:
         """Store `value` (any contiguous buffer) under `key`, replacing an older value.
 
@@ -263,16 +302,19 @@ class Engine:
             tenant: whose block this is; a tenant with a quota evicts its own coldest blocks
                 to stay within it. Keys are not separated by tenant here: callers that share
                 an engine between tenants mix the tenant into the key.
+            meta: opaque block metadata (at most `MAX_META_BYTES`), kept with the block in
+                both tiers and across restarts (`meta_of`, `described_blocks`); a put without
+                it drops what an older value of the key had.
 
         Raises:
-            InvalidArgumentError: bad key or parent, value larger than `max_value_bytes`, a
-                durable put without an SSD tier.
+            InvalidArgumentError: bad key, parent or metadata, value larger than
+                `max_value_bytes`, a durable put without an SSD tier.
             CapacityError: no slot can be freed because every candidate is pinned, or the
                 value alone exceeds the tenant's quota.
             StorageIOError: a durable put could not reach stable storage; the key keeps its
                 old value.
         """
-        self.put_parts(key, (value,), parent=parent, durable=durable, tenant=tenant)
+        self.put_parts(key, (value,), parent=parent, durable=durable, tenant=tenant, meta=meta)
 
     def put_parts(
         self,
@@ -282,6 +324,7 @@ class Engine:
         parent: bytes | None = None,
         durable: bool = False,
         tenant: str = "",
+        meta: bytes | None = None,
     ) -> None:
         """Store the concatenation of `parts` under `key` without joining them first.
 
@@ -290,7 +333,12 @@ class Engine:
         """
         arrays = [as_readable(p) for p in parts]
         reservation = self.reserve(
-            key, sum(a.size for a in arrays), parent=parent, durable=durable, tenant=tenant
+            key,
+            sum(a.size for a in arrays),
+            parent=parent,
+            durable=durable,
+            tenant=tenant,
+            meta=meta,
         )
         with reservation:
             pos = 0
@@ -307,6 +355,7 @@ class Engine:
         parent: bytes | None = None,
         durable: bool = False,
         tenant: str = "",
+        meta: bytes | None = None,
     ) -> PutReservation:
         """Claim a slot for a `length`-byte value and hand out its memory to fill in place.
 
@@ -319,12 +368,13 @@ class Engine:
             InvalidArgumentError, CapacityError: as for `put`.
         """
         _check_keys(key, parent)
+        _check_meta(meta)
         if durable and self._m.ssd is None:
             raise InvalidArgumentError(
                 "a durable put needs the SSD tier; open the store with an SSD capacity"
             )
         _check_length(length, self.max_value_bytes)
-        entry = self._m.reserve(key, length, parent, tenant)
+        entry = self._m.reserve(key, length, parent, tenant, meta)
         return PutReservation(self._m, self._arena, entry, durable)
 
     def put_many(

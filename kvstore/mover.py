@@ -65,7 +65,7 @@ class Mover:
         ssd, m = self.ssd, self._m
         assert ssd is not None
         try:
-            plan = ssd.plan_write(entry.key, entry.length, entry.parent, entry.tenant)
+            plan = ssd.plan_write(entry.key, entry.length, entry.parent, entry.tenant, entry.meta)
         except (CapacityError, StorageIOError) as exc:
             log.warning("cannot demote block %s: %s", entry.key.hex(), exc)
             if drop:
@@ -161,7 +161,7 @@ class Mover:
             try:
                 m.check_open()
                 seq = ssd.write_through(key, entry.length, entry.parent, entry.tenant,
-                                        self._dram.pages(entry))  # fmt: skip
+                                        self._dram.pages(entry), entry.meta)  # fmt: skip
             except BaseException:
                 m.unpin_locked(entry)  # never published: frees the slot
                 raise
@@ -215,6 +215,7 @@ class Mover:
             m.fit_quota(block.tenant, key, size, strict=False)
             try:
                 entry = m.claim(key, length, size, block.parent, block.tenant)
+                entry.meta = block.meta
                 entry.seq = block.snap[3]
                 entry.on_ssd = True
                 dst = self._dram.pages(entry)
@@ -222,7 +223,8 @@ class Mover:
                 if prefetch:
                     raise
                 # Pinned views hold all of DRAM: serve this get from a buffer of its own.
-                entry = DramEntry(key, -1, length, 0, block.parent, 0, block.tenant, pins=1)
+                entry = DramEntry(key, -1, length, 0, block.parent, 0, block.tenant, pins=1,
+                                  meta=block.meta)  # fmt: skip
                 entry.staging = AlignedBuffer(size)
                 dst = entry.staging.view
             ok = ssd.read_into(block, dst)

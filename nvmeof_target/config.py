@@ -282,6 +282,13 @@ class EventsConfig:
     flush_interval_s: float = 0.005
     # Messages ZMQ queues per subscriber before dropping (PUB semantics).
     hwm: int = 100_000
+    # At start, publish a BlockStored for every block the store holds with metadata (read from
+    # the engine's indexes), so routers already subscribed learn what a restarted store holds.
+    announce: bool = True
+    # ZMQ ROUTER endpoint answering replay requests (vLLM's framing): a router that starts after
+    # the store asks, and gets every block held now; "" = off. Loopback unless told otherwise:
+    # the answer holds token ids, i.e. prompt content.
+    replay_endpoint: str = ""
 
     def __post_init__(self) -> None:
         if not self.endpoint or self.flush_interval_s <= 0 or self.hwm < 1:

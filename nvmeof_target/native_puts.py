@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
+from kvoffload.client_sdk.wire.blockmeta import BlockMeta
 from kvoffload.client_sdk.wire.native import (
     Event,
     PayloadEnd,
@@ -25,6 +26,7 @@ from kvoffload.client_sdk.wire.native import (
 from kvoffload.client_sdk.wire.shards import shard_of
 from kvoffload.errors import KVOffloadError
 from kvoffload.kvstore import PutReservation
+from kvoffload.nvmeof_target.events import stored_meta
 
 if TYPE_CHECKING:
     from kvoffload.nvmeof_target.native_session import NativeSession
@@ -42,7 +44,8 @@ class PendingPut:
     """
 
     request: Put | PutMany
-    items: list[tuple[bytes, int, bytes | None]]  # (client key, length, client parent)
+    # (client key, length, client parent, block metadata: the client's, then what is stored)
+    items: list[tuple[bytes, int, bytes | None, bytes | None]]
     reserved: dict[int, PutReservation] = dataclasses.field(default_factory=dict)  # index -> slot
     at: int = -1  # the item whose bytes are arriving
     error: KVOffloadError | None = None
@@ -53,7 +56,7 @@ class PendingPut:
 
     @property
     def empty_items(self) -> list[int]:
-        return [i for i, (_, length, _) in enumerate(self.items) if not length]
+        return [i for i, item in enumerate(self.items) if not item[1]]
 
     def abort(self) -> None:
         for reservation in self.reserved.values():
@@ -62,7 +65,7 @@ class PendingPut:
 
 
 def on_put(s: NativeSession, event: Put) -> Awaitable[object] | None:
-    items = [(event.key, event.length, event.parent)]
+    items = [(event.key, event.length, event.parent, event.block_meta)]
     if not event.length or s.services.blocking_engine:
         return _begin_put(s, event, items)
     # The common put (DRAM only, one value with bytes): reserve and point the payload at the
@@ -76,11 +79,15 @@ def on_put(s: NativeSession, event: Put) -> Awaitable[object] | None:
 
 def on_put_many(s: NativeSession, event: PutMany) -> Awaitable[object] | None:
     parents = event.parents or (None,) * len(event.keys)
-    return _begin_put(s, event, list(zip(event.keys, event.lengths, parents, strict=True)))
+    metas = event.block_metas or (None,) * len(event.keys)
+    items = list(zip(event.keys, event.lengths, parents, metas, strict=True))
+    return _begin_put(s, event, items)
 
 
 def _begin_put(
-    s: NativeSession, event: Put | PutMany, items: list[tuple[bytes, int, bytes | None]]
+    s: NativeSession,
+    event: Put | PutMany,
+    items: list[tuple[bytes, int, bytes | None, bytes | None]],
 ) -> Awaitable[object] | None:
     pending = PendingPut(event, items)
     if not event.payload_length:
@@ -121,7 +128,9 @@ def _commit_put(s: NativeSession, pending: PendingPut) -> None:
     reservation = pending.reserved[0]
     engine_key = s.me.key(request.key)
     if events is not None:
-        events.expect(engine_key, request.key, request.parent, s.me.name)
+        meta = pending.items[0][3]
+        events.expect(engine_key, request.key, request.parent, s.me.name,
+                      None if meta is None else BlockMeta.decode(meta))  # fmt: skip
     try:
         reservation.commit()
     except KVOffloadError as exc:
@@ -166,9 +175,13 @@ def _reserve(s: NativeSession, pending: PendingPut, items: list[int]) -> Pending
         return pending
     me = s.me
     shard = s.services.shard
+    events = s.services.events
     try:
         for i in items:
-            key, length, parent = pending.items[i]
+            key, length, parent, meta = pending.items[i]
+            if events is not None:  # stored with the hashes a restarted daemon announces
+                meta = stored_meta(key, parent, meta)
+                pending.items[i] = (key, length, parent, meta)
             if shard:
                 shard.check(key)
                 # A parent another worker holds is unknown to this engine: the block starts
@@ -181,6 +194,7 @@ def _reserve(s: NativeSession, pending: PendingPut, items: list[int]) -> Pending
                 parent=me.opt_key(parent),
                 durable=pending.request.durable,
                 tenant=me.name,
+                meta=meta,
             )
     except KVOffloadError as exc:
         pending.abort()
@@ -205,11 +219,12 @@ def _end_put(s: NativeSession, pending: PendingPut) -> Awaitable[object] | None:
 
     events = s.services.events
     me = s.me
-    keys = [(me.key(key), key, parent) for key, _, parent in pending.items]
+    keys = [(me.key(key), key, parent, meta) for key, _, parent, meta in pending.items]
     reservations = [pending.reserved[i] for i in range(len(pending.items))]
     if events is not None:
-        for engine_key, key, parent in keys:
-            events.expect(engine_key, key, parent, me.name)
+        for engine_key, key, parent, meta in keys:
+            events.expect(engine_key, key, parent, me.name,
+                          None if meta is None else BlockMeta.decode(meta))  # fmt: skip
 
     def commit() -> None:
         try:
@@ -219,7 +234,7 @@ def _end_put(s: NativeSession, pending: PendingPut) -> Awaitable[object] | None:
             for reservation in reservations:
                 reservation.abort()  # no-op for the committed ones
             if events is not None:
-                for engine_key, _, _ in keys:
+                for engine_key, *_ in keys:
                     events.settle(engine_key)
 
     def done(_: None) -> None:

@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -116,6 +117,14 @@ class Daemon:
             endpoint = services.events.start()
             engine.set_tier_listener(services.events.moved)
             print(f"kvoffload: events publishing on {endpoint}", file=self._out, flush=True)
+            if services.events.replay_endpoint:
+                print(f"kvoffload: events replay on {services.events.replay_endpoint}",
+                      file=self._out, flush=True)  # fmt: skip
+            if config.events.announce:
+                started = time.perf_counter()
+                count = services.events.announce(engine.described_blocks())
+                log.info("announced %d stored blocks in %.2f s", count,
+                         time.perf_counter() - started)  # fmt: skip
         if config.metrics.enabled:
             self._announce("metrics", *metrics.serve(config.metrics.host, config.metrics.port))
         for make_front in FRONTS.values():

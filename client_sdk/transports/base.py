@@ -17,8 +17,9 @@ __all__ = [
     "Transport",
 ]
 
-# (key, parts of the stored value, parent key) — one block of a batch put.
-PutItem = tuple[bytes, Sequence[object], "bytes | None"]
+# (key, parts of the stored value, parent key, block metadata in its byte form) — one block of
+# a batch put. Transports that cannot carry metadata drop it (see docs/events.md).
+PutItem = tuple[bytes, Sequence[object], "bytes | None", "bytes | None"]
 
 
 class HeldBlock(Protocol):
@@ -135,7 +136,12 @@ class Transport(Protocol):
     def max_value_bytes(self) -> int: ...
 
     def put(
-        self, key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool = False
+        self,
+        key: bytes,
+        parts: Sequence[object],
+        parent: bytes | None,
+        durable: bool = False,
+        meta: bytes | None = None,
     ) -> None: ...
 
     def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None:
@@ -188,7 +194,12 @@ class AsyncTransport(Protocol):
     def max_value_bytes(self) -> int: ...
 
     async def put(
-        self, key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool = False
+        self,
+        key: bytes,
+        parts: Sequence[object],
+        parent: bytes | None,
+        durable: bool = False,
+        meta: bytes | None = None,
     ) -> None: ...
 
     async def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None: ...
@@ -232,9 +243,14 @@ class ThreadedAsyncTransport:
         return self._inner.max_value_bytes
 
     async def put(
-        self, key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool = False
+        self,
+        key: bytes,
+        parts: Sequence[object],
+        parent: bytes | None,
+        durable: bool = False,
+        meta: bytes | None = None,
     ) -> None:
-        await asyncio.to_thread(self._inner.put, key, parts, parent, durable)
+        await asyncio.to_thread(self._inner.put, key, parts, parent, durable, meta)
 
     async def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None:
         await asyncio.to_thread(self._inner.put_many, items, durable)

@@ -225,9 +225,14 @@ class ClusterTransport(_Nodes):
         return self._max_value_bytes
 
     def put(
-        self, key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool = False
+        self,
+        key: bytes,
+        parts: Sequence[object],
+        parent: bytes | None,
+        durable: bool = False,
+        meta: bytes | None = None,
     ) -> None:
-        self.put_many([(key, parts, parent)], durable)
+        self.put_many([(key, parts, parent, meta)], durable)
 
     def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None:
         """Each block to its R best nodes; a failed node's blocks to the next node in HRW order.

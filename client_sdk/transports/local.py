@@ -75,13 +75,18 @@ class LocalTransport:
         return self.engine.max_value_bytes
 
     def put(
-        self, key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool = False
+        self,
+        key: bytes,
+        parts: Sequence[object],
+        parent: bytes | None,
+        durable: bool = False,
+        meta: bytes | None = None,
     ) -> None:
-        self.engine.put_parts(key, parts, parent=parent, durable=durable)
+        self.engine.put_parts(key, parts, parent=parent, durable=durable, meta=meta)
 
     def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None:
-        for key, parts, parent in items:
-            self.engine.put_parts(key, parts, parent=parent, durable=durable)
+        for key, parts, parent, meta in items:
+            self.engine.put_parts(key, parts, parent=parent, durable=durable, meta=meta)
 
     def get(self, key: bytes) -> HeldBlock | None:
         return self.engine.get(key)

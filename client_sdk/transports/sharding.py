@@ -197,9 +197,14 @@ class ShardRouter:
         return str(getattr(self._map()[0], "tenant", ""))
 
     def put(
-        self, key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool = False
+        self,
+        key: bytes,
+        parts: Sequence[object],
+        parent: bytes | None,
+        durable: bool = False,
+        meta: bytes | None = None,
     ) -> None:
-        self._again(lambda: self._of(key).put(key, parts, parent, durable))
+        self._again(lambda: self._of(key).put(key, parts, parent, durable, meta))
 
     def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None:
         self._split(

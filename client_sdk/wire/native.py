@@ -44,6 +44,7 @@ from kvoffload.client_sdk.wire.frames import (
 from kvoffload.client_sdk.wire.native_events import (
     _ANSWER,
     KEY_BYTES,
+    META_VERSION,
     NEED_DATA,
     NIXL_VERSION,
     PROTOCOL_VERSION,
@@ -83,6 +84,7 @@ from kvoffload.errors import LocalProtocolError, RemoteProtocolError
 
 __all__ = [
     "KEY_BYTES",
+    "META_VERSION",
     "NEED_DATA",
     "NIXL_VERSION",
     "PROTOCOL_VERSION",

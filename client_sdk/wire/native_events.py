@@ -9,11 +9,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
+from kvoffload.client_sdk.wire.blockmeta import check_meta
 from kvoffload.client_sdk.wire.frames import FLAG_RESPONSE, MAX_REQUEST_ID, Frame, Need
 from kvoffload.errors import LocalProtocolError
 
 __all__ = [
     "KEY_BYTES",
+    "META_VERSION",
     "NEED_DATA",
     "NIXL_VERSION",
     "PROTOCOL_VERSION",
@@ -51,11 +53,14 @@ __all__ = [
 
 # 2: Welcome names the shard a connection reached and every shard's port (a daemon with
 # several workers). A daemon still answers version 1 Hellos, without those fields.
-# 3: the NIXL data path (NixlMemory, NixlGet, NixlPut); nothing else changed, so a daemon
-# answers version 2 Hellos as before and a version 3 client falls back to kv:// payloads.
+# 3: the NIXL data path (NixlMemory, NixlGet, NixlPut; a version 3 client falls back to kv://
+# payloads with a version 2 daemon), and Put / PutMany may carry block metadata (`block_meta`,
+# `block_metas`; a version 2 daemon rejects fields it does not know, so clients send them only
+# once a daemon accepted version 3). A daemon answers version 1 and 2 Hellos as before.
 PROTOCOL_VERSION = 3
 PROTOCOL_VERSIONS = (1, 2, 3)
 NIXL_VERSION = 3
+META_VERSION = 3
 KEY_BYTES = 16
 NEED_DATA = Need.DATA
 _MAX_TEXT = 4096
@@ -124,6 +129,10 @@ def _blob(value: object) -> bytes:
     return value
 
 
+def _opt_meta(value: object) -> bytes | None:
+    return None if value is None else check_meta(value)
+
+
 def _stats_map(value: object) -> dict[str, object]:
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
         raise _fail("stats map", value)
@@ -159,6 +168,8 @@ _VALIDATORS: dict[str, Callable[[object], object]] = {
     "agent": _blob,
     "uints": _seq(_uint),
     "blobs": _seq(_blob),
+    "block_meta": _opt_meta,
+    "block_metas": _seq(_opt_meta),
 }
 
 
@@ -263,10 +274,17 @@ class Put(Event):
     length: int
     parent: bytes | None = None
     durable: bool = False
+    block_meta: bytes | None = None  # version 3: `BlockMeta` in its byte form
 
     @property
     def payload_length(self) -> int:
         return self.length
+
+    def meta(self) -> dict[str, object]:
+        meta = Event.meta(self)
+        if self.block_meta is None:  # absent, so that a version 2 daemon accepts the frame
+            del meta["block_meta"]
+        return meta
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,14 +356,26 @@ class PutMany(Event):
     lengths: tuple[int, ...]
     parents: tuple[bytes | None, ...] = ()
     durable: bool = False
+    block_metas: tuple[bytes | None, ...] = ()  # version 3: one per key, or none at all
 
     def __post_init__(self) -> None:
         Event.__post_init__(self)
-        if len(self.lengths) != len(self.keys) or len(self.parents) not in (0, len(self.keys)):
+        n = len(self.keys)
+        if (
+            len(self.lengths) != n
+            or len(self.parents) not in (0, n)
+            or len(self.block_metas) not in (0, n)
+        ):
             raise LocalProtocolError(
-                f"put_many of {len(self.keys)} keys with {len(self.lengths)} lengths and "
-                f"{len(self.parents)} parents"
+                f"put_many of {n} keys with {len(self.lengths)} lengths, "
+                f"{len(self.parents)} parents and {len(self.block_metas)} metadata entries"
             )
+
+    def meta(self) -> dict[str, object]:
+        meta = Event.meta(self)
+        if not self.block_metas:  # absent, so that a version 2 daemon accepts the frame
+            del meta["block_metas"]
+        return meta
 
     @property
     def payload_length(self) -> int:

@@ -175,6 +175,13 @@ def request_hashes(request: Any, hash_ratio: int) -> list[bytes]:
     return list(hashes[hash_ratio - 1 :: hash_ratio])
 
 
+def lora_name(request: Any) -> str | None:
+    """The LoRA adapter a request runs with (`request.lora_request.lora_name`), or None."""
+    lora = getattr(request, "lora_request", None)
+    name = getattr(lora, "lora_name", None) if lora is not None else None
+    return name if isinstance(name, str) and name else None
+
+
 def block_ids_of(blocks: Any) -> list[int]:
     """Block ids of the one KV cache group in a `KVCacheBlocks`."""
     return list(blocks.get_block_ids()[0])

@@ -10,10 +10,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvoffload.client_sdk import Namespace
-from kvoffload.errors import ConfigError
+from kvoffload.client_sdk import BlockMeta, Namespace
+from kvoffload.errors import ConfigError, InvalidArgumentError
 
-__all__ = ["LoadJob", "SaveJob", "Settings", "StepPlan", "namespace_for"]
+__all__ = ["LoadJob", "SaveJob", "Settings", "StepPlan", "block_metas", "event_hash",
+           "namespace_for"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,33 @@ class SaveJob:
     block_ids: tuple[int, ...]
     hashes: tuple[bytes, ...]
     parent: bytes | None
+    # The token ids of each block (one tuple per hash; empty when vLLM did not say) and the
+    # request's LoRA: sent with the puts so that the store's KV events carry them.
+    tokens: tuple[tuple[int, ...], ...] = ()
+    lora_name: str | None = None
+
+
+def event_hash(block_hash: bytes) -> int:
+    """A vLLM block hash as vLLM's KV events publish it with integer hashes (the low 64 bits,
+    big-endian: `maybe_convert_block_hash`), so the store's events name a block as vLLM's do."""
+    return int.from_bytes(block_hash[-8:], "big")
+
+
+def block_metas(job: SaveJob, start: int, stop: int) -> list[BlockMeta | None] | None:
+    """The `BlockMeta` of blocks `start:stop` of a save, or None without token ids (or with
+    ones out of `BlockMeta`'s bounds: the blocks are saved without metadata, not dropped)."""
+    if len(job.tokens) != len(job.hashes):
+        return None
+    out: list[BlockMeta | None] = []
+    try:
+        for i in range(start, stop):
+            parent = job.hashes[i - 1] if i else job.parent
+            out.append(BlockMeta(job.tokens[i], block_hash=event_hash(job.hashes[i]),
+                                 parent_hash=None if parent is None else event_hash(parent),
+                                 lora_name=job.lora_name))  # fmt: skip
+    except InvalidArgumentError:
+        return None
+    return out
 
 
 @dataclass(frozen=True)

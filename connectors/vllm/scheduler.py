@@ -134,6 +134,8 @@ class SchedulerHalf:
                     tuple(ids[first:end]),
                     tuple(hashes[first:end]),
                     hashes[first - 1] if first else None,
+                    _block_tokens(request, first, end, size),
+                    _compat.lora_name(request),
                 )
             )
             state.stored, state.saving = end, True
@@ -170,3 +172,13 @@ class SchedulerHalf:
         self._lookups.pop(request.request_id, None)
         state = self._requests.pop(request.request_id, None)
         return state is not None and state.saving
+
+
+def _block_tokens(request: Any, first: int, end: int, size: int) -> tuple[tuple[int, ...], ...]:
+    """Token ids of blocks `first:end` of a request (empty when vLLM does not expose them)."""
+    tokens = getattr(request, "all_token_ids", None)
+    if tokens is None or len(tokens) < end * size:
+        return ()
+    return tuple(
+        tuple(int(t) for t in tokens[i * size : (i + 1) * size]) for i in range(first, end)
+    )

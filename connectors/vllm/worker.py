@@ -23,7 +23,7 @@ import torch
 from kvoffload.client_sdk import BlockHash, Client, Namespace, engine_hashes
 from kvoffload.connectors.paged_kv import PagedKV
 from kvoffload.connectors.vllm.claim import MIN_PREFILL_TOKENS, KVOffloadStats, StepRates
-from kvoffload.connectors.vllm.plan import LoadJob, SaveJob, Settings, StepPlan
+from kvoffload.connectors.vllm.plan import LoadJob, SaveJob, Settings, StepPlan, block_metas
 from kvoffload.errors import ConfigError, KVOffloadError
 
 __all__ = ["WorkerHalf"]
@@ -217,7 +217,9 @@ class WorkerHalf:
                     self._save_stream.wait_event(ready)
                 kv.gather(ids, buffer)
             parents = [parent, *chunk[:-1]]
-            self._client.put_many(zip(chunk, buffer[: len(chunk)], strict=True), parents=parents)
+            metas = block_metas(job, start, start + len(chunk))
+            self._client.put_many(zip(chunk, buffer[: len(chunk)], strict=True), parents=parents,
+                                  metas=metas)  # fmt: skip
             parent = chunk[-1]
 
     def _run_load(self, job: LoadJob) -> None:

@@ -25,8 +25,9 @@ from kvoffload.kvstore.ssd.index import (
     ssd_slot_bytes,
     ssd_slot_sizes,
 )
+from kvoffload.kvstore.ssd.metabook import MetaBook
 
-__all__ = ["Counters", "SsdCatalog", "WritePlan", "restore_slots"]
+__all__ = ["Counters", "SsdCatalog", "WritePlan", "export_records", "restore_slots"]
 
 _QUOTA_BATCH = 64  # rows one pass over the index hands to a tenant over its SSD quota
 
@@ -44,6 +45,7 @@ class WritePlan:
     seq: int
     crc: int = 0
     replaced: _Row | None = None  # the key's SSD copy that `commit_write` took out of the index
+    meta: bytes | None = None  # the block's metadata, journaled with its PUT
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,7 @@ class _Row:
     parent: bytes | None
     tenant: int
     tick: int
+    meta: bytes | None = None  # its META records
 
 
 def restore_slots(
@@ -116,6 +119,7 @@ class SsdCatalog:
         # demotion of an older DRAM value of such a key must not commit over them, and a fast
         # put must not delete their copies.
         self.writing: dict[bytes, set[int]] = {}
+        self.meta = MetaBook()  # block metadata of the SSD copies
 
     def apply(self, records: npt.NDArray[np.void]) -> int:
         """Rebuild index and allocator from replayed records (per key, the highest seq wins);
@@ -137,7 +141,9 @@ class SsdCatalog:
         winners = newest[first]
         winners = winners[kinds[winners] == jr.PUT]
         winners = winners[np.argsort(records["seq"][winners], kind="stable")]  # oldest first
-        return self._install(records[winners])
+        refused = self._install(records[winners])
+        self.meta.install(records, records["seq"][winners], lambda k: self.find(k) != EMPTY)
+        return refused
 
     def _install(self, final: npt.NDArray[np.void]) -> int:
         """Load PUT records into an empty index and allocator; returns how many were refused."""
@@ -281,6 +287,7 @@ class SsdCatalog:
         self.seq += 1
         ticket = self.journal.append(jr.pack(jr.record(jr.DEL, self.seq, key)))
         self.index.remove(row)
+        self.meta.drop(key)
         if notify:
             self._on_removed(key)
         return self.journal, ticket, offset, size
@@ -294,6 +301,7 @@ class SsdCatalog:
         a record of its own: its slot stays out of use until the tier is reopened."""
         key = self.index.key_of(row)
         self.index.remove(row)
+        self.meta.drop(key)
         self._on_removed(key)
 
     def undo_commit(self, plan: WritePlan) -> bool:
@@ -311,6 +319,7 @@ class SsdCatalog:
         self.index.insert(plan.key, page=old.page, length=old.length, seq=old.seq, crc=old.crc,
                           parent=old.parent, tenant=old.tenant,
                           tick=old.tick)  # fmt: skip
+        self.meta.set(plan.key, old.meta)
         return True
 
     def release_slot(self, journal: jr.Journal, ticket: int, offset: int, size: int) -> None:
@@ -329,8 +338,9 @@ class SsdCatalog:
             return None
         rec = jr.record(jr.PUT, plan.seq, plan.key, parent=plan.parent, page=plan.offset // PAGE,
                         length=plan.length, pcrc=plan.crc, tenant=plan.tenant)  # fmt: skip
+        meta = self.meta.records(plan.key, plan.seq, plan.meta)  # same batch, before the PUT
         try:
-            ticket = self.journal.append(jr.pack(rec))
+            ticket = self.journal.append(meta + jr.pack(rec))
         except StorageIOError:
             self.abort_write(plan)  # the journal failed earlier: the index stays as it was
             raise
@@ -342,11 +352,13 @@ class SsdCatalog:
             plan.replaced = _Row(int(rows["page"][old]), int(rows["length"][old]),
                                  int(rows["seq"][old]), int(rows["crc"][old]),
                                  self.index.parent_of(old), int(rows["tenant"][old]),
-                                 int(self.index.tick[old]))  # fmt: skip
+                                 int(self.index.tick[old]),
+                                 self.meta.packed.get(plan.key))  # fmt: skip
             self.index.remove(old)
         self.index.insert(plan.key, page=plan.offset // PAGE, length=plan.length, seq=plan.seq,
                           crc=plan.crc, parent=plan.parent, tenant=plan.tenant,
                           tick=self.next_tick())  # fmt: skip
+        self.meta.set(plan.key, meta)
         self.counters.bytes_written += plan.length
         self.records_since_checkpoint += 1
         return ticket
@@ -367,15 +379,17 @@ class SsdCatalog:
     def checkpoint_due(self) -> bool:
         return self.records_since_checkpoint > max(100_000, 2 * len(self.index))
 
-    def export_records(self) -> npt.NDArray[np.void]:
-        """The index as journal records, tenant names first (a checkpoint's body)."""
-        rows = self.index.export()
-        recs = np.zeros(len(rows), dtype=jr.RECORD)
-        recs["type"] = jr.PUT
-        for name in ("key", "parent", "page", "length", "tenant", "seq"):
-            recs[name] = rows[name]
-        recs["flags"] = rows["flags"]
-        recs["pcrc"] = rows["crc"]
-        tenants = [jr.record(jr.TENANT, 0, tenant=i, name=n.encode())
-                   for i, n in enumerate(self.tenants) if i]  # fmt: skip
-        return np.concatenate([*tenants, recs]) if tenants else recs
+
+def export_records(cat: SsdCatalog) -> npt.NDArray[np.void]:
+    """The index as journal records, tenant names first, then the blocks' META records before
+    their PUTs (a checkpoint's body)."""
+    rows = cat.index.export()
+    recs = np.zeros(len(rows), dtype=jr.RECORD)
+    recs["type"] = jr.PUT
+    for name in ("key", "parent", "page", "length", "tenant", "seq"):
+        recs[name] = rows[name]
+    recs["flags"] = rows["flags"]
+    recs["pcrc"] = rows["crc"]
+    tenants = [jr.record(jr.TENANT, 0, tenant=i, name=n.encode())
+               for i, n in enumerate(cat.tenants) if i]  # fmt: skip
+    return np.concatenate([*tenants, cat.meta.export(), recs])

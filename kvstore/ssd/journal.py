@@ -6,7 +6,7 @@ Every record is 128 bytes, little-endian, CRC32C over bytes 4..127:
 offset bytes field
 ====== ===== ==============================================================
 0      4     CRC32C of bytes 4..127
-4      1     type: 1 PUT, 2 DEL, 3 TENANT, 4 FILE (journal/checkpoint header)
+4      1     type: 1 PUT, 2 DEL, 3 TENANT, 4 FILE (journal/checkpoint header), 5 META
 5      1     flags (bit 0: the block has a parent)
 6      2     tenant id
 8      8     seq (global order of changes; for FILE: the covered seq)
@@ -17,6 +17,11 @@ offset bytes field
 56     4     CRC32C of the value
 60     68    tenant name (TENANT), NUL-padded
 ====== ===== ==============================================================
+
+A META record carries a slice of a block's metadata (store format 3): bytes 6..7 hold the
+slice's number, seq and key are those of the PUT it describes, and bytes 32..127 are 96 bytes
+of ``u16 length ‖ metadata``, zero-padded, cut into as many records as needed. META records
+precede their PUT in the same batch, so a PUT that replays has all of its metadata.
 
 Fixed records make replay a vectorised numpy pass: a million records parse in well under a
 second. A torn or corrupt tail stops replay at the last good record and is cut.
@@ -42,6 +47,7 @@ from kvoffload.kvstore import faults
 __all__ = [
     "DEL",
     "FILE",
+    "META",
     "PUT",
     "RECORD",
     "RECORD_BYTES",
@@ -49,13 +55,15 @@ __all__ = [
     "Journal",
     "Replay",
     "file_header",
+    "meta_of_records",
+    "meta_records",
     "parse",
     "pack",
 ]
 
 log = logging.getLogger(__name__)
 
-PUT, DEL, TENANT, FILE = 1, 2, 3, 4
+PUT, DEL, TENANT, FILE, META = 1, 2, 3, 4, 5
 HAS_PARENT = 1
 RECORD = np.dtype(
     [
@@ -75,6 +83,33 @@ RECORD = np.dtype(
 RECORD_BYTES = RECORD.itemsize
 assert RECORD_BYTES == 128
 FILE_MAGIC = b"kvoffload-jrnl-1"
+META_SLICE = RECORD_BYTES - 32  # metadata bytes per META record
+_META_HEAD = np.dtype([("crc", "<u4"), ("type", "u1"), ("flags", "u1"), ("part", "<u2"),
+                       ("seq", "<u8"), ("key", "S16"), ("body", "V96")])  # fmt: skip
+assert _META_HEAD.itemsize == RECORD_BYTES
+MAX_META_BYTES = 0xFFFF
+
+
+def meta_records(key: bytes, seq: int, meta: bytes) -> bytes:
+    """`meta` as packed META records for the PUT of `key` at `seq` (CRCs filled in)."""
+    assert len(meta) <= MAX_META_BYTES
+    body = len(meta).to_bytes(2, "little") + meta
+    count = -(-len(body) // META_SLICE)
+    recs = np.zeros(count, dtype=_META_HEAD)
+    recs["type"] = META
+    recs["part"] = np.arange(count)
+    recs["seq"] = seq
+    recs["key"] = key
+    recs["body"] = np.frombuffer(body.ljust(count * META_SLICE, b"\0"), dtype="V96")
+    return pack(recs.view(RECORD))
+
+
+def meta_of_records(packed: bytes) -> bytes:
+    """The metadata that `meta_records` packed (records in part order)."""
+    if len(packed) == RECORD_BYTES:  # the common case: one record
+        return packed[34 : 34 + int.from_bytes(packed[32:34], "little")]
+    raw = b"".join(packed[i + 32 : i + RECORD_BYTES] for i in range(0, len(packed), RECORD_BYTES))
+    return raw[2 : 2 + int.from_bytes(raw[:2], "little")]
 
 
 def pack(records: npt.NDArray[np.void]) -> bytes:

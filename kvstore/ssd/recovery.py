@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from kvoffload.errors import ConfigError, StorageIOError
 from kvoffload.kvstore.config import PAGE, EngineConfig
 from kvoffload.kvstore.ssd import journal as jr
-from kvoffload.kvstore.ssd.catalog import SsdCatalog
+from kvoffload.kvstore.ssd.catalog import SsdCatalog, export_records
 from kvoffload.kvstore.ssd.gds import select_slot_file
 from kvoffload.kvstore.ssd.index import RankFn, ssd_slot_bytes
 from kvoffload.kvstore.ssd.slotio import SlotFile
@@ -131,7 +131,7 @@ class SsdStore:
         old = cat.journal
         self._generation += 1
         gen = self._generation
-        body = cat.export_records()
+        body = export_records(cat)
         seq = cat.seq
         cat.journal = self._open_journal(gen)
         cat.records_since_checkpoint = 0

@@ -39,8 +39,14 @@ log = logging.getLogger(__name__)
 META_NAME = "kvoffload.meta"
 # Store 2: slots are extents as large as their block (store 1 cut the file into size-classed
 # slabs). A store-1 directory opens as store 2 unchanged: its slots are valid extents.
-FORMAT = "kvoffload-store-2"
-_LEGACY_FORMATS = {"kvoffload-store-1": ("slab_bytes", "class_growth")}
+# Store 3: journals and checkpoints may hold META records (block metadata, journal.py). A store
+# 1 or 2 has none, so it is migrated by rewriting its description; code that reads only store
+# 2 refuses a store 3 by its format, before it could misread a META record.
+FORMAT = "kvoffload-store-3"
+_LEGACY_FORMATS = {
+    "kvoffload-store-1": ("slab_bytes", "class_growth"),
+    "kvoffload-store-2": (),
+}
 
 
 @dataclass(frozen=True)
@@ -61,7 +67,11 @@ class StoreMeta:
             raw = json.loads(path.read_text())
             fmt = raw.get("format", FORMAT)
             if fmt != FORMAT and fmt not in _LEGACY_FORMATS:
-                raise ConfigError(f"{path}: unknown store format {fmt!r}")
+                raise ConfigError(
+                    f"{path}: unknown store format {fmt!r} (this kvoffload reads {FORMAT} and "
+                    f"migrates {', '.join(sorted(_LEGACY_FORMATS))}); a newer kvoffload wrote "
+                    "it: open it with that version"
+                )
             for legacy in _LEGACY_FORMATS.get(fmt, ()):
                 raw.pop(legacy, None)
             meta = cls(**raw)

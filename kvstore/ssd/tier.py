@@ -37,6 +37,7 @@ class SsdRead:
     snap: tuple[bytes, int, int, int, int]  # key, page, length, seq, crc
     parent: bytes | None
     tenant: str
+    meta: bytes | None = None
 
     @property
     def length(self) -> int:
@@ -118,9 +119,18 @@ class SsdTier:
     def find(self, key: bytes) -> int:
         return self.index.find(key)
 
-    def plan_write(self, key: bytes, length: int, parent: bytes | None, tenant: str) -> WritePlan:
-        """See `SsdCatalog.plan_write`."""
-        return self.cat.plan_write(key, length, parent, tenant)
+    def plan_write(
+        self,
+        key: bytes,
+        length: int,
+        parent: bytes | None,
+        tenant: str,
+        meta: bytes | None = None,
+    ) -> WritePlan:
+        """See `SsdCatalog.plan_write`; `meta` is journaled with the block."""
+        plan = self.cat.plan_write(key, length, parent, tenant)
+        plan.meta = meta
+        return plan
 
     def commit_write(self, plan: WritePlan) -> int | None:
         """See `SsdCatalog.commit_write`."""
@@ -166,7 +176,13 @@ class SsdTier:
             self.cat.remove_row(row)
 
     def write_through(
-        self, key: bytes, length: int, parent: bytes | None, tenant: str, payload: memoryview
+        self,
+        key: bytes,
+        length: int,
+        parent: bytes | None,
+        tenant: str,
+        payload: memoryview,
+        meta: bytes | None = None,
     ) -> int:
         """Write a block and wait until it and its journal record are durable; returns the
         write's seq, registered as in flight until `write_through_done`. Releases the lock for
@@ -176,7 +192,7 @@ class SsdTier:
             CapacityError: no slot could be freed.
             StorageIOError: the device or the journal failed; the key keeps its old copy.
         """
-        plan = self.cat.plan_write(key, length, parent, tenant)
+        plan = self.plan_write(key, length, parent, tenant, meta)
         self.cat.writing.setdefault(key, set()).add(plan.seq)
         try:
             with self._unlocked():
@@ -248,7 +264,8 @@ class SsdTier:
         if row == EMPTY:
             return None
         tenant = self.tenants[int(self.index.rows["tenant"][row])]
-        return SsdRead(row, self.cat.snapshot(row), self.index.parent_of(row), tenant)
+        return SsdRead(row, self.cat.snapshot(row), self.index.parent_of(row), tenant,
+                       self.cat.meta.get(key))  # fmt: skip
 
     def pin(self, read: SsdRead) -> None:
         """Keep the block's slot from eviction until `unpin`."""

@@ -19,6 +19,7 @@ import pytest
 
 from kvoffload.client_sdk import AsyncClient, Client
 from kvoffload.client_sdk.wire.block import HEADER_BYTES
+from kvoffload.client_sdk.wire.blockmeta import BlockMeta
 from kvoffload.client_sdk.wire.native import (
     NEED_DATA,
     ConnectionClosed,
@@ -34,6 +35,11 @@ from kvoffload.client_sdk.wire.native import (
     Lookup,
     LookupResult,
     NativeConnection,
+    PayloadEnd,
+    Put,
+    PutDone,
+    PutMany,
+    PutManyDone,
     Role,
     Welcome,
 )
@@ -220,3 +226,38 @@ def test_a_daemon_of_protocol_1_is_spoken_to_in_protocol_1() -> None:
     # A daemon that speaks none of the client's versions: down to 1, then the refusal stands.
     with peer(_exists_answer, speaks=(9,)) as port, pytest.raises(RemoteProtocolError):
         Client.connect(f"kv://127.0.0.1:{port}?retries=0&timeout=10")
+
+
+def test_a_protocol_2_daemon_gets_puts_without_metadata() -> None:
+    """Block metadata is a protocol 3 field, which a protocol 2 daemon refuses as unknown: a
+    client says Hello in 3, falls back to 2, and then leaves the metadata out of its puts."""
+    seen: list[Event] = []
+
+    def answer(conn: NativeConnection, event: Event) -> tuple[bytes, bool]:
+        if isinstance(event, (Put, PutMany)):
+            seen.append(event)  # answered once its payload is in
+            return b"", False
+        assert isinstance(event, PayloadEnd)
+        put = next(e for e in seen if e.request_id == event.request_id)
+        done = PutDone if isinstance(put, Put) else PutManyDone
+        return _joined(conn.send_parts(done(event.request_id))), False
+
+    meta = BlockMeta((1, 2, 3), block_hash=5)
+    for speaks, carried in (((1, 2), False), ((1, 2, 3), True)):
+        seen.clear()
+        with peer(answer, speaks=speaks) as port:
+            url = f"kv://127.0.0.1:{port}?retries=0&timeout=10"
+            with Client.connect(url) as client:
+                client.put(bytes(16), b"v", meta=meta)
+                client.put_many([(bytes(16), b"v")], metas=[meta])
+
+            async def main(url: str) -> None:
+                async with AsyncClient.connect(url) as client:
+                    await client.put(bytes(16), b"v", meta=meta)
+                    await client.put_many([(bytes(16), b"v")], metas=[meta])
+
+            asyncio.run(main(url))
+        sent = [e.block_meta if isinstance(e, Put) else (e.block_metas or (None,))[0]
+                for e in seen if isinstance(e, (Put, PutMany))]  # fmt: skip
+        assert len(sent) == 4
+        assert sent == ([meta.encode()] * 4 if carried else [None] * 4)

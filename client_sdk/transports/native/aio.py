@@ -22,7 +22,7 @@ from kvoffload.client_sdk.transports.native import plans
 from kvoffload.client_sdk.transports.native.options import NativeOptions
 from kvoffload.client_sdk.transports.native.session import Call, Plan, Req, Session
 from kvoffload.client_sdk.url import StoreURL
-from kvoffload.client_sdk.wire.native import PROTOCOL_VERSION, Welcome
+from kvoffload.client_sdk.wire.native import META_VERSION, PROTOCOL_VERSION, Welcome
 from kvoffload.errors import DeadlineExceededError, KVOffloadError, TransportError
 
 __all__ = ["AsyncNativeTransport", "open_native_async"]
@@ -231,13 +231,21 @@ class AsyncNativeTransport:
         await self.welcomed()
 
     async def put(
-        self, key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool = False
+        self,
+        key: bytes,
+        parts: Sequence[object],
+        parent: bytes | None,
+        durable: bool = False,
+        meta: bytes | None = None,
     ) -> None:
-        await self._run(lambda: plans.put(key, parts, parent, durable))
+        if meta is not None and (await self.welcomed()).version < META_VERSION:
+            meta = None  # an older daemon refuses it; the put still counts
+        await self._run(lambda: plans.put(key, parts, parent, durable, meta))
 
     async def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None:
-        budget = (await self.welcomed()).max_payload_bytes
-        await self._run(lambda: plans.put_many(items, durable, budget))
+        welcome = await self.welcomed()
+        items = plans.metadata_for(welcome.version, items)
+        await self._run(lambda: plans.put_many(items, durable, welcome.max_payload_bytes))
 
     async def get(self, key: bytes) -> HeldBlock | None:
         return await self._run(lambda: plans.get(key))

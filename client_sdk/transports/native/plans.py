@@ -13,6 +13,7 @@ from kvoffload.client_sdk.transports.core import Held, one, too_small
 from kvoffload.client_sdk.transports.native.session import Call, Plan, Req, Sink
 from kvoffload.client_sdk.wire.block import HEADER_BYTES
 from kvoffload.client_sdk.wire.native import (
+    META_VERSION,
     PROTOCOL_VERSION,
     Delete,
     DeleteResult,
@@ -87,13 +88,34 @@ def _nbytes(parts: Sequence[object]) -> int:
     return total
 
 
-def put(key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool) -> Plan[None]:
-    yield from _ask(put_request(key, parts, parent, durable))
+def put(
+    key: bytes,
+    parts: Sequence[object],
+    parent: bytes | None,
+    durable: bool,
+    meta: bytes | None = None,
+) -> Plan[None]:
+    yield from _ask(put_request(key, parts, parent, durable, meta))
 
 
-def put_request(key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool) -> Req:
-    """The one request of `put` (a driver may send it without running the plan)."""
-    return Req(partial(_put_event, key, _nbytes(parts), parent, durable), parts)
+def put_request(
+    key: bytes,
+    parts: Sequence[object],
+    parent: bytes | None,
+    durable: bool,
+    meta: bytes | None = None,
+) -> Req:
+    """The one request of `put` (a driver may send it without running the plan). `meta` only
+    for a daemon that accepted protocol `META_VERSION` (see `metadata_for`)."""
+    return Req(partial(_put_event, key, _nbytes(parts), parent, durable, meta), parts)
+
+
+def metadata_for(version: int, items: Sequence[PutItem]) -> Sequence[PutItem]:
+    """`items` as a daemon speaking `version` accepts them: without metadata below
+    `META_VERSION` (such a daemon refuses a frame with fields it does not know)."""
+    if version >= META_VERSION or all(item[3] is None for item in items):
+        return items
+    return [(key, parts, parent, None) for key, parts, parent, _ in items]
 
 
 def put_done(call: Call) -> None:
@@ -101,8 +123,10 @@ def put_done(call: Call) -> None:
     call.result()
 
 
-def _put_event(key: bytes, length: int, parent: bytes | None, durable: bool, rid: int) -> Event:
-    return Put(rid, key, length, parent, durable)
+def _put_event(
+    key: bytes, length: int, parent: bytes | None, durable: bool, meta: bytes | None, rid: int
+) -> Event:
+    return Put(rid, key, length, parent, durable, meta)
 
 
 def _put_many_event(
@@ -110,10 +134,12 @@ def _put_many_event(
     lengths: tuple[int, ...],
     parents: tuple[bytes | None, ...],
     durable: bool,
+    metas: tuple[bytes | None, ...],
     rid: int,
 ) -> Event:
     used = parents if any(p is not None for p in parents) else ()
-    return PutMany(rid, keys, lengths, used, durable)
+    described = metas if any(m is not None for m in metas) else ()
+    return PutMany(rid, keys, lengths, used, durable, described)
 
 
 def _keys_event(
@@ -129,11 +155,13 @@ def _key_event(cls: Callable[[int, bytes], Event], key: bytes, rid: int) -> Even
 def put_many(items: Sequence[PutItem], durable: bool, budget: int) -> Plan[None]:
     reqs: list[Req] = []
     for chunk in _chunks(items, budget):
-        keys = tuple(k for k, _, _ in chunk)
-        lengths = tuple(_nbytes(parts) for _, parts, _ in chunk)
-        parents = tuple(p for _, _, p in chunk)
-        payload = [p for _, parts, _ in chunk for p in parts]
-        reqs.append(Req(partial(_put_many_event, keys, lengths, parents, durable), payload))
+        keys = tuple(item[0] for item in chunk)
+        lengths = tuple(_nbytes(item[1]) for item in chunk)
+        parents = tuple(item[2] for item in chunk)
+        metas = tuple(item[3] for item in chunk)
+        payload = [p for item in chunk for p in item[1]]
+        event = partial(_put_many_event, keys, lengths, parents, durable, metas)
+        reqs.append(Req(event, payload))
     calls = yield reqs
     for call in calls:  # the first failure in order is the one to report
         call.result()

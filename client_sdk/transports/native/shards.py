@@ -211,9 +211,14 @@ class AsyncShardedTransport:
         return self._shards[0].max_value_bytes
 
     async def put(
-        self, key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool = False
+        self,
+        key: bytes,
+        parts: Sequence[object],
+        parent: bytes | None,
+        durable: bool = False,
+        meta: bytes | None = None,
     ) -> None:
-        await self._keyed(key, lambda t: t.put(key, parts, parent, durable))
+        await self._keyed(key, lambda t: t.put(key, parts, parent, durable, meta))
 
     async def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None:
         await self._split(

@@ -34,7 +34,7 @@ from kvoffload.client_sdk.transports.native.options import NativeOptions
 from kvoffload.client_sdk.transports.native.session import Call, Plan, Req, Session
 from kvoffload.client_sdk.url import StoreURL
 from kvoffload.client_sdk.wire.frames import HEAD_READ
-from kvoffload.client_sdk.wire.native import PROTOCOL_VERSION, Welcome
+from kvoffload.client_sdk.wire.native import META_VERSION, PROTOCOL_VERSION, Welcome
 from kvoffload.errors import (
     DeadlineExceededError,
     KVOffloadError,
@@ -328,14 +328,28 @@ class NativeTransport:
         return self._welcome.max_payload_bytes
 
     def put(
-        self, key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool = False
+        self,
+        key: bytes,
+        parts: Sequence[object],
+        parent: bytes | None,
+        durable: bool = False,
+        meta: bytes | None = None,
     ) -> None:
-        req = plans.put_request(key, parts, parent, durable)
-        self._single(req, plans.put_done, lambda: plans.put(key, parts, parent, durable))
+        if meta is not None and self._version_now() < META_VERSION:
+            meta = None  # an older daemon refuses it; the put still counts
+        req = plans.put_request(key, parts, parent, durable, meta)
+        self._single(req, plans.put_done, lambda: plans.put(key, parts, parent, durable, meta))
 
     def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None:
         budget = self._budget()
+        items = plans.metadata_for(self._version_now(), items)
         self._run(lambda: plans.put_many(items, durable, budget))
+
+    def _version_now(self) -> int:
+        """The protocol version the daemon accepted (connecting if needed)."""
+        self.max_value_bytes  # noqa: B018 - connects if needed
+        assert self._welcome is not None
+        return self._welcome.version
 
     def get(self, key: bytes) -> HeldBlock | None:
         return self._run(lambda: plans.get(key))

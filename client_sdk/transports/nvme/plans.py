@@ -74,7 +74,7 @@ def put(nsid: int, in_capsule: int, key: bytes, parts: Sequence[object]) -> Plan
 
 
 def put_many(nsid: int, in_capsule: int, items: Sequence[PutItem]) -> Plan[None]:
-    calls = yield [store(nsid, key, views(parts), in_capsule) for key, parts, _ in items]
+    calls = yield [store(nsid, key, views(parts), in_capsule) for key, parts, _, _ in items]
     for call in calls:  # the first failure in order is the one to report
         call.ok("KV Store")
 

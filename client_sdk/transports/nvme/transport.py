@@ -72,8 +72,14 @@ class NvmeTransport:
         return host.namespace.max_value
 
     def put(
-        self, key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool = False
+        self,
+        key: bytes,
+        parts: Sequence[object],
+        parent: bytes | None,
+        durable: bool = False,
+        meta: bytes | None = None,
     ) -> None:
+        # `meta` is dropped: a KV Store command has no room for it (docs/events.md).
         if durable:
             raise InvalidArgumentError("nvme+tcp:// has no durable stores (no FUA in KV Store)")
         self._run(lambda h: plans.put(h.nsid, h.in_capsule, key, parts))

@@ -237,3 +237,35 @@ def test_workers_measure_the_rates_the_scheduler_claims_by(
     assert stats.reduce() == {"loaded_blocks": 6, "load_blocks_per_s": 12.0,
                               "prefill_tokens_per_s": 400.0}  # fmt: skip
     assert not stats.is_empty() and KVOffloadConnector.build_kv_connector_stats().is_empty()
+
+
+def test_saved_blocks_carry_their_token_ids_into_the_store_s_events(
+    tiny_model: Path, start_daemon: Any, engines: Any
+) -> None:
+    import msgpack
+    import zmq
+
+    replay_env = {"KVOFFLOAD_EVENTS__REPLAY_ENDPOINT": "tcp://127.0.0.1:*"}
+    daemon = start_daemon("--events", "tcp://127.0.0.1:*", env=replay_env)
+    (replay,) = [line.rsplit(" ", 1)[1] for line in daemon.lines if "events replay on" in line]
+    engine = engines(tiny_model, daemon.url(), LAYOUTS[0])
+    _save_first_request(engine)
+    asker = zmq.Context.instance().socket(zmq.DEALER)
+    asker.connect(replay)
+    asker.send_multipart([b"", bytes(8)])
+    stored: list[dict[str, Any]] = []
+    while True:
+        assert asker.poll(20_000), "no replay answer"
+        _, seq, payload = asker.recv_multipart()
+        if seq == (-1).to_bytes(8, "big", signed=True):
+            break
+        stored += [e for e in msgpack.unpackb(payload)[1] if e["type"] == "BlockStored"]
+    asker.close(linger=0)
+    blocks = len(PREFIX) // BLOCK
+    by_tokens = {tuple(e["token_ids"]): e for e in stored}
+    chain = [by_tokens[tuple(PREFIX[i * BLOCK : (i + 1) * BLOCK])] for i in range(blocks)]
+    assert all(e["block_size"] == BLOCK for e in chain)
+    # vLLM's chained hashes, as its own events publish them: each block names its parent.
+    assert chain[0]["parent_block_hash"] is None
+    for parent, child in zip(chain, chain[1:], strict=False):
+        assert child["parent_block_hash"] == parent["block_hashes"][0]

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvoffload.client_sdk.wire.blockmeta import BlockMeta
 from kvoffload.client_sdk.wire.frames import FRAME, MAGIC, Limits
 from kvoffload.client_sdk.wire.native import (
     NEED_DATA,
@@ -57,6 +58,8 @@ REQUESTS: list[tuple[Event, list[bytes]]] = [
     (Prefetch(9, (K3,)), []),
     (Stats(10), []),
     (Get(11, K3), []),
+    (Put(12, K2, 2, block_meta=BlockMeta((1, 2, 3), block_hash=9).encode()), [b"hi"]),
+    (PutMany(13, (K1, K2), (1, 1), (), False, (None, BlockMeta((7,)).encode())), [b"ab"]),
 ]
 ANSWERS: list[tuple[Event, list[bytes]]] = [
     (Welcome(1, 1, "alice", 1 << 20, 1 << 30, server="kvoffload"), []),
@@ -70,6 +73,8 @@ ANSWERS: list[tuple[Event, list[bytes]]] = [
     (PrefetchResult(9, 1), []),
     (StatsResult(10, {"puts": 3, "tiers": [{"name": "dram"}]}), []),
     (ErrorReply(11, 2, "full"), []),
+    (PutDone(12), []),
+    (PutManyDone(13), []),
 ]
 
 

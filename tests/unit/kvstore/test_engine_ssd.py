@@ -388,7 +388,7 @@ def test_store_format_1_opens_and_is_upgraded(tmp_path: Path) -> None:
     meta_path.write_text(json.dumps(meta))
     with Engine(config(tmp_path)) as engine:
         assert all(read(engine, i) == value(i) for i in range(30))
-    assert json.loads(meta_path.read_text())["format"] == "kvoffload-store-2"
+    assert json.loads(meta_path.read_text())["format"] == "kvoffload-store-3"
     meta_path.write_text(json.dumps({**meta, "format": "kvoffload-store-9"}))
     with pytest.raises(ConfigError, match="unknown store format"):
         Engine(config(tmp_path))
