@@ -63,7 +63,14 @@ def _spec(url: str, **params: Any) -> str:
 
 def _manager(url: str, **params: Any) -> StorageManager:
     """A storage manager as the MP server builds it from its command line."""
-    argv = ["--l1-size-gb", "0.05", "--eviction-policy", "LRU", "--l2-adapter", _spec(url, **params)]
+    argv = [
+        "--l1-size-gb",
+        "0.05",
+        "--eviction-policy",
+        "LRU",
+        "--l2-adapter",
+        _spec(url, **params),
+    ]
     args = get_arg_parser().parse_args(argv)
     # The MP server's --shm-name: by default every L1 of a process shares one name.
     args.shm_name = f"kvoffload_test_{uuid.uuid4().hex[:12]}"
@@ -124,7 +131,9 @@ def _store(manager: StorageManager, keys: list[ObjectKey], seed: int) -> dict[Ob
     return written
 
 
-def _prefetch(manager: StorageManager, rows: list[list[ObjectKey]]) -> tuple[list[int], list[bytes]]:
+def _prefetch(
+    manager: StorageManager, rows: list[list[ObjectKey]]
+) -> tuple[list[int], list[bytes]]:
     """Prefetch `rows` (one key group each) from L2; returns the hits per row and the bytes of
     the hit objects, row by row."""
     spec = PrefetchTaskSpec([GroupedObjectKeys(keys, 0, LAYOUT) for keys in rows])
@@ -170,9 +179,7 @@ def test_one_mp_server_stores_and_a_fresh_one_retrieves_bit_exact(
     assert _adapter(reader).report_status()["loaded"] == 10
 
 
-def test_a_salt_and_other_fields_keep_keys_apart(
-    start_daemon: Any, managers: Any
-) -> None:
+def test_a_salt_and_other_fields_keep_keys_apart(start_daemon: Any, managers: Any) -> None:
     url = start_daemon().url()
     writer = managers(url)
     keys = _keys(3)
@@ -199,7 +206,9 @@ def _wait_result(adapter: KVOffloadL2Adapter, efd: int, query: Callable[[], Any]
 
 def _load(adapter: KVOffloadL2Adapter, keys: list[ObjectKey], objs: list[Any]) -> list[int]:
     task = adapter.submit_load_task(keys, objs)
-    bitmap = _wait_result(adapter, adapter.get_load_event_fd(), lambda: adapter.query_load_result(task))
+    bitmap = _wait_result(
+        adapter, adapter.get_load_event_fd(), lambda: adapter.query_load_result(task)
+    )
     assert adapter.query_load_result(task) is None  # a result is returned once
     return [int(i in bitmap.get_indices_list()) for i in range(len(keys))]
 
