@@ -9,7 +9,8 @@ LMCache's MP server loads it as a plugin L2 adapter::
 Only ``module_path``, ``class_name``, ``adapter_params`` and ``config_class_name`` reach a
 plugin, so every setting of ours lives inside ``adapter_params``: `url` (``local:///dir?...``,
 ``kv://...`` or ``cluster://...``; required), `salt` (mixed into every key, default "") and
-`prefetch` (after a lookup, stage the found blocks in the store's DRAM; default true).
+`prefetch` (have the store read SSD-only blocks into DRAM, all at once on its I/O threads,
+after a lookup and at the start of a load; default true).
 
 LMCache calls ``submit_*`` and ``query_*`` from its store and prefetch controller threads, which
 must never block: each submit only hands a coroutine to this adapter's own event loop thread,
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 _SETTINGS = {
     "url": "the store: local:///dir?ssd=..., kv://host:7480 or cluster://a:7480,b:7480",
     "salt": "mixed into every key (default empty)",
-    "prefetch": "stage looked-up blocks in the store's DRAM (default true)",
+    "prefetch": "read SSD blocks into the store's DRAM after a lookup, before a load (true)",
 }
 # Stored sizes remembered for LMCache's byte accounting on delete; bounded, oldest dropped.
 _MAX_SIZES = 1 << 18
@@ -278,6 +279,10 @@ class KVOffloadL2Adapter(L2AdapterInterface):
         try:
             hashes = self._hashes(keys)
             buffers = [_buffer(obj) for obj in objects]
+            if self.settings.prefetch:
+                # The store reads every SSD-only block of the task at once on its I/O threads;
+                # the gets below wait for those reads instead of reading one block at a time.
+                await self.client.prefetch(hashes)
             try:
                 got = await self.client.get_many_into(hashes, buffers)
             except InvalidArgumentError:
