@@ -19,6 +19,7 @@ BENCHES: dict[str, str] = {
     "trace": "kvoffload.bench.trace",
     "fuzz": "kvoffload.bench.fuzz",
     "cluster": "kvoffload.bench.cluster_bench",
+    "lmcache-mp": "kvoffload.bench.lmcache_mp",
     "serve": "kvoffload.bench.serve",
     # Last: it runs the benches above.
     "report": "kvoffload.bench.report",
