@@ -330,25 +330,7 @@ class SsdTier:
 
     def stats(self, n: dict[str, int]) -> TierStats:
         """This tier's counters; `n` holds the engine's (hits, misses, moves between tiers)."""
-        c = self.counters
-        return TierStats(
-            name="ssd",
-            capacity_bytes=self.capacity,
-            used_bytes=self.used_bytes,
-            stored_bytes=self.stored_bytes(),
-            entries=len(self.index),
-            pinned=len(self.pinned),
-            hits=n["ssd_hits"],
-            misses=n["misses"],
-            evictions=c.evictions,
-            bytes_written=c.bytes_written,
-            bytes_read=c.bytes_read,
-            demotions=n["demotions"],
-            promotions=n["promotions"],
-            prefetches=n["prefetches"],
-            corrupt_blocks=c.corrupt,
-            io_errors=c.io_errors,
-        )
+        return _tier_stats(self, n)
 
     def tenant_usage(self) -> dict[str, int]:
         """SSD slot bytes held per tenant name (tenants that hold anything)."""
@@ -360,3 +342,25 @@ class SsdTier:
 
     def stored_bytes(self) -> int:
         return int(self.index.rows["length"][self.index.live_rows()].sum())
+
+
+def _tier_stats(tier: SsdTier, n: dict[str, int]) -> TierStats:
+    c = tier.counters
+    return TierStats(
+        name="ssd",
+        capacity_bytes=tier.capacity,
+        used_bytes=tier.used_bytes,
+        stored_bytes=tier.stored_bytes(),
+        entries=len(tier.index),
+        pinned=len(tier.pinned),
+        hits=n["ssd_hits"],
+        misses=n["misses"],
+        evictions=c.evictions,
+        bytes_written=c.bytes_written,
+        bytes_read=c.bytes_read,
+        demotions=n["demotions"],
+        promotions=n["promotions"],
+        prefetches=n["prefetches"],
+        corrupt_blocks=c.corrupt,
+        io_errors=c.io_errors,
+    )

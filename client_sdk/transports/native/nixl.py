@@ -293,13 +293,20 @@ class NixlTransport(NativeTransport):
     # ------------------------------------------------------------------ puts
 
     def put(
-        self, key: bytes, parts: Sequence[object], parent: bytes | None, durable: bool = False
+        self,
+        key: bytes,
+        parts: Sequence[object],
+        parent: bytes | None,
+        durable: bool = False,
+        meta: bytes | None = None,
     ) -> None:
-        self.put_many([(key, parts, parent)], durable)
+        self.put_many([(key, parts, parent, meta)], durable)
 
     def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None:
-        split = [_split(parts) for _, parts, _ in items]
-        if any(s is None for s in split):  # a value in several pieces: the socket takes it
+        split = [_split(parts) for _, parts, _, _ in items]
+        # A value in several pieces, or block metadata (NixlPut carries none): the socket
+        # takes the batch.
+        if any(s is None for s in split) or any(m is not None for *_, m in items):
             NativeTransport.put_many(self, items, durable)
             return
 
@@ -309,7 +316,7 @@ class NixlTransport(NativeTransport):
                 heads = [cast("tuple[bytes, memoryview]", s) for s in split[i : i + _BATCH]]
                 event = partial(
                     NixlPut,
-                    keys=tuple(k for k, _, _ in chunk),
+                    keys=tuple(k for k, *_ in chunk),
                     heads=tuple(h for h, _ in heads),
                     addrs=tuple(lane.reach(p) if p.nbytes else 0 for _, p in heads),
                     lengths=tuple(p.nbytes for _, p in heads),
@@ -344,7 +351,7 @@ def _split(parts: Sequence[object]) -> tuple[bytes, memoryview] | None:
 
 
 def _parents(chunk: Sequence[PutItem]) -> tuple[bytes | None, ...]:
-    parents = tuple(p for _, _, p in chunk)
+    parents = tuple(item[2] for item in chunk)
     return parents if any(p is not None for p in parents) else ()
 
 
