@@ -49,7 +49,8 @@ T = TypeVar("T")
 DEFAULT_DEADLINE_S = 2.0
 _PARAMS = {
     "timeout": f"seconds per call to a node (default {DEFAULT_DEADLINE_S:g})",
-    "token": "the tenant's token on every node",
+    "token": "the tenant's token on every node (front=native)",
+    "hostnqn": "this host's NQN on every node (front=nvme; default as for nvme+tcp://)",
 }
 # Repairs (copies to a new owner) run in the background; past this many waiting, skip them.
 _MAX_REPAIRS = 64
@@ -486,10 +487,12 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
             f"cluster URL: timeout must be seconds > 0, got {spec.extra['timeout']!r}"
         )
     node_params = {"timeout": f"{deadline:g}", "connect_timeout": f"{deadline:g}"}
-    if "token" in spec.extra:
-        if spec.front != "native":
-            raise ConfigError("cluster URL: token= applies to the native front only")
-        node_params["token"] = spec.extra["token"]
+    # Each front authenticates its own way: a token (native), the host's NQN (NVMe/TCP).
+    for name, front in (("token", "native"), ("hostnqn", "nvme")):
+        if name in spec.extra:
+            if spec.front != front:
+                raise ConfigError(f"cluster URL: {name}= applies to front={front} only")
+            node_params[name] = spec.extra[name]
     scheme, front = ("kv", "native") if spec.front == "native" else ("nvme+tcp", "nvme")
     query = urlencode(node_params)
 
