@@ -43,13 +43,14 @@ class Load:
             threading.Thread(target=self._read, args=(keys[i::READERS],)) for i in range(READERS)
         ] + [threading.Thread(target=self._write, args=(i,)) for i in range(WRITERS)]
 
-    def _call(self, fn: Callable[[], object]) -> object:
+    def _call(self, fn: Callable[..., object], *args: object) -> tuple[bool, object]:
+        """(True, what `fn(*args)` returned), or (False, None) with the exception recorded."""
         try:
-            return fn()
+            return True, fn(*args)
         except Exception as exc:  # anything reaching a caller is a failure of the cluster
             with self._lock:
                 self.errors.append(repr(exc))
-            return None
+            return False, None
 
     def _read(self, part: list[bytes]) -> None:
         for r in range(MAX_ROUNDS):
@@ -57,7 +58,7 @@ class Load:
                 return
             start = (r * 32) % len(part)
             batch = part[start : start + 32]
-            got = self._call(lambda: self.client.get_many(batch))
+            _, got = self._call(self.client.get_many, batch)
             if not isinstance(got, list):
                 continue
             wrong = [k for k, g in zip(batch, got, strict=True) if g not in (None, _value(k))]
@@ -71,8 +72,8 @@ class Load:
             if self._stop.wait(0.02):
                 return
             key = bytes([0xA0 + n]) + r.to_bytes(15, "little")
-            stored = self._call(lambda: self.client.put(key, _value(key)) or True)
-            got = self._call(lambda: self.client.get(key))
+            stored, _ = self._call(self.client.put, key, _value(key))
+            _, got = self._call(self.client.get, key)
             with self._lock:
                 if stored:
                     self.written.append(key)
