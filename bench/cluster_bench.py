@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import tempfile
 import time
@@ -95,6 +96,8 @@ def run(
     throughput_rounds: int = 8,
 ) -> BenchResult:
     result = BenchResult("cluster")
+    # The live rows share the host's CPUs with whatever else runs: say how busy it was.
+    load_at_start = os.getloadavg()[0]
     chosen = block_keys(keys, seed)
     bal = balance(targets(4), chosen)
     moved = moved_fraction(targets(4), targets(5), chosen)
@@ -125,6 +128,11 @@ def run(
         result.rows += cluster_live.failover_rows(failover_window)
     if throughput_rounds:
         result.rows += cluster_live.throughput_rows(rounds=throughput_rounds)
+    result.notes.append(
+        f"load average {load_at_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end "
+        f"({os.cpu_count()} CPUs): the live rows (lookup, failover, get_many_into) run daemons "
+        "and clients on this host and move with that load"
+    )
     result.notes.append(
         "weighted rendezvous (HRW) hashing, equal weights; the goals are issue 12's; no peer "
         "reference (ref is empty: a goal, not a measured alternative)"

@@ -186,8 +186,7 @@ def _read_loop(client: Client, keys: list[bytes], batch: int, rounds: int) -> tu
         mine = keys[n::THREADS]
         try:
             for r in range(rounds):
-                at = (r * batch) % len(mine)
-                chosen = (mine * 2)[at : at + batch]
+                chosen = [mine[(r * batch + j) % len(mine)] for j in range(batch)]
                 got[n] += sum(x or 0 for x in client.get_many_into(chosen, buffers))
         except BaseException as exc:  # reported by the caller
             errors.append(exc)
@@ -215,6 +214,8 @@ def throughput_rows(
 ) -> list[Row]:
     """Aggregate GB/s of 8 threads' `get_many_into` of 2 MiB blocks over 1, 2 and 4 targets
     (the best of `passes` alternating passes) and plain `kv://` to one daemon."""
+    if blocks < THREADS * batch:
+        raise ValueError(f"{blocks} blocks: each of {THREADS} threads needs a batch of its own")
     value = np.random.default_rng(5).bytes(BLOCK)
     best: dict[str, float] = {}
     per_node: dict[str, str] = {}
