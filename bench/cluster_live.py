@@ -122,6 +122,7 @@ def measure_failover(
             calls: list[tuple[float, float, int]] = []
             started = time.monotonic()
             victim.proc.send_signal(sig)
+            _wait_signalled(victim.proc, sig)  # no call may start before the signal has acted
             # Bounded by time and by count (a fast loop must not run away).
             while time.monotonic() - started < window_s and len(calls) < 20_000:
                 t0 = time.monotonic()
@@ -137,6 +138,19 @@ def measure_failover(
     after = calls[first:]
     ratio = sum(c[2] for c in after) / (len(after) * len(keys))
     return Failover(calls[first][1] - started, len(slow), len(calls), ratio, 1 - lost)
+
+
+def _wait_signalled(proc: subprocess.Popen[str], sig: signal.Signals) -> None:
+    """Until a SIGKILLed process is gone or a SIGSTOPped one is stopped (10 s at most)."""
+    if sig == signal.SIGKILL:
+        proc.wait(10)
+        return
+    for _ in range(1000):
+        with open(f"/proc/{proc.pid}/stat") as fh:
+            if fh.read().rpartition(")")[2].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.01)
+    raise RuntimeError(f"daemon {proc.pid} did not stop on {sig.name}")
 
 
 def failover_rows(window_s: float = 8.0) -> list[Row]:
