@@ -17,7 +17,7 @@ from test_cluster_client import _keys, _members, _url, _value, _wait_members
 
 from kvoffload.client_sdk import Client
 from kvoffload.client_sdk.cluster import Placement
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, InvalidArgumentError
 from kvoffload.nvmeof_target.config import DEFAULT_SUBNQN
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(180)]
@@ -209,6 +209,11 @@ def test_the_nvme_fronts_serve_a_cluster_and_a_dead_node_costs_nothing_with_two_
         assert isinstance(nodes_seen, dict)
         for node_id, seen in nodes_seen.items():
             assert "nvme" in seen["fronts"] and seen["blocks_put"] > 0, node_id
+        # NVMe stores are never durable: refused as bad input, no node is taken for down.
+        with pytest.raises(InvalidArgumentError, match="durable"):
+            client.put(keys[0], _value(keys[0]), durable=True)
+        seen = client.stats().store["nodes"]
+        assert isinstance(seen, dict) and all(n["up"] for n in seen.values())
         nodes[1].kill()
         assert client.get_many(keys) == [_value(k) for k in keys]
         assert client.get_many(list(big)) == list(big.values())
