@@ -1,13 +1,17 @@
 """The live rows of `kvoffload bench cluster` (daemons on loopback): failover measured against
-the dead node's share, and get_many_into over 1, 2 and 4 targets."""
+the dead node's share, get_many_into over 1, 2 and 4 targets; and `bench trace` through a
+cluster URL."""
 
 from __future__ import annotations
 
+import json
 import signal
+from pathlib import Path
 
 import pytest
 
 from kvoffload.bench import cluster_live
+from kvoffload.cli import main
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -28,3 +32,15 @@ def test_get_many_into_rows_over_1_2_and_4_targets() -> None:
     assert all(r.unit == "GB/s" and r.value > 0 and r.ref_value for r in rows.values())
     assert rows["get_many_into/2MiB/4targets"].ref == "1 target"
     assert "per target GB/s" in rows["get_many_into/2MiB/4targets"].note
+
+
+def test_the_trace_bench_replays_through_a_cluster_url(tmp_path: Path) -> None:
+    # Everything above the SDK takes a cluster URL unchanged: here `bench trace --url`.
+    out = tmp_path / "trace.json"
+    with cluster_live.loopback_nodes(2, "32MiB") as nodes:
+        url = "cluster://" + ",".join(n.address for n in nodes) + "?replicas=2"
+        assert main(["bench", "trace", "--url", url, "--sessions", "3", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    (run,) = data["details"]["runs"]
+    assert data["details"]["url"] == url and run["hit_tokens"] > 0
+    assert run["verified_blocks"] * data["details"]["block_tokens"] == run["hit_tokens"]
