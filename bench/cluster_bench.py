@@ -1,20 +1,24 @@
 """`kvoffload bench cluster`: how evenly rendezvous placement spreads keys over storage targets
-and how few move when a target joins (issue 12's placement rows).
+and how few move when a target joins, a 1,000-key lookup, failover and 2 MiB read throughput
+over 1, 2 and 4 targets (issue 12's rows).
 
 Targets are named like the ids daemons generate; keys are random 16-byte block keys, fixed by
 `--seed`, so a run is reproducible. The ideal values are 1.0 (balance) and 1/5 = 0.2 (moved).
+The live rows run real daemons on loopback (`cluster_live`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import tempfile
 import time
 
 import numpy as np
 
+from kvoffload.bench import cluster_live
 from kvoffload.bench.common import BenchResult, Row, time_median
 from kvoffload.bench.net import daemon
 from kvoffload.client_sdk import Client
@@ -22,7 +26,10 @@ from kvoffload.client_sdk.cluster import Member, Placement
 
 __all__ = ["HELP", "add_arguments", "balance", "moved_fraction", "run", "run_from_args"]
 
-HELP = "cluster placement: balance over 4 targets, keys moved when a 5th joins, lookup p50"
+HELP = (
+    "cluster: placement balance, keys moved when a 5th target joins, lookup p50, failover, "
+    "get_many_into over 1/2/4 targets"
+)
 
 GOAL_BALANCE = 1.05
 GOAL_MOVED = 0.22
@@ -80,8 +87,17 @@ def live_lookup_ms(targets_n: int, keys: list[bytes], calls: int) -> tuple[float
     return statistics.median(times), times[min(len(times) - 1, int(0.99 * len(times)))]
 
 
-def run(*, keys: int = 100_000, seed: int = 0, lookups: int = 60) -> BenchResult:
+def run(
+    *,
+    keys: int = 100_000,
+    seed: int = 0,
+    lookups: int = 60,
+    failover_window: float = 8.0,
+    throughput_rounds: int = 8,
+) -> BenchResult:
     result = BenchResult("cluster")
+    # The live rows share the host's CPUs with whatever else runs: say how busy it was.
+    load_at_start = os.getloadavg()[0]
     chosen = block_keys(keys, seed)
     bal = balance(targets(4), chosen)
     moved = moved_fraction(targets(4), targets(5), chosen)
@@ -108,6 +124,15 @@ def run(*, keys: int = 100_000, seed: int = 0, lookups: int = 60) -> BenchResult
                 "to 4 daemons on loopback (one host: the 4 daemons share its cores)"),
             Row("lookup_p99/1000keys/4targets", p99, "ms", note="p99 of the same run"),
         ]  # fmt: skip
+    if failover_window:
+        result.rows += cluster_live.failover_rows(failover_window)
+    if throughput_rounds:
+        result.rows += cluster_live.throughput_rows(rounds=throughput_rounds)
+    result.notes.append(
+        f"load average {load_at_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end "
+        f"({os.cpu_count()} CPUs): the live rows (lookup, failover, get_many_into) run daemons "
+        "and clients on this host and move with that load"
+    )
     result.notes.append(
         "weighted rendezvous (HRW) hashing, equal weights; the goals are issue 12's; no peer "
         "reference (ref is empty: a goal, not a measured alternative)"
@@ -121,7 +146,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lookups", type=int, default=60, help="timed lookups through 4 daemons (0: skip)"
     )
+    parser.add_argument(
+        "--failover-window", type=float, default=8.0,
+        help="seconds a reader loops after a node is signalled (0: skip the failover rows)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--throughput-rounds", type=int, default=8,
+        help="batches each of 8 threads reads per pass (0: skip the get_many_into rows)",
+    )  # fmt: skip
 
 
 def run_from_args(args: argparse.Namespace) -> BenchResult:
-    return run(keys=args.keys, seed=args.seed, lookups=args.lookups)
+    return run(
+        keys=args.keys,
+        seed=args.seed,
+        lookups=args.lookups,
+        failover_window=args.failover_window,
+        throughput_rounds=args.throughput_rounds,
+    )

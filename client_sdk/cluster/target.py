@@ -2,7 +2,9 @@
 
 The breaker opens on the first failed call (a node that is down, cut off or past its deadline)
 so later calls skip the node instead of paying its timeout; after a back-off (doubling up to a
-cap) one call is let through as a probe, and a success closes the breaker again.
+cap) a background thread probes the node with one small request, and a success closes the
+breaker again. The probe is not a caller's request: a node that is cut off (no reset, every
+request waits out its deadline) costs callers one deadline when it fails, not one per back-off.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable
 
 from kvoffload.client_sdk.transports.base import Transport
 from kvoffload.client_sdk.wire.etcd import Member
+from kvoffload.errors import KVOffloadError, TransportError
 
 __all__ = ["COUNTERS", "Target"]
 
@@ -30,7 +33,10 @@ COUNTERS = (
     "blocks_put",
     "rerouted_in",  # blocks put here because an owner before it failed
     "repairs",  # blocks copied here from a previous owner after a miss
+    "probes",  # background requests that tested a failed node
 )
+# What a probe asks: any answer (here: "no") shows the node is back.
+_PROBE_KEY = bytes(16)
 
 
 class Target:
@@ -45,6 +51,8 @@ class Target:
         self._failing = False
         self._open_until = 0.0
         self._backoff = BACKOFF_FIRST_S
+        self._probing = False
+        self._closed = False
         self.counters = dict.fromkeys(COUNTERS, 0)
 
     @property
@@ -56,6 +64,8 @@ class Target:
         transport = self._transport
         if transport is None:
             with self._lock:
+                if self._closed:  # a late probe must not open what close() has closed
+                    raise TransportError(f"node {self.node_id}: the client is closed")
                 transport = self._transport = self._transport or self._open()
         return transport
 
@@ -65,18 +75,30 @@ class Target:
         return not self._failing
 
     def admit(self) -> bool:
-        """Whether a call may use this node now; while the breaker is open, only the first
-        caller after the back-off gets through (the probe), the others skip the node."""
+        """Whether a call may use this node now: not while the breaker is open. Once its
+        back-off has passed, the first caller starts a background probe (and still skips the
+        node); the probe's answer closes the breaker or opens it for a longer back-off."""
         with self._lock:
             if not self._failing:
                 return True
-            now = time.monotonic()
-            if now < self._open_until:
-                self.counters["skipped"] += 1
+            self.counters["skipped"] += 1
+            if self._probing or self._closed or time.monotonic() < self._open_until:
                 return False
-            # The probe may take a whole deadline: keep the others away meanwhile.
-            self._open_until = now + self._deadline_s + self._backoff
-            return True
+            self._probing = True
+        threading.Thread(target=self._probe, name="kvoffload-cluster-probe", daemon=True).start()
+        return False
+
+    def _probe(self) -> None:
+        try:
+            self.transport.exists(_PROBE_KEY)
+        except (KVOffloadError, OSError) as exc:  # a thread boundary: the failure is the result
+            self.failed(exc, counted=False)
+        else:
+            self.succeeded(counted=False)
+        finally:
+            with self._lock:
+                self._probing = False
+                self.counters["probes"] += 1
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -108,6 +130,7 @@ class Target:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             transport, self._transport = self._transport, None
         if transport is not None:
             transport.close()

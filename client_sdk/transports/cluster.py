@@ -39,7 +39,7 @@ from kvoffload.client_sdk.transports.sharding import Got, release
 from kvoffload.client_sdk.url import StoreURL, parse_url
 from kvoffload.client_sdk.wire.etcd import Member
 from kvoffload.client_sdk.wire.shards import merge_stats
-from kvoffload.errors import ConfigError, KVOffloadError, TransportError
+from kvoffload.errors import ConfigError, InvalidArgumentError, KVOffloadError, TransportError
 
 __all__ = ["ClusterTransport", "open_cluster", "open_cluster_async"]
 
@@ -49,8 +49,9 @@ T = TypeVar("T")
 DEFAULT_DEADLINE_S = 2.0
 _PARAMS = {
     "timeout": f"seconds per call to a node (default {DEFAULT_DEADLINE_S:g})",
-    "token": "the tenant's token on every node",
+    "token": "the tenant's token on every node (front=native)",
     "data": "kv (default) or nixl: how payloads move to native nodes (docs/nixl.md)",
+    "hostnqn": "this host's NQN on every node (front=nvme; default as for nvme+tcp://)",
 }
 # Repairs (copies to a new owner) run in the background; past this many waiting, skip them.
 _MAX_REPAIRS = 64
@@ -73,8 +74,10 @@ class _Nodes:
         replicas: int,
         open_node: Callable[[Member], Transport],
         deadline_s: float = DEFAULT_DEADLINE_S,
+        durable_puts: bool = True,
     ) -> None:
         self.replicas = replicas
+        self._durable_puts = durable_puts
         self._membership = membership
         self._open_node = open_node
         self._deadline_s = deadline_s
@@ -204,6 +207,7 @@ class ClusterTransport(_Nodes):
         replicas: copies of each block.
         open_node: opens a member's transport (called on its first use).
         deadline_s: the node transports' deadline; also the breaker's probe window.
+        durable_puts: whether the nodes' front can store durably (NVMe/TCP cannot).
     """
 
     # ------------------------------------------------------------------ the Transport API
@@ -238,8 +242,12 @@ class ClusterTransport(_Nodes):
         """Each block to its R best nodes; a failed node's blocks to the next node in HRW order.
 
         Raises:
+            InvalidArgumentError: a durable put over fronts that cannot store durably.
             TransportError: some block could be stored on no node (none answers).
         """
+        if durable and not self._durable_puts:
+            # Refused here: sent on, every node would refuse it and look down to the breaker.
+            raise InvalidArgumentError("cluster front=nvme has no durable stores (no FUA)")
         keys = [item[0] for item in items]
         stored = [0] * len(items)
         owners_of: list[set[Target]] = [set() for _ in items]
@@ -492,14 +500,13 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
             f"cluster URL: timeout must be seconds > 0, got {spec.extra['timeout']!r}"
         )
     node_params = {"timeout": f"{deadline:g}", "connect_timeout": f"{deadline:g}"}
-    if "token" in spec.extra:
-        if spec.front != "native":
-            raise ConfigError("cluster URL: token= applies to the native front only")
-        node_params["token"] = spec.extra["token"]
-    if "data" in spec.extra:
-        if spec.front != "native":
-            raise ConfigError("cluster URL: data= applies to the native front only")
-        node_params["data"] = spec.extra["data"]
+    # Each front authenticates its own way: a token (native), the host's NQN (NVMe/TCP); data=
+    # chooses how payloads move to native nodes.
+    for name, front in (("token", "native"), ("data", "native"), ("hostnqn", "nvme")):
+        if name in spec.extra:
+            if spec.front != front:
+                raise ConfigError(f"cluster URL: {name}= applies to front={front} only")
+            node_params[name] = spec.extra[name]
     scheme, front = ("kv", "native") if spec.front == "native" else ("nvme+tcp", "nvme")
     query = urlencode(node_params)
 
@@ -512,7 +519,9 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
         return open_transport(parse_url(f"{scheme}://{address}?{query}"))
 
     membership = open_membership(spec, timeout_s=deadline)
-    return ClusterTransport(membership, spec.replicas, open_node, deadline)
+    return ClusterTransport(
+        membership, spec.replicas, open_node, deadline, durable_puts=front == "native"
+    )
 
 
 def open_cluster_async(url: StoreURL) -> _ThreadedCluster:

@@ -54,14 +54,24 @@ def cluster_etcd(network: Network, tmp_path: Path) -> Iterator[EtcdServer]:
 class Node:
     """`kvoffload serve --cluster` in its own namespace; killed when the test ends."""
 
-    def __init__(self, host: Host, data_dir: Path, etcd: str, env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        host: Host,
+        data_dir: Path,
+        etcd: str,
+        env: dict[str, str],
+        ssd: str = "0",
+        config: Path | None = None,
+    ) -> None:
         self.host, self.data_dir = host, data_dir
         port = "7480" if host.netns else "0"  # one namespace each: every node has port 7480
         argv = [
             sys.executable, "-m", "kvoffload.cli", "serve", "--host", host.address,
             "--port", port, "--nvme-port", "0", "--metrics-port", "0", "--dram", "64MiB",
-            "--ssd", "0", "--data-dir", str(data_dir), "--cluster", f"etcd://{etcd}/{CLUSTER}",
+            "--ssd", ssd, "--data-dir", str(data_dir), "--cluster", f"etcd://{etcd}/{CLUSTER}",
         ]  # fmt: skip
+        if config is not None:
+            argv += ["--config", str(config)]
         environ = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
         environ.update(
             KVOFFLOAD_NVME__HOST=host.address,
@@ -134,8 +144,9 @@ StartNode = Callable[..., Node]
 
 @pytest.fixture
 def start_node(network: Network, cluster_etcd: EtcdServer, tmp_path: Path) -> Iterator[StartNode]:
-    """start_node(host=None, data=None, env={}, ready=True): a node on a new (or the given)
-    host with a new (or the given) data dir."""
+    """start_node(host=None, data=None, env={}, ready=True, ssd="0", config=None): a node on a
+    new (or the given) host with a new (or the given) data dir (an SSD tier of `ssd` bytes,
+    `config` a TOML file)."""
     nodes: list[Node] = []
 
     def start(
@@ -143,10 +154,12 @@ def start_node(network: Network, cluster_etcd: EtcdServer, tmp_path: Path) -> It
         data: Path | None = None,
         env: dict[str, str] | None = None,
         ready: bool = True,
+        ssd: str = "0",
+        config: Path | None = None,
     ) -> Node:
         host = host or network.add_host()
         data = data or tmp_path / f"node{len(nodes)}"
-        node = Node(host, data, cluster_etcd.endpoint, env or {})
+        node = Node(host, data, cluster_etcd.endpoint, env or {}, ssd, config)
         nodes.append(node)
         if ready and not node.ready():
             raise AssertionError(f"node did not start: {node.stderr()}")

@@ -11,7 +11,8 @@ from kvoffload.cli import main
 
 def test_rows_meet_the_goals(tmp_path: Path) -> None:
     out = tmp_path / "cluster.json"
-    argv = ["bench", "cluster", "--keys", "40000", "--lookups", "10", "--json", str(out)]
+    argv = ["bench", "cluster", "--keys", "40000", "--lookups", "10", "--failover-window", "0"]
+    argv += ["--throughput-rounds", "0", "--json", str(out)]
     assert main(argv) == 0
     doc = json.loads(out.read_text())
     rows = {r["case"]: r for r in doc["rows"]}
