@@ -21,7 +21,7 @@ import pytest
 
 from kvoffload.bench.net_nixl import nixl_rows
 from kvoffload.client_sdk import AsyncClient, Client
-from kvoffload.client_sdk.transports.native.nixl_memory import NixlMemory
+from kvoffload.client_sdk.transports.native.nixl_memory import MAX_REGIONS, NixlMemory
 from kvoffload.client_sdk.wire.native import (
     ConnectionClosed,
     ErrorReply,
@@ -96,6 +96,25 @@ def test_put_and_get_move_bit_exact(start_daemon: Start, ucx: dict[str, str]) ->
         assert bytes(client.get(keys[2]) or b"") == values[2].tobytes()  # the socket path
         stats = client.stats()
     assert stats.corrupt_blocks == 0  # every get was verified in the caller's buffer
+
+
+def test_batches_naming_more_buffers_than_the_registration_cache(
+    start_daemon: Start, ucx: dict[str, str]
+) -> None:
+    daemon = start_daemon(env=ucx)
+    count = MAX_REGIONS + 6  # every buffer of a batch stays registered until it is answered
+    keys, values = _values(count, 4096, seed=7)
+    with Client.connect(daemon.url(data="nixl")) as client:
+        client.put_many(list(zip(keys, values, strict=True)))
+        buffers = [np.zeros(4096, np.uint8) for _ in keys]
+        assert client.get_many_into(keys, buffers) == [4096] * count
+        assert all(np.array_equal(b, v) for b, v in zip(buffers, values, strict=True))
+        # A miss leaves its buffer as it was; a hit writes nothing past its block.
+        seven = np.full(8192, 7, np.uint8)
+        assert client.get_into(b"\x09" * 16, seven) is None
+        assert (seven == 7).all()
+        assert client.get_into(keys[0], seven) == 4096
+        assert np.array_equal(seven[:4096], values[0]) and (seven[4096:] == 7).all()
 
 
 def test_a_plain_kv_client_sees_what_nixl_stored(start_daemon: Start, ucx: dict[str, str]) -> None:

@@ -32,7 +32,7 @@ from kvoffload.client_sdk.transports.base import (
 )
 from kvoffload.client_sdk.transports.core import left, too_small
 from kvoffload.client_sdk.transports.native import plans
-from kvoffload.client_sdk.transports.native.nixl_memory import NixlMemory, address_of
+from kvoffload.client_sdk.transports.native.nixl_memory import NixlMemory, Region, address_of
 from kvoffload.client_sdk.transports.native.options import NativeOptions
 from kvoffload.client_sdk.transports.native.session import Req
 from kvoffload.client_sdk.transports.native.sync import NativeTransport, _SyncConnection
@@ -111,21 +111,34 @@ class _Lane:
                 left(deadline)  # raises past the deadline
         return call.result()
 
-    def reach(self, buffer: memoryview) -> int:
-        """The address of `buffer`, registering it (and telling the daemon) if needed.
+    def reach(self, buffers: Sequence[memoryview]) -> tuple[int, ...]:
+        """The addresses of `buffers` (0 for an empty one), registering each new one (and
+        telling the daemon). Regions past the cache's size are revoked afterwards, never one
+        that this batch names: the request about to be sent must find all of them registered.
 
         Raises:
-            InvalidArgumentError: it cannot be registered (not contiguous, refused).
+            InvalidArgumentError: one cannot be registered (not contiguous, refused).
         """
-        addr = address_of(buffer)
-        if self.memory.find(addr, buffer.nbytes) is None:
-            region, partial = self.memory.register(buffer)
-            old = self.memory.surplus()
+        used: set[Region] = set()
+        addrs = []
+        for buffer in buffers:
+            if not buffer.nbytes:
+                addrs.append(0)
+                continue
+            addr = address_of(buffer)
+            region = self.memory.find(addr, buffer.nbytes)
+            if region is None:
+                region, meta = self.memory.register(buffer)
+                self.ask(partial(NixlMemoryEvent, agent=meta, regions=region))
+            used.add(region)
+            addrs.append(addr)
+        old = self.memory.surplus(protect=used)
+        if old:
             revoke = tuple(x for r in old for x in r)
-            self.ask(lambda rid: NixlMemoryEvent(rid, partial, region, revoke))
+            self.ask(lambda rid: NixlMemoryEvent(rid, revoke=revoke))
             for r in old:  # the daemon no longer names them: safe to unregister
                 self.memory.deregister(r)
-        return addr
+        return tuple(addrs)
 
     def revoke(self, buffer: memoryview) -> bool:
         """Revoke the region that holds exactly `buffer` (daemon first, then NIXL)."""
@@ -267,10 +280,14 @@ class NixlTransport(NativeTransport):
     def _get(
         self, keys: Sequence[bytes], into: Sequence[IntoBuffer], lane: _Lane, first: int = 0
     ) -> list[Received | None]:
-        regions = [b.region(0, len(b)) for b in into]  # all may be written: scrubbed on failure
-        addrs = tuple(lane.reach(r) for r in regions)
+        addrs = lane.reach([b.buffer for b in into])
         caps = tuple(len(b) for b in into)
-        answer = lane.ask(lambda rid: NixlGet(rid, tuple(keys), addrs, caps))
+        try:
+            answer = lane.ask(lambda rid: NixlGet(rid, tuple(keys), addrs, caps))
+        except BaseException:
+            for b in into:  # any of them may have been written: scrubbed on failure
+                b.region(0, len(b))
+            raise
         got = cast(NixlGetResult, answer)
         if len(got.lengths) != len(keys):
             raise RemoteProtocolError(f"NixlGet of {len(keys)} keys answered {len(got.lengths)}")
@@ -287,6 +304,7 @@ class NixlTransport(NativeTransport):
                 which = "buffer" if len(keys) == 1 else f"buffer {first + i}"
                 raise too_small(caps[i], length - HEADER_BYTES, which)
             else:
+                into[i].region(0, length - HEADER_BYTES)  # what the daemon wrote
                 out.append(Received(header, length - HEADER_BYTES))
         return out
 
@@ -318,7 +336,7 @@ class NixlTransport(NativeTransport):
                     NixlPut,
                     keys=tuple(k for k, *_ in chunk),
                     heads=tuple(h for h, _ in heads),
-                    addrs=tuple(lane.reach(p) if p.nbytes else 0 for _, p in heads),
+                    addrs=lane.reach([p for _, p in heads]),
                     lengths=tuple(p.nbytes for _, p in heads),
                     parents=_parents(chunk),
                     durable=durable,

@@ -18,6 +18,7 @@ import importlib
 import os
 import uuid
 from collections import OrderedDict
+from collections.abc import Set
 from typing import Any
 
 import numpy as np
@@ -107,9 +108,11 @@ class NixlMemory:
         self._regions[region] = (memoryview(buffer), descs)  # our own view, to release
         return region, partial
 
-    def surplus(self, keep: int = MAX_REGIONS) -> list[Region]:
-        """The least recently used regions past `keep`, to revoke and then `deregister`."""
-        return list(self._regions)[: max(0, len(self._regions) - keep)]
+    def surplus(self, keep: int = MAX_REGIONS, protect: Set[Region] = frozenset()) -> list[Region]:
+        """The least recently used regions past `keep`, to revoke and then `deregister`; never
+        one in `protect` (what the request about to be sent names)."""
+        extra = max(0, len(self._regions) - keep)
+        return [r for r in self._regions if r not in protect][:extra]
 
     def deregister(self, region: Region) -> None:
         """Drop a region (after the daemon has revoked it)."""
