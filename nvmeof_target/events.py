@@ -199,12 +199,20 @@ class KVEvents:
         if meta is not None:
             digest = digest if meta.block_hash is None else meta.block_hash
             parent_digest = parent_digest if meta.parent_hash is None else meta.parent_hash
+        gone: list[tuple[bytes, dict[str, object]]] = []
         with self._lock:
-            block = self._published.get(engine_key)
+            old = block = self._published.get(engine_key)
             if block is None or block.digest != digest or block.meta != meta:
                 block = _Block(digest, parent_digest, self.topic_of(tenant), meta=meta)
                 self._published[engine_key] = block
+                if old is not None:
+                    block.pending = old.pending
+                    if old.digest == digest:  # the same block to a router: its copies stay
+                        block.tiers = old.tiers
+                    else:  # the old name's copies go as the engine replaces them
+                        gone = [(old.topic, _removed_event(old.digest, t)) for t in old.tiers]
             block.pending += 1
+        self._pending.extend(gone)
 
     def announce(self, blocks: list[DescribedBlock]) -> int:
         """Publish what a (restarted) store holds, as the engine's indexes describe it: one

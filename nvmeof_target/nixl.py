@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from kvoffload.client_sdk.wire.block import HEADER_BYTES
+from kvoffload.client_sdk.wire.blockmeta import BlockMeta
 from kvoffload.client_sdk.wire.native import (
     NIXL_VERSION,
     NixlGet,
@@ -43,6 +44,7 @@ from kvoffload.errors import (
 )
 from kvoffload.kvstore import BlockView, Engine, PutReservation
 from kvoffload.kvstore.engine import arena_of
+from kvoffload.nvmeof_target.events import stored_meta
 
 if TYPE_CHECKING:
     from kvoffload.nvmeof_target.native_session import NativeSession
@@ -240,8 +242,12 @@ def _run(
         except TransportError as exc:
             log.info("NIXL transfer with %s failed: %s", s.peer, exc)
             _refuse(s, request_id, exc)
-        except KVOffloadError as exc:
+        except (InvalidArgumentError, AuthError, ConfigError) as exc:
             _refuse(s, request_id, exc)
+        except KVOffloadError as exc:
+            # A store that is full or failed an I/O: an answer, as over kv://; the connection
+            # (and the client's registrations on it) stays.
+            s.fail(request_id, exc)
 
     return run()
 
@@ -305,6 +311,14 @@ def on_nixl_get(s: NativeSession, event: NixlGet) -> Awaitable[None]:
             return views
 
         views = await _off(s, fetch, _release)
+        # Blocks the engine serves from outside its arena (an SSD hit staged aside while DRAM
+        # is pinned full) are not registered with NIXL: a miss, which the client recomputes.
+        arena = arena_of(s.engine)
+        start = _address(arena)
+        for i, view in enumerate(views):
+            if view is not None and not start <= _address(view.data) < start + arena.nbytes:
+                _release([view])
+                views[i] = None
         kept = False
         try:
             local: list[tuple[int, int]] = []
@@ -346,12 +360,18 @@ def on_nixl_put(s: NativeSession, event: NixlPut) -> Awaitable[None]:
                 peer.check(addr, n)  # before any slot is claimed
         me, shard = s.me, s.services.shard
         parents = event.parents or (None,) * len(event.keys)
+        # With events on, every put keeps the hashes a restarted daemon announces (as over
+        # the socket; NixlPut carries no client metadata).
+        metas: list[bytes | None] = [
+            stored_meta(key, parent, None) if s.services.events is not None else None
+            for key, parent in zip(event.keys, parents, strict=True)
+        ]
 
         def reserve() -> list[PutReservation]:
             out: list[PutReservation] = []
             try:
-                for key, head, n, parent in zip(
-                    event.keys, event.heads, event.lengths, parents, strict=True
+                for key, head, n, parent, meta in zip(
+                    event.keys, event.heads, event.lengths, parents, metas, strict=True
                 ):
                     if shard is not None:
                         shard.check(key)
@@ -364,6 +384,7 @@ def on_nixl_put(s: NativeSession, event: NixlPut) -> Awaitable[None]:
                             parent=me.opt_key(parent),
                             durable=event.durable,
                             tenant=me.name,
+                            meta=meta,
                         )
                     )
             except BaseException:
@@ -389,7 +410,7 @@ def on_nixl_put(s: NativeSession, event: NixlPut) -> Awaitable[None]:
             except _StuckError:
                 kept = True
                 raise
-            await _commit(s, event, reservations)
+            await _commit(s, event, reservations, metas)
             committed = True
         finally:
             if not committed and not kept:
@@ -400,13 +421,19 @@ def on_nixl_put(s: NativeSession, event: NixlPut) -> Awaitable[None]:
     return _run(s, event.request_id, work)
 
 
-async def _commit(s: NativeSession, event: NixlPut, reservations: list[PutReservation]) -> None:
+async def _commit(
+    s: NativeSession,
+    event: NixlPut,
+    reservations: list[PutReservation],
+    metas: list[bytes | None],
+) -> None:
     events, me = s.services.events, s.me
     keys = [me.key(key) for key in event.keys]
     parents = event.parents or (None,) * len(event.keys)
     if events is not None:
-        for engine_key, key, parent in zip(keys, event.keys, parents, strict=True):
-            events.expect(engine_key, key, parent, me.name)
+        for engine_key, key, parent, meta in zip(keys, event.keys, parents, metas, strict=True):
+            decoded = None if meta is None else BlockMeta.decode(meta)
+            events.expect(engine_key, key, parent, me.name, decoded)
 
     def commit() -> None:
         try:

@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 # Forward passes with fewer tokens than this are decode-bound: their tokens/s says nothing
 # about prefill, so they are not counted.
 MIN_PREFILL_TOKENS = 64
+# While loading measures slower than computing, every this many refused hits one is loaded
+# anyway: without loads the measured load rate would never change, and a store that became
+# faster (a cold SSD warmed up, a busy network calmed) would never be claimed again.
+PROBE_EVERY = 32
 # Weight of the history when a new measurement arrives (an exponential moving average over
 # stats messages, so the rule follows a store that gets slower or faster).
 DECAY = 0.8
@@ -102,6 +106,7 @@ class ClaimRule:
         self._load: float | None = None  # measured blocks/s
         self._prefill: float | None = None  # measured tokens/s
         self.skipped_tokens = 0  # hit tokens recomputed because loading them would be slower
+        self._refused = 0
 
     @property
     def load_blocks_per_s(self) -> float | None:
@@ -131,6 +136,9 @@ class ClaimRule:
             return True
         if load * self._block_tokens > prefill:
             return True
+        self._refused += 1
+        if not self._told_load and self._refused % PROBE_EVERY == 0:
+            return True  # a probe that keeps the measured load rate current
         self.skipped_tokens += blocks * self._block_tokens
         log.debug("kvoffload: recomputing %d hit blocks: loading %.0f tokens/s < computing "
                   "%.0f tokens/s", blocks, load * self._block_tokens, prefill)  # fmt: skip

@@ -54,10 +54,8 @@ from kvoffload.client_sdk import BlockHash, Client, Namespace, engine_hashes
 from kvoffload.connectors.vllm import _compat
 from kvoffload.errors import (
     ConfigError,
-    DeadlineExceededError,
     InvalidArgumentError,
     KVOffloadError,
-    TransportError,
 )
 
 __all__ = [
@@ -258,7 +256,11 @@ class EncoderOutputStore:
         found: list[bool] = []
         while len(found) < len(keys):
             self._count(lookups=1)
-            n = self._client.lookup(keys[len(found) :])
+            try:
+                n = self._client.lookup(keys[len(found) :])
+            except KVOffloadError as exc:  # a store error is "absent", never a crash
+                log.warning("encoder output lookup failed (%s); treated as absent", exc)
+                return found + [False] * (len(keys) - len(found))
             found += [True] * n
             if len(found) < len(keys):
                 found.append(False)
@@ -326,8 +328,9 @@ class EncoderOutputStore:
                 if got != expected:
                     self._count(misses=1)
                     return None
-        except (TransportError, DeadlineExceededError, InvalidArgumentError) as exc:
-            # Unreachable, or a chunk larger than its manifest says: a miss either way.
+        except KVOffloadError as exc:
+            # Unreachable, a store error, a chunk larger than its manifest says: a miss either
+            # way (raising here would end vLLM's scheduler).
             log.warning("encoder output %s not loaded (%s); a miss", identifier, exc)
             self._count(misses=1)
             return None
