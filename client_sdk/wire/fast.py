@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import fields
 from types import ModuleType
 
 import crc32c as _crc32c
@@ -142,7 +143,7 @@ def register(classes: dict[str, type]) -> None:
         return
     for i, (name, names) in enumerate(KINDS):
         cls = classes[name]
-        if tuple(getattr(cls, "__dataclass_fields__", ())) == names:
+        if tuple(f.name for f in fields(cls)) == names:  # type: ignore[arg-type]
             _EXT.register(i, cls, names)
 
 
