@@ -15,6 +15,7 @@ import numpy as np
 from kvoffload.buffers import Bytes, as_readable, as_writable
 from kvoffload.client_sdk.keys import BlockKey, Namespace, to_key
 from kvoffload.client_sdk.transports.base import HeldBlock, PutItem, Received
+from kvoffload.client_sdk.wire import fast as _fast
 from kvoffload.client_sdk.wire.block import (
     HEADER_BYTES,
     BlockHeader,
@@ -23,7 +24,6 @@ from kvoffload.client_sdk.wire.block import (
     peek_codec,
     seal,
 )
-from kvoffload.client_sdk.wire import fast as _fast
 from kvoffload.client_sdk.wire.blockmeta import BlockMeta
 from kvoffload.compression import (
     CODEC_NONE,

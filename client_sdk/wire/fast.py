@@ -71,7 +71,7 @@ _EXT = _load()
 
 
 def py_crc32c(data: object, crc: int = 0) -> int:
-    return int(_crc32c.crc32c(data, crc))
+    return int(_crc32c.crc32c(data, crc))  # type: ignore[arg-type]
 
 
 def py_crc32c_copy(dst: object, src: object, crc: int = 0) -> int:
@@ -143,7 +143,7 @@ def register(classes: dict[str, type]) -> None:
         return
     for i, (name, names) in enumerate(KINDS):
         cls = classes[name]
-        if tuple(f.name for f in fields(cls)) == names:  # type: ignore[arg-type]
+        if tuple(f.name for f in fields(cls)) == names:
             _EXT.register(i, cls, names)
 
 

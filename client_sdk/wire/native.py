@@ -25,15 +25,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
-import msgpack
-
 from kvoffload.client_sdk.wire import fast as _fast
 from kvoffload.client_sdk.wire.frames import (
     FLAG_RESPONSE,
-    FRAME,
     HEAD_READ,
-    MAGIC,
-    VERSION,
     Frame,
     FrameReader,
     Limits,
@@ -127,9 +122,7 @@ __all__ = [
 ]
 
 # The events the C fast path builds (fast.KINDS).
-_fast.register(
-    {c.__name__: c for c in (Get, Exists, Put, GetResult, PutDone, ExistsResult)}
-)
+_fast.register({c.__name__: c for c in (Get, Exists, Put, GetResult, PutDone, ExistsResult)})
 
 # ---------------------------------------------------------------------------- the connection
 

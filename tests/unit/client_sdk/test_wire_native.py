@@ -53,6 +53,7 @@ def implementation(request: pytest.FixtureRequest) -> Iterator[str]:
     yield request.param
     fast.use(previous)
 
+
 Item = Event | PayloadEnd | ConnectionClosed
 
 # A session: (event, payload) sent by the client, then by the server.
