@@ -338,6 +338,17 @@ class NativeConnection:
         del self._pending[request_id]
         return [_fast.frame_head(PutDone.OP, request_id, None, None, 0)]
 
+    def send_exists_result(self, request_id: int, found: bool) -> list[bytes | memoryview]:
+        """`send_parts(ExistsResult(request_id, found))`, byte for byte, without the event.
+
+        Raises:
+            LocalProtocolError: as `send_parts`.
+        """
+        if type(found) is not bool or not self._may_answer(request_id, Exists):
+            return self.send_parts(ExistsResult(request_id, found))
+        del self._pending[request_id]
+        return [_fast.frame_head(ExistsResult.OP, request_id, "found", found, 0)]
+
     def _may_answer(self, request_id: int, asked: type[Event]) -> bool:
         """A server may answer `request_id`, an outstanding `asked` request, now."""
         return (

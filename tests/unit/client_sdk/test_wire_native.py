@@ -479,3 +479,13 @@ def test_the_fast_put_answer_is_the_same_bytes() -> None:
         fast.send_put_done(4)
     with pytest.raises(LocalProtocolError, match="unknown request id 2"):
         fast.send_put_done(2)
+
+
+def test_the_fast_exists_answer_is_the_same_bytes() -> None:
+    fast, plain = _two_servers_after([Exists(2, K1), Exists(3, K1), Get(4, K1)])
+    for rid, found in ((2, True), (3, False)):
+        assert fast.send_exists_result(rid, found) == plain.send_parts(ExistsResult(rid, found))
+    with pytest.raises(LocalProtocolError, match="ExistsResult answers a Get"):
+        fast.send_exists_result(4, True)
+    with pytest.raises(LocalProtocolError, match="unknown request id 2"):
+        fast.send_exists_result(2, True)
