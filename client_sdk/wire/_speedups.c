@@ -117,6 +117,9 @@ static int hardware = 0;
 
 /* ------------------------------------------------------------------ Python entry points */
 
+/* Other threads run while a large buffer is summed; for a small one the switch costs more. */
+#define RELEASE_GIL_AT (64 << 10)
+
 static int crc_arg(PyObject *obj, uint32_t *out) {
     unsigned long long v = PyLong_AsUnsignedLongLong(obj);
     if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
@@ -135,9 +138,13 @@ static PyObject *py_crc32c(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*|O:crc32c", &src, &crc_obj)) return NULL;
     if (crc_obj && crc_arg(crc_obj, &crc) < 0) { PyBuffer_Release(&src); return NULL; }
     uint32_t reg = ~crc;
-    Py_BEGIN_ALLOW_THREADS
-    reg = update_copy(reg, NULL, src.buf, (size_t)src.len);
-    Py_END_ALLOW_THREADS
+    if (src.len < RELEASE_GIL_AT) {
+        reg = update_copy(reg, NULL, src.buf, (size_t)src.len);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        reg = update_copy(reg, NULL, src.buf, (size_t)src.len);
+        Py_END_ALLOW_THREADS
+    }
     PyBuffer_Release(&src);
     return PyLong_FromUnsignedLong(~reg);
 }
@@ -164,9 +171,13 @@ static PyObject *py_crc32c_copy(PyObject *self, PyObject *args) {
         goto done;
     }
     uint32_t reg = ~crc;
-    Py_BEGIN_ALLOW_THREADS
-    reg = update_copy(reg, dst.buf, src.buf, (size_t)src.len);
-    Py_END_ALLOW_THREADS
+    if (src.len < RELEASE_GIL_AT) {
+        reg = update_copy(reg, dst.buf, src.buf, (size_t)src.len);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        reg = update_copy(reg, dst.buf, src.buf, (size_t)src.len);
+        Py_END_ALLOW_THREADS
+    }
     result = PyLong_FromUnsignedLong(~reg);
 done:
     PyBuffer_Release(&dst);

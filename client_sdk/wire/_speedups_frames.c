@@ -136,7 +136,8 @@ static PyObject *parse(const uint8_t *buf, Py_ssize_t start, Py_ssize_t end, uin
     if (!bad && k->descr[k->nfields + 1])
         bad = Py_TYPE(k->descr[k->nfields + 1])
                   ->tp_descr_set(k->descr[k->nfields + 1], event, Py_None) < 0;
-    if (!bad) *head = Py_BuildValue("(iiKKK)", op, response, rid, hlen, plen);
+    if (!bad) *head = Py_BuildValue("(iiKKK)", op, response, (unsigned long long)rid,
+                                     (unsigned long long)hlen, (unsigned long long)plen);
     if (bad || !*head) Py_CLEAR(event);
     *next = start + HEAD + (Py_ssize_t)hlen;
 out:
