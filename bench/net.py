@@ -169,7 +169,12 @@ def daemon(dram: str, tmp: str, workers: int = 1) -> Iterator[tuple[str, int]]:
     ]
     args += ["--nvme-port", "0", "--metrics-port", "0", "--dram", dram, "--ssd", "0"]
     args += ["--data-dir", tmp]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
+    # KVOFFLOAD_PURE_PYTHON reaches the daemon: a pure-Python run measures both sides so.
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("KVOFFLOAD_") or k == "KVOFFLOAD_PURE_PYTHON"
+    }
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
     try:
         port = None

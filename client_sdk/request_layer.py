@@ -15,9 +15,11 @@ import numpy as np
 from kvoffload.buffers import Bytes, as_readable, as_writable
 from kvoffload.client_sdk.keys import BlockKey, Namespace, to_key
 from kvoffload.client_sdk.transports.base import HeldBlock, PutItem, Received
+from kvoffload.client_sdk.wire import fast as _fast
 from kvoffload.client_sdk.wire.block import (
     HEADER_BYTES,
     BlockHeader,
+    open_header,
     open_parts,
     peek_codec,
     seal,
@@ -245,21 +247,32 @@ class RequestLayer:
             return None
         return header, as_readable(data[HEADER_BYTES:])
 
-    def _open(self, key: bytes, header: memoryview, payload: memoryview) -> BlockHeader | None:
-        """Verify a block's header and payload; None is a counted, logged corrupt miss."""
+    def _open(
+        self, key: bytes, header: memoryview, payload: memoryview, *, summed: bool = True
+    ) -> BlockHeader | None:
+        """Verify a block's header and payload (`summed` False: all but the payload checksum,
+        which the caller then checks); None is a counted, logged corrupt miss."""
         try:
-            opened = open_parts(
-                header, payload, key_or_hash=bytes(key), namespace=self._fingerprint
-            )
+            if summed:
+                opened = open_parts(
+                    header, payload, key_or_hash=bytes(key), namespace=self._fingerprint
+                )
+            else:
+                opened = open_header(
+                    header, len(payload), key_or_hash=bytes(key), namespace=self._fingerprint
+                )
             if opened.raw_length > self.max_payload:
                 raise CorruptBlockError(
                     f"header declares {opened.raw_length} raw bytes, more than any put accepts"
                 )
         except CorruptBlockError as exc:
-            log.warning("block %s failed verification (%s); served as a miss", key.hex(), exc)
-            self._count_miss(corrupt=True)
+            self._corrupt_miss(key, exc)
             return None
         return opened
+
+    def _corrupt_miss(self, key: bytes, why: object) -> None:
+        log.warning("block %s failed verification (%s); served as a miss", key.hex(), why)
+        self._count_miss(corrupt=True)
 
     def _count_miss(self, *, corrupt: bool = False, codec_error: bool = False) -> None:
         with self._lock:
@@ -323,18 +336,37 @@ class RequestLayer:
     def read_into(self, key: bytes, held: HeldBlock | Received | None, buffer: Bytes) -> int | None:
         if isinstance(held, Received):
             return self._received(key, held, buffer)
-        verified = self.verify(key, held)
-        if verified is None or held is None:
+        if held is None:
+            self._count_miss()
             return None
-        header, payload = verified
+        return self._copy_into(key, held, buffer)
+
+    def _copy_into(self, key: bytes, held: HeldBlock, buffer: Bytes) -> int | None:
+        """`read_into` of a block held in the store's memory (local://): a raw payload is
+        summed while it is copied (one pass); a mismatch zeroes what was copied."""
         try:
-            if header.raw_length > buffer.size:
-                raise InvalidArgumentError(
-                    f"buffer of {buffer.size} bytes is too small for a "
-                    f"{header.raw_length}-byte block"
-                )
-            ok = self._decode(key, header, payload, buffer[: header.raw_length])
-            return header.raw_length if ok else None
+            data = held.data
+            payload = as_readable(data[HEADER_BYTES:])
+            header = self._open(key, data[:HEADER_BYTES], data[HEADER_BYTES:], summed=False)
+            if header is None:
+                return None
+            raw = header.raw_length
+            if raw > buffer.size or header.codec_id != CODEC_NONE or raw != payload.size:
+                if _fast.crc32c(payload) != header.payload_crc:
+                    self._corrupt_miss(key, "payload checksum mismatch")
+                    return None
+                if raw > buffer.size:
+                    raise InvalidArgumentError(
+                        f"buffer of {buffer.size} bytes is too small for a {raw}-byte block"
+                    )
+                return raw if self._decode(key, header, payload, buffer[:raw]) else None
+            out = buffer[:raw]
+            if _fast.crc32c_copy(out, payload) != header.payload_crc:
+                out[:] = 0  # no byte of a corrupt block stays in the caller's buffer
+                self._corrupt_miss(key, "payload checksum mismatch")
+                return None
+            self._count_hit(header, payload)
+            return raw
         finally:
             held.release()
 

@@ -19,7 +19,6 @@ from kvoffload.client_sdk.wire.native import (
     DeleteResult,
     Event,
     Exists,
-    ExistsResult,
     Get,
     GetMany,
     GetManyResult,
@@ -146,7 +145,7 @@ def on_get_many(s: NativeSession, event: GetMany) -> None:
 
 def on_exists(s: NativeSession, event: Exists) -> None:
     found = s.engine.contains(s.me.key(event.key))
-    s.reply(ExistsResult(event.request_id, found))
+    s.reply_exists(event.request_id, found)
 
 
 def on_lookup(s: NativeSession, event: Lookup) -> None:

@@ -217,6 +217,11 @@ class NativeSession(Session):
         self._answer(request_id, self.conn.send_put_done(request_id), "ok")
         self._wake()
 
+    def reply_exists(self, request_id: int, found: bool) -> None:
+        """Answer an Exists: `reply(ExistsResult(request_id, found))` without the event."""
+        self._answer(request_id, self.conn.send_exists_result(request_id, found), "ok")
+        self._wake()
+
     def fail(self, request_id: int, exc: KVOffloadError) -> None:
         self.reply(ErrorReply(request_id, status_of(exc), str(exc)[:1000]))
 

@@ -39,6 +39,7 @@ __all__ = [
     "MAGIC",
     "BlockHeader",
     "open_block",
+    "open_header",
     "open_parts",
     "peek_codec",
     "seal",
@@ -134,6 +135,27 @@ def open_parts(
     Raises:
         CorruptBlockError: as for `open_block`.
     """
+    opened = open_header(
+        header, len(memoryview(payload)), key_or_hash=key_or_hash, namespace=namespace
+    )
+    if crc32c.crc32c(payload) != opened.payload_crc:
+        raise CorruptBlockError("payload checksum mismatch")
+    return opened
+
+
+def open_header(
+    header: memoryview | bytes,
+    payload_length: int,
+    *,
+    key_or_hash: bytes,
+    namespace: bytes | None = None,
+) -> BlockHeader:
+    """`open_parts` without the payload's checksum: the caller sums the payload itself (while
+    copying it) and compares the sum with `payload_crc` before any byte is used.
+
+    Raises:
+        CorruptBlockError: as for `open_block` (the payload checksum aside).
+    """
     view = memoryview(header)
     if len(view) < HEADER_BYTES:
         raise CorruptBlockError(f"block of {len(view)} bytes is shorter than its header")
@@ -146,9 +168,9 @@ def open_parts(
     )
     if magic != MAGIC or version != VERSION or flags & ~_KNOWN_FLAGS:
         raise CorruptBlockError(f"unknown block format (magic {magic!r}, version {version})")
-    if stored_len != len(payload):
+    if stored_len != payload_length:
         raise CorruptBlockError(
-            f"header declares {stored_len} payload bytes, block holds {len(payload)}"
+            f"header declares {stored_len} payload bytes, block holds {payload_length}"
         )
     if chain[:16] != key_or_hash[:16]:
         raise CorruptBlockError("block belongs to another key")
@@ -156,8 +178,6 @@ def open_parts(
         raise CorruptBlockError("block belongs to another chain (16-byte key collision)")
     if namespace is not None and ns != namespace:
         raise CorruptBlockError("block belongs to another namespace")
-    if crc32c.crc32c(payload) != payload_crc:
-        raise CorruptBlockError("payload checksum mismatch")
     return BlockHeader(codec, flags, raw_len, stored_len, bytes(ns), bytes(chain), payload_crc)
 
 

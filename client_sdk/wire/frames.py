@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Protocol
@@ -59,6 +59,12 @@ MAX_REQUEST_ID = (1 << 32) - 1
 LARGE_PAYLOAD = 32 << 10
 # What to read when only a frame's header (and a little more) is wanted.
 HEAD_READ = 512
+
+
+# fast.parse_frame: (buffer, start, end, max header, max payload) -> (event, next start, head).
+ParseFrame = Callable[
+    [bytearray, int, int, int, int], "tuple[object, int, tuple[int, int, int, int, int]] | None"
+]
 
 
 class Buffer(Protocol):
@@ -212,6 +218,27 @@ class FrameReader(ReceiveBuffer):
         else:
             self._state = _State.HEAD
         return frame
+
+    def take_parsed(self, parse: ParseFrame) -> object | None:
+        """The event `parse` (fast.parse_frame) makes of the whole frame buffered next, with
+        the reader moved past its map as `next_frame` would; None (nothing consumed) when it
+        does not take that frame, or when the reader is inside one."""
+        if self._state is not _State.HEAD:
+            return None
+        got = parse(
+            self._buf,
+            self._start,
+            self._end,
+            self.limits.max_header_bytes,
+            self.limits.max_payload_bytes,
+        )
+        if got is None:
+            return None
+        event, self._start, self._head = got
+        if self._head[4]:
+            self._state = _State.PAYLOAD
+            self._expect(self._head[4])
+        return event
 
     # ------------------------------------------------------------------ internals
 

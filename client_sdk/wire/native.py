@@ -25,14 +25,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
-import msgpack
-
+from kvoffload.client_sdk.wire import fast as _fast
 from kvoffload.client_sdk.wire.frames import (
     FLAG_RESPONSE,
-    FRAME,
     HEAD_READ,
-    MAGIC,
-    VERSION,
     Frame,
     FrameReader,
     Limits,
@@ -125,10 +121,8 @@ __all__ = [
     "Welcome",
 ]
 
-# GetResult's packed map by value length: stores hold few distinct block sizes, so a get's
-# answer header is mostly a lookup. Bounded: the lengths are whatever the clients stored.
-_LENGTH_MAPS: dict[int | None, bytes] = {}
-_MAX_LENGTH_MAPS = 4096
+# The events the C fast path builds (fast.KINDS).
+_fast.register({c.__name__: c for c in (Get, Exists, Put, GetResult, PutDone, ExistsResult)})
 
 # ---------------------------------------------------------------------------- the connection
 
@@ -216,6 +210,12 @@ class NativeConnection:
         if self._error is not None:
             raise self._error
         try:
+            parse = _fast.parse_frame
+            if parse is not None:
+                fast = self._reader.take_parsed(parse)
+                if fast is not None:
+                    self._admit(fast)  # type: ignore[arg-type]
+                    return fast  # type: ignore[return-value]
             item = self._reader.next_frame()
             if isinstance(item, Frame):
                 event = _decode(item)
@@ -323,16 +323,8 @@ class NativeConnection:
                 size += part.nbytes
         if size != (length or 0) or not self._may_answer(request_id, Get):
             return self.send_parts(GetResult(request_id, length), payload)
-        packed = _LENGTH_MAPS.get(length)
-        if packed is None:
-            packed = msgpack.packb({"length": length}, use_bin_type=True)
-            if len(_LENGTH_MAPS) < _MAX_LENGTH_MAPS:
-                _LENGTH_MAPS[length] = packed
         del self._pending[request_id]
-        parts[0] = (
-            FRAME.pack(MAGIC, VERSION, GetResult.OP, FLAG_RESPONSE, request_id, len(packed), size)
-            + packed
-        )
+        parts[0] = _fast.frame_head(GetResult.OP, request_id, "length", length, size)
         return parts
 
     def send_put_done(self, request_id: int) -> list[bytes | memoryview]:
@@ -344,7 +336,18 @@ class NativeConnection:
         if not self._may_answer(request_id, Put):
             return self.send_parts(PutDone(request_id))
         del self._pending[request_id]
-        return [FRAME.pack(MAGIC, VERSION, PutDone.OP, FLAG_RESPONSE, request_id, 1, 0) + b"\x80"]
+        return [_fast.frame_head(PutDone.OP, request_id, None, None, 0)]
+
+    def send_exists_result(self, request_id: int, found: bool) -> list[bytes | memoryview]:
+        """`send_parts(ExistsResult(request_id, found))`, byte for byte, without the event.
+
+        Raises:
+            LocalProtocolError: as `send_parts`.
+        """
+        if type(found) is not bool or not self._may_answer(request_id, Exists):
+            return self.send_parts(ExistsResult(request_id, found))
+        del self._pending[request_id]
+        return [_fast.frame_head(ExistsResult.OP, request_id, "found", found, 0)]
 
     def _may_answer(self, request_id: int, asked: type[Event]) -> bool:
         """A server may answer `request_id`, an outstanding `asked` request, now."""

@@ -27,6 +27,8 @@ with Client.connect("local://?dram=8MiB&prefault=0") as c:
 with Client.connect("local://?dram=8MiB&prefault=0", codec="split-zstd") as c:
     c.put(bytes(16), bytes(4096))  # the codec modules ship and load
     assert c.get(bytes(16)) == bytes(4096) and c.stats().bytes_stored < 4096
+from kvoffload.client_sdk.wire import fast  # KVOFFLOAD_REQUIRE_EXT: the C part built
+assert fast.IMPLEMENTATION == "c" and fast.crc32c(b"123456789") == 0xE3069283
 print("imports ok")
 """
 
@@ -38,7 +40,8 @@ def test_pip_install_dot(tmp_path: Path) -> None:
         cmd.append("--no-build-isolation")
     build = subprocess.run([*cmd, str(ROOT)], capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stdout + build.stderr
-    env = dict(os.environ, PYTHONPATH=str(target))
+    env = dict(os.environ, PYTHONPATH=str(target), KVOFFLOAD_REQUIRE_EXT="1")
+    env.pop("KVOFFLOAD_PURE_PYTHON", None)
     proc = subprocess.run(
         [sys.executable, "-c", f"TARGET={str(target)!r}\n" + CHECK],
         capture_output=True,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvoffload.client_sdk.wire import fast
 from kvoffload.client_sdk.wire.blockmeta import BlockMeta
 from kvoffload.client_sdk.wire.frames import FRAME, MAGIC, Limits
 from kvoffload.client_sdk.wire.native import (
@@ -43,6 +44,16 @@ from kvoffload.client_sdk.wire.native import (
 from kvoffload.errors import LocalProtocolError, RemoteProtocolError
 
 K1, K2, K3 = bytes(16), bytes(range(16)), b"\xff" * 16
+
+
+@pytest.fixture(autouse=True, params=fast.available())
+def implementation(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test here runs with the C fast path (when it built) and with pure Python."""
+    previous = fast.use(request.param)
+    yield request.param
+    fast.use(previous)
+
+
 Item = Event | PayloadEnd | ConnectionClosed
 
 # A session: (event, payload) sent by the client, then by the server.
@@ -468,3 +479,13 @@ def test_the_fast_put_answer_is_the_same_bytes() -> None:
         fast.send_put_done(4)
     with pytest.raises(LocalProtocolError, match="unknown request id 2"):
         fast.send_put_done(2)
+
+
+def test_the_fast_exists_answer_is_the_same_bytes() -> None:
+    fast, plain = _two_servers_after([Exists(2, K1), Exists(3, K1), Get(4, K1)])
+    for rid, found in ((2, True), (3, False)):
+        assert fast.send_exists_result(rid, found) == plain.send_parts(ExistsResult(rid, found))
+    with pytest.raises(LocalProtocolError, match="ExistsResult answers a Get"):
+        fast.send_exists_result(4, True)
+    with pytest.raises(LocalProtocolError, match="unknown request id 2"):
+        fast.send_exists_result(2, True)

@@ -1,0 +1,151 @@
+"""The data plane's C fast path (`_speedups`, built by setup.py) or its pure-Python twin.
+
+Everything here has both forms; the Python one defines what is right and the tests run both.
+`KVOFFLOAD_PURE_PYTHON=1` forces Python; `KVOFFLOAD_REQUIRE_EXT=1` makes a missing extension
+an ImportError (CI sets it to prove the extension built). `use()` switches at run time (tests).
+
+- `crc32c(data, crc=0)`: the `crc32c` package's checksum.
+- `crc32c_copy(dst, src, crc=0)`: copy `src` to the start of `dst` and return its CRC32C,
+  reading it once (a verified get into a caller's buffer).
+- `parse_frame(buf, start, end, max_header, max_payload)`: the event of a whole, canonical Get,
+  Exists, Put, GetResult, PutDone or ExistsResult frame at `buf[start:end]` with the offset
+  after its map and its head tuple; None for anything else (the Python codec then parses it
+  and raises its usual errors). The Python form is always None: the general path.
+- `frame_head(op, request_id, name, value, payload_length)`: an answer's frame header and its
+  map of one entry (`name` None: empty), as `frames.encode_frame` builds them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import fields
+from types import ModuleType
+
+import crc32c as _crc32c
+import msgpack
+
+from kvoffload.client_sdk.wire.frames import FLAG_RESPONSE, FRAME, MAGIC, VERSION, ParseFrame
+from kvoffload.errors import KVOffloadError
+
+__all__ = [
+    "IMPLEMENTATION",
+    "KINDS",
+    "available",
+    "crc32c",
+    "crc32c_copy",
+    "frame_head",
+    "parse_frame",
+    "use",
+]
+
+# The event classes parse_frame builds and their fields, in _speedups_frames.c's order
+# (native.py registers them). A class whose fields differ (a newer protocol) stays with Python.
+KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Get", ("request_id", "key")),
+    ("Exists", ("request_id", "key")),
+    ("Put", ("request_id", "key", "length", "parent", "durable", "block_meta")),
+    ("GetResult", ("request_id", "length")),
+    ("PutDone", ("request_id",)),
+    ("ExistsResult", ("request_id", "found")),
+)
+
+
+class ExtensionMissingError(KVOffloadError, ImportError):
+    """KVOFFLOAD_REQUIRE_EXT is set and the C extension did not build or load."""
+
+
+def _load() -> ModuleType | None:
+    if os.environ.get("KVOFFLOAD_PURE_PYTHON") == "1":
+        return None
+    try:
+        from kvoffload.client_sdk.wire import _speedups
+    except ImportError as exc:
+        if os.environ.get("KVOFFLOAD_REQUIRE_EXT") == "1":
+            raise ExtensionMissingError(f"the C extension is required and missing: {exc}") from exc
+        return None
+    return _speedups
+
+
+_EXT = _load()
+
+
+def py_crc32c(data: object, crc: int = 0) -> int:
+    return int(_crc32c.crc32c(data, crc))  # type: ignore[arg-type]
+
+
+def py_crc32c_copy(dst: object, src: object, crc: int = 0) -> int:
+    source = memoryview(src).cast("B")  # type: ignore[arg-type]
+    target = memoryview(dst).cast("B")  # type: ignore[arg-type]
+    if len(target) < len(source):
+        raise ValueError(f"destination of {len(target)} bytes for {len(source)} bytes")
+    target[: len(source)] = source
+    return int(_crc32c.crc32c(source, crc))
+
+
+# Packed one-entry maps by (name, type, value): stores hold few distinct block sizes, so an
+# answer's map is mostly a lookup. Bounded: the values are whatever the clients stored.
+_MAPS: dict[tuple[str | None, type, object], bytes] = {}
+_MAX_MAPS = 4096
+
+
+def py_frame_head(
+    op: int, request_id: int, name: str | None, value: object, payload_length: int
+) -> bytes:
+    cached = (name, type(value), value)
+    packed = _MAPS.get(cached)
+    if packed is None:
+        packed = msgpack.packb({name: value} if name is not None else {}, use_bin_type=True)
+        if len(_MAPS) < _MAX_MAPS:
+            _MAPS[cached] = packed
+    return (
+        FRAME.pack(MAGIC, VERSION, op, FLAG_RESPONSE, request_id, len(packed), payload_length)
+        + packed
+    )
+
+
+crc32c: Callable[..., int] = py_crc32c
+crc32c_copy: Callable[..., int] = py_crc32c_copy
+frame_head: Callable[[int, int, str | None, object, int], bytes] = py_frame_head
+parse_frame: ParseFrame | None = None
+IMPLEMENTATION = "python"
+
+
+def available() -> tuple[str, ...]:
+    """The implementations this process can use."""
+    return ("python", "c") if _EXT is not None else ("python",)
+
+
+def use(name: str) -> str:
+    """Switch every function here to `name` ("c" or "python"); returns the previous one."""
+    global crc32c, crc32c_copy, frame_head, parse_frame, IMPLEMENTATION
+    if name not in available():
+        raise ValueError(f"implementation {name!r} is not available here ({available()})")
+    previous = IMPLEMENTATION
+    if name == "c":
+        assert _EXT is not None
+        crc32c, crc32c_copy = _EXT.crc32c, _EXT.crc32c_copy
+        frame_head, parse_frame = _EXT.frame_head, _EXT.parse_frame
+    else:
+        crc32c, crc32c_copy, frame_head, parse_frame = (
+            py_crc32c,
+            py_crc32c_copy,
+            py_frame_head,
+            None,
+        )
+    IMPLEMENTATION = name
+    return previous
+
+
+def register(classes: dict[str, type]) -> None:
+    """Tell the extension which classes its events are (by name, `KINDS`)."""
+    if _EXT is None:
+        return
+    for i, (name, names) in enumerate(KINDS):
+        cls = classes[name]
+        if tuple(f.name for f in fields(cls)) == names:
+            _EXT.register(i, cls, names)
+
+
+if _EXT is not None:
+    use("c")

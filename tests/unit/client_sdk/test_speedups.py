@@ -1,0 +1,277 @@
+"""The C fast path (`_speedups`) against its pure-Python twin (client_sdk/wire/fast.py): the
+same checksums, the same events from the same bytes, the same errors, the same answer bytes."""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator
+
+import crc32c as reference
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvoffload.client_sdk.wire import fast
+from kvoffload.client_sdk.wire.frames import FLAG_RESPONSE, FRAME, MAGIC, VERSION, encode_frame
+from kvoffload.client_sdk.wire.native import (
+    Event,
+    Exists,
+    ExistsResult,
+    Get,
+    GetResult,
+    Hello,
+    Limits,
+    NativeConnection,
+    Put,
+    PutDone,
+    Role,
+)
+from kvoffload.errors import RemoteProtocolError
+
+IMPLS = fast.available()
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request: pytest.FixtureRequest) -> Iterator[str]:
+    previous = fast.use(request.param)
+    yield request.param
+    fast.use(previous)
+
+
+def test_the_extension_built_where_ci_needs_it() -> None:
+    # CI (CI=true) and KVOFFLOAD_REQUIRE_EXT=1 runs prove that `pip install` built it; a
+    # KVOFFLOAD_PURE_PYTHON=1 run proves the fallback works without it.
+    if os.environ.get("KVOFFLOAD_PURE_PYTHON") == "1":
+        assert fast.IMPLEMENTATION == "python" and fast.parse_frame is None
+    elif os.environ.get("CI") == "true" or os.environ.get("KVOFFLOAD_REQUIRE_EXT") == "1":
+        assert "c" in IMPLS and fast.IMPLEMENTATION == "c"
+
+
+# ---------------------------------------------------------------------------- CRC32C
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.binary(min_size=0, max_size=4096 + 16),
+    offset=st.integers(0, 15),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_crc32c_matches_the_crc32c_package(data: bytes, offset: int, seed: int) -> None:
+    view = memoryview(data)[offset:]  # unaligned starts
+    for name in IMPLS:
+        fast.use(name)
+        assert fast.crc32c(view, seed) == reference.crc32c(view, seed)
+        dst = bytearray(len(view) + offset + 3)
+        target = memoryview(dst)[offset:]
+        assert fast.crc32c_copy(target, view, seed) == reference.crc32c(view, seed)
+        assert bytes(target[: len(view)]) == bytes(view)
+        assert not any(dst[:offset]) and not any(target[len(view) :])
+
+
+def test_crc32c_every_length_to_4096_and_large(impl: str) -> None:
+    data = os.urandom((3 << 20) + 123)
+    lengths = [*range(4097), 3 * 1024 * 7 + 5, 1 << 20, (2 << 20) + 1, len(data)]
+    for n in lengths:
+        assert fast.crc32c(data[:n]) == reference.crc32c(data[:n]), n
+    for n in (0, 1, 3071, 3072, 3073, 9216 + 7, len(data)):
+        dst = bytearray(n)
+        assert fast.crc32c_copy(dst, data[:n], 5) == reference.crc32c(data[:n], 5)
+        assert dst == data[:n]
+
+
+def test_crc32c_copy_refuses_a_short_destination_and_bad_seeds(impl: str) -> None:
+    with pytest.raises(ValueError):
+        fast.crc32c_copy(bytearray(3), b"four")
+    with pytest.raises(TypeError):
+        fast.crc32c_copy(b"read-only", b"x")
+    if impl == "c":
+        with pytest.raises((ValueError, OverflowError)):
+            fast.crc32c(b"x", 1 << 32)
+        shared = bytearray(64)
+        with pytest.raises(ValueError, match="overlap"):
+            fast.crc32c_copy(memoryview(shared)[8:], memoryview(shared)[:32])
+
+
+# ---------------------------------------------------------------------------- frames
+
+K = bytes(range(16))
+# Every msgpack form of an unsigned integer, as other encoders may choose them.
+_UINT_FORMS = [
+    (0x7F, lambda v: bytes([v]) if v < 0x80 else None),
+    (0xFF, lambda v: b"\xcc" + struct.pack(">B", v) if v < 1 << 8 else None),
+    (0xFFFF, lambda v: b"\xcd" + struct.pack(">H", v) if v < 1 << 16 else None),
+    (0xFFFFFFFF, lambda v: b"\xce" + struct.pack(">I", v) if v < 1 << 32 else None),
+    (2**64 - 1, lambda v: b"\xcf" + struct.pack(">Q", v)),
+    (0x7F, lambda v: b"\xd0" + struct.pack(">b", v) if v < 1 << 7 else None),
+    (0x7FFF, lambda v: b"\xd1" + struct.pack(">h", v) if v < 1 << 15 else None),
+    (0x7FFFFFFF, lambda v: b"\xd2" + struct.pack(">i", v) if v < 1 << 31 else None),
+    (2**63 - 1, lambda v: b"\xd3" + struct.pack(">q", v) if v < 1 << 63 else None),
+]
+
+
+def _frame(op: int, flags: int, rid: int, meta: bytes, plen: int) -> bytes:
+    return FRAME.pack(MAGIC, VERSION, op, flags, rid, len(meta), plen) + meta
+
+
+def _outcome(data: bytes, role: Role, impl: str, chunk: int = 0) -> list[object]:
+    """What a connection makes of `data` (after its own Hello): events, or the error."""
+    fast.use(impl)
+    conn = NativeConnection(role, Limits(max_header_bytes=256, max_payload_bytes=1 << 20))
+    peer = NativeConnection(Role.CLIENT if role is Role.SERVER else Role.SERVER)
+    if role is Role.SERVER:
+        conn.receive_data(peer.send(Hello(1)))
+        assert conn.next_event() == Hello(1)
+    else:
+        conn.send(Hello(1))
+        conn.send(Get(7, K))
+        conn.send(Put(8, K, 3), [b"abc"])
+        conn.send(Exists(9, K))
+    out: list[object] = []
+    pieces = [data] if not chunk else [data[i : i + chunk] for i in range(0, len(data), chunk)]
+    try:
+        for piece in pieces:
+            conn.receive_data(piece)
+            while (event := conn.next_event()) is not None:
+                if event.__class__.__name__ == "Need":
+                    break
+                out.append(event)
+                if isinstance(event, Event) and event.payload_length:
+                    conn.discard_payload()
+    except RemoteProtocolError as exc:
+        out.append(f"error: {exc}")
+    return out
+
+
+def _same(data: bytes, role: Role, chunk: int = 0) -> list[object]:
+    outcomes = [_outcome(data, role, name, chunk) for name in IMPLS]
+    fast.use(IMPLS[-1])
+    assert all(o == outcomes[0] for o in outcomes), outcomes
+    return outcomes[0]
+
+
+@pytest.mark.parametrize("width", range(len(_UINT_FORMS)))
+def test_every_integer_width_decodes_alike(width: int) -> None:
+    top, form = _UINT_FORMS[width]
+    for value in {0, 1, 3, top, top - 1, 2**63 - 1, 2**63, 2**64 - 1}:
+        packed = form(value)
+        if packed is None:
+            continue
+        plen = value if value <= 1 << 20 else 0
+        put = _frame(2, 0, 5, b"\x82\xa3key\xc4\x10" + K + b"\xa6length" + packed, plen)
+        got = _same(put + bytes(min(plen, 1 << 20)), Role.SERVER)
+        answer = _frame(3, FLAG_RESPONSE, 7, b"\x81\xa6length" + packed, plen)
+        _same(answer + bytes(min(plen, 1 << 20)), Role.CLIENT)
+        if value == 3:
+            assert got[0] == Put(5, K, 3)
+        if "c" in IMPLS and value <= 1 << 20:
+            # the C path takes every width (the fallback would hide a gap otherwise)
+            fast.use("c")
+            assert fast.parse_frame is not None
+            assert fast.parse_frame(bytearray(put), 0, len(put), 256, 1 << 20) is not None
+            assert fast.parse_frame(bytearray(answer), 0, len(answer), 256, 1 << 20) is not None
+
+
+def test_other_encodings_of_the_same_map_decode_alike() -> None:
+    key_forms = [b"\xc4\x10" + K, b"\xc5\x00\x10" + K, b"\xc6\x00\x00\x00\x10" + K, b"\xc0"]
+    name_forms = [b"\xa3key", b"\xd9\x03key", b"\xda\x00\x03key"]
+    for key in key_forms:
+        for name in name_forms:
+            _same(_frame(3, 0, 2, b"\x81" + name + key, 0), Role.SERVER)
+            _same(_frame(3, 0, 2, b"\xde\x00\x01" + name + key, 0), Role.SERVER)
+    # a repeated field (msgpack keeps the last; C leaves it to Python)
+    _same(_frame(3, 0, 2, b"\x82\xa3key\xc4\x10" + K + b"\xa3key\xc4\x10" + K, 0), Role.SERVER)
+    # unknown, missing and extra fields; a payload the map does not declare
+    for meta, plen in [
+        (b"\x82\xa3key\xc4\x10" + K + b"\xa3bad\xc0", 0),
+        (b"\x80", 0),
+        (b"\x81\xa3key\xc4\x10" + K + b"\xc0", 0),
+        (b"\x81\xa3key\xc4\x10" + K, 4),
+    ]:
+        assert "error" in str(_same(_frame(3, 0, 2, meta, plen) + bytes(plen), Role.SERVER))
+
+
+def test_bad_heads_fail_alike() -> None:
+    get = b"\x81\xa3key\xc4\x10" + K
+    good = _frame(3, 0, 2, get, 0)
+    for bad in [
+        b"KVNX" + good[4:],
+        good[:4] + b"\x02" + good[5:],
+        good[:6] + b"\x04\x00" + good[8:],
+        _frame(3, 0, 0, get, 0),
+        _frame(3, 0, 2, get + b"\x00" * 300, 0),
+        _frame(3, 0, 2, get, 2 << 20),
+        _frame(3, FLAG_RESPONSE, 2, get, 0),
+        _frame(99, 0, 2, get, 0),
+    ]:
+        assert "error" in str(_same(bad, Role.SERVER))
+
+
+# request id 1 is the Hello's, outstanding on the server side
+events = st.one_of(
+    st.builds(Get, st.integers(2, 2**32 - 1), st.binary(min_size=16, max_size=16)),
+    st.builds(Exists, st.integers(2, 2**32 - 1), st.binary(min_size=16, max_size=16)),
+    st.builds(
+        Put,
+        st.integers(2, 2**32 - 1),
+        st.binary(min_size=16, max_size=16),
+        st.integers(0, 300),
+        st.none() | st.binary(min_size=16, max_size=16),
+        st.booleans(),
+    ),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sent=st.lists(events, min_size=1, max_size=4, unique_by=lambda e: e.request_id),
+    cut=st.integers(0, 40),
+    flips=st.lists(st.tuples(st.integers(0, 10_000), st.integers(1, 255)), max_size=3),
+    chunk=st.sampled_from([0, 1, 7]),
+)
+def test_requests_and_damaged_requests_decode_alike(
+    sent: list[Event], cut: int, flips: list[tuple[int, int]], chunk: int
+) -> None:
+    data = b"".join(
+        b"".join(encode_frame(e.OP, 0, e.request_id, e.meta(), [bytes(e.payload_length)]))
+        for e in sent
+    )
+    damaged = bytearray(data[: len(data) - cut] if cut < len(data) else data)
+    for at, xor in flips:
+        if damaged:
+            damaged[at % len(damaged)] ^= xor
+    got = _same(bytes(data), Role.SERVER, chunk)
+    assert [g for g in got if isinstance(g, Event)] == sent
+    _same(bytes(damaged), Role.SERVER, chunk)
+
+
+@settings(max_examples=100, deadline=None)
+@given(length=st.none() | st.integers(0, 2**63 - 1), found=st.booleans())
+def test_answers_decode_alike(length: int | None, found: bool) -> None:
+    plen = length if length is not None and length <= 1 << 20 else None
+    answer = encode_frame(3, FLAG_RESPONSE, 7, {"length": plen}, [bytes(plen or 0)])
+    assert _same(b"".join(answer), Role.CLIENT)[0] == GetResult(7, plen)
+    wrong = encode_frame(3, FLAG_RESPONSE, 7, {"length": length}, [])
+    _same(b"".join(wrong), Role.CLIENT)
+    assert _same(b"".join(encode_frame(4, FLAG_RESPONSE, 9, {"found": found})), Role.CLIENT) == [
+        ExistsResult(9, found)
+    ]
+    assert _same(b"".join(encode_frame(2, FLAG_RESPONSE, 8, {})), Role.CLIENT) == [PutDone(8)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rid=st.integers(1, 2**32 - 1),
+    value=st.none() | st.booleans() | st.integers(0, 2**64 - 1),
+    plen=st.integers(0, 2**64 - 1),
+)
+def test_answer_heads_are_byte_identical(rid: int, value: object, plen: int) -> None:
+    want = FRAME.pack(MAGIC, VERSION, 3, FLAG_RESPONSE, rid, 0, plen)
+    packed = msgpack.packb({"length": value}, use_bin_type=True)
+    want = FRAME.pack(MAGIC, VERSION, 3, FLAG_RESPONSE, rid, len(packed), plen) + packed
+    empty = FRAME.pack(MAGIC, VERSION, 2, FLAG_RESPONSE, rid, 1, 0) + b"\x80"
+    for name in IMPLS:
+        fast.use(name)
+        assert fast.frame_head(3, rid, "length", value, plen) == want
+        assert fast.frame_head(2, rid, None, None, 0) == empty
