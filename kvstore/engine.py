@@ -457,12 +457,8 @@ class Engine(_EngineState):
             return self._ssd.length_of(key) if self._ssd is not None else None
 
     def lookup(self, keys: Sequence[bytes], tiers: list[str] | None = None) -> int:
-        """How many leading keys of a chain are stored in any tier (the usable prefix).
-
-        With `tiers`, the tier of each key of that run is appended to it, in key order:
-        "dram" (in the DRAM tier, perhaps on the SSD too) or "ssd" (only on the SSD) — read
-        from the indexes under the same lock, nothing is read from a tier.
-        """
+        """How many leading keys of a chain are stored in any tier (the usable prefix); with
+        `tiers`, each run key's tier ("dram", or "ssd" only on the SSD) is appended to it."""
         for key in keys:
             _check_key(key)
         return self._m.lookup(keys, tiers)
