@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload.client_sdk import BlockKey, Client
+from kvoffload.client_sdk import BlockKey, Client, TierRun
 from kvoffload.errors import CorruptBlockError, InvalidArgumentError
 
 __all__ = ["Payloads", "ReplayResult", "replay", "tier_hits"]
@@ -68,6 +68,8 @@ class ReplayResult:
     wall_s: float
     verified_blocks: int
     client_stats: dict[str, object] = field(default_factory=dict)
+    # Per request, the loaded hit blocks by tier as the lookup reported them (key order).
+    tier_runs: list[TierRun] = field(default_factory=list)
 
     @property
     def hit_tokens(self) -> npt.NDArray[np.int64]:
@@ -135,11 +137,13 @@ def replay(
     store_s = np.zeros(n, dtype=np.float64)
     buf = np.empty(payloads.size, dtype=np.uint8)
     verified = 0
+    runs: list[TierRun] = []
     ssd_before = tier_hits(client) if count_ssd_hits else 0
     start = time.perf_counter()
     for i, keys in enumerate(chains):
         t0 = time.perf_counter()
-        found = client.lookup(keys)
+        run = client.lookup(keys, tiers=True)  # as cheap as the plain lookup
+        found = run.total
         spent = time.perf_counter() - t0
         loaded = 0
         for key in keys[:found]:
@@ -160,6 +164,7 @@ def replay(
             client.put(keys[j], payloads.of(keys[j]), parent=keys[j - 1] if j else None)
         store_s[i] = time.perf_counter() - t2
         hits[i], stored[i] = loaded, len(keys) - loaded
+        runs.append(run.slice(0, loaded))
         if count_ssd_hits:
             now = tier_hits(client)
             ssd[i], ssd_before = now - ssd_before, now
@@ -178,4 +183,5 @@ def replay(
         wall_s=wall,
         verified_blocks=verified,
         client_stats=client.stats().as_dict(),
+        tier_runs=runs,
     )

@@ -114,6 +114,7 @@ def _from_replay(config: Config, result: ReplayResult) -> Run:
         bytes_written=result.bytes_written,
         wall_s=result.wall_s,
         verified_blocks=result.verified_blocks,
+        tier_runs=result.tier_runs or None,
     )
 
 

@@ -17,7 +17,7 @@ from kvoffload.bench.workload import (
     Trace,
     chain_keys,
 )
-from kvoffload.client_sdk import BlockKey, Client, Namespace
+from kvoffload.client_sdk import BlockKey, Client, Namespace, TierRun
 from kvoffload.kvstore.config import PAGE
 
 # Peer name -> (package, environment variable naming the Python that has it).
@@ -153,6 +153,7 @@ class Run:
     wall_s: float = 0.0
     verified_blocks: int = 0
     error: str = ""
+    tier_runs: list[TierRun] | None = None  # per request, its loaded hits by tier
 
     @property
     def ok(self) -> bool:

@@ -21,6 +21,7 @@ from kvoffload.bench.trace_model import (
     Workload,
     run_label,
 )
+from kvoffload.client_sdk import Tier
 from kvoffload.kvstore import POLICIES
 
 
@@ -83,7 +84,8 @@ def run_details(run: Run, work: Workload, costs: ttft.LoadCosts | None,
         for name in gpus:
             args = (work.profile, ttft.GPUS[name], work.prompt_tokens, run.hit_blocks,
                     ssd_hits, work.block_tokens, costs)  # fmt: skip
-            chosen, every = ttft.ttft_seconds(*args), ttft.ttft_seconds(*args, claim="all")
+            chosen = ttft.ttft_seconds(*args, runs=run.tier_runs)
+            every = ttft.ttft_seconds(*args, claim="all", runs=run.tier_runs)
             skipped = int((run.hit_blocks - chosen.loaded_blocks).sum()) * work.block_tokens
             model[name] = {
                 **ttft_summary(chosen.seconds),
@@ -92,6 +94,11 @@ def run_details(run: Run, work: Workload, costs: ttft.LoadCosts | None,
             }
         out["ttft_model"] = model
         out["ssd_hit_blocks"] = int(ssd_hits.sum())
+        if run.tier_runs is not None:  # where the lookups found the loaded hits
+            out["lookup_tier_blocks"] = {
+                t.name.lower(): sum(r.count(t) for r in run.tier_runs) for t in Tier
+            }
+            out["lookup_tier_segments"] = sum(len(r.segments) for r in run.tier_runs)
     return out
 
 
@@ -225,8 +232,9 @@ def result_notes(work: Workload, size: int, full: bool, costs: ttft.LoadCosts, u
         + (f", SSD {costs.ssd_s * 1e3:.3f} ms" if costs.ssd_s is not None else "")
         + ", per block of a batched get_many_into) plus the host-to-GPU copy at the "
         "profile's bandwidth, load and compute additive; hits are claimed as the vLLM "
-        "connector claims them: only where loading beats recomputing (the skipped hit tokens "
-        "and the load-every-hit mean are in each run's details)",
+        "connector claims them: only where loading beats recomputing, per tier — up to the "
+        "end of a tier segment of the lookup's run (lookup(keys, tiers=True)) — (the skipped "
+        "hit tokens and the load-every-hit mean are in each run's details)",
     ]
     if url:
         notes.append(f"replayed once against {url} (its own policy and capacity)")

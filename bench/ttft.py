@@ -16,21 +16,25 @@ host-to-GPU copy modelled at the stated bandwidth. Loading and computing are add
 connector loads a request's blocks before its forward pass, it does not overlap them.
 
 The store is used the way the connector claims hits (`claim="cost"`): of the h hit blocks it
-loads the leading count c that gives the least prefill_s(n, c) + load_s(c). Prefill is concave in
-the loaded tokens and loading is linear per tier, so the best c is 0, the DRAM blocks (taken to
-lead the hit: a prefix store keeps shallow blocks hot) or all of them. A store used this way is
-never slower than no store; `claim="all"` loads every hit, as before.
+loads the leading count c that gives the least prefill_s(n, c) + load_s(c). The replay's
+`lookup(keys, tiers=True)` says which tier holds each hit block, in key order (its segments);
+prefill is concave in the loaded tokens and loading is linear within a segment, so the best c
+is 0 or the end of a segment (the DRAM lead, then the SSD part, ...). Without segments (a
+store that does not report them) the hit is taken as its DRAM blocks first. A store used this
+way is never slower than no store; `claim="all"` loads every hit, as before.
 TTFT = prefill_s + load_s; without a store it is prefill_s(n, 0).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from kvoffload.bench.workload import ModelProfile
+from kvoffload.client_sdk import Tier, TierRun
 
 __all__ = ["GPUS", "GpuProfile", "LoadCosts", "Modelled", "prefill_seconds", "ttft_seconds"]
 
@@ -90,8 +94,10 @@ def ttft_seconds(
     block_tokens: int,
     costs: LoadCosts,
     claim: str = "cost",
+    runs: Sequence[TierRun] | None = None,
 ) -> Modelled:
     """Modelled TTFT of each request: prefill of what was not loaded plus loading what was.
+    `runs`: each request's hit blocks by tier, in key order (else DRAM blocks first).
 
     Raises:
         ValueError: `claim` is neither "cost" nor "all".
@@ -99,6 +105,8 @@ def ttft_seconds(
     if claim not in ("cost", "all"):
         raise ValueError(f"claim must be 'cost' or 'all', not {claim!r}")
     ssd_s = costs.ssd_s if costs.ssd_s is not None else costs.dram_s
+    if runs is not None:
+        return _by_segments(model, gpu, prompt, hit_blocks, block_tokens, costs, claim, runs)
     dram_blocks = hit_blocks - ssd_blocks
     copy_s = block_tokens * model.bytes_per_token / gpu.h2d_bytes_per_s
 
@@ -118,3 +126,45 @@ def ttft_seconds(
     picked = np.take_along_axis(choices, best[None, :], axis=0)[0]
     seconds: npt.NDArray[np.float64] = np.take_along_axis(times, best[None, :], axis=0)[0]
     return Modelled(seconds, picked)
+
+
+def _by_segments(
+    model: ModelProfile,
+    gpu: GpuProfile,
+    prompt: npt.NDArray[np.int64],
+    hit_blocks: npt.NDArray[np.int64],
+    block_tokens: int,
+    costs: LoadCosts,
+    claim: str,
+    runs: Sequence[TierRun],
+) -> Modelled:
+    """`ttft_seconds` with each request's hit blocks in their tiers: the candidates are 0 and
+    every segment end (an SSD block costs the SSD's time; a block of a tier not measured here,
+    REMOTE or UNKNOWN, the slowest measured time)."""
+    slowest = max(costs.dram_s, costs.ssd_s or 0.0)
+    per_block = {Tier.DRAM: costs.dram_s, Tier.SSD: costs.ssd_s or costs.dram_s,
+                 Tier.REMOTE: slowest, Tier.UNKNOWN: slowest}  # fmt: skip
+    copy_s = block_tokens * model.bytes_per_token / gpu.h2d_bytes_per_s
+    n = len(prompt)
+    who, loaded, load = list(range(n)), [0] * n, [0.0] * n  # candidate 0 of every request
+    for i, run in enumerate(runs):
+        at, spent, hit = 0, 0.0, int(hit_blocks[i])
+        for tier, count in run.slice(0, hit).segments:
+            at, spent = at + count, spent + count * (per_block[tier] + copy_s)
+            who.append(i)
+            loaded.append(at)
+            load.append(spent)
+        if at < hit:  # hits the lookup did not report: the slowest cost
+            who.append(i)
+            loaded.append(hit)
+            load.append(spent + (hit - at) * (slowest + copy_s))
+    idx = np.asarray(who, dtype=np.int64)
+    blocks = np.asarray(loaded, dtype=np.int64)
+    times = prefill_seconds(model, gpu, prompt[idx], blocks * block_tokens) + np.asarray(load)
+    if claim == "all":
+        last = np.zeros(n, dtype=np.int64)
+        np.maximum.at(last, idx, np.arange(len(idx)))  # each request's last candidate: all
+        return Modelled(times[last], blocks[last])
+    order = np.lexsort((blocks, times, idx))  # per request: fastest, then loading less
+    first = order[np.r_[True, idx[order][1:] != idx[order][:-1]]]
+    return Modelled(times[first], blocks[first])

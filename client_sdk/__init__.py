@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     )
     from kvoffload.client_sdk.request_layer import ClientStats
     from kvoffload.client_sdk.wire.blockmeta import BlockMeta
+    from kvoffload.client_sdk.wire.tiers import Tier, TierRun
 
 __all__ = [
     "AsyncClient",
@@ -31,6 +32,8 @@ __all__ = [
     "Client",
     "ClientStats",
     "Namespace",
+    "Tier",
+    "TierRun",
     "block_hashes",
     "block_keys",
     "engine_hashes",
@@ -45,6 +48,8 @@ _HOME = {
     "BlockKey": "keys",
     "BlockMeta": "wire.blockmeta",
     "Namespace": "keys",
+    "Tier": "wire.tiers",
+    "TierRun": "wire.tiers",
     "block_hashes": "keys",
     "block_keys": "keys",
     "engine_hashes": "keys",

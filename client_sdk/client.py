@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Sequence
 from types import TracebackType
+from typing import Literal, overload
 
 from kvoffload.buffers import Bytes, as_writable
 from kvoffload.client_sdk.keys import Namespace, to_key
@@ -27,6 +28,7 @@ from kvoffload.client_sdk.transports.base import AsyncTransport, HeldBlock, Rece
 from kvoffload.client_sdk.url import DEFAULT_URL, parse_url
 from kvoffload.client_sdk.wire.block import peek_codec
 from kvoffload.client_sdk.wire.blockmeta import BlockMeta
+from kvoffload.client_sdk.wire.tiers import TierRun
 from kvoffload.compression import CODEC_NONE, Codec
 from kvoffload.errors import DeadlineExceededError, TransportError
 
@@ -194,15 +196,30 @@ class Client:
             self._requests.unreachable("exists", exc)
             return False
 
-    def lookup(self, keys: Sequence[bytes]) -> int:
+    @overload
+    def lookup(self, keys: Sequence[bytes], *, tiers: Literal[False] = False) -> int: ...
+
+    @overload
+    def lookup(self, keys: Sequence[bytes], *, tiers: Literal[True]) -> TierRun: ...
+
+    def lookup(self, keys: Sequence[bytes], *, tiers: bool = False) -> int | TierRun:
         """How many leading blocks of the chain `keys` the store holds (0 when the store cannot
-        be reached: a serving engine then recomputes instead of failing)."""
+        be reached: a serving engine then recomputes instead of failing).
+
+        With `tiers=True`, that run as a `TierRun`: its blocks in key order, segment by
+        segment, each `Tier.DRAM` (in the store's DRAM), `Tier.SSD` (only on its SSD),
+        `Tier.REMOTE` (every hit of ``cluster://``) or `Tier.UNKNOWN` (``nvme+tcp://``, a
+        daemon older than protocol 4); `.total` is the plain answer. The store answers from
+        its indexes in the same round trip, reading no block.
+        """
         block_keys = to_keys(keys)
         try:
+            if tiers:
+                return self._transport.lookup_tiers(block_keys)
             return self._transport.lookup(block_keys)
         except (TransportError, DeadlineExceededError) as exc:
             self._requests.unreachable("lookup", exc)
-            return 0
+            return TierRun() if tiers else 0
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Ask the store to stage `keys` in its fastest tier; returns how many are there."""
@@ -359,13 +376,21 @@ class AsyncClient:
             self._requests.unreachable("exists", exc)
             return False
 
-    async def lookup(self, keys: Sequence[bytes]) -> int:
+    @overload
+    async def lookup(self, keys: Sequence[bytes], *, tiers: Literal[False] = False) -> int: ...
+
+    @overload
+    async def lookup(self, keys: Sequence[bytes], *, tiers: Literal[True]) -> TierRun: ...
+
+    async def lookup(self, keys: Sequence[bytes], *, tiers: bool = False) -> int | TierRun:
         block_keys = to_keys(keys)
         try:
+            if tiers:
+                return await self._transport.lookup_tiers(block_keys)
             return await self._transport.lookup(block_keys)
         except (TransportError, DeadlineExceededError) as exc:
             self._requests.unreachable("lookup", exc)
-            return 0
+            return TierRun() if tiers else 0
 
     async def prefetch(self, keys: Sequence[bytes]) -> int:
         return await self._transport.prefetch(to_keys(keys))

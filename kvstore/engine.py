@@ -456,11 +456,12 @@ class Engine(_EngineState):
                 return entry.length
             return self._ssd.length_of(key) if self._ssd is not None else None
 
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        """How many leading keys of a chain are stored in any tier (the usable prefix)."""
+    def lookup(self, keys: Sequence[bytes], tiers: list[str] | None = None) -> int:
+        """How many leading keys of a chain are stored in any tier (the usable prefix); with
+        `tiers`, each run key's tier ("dram", or "ssd" only on the SSD) is appended to it."""
         for key in keys:
             _check_key(key)
-        return self._m.lookup(keys)
+        return self._m.lookup(keys, tiers)
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Start reading SSD-only blocks of `keys` into DRAM in the background.

@@ -102,13 +102,16 @@ class Manager:
         self._tick += 1
         return self._tick
 
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        """How many leading keys either tier holds (called without the lock)."""
+    def lookup(self, keys: Sequence[bytes], tiers: list[str] | None = None) -> int:
+        """How many leading keys either tier holds (called without the lock); see
+        `Engine.lookup` for `tiers`."""
         with self.lock:
             self.check_open()
             for n, key in enumerate(keys):
                 if not self.stored(key):
                     return n
+                if tiers is not None:
+                    tiers.append("dram" if key in self.index else "ssd")
                 if self.sketch is not None:
                     self.sketch.add(key)
             return len(keys)

@@ -36,6 +36,7 @@ from kvoffload.client_sdk.wire.native import (
     StatsResult,
     Welcome,
 )
+from kvoffload.client_sdk.wire.tiers import wire_pairs
 from kvoffload.errors import AuthError, KVOffloadError, RemoteProtocolError
 from kvoffload.kvstore import BlockView
 from kvoffload.nvmeof_target.native_puts import on_put, on_put_many
@@ -149,8 +150,12 @@ def on_exists(s: NativeSession, event: Exists) -> None:
 
 
 def on_lookup(s: NativeSession, event: Lookup) -> None:
-    count = s.engine.lookup(s.me.keys(event.keys))
-    s.reply(LookupResult(event.request_id, count))
+    if not event.tiers:
+        s.reply(LookupResult(event.request_id, s.engine.lookup(s.me.keys(event.keys))))
+        return
+    where: list[str] = []  # protocol 4: the run's tiers, from the engine's indexes
+    count = s.engine.lookup(s.me.keys(event.keys), where)
+    s.reply(LookupResult(event.request_id, count, wire_pairs(where)))
 
 
 def on_prefetch(s: NativeSession, event: Prefetch) -> None:

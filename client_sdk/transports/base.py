@@ -7,6 +7,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvoffload.client_sdk.wire.tiers import TierRun
+
 __all__ = [
     "AsyncTransport",
     "HeldBlock",
@@ -174,6 +176,10 @@ class Transport(Protocol):
 
     def lookup(self, keys: Sequence[bytes]) -> int: ...
 
+    def lookup_tiers(self, keys: Sequence[bytes]) -> TierRun:
+        """`lookup`'s run split by where its blocks are (`wire.tiers`)."""
+        ...
+
     def prefetch(self, keys: Sequence[bytes]) -> int: ...
 
     def delete(self, key: bytes) -> bool: ...
@@ -217,6 +223,8 @@ class AsyncTransport(Protocol):
     async def exists(self, key: bytes) -> bool: ...
 
     async def lookup(self, keys: Sequence[bytes]) -> int: ...
+
+    async def lookup_tiers(self, keys: Sequence[bytes]) -> TierRun: ...
 
     async def prefetch(self, keys: Sequence[bytes]) -> int: ...
 
@@ -274,6 +282,9 @@ class ThreadedAsyncTransport:
 
     async def lookup(self, keys: Sequence[bytes]) -> int:
         return self._inner.lookup(keys)
+
+    async def lookup_tiers(self, keys: Sequence[bytes]) -> TierRun:
+        return self._inner.lookup_tiers(keys)
 
     async def prefetch(self, keys: Sequence[bytes]) -> int:
         return await asyncio.to_thread(self._inner.prefetch, keys)

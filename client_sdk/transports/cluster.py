@@ -39,6 +39,7 @@ from kvoffload.client_sdk.transports.sharding import Got, release
 from kvoffload.client_sdk.url import StoreURL, parse_url
 from kvoffload.client_sdk.wire.etcd import Member
 from kvoffload.client_sdk.wire.shards import merge_stats
+from kvoffload.client_sdk.wire.tiers import Tier, TierRun
 from kvoffload.errors import ConfigError, InvalidArgumentError, KVOffloadError, TransportError
 
 __all__ = ["ClusterTransport", "open_cluster", "open_cluster_async"]
@@ -426,6 +427,11 @@ class ClusterTransport(_Nodes):
                 break
         return run
 
+    def lookup_tiers(self, keys: Sequence[bytes]) -> TierRun:
+        """`lookup`'s run, every block `Tier.REMOTE`: it is loaded from a storage node across
+        the network, whatever tier the node holds it in."""
+        return TierRun.of(Tier.REMOTE, self.lookup(keys))
+
     def prefetch(self, keys: Sequence[bytes]) -> int:
         live, ranks = self._plan(keys, 1)
         if not ranks.shape[1]:
@@ -473,6 +479,9 @@ class _ThreadedCluster(ThreadedAsyncTransport):
 
     async def lookup(self, keys: Sequence[bytes]) -> int:
         return await asyncio.to_thread(self._cluster.lookup, keys)
+
+    async def lookup_tiers(self, keys: Sequence[bytes]) -> TierRun:
+        return await asyncio.to_thread(self._cluster.lookup_tiers, keys)
 
     async def delete(self, key: bytes) -> bool:
         return await asyncio.to_thread(self._cluster.delete, key)

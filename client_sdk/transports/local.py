@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from kvoffload.client_sdk.transports.base import HeldBlock, PutItem, Received
 from kvoffload.client_sdk.url import StoreURL
+from kvoffload.client_sdk.wire.tiers import TierRun
 from kvoffload.errors import ConfigError
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig, parse_size
 
@@ -108,6 +109,11 @@ class LocalTransport:
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         return self.engine.lookup(keys)
+
+    def lookup_tiers(self, keys: Sequence[bytes]) -> TierRun:
+        where: list[str] = []
+        self.engine.lookup(keys, where)
+        return TierRun.from_names(where)
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         return self.engine.prefetch(keys)

@@ -18,6 +18,7 @@ from typing import TypeAlias, TypeVar
 
 from kvoffload.client_sdk.transports.base import HeldBlock, PutItem, Received, Transport
 from kvoffload.client_sdk.wire.shards import merge_stats, shard_of
+from kvoffload.client_sdk.wire.tiers import Tier, TierRun
 from kvoffload.errors import TransportError, WrongShardError
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "gather",
     "groups_of",
     "leading_run",
+    "merge_tier_runs",
     "release",
     "scrub",
     "settle",
@@ -52,6 +54,18 @@ def leading_run(total: int, groups: dict[int, list[int]], runs: Sequence[int]) -
         if run < len(positions):
             first_missing = min(first_missing, positions[run])
     return first_missing
+
+
+def merge_tier_runs(total: int, groups: dict[int, list[int]], runs: Sequence[TierRun]) -> TierRun:
+    """The whole chain's `TierRun` from each shard's over its own keys: the leading run as
+    `leading_run` says, each block with the tier its shard reported, in key order."""
+    run = leading_run(total, groups, [r.total for r in runs])
+    tiers = [Tier.UNKNOWN] * run
+    for positions, part in zip(groups.values(), runs, strict=True):
+        for i, tier in zip(positions, part.tiers(), strict=False):
+            if i < run:
+                tiers[i] = tier
+    return TierRun.from_tiers(tiers)
 
 
 def gather(
@@ -236,6 +250,10 @@ class ShardRouter:
     def lookup(self, keys: Sequence[bytes]) -> int:
         groups, runs = self._split(keys, lambda s, at: s.lookup([keys[i] for i in at]))
         return leading_run(len(keys), groups, runs)
+
+    def lookup_tiers(self, keys: Sequence[bytes]) -> TierRun:
+        groups, runs = self._split(keys, lambda s, at: s.lookup_tiers([keys[i] for i in at]))
+        return merge_tier_runs(len(keys), groups, runs)
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         _, counts = self._split(keys, lambda s, at: s.prefetch([keys[i] for i in at]))

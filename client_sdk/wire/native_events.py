@@ -20,6 +20,7 @@ __all__ = [
     "NIXL_VERSION",
     "PROTOCOL_VERSION",
     "PROTOCOL_VERSIONS",
+    "TIER_LOOKUP_VERSION",
     "ConnectionClosed",
     "Delete",
     "DeleteResult",
@@ -57,10 +58,13 @@ __all__ = [
 # payloads with a version 2 daemon), and Put / PutMany may carry block metadata (`block_meta`,
 # `block_metas`; a version 2 daemon rejects fields it does not know, so clients send them only
 # once a daemon accepted version 3). A daemon answers version 1 and 2 Hellos as before.
-PROTOCOL_VERSION = 3
-PROTOCOL_VERSIONS = (1, 2, 3)
+# 4: Lookup may ask for the run's tiers (`tiers`) and LookupResult carries them (`tiers`); a
+# client asks only once a daemon accepted version 4 (else every hit's tier is UNKNOWN).
+PROTOCOL_VERSION = 4
+PROTOCOL_VERSIONS = (1, 2, 3, 4)
 NIXL_VERSION = 3
 META_VERSION = 3
+TIER_LOOKUP_VERSION = 4
 NEED_DATA = Need.DATA
 # ---------------------------------------------------------------------------- events
 
@@ -306,19 +310,43 @@ class GetManyResult(Event):
 
 @dataclass(frozen=True, slots=True)
 class Lookup(Event):
-    """How many leading keys of a chain are stored."""
+    """How many leading keys of a chain are stored; version 4: with `tiers`, also where."""
 
     OP: ClassVar[int] = 8
+    CHECKS: ClassVar[dict[str, str]] = {"tiers": "flag"}
     request_id: int
     keys: tuple[bytes, ...]
+    tiers: bool = False
+
+    def meta(self) -> dict[str, object]:
+        meta = Event.meta(self)
+        if not self.tiers:  # absent, so that a version 3 daemon accepts the frame
+            del meta["tiers"]
+        return meta
 
 
 @dataclass(frozen=True, slots=True)
 class LookupResult(Event):
+    """`count` leading keys stored; version 4, when asked: `tiers`, the run as flat (tier
+    code, length) pairs in key order (`wire.tiers.TierRun`), adding up to `count`."""
+
     OP: ClassVar[int] = 8
     RESPONSE: ClassVar[bool] = True
+    CHECKS: ClassVar[dict[str, str]] = {"tiers": "tier_pairs"}
     request_id: int
     count: int
+    tiers: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        Event.__post_init__(self)
+        if self.tiers is not None and sum(self.tiers[1::2]) != self.count:
+            raise LocalProtocolError(f"tier runs {self.tiers[:8]} do not add up to {self.count}")
+
+    def meta(self) -> dict[str, object]:
+        meta = Event.meta(self)
+        if self.tiers is None:  # absent, so that a version 3 client accepts the frame
+            del meta["tiers"]
+        return meta
 
 
 @dataclass(frozen=True, slots=True)

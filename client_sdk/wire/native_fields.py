@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvoffload.client_sdk.wire.blockmeta import check_meta
+from kvoffload.client_sdk.wire.tiers import check_pairs
 from kvoffload.errors import LocalProtocolError
 
 __all__ = ["KEY_BYTES", "VALIDATORS", "fail"]
@@ -117,4 +118,6 @@ VALIDATORS: dict[str, Callable[[object], object]] = {
     "blobs": _seq(_blob),
     "block_meta": _opt_meta,
     "block_metas": _seq(_opt_meta),
+    "flag": _flag,
+    "tier_pairs": check_pairs,
 }

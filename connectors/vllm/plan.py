@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvoffload.client_sdk import BlockMeta, Namespace
+from kvoffload.client_sdk import BlockMeta, Namespace, TierRun
 from kvoffload.errors import ConfigError, InvalidArgumentError
 
 __all__ = ["LoadJob", "SaveJob", "Settings", "StepPlan", "block_metas", "event_hash",
@@ -124,6 +124,9 @@ class LoadJob:
     req_id: str
     block_ids: tuple[int, ...]
     hashes: tuple[bytes, ...]
+    # Where the blocks were at the scheduler's lookup (rank 0's), so that each staging batch
+    # holds one tier and its time measures that tier's load rate.
+    tiers: TierRun = TierRun()
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvoffload.client_sdk import Client, Namespace, engine_keys
+from kvoffload.client_sdk import Client, Namespace, TierRun, engine_keys
 from kvoffload.connectors.vllm import _compat
 from kvoffload.connectors.vllm.claim import ClaimRule
 from kvoffload.connectors.vllm.plan import LoadJob, SaveJob, Settings, StepPlan
@@ -60,8 +60,9 @@ class SchedulerHalf:
         self._hash_ratio = hash_ratio
         self.kv_cache_manager = kv_cache_manager
         self._requests: dict[str, _Request] = {}
-        # req_id -> (first block not computed locally, leading blocks found in the store).
-        self._lookups: dict[str, tuple[int, int]] = {}
+        # req_id -> (first block not computed locally, leading blocks found in the store, the
+        # tiers of the claimed blocks).
+        self._lookups: dict[str, tuple[int, int, TierRun]] = {}
         self._loads: list[LoadJob] = []
         self.claim = ClaimRule(block_tokens, settings.claim, settings.load_blocks_per_s,
                                settings.prefill_tokens_per_s)  # fmt: skip
@@ -69,14 +70,21 @@ class SchedulerHalf:
     def _hashes(self, request: Any) -> list[bytes]:
         return _compat.request_hashes(request, self._hash_ratio)
 
-    def _stored_blocks(self, hashes: Sequence[bytes]) -> int:
-        """Leading blocks that every rank has in the store (one lookup per rank)."""
+    def _stored_blocks(self, hashes: Sequence[bytes]) -> tuple[int, TierRun]:
+        """Leading blocks that every rank has in the store (one lookup per rank), and where
+        rank 0's are (the other ranks' blocks are taken to be alike)."""
         hit = len(hashes)
-        for ns in self._namespaces:
+        run = TierRun()
+        for rank, ns in enumerate(self._namespaces):
             if hit == 0:
                 break
-            hit = min(hit, self._client.lookup(engine_keys(ns, hashes[:hit])))
-        return hit
+            keys = engine_keys(ns, hashes[:hit])
+            if rank == 0:
+                run = self._client.lookup(keys, tiers=True)
+                hit = min(hit, run.total)
+            else:
+                hit = min(hit, self._client.lookup(keys))
+        return hit, run.slice(0, hit)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -86,13 +94,14 @@ class SchedulerHalf:
         usable = (request.num_tokens - 1) // size
         start = num_computed_tokens // size
         if usable <= start:
-            self._lookups[request.request_id] = (start, 0)
+            self._lookups[request.request_id] = (start, 0, TierRun())
             return 0, False
-        hit = self._stored_blocks(self._hashes(request)[:usable])
-        self._lookups[request.request_id] = (start, hit)
-        if hit <= start or not self.claim.worth_loading(hit - start):
+        hit, run = self._stored_blocks(self._hashes(request)[:usable])
+        claimed = self.claim.claim_blocks(run.slice(start)) if hit > start else 0
+        self._lookups[request.request_id] = (start, hit, run.slice(start, start + claimed))
+        if claimed <= 0:
             return 0, False  # the blocks stay known as stored: they are not saved again
-        return (hit - start) * size, True
+        return claimed * size, True
 
     def update_state_after_alloc(
         self, request: Any, block_ids: Sequence[int], num_external_tokens: int
@@ -100,13 +109,14 @@ class SchedulerHalf:
         req_id = request.request_id
         state = self._requests.setdefault(req_id, _Request(request))
         state.request = request
-        start, hit = self._lookups.pop(req_id, (0, 0))
+        start, hit, tiers = self._lookups.pop(req_id, (0, 0, TierRun()))
         state.stored = max(state.stored, hit)
         if num_external_tokens <= 0:
             return
         count = num_external_tokens // self._block_tokens
         hashes = self._hashes(request)[start : start + count]
-        job = LoadJob(req_id, tuple(block_ids[start : start + count]), tuple(hashes))
+        ids = tuple(block_ids[start : start + count])
+        job = LoadJob(req_id, ids, tuple(hashes), tiers.slice(0, count))
         state.load, state.load_start = job, start
         self._loads.append(job)
 

@@ -22,7 +22,12 @@ import torch
 
 from kvoffload.client_sdk import BlockHash, Client, Namespace, engine_hashes
 from kvoffload.connectors.paged_kv import PagedKV
-from kvoffload.connectors.vllm.claim import MIN_PREFILL_TOKENS, KVOffloadStats, StepRates
+from kvoffload.connectors.vllm.claim import (
+    MIN_PREFILL_TOKENS,
+    KVOffloadStats,
+    StepRates,
+    load_batches,
+)
 from kvoffload.connectors.vllm.plan import LoadJob, SaveJob, Settings, StepPlan, block_metas
 from kvoffload.errors import ConfigError, KVOffloadError
 
@@ -224,7 +229,6 @@ class WorkerHalf:
 
     def _run_load(self, job: LoadJob) -> None:
         loaded = 0
-        start = time.perf_counter()
         try:
             loaded = self._load(job)
         except KVOffloadError as exc:
@@ -241,23 +245,23 @@ class WorkerHalf:
         with self._lock:
             self._load_errors.update(job.block_ids[loaded:])
             self._loaded.add(job.req_id)
-            if loaded:
-                self._rates.load_blocks += loaded
-                self._rates.load_s += time.perf_counter() - start
 
     def _load(self, job: LoadJob) -> int:
-        """Read and scatter the job's blocks; returns how many leading blocks were loaded."""
+        """Read and scatter the job's blocks; returns how many leading blocks were loaded.
+        Each staging batch holds blocks of one tier; its time goes to that tier's rate."""
         kv, buffer = self._kv, self._load_buffer
         assert kv is not None and buffer is not None, "register_kv_caches was not called"
         hashes = engine_hashes(self._namespace, job.hashes)
-        batch = buffer.shape[0]
-        for start in range(0, len(hashes), batch):
-            chunk = hashes[start : start + batch]
+        for start, stop, tier in load_batches(len(hashes), buffer.shape[0], job.tiers):
+            began = time.perf_counter()
+            chunk = hashes[start:stop]
             ok = self._read_batch(chunk, buffer)
             if ok:
                 ids = torch.tensor(job.block_ids[start : start + ok], dtype=torch.long)
                 with self._on(self._load_stream):
                     kv.scatter(ids, buffer)
+                with self._lock:
+                    self._rates.loaded(tier, ok, time.perf_counter() - began)
             if ok < len(chunk):
                 return start + ok
         return len(hashes)

@@ -23,6 +23,7 @@ from kvoffload.client_sdk.transports.native.options import NativeOptions
 from kvoffload.client_sdk.transports.native.session import Call, Plan, Req, Session
 from kvoffload.client_sdk.url import StoreURL
 from kvoffload.client_sdk.wire.native import META_VERSION, PROTOCOL_VERSION, Welcome
+from kvoffload.client_sdk.wire.tiers import TierRun
 from kvoffload.errors import DeadlineExceededError, KVOffloadError, TransportError
 
 __all__ = ["AsyncNativeTransport", "open_native_async"]
@@ -271,6 +272,10 @@ class AsyncNativeTransport:
 
     async def lookup(self, keys: Sequence[bytes]) -> int:
         return await self._run(lambda: plans.lookup(keys))
+
+    async def lookup_tiers(self, keys: Sequence[bytes]) -> TierRun:
+        version = (await self.welcomed()).version
+        return await self._run(lambda: plans.lookup_tiers(keys, version))
 
     async def prefetch(self, keys: Sequence[bytes]) -> int:
         return await self._run(lambda: plans.prefetch(keys))

@@ -15,6 +15,7 @@ from kvoffload.client_sdk.wire.block import HEADER_BYTES
 from kvoffload.client_sdk.wire.native import (
     META_VERSION,
     PROTOCOL_VERSION,
+    TIER_LOOKUP_VERSION,
     Delete,
     DeleteResult,
     Event,
@@ -35,6 +36,7 @@ from kvoffload.client_sdk.wire.native import (
     StatsResult,
     Welcome,
 )
+from kvoffload.client_sdk.wire.tiers import Tier, TierRun
 from kvoffload.errors import KVOffloadError, RemoteProtocolError
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "get_many_into",
     "hello",
     "lookup",
+    "lookup_tiers",
     "prefetch",
     "put",
     "put_done",
@@ -346,6 +349,30 @@ def lookup(keys: Sequence[bytes]) -> Plan[int]:
         if answer.count < len(chunk):
             break
     return total
+
+
+def lookup_tiers(keys: Sequence[bytes], version: int) -> Plan[TierRun]:
+    """`lookup` with the run's tiers, from a daemon that accepted `TIER_LOOKUP_VERSION`; an
+    older one cannot say, so its run is all `Tier.UNKNOWN`."""
+    if version < TIER_LOOKUP_VERSION:
+        return TierRun.of(Tier.UNKNOWN, (yield from lookup(keys)))
+    run = TierRun()
+    for i in range(0, len(keys), _BATCH_KEYS):
+        chunk = tuple(keys[i : i + _BATCH_KEYS])
+        event = partial(_tiers_event, chunk)
+        answer = cast(LookupResult, (yield from _ask(Req(event))))
+        if not 0 <= answer.count <= len(chunk) or answer.tiers is None:
+            raise RemoteProtocolError(
+                f"lookup of {len(chunk)} keys with tiers answered {answer.count}, {answer.tiers}"
+            )
+        run = run.then(TierRun.from_wire(answer.tiers))
+        if answer.count < len(chunk):
+            break
+    return run
+
+
+def _tiers_event(keys: tuple[bytes, ...], rid: int) -> Event:
+    return Lookup(rid, keys, tiers=True)
 
 
 def prefetch(keys: Sequence[bytes]) -> Plan[int]:

@@ -30,12 +30,14 @@ from kvoffload.client_sdk.transports.sharding import (
     gather,
     groups_of,
     leading_run,
+    merge_tier_runs,
     release,
     scrub,
     settle,
 )
 from kvoffload.client_sdk.url import StoreURL
 from kvoffload.client_sdk.wire.shards import merge_stats, shard_of
+from kvoffload.client_sdk.wire.tiers import TierRun
 from kvoffload.errors import (
     DeadlineExceededError,
     KVOffloadError,
@@ -254,6 +256,10 @@ class AsyncShardedTransport:
     async def lookup(self, keys: Sequence[bytes]) -> int:
         groups, runs = await self._split(keys, lambda s, at: s.lookup([keys[i] for i in at]))
         return leading_run(len(keys), groups, runs)
+
+    async def lookup_tiers(self, keys: Sequence[bytes]) -> TierRun:
+        groups, runs = await self._split(keys, lambda s, at: s.lookup_tiers([keys[i] for i in at]))
+        return merge_tier_runs(len(keys), groups, runs)
 
     async def prefetch(self, keys: Sequence[bytes]) -> int:
         _, counts = await self._split(keys, lambda s, at: s.prefetch([keys[i] for i in at]))

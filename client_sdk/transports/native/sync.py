@@ -35,6 +35,7 @@ from kvoffload.client_sdk.transports.native.session import Call, Plan, Req, Sess
 from kvoffload.client_sdk.url import StoreURL
 from kvoffload.client_sdk.wire.frames import HEAD_READ
 from kvoffload.client_sdk.wire.native import META_VERSION, PROTOCOL_VERSION, Welcome
+from kvoffload.client_sdk.wire.tiers import TierRun
 from kvoffload.errors import (
     DeadlineExceededError,
     KVOffloadError,
@@ -375,6 +376,10 @@ class NativeTransport:
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         return self._run(lambda: plans.lookup(keys))
+
+    def lookup_tiers(self, keys: Sequence[bytes]) -> TierRun:
+        version = self._version_now()
+        return self._run(lambda: plans.lookup_tiers(keys, version))
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         return self._run(lambda: plans.prefetch(keys))

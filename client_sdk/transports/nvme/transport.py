@@ -26,6 +26,7 @@ from kvoffload.client_sdk.transports.sharding import ShardRouter
 from kvoffload.client_sdk.url import StoreURL
 from kvoffload.client_sdk.wire import nvme_cmd as nc
 from kvoffload.client_sdk.wire import nvme_data as nd
+from kvoffload.client_sdk.wire.tiers import Tier, TierRun
 from kvoffload.errors import DeadlineExceededError, InvalidArgumentError, TransportError
 
 __all__ = ["NvmeTransport", "open_nvme"]
@@ -113,6 +114,10 @@ class NvmeTransport:
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         return self._run(lambda h: plans.lookup(h.nsid, keys, 4 * h.options.depth))
+
+    def lookup_tiers(self, keys: Sequence[bytes]) -> TierRun:
+        # The KV command set has no tiers: the run's blocks are all UNKNOWN.
+        return TierRun.of(Tier.UNKNOWN, self.lookup(keys))
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         # NVMe KV has no prefetch: count what is there (every tier of the store serves reads).

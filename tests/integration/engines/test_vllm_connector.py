@@ -22,9 +22,11 @@ import torch  # noqa: E402
 from vllm.v1.engine import FinishReason  # noqa: E402
 from vllm_harness import BLOCK, Engine, write_tiny_model  # noqa: E402
 
-from kvoffload.client_sdk import engine_hashes  # noqa: E402
+from kvoffload.client_sdk import Client, Tier, TierRun, engine_hashes  # noqa: E402
 from kvoffload.connectors.vllm import KVOffloadConnector  # noqa: E402
+from kvoffload.connectors.vllm.claim import ClaimRule, load_batches  # noqa: E402
 from kvoffload.errors import ConfigError  # noqa: E402
+from tests.conftest import Daemon  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -269,3 +271,78 @@ def test_saved_blocks_carry_their_token_ids_into_the_store_s_events(
     assert chain[0]["parent_block_hash"] is None
     for parent, child in zip(chain, chain[1:], strict=False):
         assert child["parent_block_hash"] == parent["block_hashes"][0]
+
+
+# ---------------------------------------------------------------------------- claims per tier
+
+D, S = Tier.DRAM, Tier.SSD
+
+
+def test_the_rule_claims_up_to_the_best_tier_segment_end() -> None:
+    rule = ClaimRule(16, "cost", prefill_tokens_per_s=1600.0)  # a block recomputes in 10 ms
+    mixed = TierRun(((D, 3), (S, 3)))
+    assert rule.claim_blocks(mixed) == 6  # no load rate known yet: load, and measure
+    rule.observe({"load_blocks_dram": 10.0, "load_s_dram": 0.01})  # 1 ms per block
+    rule.observe({"load_blocks_ssd": 1.0, "load_s_ssd": 0.1})  # 100 ms per block
+    assert rule.claim_blocks(mixed) == 3 and rule.skipped_tokens == 3 * 16
+    assert rule.claim_blocks(TierRun(((S, 3), (D, 3)))) == 0  # an SSD lead never pays off
+    # A short SSD part behind a long DRAM lead, then DRAM again: the DRAM after it pays.
+    assert rule.claim_blocks(TierRun(((D, 40), (S, 1), (D, 40)))) == 81
+    assert rule.claim_blocks(TierRun()) == 0
+    told = ClaimRule(16, "cost", load_blocks_per_s=1e6, prefill_tokens_per_s=1600.0)
+    assert told.claim_blocks(TierRun(((S, 5),))) == 5  # a told rate stands for every tier
+    assert ClaimRule(16, "all", 1.0, 1e9).claim_blocks(mixed) == 6
+    # A batch never mixes tiers, so its time measures one tier's rate.
+    assert load_batches(7, 2, TierRun(((D, 3), (S, 2)))) == [
+        (0, 2, D), (2, 3, D), (3, 5, S), (5, 7, Tier.UNKNOWN)
+    ]  # fmt: skip
+
+
+def test_hits_are_claimed_per_tier_with_the_real_scheduler(
+    tiny_model: Path, tmp_path: Path, engines: Any
+) -> None:
+    """A daemon holds the prefix's first 3 blocks in DRAM and the last 3 only on its SSD; with
+    SSD loads measured slower than recomputing, the scheduler claims the DRAM lead only (its
+    pages load bit-exact, the rest is recomputed); once the SSD measures fast, all of it."""
+    home = tmp_path / "node"
+    home.mkdir()
+    first = Daemon(home, "--ssd", "64MiB")
+    try:
+        engine = engines(tiny_model, first.url(), "LBNHC")
+        _save_first_request(engine)
+        ns = engine.worker.namespace
+        keys = engine_hashes(ns, engine.requests["r1"].block_hashes[:6])
+        with Client.connect(first.url(), namespace=ns) as client:  # made durable: on the SSD
+            for key in keys:
+                client.put(key, client.get(key), durable=True)
+        engine.close()
+    finally:
+        first.stop()
+    second = Daemon(home, "--ssd", "64MiB")  # restarted: its DRAM is cold
+    try:
+        with Client.connect(second.url(), namespace=ns) as client:
+            for key in keys[:3]:
+                assert client.get(key) is not None  # read: now in DRAM too
+            assert client.lookup(keys, tiers=True) == TierRun(((D, 3), (S, 3)))
+        engine = engines(tiny_model, second.url(), "LBNHC", claim="cost",
+                         prefill_tokens_per_s=1600.0)  # fmt: skip
+        claim = engine.scheduler.connector._sched().claim
+        claim.observe({"load_blocks_dram": 10.0, "load_s_dram": 0.01,
+                       "load_blocks_ssd": 1.0, "load_s_ssd": 100.0})  # fmt: skip
+        engine.add("r2", PREFIX + [9, 9])
+        engine.run()
+        _assert_recomputed(engine, "r2", loaded=3)
+        assert claim.skipped_tokens == 3 * BLOCK
+        # The workers measured their DRAM batches (and no SSD one: none was loaded).
+        assert claim.tier_blocks_per_s(D) != 1000.0
+        assert claim.tier_blocks_per_s(S) == 0.01
+        for _ in range(40):  # SSD loads now measured fast (the average follows)
+            claim.observe({"load_blocks_ssd": 1000.0, "load_s_ssd": 0.01})
+        engine.scheduler.reset_prefix_cache()
+        engine.scramble()
+        engine.add("r3", PREFIX + [4])
+        engine.run()
+        _assert_recomputed(engine, "r3", loaded=6)
+        assert claim.skipped_tokens == 3 * BLOCK
+    finally:
+        second.stop()

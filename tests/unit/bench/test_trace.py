@@ -18,7 +18,7 @@ from kvoffload.bench.replay import Payloads, replay
 from kvoffload.bench.trace import Workload, _peer_runs, _peer_work, block_slot, plan
 from kvoffload.bench.workload import PROFILES, TraceShape, generate, write_jsonl
 from kvoffload.cli import main
-from kvoffload.client_sdk import Client
+from kvoffload.client_sdk import Client, Tier, TierRun
 from kvoffload.errors import ConfigError, CorruptBlockError
 
 PAYLOAD = 3968  # + 96-byte header = one 4 KiB slot
@@ -149,6 +149,32 @@ def test_ttft_model_claims_only_hits_that_beat_recomputing() -> None:
     assert chosen.seconds[1] == pytest.approx(none[1])
     with pytest.raises(ValueError, match="claim"):
         ttft.ttft_seconds(model, gpu, n, hits, ssd, 16, costs, claim="some")
+
+
+def test_ttft_model_claims_by_the_lookups_segments() -> None:
+    """With the replay's tier segments the model claims up to a segment end: a hit whose SSD
+    blocks lead is not mistaken for a DRAM lead."""
+    model, gpu = PROFILES["llama-3.1-8b"], ttft.GPUS["h100"]
+    n = np.array([1000, 1000, 1000, 1000], dtype=np.int64)
+    hits, ssd = np.array([62, 62, 62, 0]), np.array([31, 31, 2, 0])
+    costs = ttft.LoadCosts(dram_s=1e-6, ssd_s=1e-2)
+    d, s = Tier.DRAM, Tier.SSD
+    runs = [
+        TierRun(((d, 31), (s, 31))),  # DRAM lead: loaded, the SSD part recomputed
+        TierRun(((s, 31), (d, 31))),  # SSD lead: the DRAM part behind it cannot pay for it
+        TierRun(((s, 2), (d, 60))),  # a short SSD lead: 60 cheap DRAM blocks pay for it
+        TierRun(),
+    ]
+    chosen = ttft.ttft_seconds(model, gpu, n, hits, ssd, 16, costs, runs=runs)
+    assert chosen.loaded_blocks.tolist() == [31, 0, 62, 0]
+    none = ttft.prefill_seconds(model, gpu, n, np.zeros_like(n))
+    assert np.all(chosen.seconds <= none + 1e-12)
+    # The old assumption (DRAM first) would load 31 blocks of the second, half of them SSD.
+    assert ttft.ttft_seconds(model, gpu, n, hits, ssd, 16, costs).loaded_blocks[1] == 31
+    every = ttft.ttft_seconds(model, gpu, n, hits, ssd, 16, costs, claim="all", runs=runs)
+    old = ttft.ttft_seconds(model, gpu, n, hits, ssd, 16, costs, claim="all")
+    assert every.loaded_blocks.tolist() == [62, 62, 62, 0]
+    assert every.seconds == pytest.approx(old.seconds)  # loading all costs the same either way
 
 
 def test_trace_bench_end_to_end_without_peers_installed(

@@ -71,6 +71,7 @@ REQUESTS: list[tuple[Event, list[bytes]]] = [
     (Get(11, K3), []),
     (Put(12, K2, 2, block_meta=BlockMeta((1, 2, 3), block_hash=9).encode()), [b"hi"]),
     (PutMany(13, (K1, K2), (1, 1), (), False, (None, BlockMeta((7,)).encode())), [b"ab"]),
+    (Lookup(14, (K1, K2, K3), tiers=True), []),
 ]
 ANSWERS: list[tuple[Event, list[bytes]]] = [
     (Welcome(1, 1, "alice", 1 << 20, 1 << 30, server="kvoffload"), []),
@@ -86,6 +87,7 @@ ANSWERS: list[tuple[Event, list[bytes]]] = [
     (ErrorReply(11, 2, "full"), []),
     (PutDone(12), []),
     (PutManyDone(13), []),
+    (LookupResult(14, 3, (1, 2, 2, 1)), []),
 ]
 
 
@@ -311,6 +313,12 @@ def test_sender_side_rules() -> None:
         lambda: Put(1, K1, 1, durable=1),  # type: ignore[arg-type]
         lambda: PutMany(1, (K1,), (1, 2)),
         lambda: Lookup(1, [K1, "x"]),  # type: ignore[list-item]
+        lambda: Lookup(1, (K1,), tiers=1),  # type: ignore[arg-type]
+        lambda: LookupResult(1, 3, (1, 2, 2)),  # not pairs
+        lambda: LookupResult(1, 3, (1, 2, 2, 2)),  # adds up to 4, not 3
+        lambda: LookupResult(1, 2, (3, 2)),  # REMOTE is the client's label, not a daemon's
+        lambda: LookupResult(1, 2, (1, 0, 2, 2)),  # an empty segment
+        lambda: LookupResult(1, 2, (True, 2)),
         lambda: Hello(1, token="x" * 5000),
         lambda: Get(1 << 32, K1),
     ],
