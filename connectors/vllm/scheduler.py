@@ -162,7 +162,7 @@ class SchedulerHalf:
             job = state.load
             if job is None:
                 continue
-            rows = enumerate(zip(*job.block_ids, strict=True))  # block ids of every group
+            rows = enumerate(zip(*job.block_ids, strict=False))  # block ids of every group
             bad = [i for i, ids in rows if invalid.intersection(ids)]
             if bad:
                 state.stored = min(state.stored, state.load_start + bad[0])

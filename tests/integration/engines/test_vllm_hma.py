@@ -10,6 +10,7 @@ from the store, bit-exact per group, the sliding-window group only inside its wi
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,7 @@ WINDOW_BLOCKS = (4, 5)
 class HybridEngine(Engine):
     """`Engine` with two KV cache groups: full attention and a sliding window."""
 
-    def __init__(self, model_dir: Path, url: str, **extra: Any) -> None:
+    def __init__(self, model_dir: Path, url: str, chunk: int = 0, **extra: Any) -> None:
         transfer = KVTransferConfig(
             kv_connector="KVOffloadConnector",
             kv_connector_module_path="kvoffload.connectors.vllm",
@@ -89,6 +90,8 @@ class HybridEngine(Engine):
             kv_cache_groups=[KVCacheGroupSpec(FULL, full), KVCacheGroupSpec(SLIDING, sliding)],
         )
         self.config.scheduler_config.disable_hybrid_kv_cache_manager = False
+        if chunk:  # tokens per step: prompts longer than this are prefilled in chunks
+            self.config.scheduler_config.max_num_batched_tokens = chunk
         self.scheduler = make_scheduler(self.config, self.kv_config)
         self.worker = KVConnectorFactory.create_connector(
             config=self.config, role=KVConnectorRole.WORKER, kv_cache_config=self.kv_config
@@ -300,3 +303,42 @@ def test_a_damaged_block_in_one_group_ends_the_hit_for_all_groups(
         block = third.tables["r3"][1][index]
         assert torch.equal(third.group_page(1, block),
                            third.expected_group_page(1, third.seen["r3"].tokens, index))  # fmt: skip
+
+
+def test_sliding_window_blocks_freed_during_a_chunked_prefill_are_saved_intact(
+    tiny_model: Path, start_daemon: Any, engines: Any
+) -> None:
+    daemon = start_daemon()
+    engine = engines(tiny_model, daemon.url(), chunk=2 * BLOCK)
+    engine.add("r1", PREFIX + [5, 6, 7, 8])
+    # Hold the worker's save thread, so that every save of the prefill runs after vLLM freed
+    # the early sliding-window blocks and "other requests" overwrote every free block.
+    gate = threading.Event()
+    engine.worker._work()._saver.submit(gate.wait)
+    noise = torch.Generator().manual_seed(3)
+    freed = False
+    for _ in range(20):  # 100 tokens at 32 a step: 4 prefill steps
+        engine.step()
+        if "r1" not in engine.scheduler.requests:
+            break
+        full, sliding = engine.scheduler.kv_cache_manager.get_block_ids("r1")
+        freed |= sliding[0] == 0
+        for block in set(range(1, NUM_BLOCKS)) - set(full) - set(sliding):
+            for view in engine.kv.values():
+                view[block].copy_(torch.randn(view[block].shape, generator=noise))
+    gate.set()
+    engine.run()
+    # vLLM freed the first sliding-window blocks while the request still ran...
+    assert freed
+    tokens = engine.seen["r1"].tokens
+    with Client.connect(daemon.url()) as client:
+        # ...yet every block of both groups was saved with the KV the model computed (the
+        # sliding blocks were copied before the next step could hand them to someone else).
+        for group in range(2):
+            for index in range(6):
+                got = client.get(engine.stored_key(group, "r1", index))
+                assert got is not None, f"group {group} block {index} was not saved"
+                want = engine.expected_group_page(group, tokens, index).view(torch.float16)
+                # Stored blocks are canonical: [layer][token][head][K and V].
+                want = want.permute(0, 2, 1, 3).contiguous().view(torch.uint8).flatten()
+                assert bytes(got) == bytes(want.numpy()), f"group {group} block {index}"
