@@ -29,7 +29,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 )
 from vllm.v1.engine import FinishReason  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
@@ -299,10 +298,11 @@ def test_a_damaged_block_in_one_group_ends_the_hit_for_all_groups(
     third.add("r3", PREFIX + [8])
     third.run()
     assert third.seen["r3"].first_computed == len(PREFIX)
+    tokens = third.seen["r3"].tokens
     for index in WINDOW_BLOCKS:
         block = third.tables["r3"][1][index]
         assert torch.equal(third.group_page(1, block),
-                           third.expected_group_page(1, third.seen["r3"].tokens, index))  # fmt: skip
+                           third.expected_group_page(1, tokens, index))  # fmt: skip
 
 
 def test_sliding_window_blocks_freed_during_a_chunked_prefill_are_saved_intact(
