@@ -106,11 +106,10 @@ def test_servers_of_a_hybrid_model_share_a_prefix_through_the_store(
         assert a.metrics().get("vllm:external_prefix_cache_hits_total", 0.0) == 0
         log = a.tail(1_000_000)
     assert len(first.token_ids) == ANSWER
-    # vLLM kept its hybrid KV cache manager: the worker registered two groups, one windowed.
+    # vLLM kept its hybrid KV cache manager (it logs when a connector makes it turn it off)...
     assert "Turning off hybrid kv cache manager" not in log
-    assert f"window {WINDOW}" in log and "window None" in log, log[-3000:]
-    # Both groups stored turn 1's full blocks.
-    assert stored["kvoffload_engine_puts_total"] >= 2 * TURN1_BLOCKS
+    # ...so both groups stored turn 1's full blocks (one group would have stored 8).
+    assert stored["kvoffload_engine_puts_total"] >= 2 * TURN1_BLOCKS, stored
 
     before = store.metrics()
     with VllmServer(sys.executable, model, tmp_path / "b.log", transfer=transfer,
