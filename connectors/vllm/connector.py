@@ -17,6 +17,7 @@ from kvoffload.client_sdk import Client, Namespace
 from kvoffload.connectors.paged_kv import CANONICAL_LAYOUT
 from kvoffload.connectors.vllm import _compat
 from kvoffload.connectors.vllm.claim import KVOffloadStats
+from kvoffload.connectors.vllm.groups import GroupLookup, group_layout
 from kvoffload.connectors.vllm.plan import Settings, StepPlan, namespace_for
 from kvoffload.connectors.vllm.scheduler import SchedulerHalf
 from kvoffload.connectors.vllm.worker import WorkerHalf
@@ -31,8 +32,9 @@ class KVOffloadConnectorMetadata(_compat.KVConnectorMetadata):
         self.plan = plan
 
 
-class KVOffloadConnector(_compat.KVConnectorBase_V1):
-    """Prefix KV cache in a kvoffload store, for vLLM 0.33.0.
+class KVOffloadConnector(_compat.KVConnectorBase_V1, _compat.SupportsHMA):
+    """Prefix KV cache in a kvoffload store, for vLLM 0.33.0 (and 0.32.0), including hybrid
+    models (several KV cache groups: full and sliding-window attention; see `groups`).
 
     Load it with ``--kv-transfer-config '{"kv_connector":"KVOffloadConnector",
     "kv_connector_module_path":"kvoffload.connectors.vllm","kv_role":"kv_both",
@@ -57,16 +59,19 @@ class KVOffloadConnector(_compat.KVConnectorBase_V1):
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
 
-        def namespace(rank: int) -> Namespace:
+        groups = geometry.groups
+
+        def namespace(rank: int, g: int = 0) -> Namespace:
+            group = groups[g]
             return namespace_for(
                 model=geometry.model,
                 revision=geometry.revision,
-                dtype=geometry.dtype,
+                dtype=group.dtype,
                 block_tokens=geometry.block_tokens,
-                num_layers=len(geometry.layer_names),
-                num_kv_heads=geometry.num_kv_heads,
-                head_width=geometry.head_width,
-                layout=CANONICAL_LAYOUT,
+                num_layers=len(group.layer_names),
+                num_kv_heads=group.num_kv_heads,
+                head_width=group.head_width,
+                layout=group_layout(CANONICAL_LAYOUT, groups, g),
                 tp_rank=rank,
                 tp_size=geometry.tp_size,
                 hash_algo=geometry.hash_algo,
@@ -80,15 +85,23 @@ class KVOffloadConnector(_compat.KVConnectorBase_V1):
             _compat.set_load_failure_policy(vllm_config, self._settings.load_failure_policy)
             namespaces = [namespace(rank) for rank in range(geometry.tp_size)]
             client = Client.connect(self._settings.url, namespace=namespaces[0])
+            lookup = None
+            if len(groups) > 1 or groups[0].sliding_window is not None:
+                per_rank = [[namespace(rank, g) for g in range(len(groups))]
+                            for rank in range(geometry.tp_size)]  # fmt: skip
+                lookup = GroupLookup(groups, per_rank, geometry.block_tokens)
             self._scheduler = SchedulerHalf(
-                self._settings, client, namespaces, geometry.block_tokens, geometry.hash_ratio
-            )
+                self._settings, client, namespaces, geometry.block_tokens, geometry.hash_ratio,
+                groups=lookup,
+            )  # fmt: skip
         else:
-            ns = self.namespace = namespace(_compat.tensor_parallel_rank())
-            client = Client.connect(self._settings.url, namespace=ns)
+            rank = _compat.tensor_parallel_rank()
+            self.namespace = namespace(rank)
+            client = Client.connect(self._settings.url, namespace=self.namespace)
             self._worker = WorkerHalf(
-                self._settings, client, ns, geometry.layer_names, kv_cache_config.num_blocks
-            )
+                self._settings, client, [namespace(rank, g) for g in range(len(groups))], groups,
+                kv_cache_config.num_blocks,
+            )  # fmt: skip
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -130,6 +143,8 @@ class KVOffloadConnector(_compat.KVConnectorBase_V1):
         scheduler = self._sched()
         if connector_output.invalid_block_ids:
             scheduler.loads_failed(connector_output.invalid_block_ids)
+        if getattr(connector_output, "failed_recving", None):
+            scheduler.requests_failed(connector_output.failed_recving)
         scheduler.loads_finished(connector_output.finished_recving or ())
         stats = getattr(connector_output, "kv_connector_stats", None)
         if isinstance(stats, KVOffloadStats):
@@ -153,6 +168,13 @@ class KVOffloadConnector(_compat.KVConnectorBase_V1):
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Keep a request's blocks until every worker has saved them."""
+        return self._sched().request_finished(request), None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """`request_finished` of hybrid models (vLLM's `SupportsHMA`): the same rule, since
+        the saves of every group run as one job per request."""
         return self._sched().request_finished(request), None
 
     # -- worker side ----------------------------------------------------------------------
@@ -193,6 +215,15 @@ class KVOffloadConnector(_compat.KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sent, received = self._work().get_finished(finished_req_ids)
         return sent or None, received or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """`get_finished`, plus (hybrid models) the requests whose load failed: vLLM cannot
+        take failed block ids from a model with several KV cache groups."""
+        sent, received = self._work().get_finished(finished_req_ids)
+        return _compat.KVConnectorTransferResults(
+            finished_sending=sent, finished_recving=received,
+            failed_recving=self._work().take_failed(),
+        )  # fmt: skip
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed (missing, corrupt, store unreachable): vLLM recomputes

@@ -13,8 +13,12 @@ from typing import Any
 from kvoffload.client_sdk import BlockMeta, Namespace, TierRun
 from kvoffload.errors import ConfigError, InvalidArgumentError
 
-__all__ = ["LoadJob", "SaveJob", "Settings", "StepPlan", "block_metas", "event_hash",
-           "namespace_for"]  # fmt: skip
+__all__ = ["NULL_BLOCK", "KVGroup", "LoadJob", "SaveJob", "Settings", "StepPlan", "block_metas",
+           "event_hash", "namespace_for"]  # fmt: skip
+
+# vLLM's null block: what a block table holds where a sliding-window group dropped (or never
+# allocated) a block outside its window. Such positions are neither loaded nor saved.
+NULL_BLOCK = 0
 
 
 @dataclass(frozen=True)
@@ -118,11 +122,33 @@ def namespace_for(
 
 
 @dataclass(frozen=True)
+class KVGroup:
+    """One KV cache group (hybrid models have several: e.g. sliding-window and full-attention
+    layers), as both halves need it."""
+
+    layer_names: tuple[str, ...]
+    num_kv_heads: int  # per rank
+    head_width: int  # K and V concatenated
+    dtype: str
+    sliding_window: int | None = None  # tokens; None: full attention
+    extra_retained: int = 0  # vLLM's SlidingWindowSpec.extra_retained_tokens
+
+    def first_needed(self, end: int, block_tokens: int) -> int:
+        """The first block this group keeps once `end` blocks are computed: vLLM's
+        `get_num_skipped_tokens` in blocks (0 for full attention)."""
+        if self.sliding_window is None:
+            return 0
+        skipped = end * block_tokens - self.sliding_window + 1 - self.extra_retained
+        return max(0, skipped) // block_tokens
+
+
+@dataclass(frozen=True)
 class LoadJob:
-    """Read `hashes` (vLLM block hashes, in chain order) into GPU blocks `block_ids`."""
+    """Read `hashes` (vLLM block hashes, in chain order) into GPU blocks `block_ids` (one tuple
+    per KV cache group, each as long as `hashes`; `NULL_BLOCK` where a group needs no block)."""
 
     req_id: str
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]
     hashes: tuple[bytes, ...]
     # Where the blocks were at the scheduler's lookup (rank 0's), so that each staging batch
     # holds one tier and its time measures that tier's load rate.
@@ -131,10 +157,11 @@ class LoadJob:
 
 @dataclass(frozen=True)
 class SaveJob:
-    """Write GPU blocks `block_ids` under `hashes`; `parent` is the hash of the block before."""
+    """Write GPU blocks `block_ids` (per group, as in `LoadJob`) under `hashes`; `parent` is
+    the hash of the block before."""
 
     req_id: str
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]
     hashes: tuple[bytes, ...]
     parent: bytes | None
     # The token ids of each block (one tuple per hash; empty when vLLM did not say) and the

@@ -12,9 +12,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvoffload.client_sdk import Client, Namespace, TierRun, engine_keys
+from kvoffload.client_sdk import Client, Namespace, Tier, TierRun, engine_keys
 from kvoffload.connectors.vllm import _compat
 from kvoffload.connectors.vllm.claim import ClaimRule
+from kvoffload.connectors.vllm.groups import GroupLookup
 from kvoffload.connectors.vllm.plan import LoadJob, SaveJob, Settings, StepPlan
 
 __all__ = ["SchedulerHalf"]
@@ -52,6 +53,7 @@ class SchedulerHalf:
         block_tokens: int,
         hash_ratio: int,
         kv_cache_manager: Any = None,
+        groups: GroupLookup | None = None,
     ) -> None:
         self._settings = settings
         self._client = client
@@ -59,6 +61,8 @@ class SchedulerHalf:
         self._block_tokens = block_tokens
         self._hash_ratio = hash_ratio
         self.kv_cache_manager = kv_cache_manager
+        # Several KV cache groups or a sliding window: the lookup of connectors/vllm/groups.py.
+        self._groups = groups
         self._requests: dict[str, _Request] = {}
         # req_id -> (first block not computed locally, leading blocks found in the store, the
         # tiers of the claimed blocks).
@@ -73,6 +77,11 @@ class SchedulerHalf:
     def _stored_blocks(self, hashes: Sequence[bytes]) -> tuple[int, TierRun]:
         """Leading blocks that every rank has in the store (one lookup per rank), and where
         rank 0's are (the other ranks' blocks are taken to be alike)."""
+        if self._groups is not None:
+            # Several KV cache groups: their tiers are not looked up, so the claim rule costs
+            # the hit at the one rate hybrid loads measure (Tier.UNKNOWN).
+            hit = self._groups.stored_blocks(self._client, hashes)
+            return hit, TierRun.of(Tier.UNKNOWN, hit)
         hit = len(hashes)
         run = TierRun()
         for rank, ns in enumerate(self._namespaces):
@@ -104,7 +113,7 @@ class SchedulerHalf:
         return claimed * size, True
 
     def update_state_after_alloc(
-        self, request: Any, block_ids: Sequence[int], num_external_tokens: int
+        self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int
     ) -> None:
         req_id = request.request_id
         state = self._requests.setdefault(req_id, _Request(request))
@@ -115,7 +124,7 @@ class SchedulerHalf:
             return
         count = num_external_tokens // self._block_tokens
         hashes = self._hashes(request)[start : start + count]
-        ids = tuple(block_ids[start : start + count])
+        ids = tuple(tuple(group[start : start + count]) for group in block_ids)
         job = LoadJob(req_id, ids, tuple(hashes), tiers.slice(0, count))
         state.load, state.load_start = job, start
         self._loads.append(job)
@@ -141,7 +150,7 @@ class SchedulerHalf:
             saves.append(
                 SaveJob(
                     req_id,
-                    tuple(ids[first:end]),
+                    tuple(tuple(group[first:end]) for group in ids),
                     tuple(hashes[first:end]),
                     hashes[first - 1] if first else None,
                     _block_tokens(request, first, end, size),
@@ -165,11 +174,20 @@ class SchedulerHalf:
             job = state.load
             if job is None:
                 continue
-            bad = [i for i, block in enumerate(job.block_ids) if block in invalid]
+            rows = enumerate(zip(*job.block_ids, strict=False))  # block ids of every group
+            bad = [i for i, ids in rows if invalid.intersection(ids)]
             if bad:
                 state.stored = min(state.stored, state.load_start + bad[0])
                 log.info("request %s: %d block(s) failed to load and will be recomputed",
-                         job.req_id, len(job.block_ids) - bad[0])  # fmt: skip
+                         job.req_id, len(job.hashes) - bad[0])  # fmt: skip
+
+    def requests_failed(self, req_ids: Iterable[str]) -> None:
+        """Hybrid models: loads failed as a whole (vLLM recomputes those requests from their
+        start), so save their loaded range again."""
+        for req_id in req_ids:
+            state = self._requests.get(req_id)
+            if state is not None and state.load is not None:
+                state.stored = min(state.stored, state.load_start)
 
     def loads_finished(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:

@@ -20,16 +20,24 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from kvoffload.client_sdk import BlockHash, Client, Namespace, engine_hashes
-from kvoffload.connectors.paged_kv import PagedKV
+from kvoffload.client_sdk import BlockHash, Client, Namespace, Tier, TierRun, engine_hashes
 from kvoffload.connectors.vllm.claim import (
     MIN_PREFILL_TOKENS,
     KVOffloadStats,
     StepRates,
     load_batches,
 )
-from kvoffload.connectors.vllm.plan import LoadJob, SaveJob, Settings, StepPlan, block_metas
-from kvoffload.errors import ConfigError, KVOffloadError
+from kvoffload.connectors.vllm.groups import GroupKV, chain_hashes, stored_positions
+from kvoffload.connectors.vllm.plan import (
+    NULL_BLOCK,
+    KVGroup,
+    LoadJob,
+    SaveJob,
+    Settings,
+    StepPlan,
+    block_metas,
+)
+from kvoffload.errors import KVOffloadError
 
 __all__ = ["WorkerHalf"]
 
@@ -43,18 +51,21 @@ class WorkerHalf:
         self,
         settings: Settings,
         client: Client,
-        namespace: Namespace,
-        layer_names: Sequence[str],
+        namespaces: Sequence[Namespace],
+        groups: Sequence[KVGroup],
         num_blocks: int,
     ) -> None:
         self._settings = settings
         self._client = client
-        self._namespace = namespace
-        self._layer_names = list(layer_names)
+        self._namespaces = list(namespaces)  # one per KV cache group
+        self._groups_spec = list(groups)
         self._num_blocks = num_blocks
-        self._kv: PagedKV | None = None
-        self._save_buffer: torch.Tensor | None = None
-        self._load_buffer: torch.Tensor | None = None
+        self._groups: list[GroupKV] = []
+        # Hybrid models report a failed load per request: vLLM cannot map a block id back to
+        # its request when ids repeat across groups.
+        self._hybrid = len(groups) > 1
+        # The group whose saves carry token ids for the store's KV events (one is enough).
+        self._events_group = next((i for i, g in enumerate(groups) if g.sliding_window is None), 0)
         self._save_stream: torch.cuda.Stream | None = None
         self._load_stream: torch.cuda.Stream | None = None
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-save")
@@ -67,46 +78,40 @@ class WorkerHalf:
         self._loaded: set[str] = set()  # loads done since the last get_finished
         self._load_errors: set[int] = set()  # failed blocks of those loads
         self._reported_errors: set[int] = set()
+        self._failed: set[str] = set()  # hybrid models: requests whose load failed
+        self._reported_failed: set[str] = set()
         self._rates = StepRates()  # under _lock: the loader thread adds to it
         self._step: tuple[float, int] | None = None  # forward start, tokens it computes
 
     # -- registration ---------------------------------------------------------------------
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Adopt vLLM's KV views (one per layer of the group) and check them against the
-        namespace the scheduler computed keys with.
+        """Adopt vLLM's KV views (every layer of every group) and check them against the
+        namespaces the scheduler computed keys with.
 
         Raises:
             ConfigError: a layer is missing or the views disagree with the namespace.
         """
-        missing = [name for name in self._layer_names if name not in kv_caches]
-        if missing:
-            raise ConfigError(f"vLLM registered no KV cache for layers {missing}")
-        kv = PagedKV([kv_caches[name] for name in self._layer_names], self._num_blocks)
-        ns = self._namespace
-        item = kv_caches[self._layer_names[0]].element_size()
-        seen = (kv.block_tokens, kv.num_kv_heads, kv.width_bytes // item)
-        expected = (ns.block_tokens, ns.num_kv_heads, ns.head_size)
-        if seen != expected:
-            raise ConfigError(
-                f"KV views hold (tokens, heads, K+V width) = {seen} per block, the KV cache "
-                f"config says {expected}"
-            )
-        self._kv = kv
         batch = self._settings.batch_blocks
-        self._save_buffer = kv.staging(batch)
-        self._load_buffer = kv.staging(batch)
-        if kv.device.type == "cuda":
-            self._save_stream = torch.cuda.Stream(kv.device)
-            self._load_stream = torch.cuda.Stream(kv.device)
-        log.info(
-            "kvoffload: %d layers, %d blocks of %d bytes, staging %d blocks",
-            kv.num_layers, kv.num_blocks, kv.block_bytes, batch,
-        )  # fmt: skip
+        self._groups = [
+            GroupKV.adopt(group, ns, kv_caches, self._num_blocks, batch)
+            for group, ns in zip(self._groups_spec, self._namespaces, strict=True)
+        ]
+        device = self._groups[0].kv.device
+        if device.type == "cuda":
+            self._save_stream = torch.cuda.Stream(device)
+            self._load_stream = torch.cuda.Stream(device)
+        for part in self._groups:
+            log.info(
+                "kvoffload: %d layers, %d blocks of %d bytes, staging %d blocks, window %s",
+                part.kv.num_layers, part.kv.num_blocks, part.kv.block_bytes, batch,
+                part.group.sliding_window,
+            )  # fmt: skip
 
     @property
     def block_bytes(self) -> int:
-        return self._kv.block_bytes if self._kv is not None else 0
+        """Bytes of one block of the first group (0 before `register`)."""
+        return self._groups[0].kv.block_bytes if self._groups else 0
 
     # -- per-step hooks -------------------------------------------------------------------
 
@@ -115,7 +120,7 @@ class WorkerHalf:
             self._loader.submit(self._run_load, job)
         # The forward runs between start_load_kv and wait_for_save; on a CPU it is done when
         # wait_for_save is called (a GPU's is not: there the prefill rate is told instead).
-        on_cpu = self._kv is not None and self._kv.device.type == "cpu"
+        on_cpu = bool(self._groups) and self._groups[0].kv.device.type == "cpu"
         if on_cpu and plan.scheduled_tokens >= MIN_PREFILL_TOKENS:
             self._step = (time.perf_counter(), plan.scheduled_tokens)
 
@@ -142,7 +147,18 @@ class WorkerHalf:
                 self._pending_saves[job.req_id] = self._pending_saves.get(job.req_id, 0) + 1
                 self._saving.add(job.req_id)
         for job in plan.saves:
-            self._save_futures.append(self._saver.submit(self._run_save, job, ready))
+            snapshots = self._snapshots(job)
+            self._save_futures.append(self._saver.submit(self._run_save, job, ready, snapshots))
+
+    def _snapshots(self, job: SaveJob) -> dict[int, torch.Tensor]:
+        """Copies of a job's sliding-window blocks, taken before the next step can free them
+        (full-attention blocks stay allocated until `get_finished` reports the request)."""
+        out: dict[int, torch.Tensor] = {}
+        for g, (part, ids) in enumerate(zip(self._groups, job.block_ids, strict=True)):
+            kept = [ids[i] for i in stored_positions(ids)]
+            if part.group.sliding_window is not None and kept:
+                out[g] = part.snapshot(kept)
+        return out
 
     def wait_for_saves(self) -> None:
         """Block until every submitted save has read its blocks (before vLLM reuses blocks
@@ -165,6 +181,8 @@ class WorkerHalf:
             # Errors are handed out with (never after) the loads they belong to.
             self._reported_errors |= self._load_errors
             self._load_errors = set()
+            self._reported_failed |= self._failed
+            self._failed = set()
         self._save_futures = [f for f in self._save_futures if not f.done()]
         return sent, received
 
@@ -172,6 +190,12 @@ class WorkerHalf:
         with self._lock:
             errors, self._reported_errors = self._reported_errors, set()
         return errors
+
+    def take_failed(self) -> set[str]:
+        """Hybrid models: requests whose load failed, handed out with their `get_finished`."""
+        with self._lock:
+            failed, self._reported_failed = self._reported_failed, set()
+        return failed
 
     def shutdown(self) -> None:
         self._loader.shutdown(wait=True)
@@ -189,9 +213,13 @@ class WorkerHalf:
             yield
         stream.synchronize()
 
-    def _run_save(self, job: SaveJob, ready: torch.cuda.Event | None) -> None:
+    def _run_save(
+        self, job: SaveJob, ready: torch.cuda.Event | None, snapshots: dict[int, torch.Tensor]
+    ) -> None:
         try:
-            self._save(job, ready)
+            for g, part in enumerate(self._groups):
+                self._save(part, job.block_ids[g], job, ready, snapshots.get(g),
+                           g == self._events_group)  # fmt: skip
         except KVOffloadError as exc:
             log.warning("kvoffload: saving blocks of %s failed: %s", job.req_id, exc)
         except Exception:
@@ -202,30 +230,41 @@ class WorkerHalf:
             with self._lock:
                 self._pending_saves[job.req_id] -= 1
 
-    def _save(self, job: SaveJob, ready: torch.cuda.Event | None) -> None:
-        kv, buffer = self._kv, self._save_buffer
-        assert kv is not None and buffer is not None, "register_kv_caches was not called"
-        hashes = engine_hashes(self._namespace, job.hashes)
-        parent: BlockHash | None = None
-        if job.parent is not None:
-            parent = engine_hashes(self._namespace, [job.parent])[0]
+    def _save(
+        self,
+        part: GroupKV,
+        ids: Sequence[int],
+        job: SaveJob,
+        ready: torch.cuda.Event | None,
+        snapshot: torch.Tensor | None,
+        events: bool,
+    ) -> None:
+        """Save one group's blocks of a job (rows of `snapshot`, if taken, else its blocks)."""
+        positions = stored_positions(ids)
+        if not positions:
+            return
+        chain, before = chain_hashes(part.namespace, job.hashes, job.parent)
+        hashes = [chain[p] for p in positions]
         # Another request may have saved the same prefix since the scheduler planned this.
         first = self._client.lookup(hashes)
-        if first:
-            parent = hashes[first - 1]
+        metas = block_metas(job, 0, len(job.hashes)) if events else None
+        buffer = part.save_buffer
         batch = buffer.shape[0]
-        for start in range(first, len(hashes), batch):
-            chunk = hashes[start : start + batch]
-            ids = torch.tensor(job.block_ids[start : start + len(chunk)], dtype=torch.long)
-            with self._on(self._save_stream):
-                if ready is not None and self._save_stream is not None:
-                    self._save_stream.wait_event(ready)
-                kv.gather(ids, buffer)
-            parents = [parent, *chunk[:-1]]
-            metas = block_metas(job, start, start + len(chunk))
-            self._client.put_many(zip(chunk, buffer[: len(chunk)], strict=True), parents=parents,
-                                  metas=metas)  # fmt: skip
-            parent = chunk[-1]
+        for start in range(first, len(positions), batch):
+            pos = positions[start : start + batch]
+            if snapshot is not None:
+                rows = snapshot[start : start + len(pos)]
+            else:
+                block_ids = torch.tensor([ids[p] for p in pos], dtype=torch.long)
+                with self._on(self._save_stream):
+                    if ready is not None and self._save_stream is not None:
+                        self._save_stream.wait_event(ready)
+                    part.kv.gather(block_ids, buffer)
+                rows = buffer[: len(pos)]
+            parents = [chain[p - 1] if p else before for p in pos]
+            self._client.put_many(zip(hashes[start : start + len(pos)], rows, strict=True),
+                                  parents=parents,
+                                  metas=[metas[p] for p in pos] if metas else None)  # fmt: skip
 
     def _run_load(self, job: LoadJob) -> None:
         loaded = 0
@@ -237,36 +276,59 @@ class WorkerHalf:
             # A thread boundary: the blocks are reported as failed and vLLM recomputes them.
             log.exception("kvoffload: loading %d blocks of %s failed", len(job.hashes),
                           job.req_id)  # fmt: skip
-        if loaded < len(job.block_ids):
+        if loaded < len(job.hashes):
             log.warning(
                 "kvoffload: request %s loaded %d of %d blocks; vLLM recomputes the rest",
-                job.req_id, loaded, len(job.block_ids),
+                job.req_id, loaded, len(job.hashes),
             )  # fmt: skip
         with self._lock:
-            self._load_errors.update(job.block_ids[loaded:])
+            if loaded < len(job.hashes) and self._hybrid:
+                self._failed.add(job.req_id)
+            elif loaded < len(job.hashes):
+                self._load_errors.update(b for b in job.block_ids[0][loaded:] if b != NULL_BLOCK)
             self._loaded.add(job.req_id)
 
     def _load(self, job: LoadJob) -> int:
-        """Read and scatter the job's blocks; returns how many leading blocks were loaded.
-        Each staging batch holds blocks of one tier; its time goes to that tier's rate."""
-        kv, buffer = self._kv, self._load_buffer
-        assert kv is not None and buffer is not None, "register_kv_caches was not called"
-        hashes = engine_hashes(self._namespace, job.hashes)
-        for start, stop, tier in load_batches(len(hashes), buffer.shape[0], job.tiers):
+        """Read and scatter the job's blocks, group by group; returns how many leading block
+        positions every group loaded (a failure in one group ends the load for all). With one
+        group each staging batch holds blocks of one tier and its time goes to that tier's
+        rate; a hybrid model's tiers are not looked up, so its loads time whole jobs."""
+        if not self._hybrid:
+            return self._load_group(self._groups[0], job.hashes, job.block_ids[0], job.tiers)
+        began, end = time.perf_counter(), len(job.hashes)
+        for part, ids in zip(self._groups, job.block_ids, strict=True):
+            end = self._load_group(part, job.hashes[:end], ids[:end], None)
+        if end:
+            with self._lock:
+                self._rates.loaded(Tier.UNKNOWN, end, time.perf_counter() - began)
+        return end
+
+    def _load_group(
+        self, part: GroupKV, hashes: Sequence[bytes], ids: Sequence[int], run: TierRun | None
+    ) -> int:
+        positions = stored_positions(ids)
+        keys = engine_hashes(part.namespace, [hashes[p] for p in positions])
+        buffer = part.load_buffer
+        tiers = run.tiers() if run is not None else []
+        tiers += [Tier.UNKNOWN] * (len(hashes) - len(tiers))
+        segments = TierRun.from_tiers(tiers[p] for p in positions)
+        for start, stop, tier in load_batches(len(keys), buffer.shape[0], segments):
             began = time.perf_counter()
-            chunk = hashes[start:stop]
-            ok = self._read_batch(chunk, buffer)
+            chunk = keys[start:stop]
+            ok = self._read_batch(chunk, buffer, part.kv.block_bytes)
             if ok:
-                ids = torch.tensor(job.block_ids[start : start + ok], dtype=torch.long)
+                block_ids = torch.tensor([ids[p] for p in positions[start : start + ok]],
+                                         dtype=torch.long)  # fmt: skip
                 with self._on(self._load_stream):
-                    kv.scatter(ids, buffer)
-                with self._lock:
-                    self._rates.loaded(tier, ok, time.perf_counter() - began)
+                    part.kv.scatter(block_ids, buffer)
+                if run is not None:
+                    with self._lock:
+                        self._rates.loaded(tier, ok, time.perf_counter() - began)
             if ok < len(chunk):
-                return start + ok
+                return positions[start + ok]
         return len(hashes)
 
-    def _read_batch(self, keys: Sequence[BlockHash], buffer: torch.Tensor) -> int:
+    def _read_batch(self, keys: Sequence[BlockHash], buffer: torch.Tensor, block_bytes: int) -> int:
         """Verified blocks straight into the staging rows, in one pipelined batch; returns how
         many leading blocks can be used."""
         try:
@@ -275,13 +337,13 @@ class WorkerHalf:
             log.warning("kvoffload: reading %d blocks failed: %s", len(keys), exc)
             return 0
         ok = 0
-        while ok < len(got) and got[ok] == self.block_bytes:
+        while ok < len(got) and got[ok] == block_bytes:
             ok += 1
         if ok < len(got):
             key, size = keys[ok], got[ok]
             if size is not None:
                 log.warning("kvoffload: block %s holds %d bytes, expected %d", key[:16].hex(),
-                            size, self.block_bytes)  # fmt: skip
+                            size, block_bytes)  # fmt: skip
             # Missing or damaged: drop whatever is stored under the key, so that the recomputed
             # block is saved again instead of failing every later load.
             with contextlib.suppress(KVOffloadError):

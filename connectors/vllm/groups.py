@@ -1,0 +1,143 @@
+"""Hybrid-attention models: several KV cache groups (e.g. sliding-window and full attention).
+
+vLLM's hybrid KV cache manager gives every group its own block table over the same block
+hashes. Each group's blocks are stored under a namespace of their own (so a sliding-window
+layer's block never answers for a full-attention one), and a hit is the longest prefix every
+group can serve: a full-attention group needs every block before the hit boundary, a
+sliding-window group only the blocks inside its window before it (vLLM frees the others and
+puts its null block in their place). That is the rule of vLLM 0.33's own OffloadingConnector
+(`_lookup_complete_chunks`: a prefix lookup for full attention, a lookup of the window ending
+at the boundary for sliding windows, repeated until the boundary stops moving).
+
+A damaged or missing block in any group ends the load for all of them: the hit is only as
+long as the shortest group's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvoffload.client_sdk import BlockHash, Client, Namespace, engine_hashes, engine_keys
+from kvoffload.connectors.paged_kv import PagedKV
+from kvoffload.connectors.vllm.plan import NULL_BLOCK, KVGroup
+from kvoffload.errors import ConfigError
+
+__all__ = ["GroupKV", "GroupLookup", "chain_hashes", "group_layout", "stored_positions"]
+
+
+def group_layout(layout: str, groups: Sequence[KVGroup], index: int) -> str:
+    """The namespace layout of group `index`: unchanged for a model with one group (its blocks
+    keep the keys they had before hybrid models were supported), else tagged with the group,
+    its layer count and its window."""
+    if len(groups) == 1:
+        return layout
+    group = groups[index]
+    window = group.sliding_window or 0
+    return (f"{layout};hma-group={index}/{len(groups)};layers={len(group.layer_names)}"
+            f";window={window}+{group.extra_retained}")  # fmt: skip
+
+
+class GroupLookup:
+    """The scheduler's lookup over every group and tensor-parallel rank.
+
+    Args:
+        groups: the KV cache groups, in vLLM's order.
+        namespaces: for each rank, the namespace of each group.
+        block_tokens: tokens per block.
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[KVGroup],
+        namespaces: Sequence[Sequence[Namespace]],
+        block_tokens: int,
+    ) -> None:
+        self._groups = list(groups)
+        self._namespaces = [list(per_rank) for per_rank in namespaces]
+        self._block_tokens = block_tokens
+        self.lookups = 0  # store lookups made (tests count them)
+
+    def stored_blocks(self, client: Client, hashes: Sequence[bytes]) -> int:
+        """The largest block boundary that every group of every rank can serve."""
+        end = len(hashes)
+        moved = True
+        # `end` only shrinks, and a pass that moves nothing ends the loop: at most len(hashes)
+        # passes, in practice one or two.
+        while moved and end > 0:
+            moved = False
+            for per_rank in self._namespaces:
+                for group, ns in zip(self._groups, per_rank, strict=True):
+                    first = group.first_needed(end, self._block_tokens)
+                    if first >= end:
+                        continue
+                    self.lookups += 1
+                    run = client.lookup(engine_keys(ns, hashes[first:end]))
+                    if first + run < end:
+                        end, moved = first + run, True
+        return end
+
+
+def stored_positions(block_ids: Sequence[int]) -> list[int]:
+    """Positions of a group's block table that hold a block (not vLLM's null block)."""
+    return [i for i, block in enumerate(block_ids) if block != NULL_BLOCK]
+
+
+def chain_hashes(
+    namespace: Namespace, hashes: Sequence[bytes], parent: bytes | None
+) -> tuple[list[BlockHash], BlockHash | None]:
+    """Store hashes of a job's blocks in one group, and of the block before them."""
+    mapped = engine_hashes(namespace, [*([parent] if parent is not None else []), *hashes])
+    if parent is None:
+        return mapped, None
+    return mapped[1:], mapped[0]
+
+
+@dataclass
+class GroupKV:
+    """One group's KV views in a worker, with its own staging buffers."""
+
+    group: KVGroup
+    namespace: Namespace
+    kv: PagedKV
+    save_buffer: torch.Tensor
+    load_buffer: torch.Tensor
+
+    @classmethod
+    def adopt(
+        cls,
+        group: KVGroup,
+        namespace: Namespace,
+        kv_caches: dict[str, torch.Tensor],
+        num_blocks: int,
+        batch: int,
+    ) -> GroupKV:
+        """Wrap vLLM's views of the group's layers and check them against its namespace.
+
+        Raises:
+            ConfigError: a layer is missing or the views disagree with the namespace.
+        """
+        missing = [name for name in group.layer_names if name not in kv_caches]
+        if missing:
+            raise ConfigError(f"vLLM registered no KV cache for layers {missing}")
+        kv = PagedKV([kv_caches[name] for name in group.layer_names], num_blocks)
+        item = kv_caches[group.layer_names[0]].element_size()
+        seen = (kv.block_tokens, kv.num_kv_heads, kv.width_bytes // item)
+        expected = (namespace.block_tokens, namespace.num_kv_heads, namespace.head_size)
+        if seen != expected:
+            raise ConfigError(
+                f"KV views hold (tokens, heads, K+V width) = {seen} per block, the KV cache "
+                f"config says {expected}"
+            )
+        return cls(group, namespace, kv, kv.staging(batch), kv.staging(batch))
+
+    def snapshot(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A host copy of blocks `block_ids`, made now: vLLM frees a sliding window's blocks
+        as the window moves on, possibly before a background save would read them."""
+        out = self.kv.staging(len(block_ids))
+        self.kv.gather(torch.tensor(list(block_ids), dtype=torch.long), out)
+        if self.kv.device.type == "cuda":
+            torch.cuda.current_stream(self.kv.device).synchronize()
+        return out
