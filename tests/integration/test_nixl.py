@@ -26,6 +26,8 @@ from kvoffload.bench.net_nixl import nixl_rows
 from kvoffload.client_sdk import AsyncClient, Client
 from kvoffload.client_sdk.transports.native import nixl as nixl_transport
 from kvoffload.client_sdk.transports.native.nixl_memory import MAX_REGIONS, NixlMemory
+from kvoffload.client_sdk.transports.native.options import NativeOptions
+from kvoffload.client_sdk.url import parse_url
 from kvoffload.client_sdk.wire.native import (
     NIXL_VERSION,
     ConnectionClosed,
@@ -121,6 +123,22 @@ def test_batches_naming_more_buffers_than_the_registration_cache(
         assert (seven == 7).all()
         assert client.get_into(keys[0], seven) == 4096
         assert np.array_equal(seven[:4096], values[0]) and (seven[4096:] == 7).all()
+
+
+def test_a_revoke_reaches_lanes_in_use(start_daemon: Start, ucx: dict[str, str]) -> None:
+    daemon = start_daemon(env=ucx)
+    transport = nixl_transport.open_nixl(NativeOptions.from_url(parse_url(daemon.url(data="nixl"))))
+    try:
+        buffer = memoryview(np.zeros(4096, np.uint8))
+        assert transport.get_into(b"\x01" * 16, buffer) is None  # registered on a lane
+        lane = transport._take()  # in use, as by another thread's request
+        assert lane is not None and len(lane.memory.regions) == 1
+        assert transport.revoke(buffer) == 0  # no idle lane had it
+        assert len(lane.memory.regions) == 1  # the request in flight may name it: kept
+        transport._give(lane, True)
+        assert lane.memory.regions == []  # revoked (daemon first) once given back
+    finally:
+        transport.close()
 
 
 def test_a_plain_kv_client_sees_what_nixl_stored(start_daemon: Start, ucx: dict[str, str]) -> None:

@@ -108,6 +108,7 @@ class _Lane:
         # Whether NixlGet / NixlPut carry the time left (protocol 4).
         self.budgets = self.conn.welcome.version >= NIXL_DEADLINE_VERSION
         self.unsafe = False  # the daemon may still move bytes for a request we gave up on
+        self.to_revoke: list[memoryview] = []  # asked for while the lane was busy
         self.timeout = options.timeout
         try:
             self.memory = NixlMemory()
@@ -248,6 +249,7 @@ class NixlTransport(NativeTransport):
         self._lane_cond = threading.Condition()
         self._refused = ""
         self._lane_version = NIXL_DEADLINE_VERSION  # lowered once a daemon refuses it
+        self._busy: set[_Lane] = set()  # lanes in use: a revoke reaches them when given back
         super().__init__(options)
 
     # ------------------------------------------------------------------ lanes
@@ -263,7 +265,9 @@ class NixlTransport(NativeTransport):
                 if self._refused:
                     return None
                 if self._lanes:
-                    return self._lanes.pop()
+                    lane = self._lanes.pop()
+                    self._busy.add(lane)
+                    return lane
                 if self._lanes_open < self.options.pool:
                     self._lanes_open += 1  # counts lanes in existence, idle or in use
                     break
@@ -271,9 +275,13 @@ class NixlTransport(NativeTransport):
         try:
             while True:
                 try:
-                    return _Lane(self.options, self.options.ssl_context(), self._lane_version)
+                    lane = _Lane(self.options, self.options.ssl_context(), self._lane_version)
                 except _Older:
                     self._lane_version = NIXL_VERSION
+                    continue
+                with self._lane_cond:
+                    self._busy.add(lane)
+                return lane
         except _Refused as exc:
             log.warning("%s speaks no NIXL (%s); using kv:// payloads", self.options.url, exc)
             with self._lane_cond:
@@ -286,6 +294,15 @@ class NixlTransport(NativeTransport):
             raise
 
     def _give(self, lane: _Lane, healthy: bool) -> None:
+        with self._lane_cond:
+            self._busy.discard(lane)
+            pending, lane.to_revoke = lane.to_revoke, []
+        if healthy and pending:
+            try:
+                for buffer in pending:
+                    lane.revoke(buffer)
+            except KVOffloadError:
+                healthy = False  # closing the lane drops its registrations all the same
         with self._lane_cond:
             if healthy and lane.conn.healthy and not self._closed:
                 self._lanes.append(lane)
@@ -326,10 +343,13 @@ class NixlTransport(NativeTransport):
         return self._refused
 
     def revoke(self, buffer: memoryview) -> int:
-        """Unregister `buffer` on every idle lane (the daemon then refuses to touch it).
-        Returns how many lanes had it."""
+        """Unregister `buffer` on every lane (the daemon then refuses to touch it): now on idle
+        lanes, on lanes in use when they are given back (their request may name it). Returns
+        how many idle lanes had it."""
         with self._lane_cond:
             lanes, self._lanes = self._lanes, []
+            for busy in self._busy:
+                busy.to_revoke.append(buffer)
         done = 0
         for lane in lanes:
             try:
