@@ -297,7 +297,7 @@ class NixlTransport(NativeTransport):
         with self._lane_cond:
             self._busy.discard(lane)
             pending, lane.to_revoke = lane.to_revoke, []
-        if healthy and pending:
+        if healthy and pending and lane.conn.healthy:
             try:
                 for buffer in pending:
                     lane.revoke(buffer)
