@@ -3,9 +3,9 @@
 The native connection stays the control channel; the payload moves one-sided between the
 arena and the client's registered memory: a NixlGet WRITEs each hit there, a NixlPut READs
 each value into a reserved slot. This process (one per worker) has one NIXL agent, made on
-first use, with the whole arena registered once. No progress thread: the handler that waits
-for a transfer drives NIXL's progress, yielding to the loop between polls, so an idle
-connection costs nothing.
+first use in a thread (loading NIXL's plugins takes seconds: the loop keeps serving), with the
+whole arena registered once. No progress thread: the handler that waits for a transfer drives
+NIXL's progress, yielding to the loop between polls, so an idle connection costs nothing.
 
 The NIXL package is optional: nothing here imports it until a client asks for the data path.
 """
@@ -16,6 +16,8 @@ import asyncio
 import importlib
 import logging
 import os
+import select
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ import numpy as np
 from kvoffload.client_sdk.wire.block import HEADER_BYTES
 from kvoffload.client_sdk.wire.blockmeta import BlockMeta
 from kvoffload.client_sdk.wire.native import (
+    NIXL_DEADLINE_VERSION,
     NIXL_VERSION,
     NixlGet,
     NixlGetResult,
@@ -38,6 +41,7 @@ from kvoffload.client_sdk.wire.shards import shard_of
 from kvoffload.errors import (
     AuthError,
     ConfigError,
+    DeadlineExceededError,
     InvalidArgumentError,
     KVOffloadError,
     TransportError,
@@ -55,10 +59,53 @@ log = logging.getLogger("kvoffload.nixl")
 T = TypeVar("T")
 # Regions one connection may have registered at once (the client's cache holds fewer).
 _MAX_REGIONS = 4096
+# Waiting for a transfer: this many polls yield to the loop without sleeping, then the naps
+# double from _NAP_S to _MAX_NAP_S (the loop's timers round up to 1 ms anyway), so a long
+# transfer does not spin the loop at 100 %.
+_SPINS = 16
+_NAP_S = 0.00005
+_MAX_NAP_S = 0.001
+# NIXL's serialised agent metadata starts with the agent's name: read before anything loads.
+_SERDES = b"nixlSerDes|Agent"
+_MAX_NAME = 256
 
 
 class _StuckError(TransportError):
     """A transfer that could not be cancelled: its arena memory must stay held."""
+
+
+class _LateError(DeadlineExceededError):
+    """The client's time ran out (or it hung up) before the transfer was posted: nothing
+    moved, so the connection may stay."""
+
+
+def agent_name(metadata: bytes) -> str:
+    """The name of the agent NIXL metadata describes, read without loading it.
+
+    Raises:
+        InvalidArgumentError: not NIXL agent metadata.
+    """
+    at = len(_SERDES)
+    size = int.from_bytes(metadata[at : at + 8], "little")
+    name = metadata[at + 8 : at + 8 + size]
+    if (
+        not metadata.startswith(_SERDES)
+        or not 0 < size <= _MAX_NAME
+        or len(name) != size
+        or metadata[at + 8 + size : at + 9 + size] != b"|"
+    ):
+        raise InvalidArgumentError("not NIXL agent metadata")
+    try:
+        return name.decode()
+    except UnicodeDecodeError:
+        raise InvalidArgumentError("NIXL agent metadata names no readable agent") from None
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """The client shut its side of the control connection (it gave up on its request)."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLRDHUP)
+    return bool(poller.poll(0))
 
 
 def _address(view: memoryview | np.ndarray[Any, Any]) -> int:
@@ -74,13 +121,44 @@ class NixlAgent:
     """
 
     def __init__(self, engine: Engine, backend: str) -> None:
+        self._engine, self._backend = engine, backend
+        self._agent: Any = None
+        self._making: asyncio.Future[None] | None = None
+        self.errors: tuple[type[Exception], ...] = (RuntimeError, ValueError)
+        self.names: set[str] = set()  # remote agents loaded, one per connection
+        # Views and reservations of transfers that could not be cancelled: the client's NIXL
+        # may still touch their memory, so they are never given back (logged, counted).
+        self.quarantine: list[object] = []
+
+    async def ready(self) -> None:
+        """Make the agent (once, in a thread: importing NIXL and loading its plugins takes
+        seconds, and the loop must go on serving other connections meanwhile).
+
+        Raises:
+            ConfigError: NIXL is not installed, or its backend cannot be created here (a
+                later request tries again).
+        """
+        if self._agent is not None:
+            return
+        if self._making is None:
+            self._making = asyncio.ensure_future(asyncio.to_thread(self._make))
+        making = self._making
+        try:
+            await asyncio.shield(making)  # a waiter that goes away leaves it to the others
+        except ConfigError:
+            if self._making is making:
+                self._making = None
+            raise
+
+    def _make(self) -> None:
+        engine, backend = self._engine, self._backend
         try:
             api = importlib.import_module("nixl._api")
             bindings = importlib.import_module("nixl._bindings")
         except ImportError as exc:
             raise ConfigError(f"the NIXL data path needs the nixl package: {exc}") from None
         # NIXL raises its own exception types, all plain Exception subclasses.
-        self.errors: tuple[type[Exception], ...] = (
+        self.errors = (
             RuntimeError,
             ValueError,
             *(
@@ -92,19 +170,17 @@ class NixlAgent:
         name = f"kvoffload-daemon-{os.getpid()}"
         config = api.nixl_agent_config(enable_prog_thread=False, backends=[])
         try:
-            self._agent: Any = api.nixl_agent(name, config)
-            self._agent.create_backend(backend)
+            agent = api.nixl_agent(name, config)
+            agent.create_backend(backend)
             arena = arena_of(engine)
-            self._agent.register_memory([(_address(arena), len(arena), 0, "")], "DRAM")
+            agent.register_memory([(_address(arena), len(arena), 0, "")], "DRAM")
         except self.errors as exc:
             raise ConfigError(f"NIXL backend {backend!r} cannot be created: {exc}") from None
-        self.names: set[str] = set()  # remote agents loaded, one per connection
-        # Views and reservations of transfers that could not be cancelled: the client's NIXL
-        # may still touch their memory, so they are never given back (logged, counted).
-        self.quarantine: list[object] = []
+        self._agent = agent
 
-    def load(self, metadata: bytes) -> str:
-        """Load a client's agent metadata (whole or partial); returns the agent's name.
+    def load(self, metadata: bytes, expected: str) -> None:
+        """Load a client's agent metadata (whole or partial), whose owner the caller has
+        checked: it names agent `expected`.
 
         Raises:
             InvalidArgumentError: NIXL does not accept it.
@@ -113,7 +189,10 @@ class NixlAgent:
             name = self._agent.add_remote_agent(metadata)
         except self.errors as exc:
             raise InvalidArgumentError(f"NIXL agent metadata refused: {exc}") from None
-        return name.decode() if isinstance(name, bytes) else str(name)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        if name != expected:  # NIXL read the name otherwise than `agent_name`: refuse it
+            self.forget(name)
+            raise InvalidArgumentError(f"NIXL agent metadata names {name!r}, not {expected!r}")
 
     def forget(self, name: str) -> None:
         self.names.discard(name)
@@ -128,16 +207,20 @@ class NixlAgent:
         local: list[tuple[int, int]],
         remote: list[tuple[int, int]],
         peer: str,
-        timeout: float,
+        deadline: float,
         held: object,
+        sock: socket.socket,
     ) -> None:
         """Run one transfer (WRITE: arena -> client; READ: client -> arena), driving NIXL's
-        progress while it runs, for at most `timeout` s.
+        progress while it runs, until `deadline` (monotonic). Nothing is posted once the
+        deadline has passed or the client has shut its side of `sock`: a client that gave up
+        may have handed its buffer back to its caller.
 
         Raises:
             InvalidArgumentError: NIXL refused the descriptors (not the client's memory).
-            TransportError: the transfer failed or timed out (the client went away); if it
-                could not be cancelled, `held` (what pins its arena memory) is kept forever.
+            TransportError: the transfer failed or timed out (the client went away), or was
+                never posted; if it could not be cancelled, `held` (what pins its arena
+                memory) is kept forever.
         """
         if not local:
             return
@@ -151,12 +234,18 @@ class NixlAgent:
             )
         except self.errors as exc:
             raise InvalidArgumentError(f"NIXL refused the transfer: {exc}") from None
-        state, stuck = "ERR", False
+        state, stuck, polls, nap = "ERR", False, 0, _NAP_S
         try:
+            if time.monotonic() >= deadline or _hung_up(sock):
+                raise _LateError(f"the client's time ran out before the NIXL {op}: none posted")
             state = agent.transfer(handle)
-            deadline = time.monotonic() + timeout
             while state == "PROC" and time.monotonic() < deadline:
-                await asyncio.sleep(0)  # other connections run between progress polls
+                polls += 1  # other connections run between progress polls
+                if polls <= _SPINS:
+                    await asyncio.sleep(0)
+                else:
+                    await asyncio.sleep(nap)
+                    nap = min(nap * 2, _MAX_NAP_S)
                 state = agent.check_xfer_state(handle)
         except self.errors as exc:
             state = f"ERR ({exc})"
@@ -199,7 +288,7 @@ class NixlPeer:
         )
 
 
-def _agent(s: NativeSession) -> NixlAgent:
+async def _agent(s: NativeSession) -> NixlAgent:
     """The process's agent, made on first use.
 
     Raises:
@@ -217,7 +306,9 @@ def _agent(s: NativeSession) -> NixlAgent:
     services = s.services
     if services.nixl is None:
         services.nixl = NixlAgent(s.engine, config.nixl_backend)
-    return services.nixl
+    agent = services.nixl
+    await agent.ready()
+    return agent
 
 
 def _refuse(s: NativeSession, request_id: int, exc: KVOffloadError) -> None:
@@ -235,7 +326,7 @@ def _run(
         try:
             if s.version < NIXL_VERSION:
                 raise InvalidArgumentError("NIXL requests need protocol version 3")
-            agent = _agent(s)
+            agent = await _agent(s)
             if s.nixl is None:
                 raise InvalidArgumentError("NixlMemory must name the client's agent first")
             await work(agent, s.nixl)
@@ -252,28 +343,49 @@ def _run(
     return run()
 
 
-def on_nixl_memory(s: NativeSession, event: NixlMemory) -> Awaitable[None] | None:
-    try:
-        if s.version < NIXL_VERSION:
-            raise InvalidArgumentError("NIXL requests need protocol version 3")
-        agent = _agent(s)
-        if event.agent:
-            name = agent.load(event.agent)
+def on_nixl_memory(s: NativeSession, event: NixlMemory) -> Awaitable[None]:
+    async def run() -> None:
+        try:
+            if s.version < NIXL_VERSION:
+                raise InvalidArgumentError("NIXL requests need protocol version 3")
+            agent = await _agent(s)
+            if event.agent:
+                _own(s, agent, event.agent)
             if s.nixl is None:
-                if name in agent.names:  # another connection's agent: never share it
-                    raise AuthError(f"NIXL agent {name!r} belongs to another connection")
-                agent.names.add(name)
-                s.nixl = NixlPeer(name)
-            elif name != s.nixl.name:
-                raise InvalidArgumentError("a connection has one NIXL agent")
-        if s.nixl is None:
-            raise InvalidArgumentError("the first NixlMemory must carry the agent's metadata")
-        s.nixl.change(event.regions, event.revoke)
-    except KVOffloadError as exc:
-        _refuse(s, event.request_id, exc)
-        return None
-    s.reply(NixlMemoryDone(event.request_id))
-    return None
+                raise InvalidArgumentError("the first NixlMemory must carry the agent's metadata")
+            s.nixl.change(event.regions, event.revoke)
+        except KVOffloadError as exc:
+            _refuse(s, event.request_id, exc)
+            return
+        s.reply(NixlMemoryDone(event.request_id))
+
+    return run()
+
+
+def _own(s: NativeSession, agent: NixlAgent, metadata: bytes) -> None:
+    """Load metadata only after checking that it names this connection's own agent: loading
+    another connection's (even partial metadata) would change what that one reaches.
+
+    Raises:
+        AuthError: it names an agent another connection holds.
+        InvalidArgumentError: not metadata, or a second agent on this connection.
+    """
+    name = agent_name(metadata)
+    mine = s.nixl.name if s.nixl is not None else None
+    if name != mine and name in agent.names:
+        raise AuthError(f"NIXL agent {name!r} belongs to another connection")
+    if mine is not None and name != mine:
+        raise InvalidArgumentError("a connection has one NIXL agent")
+    if mine is None:
+        agent.names.add(name)  # claimed before loading: no other connection can take it
+        try:
+            agent.load(metadata, name)
+        except BaseException:
+            agent.names.discard(name)
+            raise
+        s.nixl = NixlPeer(name)
+    else:
+        agent.load(metadata, name)
 
 
 def forget(s: NativeSession) -> None:
@@ -296,7 +408,18 @@ def _release(views: list[BlockView | None]) -> None:
             view.release()
 
 
+def _deadline(s: NativeSession, budget_ms: int | None) -> float:
+    """When this request's transfer may no longer be posted: the client's budget (version 4)
+    from the moment the request arrived, never past the frame timeout."""
+    budget = s.config.frame_timeout_s
+    if budget_ms is not None and s.version >= NIXL_DEADLINE_VERSION:
+        budget = min(budget, budget_ms / 1000)
+    return time.monotonic() + budget
+
+
 def on_nixl_get(s: NativeSession, event: NixlGet) -> Awaitable[None]:
+    deadline = _deadline(s, event.budget_ms)
+
     async def work(agent: NixlAgent, peer: NixlPeer) -> None:
         keys = s.me.keys(event.keys)
 
@@ -334,7 +457,7 @@ def on_nixl_get(s: NativeSession, event: NixlGet) -> Awaitable[None]:
                 peer.check(addr, n)
                 local.append((_address(view.data) + HEADER_BYTES, n))
                 remote.append((addr, n))
-            await agent.move("WRITE", local, remote, peer.name, s.config.frame_timeout_s, views)
+            await agent.move("WRITE", local, remote, peer.name, deadline, views, s.channel.sock)
             s.bytes_out.inc(sum(n for _, n in local))
             lengths = tuple(None if v is None else len(v) for v in views)
         except _StuckError:
@@ -354,6 +477,8 @@ def _abort(reservations: list[PutReservation]) -> None:
 
 
 def on_nixl_put(s: NativeSession, event: NixlPut) -> Awaitable[None]:
+    deadline = _deadline(s, event.budget_ms)
+
     async def work(agent: NixlAgent, peer: NixlPeer) -> None:
         for addr, n in zip(event.addrs, event.lengths, strict=True):
             if n:
@@ -404,9 +529,9 @@ def on_nixl_put(s: NativeSession, event: NixlPut) -> Awaitable[None]:
                 if n:
                     local.append((_address(r.array) + len(head), n))
                     remote.append((addr, n))
-            timeout = s.config.frame_timeout_s
+            sock = s.channel.sock
             try:
-                await agent.move("READ", local, remote, peer.name, timeout, reservations)
+                await agent.move("READ", local, remote, peer.name, deadline, reservations, sock)
             except _StuckError:
                 kept = True
                 raise

@@ -17,6 +17,7 @@ __all__ = [
     "KEY_BYTES",
     "META_VERSION",
     "NEED_DATA",
+    "NIXL_DEADLINE_VERSION",
     "NIXL_VERSION",
     "PROTOCOL_VERSION",
     "PROTOCOL_VERSIONS",
@@ -60,11 +61,14 @@ __all__ = [
 # once a daemon accepted version 3). A daemon answers version 1 and 2 Hellos as before.
 # 4: Lookup may ask for the run's tiers (`tiers`) and LookupResult carries them (`tiers`); a
 # client asks only once a daemon accepted version 4 (else every hit's tier is UNKNOWN).
+# 4: NixlGet / NixlPut carry the client's remaining time (`budget_ms`): the daemon posts no
+# transfer once it is spent (sent only to a daemon that accepted version 4).
 PROTOCOL_VERSION = 4
 PROTOCOL_VERSIONS = (1, 2, 3, 4)
 NIXL_VERSION = 3
 META_VERSION = 3
 TIER_LOOKUP_VERSION = 4
+NIXL_DEADLINE_VERSION = 4
 NEED_DATA = Need.DATA
 # ---------------------------------------------------------------------------- events
 
@@ -420,16 +424,24 @@ class NixlGet(Event):
     `addrs[i]` in the client's registered memory, if it fits `caps[i]` bytes."""
 
     OP: ClassVar[int] = 12
-    CHECKS: ClassVar[dict[str, str]] = {"addrs": "uints", "caps": "uints"}
+    CHECKS: ClassVar[dict[str, str]] = {
+        "addrs": "uints",
+        "caps": "uints",
+        "budget_ms": "opt_length",
+    }
     request_id: int
     keys: tuple[bytes, ...]
     addrs: tuple[int, ...]
     caps: tuple[int, ...]
+    budget_ms: int | None = None  # version 4: the client's time left; no transfer after it
 
     def __post_init__(self) -> None:
         Event.__post_init__(self)
         if not len(self.keys) == len(self.addrs) == len(self.caps):
             raise LocalProtocolError("NixlGet needs one address and capacity per key")
+
+    def meta(self) -> dict[str, object]:
+        return _without_budget(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -456,7 +468,11 @@ class NixlPut(Event):
     `addrs[i]` in the client's registered memory, under `keys[i]`."""
 
     OP: ClassVar[int] = 13
-    CHECKS: ClassVar[dict[str, str]] = {"heads": "blobs", "addrs": "uints"}
+    CHECKS: ClassVar[dict[str, str]] = {
+        "heads": "blobs",
+        "addrs": "uints",
+        "budget_ms": "opt_length",
+    }
     request_id: int
     keys: tuple[bytes, ...]
     heads: tuple[bytes, ...]
@@ -464,6 +480,7 @@ class NixlPut(Event):
     lengths: tuple[int, ...]
     parents: tuple[bytes | None, ...] = ()
     durable: bool = False
+    budget_ms: int | None = None  # version 4, as for NixlGet
 
     def __post_init__(self) -> None:
         Event.__post_init__(self)
@@ -473,12 +490,22 @@ class NixlPut(Event):
         ) not in (0, n):
             raise LocalProtocolError("NixlPut needs one head, address and length per key")
 
+    def meta(self) -> dict[str, object]:
+        return _without_budget(self)
+
 
 @dataclass(frozen=True, slots=True)
 class NixlPutDone(Event):
     OP: ClassVar[int] = 13
     RESPONSE: ClassVar[bool] = True
     request_id: int
+
+
+def _without_budget(event: NixlGet | NixlPut) -> dict[str, object]:
+    meta = Event.meta(event)
+    if event.budget_ms is None:  # absent, so that a version 3 daemon accepts the frame
+        del meta["budget_ms"]
+    return meta
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,10 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import select
+import signal
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,8 +24,12 @@ import pytest
 
 from kvoffload.bench.net_nixl import nixl_rows
 from kvoffload.client_sdk import AsyncClient, Client
+from kvoffload.client_sdk.transports.native import nixl as nixl_transport
 from kvoffload.client_sdk.transports.native.nixl_memory import MAX_REGIONS, NixlMemory
+from kvoffload.client_sdk.transports.native.options import NativeOptions
+from kvoffload.client_sdk.url import parse_url
 from kvoffload.client_sdk.wire.native import (
+    NIXL_VERSION,
     ConnectionClosed,
     ErrorReply,
     Event,
@@ -31,6 +38,7 @@ from kvoffload.client_sdk.wire.native import (
     Hello,
     NativeConnection,
     NixlGet,
+    NixlGetResult,
     NixlMemoryDone,
     Role,
 )
@@ -39,7 +47,7 @@ from kvoffload.client_sdk.wire.native import (
 )
 from kvoffload.client_sdk.wire.shards import shard_of
 from kvoffload.client_sdk.wire.status import Status
-from kvoffload.errors import ConfigError, InvalidArgumentError
+from kvoffload.errors import ConfigError, DeadlineExceededError, InvalidArgumentError
 from tests.conftest import Daemon
 from tests.integration.test_client_bad_answers import peer
 from tests.integration.test_daemon import _self_signed
@@ -115,6 +123,22 @@ def test_batches_naming_more_buffers_than_the_registration_cache(
         assert (seven == 7).all()
         assert client.get_into(keys[0], seven) == 4096
         assert np.array_equal(seven[:4096], values[0]) and (seven[4096:] == 7).all()
+
+
+def test_a_revoke_reaches_lanes_in_use(start_daemon: Start, ucx: dict[str, str]) -> None:
+    daemon = start_daemon(env=ucx)
+    transport = nixl_transport.open_nixl(NativeOptions.from_url(parse_url(daemon.url(data="nixl"))))
+    try:
+        buffer = memoryview(np.zeros(4096, np.uint8))
+        assert transport.get_into(b"\x01" * 16, buffer) is None  # registered on a lane
+        lane = transport._take()  # in use, as by another thread's request
+        assert lane is not None and len(lane.memory.regions) == 1
+        assert transport.revoke(buffer) == 0  # no idle lane had it
+        assert len(lane.memory.regions) == 1  # the request in flight may name it: kept
+        transport._give(lane, True)
+        assert lane.memory.regions == []  # revoked (daemon first) once given back
+    finally:
+        transport.close()
 
 
 def test_a_plain_kv_client_sees_what_nixl_stored(start_daemon: Start, ucx: dict[str, str]) -> None:
@@ -233,22 +257,29 @@ def test_a_backend_that_cannot_be_created(start_daemon: Start, ucx: dict[str, st
 class _Raw:
     """A protocol 3 client by hand, with a real NIXL agent: to send what the SDK never does."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, version: int | None = None) -> None:
+        self.memory = NixlMemory()  # first: making it may take longer than the Hello may
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=20)
         self.conn = NativeConnection(Role.CLIENT)
-        self.memory = NixlMemory()
         self.ids = iter(range(1, 1 << 20))
-        assert isinstance(self.ask(Hello(next(self.ids))), Event)
+        hello = Hello(next(self.ids)) if version is None else Hello(next(self.ids), version)
+        assert isinstance(self.ask(hello), Event)
 
     def send(self, event: Event) -> None:
         self.sock.sendall(self.conn.send(event))
 
     def answer(self) -> Event | ConnectionClosed:
-        while True:
+        """The next answer, driving our agent's progress while none is there (a transfer over
+        TCP needs it), for at most 20 s."""
+        for _ in range(20_000):
             event = self.conn.next_event()
             if isinstance(event, (Event, ConnectionClosed)):
                 return event
-            self.conn.receive_data(self.sock.recv(1 << 16))
+            if select.select([self.sock], [], [], 0.001)[0]:
+                self.conn.receive_data(self.sock.recv(1 << 16))
+            else:
+                self.memory.progress()
+        raise AssertionError("no answer")
 
     def ask(self, event: Event) -> Event | ConnectionClosed:
         self.send(event)
@@ -332,6 +363,182 @@ def test_another_connections_agent_is_refused(raw: tuple[Daemon, _Raw]) -> None:
     assert isinstance(client.ask(NixlMemoryEvent(next(client.ids))), NixlMemoryDone)
 
 
+def test_another_connections_agent_is_refused_before_it_is_loaded(
+    raw: tuple[Daemon, _Raw],
+) -> None:
+    daemon, victim = raw
+    key, value = b"o" * 16, np.full(4096, 5, np.uint8)
+    with Client.connect(daemon.url()) as plain:
+        plain.put(key, value)
+    buffer = np.zeros(4096, np.uint8)
+    addr, size = victim.register(buffer)
+    name = victim.memory.name.encode()
+    # Metadata that names the victim's agent but that NIXL could not even load: refused for
+    # whose it is (AUTH), not for what NIXL makes of it, so nothing was loaded first.
+    forged = b"nixlSerDes|Agent" + len(name).to_bytes(8, "little") + name + b"|junk"
+    thief = _Raw(daemon.port)
+    try:
+        refusal = thief.ask(NixlMemoryEvent(next(thief.ids), forged))
+        assert isinstance(refusal, ErrorReply) and refusal.status == Status.AUTH, refusal
+    finally:
+        thief.close()
+    # A connection with its own agent that then names the victim's: refused the same way.
+    thief = _Raw(daemon.port)
+    try:
+        thief.register(np.zeros(4096, np.uint8))
+        _, partial = victim.memory.register(memoryview(np.zeros(8192, np.uint8)))
+        refusal = thief.ask(NixlMemoryEvent(next(thief.ids), partial))
+        assert isinstance(refusal, ErrorReply) and refusal.status == Status.AUTH, refusal
+        assert isinstance(thief.answer(), ConnectionClosed)
+    finally:
+        thief.close()
+    got = victim.ask(NixlGet(next(victim.ids), (key,), (addr,), (size,)))
+    assert isinstance(got, NixlGetResult) and got.lengths == (4096 + 96,), got
+    assert np.array_equal(buffer, value)  # the victim's agent and memory are untouched
+
+
+def test_no_transfer_once_the_clients_budget_is_spent(raw: tuple[Daemon, _Raw]) -> None:
+    daemon, client = raw
+    key, value = b"b" * 16, np.full(4096, 3, np.uint8)  # small: moves without our progress
+    with Client.connect(daemon.url()) as plain:
+        plain.put(key, value)
+    buffer = np.zeros(4096, np.uint8)
+    addr, size = client.register(buffer)
+    late = client.ask(NixlGet(next(client.ids), (key,), (addr,), (size,), budget_ms=0))
+    assert isinstance(late, ErrorReply) and late.status == Status.DEADLINE, late
+    assert not buffer.any()  # nothing posted
+    # Nothing moved, so the connection stays; with time left the same get lands.
+    got = client.ask(NixlGet(next(client.ids), (key,), (addr,), (size,), budget_ms=60_000))
+    assert isinstance(got, NixlGetResult) and np.array_equal(buffer, value)
+    _intact(daemon, key, value)
+
+
+def test_a_protocol_3_client_is_served_without_a_budget(raw: tuple[Daemon, _Raw]) -> None:
+    daemon, _ = raw
+    key, value = b"3" * 16, np.full(4096, 8, np.uint8)
+    with Client.connect(daemon.url()) as plain:
+        plain.put(key, value)
+    old = _Raw(daemon.port, version=NIXL_VERSION)
+    try:
+        buffer = np.zeros(4096, np.uint8)
+        addr, size = old.register(buffer)
+        got = old.ask(NixlGet(next(old.ids), (key,), (addr,), (size,)))
+        assert isinstance(got, NixlGetResult) and np.array_equal(buffer, value)
+    finally:
+        old.close()
+
+
+def test_a_protocol_3_daemon_gets_no_budget(ucx: dict[str, str]) -> None:
+    """A version 4 client lowers its NIXL lanes to version 3 for an older daemon and sends
+    it only the fields it knows."""
+    asked: list[Event] = []
+
+    def answer(conn: NativeConnection, event: Event) -> tuple[bytes, bool]:
+        asked.append(event)
+        reply: Event = (
+            NixlGetResult(event.request_id, (None,), ())
+            if isinstance(event, NixlGet)
+            else NixlMemoryDone(event.request_id)
+        )
+        return b"".join(conn.send_parts(reply)), False
+
+    with peer(answer, speaks=(1, 2, 3)) as port:
+        url = f"kv://127.0.0.1:{port}?data=nixl&retries=0&timeout=10"
+        with Client.connect(url) as client:
+            assert client.get_into(os.urandom(16), np.zeros(100, np.uint8)) is None
+    gets = [e for e in asked if isinstance(e, NixlGet)]
+    assert len(gets) == 1 and gets[0].budget_ms is None
+
+
+def test_a_get_past_its_deadline_never_hands_back_a_buffer_still_reachable(
+    start_daemon: Start, ucx: dict[str, str]
+) -> None:
+    daemon = start_daemon(env=ucx)
+    key, value = b"t" * 16, np.full(MiB, 6, np.uint8)
+    buffer = np.zeros(MiB, np.uint8)
+    with Client.connect(daemon.url(data="nixl", timeout="1", retries="0")) as client:
+        client.put(key, value)
+        assert client.get_into(key, buffer) == MiB  # the lane and its registration exist
+        buffer[:] = 0
+        before = len(nixl_transport.quarantined)
+        # The daemon stalls past the deadline and the settling time: the client cannot know
+        # whether a WRITE is still coming, so it says so and keeps the memory registered.
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(DeadlineExceededError, match="did not confirm"):
+                client.get_into(key, buffer)
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        assert len(nixl_transport.quarantined) == before + 1
+        _served(daemon, key, value)  # the stalled request is handled by now
+        assert not buffer.any()  # the client had hung up: the daemon posted nothing
+        # A stall the daemon recovers from within the settling time: it is seen to be done
+        # with the request (it refuses it: the client hung up), so nothing is quarantined.
+        assert client.get_into(key, buffer) == MiB  # a new lane, registered before the stall
+        buffer[:] = 0
+        errors: list[BaseException] = []
+
+        def get() -> None:
+            try:
+                client.get_into(key, buffer)
+            except BaseException as exc:
+                errors.append(exc)
+
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            thread = threading.Thread(target=get)
+            thread.start()
+            thread.join(2.5)  # past the 1 s deadline, inside the 5 s settling time
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        thread.join()
+        assert len(errors) == 1 and isinstance(errors[0], DeadlineExceededError)
+        assert "did not confirm" not in str(errors[0])
+        assert len(nixl_transport.quarantined) == before + 1
+        assert not buffer.any()
+
+
+def _served(daemon: Daemon, key: bytes, value: np.ndarray) -> None:
+    """Round trips on a new connection: the daemon's loop has handled what was waiting."""
+    with Client.connect(daemon.url()) as plain:
+        for _ in range(20):
+            assert bytes(plain.get(key) or b"") == value.tobytes()
+
+
+def test_other_connections_are_served_while_the_agent_is_made(
+    start_daemon: Start, ucx: dict[str, str]
+) -> None:
+    daemon = start_daemon(env=ucx)
+    key = b"m" * 16
+    window: list[float] = []
+    done: list[float] = []  # when each plain get that started inside the window finished
+    with Client.connect(daemon.url()) as plain:
+        plain.put(key, b"x" * 4096)
+        client = _Raw(daemon.port)  # our own agent is made before the daemon's
+        stop = threading.Event()
+
+        def gets() -> None:
+            while not stop.is_set():
+                began = time.monotonic()
+                assert plain.get(key) == b"x" * 4096
+                if window and began > window[0]:
+                    done.append(time.monotonic())
+
+        thread = threading.Thread(target=gets)
+        thread.start()
+        try:
+            window.append(time.monotonic())
+            client.register(np.zeros(4096, np.uint8))  # the daemon makes its agent now
+            window.append(time.monotonic())
+        finally:
+            stop.set()
+            thread.join()
+            client.close()
+    # The agent takes 0.3-6 s to make; gets take well under a millisecond. A daemon that
+    # made it on its loop answered none meanwhile (at most one slipped in before it began).
+    assert sum(1 for t in done if t < window[1]) >= 3
+
+
 def test_a_client_that_vanishes_mid_transfer(start_daemon: Start) -> None:
     # Over TCP a WRITE needs the client's progress: this one never gives it, and goes.
     env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
@@ -365,6 +572,37 @@ def test_an_idle_connection_costs_no_cpu(start_daemon: Start, ucx: dict[str, str
         # A spinning thread would burn ~2 s of CPU here; a quiet pair, a few ms.
         assert time.process_time() - mine < 0.5
         assert _cpu_s(daemon.proc.pid) - theirs < 0.5
+
+
+def test_a_long_transfer_does_not_spin_the_daemon(start_daemon: Start) -> None:
+    # Over TCP a WRITE needs the client's progress: this client gives none, so the daemon's
+    # transfer stays in progress; waiting for it must not busy-poll its loop.
+    env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+    os.environ.update(env)
+    try:
+        daemon = start_daemon(
+            "--dram", "256MiB", env={**env, "KVOFFLOAD_NATIVE__FRAME_TIMEOUT_S": "30"}
+        )
+        key, value = b"s" * 16, np.ones(16 * MiB - 4096, np.uint8)
+        with Client.connect(daemon.url()) as plain:
+            plain.put(key, value)
+        client = _Raw(daemon.port)
+        try:
+            buffer = np.zeros(value.size, np.uint8)
+            addr, size = client.register(buffer)
+            client.send(NixlGet(next(client.ids), (key,), (addr,), (size,)))
+            time.sleep(0.5)  # the transfer has been posted
+            theirs, wall = _cpu_s(daemon.proc.pid), time.monotonic()
+            time.sleep(2.0)
+            # A loop polling with sleep(0) burns a whole core (or its share of a busy host);
+            # one that naps up to 1 ms between polls, a few per cent.
+            assert _cpu_s(daemon.proc.pid) - theirs < 0.1 * (time.monotonic() - wall)
+        finally:
+            client.close()
+        _intact(daemon, key, value)
+    finally:
+        for name in env:
+            os.environ.pop(name, None)
 
 
 def _cpu_s(pid: int) -> float:

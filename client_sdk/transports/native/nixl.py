@@ -5,16 +5,23 @@ answers with the block's length and header; a put names where its payload lies a
 READs it into a reserved slot (docs/nixl.md). The client registers buffers once
 (`nixl_memory`); verification is the request layer's, as for every `Received` block.
 
-Each NIXL lane is one control connection (protocol 3) with its own agent: the daemon ties
-registered memory to the connection that registered it. A daemon that speaks only protocol 2
-(or refuses NIXL: TLS, no nixl installed there) leaves the lane closed and every operation
-takes the plain `kv://` path, logged once.
+Each NIXL lane is one control connection (protocol 4, or 3 with an older daemon) with its own
+agent: the daemon ties registered memory to the connection that registered it. A daemon that
+speaks only protocol 2 (or refuses NIXL: TLS, no nixl installed there) leaves the lane closed
+and every operation takes the plain `kv://` path, logged once.
+
+A get or put whose deadline passes does not hand its buffer back while the daemon may still
+move bytes into or out of it: the lane shuts its side of the connection (a daemon posts no
+transfer after that, nor past the time left that protocol 4 requests carry) and waits, for at
+most `_SETTLE_S`, for the daemon to finish the request. If it does not, the lane's agent and
+registrations are kept for good (`quarantined`) and the error says so.
 """
 
 from __future__ import annotations
 
 import logging
 import select
+import socket
 import ssl
 import threading
 import time
@@ -38,6 +45,7 @@ from kvoffload.client_sdk.transports.native.session import Req
 from kvoffload.client_sdk.transports.native.sync import NativeTransport, _SyncConnection
 from kvoffload.client_sdk.wire.block import HEADER_BYTES
 from kvoffload.client_sdk.wire.native import (
+    NIXL_DEADLINE_VERSION,
     NIXL_VERSION,
     Event,
     NixlGet,
@@ -47,7 +55,12 @@ from kvoffload.client_sdk.wire.native import (
 from kvoffload.client_sdk.wire.native import (
     NixlMemory as NixlMemoryEvent,
 )
-from kvoffload.errors import KVOffloadError, RemoteProtocolError, TransportError
+from kvoffload.errors import (
+    DeadlineExceededError,
+    KVOffloadError,
+    RemoteProtocolError,
+    TransportError,
+)
 
 __all__ = ["NixlTransport"]
 
@@ -61,23 +74,41 @@ _NAP_S = 0.0001
 _SETUP_S = 120.0
 # Keys per NixlGet / NixlPut frame.
 _BATCH = 1024
+# After a transfer request's deadline: how long to wait for the daemon to finish it before
+# its lane's memory is quarantined.
+_SETTLE_S = 5.0
+# Agents (with their registrations and the buffers they keep alive) of lanes whose daemon
+# never confirmed a request it may still be moving bytes for: never released.
+quarantined: list[NixlMemory] = []
 
 
 class _Refused(Exception):
     """The daemon speaks protocol 2 or older: no NIXL data path there."""
 
 
+class _Older(Exception):
+    """The daemon refused this protocol version: try the one below."""
+
+
 class _Lane:
     """One protocol 3 connection, its NIXL agent and the memory registered on it."""
 
-    def __init__(self, options: NativeOptions, context: ssl.SSLContext | None) -> None:
+    def __init__(
+        self, options: NativeOptions, context: ssl.SSLContext | None, version: int
+    ) -> None:
         deadline = time.monotonic() + options.connect_timeout
         try:
-            self.conn = _SyncConnection(options, context, deadline, NIXL_VERSION)
+            self.conn = _SyncConnection(options, context, deadline, version)
         except RemoteProtocolError as exc:
-            if plans.older_version(exc, NIXL_VERSION) is not None:
-                raise _Refused(str(exc)) from None
-            raise
+            if plans.older_version(exc, version) is None:
+                raise
+            if version > NIXL_VERSION:
+                raise _Older(str(exc)) from None
+            raise _Refused(str(exc)) from None
+        # Whether NixlGet / NixlPut carry the time left (protocol 4).
+        self.budgets = self.conn.welcome.version >= NIXL_DEADLINE_VERSION
+        self.unsafe = False  # the daemon may still move bytes for a request we gave up on
+        self.to_revoke: list[memoryview] = []  # asked for while the lane was busy
         self.timeout = options.timeout
         try:
             self.memory = NixlMemory()
@@ -110,6 +141,58 @@ class _Lane:
             if spins % 256 == 0:
                 left(deadline)  # raises past the deadline
         return call.result()
+
+    def transfer(self, make: Callable[..., Event]) -> Event:
+        """`ask` for a request that makes the daemon move bytes (NixlGet, NixlPut), which
+        carries the time left where the daemon takes it. Past the deadline the daemon must be
+        seen to be done with our memory before the caller may reuse it (see `_settle`).
+
+        Raises:
+            DeadlineExceededError: the time ran out (the lane is then closed; its memory
+                quarantined if the daemon never confirmed).
+        """
+        started = time.monotonic()
+
+        def event(rid: int) -> Event:
+            if not self.budgets:
+                return make(rid)
+            budget = self.timeout - (time.monotonic() - started)
+            return make(rid, budget_ms=max(0, int(budget * 1000)))
+
+        try:
+            return self.ask(event)
+        except DeadlineExceededError:
+            if self._settle(started + self.timeout + _SETTLE_S):
+                raise
+            self.unsafe = True
+            log.error(
+                "%s: no answer after a NIXL request timed out; its buffers stay "
+                "registered for good",
+                self.conn.options.url,
+            )
+            raise DeadlineExceededError(
+                "operation timed out, and the daemon did not confirm it was done with the "
+                "buffer: a late NIXL transfer may still write it (it stays registered)"
+            ) from None
+
+    def _settle(self, until: float) -> bool:
+        """Shut our side of the connection (the daemon then posts nothing more) and wait until
+        `until` for the daemon to answer the request or close: either means its handler,
+        and any transfer it posted, is over. True if it did."""
+        conn, sock = self.conn, self.conn.sock
+        try:
+            socket.socket.shutdown(sock, socket.SHUT_WR)  # below TLS: only the FIN matters
+        except OSError:
+            return True  # the connection is already gone, and the daemon's handler with it
+        while (wait := until - time.monotonic()) > 0:
+            try:
+                if select.select([sock], [], [], min(wait, _NAP_S * 10))[0]:
+                    return True  # an answer (of the one request outstanding) or the close
+            except (OSError, ValueError):
+                return True
+            self.memory.progress()  # lets a transfer in flight over TCP finish
+        conn.close()
+        return False
 
     def reach(self, buffers: Sequence[memoryview]) -> tuple[int, ...]:
         """The addresses of `buffers` (0 for an empty one), registering each new one (and
@@ -151,7 +234,10 @@ class _Lane:
 
     def close(self) -> None:
         self.conn.close()  # the daemon forgets our agent with the connection
-        self.memory.close()
+        if self.unsafe:
+            quarantined.append(self.memory)
+        else:
+            self.memory.close()
 
 
 class NixlTransport(NativeTransport):
@@ -162,6 +248,8 @@ class NixlTransport(NativeTransport):
         self._lanes_open = 0
         self._lane_cond = threading.Condition()
         self._refused = ""
+        self._lane_version = NIXL_DEADLINE_VERSION  # lowered once a daemon refuses it
+        self._busy: set[_Lane] = set()  # lanes in use: a revoke reaches them when given back
         super().__init__(options)
 
     # ------------------------------------------------------------------ lanes
@@ -177,13 +265,23 @@ class NixlTransport(NativeTransport):
                 if self._refused:
                     return None
                 if self._lanes:
-                    return self._lanes.pop()
+                    lane = self._lanes.pop()
+                    self._busy.add(lane)
+                    return lane
                 if self._lanes_open < self.options.pool:
                     self._lanes_open += 1  # counts lanes in existence, idle or in use
                     break
                 self._lane_cond.wait()
         try:
-            return _Lane(self.options, self.options.ssl_context())
+            while True:
+                try:
+                    lane = _Lane(self.options, self.options.ssl_context(), self._lane_version)
+                except _Older:
+                    self._lane_version = NIXL_VERSION
+                    continue
+                with self._lane_cond:
+                    self._busy.add(lane)
+                return lane
         except _Refused as exc:
             log.warning("%s speaks no NIXL (%s); using kv:// payloads", self.options.url, exc)
             with self._lane_cond:
@@ -196,6 +294,15 @@ class NixlTransport(NativeTransport):
             raise
 
     def _give(self, lane: _Lane, healthy: bool) -> None:
+        with self._lane_cond:
+            self._busy.discard(lane)
+            pending, lane.to_revoke = lane.to_revoke, []
+        if healthy and pending and lane.conn.healthy:
+            try:
+                for buffer in pending:
+                    lane.revoke(buffer)
+            except KVOffloadError:
+                healthy = False  # closing the lane drops its registrations all the same
         with self._lane_cond:
             if healthy and lane.conn.healthy and not self._closed:
                 self._lanes.append(lane)
@@ -236,10 +343,13 @@ class NixlTransport(NativeTransport):
         return self._refused
 
     def revoke(self, buffer: memoryview) -> int:
-        """Unregister `buffer` on every idle lane (the daemon then refuses to touch it).
-        Returns how many lanes had it."""
+        """Unregister `buffer` on every lane (the daemon then refuses to touch it): now on idle
+        lanes, on lanes in use when they are given back (their request may name it). Returns
+        how many idle lanes had it."""
         with self._lane_cond:
             lanes, self._lanes = self._lanes, []
+            for busy in self._busy:
+                busy.to_revoke.append(buffer)
         done = 0
         for lane in lanes:
             try:
@@ -283,7 +393,7 @@ class NixlTransport(NativeTransport):
         addrs = lane.reach([b.buffer for b in into])
         caps = tuple(len(b) for b in into)
         try:
-            answer = lane.ask(lambda rid: NixlGet(rid, tuple(keys), addrs, caps))
+            answer = lane.transfer(partial(NixlGet, keys=tuple(keys), addrs=addrs, caps=caps))
         except BaseException:
             for b in into:  # any of them may have been written: scrubbed on failure
                 b.region(0, len(b))
@@ -341,7 +451,7 @@ class NixlTransport(NativeTransport):
                     parents=_parents(chunk),
                     durable=durable,
                 )
-                lane.ask(event)
+                lane.transfer(event)
 
         self._with_lane(nixl, lambda: NativeTransport.put_many(self, items, durable))
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvoffload.client_sdk.transports.native.options import NativeOptions
 from kvoffload.client_sdk.url import parse_url
 from kvoffload.client_sdk.wire.native import (
+    NIXL_DEADLINE_VERSION,
     NIXL_VERSION,
     PROTOCOL_VERSIONS,
     Event,
@@ -88,9 +91,32 @@ def test_a_malformed_message_from_the_peer_breaks_the_connection() -> None:
 
 def test_older_peers_are_still_spoken_to() -> None:
     assert PROTOCOL_VERSIONS == (1, 2, 3, 4) and NIXL_VERSION == 3
+    assert NIXL_DEADLINE_VERSION == 4
     # A version 2 Welcome still carries the shard fields; version 1 still lacks them.
     assert "shard" in Welcome(1, 2, "", 1, 1).meta()
     assert "shard" not in Welcome(1, 1, "", 1, 1).meta()
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        NixlGet(2, (K1,), (0x1000,), (4096,), budget_ms=250),
+        NixlPut(2, (K1,), (b"a" * 96,), (0x1000,), (100,), budget_ms=0),
+    ],
+)
+def test_the_deadline_budget_travels_only_when_set(request_: NixlGet | NixlPut) -> None:
+    client, server = _pair()
+    sent = client.send(request_)
+    server.receive_data(sent)
+    assert server.next_event() == request_
+    # Without a budget the frame is what a version 3 daemon knows: no budget_ms field at all.
+    bare = dataclasses.replace(request_, request_id=3, budget_ms=None)
+    assert b"budget_ms" in sent and b"budget_ms" not in client.send(bare)
+
+
+def test_a_budget_that_is_not_a_count_of_ms_is_refused() -> None:
+    with pytest.raises(LocalProtocolError):
+        NixlGet(2, (K1,), (1,), (2,), budget_ms=-1)
 
 
 def test_the_data_parameter_of_a_kv_url() -> None:
