@@ -60,8 +60,8 @@ __all__ = [
 # `block_metas`; a version 2 daemon rejects fields it does not know, so clients send them only
 # once a daemon accepted version 3). A daemon answers version 1 and 2 Hellos as before.
 # 4: Lookup may ask for the run's tiers (`tiers`) and LookupResult carries them (`tiers`); a
-# client asks only once a daemon accepted version 4 (else every hit's tier is UNKNOWN).
-# 4: NixlGet / NixlPut carry the client's remaining time (`budget_ms`): the daemon posts no
+# client asks only once a daemon accepted version 4 (else every hit's tier is UNKNOWN); and
+# NixlGet / NixlPut carry the client's remaining time (`budget_ms`): the daemon posts no
 # transfer once it is spent (sent only to a daemon that accepted version 4).
 PROTOCOL_VERSION = 4
 PROTOCOL_VERSIONS = (1, 2, 3, 4)
