@@ -52,6 +52,7 @@ from kvoffload.client_sdk.wire.blockmeta import BlockMeta
 from kvoffload.kvstore import DescribedBlock
 from kvoffload.nvmeof_target import events_bulk as bulk
 from kvoffload.nvmeof_target.config import EventsConfig
+from kvoffload.nvmeof_target.events_curve import Curve
 
 __all__ = ["END_SEQ", "KVEvents", "event_hash", "stored_meta"]
 
@@ -152,7 +153,11 @@ class KVEvents:
         self._forward_to = forward_to
         self._source = source.to_bytes(2, "big")
         self._topic = config.topic.encode()
-        self._context: zmq.Context[Any] = zmq.Context.instance()
+        # A worker's channel to the relay is a private ipc socket: CURVE is the relay's.
+        self._curve = Curve(config) if config.curve_secret_key_file and not forward_to else None
+        self._context: zmq.Context[Any] = (
+            self._curve.context if self._curve is not None else zmq.Context.instance()
+        )
         self._socket: zmq.Socket[bytes] = self._context.socket(zmq.PUSH if forward_to else zmq.PUB)
         self._socket.setsockopt(zmq.SNDHWM, config.hwm)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -182,11 +187,15 @@ class KVEvents:
             self._socket.connect(self._forward_to)
             self.endpoint = self._forward_to
         else:
+            if self._curve is not None:
+                self._curve.secure(self._socket)
             self._socket.bind(self._config.endpoint)
             self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
             if self._config.replay_endpoint:
                 self._replay = self._context.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                if self._curve is not None:
+                    self._curve.secure(self._replay)
                 self._replay.bind(self._config.replay_endpoint)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -518,3 +527,5 @@ class KVEvents:
         self._socket.close(linger=1000 if self._forward_to else 0)
         if self._replay is not None:
             self._replay.close(linger=0)
+        if self._curve is not None:
+            self._curve.close()

@@ -31,6 +31,7 @@ import zmq
 from kvoffload.nvmeof_target.config import EventsConfig
 from kvoffload.nvmeof_target.events import END_SEQ, message_bounds
 from kvoffload.nvmeof_target.events_bulk import event_order
+from kvoffload.nvmeof_target.events_curve import Curve
 
 __all__ = ["EventRelay"]
 
@@ -52,12 +53,19 @@ class EventRelay:
     """Publishes the workers' batches with node-wide numbers; answers replay requests."""
 
     def __init__(self, config: EventsConfig, inbox: str, workers: int = 1) -> None:
-        self._context: zmq.Context[Any] = zmq.Context.instance()
+        """Raises:
+        ConfigError: CURVE configured but unavailable, or its key files bad."""
+        self._curve = Curve(config) if config.curve_secret_key_file else None
+        self._context: zmq.Context[Any] = (
+            self._curve.context if self._curve is not None else zmq.Context.instance()
+        )
         self._pub: zmq.Socket[bytes] = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pull: zmq.Socket[bytes] = self._context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            self._curve.secure(self._pub)
         self._pub.bind(config.endpoint)
         self._pull.bind(inbox)
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -66,6 +74,8 @@ class EventRelay:
         if config.replay_endpoint:
             self._replay = self._context.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
+            if self._curve is not None:
+                self._curve.secure(self._replay)
             self._replay.bind(config.replay_endpoint)
             self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._workers = workers
@@ -200,3 +210,5 @@ class EventRelay:
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
+        if self._curve is not None:
+            self._curve.close()
