@@ -143,8 +143,9 @@ def message_bounds(topic: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
             for s in range(a, e, _MAX_BATCH)]  # fmt: skip
 
 
-class KVEvents:
-    """Collects block events and publishes them in batches on a ZMQ PUB socket."""
+class _Publisher:
+    """The sockets and the queue of `KVEvents`: batches events and publishes them on a ZMQ PUB
+    socket (or a worker's channel to the supervisor's relay); answers replay requests."""
 
     def __init__(self, config: EventsConfig, forward_to: str = "", source: int = 0) -> None:
         """`forward_to`: worker `source` of a multi-process daemon sends its batches to the
@@ -165,19 +166,12 @@ class KVEvents:
         self._pending: collections.deque[tuple[bytes, dict[str, object] | _Chunks]] = (
             collections.deque()
         )
-        # Engine key -> the block, for blocks published or announced, so that tier moves
-        # (reported by engine key) name the block.
-        self._published: dict[bytes, _Block] = {}
         self._lock = threading.Lock()
         self._seq: dict[bytes, int] = {}  # per topic: a subscriber of one sees no gaps
         self._task: asyncio.Task[None] | None = None
         self.endpoint = ""
         self.replay_endpoint = ""
         self._replay: zmq.Socket[bytes] | None = None
-        # Blocks announced at start and untouched since, as arrays (events_bulk.py).
-        self._table: bulk.Announced | None = None
-        # While an announce lists the store: moves of blocks it may list, applied to its rows.
-        self._recording: list[tuple[str, bytes, str]] | None = None
         self._announcer: threading.Thread | None = None
         self._closing = False
 
@@ -200,6 +194,125 @@ class KVEvents:
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._task = asyncio.get_running_loop().create_task(self._run())
         return self.endpoint
+
+    def _send(self, topic: bytes, payload: bytes) -> None:
+        seq = self._seq[topic] = self._seq.get(topic, 0) + 1
+        if self._forward_to:  # the relay renumbers it; a gap in ours becomes one in its
+            with contextlib.suppress(zmq.Again):
+                self._socket.send_multipart(
+                    [self._source, topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK
+                )
+            return
+        # PUB drops when subscribers lag: routers resynchronise from later events.
+        with contextlib.suppress(zmq.Again):
+            self._socket.send_multipart([topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
+
+    def flush(self, announce_limit: int | None = None) -> None:
+        """Publish the queued events; at most `announce_limit` messages of an announce (the
+        events queued after it wait for it)."""
+        sent = 0
+        while self._pending:
+            topic, head = self._pending[0]
+            if isinstance(head, _Chunks):
+                while head.sent < len(head.messages) and (
+                    announce_limit is None or sent < announce_limit
+                ):
+                    topic, count, packed = head.messages[head.sent]
+                    head.sent += 1
+                    sent += 1
+                    self._send(topic, bulk.payload(time.time(), count, packed))
+                if not head.done or head.sent < len(head.messages):
+                    return
+                self._pending.popleft()
+                continue
+            # One message per run of events on the same topic, in order.
+            events: list[dict[str, object]] = []
+            while self._pending and len(events) < _MAX_BATCH:
+                next_topic, event = self._pending[0]
+                if next_topic != topic or isinstance(event, _Chunks):
+                    break
+                events.append(event)
+                self._pending.popleft()
+            self._send(topic, msgpack.packb([time.time(), events, None], use_bin_type=True))
+
+    def serve_replay(self) -> int:
+        """Answer the replay requests that arrived: each gets every block held now, as
+        `BlockStored` batches numbered with its topic's current sequence number (live events
+        after it continue from there), then `END_SEQ`. A request is ``[start seq]`` (ignored:
+        the answer is the whole state, not a backlog) or ``[start seq, topic]`` to get one
+        tenant's blocks. Returns how many requests were answered."""
+        if self._replay is None:
+            return 0
+        answered = 0
+        while True:
+            try:
+                frames = self._replay.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return answered
+            if len(frames) < 3 or frames[1] != b"":
+                continue  # not a REQ/DEALER request in vLLM's framing
+            client, wanted = frames[0], frames[3] if len(frames) > 3 else b""
+            self.flush()  # what happened before the snapshot goes out first
+            for _, seq, payload in self.snapshot(wanted):
+                with contextlib.suppress(zmq.Again):
+                    self._replay.send_multipart([client, b"", seq, payload], zmq.NOBLOCK)
+            with contextlib.suppress(zmq.Again):
+                self._replay.send_multipart([client, b"", END_SEQ, b""], zmq.NOBLOCK)
+            answered += 1
+
+    def push_snapshot(self, number: int, wanted: bytes) -> None:
+        """A worker's part of the node's replay request `number` (on the loop): its queued
+        events, then its blocks, then an end mark, all through the channel to the relay, so
+        the relay numbers the events before the blocks they led to."""
+        self.flush()
+        tag = number.to_bytes(8, "big")
+        for topic, _, payload in self.snapshot(wanted):
+            with contextlib.suppress(zmq.Again):
+                self._socket.send_multipart([self._source, b"R", tag, topic, payload], zmq.NOBLOCK)
+        with contextlib.suppress(zmq.Again):
+            self._socket.send_multipart([self._source, b"E", tag], zmq.NOBLOCK)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.flush_interval_s)
+            self.flush(_ANNOUNCE_PER_FLUSH)
+            self.serve_replay()
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._announcer is not None:  # it stops at its next message
+            await asyncio.get_running_loop().run_in_executor(None, self._announcer.join, 10)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self.flush()
+        # A worker's last batches still have to reach the relay.
+        self._socket.close(linger=1000 if self._forward_to else 0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+        if self._curve is not None:
+            self._curve.close()
+
+    def snapshot(self, wanted: bytes = b"") -> list[tuple[bytes, bytes, bytes]]:
+        raise NotImplementedError
+
+
+class KVEvents(_Publisher):
+    """Follows the blocks a daemon holds and publishes their `BlockStored`/`BlockRemoved`."""
+
+    def __init__(self, config: EventsConfig, forward_to: str = "", source: int = 0) -> None:
+        """`forward_to`: worker `source` of a multi-process daemon sends its batches to the
+        supervisor's `EventRelay` there (which numbers and publishes them) instead of binding."""
+        super().__init__(config, forward_to, source)
+        # Engine key -> the block, for blocks published or announced, so that tier moves
+        # (reported by engine key) name the block.
+        self._published: dict[bytes, _Block] = {}
+        # Blocks announced at start and untouched since, as arrays (events_bulk.py).
+        self._table: bulk.Announced | None = None
+        # While an announce lists the store: moves of blocks it may list, applied to its rows.
+        self._recording: list[tuple[str, bytes, str]] | None = None
 
     def _stored_event(self, block: _Block, tier: str) -> dict[str, object]:
         meta = block.meta
@@ -385,83 +498,6 @@ class KVEvents:
         for tier in sorted(block.tiers):
             self._pending.append((block.topic, _removed_event(block.digest, tier)))
 
-    def _send(self, topic: bytes, payload: bytes) -> None:
-        seq = self._seq[topic] = self._seq.get(topic, 0) + 1
-        if self._forward_to:  # the relay renumbers it; a gap in ours becomes one in its
-            with contextlib.suppress(zmq.Again):
-                self._socket.send_multipart(
-                    [self._source, topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK
-                )
-            return
-        # PUB drops when subscribers lag: routers resynchronise from later events.
-        with contextlib.suppress(zmq.Again):
-            self._socket.send_multipart([topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
-
-    def flush(self, announce_limit: int | None = None) -> None:
-        """Publish the queued events; at most `announce_limit` messages of an announce (the
-        events queued after it wait for it)."""
-        sent = 0
-        while self._pending:
-            topic, head = self._pending[0]
-            if isinstance(head, _Chunks):
-                while head.sent < len(head.messages) and (
-                    announce_limit is None or sent < announce_limit
-                ):
-                    topic, count, packed = head.messages[head.sent]
-                    head.sent += 1
-                    sent += 1
-                    self._send(topic, bulk.payload(time.time(), count, packed))
-                if not head.done or head.sent < len(head.messages):
-                    return
-                self._pending.popleft()
-                continue
-            # One message per run of events on the same topic, in order.
-            events: list[dict[str, object]] = []
-            while self._pending and len(events) < _MAX_BATCH:
-                next_topic, event = self._pending[0]
-                if next_topic != topic or isinstance(event, _Chunks):
-                    break
-                events.append(event)
-                self._pending.popleft()
-            self._send(topic, msgpack.packb([time.time(), events, None], use_bin_type=True))
-
-    def serve_replay(self) -> int:
-        """Answer the replay requests that arrived: each gets every block held now, as
-        `BlockStored` batches numbered with its topic's current sequence number (live events
-        after it continue from there), then `END_SEQ`. A request is ``[start seq]`` (ignored:
-        the answer is the whole state, not a backlog) or ``[start seq, topic]`` to get one
-        tenant's blocks. Returns how many requests were answered."""
-        if self._replay is None:
-            return 0
-        answered = 0
-        while True:
-            try:
-                frames = self._replay.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return answered
-            if len(frames) < 3 or frames[1] != b"":
-                continue  # not a REQ/DEALER request in vLLM's framing
-            client, wanted = frames[0], frames[3] if len(frames) > 3 else b""
-            self.flush()  # what happened before the snapshot goes out first
-            for _, seq, payload in self.snapshot(wanted):
-                with contextlib.suppress(zmq.Again):
-                    self._replay.send_multipart([client, b"", seq, payload], zmq.NOBLOCK)
-            with contextlib.suppress(zmq.Again):
-                self._replay.send_multipart([client, b"", END_SEQ, b""], zmq.NOBLOCK)
-            answered += 1
-
-    def push_snapshot(self, number: int, wanted: bytes) -> None:
-        """A worker's part of the node's replay request `number` (on the loop): its queued
-        events, then its blocks, then an end mark, all through the channel to the relay, so
-        the relay numbers the events before the blocks they led to."""
-        self.flush()
-        tag = number.to_bytes(8, "big")
-        for topic, _, payload in self.snapshot(wanted):
-            with contextlib.suppress(zmq.Again):
-                self._socket.send_multipart([self._source, b"R", tag, topic, payload], zmq.NOBLOCK)
-        with contextlib.suppress(zmq.Again):
-            self._socket.send_multipart([self._source, b"E", tag], zmq.NOBLOCK)
-
     def snapshot(self, wanted: bytes = b"") -> list[tuple[bytes, bytes, bytes]]:
         """Every block held now on topics starting with `wanted`, as replay messages
         ``(topic, its seq now, EventBatch)``: `BlockStored` events, parents first."""
@@ -506,26 +542,3 @@ class KVEvents:
             out.append((mine_topic, seqs.get(mine_topic, 0).to_bytes(8, "big"),
                         bulk.payload(time.time(), e - s, packed)))  # fmt: skip
         return out
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self._config.flush_interval_s)
-            self.flush(_ANNOUNCE_PER_FLUSH)
-            self.serve_replay()
-
-    async def close(self) -> None:
-        self._closing = True
-        if self._announcer is not None:  # it stops at its next message
-            await asyncio.get_running_loop().run_in_executor(None, self._announcer.join, 10)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        self.flush()
-        # A worker's last batches still have to reach the relay.
-        self._socket.close(linger=1000 if self._forward_to else 0)
-        if self._replay is not None:
-            self._replay.close(linger=0)
-        if self._curve is not None:
-            self._curve.close()
