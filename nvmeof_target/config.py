@@ -289,10 +289,20 @@ class EventsConfig:
     # the store asks, and gets every block held now; "" = off. Loopback unless told otherwise:
     # the answer holds token ids, i.e. prompt content.
     replay_endpoint: str = ""
+    # ZMQ CURVE for the publisher and the replay endpoint: the server's secret key file
+    # (zmq.auth's format, `zmq.auth.create_certificates`), and the clients allowed: a public
+    # key file or a directory of them. Both or neither; with them, other clients get nothing.
+    curve_secret_key_file: str = ""
+    curve_clients: str = ""
 
     def __post_init__(self) -> None:
         if not self.endpoint or self.flush_interval_s <= 0 or self.hwm < 1:
             raise ConfigError("events: endpoint must be set, flush_interval_s and hwm positive")
+        if bool(self.curve_secret_key_file) != bool(self.curve_clients):
+            raise ConfigError(
+                "events: curve_secret_key_file and curve_clients go together (a server key "
+                "without allowed clients, or clients without a server key, secures nothing)"
+            )
 
 
 @dataclass(frozen=True)

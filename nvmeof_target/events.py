@@ -36,26 +36,38 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import numpy as np
+import numpy.typing as npt
 import zmq
 
 from kvoffload.client_sdk.wire.blockmeta import BlockMeta
-from kvoffload.errors import LocalProtocolError
 from kvoffload.kvstore import DescribedBlock
+from kvoffload.nvmeof_target import events_bulk as bulk
 from kvoffload.nvmeof_target.config import EventsConfig
+from kvoffload.nvmeof_target.events_curve import Curve
 
-__all__ = ["EventRelay", "KVEvents", "event_hash", "stored_meta"]
+__all__ = ["END_SEQ", "KVEvents", "event_hash", "stored_meta"]
+
+log = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
 MEDIUM_DRAM = "CPU"
 MEDIA = {"dram": MEDIUM_DRAM, "ssd": "STORAGE"}
 # Events per message at most; a burst of evictions is split over several messages.
 _MAX_BATCH = 4096
+# Announce messages one flush sends at most: a restart's millions of blocks go out at a bounded
+# rate, and the loop keeps serving between flushes.
+_ANNOUNCE_PER_FLUSH = 2
+_TIER_BITS = {("ssd",): bulk.SSD, ("dram",): bulk.DRAM, ("ssd", "dram"): bulk.SSD | bulk.DRAM,
+              ("dram", "ssd"): bulk.SSD | bulk.DRAM}  # fmt: skip
 # A replay answer ends with this sequence number and an empty payload (vLLM's END_SEQ).
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -102,28 +114,38 @@ class _Block:
     meta: BlockMeta | None = None
 
 
-def _parents_first(blocks: list[_Block]) -> list[_Block]:
-    """`blocks` ordered so that a block comes after its parent when that is among them: a
-    router files a block under its parent and drops one whose parent it does not know, and a
-    parent evicted and stored again is newer than its children."""
-    by_digest = {b.digest: b for b in blocks}
-    depth: dict[int, int] = {}
-    for block in blocks:
-        chain: list[int] = []
-        seen: set[int] = set()  # a cycle (hash collisions) must not loop
-        b: _Block | None = block
-        while b is not None and b.digest not in depth and b.digest not in seen:
-            chain.append(b.digest)
-            seen.add(b.digest)
-            b = by_digest.get(b.parent) if b.parent is not None else None
-        base = depth.get(b.digest, 0) if b is not None else -1
-        for i, digest in enumerate(reversed(chain)):
-            depth[digest] = base + 1 + i
-    return sorted(blocks, key=lambda b: depth[b.digest])
+class _Chunks:
+    """An announce's messages in the queue: (topic, events, packed events) each, appended by
+    the thread that encodes them; `done` once all are."""
+
+    def __init__(self) -> None:
+        self.messages: list[tuple[bytes, int, bytes]] = []
+        self.sent = 0
+        self.done = False
 
 
-class KVEvents:
-    """Collects block events and publishes them in batches on a ZMQ PUB socket."""
+_EMPTY = bulk.decode([])
+
+
+def _events_of(
+    tiers: npt.NDArray[np.uint8], order: npt.NDArray[np.int64]
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """(block, medium code) of each `BlockStored` of blocks in `order`: SSD before DRAM."""
+    has = np.stack([(tiers[order] & bulk.SSD) != 0, (tiers[order] & bulk.DRAM) != 0], axis=1)
+    flat = has.ravel()
+    return np.repeat(order, 2)[flat], np.tile(np.arange(2), len(order))[flat]
+
+
+def message_bounds(topic: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
+    """Runs of events on one topic, at most `_MAX_BATCH` each."""
+    cuts = [0, *(np.flatnonzero(np.diff(topic)) + 1).tolist(), len(topic)]
+    return [(s, min(s + _MAX_BATCH, e)) for a, e in zip(cuts, cuts[1:], strict=False)
+            for s in range(a, e, _MAX_BATCH)]  # fmt: skip
+
+
+class _Publisher:
+    """The sockets and the queue of `KVEvents`: batches events and publishes them on a ZMQ PUB
+    socket (or a worker's channel to the supervisor's relay); answers replay requests."""
 
     def __init__(self, config: EventsConfig, forward_to: str = "", source: int = 0) -> None:
         """`forward_to`: worker `source` of a multi-process daemon sends its batches to the
@@ -132,20 +154,26 @@ class KVEvents:
         self._forward_to = forward_to
         self._source = source.to_bytes(2, "big")
         self._topic = config.topic.encode()
-        self._context: zmq.Context[Any] = zmq.Context.instance()
+        # A worker's channel to the relay is a private ipc socket: CURVE is the relay's.
+        self._curve = Curve(config) if config.curve_secret_key_file and not forward_to else None
+        self._context: zmq.Context[Any] = (
+            self._curve.context if self._curve is not None else zmq.Context.instance()
+        )
         self._socket: zmq.Socket[bytes] = self._context.socket(zmq.PUSH if forward_to else zmq.PUB)
         self._socket.setsockopt(zmq.SNDHWM, config.hwm)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._pending: collections.deque[tuple[bytes, dict[str, object]]] = collections.deque()
-        # Engine key -> the block, for blocks published or announced, so that tier moves
-        # (reported by engine key) name the block.
-        self._published: dict[bytes, _Block] = {}
+        # (topic, event), or an announce's messages (`_Chunks`) in their place in the order.
+        self._pending: collections.deque[tuple[bytes, dict[str, object] | _Chunks]] = (
+            collections.deque()
+        )
         self._lock = threading.Lock()
         self._seq: dict[bytes, int] = {}  # per topic: a subscriber of one sees no gaps
         self._task: asyncio.Task[None] | None = None
         self.endpoint = ""
         self.replay_endpoint = ""
         self._replay: zmq.Socket[bytes] | None = None
+        self._announcer: threading.Thread | None = None
+        self._closing = False
 
     def start(self) -> str:
         """Bind the socket and start publishing; returns the bound endpoint."""
@@ -153,15 +181,138 @@ class KVEvents:
             self._socket.connect(self._forward_to)
             self.endpoint = self._forward_to
         else:
+            if self._curve is not None:
+                self._curve.secure(self._socket)
             self._socket.bind(self._config.endpoint)
             self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
             if self._config.replay_endpoint:
                 self._replay = self._context.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                if self._curve is not None:
+                    self._curve.secure(self._replay)
                 self._replay.bind(self._config.replay_endpoint)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._task = asyncio.get_running_loop().create_task(self._run())
         return self.endpoint
+
+    def _send(self, topic: bytes, payload: bytes) -> None:
+        seq = self._seq[topic] = self._seq.get(topic, 0) + 1
+        if self._forward_to:  # the relay renumbers it; a gap in ours becomes one in its
+            with contextlib.suppress(zmq.Again):
+                self._socket.send_multipart(
+                    [self._source, topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK
+                )
+            return
+        # PUB drops when subscribers lag: routers resynchronise from later events.
+        with contextlib.suppress(zmq.Again):
+            self._socket.send_multipart([topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
+
+    def flush(self, announce_limit: int | None = None) -> None:
+        """Publish the queued events; at most `announce_limit` messages of an announce (the
+        events queued after it wait for it)."""
+        sent = 0
+        while self._pending:
+            topic, head = self._pending[0]
+            if isinstance(head, _Chunks):
+                while head.sent < len(head.messages) and (
+                    announce_limit is None or sent < announce_limit
+                ):
+                    topic, count, packed = head.messages[head.sent]
+                    head.sent += 1
+                    sent += 1
+                    self._send(topic, bulk.payload(time.time(), count, packed))
+                if not head.done or head.sent < len(head.messages):
+                    return
+                self._pending.popleft()
+                continue
+            # One message per run of events on the same topic, in order.
+            events: list[dict[str, object]] = []
+            while self._pending and len(events) < _MAX_BATCH:
+                next_topic, event = self._pending[0]
+                if next_topic != topic or isinstance(event, _Chunks):
+                    break
+                events.append(event)
+                self._pending.popleft()
+            self._send(topic, msgpack.packb([time.time(), events, None], use_bin_type=True))
+
+    def serve_replay(self) -> int:
+        """Answer the replay requests that arrived: each gets every block held now, as
+        `BlockStored` batches numbered with its topic's current sequence number (live events
+        after it continue from there), then `END_SEQ`. A request is ``[start seq]`` (ignored:
+        the answer is the whole state, not a backlog) or ``[start seq, topic]`` to get one
+        tenant's blocks. Returns how many requests were answered."""
+        if self._replay is None:
+            return 0
+        answered = 0
+        while True:
+            try:
+                frames = self._replay.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return answered
+            if len(frames) < 3 or frames[1] != b"":
+                continue  # not a REQ/DEALER request in vLLM's framing
+            client, wanted = frames[0], frames[3] if len(frames) > 3 else b""
+            self.flush()  # what happened before the snapshot goes out first
+            for _, seq, payload in self.snapshot(wanted):
+                with contextlib.suppress(zmq.Again):
+                    self._replay.send_multipart([client, b"", seq, payload], zmq.NOBLOCK)
+            with contextlib.suppress(zmq.Again):
+                self._replay.send_multipart([client, b"", END_SEQ, b""], zmq.NOBLOCK)
+            answered += 1
+
+    def push_snapshot(self, number: int, wanted: bytes) -> None:
+        """A worker's part of the node's replay request `number` (on the loop): its queued
+        events, then its blocks, then an end mark, all through the channel to the relay, so
+        the relay numbers the events before the blocks they led to."""
+        self.flush()
+        tag = number.to_bytes(8, "big")
+        for topic, _, payload in self.snapshot(wanted):
+            with contextlib.suppress(zmq.Again):
+                self._socket.send_multipart([self._source, b"R", tag, topic, payload], zmq.NOBLOCK)
+        with contextlib.suppress(zmq.Again):
+            self._socket.send_multipart([self._source, b"E", tag], zmq.NOBLOCK)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.flush_interval_s)
+            self.flush(_ANNOUNCE_PER_FLUSH)
+            self.serve_replay()
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._announcer is not None:  # it stops at its next message
+            await asyncio.get_running_loop().run_in_executor(None, self._announcer.join, 10)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self.flush()
+        # A worker's last batches still have to reach the relay.
+        self._socket.close(linger=1000 if self._forward_to else 0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+        if self._curve is not None:
+            self._curve.close()
+
+    def snapshot(self, wanted: bytes = b"") -> list[tuple[bytes, bytes, bytes]]:
+        raise NotImplementedError
+
+
+class KVEvents(_Publisher):
+    """Follows the blocks a daemon holds and publishes their `BlockStored`/`BlockRemoved`."""
+
+    def __init__(self, config: EventsConfig, forward_to: str = "", source: int = 0) -> None:
+        """`forward_to`: worker `source` of a multi-process daemon sends its batches to the
+        supervisor's `EventRelay` there (which numbers and publishes them) instead of binding."""
+        super().__init__(config, forward_to, source)
+        # Engine key -> the block, for blocks published or announced, so that tier moves
+        # (reported by engine key) name the block.
+        self._published: dict[bytes, _Block] = {}
+        # Blocks announced at start and untouched since, as arrays (events_bulk.py).
+        self._table: bulk.Announced | None = None
+        # While an announce lists the store: moves of blocks it may list, applied to its rows.
+        self._recording: list[tuple[str, bytes, str]] | None = None
 
     def _stored_event(self, block: _Block, tier: str) -> dict[str, object]:
         meta = block.meta
@@ -201,7 +352,7 @@ class KVEvents:
             parent_digest = parent_digest if meta.parent_hash is None else meta.parent_hash
         gone: list[tuple[bytes, dict[str, object]]] = []
         with self._lock:
-            old = block = self._published.get(engine_key)
+            old = block = self._published.get(engine_key) or self._adopt(engine_key)
             if block is None or block.digest != digest or block.meta != meta:
                 block = _Block(digest, parent_digest, self.topic_of(tenant), meta=meta)
                 self._published[engine_key] = block
@@ -214,31 +365,95 @@ class KVEvents:
             block.pending += 1
         self._pending.extend(gone)
 
+    def _adopt(self, engine_key: bytes) -> _Block | None:
+        """The announced row of `engine_key` as a `_Block` in `_published` (lock held)."""
+        table = self._table
+        row = None if table is None else table.row_of.pop(engine_key, None)
+        if table is None or row is None or not table.tiers[row]:
+            return None
+        bits, dec = int(table.tiers[row]), table.dec
+        table.tiers[row] = 0
+        block = _Block(int(dec.digest[row]), int(dec.parent[row]) if dec.has_parent[row] else None,
+                       table.topics[int(table.topic[row])],
+                       {t for t, b in (("ssd", bulk.SSD), ("dram", bulk.DRAM)) if bits & b},
+                       meta=dec.meta(row))  # fmt: skip
+        self._published[engine_key] = block
+        return block
+
     def announce(self, blocks: list[DescribedBlock]) -> int:
         """Publish what a (restarted) store holds, as the engine's indexes describe it: one
-        `BlockStored` per block and tier, SSD first. Returns how many blocks were announced
-        (blocks whose metadata names no hash, stored without events, are not)."""
-        found: list[_Block] = []
-        topics: dict[str, bytes] = {}
-        with self._lock:  # once: a restart may announce millions of blocks
-            for described in blocks:
-                try:
-                    meta = BlockMeta.decode(described.meta)
-                except LocalProtocolError:
-                    continue  # not written by a daemon (an embedded engine's own metadata)
-                if meta.block_hash is None or described.key in self._published:
-                    continue  # no name for it, or a put since the start published it
-                topic = topics.get(described.tenant)
-                if topic is None:
-                    topic = topics[described.tenant] = self.topic_of(described.tenant)
-                block = _Block(meta.block_hash, meta.parent_hash, topic, set(described.tiers),
-                               meta=meta)  # fmt: skip
-                self._published[described.key] = block
-                found.append(block)
-        for block in _parents_first(found):
-            for tier in sorted(block.tiers, reverse=True):  # "ssd" first
-                self._pending.append((block.topic, self._stored_event(block, tier)))
-        return len(found)
+        `BlockStored` per block and tier, SSD first, parents first. Returns how many blocks
+        are announced (blocks whose metadata names no hash, stored without events, are not).
+        The events are queued now and go out at a bounded rate (`_ANNOUNCE_PER_FLUSH`)."""
+        with self._lock:
+            if self._recording is None:
+                self._recording = []
+        return self._announce(blocks)
+
+    def announce_later(self, fetch: Callable[[], list[DescribedBlock]]) -> None:
+        """`announce(fetch())` on a thread: the daemon serves meanwhile. Tier moves and deletes
+        that happen while `fetch` lists the store are applied to what it listed."""
+        with self._lock:
+            self._recording = []
+
+        def work() -> None:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                count = self._announce(fetch())
+            except Exception:  # a failed announce must not stop the events that follow it
+                log.exception("announcing the stored blocks failed")
+                with self._lock:
+                    self._recording = None
+                return
+            log.info("announced %d stored blocks: %.2f s, %.2f CPU-s", count,
+                     time.perf_counter() - wall, time.thread_time() - cpu)  # fmt: skip
+
+        self._announcer = threading.Thread(target=work, name="kvoffload-announce", daemon=True)
+        self._announcer.start()
+
+    def _announce(self, blocks: list[DescribedBlock]) -> int:
+        n = len(blocks)
+        dec = bulk.decode([b.meta for b in blocks])
+        names: dict[str, int] = {}
+        topic = np.fromiter((names.setdefault(b.tenant, len(names)) for b in blocks), np.int64, n)
+        tiers = np.fromiter((_TIER_BITS.get(b.tiers, 0) for b in blocks), np.uint8, n)
+        keys = [b.key for b in blocks]
+        ok = np.flatnonzero(dec.ok)
+        order = ok[bulk.event_order(dec.digest[ok], dec.parent[ok], dec.has_parent[ok], topic[ok])]
+        row_of = dict(zip([keys[i] for i in ok.tolist()], ok.tolist(), strict=True))
+        job = _Chunks()
+        with self._lock:
+            if self._table is not None:  # an earlier announce's rows become blocks
+                for key in list(self._table.row_of):
+                    self._adopt(key)
+            for key in self._published:  # a put since the start published it
+                row = row_of.pop(key, None)
+                if row is not None:
+                    tiers[row] = 0
+            tiers[~dec.ok] = 0
+            table = bulk.Announced(keys, dec, topic, [self.topic_of(t) for t in names], tiers,
+                                   row_of)  # fmt: skip
+            for kind, key, tier in self._recording or ():
+                row = row_of.get(key)
+                if row is not None:
+                    bit = bulk.SSD if tier == "ssd" else bulk.DRAM
+                    keep = 0 if kind == "gone" else (3 ^ bit) if kind == "removed" else 3
+                    tiers[row] = (tiers[row] & keep) | (bit if kind == "stored" else 0)
+            self._recording = None
+            self._table = table
+            snapshot = tiers.copy()  # later moves are queued after these events
+            self._pending.append((b"", job))
+        try:
+            order = order[snapshot[order] != 0]
+            rows, media = _events_of(snapshot, order)
+            for s, e in message_bounds(topic[rows]):
+                if self._closing:
+                    break
+                job.messages.append((table.topics[int(topic[rows[s]])], e - s,
+                                     bulk.encode_events(dec, rows[s:e], media[s:e])))  # fmt: skip
+        finally:
+            job.done = True
+        return len(order)
 
     def settle(self, engine_key: bytes) -> None:
         """An announced put finished (its events, if any, went out as the engine reported)."""
@@ -252,8 +467,10 @@ class KVEvents:
     def moved(self, kind: str, engine_key: bytes, tier: str) -> None:
         """The engine stored a block in, or removed it from, a tier (any thread; no I/O)."""
         with self._lock:
-            block = self._published.get(engine_key)
+            block = self._published.get(engine_key) or self._adopt(engine_key)
             if block is None:
+                if self._recording is not None:
+                    self._recording.append((kind, engine_key, tier))
                 return  # never published by this daemon (e.g. stored before a restart)
             if kind == "removed" and tier not in block.tiers:
                 return
@@ -273,137 +490,55 @@ class KVEvents:
     def removed(self, engine_key: bytes) -> None:
         """A client's delete: the block left every tier it was published in."""
         with self._lock:
+            if self._adopt(engine_key) is None and self._recording is not None:
+                self._recording.append(("gone", engine_key, ""))
             block = self._published.pop(engine_key, None)
         if block is None:
             return
         for tier in sorted(block.tiers):
             self._pending.append((block.topic, _removed_event(block.digest, tier)))
 
-    def flush(self) -> None:
-        while self._pending:
-            # One message per run of events on the same topic, in order.
-            topic = self._pending[0][0]
-            events: list[dict[str, object]] = []
-            while self._pending and self._pending[0][0] == topic and len(events) < _MAX_BATCH:
-                events.append(self._pending.popleft()[1])
-            payload = msgpack.packb([time.time(), events, None], use_bin_type=True)
-            seq = self._seq[topic] = self._seq.get(topic, 0) + 1
-            if self._forward_to:  # the relay renumbers it; a gap in ours becomes one in its
-                with contextlib.suppress(zmq.Again):
-                    self._socket.send_multipart(
-                        [self._source, topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK
-                    )
-                continue
-            # PUB drops when subscribers lag: routers resynchronise from later events.
-            with contextlib.suppress(zmq.Again):
-                self._socket.send_multipart(
-                    [topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK
-                )
-
-    def serve_replay(self) -> int:
-        """Answer the replay requests that arrived: each gets every block held now, as
-        `BlockStored` batches numbered with its topic's current sequence number (live events
-        after it continue from there), then `END_SEQ`. A request is ``[start seq]`` (ignored:
-        the answer is the whole state, not a backlog) or ``[start seq, topic]`` to get one
-        tenant's blocks. Returns how many requests were answered."""
-        if self._replay is None:
-            return 0
-        answered = 0
-        while True:
-            try:
-                frames = self._replay.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return answered
-            if len(frames) < 3 or frames[1] != b"":
-                continue  # not a REQ/DEALER request in vLLM's framing
-            client, wanted = frames[0], frames[3] if len(frames) > 3 else b""
-            self.flush()  # what happened before the snapshot goes out first
-            with self._lock:
-                blocks = _parents_first([b for b in self._published.values() if b.tiers
-                                         and b.topic.startswith(wanted)])  # fmt: skip
-                snapshot = [(b.topic, self._stored_event(b, tier), self._seq.get(b.topic, 0))
-                            for b in blocks for tier in sorted(b.tiers, reverse=True)]  # fmt: skip
-            for start in range(0, len(snapshot), _MAX_BATCH):
-                part = snapshot[start : start + _MAX_BATCH]
-                payload = msgpack.packb([time.time(), [e for _, e, _ in part], None],
-                                        use_bin_type=True)  # fmt: skip
-                with contextlib.suppress(zmq.Again):
-                    self._replay.send_multipart(
-                        [client, b"", part[-1][2].to_bytes(8, "big"), payload], zmq.NOBLOCK
-                    )
-            with contextlib.suppress(zmq.Again):
-                self._replay.send_multipart([client, b"", END_SEQ, b""], zmq.NOBLOCK)
-            answered += 1
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self._config.flush_interval_s)
-            self.flush()
-            self.serve_replay()
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        self.flush()
-        # A worker's last batches still have to reach the relay.
-        self._socket.close(linger=1000 if self._forward_to else 0)
-        if self._replay is not None:
-            self._replay.close(linger=0)
-
-
-class EventRelay:
-    """The supervisor's half of a multi-process daemon's events: workers PUSH their batches
-    here; one PUB socket publishes them with per-topic sequence numbers, so a subscriber sees
-    one gap-free sequence per tenant however many workers there are."""
-
-    def __init__(self, config: EventsConfig, inbox: str) -> None:
-        self._context: zmq.Context[Any] = zmq.Context.instance()
-        self._pub: zmq.Socket[bytes] = self._context.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.SNDHWM, config.hwm)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._pull: zmq.Socket[bytes] = self._context.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.LINGER, 0)
-        self._pub.bind(config.endpoint)
-        self._pull.bind(inbox)
-        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._seq: dict[bytes, int] = {}
-        self._last: dict[tuple[bytes, bytes], int] = {}  # (worker, topic) -> its last number
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvoffload-events", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._pull, zmq.POLLIN)
-        while not self._stop.is_set():
-            if poller.poll(100):
-                self._relay()
-
-    def _relay(self) -> None:
-        while True:
-            try:
-                parts = self._pull.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(parts) != 4:
-                continue  # only our workers connect here
-            source, topic, number, payload = parts
-            theirs = int.from_bytes(number, "big")
-            # A batch a worker dropped (its queue to the relay full) leaves a gap in the
-            # node's numbers too, so subscribers know to resynchronise.
-            lost = max(0, theirs - self._last.get((source, topic), 0) - 1)
-            self._last[(source, topic)] = theirs
-            seq = self._seq[topic] = self._seq.get(topic, 0) + 1 + lost
-            with contextlib.suppress(zmq.Again):
-                self._pub.send_multipart([topic, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
-
-    def close(self) -> None:
-        """Call after the workers have stopped: what they sent last is published first."""
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._relay()
-        self._pull.close(linger=0)
-        self._pub.close(linger=0)
+    def snapshot(self, wanted: bytes = b"") -> list[tuple[bytes, bytes, bytes]]:
+        """Every block held now on topics starting with `wanted`, as replay messages
+        ``(topic, its seq now, EventBatch)``: `BlockStored` events, parents first."""
+        with self._lock:
+            blocks = [b for b in self._published.values() if b.tiers
+                      and b.topic.startswith(wanted)]  # fmt: skip
+            table = self._table
+            dec, topics, rows = _EMPTY, [], np.zeros(0, np.int64)
+            if table is not None:
+                dec, topics = table.dec, table.topics
+                mine = np.asarray([t.startswith(wanted) for t in topics] + [False], bool)
+                rows = np.flatnonzero((table.tiers != 0) & mine[table.topic])
+                table_tiers = table.tiers[rows]
+            seqs = dict(self._seq)
+        nt = len(rows)
+        ids = {t: i for i, t in enumerate(topics)}
+        topic = np.concatenate([table.topic[rows] if table is not None else rows,
+                                np.fromiter((ids.setdefault(b.topic, len(ids)) for b in blocks),
+                                            np.int64, len(blocks))])  # fmt: skip
+        topics = list(ids)
+        tiers = np.concatenate([table_tiers if table is not None else np.zeros(0, np.uint8),
+                                np.fromiter((_TIER_BITS.get(tuple(sorted(b.tiers, reverse=True)), 0)
+                                             for b in blocks), np.uint8, len(blocks))])  # fmt: skip
+        digest = np.concatenate([dec.digest[rows], np.fromiter(
+            (b.digest for b in blocks), np.uint64, len(blocks))])  # fmt: skip
+        parent = np.concatenate([dec.parent[rows], np.fromiter(
+            (b.parent or 0 for b in blocks), np.uint64, len(blocks))])  # fmt: skip
+        has_parent = np.concatenate([dec.has_parent[rows], np.fromiter(
+            (b.parent is not None for b in blocks), bool, len(blocks))])  # fmt: skip
+        which, media = _events_of(tiers, bulk.event_order(digest, parent, has_parent, topic))
+        out: list[tuple[bytes, bytes, bytes]] = []
+        for s, e in message_bounds(topic[which]):
+            part, kinds = which[s:e], media[s:e]
+            extras = [
+                msgpack.packb(self._stored_event(blocks[i - nt], ("ssd", "dram")[m]))
+                for i, m in zip(part.tolist(), kinds.tolist(), strict=True)
+                if i >= nt
+            ]
+            mine_topic = topics[int(topic[part[0]])]
+            in_table = rows[np.minimum(part, nt - 1)] if nt else -1
+            packed = bulk.encode_events(dec, np.where(part < nt, in_table, -1), kinds, extras)
+            out.append((mine_topic, seqs.get(mine_topic, 0).to_bytes(8, "big"),
+                        bulk.payload(time.time(), e - s, packed)))  # fmt: skip
+        return out

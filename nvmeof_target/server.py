@@ -18,7 +18,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -120,11 +119,6 @@ class Daemon:
             if services.events.replay_endpoint:
                 print(f"kvoffload: events replay on {services.events.replay_endpoint}",
                       file=self._out, flush=True)  # fmt: skip
-            if config.events.announce:
-                started = time.perf_counter()
-                count = services.events.announce(engine.described_blocks())
-                log.info("announced %d stored blocks in %.2f s", count,
-                         time.perf_counter() - started)  # fmt: skip
         if config.metrics.enabled:
             self._announce("metrics", *metrics.serve(config.metrics.host, config.metrics.port))
         for make_front in FRONTS.values():
@@ -134,6 +128,9 @@ class Daemon:
             self._fronts.append(front)
             for what, host, port in await front.start():
                 self._announce(what, host, port)
+        if services.events is not None and config.events.announce:
+            # After the fronts start, on a thread: a store of millions of blocks serves at once.
+            services.events.announce_later(engine.described_blocks)
         if not tenants.open:
             log.info("%d tenant(s) configured; tokens required", len(config.tenants))
         elif config.native.host not in ("127.0.0.1", "localhost", "::1"):
@@ -148,6 +145,10 @@ class Daemon:
     @property
     def engine(self) -> Engine | None:
         return self._services.engine if self._services else None
+
+    @property
+    def events(self) -> KVEvents | None:
+        return self._services.events if self._services else None
 
     def request_stop(self) -> None:
         self._stop.set()

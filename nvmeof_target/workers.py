@@ -44,7 +44,7 @@ from kvoffload.client_sdk.wire.shards import merge_stats
 from kvoffload.errors import ConfigError
 from kvoffload.nvmeof_target.cluster import Registration
 from kvoffload.nvmeof_target.config import Config
-from kvoffload.nvmeof_target.events import EventRelay
+from kvoffload.nvmeof_target.events_relay import EventRelay
 from kvoffload.nvmeof_target.metrics import NodeMetrics
 from kvoffload.nvmeof_target.services import ShardRole
 
@@ -265,6 +265,11 @@ class _Worker:
         with self.lock, contextlib.suppress(OSError):
             self.conn.send(("stop", None))
 
+    def replay(self, number: int, wanted: bytes) -> None:
+        """Ask for the worker's part of replay request `number` (it answers to the relay)."""
+        with self.lock, contextlib.suppress(OSError):
+            self.conn.send(("replay", (number, wanted)))
+
 
 def supervise(config: Config, out: TextIO | None = None) -> int:
     """Run the node as `config.server.workers` shard processes until SIGTERM/SIGINT."""
@@ -312,7 +317,7 @@ def supervise(config: Config, out: TextIO | None = None) -> int:
     status = 0
     try:
         if config.events.enabled:
-            relay = EventRelay(config.events, f"ipc://{scratch}/events")
+            relay = EventRelay(config.events, f"ipc://{scratch}/events", count)
         ctx = multiprocessing.get_context("spawn")
         inbox = f"ipc://{scratch}/events" if relay else ""
         workers = [_Worker(ctx, configs[i], i, count, listener, inbox) for i in range(count)]
@@ -336,6 +341,9 @@ def supervise(config: Config, out: TextIO | None = None) -> int:
                 say(f"{what} shard {w.index} listening on {host}:{port}")
         if relay is not None:
             say(f"events publishing on {relay.endpoint}")
+            if relay.replay_endpoint:
+                relay.ask = lambda number, wanted: _ask_replay(workers, number, wanted)
+                say(f"events replay on {relay.replay_endpoint}")
         if config.metrics.enabled:
             metrics = NodeMetrics(metrics_dir, lambda: _node_stats(workers))
             host, port = metrics.serve(config.metrics.host, config.metrics.port)
@@ -384,6 +392,16 @@ def _remove_stale_scratch() -> None:
         pid = path.name[len(_SCRATCH_PREFIX) :].split("-")[0]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _ask_replay(workers: list[_Worker], number: int, wanted: bytes) -> None:
+    """On a thread: a stats scrape may hold a worker's pipe for seconds; the relay waits not."""
+
+    def ask() -> None:
+        for w in workers:
+            w.replay(number, wanted)
+
+    threading.Thread(target=ask, name="kvoffload-replay", daemon=True).start()
 
 
 def _node_stats(workers: list[_Worker]) -> dict[str, object]:
@@ -491,7 +509,8 @@ async def _serve_worker(
 def _control(
     conn: multiprocessing.connection.Connection, daemon: Any, loop: asyncio.AbstractEventLoop
 ) -> None:
-    """Answer the supervisor: stats when it scrapes, stop when told (or when it is gone)."""
+    """Answer the supervisor: stats when it scrapes, a replay request (its part goes to the
+    relay), stop when told (or when it is gone)."""
     while True:
         try:
             what, number = conn.recv()
@@ -503,6 +522,8 @@ def _control(
                 conn.send(("stats", (number, engine.stats().as_dict() if engine else {})))
             except OSError:
                 what = "stop"
+        if what == "replay" and daemon.events is not None:
+            loop.call_soon_threadsafe(daemon.events.push_snapshot, *number)
         if what == "stop":
             loop.call_soon_threadsafe(daemon.request_stop)
             return

@@ -2,13 +2,17 @@
 
 Verification replays checkpoint and journal exactly as an open would (without cutting torn
 tails) and reads back every indexed block, checking its slot header and payload checksum.
-Rebuilding ignores checkpoint and journal: it scans every slot header on the device, keeps per
-key the newest version (by seq) whose payload checksum holds, writes a fresh checkpoint and
-retires the journals.
+Rebuilding ignores checkpoint and journal for the index: it scans every slot header on the
+device, keeps per key the newest version (by seq) whose payload checksum holds, writes a fresh
+checkpoint and retires the journals. Slot headers carry no block metadata, so the rebuild takes
+it from the META records that survive in the checkpoint and journals (up to each file's first
+damaged record): a kept block keeps the metadata journaled with its version (same seq). A
+damaged checkpoint is set aside as ``checkpoint.damaged`` (and still read for metadata).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,11 +20,13 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
+from kvoffload.errors import StorageIOError
 from kvoffload.kvstore.config import PAGE, DramConfig, EngineConfig
 from kvoffload.kvstore.extents import ExtentAllocator, slot_bytes
 from kvoffload.kvstore.ssd import journal as jr
 from kvoffload.kvstore.ssd.catalog import restore_slots
 from kvoffload.kvstore.ssd.index import ssd_slot_bytes
+from kvoffload.kvstore.ssd.metabook import MetaBook
 from kvoffload.kvstore.ssd.slotio import AlignedBuffer, unpack_header
 from kvoffload.kvstore.ssd.store import _write_atomic
 from kvoffload.kvstore.ssd.tier import SsdTier
@@ -43,6 +49,7 @@ class FsckReport:
     headers_found: int = 0  # valid slot headers seen by the rebuild scan
     superseded: int = 0  # older versions of a key
     dropped: int = 0  # newest version failed its checksum, or did not fit the slot layout
+    described: int = 0  # kept blocks whose metadata the rebuild kept
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -65,7 +72,16 @@ def fsck(directory: str, *, rebuild: bool = False) -> FsckReport:
     """
     started = time.perf_counter()
     report = FsckReport(directory)
-    tier = _open(directory)
+    try:
+        tier = _open(directory)
+    except StorageIOError as exc:
+        checkpoint = Path(directory) / "checkpoint"
+        if not rebuild or "is damaged" not in str(exc) or not checkpoint.exists():
+            raise
+        # The rebuild needs no checkpoint; the damaged one stays for its metadata.
+        os.replace(checkpoint, Path(directory) / _DAMAGED)
+        report.notes.append(f"{exc}: set aside as {_DAMAGED}")
+        tier = _open(directory)
     try:
         rec = tier.recovery
         report.checkpoint_records = rec.checkpoint_records
@@ -97,6 +113,7 @@ def _verify(tier: SsdTier, report: FsckReport) -> None:
         buf.close()
 
 
+_DAMAGED = "checkpoint.damaged"
 _Found = tuple[int, bytes, "bytes | None", int, int, int, str]  # seq key parent page len crc tenant
 
 
@@ -158,7 +175,9 @@ def _rebuild(tier: SsdTier, report: FsckReport) -> None:
     )
     report.dropped += int((~ok).sum())
     tenants = [jr.record(jr.TENANT, 0, tenant=i, name=n.encode()) for n, i in names.items() if i]
-    body = np.concatenate([*tenants, recs[ok]]) if tenants else recs[ok]
+    metas = _surviving_meta(tier, recs[ok])
+    report.described = len(metas)
+    body = np.concatenate([*tenants, metas.export(), recs[ok]])
     journals = tier.files.journal_paths()
     generation = max([g for g, _ in journals] + [0]) + 1
     seq = int(recs["seq"].max()) if len(recs) else 0
@@ -169,5 +188,34 @@ def _rebuild(tier: SsdTier, report: FsckReport) -> None:
     report.rebuilt = True
     report.notes.append(
         f"rebuilt the index from {report.headers_found} slot headers: kept {int(ok.sum())}, "
-        f"{report.superseded} older versions ignored, {report.dropped} dropped"
+        f"{report.superseded} older versions ignored, {report.dropped} dropped; "
+        f"{report.described} kept their block metadata"
     )
+
+
+def _surviving_meta(tier: SsdTier, kept: np.ndarray) -> MetaBook:
+    """The metadata of the `kept` PUT records, from the META records of the same seq that the
+    checkpoint (or a damaged one) and the journals still hold, each read up to its first
+    damaged record. A block whose records are not all there keeps none."""
+    found = []
+    for path in [Path(tier.dir) / "checkpoint", Path(tier.dir) / _DAMAGED,
+                 *(p for _, p in tier.files.journal_paths())]:  # fmt: skip
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise StorageIOError(f"cannot read {path}: {exc}") from exc
+        records, _ = jr.parse(data)
+        found.append(records[records["type"] == jr.META])
+    records = np.concatenate(found) if found else np.zeros(0, jr.RECORD)
+    # A record in two files (a checkpoint and a journal it did not retire) counts once.
+    records = records[np.lexsort((records["tenant"], records["seq"]))]
+    first = np.ones(len(records), bool)
+    first[1:] = (records["seq"][1:] != records["seq"][:-1]) | (
+        records["tenant"][1:] != records["tenant"][:-1]
+    )
+    keys = {k.ljust(16, b"\0") for k in kept["key"].tolist()}
+    book = MetaBook()
+    book.install(records[first], kept["seq"], lambda key: key in keys)
+    return book

@@ -63,7 +63,13 @@ class MetaBook:
         starts = np.flatnonzero(part == 0)
         ends = np.append(starts[1:], len(metas))
         keys = records["key"][metas[starts]]
-        for key, start, end in zip(keys.tolist(), starts.tolist(), ends.tolist(), strict=True):
+        # Records each block's declared length needs: a block missing some (a damaged file
+        # read by fsck) keeps no metadata rather than a cut one.
+        heads = np.frombuffer(raw, np.uint8).reshape(-1, jr.RECORD_BYTES)[starts, 32:34]
+        declared = heads.copy().view("<u2")[:, 0].astype(np.int64)
+        need = -(-(declared + 2) // jr.META_SLICE)
+        for key, start, end, wanted in zip(keys.tolist(), starts.tolist(), ends.tolist(),
+                                           need.tolist(), strict=True):  # fmt: skip
             key = key.ljust(16, b"\0")  # numpy drops trailing NULs of an S16 value
-            if stored(key):
+            if end - start == wanted and stored(key):
                 self.packed[key] = raw[start * jr.RECORD_BYTES : end * jr.RECORD_BYTES]

@@ -1,0 +1,214 @@
+"""The supervisor's half of a multi-process daemon's KV events (`kvoffload serve --workers N`).
+
+Workers PUSH their event batches to the relay; one PUB socket publishes them with per-topic
+sequence numbers, so a subscriber sees one gap-free sequence per tenant however many workers
+there are.
+
+Replay: a router's request on the node's replay endpoint is passed to every worker (the
+supervisor asks over each worker's control pipe); each answers through its PUSH channel with
+its queued events, then its blocks (`KVEvents.push_snapshot`), then an end mark. The relay
+numbers the events as they come, so the blocks of a worker reflect every event numbered before
+them. The answer carries, per topic, the number the topic had when the first worker's part
+came: a router applies the live events after it, which re-applies some that a later worker's
+blocks already reflect (a block is only ever one worker's, and re-applying the events that
+led to a state ends in that state). Blocks are ordered parents first across workers (a
+child's parent is often another shard's) before they are sent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+
+from kvoffload.nvmeof_target.config import EventsConfig
+from kvoffload.nvmeof_target.events import END_SEQ, message_bounds
+from kvoffload.nvmeof_target.events_bulk import event_order
+from kvoffload.nvmeof_target.events_curve import Curve
+
+__all__ = ["EventRelay"]
+
+# A replay request whose workers have not all answered by then is ended with what came (a
+# worker's answer lost to a full queue must not leave the router waiting forever).
+_REPLAY_TIMEOUT_S = 60.0
+
+
+@dataclass
+class _Request:
+    client: bytes
+    waiting: int  # workers that have not sent their end mark
+    started: float
+    numbers: dict[bytes, int] | None = None  # per topic, when the first part came
+    parts: list[tuple[bytes, bytes]] = field(default_factory=list)  # (topic, EventBatch)
+
+
+class EventRelay:
+    """Publishes the workers' batches with node-wide numbers; answers replay requests."""
+
+    def __init__(self, config: EventsConfig, inbox: str, workers: int = 1) -> None:
+        """Raises:
+        ConfigError: CURVE configured but unavailable, or its key files bad."""
+        self._curve = Curve(config) if config.curve_secret_key_file else None
+        self._context: zmq.Context[Any] = (
+            self._curve.context if self._curve is not None else zmq.Context.instance()
+        )
+        self._pub: zmq.Socket[bytes] = self._context.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, config.hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pull: zmq.Socket[bytes] = self._context.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            self._curve.secure(self._pub)
+        self._pub.bind(config.endpoint)
+        self._pull.bind(inbox)
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = ""
+        self._replay: zmq.Socket[bytes] | None = None
+        if config.replay_endpoint:
+            self._replay = self._context.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            if self._curve is not None:
+                self._curve.secure(self._replay)
+            self._replay.bind(config.replay_endpoint)
+            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._workers = workers
+        # Set by the supervisor once the workers run: sends request (number, topic prefix) to
+        # every worker. Requests before that are answered empty.
+        self.ask: Callable[[int, bytes], None] | None = None
+        self._requests: dict[int, _Request] = {}
+        self._asked = 0
+        self._seq: dict[bytes, int] = {}
+        self._last: dict[tuple[bytes, bytes], int] = {}  # (worker, topic) -> its last number
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvoffload-events", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        if self._replay is not None:
+            poller.register(self._replay, zmq.POLLIN)
+        while not self._stop.is_set():
+            ready = dict(poller.poll(100))
+            if self._pull in ready:
+                self._relay()
+            if self._replay is not None and self._replay in ready:
+                self._accept()
+            self._expire()
+
+    def _relay(self) -> None:
+        while True:
+            try:
+                parts = self._pull.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(parts) == 4:
+                self._publish(*parts)
+            elif len(parts) == 5 and parts[1] == b"R":
+                self._part(int.from_bytes(parts[2], "big"), parts[3], parts[4])
+            elif len(parts) == 3 and parts[1] == b"E":
+                self._part(int.from_bytes(parts[2], "big"), None, b"")
+
+    def _publish(self, source: bytes, topic: bytes, number: bytes, payload: bytes) -> None:
+        theirs = int.from_bytes(number, "big")
+        # A batch a worker dropped (its queue to the relay full) leaves a gap in the node's
+        # numbers too, so subscribers know to resynchronise.
+        lost = max(0, theirs - self._last.get((source, topic), 0) - 1)
+        self._last[(source, topic)] = theirs
+        seq = self._seq[topic] = self._seq.get(topic, 0) + 1 + lost
+        with contextlib.suppress(zmq.Again):
+            self._pub.send_multipart([topic, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
+
+    def _accept(self) -> None:
+        assert self._replay is not None
+        while True:
+            try:
+                frames = self._replay.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) < 3 or frames[1] != b"":
+                continue  # not a REQ/DEALER request in vLLM's framing
+            client, wanted = frames[0], frames[3] if len(frames) > 3 else b""
+            if self.ask is None:
+                self._end(client)
+                continue
+            self._asked += 1
+            self._requests[self._asked] = _Request(client, self._workers, time.monotonic())
+            self.ask(self._asked, wanted)
+
+    def _part(self, number: int, topic: bytes | None, payload: bytes) -> None:
+        request = self._requests.get(number)
+        if request is None:
+            return  # expired
+        if request.numbers is None:
+            request.numbers = dict(self._seq)
+        if topic is not None:
+            request.parts.append((topic, payload))
+            return
+        request.waiting -= 1
+        if not request.waiting:
+            del self._requests[number]
+            self._answer(request)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for number, request in list(self._requests.items()):
+            if now - request.started > _REPLAY_TIMEOUT_S:
+                del self._requests[number]
+                self._answer(request)
+
+    def _answer(self, request: _Request) -> None:
+        """Every worker's blocks, parents first across workers, then the end mark."""
+        assert self._replay is not None
+        topics: dict[bytes, int] = {}
+        events: list[dict[str, Any]] = []
+        topic_ids: list[int] = []
+        for topic, payload in request.parts:
+            batch = msgpack.unpackb(payload)[1]
+            events += batch
+            topic_ids += [topics.setdefault(topic, len(topics))] * len(batch)
+        digest = np.fromiter((e["block_hashes"][0] for e in events), np.uint64, len(events))
+        parents = [e["parent_block_hash"] for e in events]
+        order = event_order(
+            digest,
+            np.fromiter((p or 0 for p in parents), np.uint64, len(events)),
+            np.fromiter((p is not None for p in parents), bool, len(events)),
+            np.asarray(topic_ids, np.int64),
+        )
+        names = list(topics)
+        numbers = request.numbers or {}
+        ordered_topics = np.asarray(topic_ids, np.int64)[order]
+        for start, end in message_bounds(ordered_topics):
+            topic = names[int(ordered_topics[start])]
+            batch = [events[i] for i in order[start:end].tolist()]
+            payload = msgpack.packb([time.time(), batch, None])
+            with contextlib.suppress(zmq.Again):
+                self._replay.send_multipart(
+                    [request.client, b"", numbers.get(topic, 0).to_bytes(8, "big"), payload],
+                    zmq.NOBLOCK,
+                )
+        self._end(request.client)
+
+    def _end(self, client: bytes) -> None:
+        assert self._replay is not None
+        with contextlib.suppress(zmq.Again):
+            self._replay.send_multipart([client, b"", END_SEQ, b""], zmq.NOBLOCK)
+
+    def close(self) -> None:
+        """Call after the workers have stopped: what they sent last is published first."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._relay()
+        self._pull.close(linger=0)
+        self._pub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+        if self._curve is not None:
+            self._curve.close()
