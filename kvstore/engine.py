@@ -194,7 +194,7 @@ def _open_ssd(config: EngineConfig, m: Manager) -> SsdTier | None:
             f"limit ({ssd.max_value_bytes}); lower it"
         )
     m.attach_ssd(ssd)
-    m.mover.start(config.ssd.io_threads)
+    m.mover.start(config.ssd.io_threads, config.ssd.read_depth)
     return ssd
 
 
@@ -401,8 +401,15 @@ class Engine(_EngineState):
         return BlockView(self._m, entry, data)
 
     def get_many(self, keys: Sequence[bytes]) -> list[BlockView | None]:
-        """`get` for each key."""
-        return [self.get(key) for key in keys]
+        """`get` for each key. The SSD-only blocks among them are read with up to
+        `ssd.read_depth` reads in flight at once (a block already being read for another
+        caller is waited for, not read again)."""
+        for key in keys:
+            _check_key(key)
+        with self._lock:
+            entries = self._m.acquire_many(keys)
+            return [None if e is None else BlockView(self._m, e, self._dram.value(e).toreadonly())
+                    for e in entries]  # fmt: skip
 
     def get_into(self, key: bytes, buffer: object) -> int | None:
         """Copy the value into `buffer` (bytearray, numpy array, CPU tensor, writable view).
@@ -413,31 +420,38 @@ class Engine(_EngineState):
         Raises:
             InvalidArgumentError: the buffer is read-only, not contiguous or too small.
         """
-        _check_key(key)
-        dst = as_writable(buffer)
-        with self._lock:
-            entry = self._m.acquire(key)
-            if entry is None:
-                return None
-            if entry.length > dst.size:
-                self._m.unpin_locked(entry)
-                raise InvalidArgumentError(
-                    f"buffer of {dst.size} bytes is too small for a {entry.length}-byte value"
-                )
-        try:
-            if entry.staging is None:
-                dst[: entry.length] = self._arena.array[entry.offset : entry.offset + entry.length]
-            else:
-                dst[: entry.length] = np.frombuffer(self._dram.value(entry), dtype=np.uint8)
-        finally:
-            self._m.unpin(entry)
-        return entry.length
+        return self.get_many_into([key], [buffer])[0]
 
     def get_many_into(self, keys: Sequence[bytes], buffers: Sequence[object]) -> list[int | None]:
-        """`get_into` for each (key, buffer) pair."""
+        """`get_into` for each (key, buffer) pair; SSD-only blocks are read as for `get_many`.
+
+        Raises:
+            InvalidArgumentError: not one buffer per key, or a buffer read-only, not contiguous
+                or too small for its value (no buffer is then written).
+        """
         if len(keys) != len(buffers):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(buffers)} buffers")
-        return [self.get_into(k, b) for k, b in zip(keys, buffers, strict=True)]
+        for key in keys:
+            _check_key(key)
+        dsts = [as_writable(b) for b in buffers]
+        with self._lock:
+            m = self._m
+            entries = m.acquire_many(keys) if len(keys) > 1 else [m.acquire(k) for k in keys]
+        try:
+            for entry, dst in zip(entries, dsts, strict=True):
+                if entry is not None and entry.length > dst.size:
+                    raise InvalidArgumentError(
+                        f"buffer of {dst.size} bytes is too small for a {entry.length}-byte value"
+                    )
+            for entry, dst in zip(entries, dsts, strict=True):
+                if entry is not None:
+                    dst[: entry.length] = np.frombuffer(self._dram.value(entry), dtype=np.uint8)
+        finally:
+            with self._lock:
+                for entry in entries:
+                    if entry is not None:
+                        m.unpin_locked(entry)
+        return [None if e is None else e.length for e in entries]
 
     def contains(self, key: bytes) -> bool:
         """Whether any tier holds `key`."""

@@ -120,12 +120,29 @@ class Manager:
 
     # ------------------------------------------------------------------ reads
 
-    def acquire(self, key: bytes) -> DramEntry | None:
-        """Pin and return the DRAM entry of `key`, promoting it from the SSD if need be."""
+    def acquire_many(self, keys: Sequence[bytes]) -> list[DramEntry | None]:
+        """`acquire` each key, the SSD-only ones read with their reads in flight together
+        (`Mover.promote_many`)."""
+        self.check_open()
+        fetched = self.mover.promote_many(keys) if self.ssd is not None else {}
+        try:
+            return [self.acquire(key, fetched.get(key)) for key in keys]
+        finally:
+            for entry in fetched.values():
+                self.unpin_locked(entry)  # the batch's own pin; the caller's stay
+
+    def acquire(self, key: bytes, fetched: DramEntry | None = None) -> DramEntry | None:
+        """Pin and return the DRAM entry of `key`, promoting it from the SSD if need be.
+
+        `fetched`: the key's block as `Mover.promote_many` read it just now (pinned by it).
+        """
         self.check_open()
         self.n["gets"] += 1
         entry = self.index.get(key)
-        if entry is not None:
+        if fetched is not None and (entry is fetched or fetched.staging is not None):
+            entry = fetched
+            self.n["ssd_hits"] += 1
+        elif entry is not None:
             self.n["hits"] += 1
         elif self.ssd is not None:
             entry = self.mover.promote(key)

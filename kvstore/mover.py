@@ -9,10 +9,12 @@ row pinned meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvoffload.errors import CapacityError, KVOffloadError, StorageIOError
@@ -20,7 +22,7 @@ from kvoffload.kvstore.dram import DramEntry
 from kvoffload.kvstore.extents import slot_bytes
 from kvoffload.kvstore.ssd import SsdTier
 from kvoffload.kvstore.ssd.slotio import AlignedBuffer
-from kvoffload.kvstore.ssd.tier import SsdWipe
+from kvoffload.kvstore.ssd.tier import SsdRead, SsdWipe
 
 if TYPE_CHECKING:
     from kvoffload.kvstore.manager import Manager
@@ -28,6 +30,18 @@ if TYPE_CHECKING:
 __all__ = ["Mover"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False, slots=True)
+class _Read:
+    """A promotion between `_begin` and `_end`: the SSD block, where it lands, and the event
+    that other readers of the key wait on."""
+
+    key: bytes
+    block: SsdRead
+    entry: DramEntry
+    dst: memoryview
+    event: threading.Event
 
 
 class Mover:
@@ -41,10 +55,12 @@ class Mover:
         self._inflight: dict[bytes, threading.Event] = {}  # promotions reading, by key
         self._queued: set[bytes] = set()  # prefetches submitted, not finished
         self.pool: ThreadPoolExecutor | None = None
+        self.reads: ThreadPoolExecutor | None = None  # the slot reads of batched gets
 
-    def start(self, io_threads: int) -> None:
-        """Start the prefetch pool (with an SSD tier)."""
+    def start(self, io_threads: int, read_depth: int) -> None:
+        """Start the prefetch pool and the batch read pool (with an SSD tier)."""
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-prefetch")
+        self.reads = ThreadPoolExecutor(read_depth, thread_name_prefix="kvoffload-read")
 
     def ssd_stored(self, key: bytes) -> None:
         """The SSD tier committed a copy of `key` (its callback, lock held)."""
@@ -111,6 +127,8 @@ class Mover:
         the SSD tier, which is closed last, outside the lock."""
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.reads is not None:
+            self.reads.shutdown(wait=True)
         try:
             if self.ssd is not None and flush:
                 self.flush()
@@ -188,7 +206,7 @@ class Mover:
     def promote(self, key: bytes, *, prefetch: bool = False) -> DramEntry | None:
         """Read an SSD-only block into DRAM; the published entry, or None if it is gone or
         fails verification. Releases the lock for the read."""
-        ssd, m = self.ssd, self._m
+        ssd = self.ssd
         assert ssd is not None
         while key in self._inflight:
             event = self._inflight[key]
@@ -197,9 +215,88 @@ class Mover:
                 event.wait()
             finally:
                 self._lock.acquire()
-            done = m.index.get(key)
+            done = self._m.index.get(key)
             if done is not None:
                 return done
+        read = self._begin(key, prefetch)
+        if read is None:
+            return None
+        try:
+            ok = ssd.read_into(read.block, read.dst)
+        finally:
+            self._end_io(read)
+        entry = self._end(read, ok, prefetch)
+        if entry is not None and entry.staging is not None:
+            entry.pins -= 1  # the caller's `acquire` pins it
+        return entry
+
+    def promote_many(self, keys: Sequence[bytes]) -> dict[bytes, DramEntry]:
+        """Read the SSD-only blocks of `keys` into DRAM with up to `ssd.read_depth` reads in
+        flight, each finished as it completes (the lock is released while they run). Returns
+        the entries read, each pinned once for the caller (`Manager.acquire(fetched=...)`).
+        Keys another caller is reading already are left to `promote`, which waits for them:
+        no block is read twice."""
+        ssd, reads = self.ssd, self.reads
+        assert ssd is not None and reads is not None
+        todo: list[_Read] = []
+        for key in dict.fromkeys(keys):
+            if key in self._m.index or key in self._inflight:
+                continue
+            read = self._begin(key, False)
+            if read is not None:
+                todo.append(read)
+        out: dict[bytes, DramEntry] = {}
+        if len(todo) < 2:  # nothing to overlap: read on this thread, as a single get does
+            for read in todo:
+                try:
+                    ok = ssd.read_into(read.block, read.dst)
+                finally:
+                    self._end_io(read)
+                self._keep(read, ok, out)
+            return out
+        futures: dict[Future[bool | None], _Read] = {}
+        ended: set[bytes] = set()
+        self._lock.release()
+        try:
+            for read in todo:
+                futures[reads.submit(ssd.read_unlocked, read.block, read.dst)] = read
+            for future in as_completed(futures):
+                read = futures[future]
+                with self._lock:
+                    ended.add(read.key)
+                    self._end_io(read)
+                    self._keep(read, future.result(), out)
+        finally:
+            # Interrupted (or the pool refused work): every read still set up ends as a miss
+            # once its I/O, if started, is over, so that no key stays in flight.
+            for future, read in futures.items():
+                if read.key not in ended:
+                    with contextlib.suppress(BaseException):
+                        future.result()
+            self._lock.acquire()
+            for read in todo:
+                if read.key not in ended:
+                    self._end_io(read)
+                    self._end(read, None, False)
+        return out
+
+    def _keep(self, read: _Read, ok: bool | None, out: dict[bytes, DramEntry]) -> None:
+        """Finish a read of `promote_many` (lock held), keeping a pin on its entry for the
+        caller; a block gone, damaged or replaced meanwhile is left out."""
+        entry = self._end(read, ok, False)
+        if entry is not read.entry:
+            return
+        if entry.staging is None:  # published unpinned just now: pinned before anyone evicts
+            entry.pins += 1
+            self._dram.pinned.add(entry.key)
+        out[read.key] = entry
+
+    def _begin(self, key: bytes, prefetch: bool) -> _Read | None:
+        """Set up a read of `key`'s SSD block (lock held): the block pinned, a reserved DRAM
+        slot (or, for a get when pinned views hold all of DRAM, a buffer of its own), and the
+        key marked in flight. None if the SSD does not hold it."""
+        ssd, m = self.ssd, self._m
+        assert ssd is not None
         block = ssd.find_block(key)
         if block is None:
             return None
@@ -209,7 +306,6 @@ class Mover:
         ssd.pin(block)
         event = threading.Event()
         self._inflight[key] = event
-        entry: DramEntry | None = None
         try:
             size = slot_bytes(length)
             m.fit_quota(block.tenant, key, size, strict=False)
@@ -227,21 +323,35 @@ class Mover:
                                   meta=block.meta)  # fmt: skip
                 entry.staging = AlignedBuffer(size)
                 dst = entry.staging.view
-            ok = ssd.read_into(block, dst)
-        finally:
+        except BaseException:
             ssd.unpin(block)
             del self._inflight[key]
             event.set()
-        current = ssd.finish_read(block, ok)
+            raise
+        return _Read(key, block, entry, dst, event)
+
+    def _end_io(self, read: _Read) -> None:
+        """The read's I/O is over (lock held): its block unpinned, its waiters woken."""
+        assert self.ssd is not None
+        self.ssd.unpin(read.block)
+        del self._inflight[read.key]
+        read.event.set()
+
+    def _end(self, read: _Read, ok: bool | None, prefetch: bool) -> DramEntry | None:
+        """Publish a finished read (lock held): the key's entry now, or None if the block
+        was gone or failed verification."""
+        ssd, m = self.ssd, self._m
+        assert ssd is not None
+        key, entry = read.key, read.entry
+        current = ssd.finish_read(read.block, ok)
         if current is None:
             m.unpin_locked(entry)
             return None
         if key in m.index or not current:
             m.unpin_locked(entry)  # written or deleted while we read: ours is stale
             return m.index.get(key)
-        ssd.touch(block)
+        ssd.touch(read.block)
         if entry.staging is not None:
-            entry.pins -= 1  # the caller's `acquire` pins it
             return entry
         m.n["promotions"] += 1
         m.n["prefetches"] += prefetch
