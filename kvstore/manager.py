@@ -125,10 +125,12 @@ class Manager:
         (`Mover.promote_many`)."""
         self.check_open()
         fetched = self.mover.promote_many(keys) if self.ssd is not None else {}
+        ours = list(fetched.values())
         try:
-            return [self.acquire(key, fetched.get(key)) for key in keys]
+            # A repeated key counts as an SSD hit once, as successive gets would.
+            return [self.acquire(key, fetched.pop(key, None)) for key in keys]
         finally:
-            for entry in fetched.values():
+            for entry in ours:
                 self.unpin_locked(entry)  # the batch's own pin; the caller's stay
 
     def acquire(self, key: bytes, fetched: DramEntry | None = None) -> DramEntry | None:
