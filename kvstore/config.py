@@ -133,8 +133,10 @@ class SsdConfig:
     # 0 takes the DRAM tier's limit.
     max_value_bytes: int = 0
     # A block evicted from DRAM is written to the SSD once it was used this many times (puts,
-    # lookups and reads count); 1 admits every block. Durable puts always go to the SSD.
-    admission_min_uses: int = 2
+    # lookups and reads count); 1 admits every block. Durable puts always go to the SSD. 1 by
+    # default: KV blocks are mostly put once and wanted later, and a block dropped at its first
+    # eviction misses when its prefix comes back; 2 spares SSD wear (docs/ssd-tier.md).
+    admission_min_uses: int = 1
     # Threads for background promotions (prefetch) from the SSD.
     io_threads: int = 4
     # Slot reads of one batched get (`get_many`, `get_many_into`) in flight at once, each on a
