@@ -423,29 +423,44 @@ class Engine(_EngineState):
         return self.get_many_into([key], [buffer])[0]
 
     def get_many_into(self, keys: Sequence[bytes], buffers: Sequence[object]) -> list[int | None]:
-        """`get_into` for each (key, buffer) pair; SSD-only blocks are read as for `get_many`.
+        """`get_into` for each (key, buffer) pair; SSD-only blocks are read as for `get_many`,
+        each copied out as soon as its read is verified, while the others are still read.
 
         Raises:
             InvalidArgumentError: not one buffer per key, or a buffer read-only, not contiguous
-                or too small for its value (no buffer is then written).
+                or too small for its value (buffers of other keys may have been written).
         """
         if len(keys) != len(buffers):
             raise InvalidArgumentError(f"{len(keys)} keys but {len(buffers)} buffers")
         for key in keys:
             _check_key(key)
         dsts = [as_writable(b) for b in buffers]
+        where: dict[bytes, list[int]] = {}
+        for i, key in enumerate(keys):
+            where.setdefault(key, []).append(i)
+        copied: dict[int, DramEntry] = {}  # what a buffer holds already
+
+        def copy(i: int, entry: DramEntry) -> None:
+            dsts[i][: entry.length] = np.frombuffer(self._dram.value(entry), dtype=np.uint8)
+            copied[i] = entry
+
+        def ready(key: bytes, entry: DramEntry) -> None:
+            first = where[key][0]  # the one `acquire_many` hands this entry to
+            if entry.length <= dsts[first].size:
+                copy(first, entry)
+
         with self._lock:
             m = self._m
-            entries = m.acquire_many(keys) if len(keys) > 1 else [m.acquire(k) for k in keys]
+            entries = m.acquire_many(keys, ready) if len(keys) > 1 else [m.acquire(keys[0])]
         try:
             for entry, dst in zip(entries, dsts, strict=True):
                 if entry is not None and entry.length > dst.size:
                     raise InvalidArgumentError(
                         f"buffer of {dst.size} bytes is too small for a {entry.length}-byte value"
                     )
-            for entry, dst in zip(entries, dsts, strict=True):
-                if entry is not None:
-                    dst[: entry.length] = np.frombuffer(self._dram.value(entry), dtype=np.uint8)
+            for i, entry in enumerate(entries):
+                if entry is not None and copied.get(i) is not entry:
+                    copy(i, entry)
         finally:
             with self._lock:
                 for entry in entries:

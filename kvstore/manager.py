@@ -120,11 +120,13 @@ class Manager:
 
     # ------------------------------------------------------------------ reads
 
-    def acquire_many(self, keys: Sequence[bytes]) -> list[DramEntry | None]:
+    def acquire_many(
+        self, keys: Sequence[bytes], ready: Callable[[bytes, DramEntry], None] | None = None
+    ) -> list[DramEntry | None]:
         """`acquire` each key, the SSD-only ones read with their reads in flight together
-        (`Mover.promote_many`)."""
+        (`Mover.promote_many`, which calls `ready`)."""
         self.check_open()
-        fetched = self.mover.promote_many(keys) if self.ssd is not None else {}
+        fetched = self.mover.promote_many(keys, ready) if self.ssd is not None else {}
         ours = list(fetched.values())
         try:
             # A repeated key counts as an SSD hit once, as successive gets would.
@@ -136,13 +138,13 @@ class Manager:
     def acquire(self, key: bytes, fetched: DramEntry | None = None) -> DramEntry | None:
         """Pin and return the DRAM entry of `key`, promoting it from the SSD if need be.
 
-        `fetched`: the key's block as `Mover.promote_many` read it just now (pinned by it).
+        `fetched`: the key's block as `Mover.promote_many` read it just now (pinned by it);
+        it is served even if the key was deleted or written since (the get began first).
         """
         self.check_open()
         self.n["gets"] += 1
-        entry = self.index.get(key)
-        if fetched is not None and (entry is fetched or fetched.staging is not None):
-            entry = fetched
+        entry = self.index.get(key) if fetched is None else fetched
+        if fetched is not None:
             self.n["ssd_hits"] += 1
         elif entry is not None:
             self.n["hits"] += 1
@@ -156,8 +158,8 @@ class Manager:
         if self.sketch is not None:
             self.sketch.add(key)
         entry.pins += 1
-        if entry.staging is not None:
-            return entry  # not in DRAM: nothing to touch
+        if entry.staging is not None or not entry.live:
+            return entry  # not (or no longer) in DRAM's books: nothing to touch
         entry.tick = self.next_tick()
         if entry.key in self._policy:  # not while a demotion writes it out
             self._policy.touch(entry.key)

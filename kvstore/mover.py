@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -230,12 +230,16 @@ class Mover:
             entry.pins -= 1  # the caller's `acquire` pins it
         return entry
 
-    def promote_many(self, keys: Sequence[bytes]) -> dict[bytes, DramEntry]:
+    def promote_many(
+        self, keys: Sequence[bytes], ready: Callable[[bytes, DramEntry], None] | None = None
+    ) -> dict[bytes, DramEntry]:
         """Read the SSD-only blocks of `keys` into DRAM with up to `ssd.read_depth` reads in
         flight, each finished as it completes (the lock is released while they run). Returns
         the entries read, each pinned once for the caller (`Manager.acquire(fetched=...)`).
         Keys another caller is reading already are left to `promote`, which waits for them:
-        no block is read twice."""
+        no block is read twice. `ready(key, entry)` is called without the lock as each
+        overlapped read is published (its entry pinned), so the caller can copy it out while
+        the others are still being read."""
         ssd, reads = self.ssd, self.reads
         assert ssd is not None and reads is not None
         todo: list[_Read] = []
@@ -266,6 +270,9 @@ class Mover:
                     ended.add(read.key)
                     self._end_io(read)
                     self._keep(read, future.result(), out)
+                    kept = out.get(read.key)
+                if ready is not None and kept is not None:
+                    ready(read.key, kept)
         finally:
             # Interrupted (or the pool refused work): every read still set up ends as a miss
             # once its I/O, if started, is over, so that no key stays in flight.
