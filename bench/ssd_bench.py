@@ -10,6 +10,9 @@
   the slot I/O going through NIXL's POSIX backend (`ssd.io_backend = "nixl-posix"`, Linux AIO
   or io_uring), against the thread path ("posix", ref `threads`), in alternating rounds of one
   run; O_DIRECT on both sides. cpu_us/...: process CPU time per block of the same rounds.
+- read_batch/2MiB: one thread, `get_many_into` of 32 cold SSD blocks per call (the SSD-only
+  blocks of a batch are read with `ssd.read_depth` reads in flight), against read_depth 1 (one
+  block after another) and raw O_DIRECT preadv with 8 threads, in alternating rounds.
 - restart/1M: open a store whose index holds 1M blocks, from its checkpoint (after a clean
   close) and from the journal alone (after a crash). index_bytes/1M: bytes of the SSD index's
   arrays per block.
@@ -121,7 +124,8 @@ def _fio(directory: Path, size: int, total: int, mode: str) -> float | None:
             f.unlink()
 
 
-def _engine(path: Path, ssd_bytes: int, io: str = "auto", queue: str = "aio") -> Engine:
+def _engine(path: Path, ssd_bytes: int, io: str = "auto", queue: str = "aio",
+            depth: int = 8) -> Engine:  # fmt: skip
     return Engine(
         EngineConfig(
             DramConfig(capacity_bytes=256 << 20, max_value_bytes=9 << 20),
@@ -131,6 +135,7 @@ def _engine(path: Path, ssd_bytes: int, io: str = "auto", queue: str = "aio") ->
                 flush_on_close=False,
                 io_backend=io,
                 nixl_queue=queue,
+                read_depth=depth,
             ),  # fmt: skip
             data_dir=str(path),
         )
@@ -296,6 +301,77 @@ def _nixl_rows(directory: Path, total: int, rounds: int, result: BenchResult) ->
     result.rows += bench.rows(rounds)
 
 
+BATCH = 32  # keys per get_many_into of the read_batch rows (an LMCache task is 8-32)
+
+
+def _batch_rows(directory: Path, total: int, rounds: int, result: BenchResult) -> None:
+    """read_batch/2MiB: one thread calls `get_many_into` with BATCH cold SSD blocks at a
+    time (ssd.read_depth 8), against the same with read_depth 1 (the blocks read one after
+    another, as before batching) and raw O_DIRECT preadv with THREADS reads in flight, in
+    alternating rounds of one run; each round drops the cache and reopens the store."""
+    size = 2 << 20
+    n = max(2 * BATCH, total // size // BATCH * BATCH)
+    store, raw = directory / "store-batch", directory / "raw-batch.bin"
+    value = np.frombuffer(os.urandom(size), dtype=np.uint8)
+    keys = [i.to_bytes(16, "little") for i in range(n)]
+    ssd_bytes = int(n * (size + 2 * PAGE) * 1.3) + (64 << 20)
+    with _engine(store, ssd_bytes) as engine:
+        _parallel(n, size, lambda i, _: engine.put(keys[i], value, durable=True))
+    fd = os.open(raw, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+    bufs = [_aligned(size) for _ in range(BATCH)]
+    for b in bufs:
+        b[:] = value.data  # touched: no page faults inside the measured reads
+    rate: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
+    try:
+        os.posix_fallocate(fd, 0, n * size)
+        _parallel(n, size, lambda i, buf: os.pwrite(fd, buf, i * size))
+        os.fsync(fd)
+
+        def engine_arm(depth: int) -> tuple[float, float]:
+            _drop_cache(store / "ssd.slots")
+            with _engine(store, ssd_bytes, depth=depth) as engine:
+                t0, c0 = time.perf_counter(), time.process_time()
+                for first in range(0, n, BATCH):
+                    got = engine.get_many_into(keys[first : first + BATCH], bufs)
+                    if got != [size] * BATCH:
+                        raise RuntimeError(f"read_batch: blocks did not read back: {got}")
+                return time.perf_counter() - t0, time.process_time() - c0
+
+        def raw_arm() -> tuple[float, float]:
+            _drop_cache(raw)
+            spent: list[float] = []
+            seconds = _parallel(n, size, lambda i, buf: os.preadv(fd, [buf], i * size), spent)
+            return seconds, spent[0]
+
+        arms: dict[str, Callable[[], tuple[float, float]]] = {
+            "batch": lambda: engine_arm(8),
+            "serial": lambda: engine_arm(1),
+            "odirect": raw_arm,
+        }
+        for r in range(rounds):
+            for arm in list(arms)[:: 1 if r % 2 == 0 else -1]:
+                seconds, spent = arms[arm]()
+                rate.setdefault(arm, []).append(n * size / seconds / 1e9)
+                cpu.setdefault(arm, []).append(spent / n * 1e6)
+    finally:
+        os.close(fd)
+        raw.unlink(missing_ok=True)
+        shutil.rmtree(store, ignore_errors=True)
+    med = {arm: statistics.median(v) for arm, v in rate.items()}
+    spread = ", ".join(f"{a} {min(v):.2f}-{max(v):.2f}" for a, v in rate.items())
+    note = (f"{rounds} alternating rounds (median; GB/s per round: {spread}), {n} blocks, "
+            f"get_many_into of {BATCH} per call on one thread, read_depth 8; serial = "
+            f"read_depth 1; odirect = {THREADS} threads of raw preadv")  # fmt: skip
+    cpu_note = "process CPU time per block (all threads), same rounds"
+    result.rows += [
+        Row("read_batch/2MiB", med["batch"], "GB/s", "odirect", med["odirect"], note=note),
+        Row("read_batch/2MiB", med["batch"], "GB/s", "serial", med["serial"], note=note),
+        Row("cpu_us/read_batch/2MiB", statistics.median(cpu["batch"]), "us", "serial",
+            statistics.median(cpu["serial"]), note=cpu_note),
+    ]  # fmt: skip
+
+
 def _restart_rows(directory: Path, entries: int, result: BenchResult) -> None:
     """Populate an index of `entries` header-only blocks through the tier's own bookkeeping
     (slot payloads are not written: a restart reads checkpoint and journal, not slots)."""
@@ -389,19 +465,23 @@ def _announce_rows(directory: Path, entries: int, result: BenchResult) -> None:
 
 def run(*, directory: str = ".", size_mib: int = 512, entries: int = 1_000_000,
         sizes: dict[str, int] | None = None, nixl: str = "on",
-        rounds: int = 3) -> BenchResult:  # fmt: skip
+        rounds: int = 3, batch: str = "on") -> BenchResult:  # fmt: skip
     """Measure in a scratch folder under `directory` (it must support O_DIRECT). `nixl`: "on"
-    (with the NIXL rows), "off", or "only" (just them, `rounds` alternating rounds)."""
+    (with the NIXL rows), "off", or "only" (just them, `rounds` alternating rounds); `batch`
+    the same for the read_batch rows ("only" with `nixl` "off": just those)."""
     result = BenchResult("ssd")
     work = Path(directory) / f"kvoffload-bench-ssd-{os.getpid()}"
     work.mkdir(parents=True)
+    alone = nixl == "only" or batch == "only"
     try:
-        if nixl != "only":
+        if not alone:
             for label, size in (sizes or SIZES).items():
                 _tier_rows(work, label, size, size_mib << 20, result)
-        if nixl != "off":
+        if batch != "off":
+            _batch_rows(work, size_mib << 20, rounds, result)
+        if nixl != "off" and batch != "only":
             _nixl_rows(work, size_mib << 20, rounds, result)
-        if entries and nixl != "only":
+        if entries and not alone:
             _restart_rows(work, entries, result)
             _announce_rows(work, entries, result)
     finally:
@@ -424,9 +504,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="on",
         help="rows of slot I/O through NIXL vs the threads (only: just those)",
     )
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the NIXL rows")
+    parser.add_argument(
+        "--batch",
+        choices=("on", "off", "only"),
+        default="on",
+        help="rows of batched cold reads (get_many_into) vs serial and raw O_DIRECT",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (NIXL, batch)")
 
 
 def run_from_args(args: argparse.Namespace) -> BenchResult:
     return run(directory=args.dir, size_mib=args.size, entries=args.entries, nixl=args.nixl,
-               rounds=args.rounds)  # fmt: skip
+               rounds=args.rounds, batch=args.batch)  # fmt: skip

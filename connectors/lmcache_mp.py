@@ -10,7 +10,8 @@ Only ``module_path``, ``class_name``, ``adapter_params`` and ``config_class_name
 plugin, so every setting of ours lives inside ``adapter_params``: `url` (``local:///dir?...``,
 ``kv://...`` or ``cluster://...``; required), `salt` (mixed into every key, default "") and
 `prefetch` (have the store read SSD-only blocks into DRAM, all at once on its I/O threads,
-after a lookup and at the start of a load; default true).
+after a lookup; default true; a load is one batched get, whose SSD reads are in flight
+together anyway).
 
 LMCache calls ``submit_*`` and ``query_*`` from its store and prefetch controller threads, which
 must never block: each submit only hands a coroutine to this adapter's own event loop thread,
@@ -40,7 +41,9 @@ from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.platform import create_event_notifier
 
-from kvoffload.client_sdk import AsyncClient, BlockHash, Namespace, engine_hashes
+from kvoffload.client_sdk import AsyncClient, BlockHash, Client, Namespace, engine_hashes
+from kvoffload.client_sdk.transports import open_transport
+from kvoffload.client_sdk.transports.base import ThreadedAsyncTransport
 from kvoffload.client_sdk.url import parse_url
 from kvoffload.errors import ConfigError, InvalidArgumentError, KVOffloadError
 
@@ -51,7 +54,7 @@ log = logging.getLogger(__name__)
 _SETTINGS = {
     "url": "the store: local:///dir?ssd=..., kv://host:7480 or cluster://a:7480,b:7480",
     "salt": "mixed into every key (default empty)",
-    "prefetch": "read SSD blocks into the store's DRAM after a lookup, before a load (true)",
+    "prefetch": "read SSD blocks into the store's DRAM after a lookup (true)",
 }
 # Stored sizes remembered for LMCache's byte accounting on delete; bounded, oldest dropped.
 _MAX_SIZES = 1 << 18
@@ -148,6 +151,7 @@ class KVOffloadL2Adapter(L2AdapterInterface):
         # Counters owned by the loop thread (read elsewhere only for report_status).
         self._counts = {"stored": 0, "store_failed": 0, "loaded": 0, "load_failed": 0}
         self._closed = False
+        self._sync: Client | None = None  # local:// only: see `_connect`
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="kvoffload-l2", daemon=True
@@ -161,7 +165,28 @@ class KVOffloadL2Adapter(L2AdapterInterface):
 
     async def _connect(self) -> AsyncClient:
         # Built on the loop that will use it: asyncio transports bind to their loop.
-        return AsyncClient.connect(self.settings.url, namespace=self.namespace)
+        url = parse_url(self.settings.url)
+        if url.scheme != "local":
+            return AsyncClient.connect(self.settings.url, namespace=self.namespace)
+        # The engine runs in this process, and a task's CPU work (checksums, copies) would
+        # run on this one loop thread: stores and loads go through a sync client on worker
+        # threads instead, several tasks at once (the rest shares its transport).
+        transport = open_transport(url)
+        self._sync = Client(transport, namespace=self.namespace)
+        return AsyncClient(ThreadedAsyncTransport(transport), namespace=self.namespace)
+
+    async def _put_many(self, hashes: list[BlockHash], values: list[memoryview]) -> None:
+        if self._sync is not None:
+            await asyncio.to_thread(self._sync.put_many, zip(hashes, values, strict=True))
+        else:
+            await self._put_many(hashes, values)
+
+    async def _get_many_into(
+        self, hashes: list[BlockHash], buffers: list[memoryview]
+    ) -> list[int | None]:
+        if self._sync is not None:
+            return await asyncio.to_thread(self._sync.get_many_into, hashes, buffers)
+        return await self.client.get_many_into(hashes, buffers)
 
     def _wait(self, coro: Coroutine[Any, Any, Any]) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=_WAIT_S)
@@ -231,7 +256,7 @@ class KVOffloadL2Adapter(L2AdapterInterface):
         try:
             hashes = self._hashes(keys)
             values = [_buffer(obj) for obj in objects]
-            await self.client.put_many(zip(hashes, values, strict=True))
+            await self._put_many(hashes, values)
             sizes = [len(v) for v in values]
             self._remember(hashes, sizes)
             self._counts["stored"] += len(keys)
@@ -279,12 +304,11 @@ class KVOffloadL2Adapter(L2AdapterInterface):
         try:
             hashes = self._hashes(keys)
             buffers = [_buffer(obj) for obj in objects]
-            if self.settings.prefetch:
-                # The store reads every SSD-only block of the task at once on its I/O threads;
-                # the gets below wait for those reads instead of reading one block at a time.
-                await self.client.prefetch(hashes)
+            # One batched get: the store reads the task's SSD-only blocks with several reads
+            # in flight (a prefetch first would only stage them in its DRAM, where a task
+            # larger than that DRAM evicts its own blocks before they are copied out).
             try:
-                got = await self.client.get_many_into(hashes, buffers)
+                got = await self._get_many_into(hashes, buffers)
             except InvalidArgumentError:
                 # A stored block larger than its L1 buffer: read each on its own, so only
                 # that one fails.

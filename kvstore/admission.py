@@ -1,8 +1,9 @@
 """SSD admission: a count-min sketch of how often each key was put or read.
 
 A block evicted from DRAM is written to the SSD only if it was used at least `min_uses` times
-(puts, lookups and reads all count), so blocks stored once and never wanted again need not wear
-the SSD (the TinyLFU idea; Dynamo's KVBM admits to disk at frequency 2 as well).
+(puts, lookups and reads all count), so that with `ssd.admission_min_uses = 2` blocks stored
+once and never wanted again need not wear the SSD (the TinyLFU idea; Dynamo's KVBM admits to
+disk at frequency 2 as well). The default is 1, every block: see `SsdConfig`.
 """
 
 from __future__ import annotations

@@ -133,10 +133,15 @@ class SsdConfig:
     # 0 takes the DRAM tier's limit.
     max_value_bytes: int = 0
     # A block evicted from DRAM is written to the SSD once it was used this many times (puts,
-    # lookups and reads count); 1 admits every block. Durable puts always go to the SSD.
-    admission_min_uses: int = 2
+    # lookups and reads count); 1 admits every block. Durable puts always go to the SSD. 1 by
+    # default: KV blocks are mostly put once and wanted later, and a block dropped at its first
+    # eviction misses when its prefix comes back; 2 spares SSD wear (docs/ssd-tier.md).
+    admission_min_uses: int = 1
     # Threads for background promotions (prefetch) from the SSD.
     io_threads: int = 4
+    # Slot reads of one batched get (`get_many`, `get_many_into`) in flight at once, each on a
+    # thread of its own (preadv releases the GIL); 1 reads a batch's blocks one by one.
+    read_depth: int = 8
     # Longest time a journal record of a non-durable change waits for its fsync.
     sync_interval_s: float = 0.05
     # On a clean close, write every DRAM block that is not on the SSD yet (so a restart keeps it).
@@ -164,6 +169,8 @@ class SsdConfig:
             raise ConfigError("ssd.admission_min_uses must be at least 1")
         if self.io_threads < 1:
             raise ConfigError("ssd.io_threads must be at least 1")
+        if not 1 <= self.read_depth <= 256:
+            raise ConfigError(f"ssd.read_depth must be in [1, 256], got {self.read_depth}")
         if self.io_backend not in _IO_BACKENDS:
             raise ConfigError(
                 f"ssd.io_backend must be one of {', '.join(map(repr, _IO_BACKENDS))}, got "

@@ -26,7 +26,13 @@ from kvoffload.errors import ConfigError, InvalidArgumentError, KVOffloadError
 from kvoffload.kvstore.arena import Arena
 from kvoffload.kvstore.config import DramConfig, EngineConfig
 from kvoffload.kvstore.dram import DramEntry, DramTier
-from kvoffload.kvstore.manager import DescribedBlock, Manager, TierListener, described
+from kvoffload.kvstore.manager import (
+    DescribedBlock,
+    Manager,
+    TierListener,
+    acquire_many,
+    described,
+)
 from kvoffload.kvstore.ssd import META_NAME, Recovery, SsdTier
 from kvoffload.kvstore.stats import EngineStats, TierStats, snapshot
 
@@ -194,7 +200,7 @@ def _open_ssd(config: EngineConfig, m: Manager) -> SsdTier | None:
             f"limit ({ssd.max_value_bytes}); lower it"
         )
     m.attach_ssd(ssd)
-    m.mover.start(config.ssd.io_threads)
+    m.mover.start(config.ssd.io_threads, config.ssd.read_depth)
     return ssd
 
 
@@ -241,7 +247,82 @@ class _EngineState:
             return described(self._m)
 
 
-class Engine(_EngineState):
+class _EngineReads(_EngineState):
+    """The engine's batched reads and copies into callers' buffers. (A base of `Engine`, to
+    keep that class readable.)"""
+
+    _dram: DramTier
+
+    def get_many(self, keys: Sequence[bytes]) -> list[BlockView | None]:
+        """`get` for each key. The SSD-only blocks among them are read with up to
+        `ssd.read_depth` reads in flight at once (a block already being read for another
+        caller is waited for, not read again)."""
+        for key in keys:
+            _check_key(key)
+        with self._lock:
+            entries = acquire_many(self._m, keys)
+            return [None if e is None else BlockView(self._m, e, self._dram.value(e).toreadonly())
+                    for e in entries]  # fmt: skip
+
+    def get_into(self, key: bytes, buffer: object) -> int | None:
+        """Copy the value into `buffer` (bytearray, numpy array, CPU tensor, writable view).
+
+        Returns:
+            The number of bytes written, or None on a miss (the buffer is then untouched).
+
+        Raises:
+            InvalidArgumentError: the buffer is read-only, not contiguous or too small.
+        """
+        return self.get_many_into([key], [buffer])[0]
+
+    def get_many_into(self, keys: Sequence[bytes], buffers: Sequence[object]) -> list[int | None]:
+        """`get_into` for each (key, buffer) pair; SSD-only blocks are read as for `get_many`,
+        each copied out as soon as its read is verified, while the others are still read.
+
+        Raises:
+            InvalidArgumentError: not one buffer per key, or a buffer read-only, not contiguous
+                or too small for its value (buffers of other keys may have been written).
+        """
+        if len(keys) != len(buffers):
+            raise InvalidArgumentError(f"{len(keys)} keys but {len(buffers)} buffers")
+        for key in keys:
+            _check_key(key)
+        dsts = [as_writable(b) for b in buffers]
+        where: dict[bytes, list[int]] = {}
+        for i, key in enumerate(keys):
+            where.setdefault(key, []).append(i)
+        copied: dict[int, DramEntry] = {}  # what a buffer holds already
+
+        def copy(i: int, entry: DramEntry) -> None:
+            dsts[i][: entry.length] = np.frombuffer(self._dram.value(entry), dtype=np.uint8)
+            copied[i] = entry
+
+        def ready(key: bytes, entry: DramEntry) -> None:
+            first = where[key][0]  # the one `acquire_many` hands this entry to
+            if entry.length <= dsts[first].size:
+                copy(first, entry)
+
+        with self._lock:
+            m = self._m
+            entries = acquire_many(m, keys, ready) if len(keys) > 1 else [m.acquire(keys[0])]
+        try:
+            for entry, dst in zip(entries, dsts, strict=True):
+                if entry is not None and entry.length > dst.size:
+                    raise InvalidArgumentError(
+                        f"buffer of {dst.size} bytes is too small for a {entry.length}-byte value"
+                    )
+            for i, entry in enumerate(entries):
+                if entry is not None and copied.get(i) is not entry:
+                    copy(i, entry)
+        finally:
+            with self._lock:
+                for entry in entries:
+                    if entry is not None:
+                        m.unpin_locked(entry)
+        return [None if e is None else e.length for e in entries]
+
+
+class Engine(_EngineReads):
     """A KV block store: opaque values under 16-byte keys, in a DRAM arena and (optionally) an
     SSD tier that survives restarts and crashes.
 
@@ -399,45 +480,6 @@ class Engine(_EngineState):
                 return None
             data = self._dram.value(entry).toreadonly()
         return BlockView(self._m, entry, data)
-
-    def get_many(self, keys: Sequence[bytes]) -> list[BlockView | None]:
-        """`get` for each key."""
-        return [self.get(key) for key in keys]
-
-    def get_into(self, key: bytes, buffer: object) -> int | None:
-        """Copy the value into `buffer` (bytearray, numpy array, CPU tensor, writable view).
-
-        Returns:
-            The number of bytes written, or None on a miss (the buffer is then untouched).
-
-        Raises:
-            InvalidArgumentError: the buffer is read-only, not contiguous or too small.
-        """
-        _check_key(key)
-        dst = as_writable(buffer)
-        with self._lock:
-            entry = self._m.acquire(key)
-            if entry is None:
-                return None
-            if entry.length > dst.size:
-                self._m.unpin_locked(entry)
-                raise InvalidArgumentError(
-                    f"buffer of {dst.size} bytes is too small for a {entry.length}-byte value"
-                )
-        try:
-            if entry.staging is None:
-                dst[: entry.length] = self._arena.array[entry.offset : entry.offset + entry.length]
-            else:
-                dst[: entry.length] = np.frombuffer(self._dram.value(entry), dtype=np.uint8)
-        finally:
-            self._m.unpin(entry)
-        return entry.length
-
-    def get_many_into(self, keys: Sequence[bytes], buffers: Sequence[object]) -> list[int | None]:
-        """`get_into` for each (key, buffer) pair."""
-        if len(keys) != len(buffers):
-            raise InvalidArgumentError(f"{len(keys)} keys but {len(buffers)} buffers")
-        return [self.get_into(k, b) for k, b in zip(keys, buffers, strict=True)]
 
     def contains(self, key: bytes) -> bool:
         """Whether any tier holds `key`."""

@@ -22,7 +22,7 @@ from kvoffload.kvstore.extents import slot_bytes
 from kvoffload.kvstore.mover import Mover
 from kvoffload.kvstore.ssd import SsdIndex, SsdTier
 
-__all__ = ["DescribedBlock", "Manager", "TierListener", "described"]
+__all__ = ["DescribedBlock", "Manager", "TierListener", "acquire_many", "described"]
 
 # listener(kind, key, tier): kind "stored" or "removed", tier "dram" or "ssd".
 TierListener = Callable[[str, bytes, str], None]
@@ -123,12 +123,16 @@ class Manager:
 
     # ------------------------------------------------------------------ reads
 
-    def acquire(self, key: bytes) -> DramEntry | None:
-        """Pin and return the DRAM entry of `key`, promoting it from the SSD if need be."""
+    def acquire(self, key: bytes, fetched: DramEntry | None = None) -> DramEntry | None:
+        """Pin and return the DRAM entry of `key`, promoting it from the SSD if need be, or
+        `fetched`, the block `Mover.promote_many` read just now (pinned by it), served even if
+        the key was deleted or written since (the get began first)."""
         self.check_open()
         self.n["gets"] += 1
-        entry = self.index.get(key)
-        if entry is not None:
+        entry = self.index.get(key) if fetched is None else fetched
+        if fetched is not None:
+            self.n["ssd_hits"] += 1
+        elif entry is not None:
             self.n["hits"] += 1
         elif self.ssd is not None:
             entry = self.mover.promote(key)
@@ -140,8 +144,8 @@ class Manager:
         if self.sketch is not None:
             self.sketch.add(key)
         entry.pins += 1
-        if entry.staging is not None:
-            return entry  # not in DRAM: nothing to touch
+        if entry.staging is not None or not entry.live:
+            return entry  # not (or no longer) in DRAM's books: nothing to touch
         entry.tick = self.next_tick()
         if entry.key in self._policy:  # not while a demotion writes it out
             self._policy.touch(entry.key)
@@ -337,6 +341,22 @@ class Manager:
         entry = self.index.get(key)
         if entry is not None:
             self._policy.set_rank(key, self.rank(key, entry.parent))
+
+
+def acquire_many(
+    m: Manager, keys: Sequence[bytes], ready: Callable[[bytes, DramEntry], None] | None = None
+) -> list[DramEntry | None]:
+    """`Manager.acquire` each key (lock held), the SSD-only ones read with their reads in
+    flight together (`Mover.promote_many`, which calls `ready`)."""
+    m.check_open()
+    fetched = m.mover.promote_many(keys, ready) if m.ssd is not None else {}
+    ours = list(fetched.values())
+    try:
+        # A repeated key counts as an SSD hit once, as successive gets would.
+        return [m.acquire(key, fetched.pop(key, None)) for key in keys]
+    finally:
+        for entry in ours:
+            m.unpin_locked(entry)  # the batch's own pin; the caller's stay
 
 
 def described(m: Manager) -> list[DescribedBlock]:

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from kvoffload.errors import CapacityError, KVOffloadError, StorageIOError
+from kvoffload.errors import CapacityError, StorageIOError
 from kvoffload.kvstore.dram import DramEntry
-from kvoffload.kvstore.extents import slot_bytes
+from kvoffload.kvstore.promote import Promotions
 from kvoffload.kvstore.ssd import SsdTier
-from kvoffload.kvstore.ssd.slotio import AlignedBuffer
 from kvoffload.kvstore.ssd.tier import SsdWipe
 
 if TYPE_CHECKING:
@@ -30,8 +28,9 @@ __all__ = ["Mover"]
 log = logging.getLogger(__name__)
 
 
-class Mover:
-    """Moves blocks between the manager's DRAM tier and its SSD tier."""
+class Mover(Promotions):
+    """Moves blocks between the manager's DRAM tier and its SSD tier (reads back from the SSD:
+    `Promotions`)."""
 
     def __init__(self, manager: Manager) -> None:
         self._m = manager
@@ -41,10 +40,12 @@ class Mover:
         self._inflight: dict[bytes, threading.Event] = {}  # promotions reading, by key
         self._queued: set[bytes] = set()  # prefetches submitted, not finished
         self.pool: ThreadPoolExecutor | None = None
+        self.reads: ThreadPoolExecutor | None = None  # the slot reads of batched gets
 
-    def start(self, io_threads: int) -> None:
-        """Start the prefetch pool (with an SSD tier)."""
+    def start(self, io_threads: int, read_depth: int) -> None:
+        """Start the prefetch pool and the batch read pool (with an SSD tier)."""
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-prefetch")
+        self.reads = ThreadPoolExecutor(read_depth, thread_name_prefix="kvoffload-read")
 
     def ssd_stored(self, key: bytes) -> None:
         """The SSD tier committed a copy of `key` (its callback, lock held)."""
@@ -111,6 +112,8 @@ class Mover:
         the SSD tier, which is closed last, outside the lock."""
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.reads is not None:
+            self.reads.shutdown(wait=True)
         try:
             if self.ssd is not None and flush:
                 self.flush()
@@ -182,101 +185,3 @@ class Mover:
             entry.seq = seq
             m.publish(entry, put=True, ssd_seq=seq)
         return True
-
-    # ------------------------------------------------------------------ SSD -> DRAM
-
-    def promote(self, key: bytes, *, prefetch: bool = False) -> DramEntry | None:
-        """Read an SSD-only block into DRAM; the published entry, or None if it is gone or
-        fails verification. Releases the lock for the read."""
-        ssd, m = self.ssd, self._m
-        assert ssd is not None
-        while key in self._inflight:
-            event = self._inflight[key]
-            self._lock.release()
-            try:
-                event.wait()
-            finally:
-                self._lock.acquire()
-            done = m.index.get(key)
-            if done is not None:
-                return done
-        block = ssd.find_block(key)
-        if block is None:
-            return None
-        length = block.length
-        if length > m.config.dram.effective_max_value_bytes:
-            return None  # written under a larger DRAM limit; cannot be staged in DRAM
-        ssd.pin(block)
-        event = threading.Event()
-        self._inflight[key] = event
-        entry: DramEntry | None = None
-        try:
-            size = slot_bytes(length)
-            m.fit_quota(block.tenant, key, size, strict=False)
-            try:
-                entry = m.claim(key, length, size, block.parent, block.tenant)
-                entry.meta = block.meta
-                entry.seq = block.snap[3]
-                entry.on_ssd = True
-                dst = self._dram.pages(entry)
-            except CapacityError:
-                if prefetch:
-                    raise
-                # Pinned views hold all of DRAM: serve this get from a buffer of its own.
-                entry = DramEntry(key, -1, length, 0, block.parent, 0, block.tenant, pins=1,
-                                  meta=block.meta)  # fmt: skip
-                entry.staging = AlignedBuffer(size)
-                dst = entry.staging.view
-            ok = ssd.read_into(block, dst)
-        finally:
-            ssd.unpin(block)
-            del self._inflight[key]
-            event.set()
-        current = ssd.finish_read(block, ok)
-        if current is None:
-            m.unpin_locked(entry)
-            return None
-        if key in m.index or not current:
-            m.unpin_locked(entry)  # written or deleted while we read: ours is stale
-            return m.index.get(key)
-        ssd.touch(block)
-        if entry.staging is not None:
-            entry.pins -= 1  # the caller's `acquire` pins it
-            return entry
-        m.n["promotions"] += 1
-        m.n["prefetches"] += prefetch
-        m.publish(entry, put=False)
-        m.notify("stored", key, "dram")
-        return entry
-
-    def prefetch(self, keys: Sequence[bytes]) -> int:
-        """Queue background promotions of the SSD-only blocks of `keys` not already being
-        read (called without the lock); returns how many of `keys` either tier holds."""
-        found = 0
-        m = self._m
-        with self._lock:
-            m.check_open()
-            todo = []
-            for key in keys:
-                if key in m.index:
-                    found += 1
-                elif self.ssd is not None and self.ssd.contains(key):
-                    found += 1
-                    if key not in self._inflight and key not in self._queued:
-                        self._queued.add(key)
-                        todo.append(key)
-        if self.pool is not None:
-            for key in todo:
-                self.pool.submit(self._prefetch_one, key)
-        return found
-
-    def _prefetch_one(self, key: bytes) -> None:
-        try:
-            with self._lock:
-                if not self._m.closed and key not in self._m.index:
-                    self.promote(key, prefetch=True)
-        except KVOffloadError as exc:  # a background task: report, the get will retry
-            log.warning("prefetch of block %s failed: %s", key.hex(), exc)
-        finally:
-            with self._lock:
-                self._queued.discard(key)

@@ -286,6 +286,14 @@ class SsdTier:
             log.error("reading block %s from the SSD failed: %s", read.snap[0].hex(), exc)
             return None
 
+    def read_unlocked(self, read: SsdRead, dst: memoryview) -> bool | None:
+        """`read_into` for a caller that does not hold the lock (a batch's read threads)."""
+        try:
+            return self.io.read(read.snap, dst)
+        except StorageIOError as exc:
+            log.error("reading block %s from the SSD failed: %s", read.snap[0].hex(), exc)
+            return None
+
     def finish_read(self, read: SsdRead, ok: bool | None) -> bool | None:
         """Account for a `read_into` that returned `ok` (the block unpinned by now): None if
         the read failed, else whether the block is still the key's indexed copy. A block that

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from kvoffload.errors import ConfigError
-from kvoffload.kvstore import DramConfig, format_size, parse_size
+from kvoffload.kvstore import DramConfig, SsdConfig, format_size, parse_size
 
 
 @pytest.mark.parametrize(
@@ -65,3 +65,13 @@ def test_bad_dram_config_is_a_clear_error(kwargs: dict[str, object]) -> None:
 def test_unknown_policy_lists_valid_ones() -> None:
     with pytest.raises(ConfigError, match="lru.*prefix.*s3fifo|prefix"):
         DramConfig(policy="clock")
+
+
+@pytest.mark.parametrize("depth", [0, 257])
+def test_read_depth_out_of_range_is_a_clear_error(depth: int) -> None:
+    with pytest.raises(ConfigError, match="read_depth"):
+        SsdConfig(read_depth=depth)
+
+
+def test_every_evicted_block_is_admitted_to_the_ssd_by_default() -> None:
+    assert SsdConfig().admission_min_uses == 1

@@ -184,3 +184,16 @@ def test_nixl_engine_registers_the_arena_once(tmp_path: Path) -> None:
         stats = ssd.io.files.stats()
         assert stats.requests > 30 and stats.temp_registrations == 0
         assert stats.failed_transfers == 0
+
+
+@pytest.mark.parametrize("io", BACKENDS)
+def test_a_batched_get_reads_its_ssd_blocks_through_either_backend(tmp_path: Path, io: str) -> None:
+    with Engine(config(tmp_path, io)) as engine:
+        for i in range(12):
+            engine.put(key(i), value(i), durable=True)
+    with Engine(config(tmp_path, io)) as engine:  # DRAM cold: every block is on the SSD only
+        bufs = [bytearray(BLOCK) for _ in range(12)]
+        assert engine.get_many_into([key(i) for i in range(12)], bufs) == [BLOCK] * 12
+        assert [bytes(b) for b in bufs] == [value(i) for i in range(12)]
+        ssd = engine.stats().tiers[1]
+        assert ssd.hits == 12 and ssd.corrupt_blocks == ssd.io_errors == 0

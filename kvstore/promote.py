@@ -1,0 +1,249 @@
+"""Reading SSD blocks back into DRAM: a get's promotion, a batch's reads in flight together,
+and prefetches on the background pool, with reads already in flight never repeated. A base of
+`kvstore.mover.Mover`; the same locking rules (the engine's lock held on entry and on return,
+released while the bytes move, on a pinned SSD row and a reserved DRAM slot).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvoffload.errors import CapacityError, KVOffloadError
+from kvoffload.kvstore.dram import DramEntry, DramTier
+from kvoffload.kvstore.extents import slot_bytes
+from kvoffload.kvstore.ssd import SsdTier
+from kvoffload.kvstore.ssd.slotio import AlignedBuffer
+from kvoffload.kvstore.ssd.tier import SsdRead
+
+if TYPE_CHECKING:
+    from kvoffload.kvstore.manager import Manager
+
+__all__ = ["Promotions"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False, slots=True)
+class _Read:
+    """A promotion between `_begin` and `_end`: the SSD block, where it lands, and the event
+    that other readers of the key wait on."""
+
+    key: bytes
+    block: SsdRead
+    entry: DramEntry
+    dst: memoryview
+    event: threading.Event
+
+
+class Promotions:
+    """SSD -> DRAM: `promote` (a get), `promote_many` (a batched get), `prefetch`."""
+
+    _m: Manager
+    _lock: threading.Lock
+    _dram: DramTier
+    ssd: SsdTier | None
+    _inflight: dict[bytes, threading.Event]  # promotions reading, by key
+    _queued: set[bytes]  # prefetches submitted, not finished
+    pool: ThreadPoolExecutor | None
+    reads: ThreadPoolExecutor | None  # the slot reads of batched gets
+
+    def promote(self, key: bytes, *, prefetch: bool = False) -> DramEntry | None:
+        """Read an SSD-only block into DRAM; the published entry, or None if it is gone or
+        fails verification. Releases the lock for the read."""
+        ssd = self.ssd
+        assert ssd is not None
+        while key in self._inflight:
+            event = self._inflight[key]
+            self._lock.release()
+            try:
+                event.wait()
+            finally:
+                self._lock.acquire()
+            done = self._m.index.get(key)
+            if done is not None:
+                return done
+        read = self._begin(key, prefetch)
+        if read is None:
+            return None
+        try:
+            ok = ssd.read_into(read.block, read.dst)
+        finally:
+            self._end_io(read)
+        entry = self._end(read, ok, prefetch)
+        if entry is not None and entry.staging is not None:
+            entry.pins -= 1  # the caller's `acquire` pins it
+        return entry
+
+    def promote_many(
+        self, keys: Sequence[bytes], ready: Callable[[bytes, DramEntry], None] | None = None
+    ) -> dict[bytes, DramEntry]:
+        """Read the SSD-only blocks of `keys` into DRAM with up to `ssd.read_depth` reads in
+        flight, each finished as it completes (the lock is released while they run). Returns
+        the entries read, each pinned once for the caller (`Manager.acquire(fetched=...)`).
+        Keys another caller is reading already are left to `promote`, which waits for them:
+        no block is read twice. `ready(key, entry)` is called without the lock as each
+        overlapped read is published (its entry pinned), so the caller can copy it out while
+        the others are still being read."""
+        ssd, reads = self.ssd, self.reads
+        assert ssd is not None and reads is not None
+        todo: list[_Read] = []
+        for key in dict.fromkeys(keys):
+            if key in self._m.index or key in self._inflight:
+                continue
+            read = self._begin(key, False)
+            if read is not None:
+                todo.append(read)
+        out: dict[bytes, DramEntry] = {}
+        if len(todo) < 2:  # nothing to overlap: read on this thread, as a single get does
+            for read in todo:
+                try:
+                    ok = ssd.read_into(read.block, read.dst)
+                finally:
+                    self._end_io(read)
+                self._keep(read, ok, out)
+            return out
+        futures: dict[Future[bool | None], _Read] = {}
+        ended: set[bytes] = set()
+        self._lock.release()
+        try:
+            for read in todo:
+                futures[reads.submit(ssd.read_unlocked, read.block, read.dst)] = read
+            for future in as_completed(futures):
+                read = futures[future]
+                with self._lock:
+                    ended.add(read.key)
+                    self._end_io(read)
+                    self._keep(read, future.result(), out)
+                    kept = out.get(read.key)
+                if ready is not None and kept is not None:
+                    ready(read.key, kept)
+        finally:
+            # Interrupted (or the pool refused work): every read still set up ends as a miss
+            # once its I/O, if started, is over, so that no key stays in flight.
+            for future, read in futures.items():
+                if read.key not in ended:
+                    with contextlib.suppress(BaseException):
+                        future.result()
+            self._lock.acquire()
+            for read in todo:
+                if read.key not in ended:
+                    self._end_io(read)
+                    self._end(read, None, False)
+        return out
+
+    def _keep(self, read: _Read, ok: bool | None, out: dict[bytes, DramEntry]) -> None:
+        """Finish a read of `promote_many` (lock held), keeping a pin on its entry for the
+        caller; a block gone, damaged or replaced meanwhile is left out."""
+        entry = self._end(read, ok, False)
+        if entry is not read.entry:
+            return
+        if entry.staging is None:  # published unpinned just now: pinned before anyone evicts
+            entry.pins += 1
+            self._dram.pinned.add(entry.key)
+        out[read.key] = entry
+
+    def _begin(self, key: bytes, prefetch: bool) -> _Read | None:
+        """Set up a read of `key`'s SSD block (lock held): the block pinned, a reserved DRAM
+        slot (or, for a get when pinned views hold all of DRAM, a buffer of its own), and the
+        key marked in flight. None if the SSD does not hold it."""
+        ssd, m = self.ssd, self._m
+        assert ssd is not None
+        block = ssd.find_block(key)
+        if block is None:
+            return None
+        length = block.length
+        if length > m.config.dram.effective_max_value_bytes:
+            return None  # written under a larger DRAM limit; cannot be staged in DRAM
+        ssd.pin(block)
+        event = threading.Event()
+        self._inflight[key] = event
+        try:
+            size = slot_bytes(length)
+            m.fit_quota(block.tenant, key, size, strict=False)
+            try:
+                entry = m.claim(key, length, size, block.parent, block.tenant)
+                entry.meta = block.meta
+                entry.seq = block.snap[3]
+                entry.on_ssd = True
+                dst = self._dram.pages(entry)
+            except CapacityError:
+                if prefetch:
+                    raise
+                # Pinned views hold all of DRAM: serve this get from a buffer of its own.
+                entry = DramEntry(key, -1, length, 0, block.parent, 0, block.tenant, pins=1,
+                                  meta=block.meta)  # fmt: skip
+                entry.staging = AlignedBuffer(size)
+                dst = entry.staging.view
+        except BaseException:
+            ssd.unpin(block)
+            del self._inflight[key]
+            event.set()
+            raise
+        return _Read(key, block, entry, dst, event)
+
+    def _end_io(self, read: _Read) -> None:
+        """The read's I/O is over (lock held): its block unpinned, its waiters woken."""
+        assert self.ssd is not None
+        self.ssd.unpin(read.block)
+        del self._inflight[read.key]
+        read.event.set()
+
+    def _end(self, read: _Read, ok: bool | None, prefetch: bool) -> DramEntry | None:
+        """Publish a finished read (lock held): the key's entry now, or None if the block
+        was gone or failed verification."""
+        ssd, m = self.ssd, self._m
+        assert ssd is not None
+        key, entry = read.key, read.entry
+        current = ssd.finish_read(read.block, ok)
+        if current is None:
+            m.unpin_locked(entry)
+            return None
+        if key in m.index or not current:
+            m.unpin_locked(entry)  # written or deleted while we read: ours is stale
+            return m.index.get(key)
+        ssd.touch(read.block)
+        if entry.staging is not None:
+            return entry
+        m.n["promotions"] += 1
+        m.n["prefetches"] += prefetch
+        m.publish(entry, put=False)
+        m.notify("stored", key, "dram")
+        return entry
+
+    def prefetch(self, keys: Sequence[bytes]) -> int:
+        """Queue background promotions of the SSD-only blocks of `keys` not already being
+        read (called without the lock); returns how many of `keys` either tier holds."""
+        found = 0
+        m = self._m
+        with self._lock:
+            m.check_open()
+            todo = []
+            for key in keys:
+                if key in m.index:
+                    found += 1
+                elif self.ssd is not None and self.ssd.contains(key):
+                    found += 1
+                    if key not in self._inflight and key not in self._queued:
+                        self._queued.add(key)
+                        todo.append(key)
+        if self.pool is not None:
+            for key in todo:
+                self.pool.submit(self._prefetch_one, key)
+        return found
+
+    def _prefetch_one(self, key: bytes) -> None:
+        try:
+            with self._lock:
+                if not self._m.closed and key not in self._m.index:
+                    self.promote(key, prefetch=True)
+        except KVOffloadError as exc:  # a background task: report, the get will retry
+            log.warning("prefetch of block %s failed: %s", key.hex(), exc)
+        finally:
+            with self._lock:
+                self._queued.discard(key)

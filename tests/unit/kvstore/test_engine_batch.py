@@ -1,0 +1,175 @@
+"""Batched gets of SSD-only blocks: reads in flight together (bounded), each block read once,
+damaged blocks are misses that leave the caller's buffer alone."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
+from kvoffload.kvstore.config import PAGE
+
+BLOCK = 200_000
+WAIT_S = 30  # a hang guard, never a timing assertion
+
+
+def key(i: int) -> bytes:
+    return (5000 + i).to_bytes(16, "little")
+
+
+def value(i: int) -> bytes:
+    return np.random.default_rng(i).bytes(BLOCK)
+
+
+def config(path: Path, depth: int = 4) -> EngineConfig:
+    return EngineConfig(
+        DramConfig(capacity_bytes=4 << 20, max_value_bytes=256 << 10, prefault=False),
+        SsdConfig(capacity_bytes=64 << 20, admission_min_uses=1, read_depth=depth),
+        data_dir=str(path),
+    )
+
+
+def cold_store(path: Path, n: int) -> None:
+    """`n` blocks on the SSD; the next open starts with DRAM empty."""
+    with Engine(config(path)) as engine:
+        for i in range(n):
+            engine.put(key(i), value(i), durable=True)
+
+
+class Reads:
+    """Counts slot reads by file offset, the most in flight at once, and can hold reads."""
+
+    def __init__(self, engine: Engine, hold: Callable[[int], bool] = lambda n: False) -> None:
+        slots = engine._ssd.slots  # type: ignore[union-attr]
+        self._read: Callable[[int, Sequence[memoryview]], None] = slots.read
+        self._hold = hold
+        self._lock = threading.Lock()
+        self.offsets: list[int] = []
+        self.now = self.most = 0
+        self.started = threading.Condition(self._lock)
+        self.go = threading.Event()
+        slots.read = self  # type: ignore[method-assign]
+
+    def __call__(self, offset: int, buffers: Sequence[memoryview]) -> None:
+        with self._lock:
+            self.offsets.append(offset)
+            self.now += 1
+            self.most = max(self.most, self.now)
+            held = self._hold(len(self.offsets))
+            self.started.notify_all()
+        try:
+            if held:
+                assert self.go.wait(WAIT_S)
+            self._read(offset, buffers)
+        finally:
+            with self._lock:
+                self.now -= 1
+
+    def wait_started(self, n: int) -> None:
+        with self._lock:
+            assert self.started.wait_for(lambda: len(self.offsets) >= n, WAIT_S)
+
+
+def test_a_batch_reads_its_blocks_together_up_to_the_depth(tmp_path: Path) -> None:
+    cold_store(tmp_path, 10)
+    with Engine(config(tmp_path, depth=4)) as engine:
+        reads = Reads(engine, hold=lambda n: n <= 4)  # the first four wait for each other
+        out: list[list[bytes | None]] = []
+
+        def get() -> None:
+            views = engine.get_many([key(i) for i in range(10)])
+            out.append([None if v is None else bytes(v.data) for v in views])
+            for v in views:
+                if v is not None:
+                    v.release()
+
+        t = threading.Thread(target=get)
+        t.start()
+        reads.wait_started(4)  # four reads in flight before any completed
+        reads.go.set()
+        t.join(WAIT_S)
+        assert out == [[value(i) for i in range(10)]]
+        assert reads.most == 4 and len(reads.offsets) == 10
+        dram, ssd = engine.stats().tiers
+        assert ssd.hits == dram.promotions == 10 and dram.pinned == 0
+
+
+def test_get_many_into_serves_the_batch_and_counts_like_single_gets(tmp_path: Path) -> None:
+    cold_store(tmp_path, 6)
+    with Engine(config(tmp_path)) as engine:
+        reads = Reads(engine)
+        keys = [key(i) for i in range(6)] + [key(99), key(2)]  # a miss and a repeat
+        bufs = [bytearray(BLOCK) for _ in keys]
+        got = engine.get_many_into(keys, bufs)
+        assert got == [BLOCK] * 6 + [None, BLOCK]
+        assert [bytes(b) for b in bufs[:6]] == [value(i) for i in range(6)]
+        assert bytes(bufs[7]) == value(2) and bytes(bufs[6]) == bytes(BLOCK)
+        assert len(reads.offsets) == len(set(reads.offsets)) == 6  # key 2 read once
+        st = engine.stats()
+        assert st.hits == 7 and st.misses == 1 and st.tiers[1].hits == 6
+        assert st.tiers[0].pinned == 0
+
+
+def test_a_block_another_caller_is_reading_is_not_read_again(tmp_path: Path) -> None:
+    cold_store(tmp_path, 3)
+    with Engine(config(tmp_path)) as engine:
+        reads = Reads(engine, hold=lambda n: n == 1)  # the single get's read waits
+        single: list[int | None] = []
+        first = threading.Thread(
+            target=lambda: single.append(engine.get_into(key(0), bytearray(BLOCK)))
+        )
+        first.start()
+        reads.wait_started(1)
+        batch: list[list[int | None]] = []
+
+        def get_batch() -> None:
+            batch.append(
+                engine.get_many_into([key(0), key(1), key(2)], [bytearray(BLOCK) for _ in range(3)])
+            )
+
+        second = threading.Thread(target=get_batch)
+        second.start()
+        reads.wait_started(3)  # the batch read its other two blocks while key 0's is held
+        reads.go.set()
+        first.join(WAIT_S)
+        second.join(WAIT_S)
+        assert single == [BLOCK] and batch == [[BLOCK] * 3]
+        assert len(reads.offsets) == 3 and len(set(reads.offsets)) == 3
+
+
+def test_a_damaged_block_in_a_batch_is_a_miss_and_its_buffer_is_untouched(
+    tmp_path: Path,
+) -> None:
+    cold_store(tmp_path, 4)
+    with Engine(config(tmp_path)) as engine:  # find where block 1's payload lies
+        assert engine._ssd is not None
+        page = int(engine._ssd.index.rows["page"][engine._ssd.find(key(1))])
+    with open(tmp_path / "ssd.slots", "r+b") as fh:
+        fh.seek((page + 1) * PAGE + 1000)
+        byte = fh.read(1)
+        fh.seek((page + 1) * PAGE + 1000)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    with Engine(config(tmp_path)) as engine:
+        bufs = [bytearray(b"\xab" * BLOCK) for _ in range(4)]
+        got = engine.get_many_into([key(i) for i in range(4)], bufs)
+        assert got == [BLOCK, None, BLOCK, BLOCK]
+        assert bytes(bufs[1]) == b"\xab" * BLOCK
+        assert [bytes(bufs[i]) for i in (0, 2, 3)] == [value(i) for i in (0, 2, 3)]
+        ssd = engine.stats().tiers[1]
+        assert ssd.corrupt_blocks == 1 and not engine.contains(key(1))
+
+
+def test_a_batch_is_served_while_pinned_views_hold_all_of_dram(tmp_path: Path) -> None:
+    cold_store(tmp_path, 24)
+    with Engine(config(tmp_path)) as engine:
+        held = [engine.get(key(i)) for i in range(16)]  # ~3.3 MB of the 4 MiB arena pinned
+        views = engine.get_many([key(i) for i in range(16, 24)])
+        assert [bytes(v.data) if v else None for v in views] == [value(i) for i in range(16, 24)]
+        for v in held + views:
+            assert v is not None
+            v.release()
+        assert engine.stats().tiers[0].pinned == 0
+        assert engine.get_many_into([key(20)], [bytearray(BLOCK)]) == [BLOCK]
