@@ -179,7 +179,7 @@ class KVOffloadL2Adapter(L2AdapterInterface):
         if self._sync is not None:
             await asyncio.to_thread(self._sync.put_many, zip(hashes, values, strict=True))
         else:
-            await self._put_many(hashes, values)
+            await self.client.put_many(zip(hashes, values, strict=True))
 
     async def _get_many_into(
         self, hashes: list[BlockHash], buffers: list[memoryview]
