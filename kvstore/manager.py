@@ -103,8 +103,7 @@ class Manager:
         return self._tick
 
     def lookup(self, keys: Sequence[bytes], tiers: list[str] | None = None) -> int:
-        """How many leading keys either tier holds (called without the lock); see
-        `Engine.lookup` for `tiers`."""
+        """Leading keys either tier holds (called unlocked); `tiers` as in `Engine.lookup`."""
         with self.lock:
             self.check_open()
             for n, key in enumerate(keys):
@@ -117,9 +116,7 @@ class Manager:
             return len(keys)
 
     def stored(self, key: bytes) -> bool:
-        if key in self.index:
-            return True
-        return self.ssd is not None and self.ssd.contains(key)
+        return key in self.index or (self.ssd is not None and self.ssd.contains(key))
 
     # ------------------------------------------------------------------ reads
 

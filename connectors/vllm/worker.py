@@ -147,18 +147,8 @@ class WorkerHalf:
                 self._pending_saves[job.req_id] = self._pending_saves.get(job.req_id, 0) + 1
                 self._saving.add(job.req_id)
         for job in plan.saves:
-            snapshots = self._snapshots(job)
+            snapshots = _snapshots(self._groups, job)
             self._save_futures.append(self._saver.submit(self._run_save, job, ready, snapshots))
-
-    def _snapshots(self, job: SaveJob) -> dict[int, torch.Tensor]:
-        """Copies of a job's sliding-window blocks, taken before the next step can free them
-        (full-attention blocks stay allocated until `get_finished` reports the request)."""
-        out: dict[int, torch.Tensor] = {}
-        for g, (part, ids) in enumerate(zip(self._groups, job.block_ids, strict=True)):
-            kept = [ids[i] for i in stored_positions(ids)]
-            if part.group.sliding_window is not None and kept:
-                out[g] = part.snapshot(kept)
-        return out
 
     def wait_for_saves(self) -> None:
         """Block until every submitted save has read its blocks (before vLLM reuses blocks
@@ -349,3 +339,14 @@ class WorkerHalf:
             with contextlib.suppress(KVOffloadError):
                 self._client.delete(key)
         return ok
+
+
+def _snapshots(groups: Sequence[GroupKV], job: SaveJob) -> dict[int, torch.Tensor]:
+    """Copies of a job's sliding-window blocks, taken before the next step can free them
+    (full-attention blocks stay allocated until `get_finished` reports the request)."""
+    out: dict[int, torch.Tensor] = {}
+    for g, (part, ids) in enumerate(zip(groups, job.block_ids, strict=True)):
+        kept = [ids[i] for i in stored_positions(ids)]
+        if part.group.sliding_window is not None and kept:
+            out[g] = part.snapshot(kept)
+    return out
