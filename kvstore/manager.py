@@ -348,9 +348,17 @@ def acquire_many(
     m.check_open()
     fetched = m.mover.promote_many(keys, ready) if m.ssd is not None else {}
     ours = list(fetched.values())
+    got: list[DramEntry | None] = []
     try:
         # A repeated key counts as an SSD hit once, as successive gets would.
-        return [m.acquire(key, fetched.pop(key, None)) for key in keys]
+        for key in keys:
+            got.append(m.acquire(key, fetched.pop(key, None)))
+        return got
+    except BaseException:
+        for entry in got:  # a get failing part-way leaves no pin behind
+            if entry is not None:
+                m.unpin_locked(entry)
+        raise
     finally:
         for entry in ours:
             m.unpin_locked(entry)  # the batch's own pin; the caller's stay

@@ -113,14 +113,20 @@ def on_get_many(s: NativeSession, event: GetMany) -> None:
     def fetch() -> list[BlockView | None]:
         views: list[BlockView | None] = []
         total = 0
+        # Chunks of `ssd.read_depth` keys: the SSD-only blocks of each are read together.
+        step = s.engine.config.ssd.read_depth
         try:
-            for key in keys:
-                view = s.engine.get(key)
-                if view is not None and views and total + len(view) > budget:
-                    view.release()  # answer a prefix; the client asks again for the rest
-                    break
-                total += len(view) if view is not None else 0
-                views.append(view)
+            for at in range(0, len(keys), step):
+                chunk = s.engine.get_many(keys[at : at + step])
+                for i, view in enumerate(chunk):
+                    if view is not None and views and total + len(view) > budget:
+                        # Answer a prefix; the client asks again for the rest.
+                        for rest in chunk[i:]:
+                            if rest is not None:
+                                rest.release()
+                        return views
+                    total += len(view) if view is not None else 0
+                    views.append(view)
         except BaseException:
             # A get that fails part-way (a promotion finding every DRAM block pinned, some
             # by this very request) must not leave the views taken so far pinned for good.

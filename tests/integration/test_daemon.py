@@ -458,6 +458,26 @@ def test_kv_events_announce_durable_puts_on_the_ssd_in_order(start_daemon: Start
     assert held["CPU"] and held["CPU"] < set(digests)  # the oldest left DRAM
 
 
+def test_a_get_many_of_ssd_blocks_is_read_in_chunks_in_key_order(start_daemon: Start) -> None:
+    # The daemon serves GetMany through the engine's batched get, `ssd.read_depth` keys at a
+    # time: distinct values, a depth that does not divide the batch and a missing key in the
+    # middle show every block lands at its own position and nothing stays pinned.
+    env = {"KVOFFLOAD_SSD__ADMISSION_MIN_USES": "1", "KVOFFLOAD_SSD__READ_DEPTH": "3"}
+    daemon = start_daemon("--dram", "8MiB", "--ssd", "64MiB", env=env)
+    keys = [i.to_bytes(16, "big") for i in range(14)]
+    values = [np.random.default_rng(i).bytes(700 << 10) for i in range(14)]
+    with Client.connect(daemon.url()) as client:
+        for key, value in zip(keys, values, strict=True):
+            client.put(key, value)
+        asked = [*keys[:7], b"\xee" * 16, *keys[7:]]
+        assert client.get_many(asked) == [*values[:7], None, *values[7:]]
+        assert pinned(client) == 0
+        outs = [bytearray(700 << 10) for _ in asked]
+        assert client.get_many_into(asked, outs) == [*[700 << 10] * 7, None, *[700 << 10] * 7]
+        assert [bytes(o) for o in outs[:7] + outs[8:]] == values and not any(outs[7])
+        assert pinned(client) == 0
+
+
 def test_a_get_many_larger_than_dram_is_served_whole(start_daemon: Start) -> None:
     # 16 blocks of 900 KiB in 8 MiB of DRAM: most live on the SSD only. A get_many of all of
     # them pins each block it reads, so the later ones find every DRAM block pinned: they are

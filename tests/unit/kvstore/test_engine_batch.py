@@ -173,3 +173,32 @@ def test_a_batch_is_served_while_pinned_views_hold_all_of_dram(tmp_path: Path) -
             v.release()
         assert engine.stats().tiers[0].pinned == 0
         assert engine.get_many_into([key(20)], [bytearray(BLOCK)]) == [BLOCK]
+
+
+def test_a_batch_failing_part_way_leaves_no_pin(tmp_path: Path) -> None:
+    # A get of the batch raising after others were acquired (injected at the third acquire)
+    # must release the pins already taken, or those blocks could never be evicted.
+    cold_store(tmp_path, 6)
+    with Engine(config(tmp_path)) as engine:
+        for v in engine.get_many([key(i) for i in range(3)]):  # blocks 0-2 in DRAM, unpinned
+            assert v is not None
+            v.release()
+        manager = engine._m
+        real, calls = manager.acquire, [0]
+
+        def failing(k: bytes, fetched: object = None) -> object:
+            calls[0] += 1
+            if calls[0] == 3:
+                raise OSError("injected")
+            return real(k, fetched)  # type: ignore[arg-type]
+
+        manager.acquire = failing  # type: ignore[method-assign,assignment]
+        try:
+            engine.get_many([key(i) for i in range(6)])
+        except OSError:
+            pass
+        else:
+            raise AssertionError("the injected failure did not surface")
+        finally:
+            manager.acquire = real  # type: ignore[method-assign]
+        assert engine.stats().tiers[0].pinned == 0
