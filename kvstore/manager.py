@@ -344,24 +344,31 @@ def acquire_many(
     m: Manager, keys: Sequence[bytes], ready: Callable[[bytes, DramEntry], None] | None = None
 ) -> list[DramEntry | None]:
     """`Manager.acquire` each key (lock held), the SSD-only ones read with their reads in
-    flight together (`Mover.promote_many`, which calls `ready`)."""
+    flight together (`Mover.promote_many`, which calls `ready`). The batch's DRAM hits are
+    pinned first, so the room its SSD reads take cannot evict them."""
     m.check_open()
-    fetched = m.mover.promote_many(keys, ready) if m.ssd is not None else {}
-    ours = list(fetched.values())
-    got: list[DramEntry | None] = []
+    got: dict[int, DramEntry | None] = {}
     try:
-        # A repeated key counts as an SSD hit once, as successive gets would.
-        for key in keys:
-            got.append(m.acquire(key, fetched.pop(key, None)))
-        return got
+        for i, key in enumerate(keys):
+            if key in m.index:
+                got[i] = m.acquire(key)
+        rest = [key for i, key in enumerate(keys) if i not in got]
+        fetched = m.mover.promote_many(rest, ready) if m.ssd is not None and rest else {}
+        ours = list(fetched.values())
+        try:
+            # A repeated key counts as an SSD hit once, as successive gets would.
+            for i, key in enumerate(keys):
+                if i not in got:
+                    got[i] = m.acquire(key, fetched.pop(key, None))
+        finally:
+            for entry in ours:
+                m.unpin_locked(entry)  # the batch's own pin; the caller's stay
+        return [got[i] for i in range(len(keys))]
     except BaseException:
-        for entry in got:  # a get failing part-way leaves no pin behind
+        for entry in got.values():  # a get failing part-way leaves no pin behind
             if entry is not None:
                 m.unpin_locked(entry)
         raise
-    finally:
-        for entry in ours:
-            m.unpin_locked(entry)  # the batch's own pin; the caller's stay
 
 
 def described(m: Manager) -> list[DescribedBlock]:

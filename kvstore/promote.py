@@ -103,29 +103,33 @@ class Promotions:
         if len(todo) < 2:  # nothing to overlap: read on this thread, as a single get does
             for read in todo:
                 try:
-                    ok = ssd.read_into(read.block, read.dst)
+                    ok = _read_or_miss(ssd.read_into, read)
                 finally:
                     self._end_io(read)
                 self._keep(read, ok, out)
             return out
         futures: dict[Future[bool | None], _Read] = {}
         ended: set[bytes] = set()
+        done = False
         self._lock.release()
         try:
             for read in todo:
-                futures[reads.submit(ssd.read_unlocked, read.block, read.dst)] = read
+                futures[reads.submit(_read_or_miss, ssd.read_unlocked, read)] = read
             for future in as_completed(futures):
                 read = futures[future]
+                ok = future.result()
                 with self._lock:
-                    ended.add(read.key)
                     self._end_io(read)
-                    self._keep(read, future.result(), out)
+                    self._keep(read, ok, out)
+                    ended.add(read.key)
                     kept = out.get(read.key)
                 if ready is not None and kept is not None:
                     ready(read.key, kept)
+            done = True
         finally:
             # Interrupted (or the pool refused work): every read still set up ends as a miss
-            # once its I/O, if started, is over, so that no key stays in flight.
+            # once its I/O, if started, is over, so that no key stays in flight, and the pins
+            # kept for the caller, who will not get `out`, are dropped.
             for future, read in futures.items():
                 if read.key not in ended:
                     with contextlib.suppress(BaseException):
@@ -135,6 +139,9 @@ class Promotions:
                 if read.key not in ended:
                     self._end_io(read)
                     self._end(read, None, False)
+            if not done:
+                for entry in out.values():
+                    self._m.unpin_locked(entry)
         return out
 
     def _keep(self, read: _Read, ok: bool | None, out: dict[bytes, DramEntry]) -> None:
@@ -247,3 +254,15 @@ class Promotions:
         finally:
             with self._lock:
                 self._queued.discard(key)
+
+
+def _read_or_miss(
+    read_into: Callable[[SsdRead, AlignedBuffer], bool | None], read: _Read
+) -> bool | None:
+    """One slot read; an I/O path failing in a way of its own (not a `StorageIOError`, which
+    `read_into` turns into None itself) makes that block a miss, not a lost DRAM slot."""
+    try:
+        return read_into(read.block, read.dst)
+    except Exception:
+        log.exception("kvoffload: reading block %s from the SSD failed", read.key.hex())
+        return None

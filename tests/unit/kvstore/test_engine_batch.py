@@ -3,6 +3,7 @@ damaged blocks are misses that leave the caller's buffer alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -202,3 +203,51 @@ def test_a_batch_failing_part_way_leaves_no_pin(tmp_path: Path) -> None:
         finally:
             manager.acquire = real  # type: ignore[method-assign]
         assert engine.stats().tiers[0].pinned == 0
+
+
+def test_a_batch_does_not_evict_its_own_dram_hits(tmp_path: Path) -> None:
+    # 15 DRAM-only blocks (used once: SSD admission 2 would drop them if evicted) and 10
+    # SSD-only ones in one batch: the room the SSD reads take must not come from the batch's
+    # own DRAM hits (pinned first), so every block is served and every DRAM block stays.
+    cold_store(tmp_path, 10)
+    cfg = config(tmp_path)
+    cfg = dataclasses.replace(cfg, ssd=dataclasses.replace(cfg.ssd, admission_min_uses=2))
+    with Engine(cfg) as engine:
+        hot = [(9000 + i).to_bytes(16, "little") for i in range(15)]
+        for i, k in enumerate(hot):
+            engine.put(k, value(100 + i))
+        keys = hot + [key(i) for i in range(10)]
+        buffers = [bytearray(BLOCK) for _ in keys]
+        assert engine.get_many_into(keys, buffers) == [BLOCK] * 25
+        assert [bytes(b) for b in buffers] == [value(100 + i) for i in range(15)] + [
+            value(i) for i in range(10)
+        ]
+        assert all(engine.contains(k) for k in hot)
+        dram = engine.stats().tiers[0]
+        assert dram.evictions == 0 and dram.pinned == 0
+
+
+def test_a_read_failing_oddly_is_a_miss_that_leaves_no_pin_or_slot(tmp_path: Path) -> None:
+    # An I/O path raising something other than StorageIOError in the middle of a batch: that
+    # read is a miss (the key is then read again on its own), the others are served, and no
+    # pin or reserved DRAM slot is left behind.
+    cold_store(tmp_path, 4)
+    with Engine(config(tmp_path)) as engine:
+        slots = engine._ssd.slots  # type: ignore[union-attr]
+        real, calls = slots.read, [0]
+
+        def read(offset: int, buffers: Sequence[memoryview]) -> None:
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError("injected")
+            real(offset, buffers)
+
+        slots.read = read  # type: ignore[method-assign]
+        buffers = [bytearray(BLOCK) for _ in range(4)]
+        got = engine.get_many_into([key(i) for i in range(4)], buffers)
+        slots.read = real  # type: ignore[method-assign]
+        assert got == [BLOCK] * 4 and [bytes(b) for b in buffers] == [value(i) for i in range(4)]
+        dram = engine.stats().tiers[0]
+        assert dram.pinned == 0 and dram.entries == 4
+        assert dram.used_bytes == 4 * (-(-BLOCK // PAGE) * PAGE)  # no slot lost
+        assert not engine._m.mover._inflight  # type: ignore[attr-defined]
