@@ -141,6 +141,35 @@ def test_a_revoke_reaches_lanes_in_use(start_daemon: Start, ucx: dict[str, str])
         transport.close()
 
 
+def test_a_revoke_reaches_lanes_another_revoke_holds(
+    start_daemon: Start, ucx: dict[str, str]
+) -> None:
+    # A second revoke arriving while the first one works on the idle lanes (here: from inside
+    # the first's round trip) must still reach them, not find them neither idle nor busy.
+    daemon = start_daemon(env=ucx)
+    transport = nixl_transport.open_nixl(NativeOptions.from_url(parse_url(daemon.url(data="nixl"))))
+    try:
+        first, second = (memoryview(np.zeros(4096, np.uint8)) for _ in range(2))
+        assert transport.get_into(b"\x01" * 16, first) is None
+        assert transport.get_into(b"\x02" * 16, second) is None
+        lane = transport._take()
+        assert lane is not None and len(lane.memory.regions) == 2
+        transport._give(lane, True)
+        real, nested = lane.revoke, []
+
+        def revoke(buffer: memoryview) -> int:
+            if not nested:
+                nested.append(transport.revoke(second))  # meanwhile, from another caller
+            return real(buffer)
+
+        lane.revoke = revoke  # type: ignore[method-assign]
+        assert transport.revoke(first) == 1
+        assert nested == [0]  # it found no idle lane: the lane was being revoked on ...
+        assert lane.memory.regions == []  # ... and its revoke was done when it came back
+    finally:
+        transport.close()
+
+
 def test_a_plain_kv_client_sees_what_nixl_stored(start_daemon: Start, ucx: dict[str, str]) -> None:
     daemon = start_daemon(env=ucx)
     keys, values = _values(3, 300_000, seed=2)

@@ -350,6 +350,7 @@ class NixlTransport(NativeTransport):
             lanes, self._lanes = self._lanes, []
             for busy in self._busy:
                 busy.to_revoke.append(buffer)
+            self._busy.update(lanes)  # so a revoke meanwhile reaches them when given back
         done = 0
         for lane in lanes:
             try:
