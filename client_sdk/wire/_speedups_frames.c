@@ -145,6 +145,22 @@ out:
     return event;
 }
 
+/* An unsigned int argument no larger than `max`, checked as the Python codec's struct.pack and
+ * validators would (the "K" format wraps negative and oversized values silently). */
+static int as_uint(PyObject *o, unsigned long long max, unsigned long long *out) {
+    if (!PyLong_Check(o)) {
+        PyErr_SetString(PyExc_TypeError, "an int is required");
+        return 0;
+    }
+    *out = PyLong_AsUnsignedLongLong(o);
+    if (*out == (unsigned long long)-1 && PyErr_Occurred()) return 0;
+    if (*out > max) {
+        PyErr_SetString(PyExc_OverflowError, "int out of range");
+        return 0;
+    }
+    return 1;
+}
+
 const char speedups_parse_frame_doc[] =
     "parse_frame(buf, start, end, max_header, max_payload) -> (event, next_start, head) | None";
 
@@ -152,7 +168,12 @@ PyObject *speedups_parse_frame(PyObject *self, PyObject *args) {
     Py_buffer buf;
     Py_ssize_t start, end;
     unsigned long long max_h, max_p;
-    if (!PyArg_ParseTuple(args, "y*nnKK", &buf, &start, &end, &max_h, &max_p)) return NULL;
+    PyObject *oh, *op;
+    if (!PyArg_ParseTuple(args, "y*nnOO", &buf, &start, &end, &oh, &op)) return NULL;
+    if (!as_uint(oh, 0xffffffffffffffffull, &max_h) || !as_uint(op, 0xffffffffffffffffull, &max_p)) {
+        PyBuffer_Release(&buf);
+        return NULL;
+    }
     if (start < 0 || end < start || end > buf.len) {
         PyBuffer_Release(&buf);
         PyErr_SetString(PyExc_ValueError, "parse_frame: range outside the buffer");
@@ -206,8 +227,10 @@ PyObject *speedups_frame_head(PyObject *self, PyObject *args) {
     unsigned long long rid, plen;
     const char *name = NULL;
     Py_ssize_t nlen = 0;
-    PyObject *v;
-    if (!PyArg_ParseTuple(args, "iKz#OK", &op, &rid, &name, &nlen, &v, &plen)) return NULL;
+    PyObject *v, *orid, *oplen;
+    if (!PyArg_ParseTuple(args, "iOz#OO", &op, &orid, &name, &nlen, &v, &oplen)) return NULL;
+    if (!as_uint(orid, 0xffffffffull, &rid) || !as_uint(oplen, 0xffffffffffffffffull, &plen))
+        return NULL;
     if (op < 0 || op > 255 || rid > 0xffffffffull || nlen > 31) {
         PyErr_SetString(PyExc_ValueError, "frame_head: field out of range");
         return NULL;

@@ -275,3 +275,10 @@ def test_answer_heads_are_byte_identical(rid: int, value: object, plen: int) -> 
         fast.use(name)
         assert fast.frame_head(3, rid, "length", value, plen) == want
         assert fast.frame_head(2, rid, None, None, 0) == empty
+
+
+@pytest.mark.parametrize("rid, plen", [(2**32, 0), (2**64 + 5, 0), (-1, 0), (1, -1), (1, 2**64)])
+def test_answer_heads_refuse_what_does_not_fit(impl: str, rid: int, plen: int) -> None:
+    # Both implementations refuse, rather than wrap, a request id or length out of range.
+    with pytest.raises((OverflowError, ValueError, struct.error)):
+        fast.frame_head(3, rid, "length", 1, plen)
