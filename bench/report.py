@@ -15,6 +15,7 @@ import datetime as _dt
 import importlib
 import importlib.util
 import json
+import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -439,6 +440,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ssd-size", type=int, default=64, metavar="MiB")
     parser.add_argument("--ssd-entries", type=int, default=100_000)
     parser.add_argument("--net-working-set", type=int, default=32, metavar="MiB")
+    parser.add_argument(
+        "--net-args",
+        default="",
+        help='more options for bench net, e.g. "--cpu-requests 0 --nixl no"',
+    )
     parser.add_argument("--nvme-working-set", type=int, default=16, metavar="MiB")
     parser.add_argument("--codecs-rounds", type=int, default=2)
     parser.add_argument("--sessions", type=int, default=120, help="trace sessions")
@@ -468,7 +474,7 @@ def run_from_args(args: argparse.Namespace) -> BenchResult:
                    "--rounds", str(args.engine_rounds)],
         "ssd": ["--size", str(args.ssd_size), "--entries", str(args.ssd_entries),
                 "--dir", args.dir or "."],
-        "net": ["--working-set", str(args.net_working_set)]
+        "net": ["--working-set", str(args.net_working_set), *shlex.split(args.net_args)]
         + (["--lmcache-python", args.lmcache_python] if args.lmcache_python else []),
         "nvme": ["--working-set", str(args.nvme_working_set)],
         "codecs": ["--rounds", str(args.codecs_rounds)],

@@ -22,6 +22,7 @@ def test_report_renders_with_plots(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("KVOFFLOAD_VLLM_PYTHON", sys.executable)  # not a peer's venv
     argv = ["bench", "report", "--out", str(tmp_path), "--date", "d", "--only",
             "engine,trace,net,nosuch", "--net-working-set", "2", "--dir", str(tmp_path), *SMALL,
+            "--net-args", "--cpu-requests 0 --no-multi-client --nixl no",
             "--tiers", "dram"]  # fmt: skip
     assert main(argv) == 0
     folder = tmp_path / "d"
