@@ -641,7 +641,8 @@ def _cpu_s(pid: int) -> float:
 
 
 def test_the_bench_rows(ucx: dict[str, str]) -> None:
-    rows = {row.case: row for row in nixl_rows(rounds=1, working_set=MiB, cpu_requests=20)}
+    # 200 gets: enough CPU for /proc's 10 ms clock ticks to count on both sides (20 did not).
+    rows = {row.case: row for row in nixl_rows(rounds=1, working_set=MiB, cpu_requests=200)}
     assert set(rows) == {
         "get_nixl/2MiB",
         "get_nixl/8MiB",
