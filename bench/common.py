@@ -176,10 +176,12 @@ def time_best(fn: Callable[[], object], rounds: int) -> float:
 def peer_python(package: str, named: str | None, env: str) -> str:
     """The Python that has a peer `package`: `named` (a flag), else the environment variable
     `env`, else `.venv-<package>` (as `.ci/engines.sh` builds it) in the current directory or
-    the source checkout, else this Python."""
+    the source checkout (not with KVOFFLOAD_IGNORE_PEER_VENVS=1), else this Python."""
     named = named or os.environ.get(env)
     if named:
         return named
+    if os.environ.get("KVOFFLOAD_IGNORE_PEER_VENVS") == "1":
+        return sys.executable  # .ci/run: the engines' environments are still being built
     for root in (Path.cwd(), Path(__file__).resolve().parents[1]):
         candidate = root / f".venv-{package}" / "bin" / "python"
         if candidate.exists():

@@ -265,11 +265,16 @@ def test_peer_python_finds_the_engine_suites_venvs(
     monkeypatch.setattr(common, "__file__", str(tmp_path / "bench" / "common.py"))
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("KVOFFLOAD_VLLM_PYTHON", raising=False)
+    monkeypatch.delenv("KVOFFLOAD_IGNORE_PEER_VENVS", raising=False)
     assert bench._peer_python("vllm_arc", args) == sys.executable
     python = tmp_path / ".venv-vllm" / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.touch()
     assert bench._peer_python("vllm_arc", args) == str(python)
+    # .ci/run's main suite, while the engines' environments are still being built
+    monkeypatch.setenv("KVOFFLOAD_IGNORE_PEER_VENVS", "1")
+    assert bench._peer_python("vllm_arc", args) == sys.executable
+    monkeypatch.delenv("KVOFFLOAD_IGNORE_PEER_VENVS")
     monkeypatch.setenv("KVOFFLOAD_VLLM_PYTHON", "/env/python")
     assert bench._peer_python("vllm_lru", args) == "/env/python"
     args.vllm_python = "/flag/python"
