@@ -365,9 +365,9 @@ def acquire_many(
                 m.unpin_locked(entry)  # the batch's own pin; the caller's stay
         return [got[i] for i in range(len(keys))]
     except BaseException:
-        for entry in got.values():  # a get failing part-way leaves no pin behind
-            if entry is not None:
-                m.unpin_locked(entry)
+        for held in got.values():  # a get failing part-way leaves no pin behind
+            if held is not None:
+                m.unpin_locked(held)
         raise
 
 

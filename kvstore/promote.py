@@ -257,7 +257,7 @@ class Promotions:
 
 
 def _read_or_miss(
-    read_into: Callable[[SsdRead, AlignedBuffer], bool | None], read: _Read
+    read_into: Callable[[SsdRead, memoryview], bool | None], read: _Read
 ) -> bool | None:
     """One slot read; an I/O path failing in a way of its own (not a `StorageIOError`, which
     `read_into` turns into None itself) makes that block a miss, not a lost DRAM slot."""
