@@ -124,6 +124,7 @@ class NixlAgent:
         self._engine, self._backend = engine, backend
         self._agent: Any = None
         self._making: asyncio.Future[None] | None = None
+        self.arena = (0, 0)  # the registered arena: [start, end) addresses
         self.errors: tuple[type[Exception], ...] = (RuntimeError, ValueError)
         self.names: set[str] = set()  # remote agents loaded, one per connection
         # Views and reservations of transfers that could not be cancelled: the client's NIXL
@@ -173,9 +174,11 @@ class NixlAgent:
             agent = api.nixl_agent(name, config)
             agent.create_backend(backend)
             arena = arena_of(engine)
-            agent.register_memory([(_address(arena), len(arena), 0, "")], "DRAM")
+            start = _address(arena)
+            agent.register_memory([(start, len(arena), 0, "")], "DRAM")
         except self.errors as exc:
             raise ConfigError(f"NIXL backend {backend!r} cannot be created: {exc}") from None
+        self.arena = (start, start + len(arena))
         self._agent = agent
 
     def load(self, metadata: bytes, expected: str) -> None:
@@ -434,28 +437,28 @@ def on_nixl_get(s: NativeSession, event: NixlGet) -> Awaitable[None]:
             return views
 
         views = await _off(s, fetch, _release)
-        # Blocks the engine serves from outside its arena (an SSD hit staged aside while DRAM
-        # is pinned full) are not registered with NIXL: a miss, which the client recomputes.
-        arena = arena_of(s.engine)
-        start = _address(arena)
-        for i, view in enumerate(views):
-            if view is not None and not start <= _address(view.data) < start + arena.nbytes:
-                _release([view])
-                views[i] = None
+        start, end = agent.arena
         kept = False
         try:
             local: list[tuple[int, int]] = []
             remote: list[tuple[int, int]] = []
             headers: list[bytes] = []
-            for view, addr, cap in zip(views, event.addrs, event.caps, strict=True):
+            for i, (view, addr, cap) in enumerate(zip(views, event.addrs, event.caps, strict=True)):
                 if view is None:
+                    continue
+                at = _address(view.data)
+                if not start <= at < end:
+                    # Served from outside the arena (an SSD hit staged aside while DRAM is
+                    # pinned full): not registered with NIXL, so a miss (the client recomputes).
+                    view.release()
+                    views[i] = None
                     continue
                 headers.append(bytes(view.data[:HEADER_BYTES]))
                 n = len(view) - HEADER_BYTES
                 if n <= 0 or n > cap:
                     continue  # not one of ours, or too big: the client says which
                 peer.check(addr, n)
-                local.append((_address(view.data) + HEADER_BYTES, n))
+                local.append((at + HEADER_BYTES, n))
                 remote.append((addr, n))
             await agent.move("WRITE", local, remote, peer.name, deadline, views, s.channel.sock)
             s.bytes_out.inc(sum(n for _, n in local))

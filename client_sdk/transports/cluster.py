@@ -52,6 +52,7 @@ _PARAMS = {
     "timeout": f"seconds per call to a node (default {DEFAULT_DEADLINE_S:g})",
     "token": "the tenant's token on every node (front=native)",
     "data": "kv (default) or nixl: how payloads move to native nodes (docs/nixl.md)",
+    "nixl_cache_bytes": "data=nixl: bytes kept registered per node connection (docs/nixl.md)",
     "hostnqn": "this host's NQN on every node (front=nvme; default as for nvme+tcp://)",
 }
 # Repairs (copies to a new owner) run in the background; past this many waiting, skip them.
@@ -511,7 +512,12 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
     node_params = {"timeout": f"{deadline:g}", "connect_timeout": f"{deadline:g}"}
     # Each front authenticates its own way: a token (native), the host's NQN (NVMe/TCP); data=
     # chooses how payloads move to native nodes.
-    for name, front in (("token", "native"), ("data", "native"), ("hostnqn", "nvme")):
+    for name, front in (
+        ("token", "native"),
+        ("data", "native"),
+        ("nixl_cache_bytes", "native"),
+        ("hostnqn", "nvme"),
+    ):
         if name in spec.extra:
             if spec.front != front:
                 raise ConfigError(f"cluster URL: {name}= applies to front={front} only")

@@ -13,8 +13,11 @@ and every operation takes the plain `kv://` path, logged once.
 A get or put whose deadline passes does not hand its buffer back while the daemon may still
 move bytes into or out of it: the lane shuts its side of the connection (a daemon posts no
 transfer after that, nor past the time left that protocol 4 requests carry) and waits, for at
-most `_SETTLE_S`, for the daemon to finish the request. If it does not, the lane's agent and
-registrations are kept for good (`quarantined`) and the error says so.
+most `_SETTLE_S`, for the daemon to finish the request. If it does not, the lane's agent,
+registrations and half-closed connection are kept (`quarantined`) and the error says so, until
+the daemon answers or closes that connection: then its handler is over (any transfer done or
+cancelled, our agent removed there), and once our memory is deregistered and our agent gone,
+no late transfer can land in it by any transport (docs/nixl.md), so the lane is released.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ from kvoffload.errors import (
     TransportError,
 )
 
-__all__ = ["NixlTransport"]
+__all__ = ["NixlTransport", "quarantined", "release_quarantined"]
 
 log = logging.getLogger("kvoffload.client")
 T = TypeVar("T")
@@ -77,9 +80,13 @@ _BATCH = 1024
 # After a transfer request's deadline: how long to wait for the daemon to finish it before
 # its lane's memory is quarantined.
 _SETTLE_S = 5.0
-# Agents (with their registrations and the buffers they keep alive) of lanes whose daemon
-# never confirmed a request it may still be moving bytes for: never released.
-quarantined: list[NixlMemory] = []
+# Lanes (agent, registrations, the buffers they keep alive, the connection) whose daemon has
+# not yet confirmed a request it may still be moving bytes for; released once it has.
+quarantined: list[_Lane] = []
+_quarantine_lock = threading.Lock()
+# Past this many quarantined lanes a transport opens no more NIXL lanes (calls take kv://):
+# bounds what a hung daemon can make this process hold (each lane: its registration cache).
+_MAX_QUARANTINED = 8
 
 
 class _Refused(Exception):
@@ -111,7 +118,7 @@ class _Lane:
         self.to_revoke: list[memoryview] = []  # asked for while the lane was busy
         self.timeout = options.timeout
         try:
-            self.memory = NixlMemory()
+            self.memory = NixlMemory(max_bytes=options.nixl_cache_bytes)
             # The daemon refuses with a ConfigError if it cannot or may not (TLS) serve NIXL.
             # The daemon makes its agent on first use, loading NIXL's plugins: seconds on a
             # busy host, so the first exchange may take longer than a request.
@@ -179,7 +186,7 @@ class _Lane:
         """Shut our side of the connection (the daemon then posts nothing more) and wait until
         `until` for the daemon to answer the request or close: either means its handler,
         and any transfer it posted, is over. True if it did."""
-        conn, sock = self.conn, self.conn.sock
+        sock = self.conn.sock
         try:
             socket.socket.shutdown(sock, socket.SHUT_WR)  # below TLS: only the FIN matters
         except OSError:
@@ -191,8 +198,15 @@ class _Lane:
             except (OSError, ValueError):
                 return True
             self.memory.progress()  # lets a transfer in flight over TCP finish
-        conn.close()
-        return False
+        return False  # the connection stays open (half-closed): see `confirmed`
+
+    def confirmed(self) -> bool:
+        """Whether the daemon has, since, answered the request we gave up on or closed the
+        connection (a quarantined lane's check; never blocks)."""
+        try:
+            return bool(select.select([self.conn.sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            return True  # the socket is gone: so is the daemon's side of it
 
     def reach(self, buffers: Sequence[memoryview]) -> tuple[int, ...]:
         """The addresses of `buffers` (0 for an empty one), registering each new one (and
@@ -233,11 +247,30 @@ class _Lane:
         return True
 
     def close(self) -> None:
-        self.conn.close()  # the daemon forgets our agent with the connection
         if self.unsafe:
-            quarantined.append(self.memory)
-        else:
-            self.memory.close()
+            with _quarantine_lock:
+                quarantined.append(self)  # kept whole, connection included, until confirmed
+            return
+        self.conn.close()  # the daemon forgets our agent with the connection
+        self.memory.close()
+
+
+def release_quarantined() -> int:
+    """Release the quarantined lanes whose daemon has since answered or closed their
+    connection (see the module's docstring). Returns how many were released.
+
+    Called before a NIXL lane is taken; callers may call it too.
+    """
+    with _quarantine_lock:
+        done = [lane for lane in quarantined if lane.confirmed()]
+        for lane in done:
+            quarantined.remove(lane)
+    for lane in done:
+        lane.conn.close()
+        lane.memory.close()  # deregistered, agent dropped: the buffers are free again
+    if done:
+        log.info("released %d quarantined NIXL lane(s): their daemon confirmed", len(done))
+    return len(done)
 
 
 class NixlTransport(NativeTransport):
@@ -260,6 +293,11 @@ class NixlTransport(NativeTransport):
         Raises:
             ConfigError: NIXL cannot run here, or the daemon refuses it (TLS, not built).
         """
+        if quarantined:
+            release_quarantined()
+            if len(quarantined) >= _MAX_QUARANTINED:
+                log.debug("%d NIXL lanes quarantined: kv:// payloads meanwhile", len(quarantined))
+                return None
         with self._lane_cond:
             while True:
                 if self._refused:

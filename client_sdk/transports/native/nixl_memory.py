@@ -25,10 +25,13 @@ import numpy as np
 
 from kvoffload.errors import ConfigError, InvalidArgumentError
 
-__all__ = ["NixlMemory", "Region", "address_of"]
+__all__ = ["MAX_BYTES", "MAX_REGIONS", "NixlMemory", "Region", "address_of"]
 
 # Regions kept registered; the least recently used one is revoked past this.
 MAX_REGIONS = 64
+# Bytes kept registered per agent (a lane), unless a URL says otherwise (`nixl_cache_bytes`):
+# the cache keeps its buffers alive, and on RDMA hardware registered pages are pinned.
+MAX_BYTES = 1 << 30
 
 Region = tuple[int, int]  # (address, length)
 
@@ -51,7 +54,7 @@ class NixlMemory:
         ConfigError: NIXL is not installed, or its backend cannot be created.
     """
 
-    def __init__(self, backend: str = "UCX") -> None:
+    def __init__(self, backend: str = "UCX", max_bytes: int = MAX_BYTES) -> None:
         try:
             api = importlib.import_module("nixl._api")
             bindings = importlib.import_module("nixl._bindings")
@@ -77,6 +80,8 @@ class NixlMemory:
         except self.errors as exc:
             raise ConfigError(f"NIXL backend {backend!r} cannot be created: {exc}") from None
         self.name = name
+        self.max_bytes = max_bytes
+        self.nbytes = 0  # registered now
         # region -> (the buffer kept alive, NIXL's registration), least recently used first
         self._regions: OrderedDict[Region, tuple[memoryview, object]] = OrderedDict()
 
@@ -106,19 +111,30 @@ class NixlMemory:
         except self.errors as exc:
             raise InvalidArgumentError(f"NIXL could not register the buffer: {exc}") from None
         self._regions[region] = (memoryview(buffer), descs)  # our own view, to release
+        self.nbytes += region[1]
         return region, partial
 
     def surplus(self, keep: int = MAX_REGIONS, protect: Set[Region] = frozenset()) -> list[Region]:
-        """The least recently used regions past `keep`, to revoke and then `deregister`; never
-        one in `protect` (what the request about to be sent names)."""
-        extra = max(0, len(self._regions) - keep)
-        return [r for r in self._regions if r not in protect][:extra]
+        """The least recently used regions to revoke (and then `deregister`) so that at most
+        `keep` regions and `max_bytes` bytes stay registered; never one in `protect` (what the
+        request about to be sent names: those stay, even past the bounds, until it is
+        answered, and fall out at a later request)."""
+        count, nbytes = len(self._regions), self.nbytes
+        out: list[Region] = []
+        for region in self._regions:  # least recently used first
+            if count <= keep and nbytes <= self.max_bytes:
+                break
+            if region not in protect:
+                out.append(region)
+                count, nbytes = count - 1, nbytes - region[1]
+        return out
 
     def deregister(self, region: Region) -> None:
         """Drop a region (after the daemon has revoked it)."""
         entry = self._regions.pop(region, None)
         if entry is None:
             return
+        self.nbytes -= region[1]
         # A failure means the agent is going away: nothing left to undo.
         with contextlib.suppress(*self.errors):
             self._agent.deregister_memory(entry[1])
@@ -133,5 +149,8 @@ class NixlMemory:
         self._agent.get_new_notifs()
 
     def close(self) -> None:
+        """Deregister everything and drop the agent (its endpoints and worker with it): past
+        this, nothing of ours moves bytes into the buffers, which are no longer kept alive."""
         for region in list(self._regions):
             self.deregister(region)
+        self._agent = None

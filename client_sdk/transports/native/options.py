@@ -21,6 +21,7 @@ _PARAMS = {
     "ca": "CA file that signed the daemon's certificate",
     "server_name": "certificate name to expect (default: the URL's host)",
     "data": "how payloads move: kv (through the connection, default) or nixl (docs/nixl.md)",
+    "nixl_cache_bytes": "data=nixl: bytes kept registered per connection (default 1 GiB)",
 }
 _DATA_PATHS = ("kv", "nixl")
 
@@ -41,6 +42,8 @@ class NativeOptions:
     ca: str = ""
     server_name: str = ""
     data: str = "kv"
+    # data=nixl: the registration cache's byte bound per lane (least recently used revoked).
+    nixl_cache_bytes: int = 1 << 30
 
     @classmethod
     def from_url(cls, url: StoreURL) -> NativeOptions:
@@ -51,7 +54,7 @@ class NativeOptions:
             "kv://",
             params,
             floats=("timeout", "connect_timeout", "backoff"),
-            ints={"retries": "retries", "pool": "pool"},
+            ints={"retries": "retries", "pool": "pool", "nixl_cache_bytes": "nixl_cache_bytes"},
             flags=("tls",),
         )
         for name in ("token", "ca", "server_name", "data"):
@@ -64,6 +67,8 @@ class NativeOptions:
             raise ConfigError(f"kv:// data must be one of {', '.join(_DATA_PATHS)}")
         if options.retries < 0 or options.pool < 1:
             raise ConfigError("kv:// retries must be >= 0 and pool >= 1")
+        if options.nixl_cache_bytes < 1:
+            raise ConfigError("kv:// nixl_cache_bytes must be >= 1")
         return options
 
     @property
