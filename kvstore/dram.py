@@ -64,6 +64,8 @@ class DramTier:
         self.slot_ends: dict[int, DramEntry] = {}
         self.last_hole = (0, 0)  # the free extent the last freed slot became part of
         self.tenant_used: dict[str, int] = {}  # slot bytes held per tenant
+        # Side buffers of gets that found DRAM all pinned: taken in all, held now, most held.
+        self.staged_gets = self.staged = self.staged_peak = 0
         self._prefault = config.prefault
 
     def map_arena(self) -> None:
@@ -80,6 +82,12 @@ class DramTier:
                 "lower dram.capacity_bytes"
             ) from exc
 
+    def staging_taken(self) -> None:
+        """A get's block goes to a side buffer of its own (freed in `free`)."""
+        self.staged_gets += 1
+        self.staged += 1
+        self.staged_peak = max(self.staged_peak, self.staged)
+
     def place(self, entry: DramEntry) -> None:
         """Record an entry on the slot just allocated for it."""
         self.slots[entry.offset] = self.slot_ends[entry.offset + entry.slot] = entry
@@ -88,6 +96,7 @@ class DramTier:
     def free(self, entry: DramEntry) -> None:
         """Give back an unpinned entry's slot (or staging buffer)."""
         if entry.staging is not None:
+            self.staged -= 1
             with contextlib.suppress(BufferError):  # a caller's view may outlive the release
                 entry.staging.close()
             return

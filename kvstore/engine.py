@@ -56,6 +56,8 @@ KEY_BYTES = 16
 # Block metadata is opaque here; the fronts bound it more tightly (client_sdk.BlockMeta). This
 # bound keeps a put's journal records few whatever a caller passes.
 MAX_META_BYTES = 4096
+# Blocks of a batched get a caller should hold at once (at least the SSD read depth).
+HOLD_WINDOW = 16
 
 
 class PutReservation:
@@ -252,6 +254,15 @@ class _EngineReads(_EngineState):
     keep that class readable.)"""
 
     _dram: DramTier
+    config: EngineConfig
+
+    @property
+    def hold_window(self) -> int:
+        """How many blocks of a batched get a caller should hold at once: blocks that find
+        DRAM all pinned (by held blocks) are read into side buffers of their own, so a caller
+        that asks in windows of this many holds at most this many of those. (`get_many_into`
+        pins its whole batch: its DRAM hits then survive its own SSD reads.)"""
+        return max(HOLD_WINDOW, self.config.ssd.read_depth)
 
     def get_many(self, keys: Sequence[bytes]) -> list[BlockView | None]:
         """`get` for each key. The SSD-only blocks among them are read with up to

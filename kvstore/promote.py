@@ -187,6 +187,7 @@ class Promotions:
                                   meta=block.meta)  # fmt: skip
                 entry.staging = AlignedBuffer(size)
                 dst = entry.staging.view
+                self._dram.staging_taken()
         except BaseException:
             ssd.unpin(block)
             del self._inflight[key]
