@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvoffload.errors import CapacityError, ConfigError
+from kvoffload.errors import CapacityError, ConfigError, KVOffloadError
 from kvoffload.kvstore.arena import Arena
 from kvoffload.kvstore.config import PAGE, DramConfig
 from kvoffload.kvstore.eviction import make_policy
@@ -118,9 +118,18 @@ class DramTier:
         return self.arena.view[entry.offset : end]
 
     def value(self, entry: DramEntry) -> memoryview:
+        """The entry's value bytes.
+
+        Raises:
+            KVOffloadError: the engine closed (its arena is unmapped) under a copy-out that
+                runs without the lock.
+        """
         if entry.staging is not None:
             return entry.staging.view[: entry.length]
-        return self.arena.view[entry.offset : entry.offset + entry.length]
+        try:
+            return self.arena.view[entry.offset : entry.offset + entry.length]
+        except ValueError:  # the released view of a closed arena
+            raise KVOffloadError("the engine is closed") from None
 
     def reserve(
         self,

@@ -578,7 +578,7 @@ class Engine(_EngineReads):
                 durable stays durable; the next open replays the journal).
         """
         with self._lock:
-            if self._m.closed:
+            if self._m.closed or self._m.closing:
                 return
         self._m.mover.close(self.config.ssd.flush_on_close)
 

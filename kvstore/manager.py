@@ -52,6 +52,7 @@ class Manager:
         self._children: dict[bytes, set[bytes]] = {}
         self._tick = 0
         self.closed = False
+        self.closing = False  # close() began: new calls fail, in-flight reads finish
         self.quotas: dict[str, int] = {}
         # Per-tenant recency, to evict a tenant's own coldest blocks when it hits its quota.
         self._tenant_recency: dict[str, OrderedDict[bytes, None]] = {}
@@ -95,7 +96,7 @@ class Manager:
             self.listener(kind, key, tier)
 
     def check_open(self) -> None:
-        if self.closed:
+        if self.closed or self.closing:
             raise KVOffloadError("the engine is closed")
 
     def next_tick(self) -> int:
