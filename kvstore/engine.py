@@ -89,6 +89,7 @@ class PutReservation:
         when that does not hold; True when the value was published.
 
         Raises:
+            KVOffloadError: the engine closed (or began to) since the slot was reserved.
             StorageIOError: a durable write failed (EIO, ENOSPC, journal failure).
             CapacityError: no SSD slot could be freed for a durable write.
             InvalidArgumentError: `if_stored` with a durable reservation.

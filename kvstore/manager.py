@@ -196,6 +196,11 @@ class Manager:
         if durable:
             return self.mover.commit_durable(entry)
         with self.lock:
+            if self.closed or self.closing:
+                # close() began after the reservation: a value published now would be in no
+                # tier once it ends (its flush may be over), so the put fails instead.
+                self.unpin_locked(entry)
+                raise KVOffloadError("the engine is closed")
             if if_stored is not None and self.stored(entry.key) != if_stored:
                 self.unpin_locked(entry)  # never published: frees the slot
                 return False

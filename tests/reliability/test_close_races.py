@@ -14,6 +14,7 @@ import pytest
 
 from kvoffload.client_sdk import Client
 from kvoffload.errors import KVOffloadError
+from kvoffload.kvstore import DramConfig, Engine, EngineConfig
 
 ROUNDS = 12
 CALLS = 40  # per thread and round
@@ -109,3 +110,15 @@ def test_kv_calls_racing_close_raise_kvoffload_errors(start_daemon: Any) -> None
         client = Client.connect(daemon.url())
         _check(_race(client))
         _check(_after_close(client))
+
+
+def test_a_reservation_committed_after_close_fails(tmp_path: Path) -> None:
+    # A put that reserved before close() and commits after it was acknowledged before and lost
+    # (the close's flush was over): it fails now.
+    engine = Engine(EngineConfig(DramConfig(capacity_bytes=1 << 20, prefault=False)))
+    reservation = engine.reserve(bytes(16), 100)
+    engine.close()
+    with pytest.raises(KVOffloadError, match="closed"):
+        reservation.commit()
+    with pytest.raises(KVOffloadError, match="closed"):
+        engine.put(bytes(16), b"x")
