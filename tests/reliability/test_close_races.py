@@ -112,7 +112,7 @@ def test_kv_calls_racing_close_raise_kvoffload_errors(start_daemon: Any) -> None
         _check(_after_close(client))
 
 
-def test_a_reservation_committed_after_close_fails(tmp_path: Path) -> None:
+def test_a_reservation_committed_after_close_fails() -> None:
     # A put that reserved before close() and commits after it was acknowledged before and lost
     # (the close's flush was over): it fails now.
     engine = Engine(EngineConfig(DramConfig(capacity_bytes=1 << 20, prefault=False)))
