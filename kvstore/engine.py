@@ -32,6 +32,7 @@ from kvoffload.kvstore.manager import (
     TierListener,
     acquire_many,
     described,
+    lookup,
 )
 from kvoffload.kvstore.ssd import META_NAME, Recovery, SsdTier
 from kvoffload.kvstore.stats import EngineStats, TierStats, snapshot
@@ -56,8 +57,7 @@ KEY_BYTES = 16
 # Block metadata is opaque here; the fronts bound it more tightly (client_sdk.BlockMeta). This
 # bound keeps a put's journal records few whatever a caller passes.
 MAX_META_BYTES = 4096
-# Blocks of a batched get a caller should hold at once (at least the SSD read depth).
-HOLD_WINDOW = 16
+HOLD_WINDOW = 16  # `hold_window`, unless the SSD read depth is larger
 
 
 class PutReservation:
@@ -259,10 +259,8 @@ class _EngineReads(_EngineState):
 
     @property
     def hold_window(self) -> int:
-        """How many blocks of a batched get a caller should hold at once: blocks that find
-        DRAM all pinned (by held blocks) are read into side buffers of their own, so a caller
-        that asks in windows of this many holds at most this many of those. (`get_many_into`
-        pins its whole batch: its DRAM hits then survive its own SSD reads.)"""
+        """Blocks of a batched get a caller should hold at once: with DRAM all pinned, each
+        further SSD block takes a side buffer (see docs/architecture.md, the engine)."""
         return max(HOLD_WINDOW, self.config.ssd.read_depth)
 
     def get_many(self, keys: Sequence[bytes]) -> list[BlockView | None]:
@@ -515,7 +513,7 @@ class Engine(_EngineReads):
         `tiers`, each run key's tier ("dram", or "ssd" only on the SSD) is appended to it."""
         for key in keys:
             _check_key(key)
-        return self._m.lookup(keys, tiers)
+        return lookup(self._m, keys, tiers)
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Start reading SSD-only blocks of `keys` into DRAM in the background.
