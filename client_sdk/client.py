@@ -24,7 +24,14 @@ from kvoffload.client_sdk.request_layer import (
     to_keys,
 )
 from kvoffload.client_sdk.transports import open_async_transport, open_transport
-from kvoffload.client_sdk.transports.base import AsyncTransport, HeldBlock, Received, Transport
+from kvoffload.client_sdk.transports.base import (
+    AsyncTransport,
+    HeldBlock,
+    Received,
+    Transport,
+    hold_window,
+    windows,
+)
 from kvoffload.client_sdk.url import DEFAULT_URL, parse_url
 from kvoffload.client_sdk.wire.block import peek_codec
 from kvoffload.client_sdk.wire.blockmeta import BlockMeta
@@ -168,8 +175,13 @@ class Client:
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """`get` for each key, in as few round trips as the transport allows."""
-        held = self._transport.get_many(to_keys(keys))
-        return [self._requests.read_bytes(k, h) for k, h in zip(keys, held, strict=True)]
+        block_keys = to_keys(keys)
+        out: list[bytes | None] = []
+        # In windows where held blocks pin the store's memory (local://).
+        for part in windows(len(block_keys), hold_window(self._transport)):
+            held = self._transport.get_many(block_keys[part])
+            out += [self._requests.read_bytes(k, h) for k, h in zip(keys[part], held, strict=True)]
+        return out
 
     def get_many_into(self, keys: Sequence[bytes], buffers: Sequence[object]) -> list[int | None]:
         """`get_into` for each key with its own buffer, in as few round trips as the transport
@@ -184,8 +196,11 @@ class Client:
                 block is left in any buffer).
         """
         dsts, block_keys = many_into(keys, buffers)
-        got = self._transport.get_many_into(block_keys, [d.data for d in dsts])
-        return self._requests.read_many_into(keys, got, dsts)
+        out: list[int | None] = []
+        for part in windows(len(block_keys), hold_window(self._transport)):
+            got = self._transport.get_many_into(block_keys[part], [d.data for d in dsts[part]])
+            out += self._requests.read_many_into(keys[part], got, dsts[part])
+        return out
 
     def exists(self, key: bytes) -> bool:
         """Whether the store holds `key`; False also when the store cannot be reached."""
@@ -346,10 +361,15 @@ class AsyncClient:
         self, keys: Sequence[bytes], buffers: Sequence[object]
     ) -> list[int | None]:
         dsts, block_keys = many_into(keys, buffers)
-        got = await self._transport.get_many_into(block_keys, [d.data for d in dsts])
-        if any(encoded(h) for h in got):
-            return await asyncio.to_thread(self._read_many_into, keys, got, dsts)
-        return self._read_many_into(keys, got, dsts)
+        out: list[int | None] = []
+        for part in windows(len(block_keys), hold_window(self._transport)):
+            at = block_keys[part]
+            got = await self._transport.get_many_into(at, [d.data for d in dsts[part]])
+            if any(encoded(h) for h in got):
+                out += await asyncio.to_thread(self._read_many_into, keys[part], got, dsts[part])
+            else:
+                out += self._read_many_into(keys[part], got, dsts[part])
+        return out
 
     def _read_many_into(
         self,
@@ -360,10 +380,15 @@ class AsyncClient:
         return self._requests.read_many_into(keys, got, dsts)
 
     async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        held = await self._transport.get_many(to_keys(keys))
-        if any(h is not None and peek_codec(h.data) != CODEC_NONE for h in held):
-            return await asyncio.to_thread(self._read_all, keys, held)
-        return self._read_all(keys, held)
+        block_keys = to_keys(keys)
+        out: list[bytes | None] = []
+        for part in windows(len(block_keys), hold_window(self._transport)):
+            held = await self._transport.get_many(block_keys[part])
+            if any(h is not None and peek_codec(h.data) != CODEC_NONE for h in held):
+                out += await asyncio.to_thread(self._read_all, keys[part], held)
+            else:
+                out += self._read_all(keys[part], held)
+        return out
 
     def _read_all(self, keys: Sequence[bytes], held: list[HeldBlock | None]) -> list[bytes | None]:
         return [self._requests.read_bytes(k, h) for k, h in zip(keys, held, strict=True)]

@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvoffload.errors import CapacityError, ConfigError
+from kvoffload.errors import CapacityError, ConfigError, KVOffloadError
 from kvoffload.kvstore.arena import Arena
 from kvoffload.kvstore.config import PAGE, DramConfig
 from kvoffload.kvstore.eviction import make_policy
@@ -64,6 +64,8 @@ class DramTier:
         self.slot_ends: dict[int, DramEntry] = {}
         self.last_hole = (0, 0)  # the free extent the last freed slot became part of
         self.tenant_used: dict[str, int] = {}  # slot bytes held per tenant
+        # Side buffers of gets that found DRAM all pinned: taken in all, held now, most held.
+        self.staged_gets = self.staged = self.staged_peak = 0
         self._prefault = config.prefault
 
     def map_arena(self) -> None:
@@ -80,6 +82,12 @@ class DramTier:
                 "lower dram.capacity_bytes"
             ) from exc
 
+    def staging_taken(self) -> None:
+        """A get's block goes to a side buffer of its own (freed in `free`)."""
+        self.staged_gets += 1
+        self.staged += 1
+        self.staged_peak = max(self.staged_peak, self.staged)
+
     def place(self, entry: DramEntry) -> None:
         """Record an entry on the slot just allocated for it."""
         self.slots[entry.offset] = self.slot_ends[entry.offset + entry.slot] = entry
@@ -88,6 +96,7 @@ class DramTier:
     def free(self, entry: DramEntry) -> None:
         """Give back an unpinned entry's slot (or staging buffer)."""
         if entry.staging is not None:
+            self.staged -= 1
             with contextlib.suppress(BufferError):  # a caller's view may outlive the release
                 entry.staging.close()
             return
@@ -109,9 +118,18 @@ class DramTier:
         return self.arena.view[entry.offset : end]
 
     def value(self, entry: DramEntry) -> memoryview:
+        """The entry's value bytes.
+
+        Raises:
+            KVOffloadError: the engine closed (its arena is unmapped) under a copy-out that
+                runs without the lock.
+        """
         if entry.staging is not None:
             return entry.staging.view[: entry.length]
-        return self.arena.view[entry.offset : entry.offset + entry.length]
+        try:
+            return self.arena.view[entry.offset : entry.offset + entry.length]
+        except ValueError:  # the released view of a closed arena
+            raise KVOffloadError("the engine is closed") from None
 
     def reserve(
         self,

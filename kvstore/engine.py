@@ -32,6 +32,7 @@ from kvoffload.kvstore.manager import (
     TierListener,
     acquire_many,
     described,
+    lookup,
 )
 from kvoffload.kvstore.ssd import META_NAME, Recovery, SsdTier
 from kvoffload.kvstore.stats import EngineStats, TierStats, snapshot
@@ -56,6 +57,7 @@ KEY_BYTES = 16
 # Block metadata is opaque here; the fronts bound it more tightly (client_sdk.BlockMeta). This
 # bound keeps a put's journal records few whatever a caller passes.
 MAX_META_BYTES = 4096
+HOLD_WINDOW = 16  # `hold_window`, unless the SSD read depth is larger
 
 
 class PutReservation:
@@ -87,6 +89,7 @@ class PutReservation:
         when that does not hold; True when the value was published.
 
         Raises:
+            KVOffloadError: the engine closed (or began to) since the slot was reserved.
             StorageIOError: a durable write failed (EIO, ENOSPC, journal failure).
             CapacityError: no SSD slot could be freed for a durable write.
             InvalidArgumentError: `if_stored` with a durable reservation.
@@ -252,6 +255,13 @@ class _EngineReads(_EngineState):
     keep that class readable.)"""
 
     _dram: DramTier
+    config: EngineConfig
+
+    @property
+    def hold_window(self) -> int:
+        """Blocks of a batched get a caller should hold at once: with DRAM all pinned, each
+        further SSD block takes a side buffer (see docs/architecture.md, the engine)."""
+        return max(HOLD_WINDOW, self.config.ssd.read_depth)
 
     def get_many(self, keys: Sequence[bytes]) -> list[BlockView | None]:
         """`get` for each key. The SSD-only blocks among them are read with up to
@@ -503,7 +513,7 @@ class Engine(_EngineReads):
         `tiers`, each run key's tier ("dram", or "ssd" only on the SSD) is appended to it."""
         for key in keys:
             _check_key(key)
-        return self._m.lookup(keys, tiers)
+        return lookup(self._m, keys, tiers)
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Start reading SSD-only blocks of `keys` into DRAM in the background.
@@ -567,7 +577,7 @@ class Engine(_EngineReads):
                 durable stays durable; the next open replays the journal).
         """
         with self._lock:
-            if self._m.closed:
+            if self._m.closed or self._m.closing:
                 return
         self._m.mover.close(self.config.ssd.flush_on_close)
 

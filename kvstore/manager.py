@@ -22,7 +22,7 @@ from kvoffload.kvstore.extents import slot_bytes
 from kvoffload.kvstore.mover import Mover
 from kvoffload.kvstore.ssd import SsdIndex, SsdTier
 
-__all__ = ["DescribedBlock", "Manager", "TierListener", "acquire_many", "described"]
+__all__ = ["DescribedBlock", "Manager", "TierListener", "acquire_many", "described", "lookup"]
 
 # listener(kind, key, tier): kind "stored" or "removed", tier "dram" or "ssd".
 TierListener = Callable[[str, bytes, str], None]
@@ -52,6 +52,7 @@ class Manager:
         self._children: dict[bytes, set[bytes]] = {}
         self._tick = 0
         self.closed = False
+        self.closing = False  # close() began: new calls fail, in-flight reads finish
         self.quotas: dict[str, int] = {}
         # Per-tenant recency, to evict a tenant's own coldest blocks when it hits its quota.
         self._tenant_recency: dict[str, OrderedDict[bytes, None]] = {}
@@ -95,25 +96,12 @@ class Manager:
             self.listener(kind, key, tier)
 
     def check_open(self) -> None:
-        if self.closed:
+        if self.closed or self.closing:
             raise KVOffloadError("the engine is closed")
 
     def next_tick(self) -> int:
         self._tick += 1
         return self._tick
-
-    def lookup(self, keys: Sequence[bytes], tiers: list[str] | None = None) -> int:
-        """Leading keys either tier holds (called unlocked); `tiers` as in `Engine.lookup`."""
-        with self.lock:
-            self.check_open()
-            for n, key in enumerate(keys):
-                if not self.stored(key):
-                    return n
-                if tiers is not None:
-                    tiers.append("dram" if key in self.index else "ssd")
-                if self.sketch is not None:
-                    self.sketch.add(key)
-            return len(keys)
 
     def stored(self, key: bytes) -> bool:
         return key in self.index or (self.ssd is not None and self.ssd.contains(key))
@@ -195,6 +183,11 @@ class Manager:
         if durable:
             return self.mover.commit_durable(entry)
         with self.lock:
+            if self.closed or self.closing:
+                # close() began after the reservation: a value published now would be in no
+                # tier once it ends (its flush may be over), so the put fails instead.
+                self.unpin_locked(entry)
+                raise KVOffloadError("the engine is closed")
             if if_stored is not None and self.stored(entry.key) != if_stored:
                 self.unpin_locked(entry)  # never published: frees the slot
                 return False
@@ -338,6 +331,20 @@ class Manager:
         entry = self.index.get(key)
         if entry is not None:
             self._policy.set_rank(key, self.rank(key, entry.parent))
+
+
+def lookup(m: Manager, keys: Sequence[bytes], tiers: list[str] | None = None) -> int:
+    """Leading keys either tier holds (called unlocked); `tiers` as in `Engine.lookup`."""
+    with m.lock:
+        m.check_open()
+        for n, key in enumerate(keys):
+            if not m.stored(key):
+                return n
+            if tiers is not None:
+                tiers.append("dram" if key in m.index else "ssd")
+            if m.sketch is not None:
+                m.sketch.add(key)
+        return len(keys)
 
 
 def acquire_many(

@@ -110,10 +110,13 @@ class Mover(Promotions):
         """The engine's close (called without the lock): stop the prefetch pool, write DRAM-only
         blocks to the SSD (`flush`), then retire every DRAM entry, unmap the arena and detach
         the SSD tier, which is closed last, outside the lock."""
+        with self._lock:
+            self._m.closing = True  # calls from now on fail with KVOffloadError
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
         if self.reads is not None:
             self.reads.shutdown(wait=True)
+        self._wait_reads()
         try:
             if self.ssd is not None and flush:
                 self.flush()
@@ -129,6 +132,17 @@ class Mover(Promotions):
                 m.detach_ssd()
             if ssd is not None:
                 ssd.close()
+
+    def _wait_reads(self) -> None:
+        """Wait until no promotion is in flight (called without the lock): a get that began
+        before close finishes its reads on an SSD tier and an arena still there."""
+        while True:
+            with self._lock:
+                events = list(self._inflight.values())
+            if not events:
+                return
+            for event in events:
+                event.wait()
 
     def delete(self, key: bytes) -> bool:
         """Remove `key` from both tiers (called without the lock); True if it was stored. The

@@ -65,6 +65,7 @@ class Promotions:
                 event.wait()
             finally:
                 self._lock.acquire()
+            self._m.check_open()  # close() may have begun (or ended) meanwhile
             done = self._m.index.get(key)
             if done is not None:
                 return done
@@ -114,7 +115,11 @@ class Promotions:
         self._lock.release()
         try:
             for read in todo:
-                futures[reads.submit(_read_or_miss, ssd.read_unlocked, read)] = read
+                try:
+                    future = reads.submit(_read_or_miss, ssd.read_unlocked, read)
+                except RuntimeError:  # the pool shut down: close() began meanwhile
+                    raise KVOffloadError("the engine is closed") from None
+                futures[future] = read
             for future in as_completed(futures):
                 read = futures[future]
                 ok = future.result()
@@ -187,6 +192,7 @@ class Promotions:
                                   meta=block.meta)  # fmt: skip
                 entry.staging = AlignedBuffer(size)
                 dst = entry.staging.view
+                self._dram.staging_taken()
         except BaseException:
             ssd.unpin(block)
             del self._inflight[key]
@@ -241,7 +247,12 @@ class Promotions:
                         todo.append(key)
         if self.pool is not None:
             for key in todo:
-                self.pool.submit(self._prefetch_one, key)
+                try:
+                    self.pool.submit(self._prefetch_one, key)
+                except RuntimeError:  # the pool shut down: close() began meanwhile
+                    with self._lock:
+                        self._queued.difference_update(todo)
+                    raise KVOffloadError("the engine is closed") from None
         return found
 
     def _prefetch_one(self, key: bytes) -> None:

@@ -54,6 +54,10 @@ class EngineStats:
     durable_puts: int = 0
     admission_rejected: int = 0  # DRAM evictions the admission filter kept off the SSD
     checkpoints: int = 0
+    # Gets of SSD blocks read into a side buffer of their own because pinned views held all of
+    # DRAM, and the most such buffers held at once (a batch's are bounded by its caller).
+    staged_gets: int = 0
+    staged_peak: int = 0
     recovery: dict[str, object] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
@@ -83,5 +87,7 @@ def snapshot(m: Manager, policy: str) -> EngineStats:
         durable_puts=n["durable"],
         admission_rejected=n["admission_rejected"],
         checkpoints=ssd.counters.checkpoints if ssd is not None else 0,
+        staged_gets=m.dram.staged_gets,
+        staged_peak=m.dram.staged_peak,
         recovery=asdict(ssd.recovery) if ssd is not None else {},
     )

@@ -24,7 +24,7 @@ from kvoffload.client_sdk.wire.native import (
     SinkFull,
 )
 from kvoffload.client_sdk.wire.shards import shard_of
-from kvoffload.errors import KVOffloadError
+from kvoffload.errors import CapacityError, KVOffloadError
 from kvoffload.kvstore import PutReservation
 from kvoffload.nvmeof_target.events import stored_meta
 
@@ -170,7 +170,7 @@ async def _reserve_off_loop(
 
 def _reserve(s: NativeSession, pending: PendingPut, items: list[int]) -> PendingPut:
     """Reserve the slots of `items` (on any thread); a failure gives back every slot of the
-    put and is kept in `error`."""
+    put not committed yet and is kept in `error`."""
     if pending.error is not None or not items:
         return pending
     me = s.me
@@ -188,7 +188,8 @@ def _reserve(s: NativeSession, pending: PendingPut, items: list[int]) -> Pending
                 # a chain here, rather than look like an orphan (first to be evicted).
                 if parent is not None and shard_of(parent, shard.count) != shard.index:
                     parent = None
-            pending.reserved[i] = s.engine.reserve(
+            reserve = partial(
+                s.engine.reserve,
                 me.key(key),
                 length,
                 parent=me.opt_key(parent),
@@ -196,10 +197,56 @@ def _reserve(s: NativeSession, pending: PendingPut, items: list[int]) -> Pending
                 tenant=me.name,
                 meta=meta,
             )
+            try:
+                pending.reserved[i] = reserve()
+            except CapacityError:
+                # The batch's own received values pin the arena: commit them (in order, as
+                # the engine's put_many would have by now) so that they can be evicted, then
+                # try once more. A batch larger than DRAM then stores what fits.
+                if not _commit_received(s, pending, before=i):
+                    raise
+                pending.reserved[i] = reserve()
     except KVOffloadError as exc:
         pending.abort()
         pending.error = exc
     return pending
+
+
+def _commit_received(s: NativeSession, pending: PendingPut, *, before: int) -> bool:
+    """Commit the reserved (so fully received) values of items before `before`, in order;
+    False if there were none."""
+    done = sorted(i for i in pending.reserved if i < before)
+    if done:
+        _commit(s, pending, done)
+    return bool(done)
+
+
+def _commit(s: NativeSession, pending: PendingPut, indices: list[int]) -> None:
+    """Commit the reservations of `indices` in order (on any thread), announcing them to the
+    KV events first; every one not committed is given back if one fails.
+
+    Raises:
+        KVOffloadError: from a commit (the values before it stay stored).
+    """
+    events, me = s.services.events, s.me
+    keys = []
+    for i in indices:
+        key, _, parent, meta = pending.items[i]
+        keys.append(me.key(key))
+        if events is not None:
+            events.expect(keys[-1], key, parent, me.name,
+                          None if meta is None else BlockMeta.decode(meta))  # fmt: skip
+    try:
+        for i in indices:
+            pending.reserved.pop(i).commit()
+    finally:
+        for i in indices:
+            reservation = pending.reserved.pop(i, None)
+            if reservation is not None:
+                reservation.abort()
+        if events is not None:
+            for engine_key in keys:
+                events.settle(engine_key)
 
 
 def _sink(s: NativeSession, pending: PendingPut) -> None:
@@ -216,26 +263,8 @@ def _end_put(s: NativeSession, pending: PendingPut) -> Awaitable[object] | None:
         s.fail(rid, pending.error)
         return None
     answer: Event = PutDone(rid) if isinstance(pending.request, Put) else PutManyDone(rid)
-
-    events = s.services.events
-    me = s.me
-    keys = [(me.key(key), key, parent, meta) for key, _, parent, meta in pending.items]
-    reservations = [pending.reserved[i] for i in range(len(pending.items))]
-    if events is not None:
-        for engine_key, key, parent, meta in keys:
-            events.expect(engine_key, key, parent, me.name,
-                          None if meta is None else BlockMeta.decode(meta))  # fmt: skip
-
-    def commit() -> None:
-        try:
-            for reservation in reservations:
-                reservation.commit()
-        finally:
-            for reservation in reservations:
-                reservation.abort()  # no-op for the committed ones
-            if events is not None:
-                for engine_key, *_ in keys:
-                    events.settle(engine_key)
+    # What is left: values committed early to make room (`_reserve`) are stored already.
+    commit = partial(_commit, s, pending, sorted(pending.reserved))
 
     def done(_: None) -> None:
         s.bytes_in.inc(pending.request.payload_length)

@@ -235,6 +235,20 @@ class AsyncTransport(Protocol):
     async def close(self) -> None: ...
 
 
+def hold_window(transport: object) -> int:
+    """How many blocks of a batched get a client should hold at once (0: all). A transport
+    whose held blocks pin the store's memory (local://) sets `hold_window`."""
+    window = getattr(transport, "hold_window", 0)
+    return window if isinstance(window, int) else 0
+
+
+def windows(n: int, window: int) -> list[slice]:
+    """`n` items in slices of `window` (one slice when `window` is 0)."""
+    if window <= 0 or n <= window:
+        return [slice(0, n)]
+    return [slice(lo, lo + window) for lo in range(0, n, window)]
+
+
 class ThreadedAsyncTransport:
     """Serves the async API from a sync transport: calls that move value bytes run in a worker
     thread (copies release the GIL), index-only calls run inline because they take microseconds.
@@ -245,6 +259,11 @@ class ThreadedAsyncTransport:
 
     async def open(self) -> None:
         pass
+
+    @property
+    def hold_window(self) -> int:
+        """The inner transport's (`hold_window`), 0 if it sets none."""
+        return hold_window(self._inner)
 
     @property
     def max_value_bytes(self) -> int:

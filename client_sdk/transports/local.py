@@ -72,6 +72,12 @@ class LocalTransport:
         self._owned = owned
 
     @property
+    def hold_window(self) -> int:
+        """The most blocks of a batched get the client holds at once: held blocks pin the
+        engine's memory (`Engine.hold_window`)."""
+        return self.engine.hold_window
+
+    @property
     def max_value_bytes(self) -> int:
         return self.engine.max_value_bytes
 

@@ -11,7 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvoffload.errors import CapacityError, ConfigError, InvalidArgumentError, StorageIOError
+from kvoffload.errors import (
+    CapacityError,
+    ConfigError,
+    InvalidArgumentError,
+    KVOffloadError,
+    StorageIOError,
+)
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
 
 BLOCK = 200_000
@@ -404,6 +410,9 @@ def test_a_closed_engine_has_no_ssd_tier_left(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="SSD tier"):
         engine.set_quota("a", None, ssd_bytes=1 << 20)
     engine.set_quota("new tenant", 1 << 20)  # no SSD books to touch
-    open_put.commit()  # the key's SSD row belongs to a closed tier: nothing to drop there
+    # Committed after close: refused (it would be in no tier), and the closed SSD tier is not
+    # touched; the reopened store has the durable value.
+    with pytest.raises(KVOffloadError, match="closed"):
+        open_put.commit()
     with Engine(config(tmp_path)) as reopened:
         assert read(reopened, 1) == value(1)
