@@ -141,12 +141,13 @@ class SsdCatalog:
         winners = newest[first]
         winners = winners[kinds[winners] == jr.PUT]
         winners = winners[np.argsort(records["seq"][winners], kind="stable")]  # oldest first
-        refused = self._install(records[winners])
-        self.meta.install(records, records["seq"][winners], lambda k: self.find(k) != EMPTY)
-        return refused
+        final = records[winners]
+        kept = self._install(final)
+        self.meta.install(records, final[kept])
+        return int((~kept).sum())
 
-    def _install(self, final: npt.NDArray[np.void]) -> int:
-        """Load PUT records into an empty index and allocator; returns how many were refused."""
+    def _install(self, final: npt.NDArray[np.void]) -> npt.NDArray[np.bool_]:
+        """Load PUT records into an empty index and allocator; returns which were kept."""
         rows = np.zeros(len(final), dtype=ROW_DTYPE)
         for name in ("key", "parent", "page", "length", "tenant", "seq"):
             rows[name] = final[name]
@@ -154,7 +155,7 @@ class SsdCatalog:
         rows["crc"] = final["pcrc"]
         ok = restore_slots(self.alloc, rows["page"], rows["length"], self.max_value_bytes)
         self.index.load(rows[ok])
-        return int((~ok).sum())
+        return ok
 
     def tenant_id(self, name: str) -> int:
         tid = self._tenant_ids.get(name)
