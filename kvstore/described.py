@@ -2,10 +2,10 @@
 announces what a restarted store holds.
 
 A store may hold millions of such blocks, and every request waits for the engine's lock while
-they are listed. So the lock is held only to take the books as they are (C-level copies of the
-SSD metadata book's keys and values, the index's tenant column when there are tenants, and the
-few DRAM entries with metadata); joining the metadata and finding tenants and tiers runs after
-the lock is released, in numpy. At 1M blocks the hold is tens of milliseconds.
+they are listed. So the lock is held only to take the books as they are (the SSD metadata book's
+snapshot: a copy of one mask and of the entries changed since the open; the index's tenant
+column when there are tenants; the few DRAM entries with metadata); joining the metadata and
+finding tenants and tiers runs after the lock is released, in numpy.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload.kvstore.ssd import journal as jr
+from kvoffload.kvstore.ssd.metabook import MetaSnapshot
 
 if TYPE_CHECKING:
     from kvoffload.kvstore.manager import Manager
@@ -87,8 +88,7 @@ class DescribedTable:
 class Listing:
     """The books as they were under the lock (`take_listing`); `table` does the rest."""
 
-    ssd_keys: list[bytes]
-    ssd_packed: list[bytes]  # each block's META records, as the SSD metadata book keeps them
+    ssd: MetaSnapshot | None  # the SSD metadata book
     tenants: list[str]
     index_keys: npt.NDArray[np.void] | None  # the SSD index's keys and tenants (with tenants)
     index_tenants: npt.NDArray[np.uint16] | None
@@ -96,8 +96,13 @@ class Listing:
 
     def table(self) -> DescribedTable:
         """The blocks as arrays, SSD blocks first (no lock needed)."""
-        keys, packed, n = self.ssd_keys, self.ssd_packed, len(self.ssd_keys)
-        body, starts, lengths = _bodies(packed)
+        keys: list[bytes] = []
+        body = np.zeros(0, np.uint8)
+        starts = lengths = np.zeros(0, np.int64)
+        if self.ssd is not None:
+            keys, records, first = self.ssd.records()
+            body, starts, lengths = _bodies(records, first)
+        n = len(keys)
         tenant = np.zeros(n, np.int64)
         if self.index_keys is not None and self.index_tenants is not None and n:
             of = dict(zip(self.index_keys.tolist(), self.index_tenants.tolist(), strict=True))
@@ -133,19 +138,11 @@ class Listing:
 
 
 def _bodies(
-    packed: list[bytes],
+    records: npt.NDArray[np.uint8], first: npt.NDArray[np.int64]
 ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """The metadata in packed META records: each record's 96-byte slice, joined (a block's
-    slices are consecutive and in order, ``u16 length ‖ metadata``), and where each block's
-    metadata starts and how long it is."""
-    n = len(packed)
-    records = np.frombuffer(b"".join(packed), np.uint8).reshape(-1, jr.RECORD_BYTES)
-    if len(records) == n:  # one record per block (up to 94 bytes of metadata)
-        first = np.arange(n, dtype=np.int64)
-    else:
-        first = np.zeros(n, np.int64)
-        np.cumsum(np.fromiter(map(len, packed), np.int64, n)[:-1] // jr.RECORD_BYTES,
-                  out=first[1:])  # fmt: skip
+    """The metadata in META records, (n, 128) bytes: each record's 96-byte slice, joined (a
+    block's slices are consecutive and in order, ``u16 length ‖ metadata``), and where each
+    block's metadata starts in it and how long it is."""
     at = jr.RECORD_BYTES - jr.META_SLICE
     length = records[first, at].astype(np.int64) | (records[first, at + 1].astype(np.int64) << 8)
     body = np.ascontiguousarray(records[:, at:]).ravel()
@@ -153,15 +150,16 @@ def _bodies(
 
 
 def take_listing(m: Manager) -> Listing:
-    """The books' contents (lock held): C-level copies, no per-block Python for SSD blocks."""
+    """The books' contents (lock held): copies of arrays and lists, no per-block Python for
+    SSD blocks (`MetaBook.snapshot`)."""
     dram = [(k, e.tenant, e.meta) for k, e in m.index.items() if e.live and e.meta is not None]
     ssd = m.ssd
     if ssd is None:
-        return Listing([], [], [""], None, None, dram)
-    book, index = ssd.cat.meta.packed, ssd.cat.index
+        return Listing(None, [""], None, None, dram)
+    index = ssd.cat.index
     keys, tids = None, None
     if len(ssd.tenants) > 1:
         live = index.live_rows()
         keys = np.ascontiguousarray(index.rows["key"][live]).view("V16")
         tids = index.rows["tenant"][live]
-    return Listing(list(book), list(book.values()), list(ssd.tenants), keys, tids, dram)
+    return Listing(ssd.cat.meta.snapshot(), list(ssd.tenants), keys, tids, dram)

@@ -371,7 +371,7 @@ class SsdCatalog:
                                  int(rows["seq"][old]), int(rows["crc"][old]),
                                  self.index.parent_of(old), int(rows["tenant"][old]),
                                  int(self.index.tick[old]),
-                                 self.meta.packed.get(plan.key))  # fmt: skip
+                                 self.meta.packed(plan.key))  # fmt: skip
             self.index.remove(old)
         self.index.insert(plan.key, page=plan.offset // PAGE, length=plan.length, seq=plan.seq,
                           crc=plan.crc, parent=plan.parent, tenant=plan.tenant,
