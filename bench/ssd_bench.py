@@ -498,8 +498,8 @@ def _serve_rows(store: Path, capacity: int, label: str, result: BenchResult) -> 
     """`kvoffload serve` on the store with events on: CPU seconds of the process (Python
     start-up and imports included) when it prints ``ready``, and the announce thread's."""
     cmd = [sys.executable, "-m", "kvoffload.cli", "serve", "--data-dir", str(store),
-           "--ssd", str(capacity), "--dram", "64MiB", "--port", "0", "--metrics-port", "0", "--nvme-port", "0",
-           "--events", "tcp://127.0.0.1:*", "--log-level", "info"]  # fmt: skip
+           "--ssd", str(capacity), "--dram", "64MiB", "--port", "0", "--metrics-port", "0",
+           "--nvme-port", "0", "--events", "tcp://127.0.0.1:*", "--log-level", "info"]  # fmt: skip
     err = store.parent / "serve.err"
     t0 = time.perf_counter()
     with open(err, "w") as err_file:
@@ -524,30 +524,33 @@ def _serve_rows(store: Path, capacity: int, label: str, result: BenchResult) -> 
     if found:
         result.rows.append(
             Row(f"restart_serve_announce/{label}", float(found.group(3)), "s", "before", 10.29,
-                note=f"CPU s of the daemon's announce thread, while serving (wall "
-                f"{float(found.group(2)):.2f} s); before = 2026-12-02")
+                note=f"CPU s of the daemon's announce thread, while serving ({found.group(1)} "
+                f"blocks, wall {float(found.group(2)):.2f} s); before = 2026-12-02")
         )  # fmt: skip
 
 
 def run(*, directory: str = ".", size_mib: int = 512, entries: int = 1_000_000,
         sizes: dict[str, int] | None = None, nixl: str = "on",
-        rounds: int = 3, batch: str = "on") -> BenchResult:  # fmt: skip
+        rounds: int = 3, batch: str = "on", restart: str = "on") -> BenchResult:  # fmt: skip
     """Measure in a scratch folder under `directory` (it must support O_DIRECT). `nixl`: "on"
     (with the NIXL rows), "off", or "only" (just them, `rounds` alternating rounds); `batch`
-    the same for the read_batch rows ("only" with `nixl` "off": just those)."""
+    the same for the read_batch rows ("only" with `nixl` "off": just those); `restart` the
+    same for the restart rows ("only": just those, without the other rows)."""
     result = BenchResult("ssd")
     work = Path(directory) / f"kvoffload-bench-ssd-{os.getpid()}"
     work.mkdir(parents=True)
     alone = nixl == "only" or batch == "only"
+    if restart == "only":
+        nixl = batch = "off"
     try:
-        if not alone:
+        if not alone and restart != "only":
             for label, size in (sizes or SIZES).items():
                 _tier_rows(work, label, size, size_mib << 20, result)
         if batch != "off":
             _batch_rows(work, size_mib << 20, rounds, result)
         if nixl != "off" and batch != "only":
             _nixl_rows(work, size_mib << 20, rounds, result)
-        if entries and not alone:
+        if entries and not alone and restart != "off":
             _restart_rows(work, entries, result)
             _announce_rows(work, entries, result)
     finally:
@@ -576,9 +579,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="on",
         help="rows of batched cold reads (get_many_into) vs serial and raw O_DIRECT",
     )
+    parser.add_argument(
+        "--restart",
+        choices=("on", "off", "only"),
+        default="on",
+        help="rows of restarts at --entries blocks: open, announce, a daemon until ready",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (NIXL, batch)")
 
 
 def run_from_args(args: argparse.Namespace) -> BenchResult:
     return run(directory=args.dir, size_mib=args.size, entries=args.entries, nixl=args.nixl,
-               rounds=args.rounds, batch=args.batch)  # fmt: skip
+               rounds=args.rounds, batch=args.batch, restart=args.restart)  # fmt: skip
