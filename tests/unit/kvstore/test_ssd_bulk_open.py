@@ -55,7 +55,10 @@ def test_keys_sharing_a_hash_both_come_back_with_their_newest_values(
             with view:
                 assert bytes(view.data) == (b"\xee" if k == b else bytes([i])) * BLOCK
         assert {x.key: x.meta for x in engine.described_blocks()} == {
-            a: b"old-0", b: b"new", c: b"old-2", d: b"old-3"
+            a: b"old-0",
+            b: b"new",
+            c: b"old-2",
+            d: b"old-3",
         }
 
 
@@ -117,3 +120,26 @@ def test_a_get_is_served_while_the_listing_works(
         getter.join(30)
         assert done and served == [keys[7] * (BLOCK // 16)]
         assert listed == [len(keys)]
+
+
+def test_changes_after_an_open_replace_what_it_installed(tmp_path: Path) -> None:
+    keys = [i.to_bytes(16, "little") for i in range(1, 41)]
+    with Engine(config(tmp_path)) as engine:
+        for i, k in enumerate(keys):
+            engine.put(k, bytes(BLOCK), durable=True, meta=b"v1-%d" % i + b"." * (i * 7))
+    want = {k: b"v1-%d" % i + b"." * (i * 7) for i, k in enumerate(keys)}
+    for round_ in range(2):  # the second open installs what the first one's changes left
+        with Engine(config(tmp_path)) as engine:
+            assert {b.key: b.meta for b in engine.described_blocks()} == want
+            changed, gone, bare = keys[3 + round_], keys[10 + round_], keys[20 + round_]
+            engine.put(changed, bytes(BLOCK), durable=True, meta=b"v2" * 60)
+            engine.delete(gone)
+            engine.put(bare, bytes(BLOCK), durable=True)  # a put without metadata drops it
+            want[changed] = b"v2" * 60
+            del want[gone], want[bare]
+            assert engine.meta_of(changed) == b"v2" * 60
+            assert engine.meta_of(gone) is None and engine.meta_of(bare) is None
+            assert engine.meta_of(keys[30]) == want[keys[30]]  # installed, untouched
+            assert {b.key: b.meta for b in engine.described_blocks()} == want
+            if round_:
+                engine.checkpoint()
