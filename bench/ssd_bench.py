@@ -555,11 +555,19 @@ def run(*, directory: str = ".", size_mib: int = 512, entries: int = 1_000_000,
             _announce_rows(work, entries, result)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    result.notes.append(
-        f"{size_mib} MiB per size, {THREADS} threads; write = durable put vs pwrite+fdatasync; "
-        "read = cold SSD read with verification vs O_DIRECT pread; index rows inserted through "
-        "the tier's bookkeeping for the restart case"
-    )
+    if restart != "only":
+        result.notes.append(
+            f"{size_mib} MiB per size, {THREADS} threads; write = durable put vs "
+            "pwrite+fdatasync; read = cold SSD read with verification vs O_DIRECT pread; index "
+            "rows inserted through the tier's bookkeeping for the restart case"
+        )
+    if entries and restart != "off":
+        result.notes.append(
+            f"restart rows: {entries} index rows inserted through the tier's bookkeeping (no "
+            "slot payloads); CPU s of this process or of the daemon's; load average "
+            + " ".join(f"{x:.1f}" for x in os.getloadavg())
+            + " at the end"
+        )
     return result
 
 
