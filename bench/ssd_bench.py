@@ -33,11 +33,9 @@ import importlib.util
 import json
 import mmap
 import os
-import re
 import shutil
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -45,7 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvoffload.bench.common import BenchResult, Row, daemon_ports, stop_process
+from kvoffload.bench.common import BenchResult, Row
+from kvoffload.bench.serve_restart import serve_rows
 from kvoffload.client_sdk import BlockMeta
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
 from kvoffload.kvstore.described import take_listing
@@ -447,7 +446,7 @@ def _announce_store(store: Path, entries: int) -> EngineConfig:
 
 def _announce_rows(directory: Path, entries: int, result: BenchResult) -> None:
     """A store of `entries` blocks with metadata, reopened and announced in this process, then
-    served by `kvoffload serve` with events on (`_serve_rows`)."""
+    served by `kvoffload serve` with events on (`serve_rows`)."""
     store = directory / "store-announce"
     config = _announce_store(store, entries)
     # A daemon serves once the engine is open; it announces afterwards, on a thread. CPU
@@ -481,52 +480,8 @@ def _announce_rows(directory: Path, entries: int, result: BenchResult) -> None:
             note="wall s the listing holds the engine lock (requests wait); before = the "
             "2026-12-02 listing's CPU s under the lock"),
     ]  # fmt: skip
-    _serve_rows(store, config.ssd.capacity_bytes, label, result)
+    result.rows += serve_rows(store, config.ssd.capacity_bytes, label)
     shutil.rmtree(store)
-
-
-def _proc_cpu(pid: int) -> float:
-    """User + system CPU seconds of a process so far (/proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-_ANNOUNCED = re.compile(r"announced (\d+) stored blocks: ([\d.]+) s, ([\d.]+) CPU-s")
-
-
-def _serve_rows(store: Path, capacity: int, label: str, result: BenchResult) -> None:
-    """`kvoffload serve` on the store with events on: CPU seconds of the process (Python
-    start-up and imports included) when it prints ``ready``, and the announce thread's."""
-    cmd = [sys.executable, "-m", "kvoffload.cli", "serve", "--data-dir", str(store),
-           "--ssd", str(capacity), "--dram", "64MiB", "--port", "0", "--metrics-port", "0",
-           "--nvme-port", "0", "--events", "tcp://127.0.0.1:*", "--log-level", "info"]  # fmt: skip
-    err = store.parent / "serve.err"
-    t0 = time.perf_counter()
-    with open(err, "w") as err_file:
-        env = {**os.environ, "KVOFFLOAD_DRAM__MAX_VALUE_BYTES": "65536"}  # the store's slots
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err_file, text=True, env=env)
-        try:
-            daemon_ports(proc, err)
-            ready, ready_cpu = time.perf_counter() - t0, _proc_cpu(proc.pid)
-            found = None
-            for _ in range(1200):  # the announce's log line, at most 10 minutes
-                found = _ANNOUNCED.search(err.read_text())
-                if found or proc.poll() is not None:
-                    break
-                time.sleep(0.5)
-        finally:
-            stop_process(proc)
-    result.rows.append(
-        Row(f"restart_serve/{label}", ready_cpu, "s", "goal_5s", 5.0,
-            note=f"CPU s of `kvoffload serve --events` until it prints ready (wall {ready:.2f} "
-            "s), Python start-up and imports included")
-    )  # fmt: skip
-    if found:
-        result.rows.append(
-            Row(f"restart_serve_announce/{label}", float(found.group(3)), "s", "before", 10.29,
-                note=f"CPU s of the daemon's announce thread, while serving ({found.group(1)} "
-                f"blocks, wall {float(found.group(2)):.2f} s); before = 2026-12-02")
-        )  # fmt: skip
 
 
 def run(*, directory: str = ".", size_mib: int = 512, entries: int = 1_000_000,
