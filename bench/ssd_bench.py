@@ -19,8 +19,11 @@
 - restart_announce/1M: the same store, every block stored with a vLLM-sized block's metadata
   (16 token ids and the engine's hashes): open it from its checkpoint (what a daemon waits for
   before it serves), then (restart_announce_cpu/1M) list the blocks from the index
-  (`Engine.described_blocks`, no slot read) and publish a `BlockStored` for each (what
-  `kvoffload serve` does on a thread once serving, with events on).
+  (`Engine.described_table`, no slot read) and publish a `BlockStored` for each (what
+  `kvoffload serve` does on a thread once serving, with events on); restart_announce_lock/1M:
+  how long the listing holds the engine's lock.
+- restart_serve/1M: `kvoffload serve --events` on that store: CPU seconds of the process when
+  it prints ready (time until serving), and (restart_serve_announce/1M) of its announce thread.
 """
 
 from __future__ import annotations
@@ -41,8 +44,10 @@ from pathlib import Path
 import numpy as np
 
 from kvoffload.bench.common import BenchResult, Row
+from kvoffload.bench.serve_restart import serve_rows
 from kvoffload.client_sdk import BlockMeta
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
+from kvoffload.kvstore.described import take_listing
 from kvoffload.nvmeof_target.config import EventsConfig
 from kvoffload.nvmeof_target.events import KVEvents
 
@@ -417,9 +422,9 @@ def _restart_rows(directory: Path, entries: int, result: BenchResult) -> None:
     ]  # fmt: skip
 
 
-def _announce_rows(directory: Path, entries: int, result: BenchResult) -> None:
-    """A store of `entries` header-only blocks with metadata, reopened and announced."""
-    store = directory / "store-announce"
+def _announce_store(store: Path, entries: int) -> EngineConfig:
+    """A store of `entries` header-only blocks, each with a vLLM-sized block's metadata (16
+    token ids and the engine's hashes: one META record), closed cleanly (a checkpoint)."""
     config = EngineConfig(
         DramConfig(capacity_bytes=64 << 20, max_value_bytes=64 << 10, prefault=False),
         SsdConfig(capacity_bytes=entries * PAGE + (16 << 20), flush_on_close=False),
@@ -436,21 +441,31 @@ def _announce_rows(directory: Path, entries: int, result: BenchResult) -> None:
                 meta = BlockMeta(tuple(tokens[i]), block_hash=i + 1, parent_hash=i or None)
                 plan = ssd.plan_write(keys[16 * i : 16 * i + 16], 0, None, "", meta.encode())
                 ssd.commit_write(plan)
-    # The close above wrote the checkpoint; this open is a clean restart. A daemon serves once
-    # the engine is open; it announces afterwards, on a thread. CPU seconds of this process (a
-    # shared machine does not inflate them); wall time is in the note.
+    return config
+
+
+def _announce_rows(directory: Path, entries: int, result: BenchResult) -> None:
+    """A store of `entries` blocks with metadata, reopened and announced in this process, then
+    served by `kvoffload serve` with events on (`serve_rows`)."""
+    store = directory / "store-announce"
+    config = _announce_store(store, entries)
+    # A daemon serves once the engine is open; it announces afterwards, on a thread. CPU
+    # seconds of this process (a shared machine inflates them less than wall time).
     events = KVEvents(EventsConfig(enabled=True, endpoint="inproc://kvoffload-bench"))
     t0, c0 = time.perf_counter(), time.process_time()
     with Engine(config) as again:
         opened, opened_wall = time.process_time() - c0, time.perf_counter() - t0
-        described = again.described_blocks()  # under the engine's lock
+        # What `described_table` does, timed in its two parts: under the lock, and after.
+        with again._lock:
+            listing = take_listing(again._m)
+        held, held_wall = time.process_time() - c0, time.perf_counter() - t0
+        table = listing.table()
         listed = time.process_time() - c0
-        announced = events.announce(described)
+        announced = events.announce(table)
         queued = time.process_time() - c0
         events.flush()  # every BlockStored packed and handed to the PUB socket
         total, wall = time.process_time() - c0, time.perf_counter() - t0
     assert announced == entries
-    shutil.rmtree(store)
     label = f"{entries // 1_000_000}M" if entries >= 1_000_000 else f"{entries // 1000}k"
     result.rows += [
         Row(f"restart_announce/{label}", opened, "s", "goal_5s", 5.0,
@@ -458,39 +473,56 @@ def _announce_rows(directory: Path, entries: int, result: BenchResult) -> None:
             "16 token ids per block"),
         Row(f"restart_announce_cpu/{label}", total - opened, "s", "before", 43.5,
             note=f"CPU s of the announce after serving starts: list {listed - opened:.2f} "
-            f"(engine lock held) + decode and encode {queued - listed:.2f} + publish "
-            f"{total - queued:.2f}; wall {wall - opened_wall:.2f} s; before = 2026-12-01"),
+            f"(engine lock held {held - opened:.3f} of it) + decode and encode "
+            f"{queued - listed:.2f} + publish {total - queued:.2f}; wall "
+            f"{wall - opened_wall:.2f} s; before = 2026-12-01"),
+        Row(f"restart_announce_lock/{label}", held_wall - opened_wall, "s", "before", 4.6,
+            note="wall s the listing holds the engine lock (requests wait); before = the "
+            "2026-12-02 listing's CPU s under the lock"),
     ]  # fmt: skip
+    result.rows += serve_rows(store, config.ssd.capacity_bytes, label)
+    shutil.rmtree(store)
 
 
 def run(*, directory: str = ".", size_mib: int = 512, entries: int = 1_000_000,
         sizes: dict[str, int] | None = None, nixl: str = "on",
-        rounds: int = 3, batch: str = "on") -> BenchResult:  # fmt: skip
+        rounds: int = 3, batch: str = "on", restart: str = "on") -> BenchResult:  # fmt: skip
     """Measure in a scratch folder under `directory` (it must support O_DIRECT). `nixl`: "on"
     (with the NIXL rows), "off", or "only" (just them, `rounds` alternating rounds); `batch`
-    the same for the read_batch rows ("only" with `nixl` "off": just those)."""
+    the same for the read_batch rows ("only" with `nixl` "off": just those); `restart` the
+    same for the restart rows ("only": just those, without the other rows)."""
     result = BenchResult("ssd")
     work = Path(directory) / f"kvoffload-bench-ssd-{os.getpid()}"
     work.mkdir(parents=True)
     alone = nixl == "only" or batch == "only"
+    if restart == "only":
+        nixl = batch = "off"
     try:
-        if not alone:
+        if not alone and restart != "only":
             for label, size in (sizes or SIZES).items():
                 _tier_rows(work, label, size, size_mib << 20, result)
         if batch != "off":
             _batch_rows(work, size_mib << 20, rounds, result)
         if nixl != "off" and batch != "only":
             _nixl_rows(work, size_mib << 20, rounds, result)
-        if entries and not alone:
+        if entries and not alone and restart != "off":
             _restart_rows(work, entries, result)
             _announce_rows(work, entries, result)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    result.notes.append(
-        f"{size_mib} MiB per size, {THREADS} threads; write = durable put vs pwrite+fdatasync; "
-        "read = cold SSD read with verification vs O_DIRECT pread; index rows inserted through "
-        "the tier's bookkeeping for the restart case"
-    )
+    if restart != "only":
+        result.notes.append(
+            f"{size_mib} MiB per size, {THREADS} threads; write = durable put vs "
+            "pwrite+fdatasync; read = cold SSD read with verification vs O_DIRECT pread; index "
+            "rows inserted through the tier's bookkeeping for the restart case"
+        )
+    if entries and restart != "off":
+        result.notes.append(
+            f"restart rows: {entries} index rows inserted through the tier's bookkeeping (no "
+            "slot payloads); CPU s of this process or of the daemon's; load average "
+            + " ".join(f"{x:.1f}" for x in os.getloadavg())
+            + " at the end"
+        )
     return result
 
 
@@ -510,9 +542,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="on",
         help="rows of batched cold reads (get_many_into) vs serial and raw O_DIRECT",
     )
+    parser.add_argument(
+        "--restart",
+        choices=("on", "off", "only"),
+        default="on",
+        help="rows of restarts at --entries blocks: open, announce, a daemon until ready",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (NIXL, batch)")
 
 
 def run_from_args(args: argparse.Namespace) -> BenchResult:
     return run(directory=args.dir, size_mib=args.size, entries=args.entries, nixl=args.nixl,
-               rounds=args.rounds, batch=args.batch)  # fmt: skip
+               rounds=args.rounds, batch=args.batch, restart=args.restart)  # fmt: skip

@@ -25,15 +25,9 @@ from kvoffload.buffers import Bytes, as_readable, as_writable
 from kvoffload.errors import ConfigError, InvalidArgumentError, KVOffloadError
 from kvoffload.kvstore.arena import Arena
 from kvoffload.kvstore.config import DramConfig, EngineConfig
+from kvoffload.kvstore.described import DescribedBlock, DescribedTable, take_listing
 from kvoffload.kvstore.dram import DramEntry, DramTier
-from kvoffload.kvstore.manager import (
-    DescribedBlock,
-    Manager,
-    TierListener,
-    acquire_many,
-    described,
-    lookup,
-)
+from kvoffload.kvstore.manager import Manager, TierListener, acquire_many, lookup
 from kvoffload.kvstore.ssd import META_NAME, Recovery, SsdTier
 from kvoffload.kvstore.stats import EngineStats, TierStats, snapshot
 
@@ -44,6 +38,7 @@ __all__ = [
     "TierListener",
     "BlockView",
     "DescribedBlock",
+    "DescribedTable",
     "Engine",
     "EngineStats",
     "PutReservation",
@@ -239,15 +234,20 @@ class _EngineState:
                 return entry.meta
             return self._ssd.cat.meta.get(key) if self._ssd is not None else None
 
-    def described_blocks(self) -> list[DescribedBlock]:
-        """Every stored block that has metadata: its key, tenant, metadata and tiers.
+    def described_table(self) -> DescribedTable:
+        """Every stored block that has metadata, as arrays: key, tenant, metadata, tiers.
 
         Read from the indexes alone (no slot is read), so a daemon can announce what a
-        restarted store holds. One pass under the lock; its cost grows with the blocks.
+        restarted store holds. The lock is held only to copy the books (`take_listing`).
         """
         with self._lock:
             self._m.check_open()
-            return described(self._m)
+            listing = take_listing(self._m)
+        return listing.table()
+
+    def described_blocks(self) -> list[DescribedBlock]:
+        """`described_table` as one `DescribedBlock` per block."""
+        return self.described_table().blocks()
 
 
 class _EngineReads(_EngineState):

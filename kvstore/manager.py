@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from kvoffload.errors import CapacityError, InvalidArgumentError, KVOffloadError
 from kvoffload.kvstore.admission import FrequencySketch
@@ -22,20 +21,10 @@ from kvoffload.kvstore.extents import slot_bytes
 from kvoffload.kvstore.mover import Mover
 from kvoffload.kvstore.ssd import SsdIndex, SsdTier
 
-__all__ = ["DescribedBlock", "Manager", "TierListener", "acquire_many", "described", "lookup"]
+__all__ = ["Manager", "TierListener", "acquire_many", "lookup"]
 
 # listener(kind, key, tier): kind "stored" or "removed", tier "dram" or "ssd".
 TierListener = Callable[[str, bytes, str], None]
-
-
-@dataclass(frozen=True, slots=True)
-class DescribedBlock:
-    """A stored block that has metadata (`Engine.described_blocks`)."""
-
-    key: bytes
-    tenant: str
-    meta: bytes
-    tiers: tuple[str, ...]  # "ssd" and/or "dram", SSD first (a durable put's order)
 
 
 class Manager:
@@ -376,25 +365,3 @@ def acquire_many(
             if held is not None:
                 m.unpin_locked(held)
         raise
-
-
-def described(m: Manager) -> list[DescribedBlock]:
-    """Every stored block with metadata, from the indexes (lock held)."""
-    out: list[DescribedBlock] = []
-    in_dram = {k: e for k, e in m.index.items() if e.live and e.meta is not None}
-    ssd = m.ssd
-    if ssd is not None:
-        cat = ssd.cat
-        tenants, rows, one = ssd.tenants, cat.index.rows, len(ssd.tenants) == 1
-        for key in cat.meta.packed:
-            meta = cat.meta.get(key)
-            assert meta is not None
-            # One tenant (the common case): no index probe per block.
-            tenant = tenants[0] if one else tenants[int(rows["tenant"][cat.index.find(key)])]
-            dram = in_dram.pop(key, None)
-            tiers = ("ssd", "dram") if dram is not None else ("ssd",)
-            out.append(DescribedBlock(key, tenant, meta, tiers))
-    for key, entry in in_dram.items():
-        assert entry.meta is not None
-        out.append(DescribedBlock(key, entry.tenant, entry.meta, ("dram",)))
-    return out

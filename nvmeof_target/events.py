@@ -49,7 +49,7 @@ import numpy.typing as npt
 import zmq
 
 from kvoffload.client_sdk.wire.blockmeta import BlockMeta
-from kvoffload.kvstore import DescribedBlock
+from kvoffload.kvstore import DescribedBlock, DescribedTable
 from kvoffload.nvmeof_target import events_bulk as bulk
 from kvoffload.nvmeof_target.config import EventsConfig
 from kvoffload.nvmeof_target.events_curve import Curve
@@ -380,7 +380,7 @@ class KVEvents(_Publisher):
         self._published[engine_key] = block
         return block
 
-    def announce(self, blocks: list[DescribedBlock]) -> int:
+    def announce(self, blocks: DescribedTable | list[DescribedBlock]) -> int:
         """Publish what a (restarted) store holds, as the engine's indexes describe it: one
         `BlockStored` per block and tier, SSD first, parents first. Returns how many blocks
         are announced (blocks whose metadata names no hash, stored without events, are not).
@@ -390,7 +390,7 @@ class KVEvents(_Publisher):
                 self._recording = []
         return self._announce(blocks)
 
-    def announce_later(self, fetch: Callable[[], list[DescribedBlock]]) -> None:
+    def announce_later(self, fetch: Callable[[], DescribedTable]) -> None:
         """`announce(fetch())` on a thread: the daemon serves meanwhile. Tier moves and deletes
         that happen while `fetch` lists the store are applied to what it listed."""
         with self._lock:
@@ -411,13 +411,11 @@ class KVEvents(_Publisher):
         self._announcer = threading.Thread(target=work, name="kvoffload-announce", daemon=True)
         self._announcer.start()
 
-    def _announce(self, blocks: list[DescribedBlock]) -> int:
-        n = len(blocks)
-        dec = bulk.decode([b.meta for b in blocks])
-        names: dict[str, int] = {}
-        topic = np.fromiter((names.setdefault(b.tenant, len(names)) for b in blocks), np.int64, n)
-        tiers = np.fromiter((_TIER_BITS.get(b.tiers, 0) for b in blocks), np.uint8, n)
-        keys = [b.key for b in blocks]
+    def _announce(self, blocks: DescribedTable | list[DescribedBlock]) -> int:
+        table_in = blocks if isinstance(blocks, DescribedTable) else DescribedTable.of(blocks)
+        dec = bulk.decode_joined(table_in.meta, table_in.starts, table_in.lengths)
+        topic, keys, names = table_in.tenant, table_in.keys, table_in.tenants
+        tiers = table_in.tiers.copy()  # the kvstore's tier bits are events_bulk's SSD and DRAM
         ok = np.flatnonzero(dec.ok)
         order = ok[bulk.event_order(dec.digest[ok], dec.parent[ok], dec.has_parent[ok], topic[ok])]
         row_of = dict(zip([keys[i] for i in ok.tolist()], ok.tolist(), strict=True))

@@ -22,13 +22,14 @@ import numpy.typing as npt
 
 from kvoffload.client_sdk.wire.blockmeta import MAX_META_TOKENS, MAX_NAME_BYTES, BlockMeta
 from kvoffload.errors import LocalProtocolError
+from kvoffload.kvstore.described import DRAM, SSD  # bits of a row's tiers, as the engine lists them
 
-__all__ = ["Announced", "decode", "encode_events", "event_order", "payload"]
+__all__ = ["DRAM", "SSD", "Announced", "decode", "decode_joined", "encode_events", "event_order",
+           "payload"]  # fmt: skip
 
 _HEAD = 24  # BlockMeta's fixed head: version, flags, count, block size, two hashes
 _HASH, _PARENT = 1, 2
 MEDIA = (b"STORAGE", b"CPU")  # medium codes 0 (ssd) and 1 (dram), as events.MEDIA names them
-SSD, DRAM = 1, 2  # bits of a row's tiers
 
 
 def _str(s: bytes) -> bytes:
@@ -80,8 +81,16 @@ def decode(metas: list[bytes]) -> Decoded:
     lengths = np.fromiter(map(len, metas), np.int64, n)
     starts = np.zeros(n, np.int64)
     np.cumsum(lengths[:-1], out=starts[1:])
+    return decode_joined(np.frombuffer(b"".join(metas), np.uint8), starts, lengths)
+
+
+def decode_joined(
+    joined: npt.NDArray[np.uint8], starts: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64]
+) -> Decoded:
+    """`decode` of the metadata at `joined[starts[i] : starts[i] + lengths[i]]` (what
+    `Engine.described_table` lists: no bytes object per block)."""
     # Padding: the fixed-width reads below may run past a short (malformed) last record.
-    buf = np.frombuffer(b"".join(metas) + bytes(_HEAD + 2 + 8), np.uint8)
+    buf = np.concatenate([joined, np.zeros(_HEAD + 2 + 8, np.uint8)])
     version, flags = buf[starts], buf[starts + 1]
     count = _u(buf, starts + 2, 2).astype(np.int64)
     size = _u(buf, starts + 4, 4).astype(np.int64)

@@ -130,7 +130,7 @@ class Daemon:
                 self._announce(what, host, port)
         if services.events is not None and config.events.announce:
             # After the fronts start, on a thread: a store of millions of blocks serves at once.
-            services.events.announce_later(engine.described_blocks)
+            services.events.announce_later(engine.described_table)
         if not tenants.open:
             log.info("%d tenant(s) configured; tokens required", len(config.tenants))
         elif config.native.host not in ("127.0.0.1", "localhost", "::1"):

@@ -215,7 +215,6 @@ def _surviving_meta(tier: SsdTier, kept: np.ndarray) -> MetaBook:
     first[1:] = (records["seq"][1:] != records["seq"][:-1]) | (
         records["tenant"][1:] != records["tenant"][:-1]
     )
-    keys = {k.ljust(16, b"\0") for k in kept["key"].tolist()}
     book = MetaBook()
-    book.install(records[first], kept["seq"], lambda key: key in keys)
+    book.install(records[first], kept)
     return book

@@ -130,21 +130,23 @@ class SsdIndex:
         self._buckets[b[starts]] = r[starts]
 
     def _place(self, home: npt.NDArray[np.uint64], rows: npt.NDArray[np.int32]) -> None:
-        """Vectorised linear-probing insert of rows whose keys are known to be distinct."""
-        pos = home.astype(np.int64)
-        pending = np.arange(len(rows))
-        while len(pending):
-            slots = pos[pending]
-            free = self._table[slots] == EMPTY
-            # Among rows aiming at the same free slot, the first one wins this round.
-            candidates = pending[free]
-            _, first = np.unique(slots[free], return_index=True)
-            winners = candidates[first]
-            self._table[pos[winners]] = rows[winners]
-            placed = np.zeros(len(rows), dtype=bool)
-            placed[winners] = True
-            pending = pending[~placed[pending]]
-            pos[pending] = (pos[pending] + 1) & self._mask
+        """Linear-probing insert of rows whose keys are distinct into the empty table.
+
+        Vectorised: taken in order of home slot, each row gets the first free slot at or after
+        its home, i.e. slot = max(home, previous slot + 1), a running maximum. Rows pushed
+        past the end go on from slot 0, one by one (a handful at this load factor).
+        """
+        order = np.argsort(home, kind="stable")
+        ranks = np.arange(len(order), dtype=np.int64)
+        pos = np.maximum.accumulate(home[order].astype(np.int64) - ranks) + ranks
+        inside = pos < len(self._table)
+        placed = rows[order]
+        self._table[pos[inside]] = placed[inside]
+        free = 0
+        for row in placed[~inside].tolist():
+            while int(self._table[free]) != EMPTY:
+                free += 1
+            self._table[free] = row
 
     # ------------------------------------------------------------------ lookups
 

@@ -112,15 +112,34 @@ def meta_of_records(packed: bytes) -> bytes:
     return raw[2 : 2 + int.from_bytes(raw[:2], "little")]
 
 
+_CRC_CHUNK = 1 << 16  # records per bulk CRC pass (bounds the temporary bytes objects)
+
+
+def _crcs(rows: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint32]:
+    """CRC32C of bytes 4..127 of each 128-byte row. One C call per record over bytes objects
+    made in bulk: indexing numpy scalars per record cost twice as much (a checkpoint of 1M
+    blocks holds 2M records)."""
+    items = np.ascontiguousarray(rows[:, 4:]).view(f"V{RECORD_BYTES - 4}")[:, 0].tolist()
+    return np.fromiter(map(crc32c.crc32c, items), np.uint32, len(items))
+
+
+def _rows(data: bytes | bytearray | memoryview, count: int) -> npt.NDArray[np.uint8]:
+    return np.frombuffer(data, np.uint8, count=count * RECORD_BYTES).reshape(count, RECORD_BYTES)
+
+
 def pack(records: npt.NDArray[np.void]) -> bytes:
     """Fill in each record's CRC and return the bytes to append."""
     raw = bytearray(records.tobytes())
-    view = memoryview(raw)
-    for i in range(len(records)):
-        start = i * RECORD_BYTES
-        view[start : start + 4] = crc32c.crc32c(view[start + 4 : start + RECORD_BYTES]).to_bytes(
-            4, "little"
-        )
+    if len(records) <= 8:  # a put's few records: numpy calls would cost more than they save
+        view = memoryview(raw)
+        for start in range(0, len(raw), RECORD_BYTES):
+            crc = crc32c.crc32c(view[start + 4 : start + RECORD_BYTES])
+            view[start : start + 4] = crc.to_bytes(4, "little")
+        return bytes(raw)
+    rows = _rows(raw, len(records))
+    crcs = rows[:, :4].view("<u4")[:, 0]
+    for at in range(0, len(records), _CRC_CHUNK):
+        crcs[at : at + _CRC_CHUNK] = _crcs(rows[at : at + _CRC_CHUNK])
     return bytes(raw)
 
 
@@ -156,13 +175,13 @@ def parse(data: bytes | memoryview) -> tuple[npt.NDArray[np.void], int]:
     """
     whole = len(data) // RECORD_BYTES
     records = np.frombuffer(data, dtype=RECORD, count=whole)
-    view = memoryview(data)
+    rows = _rows(data, whole)
     good = whole
-    for i in range(whole):
-        start = i * RECORD_BYTES
-        crc = crc32c.crc32c(view[start + 4 : start + RECORD_BYTES])
-        if crc != int(records["crc"][i]):
-            good = i
+    for at in range(0, whole, _CRC_CHUNK):
+        got = _crcs(rows[at : at + _CRC_CHUNK])
+        bad = np.flatnonzero(got != records["crc"][at : at + _CRC_CHUNK])
+        if len(bad):
+            good = at + int(bad[0])
             break
     return records[:good], good * RECORD_BYTES
 

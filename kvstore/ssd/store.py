@@ -318,7 +318,9 @@ class StoreDir:
                         fh.truncate(os.path.getsize(path) - replay.dropped_bytes)
             parts.append(replay.records)
             j_records += int(np.isin(replay.records["type"], (jr.PUT, jr.DEL)).sum())
-        records = np.concatenate(parts) if parts else np.zeros(0, jr.RECORD)
+        parts = [p for p in parts if len(p)]
+        # Most opens after a clean close read a checkpoint and one empty journal: no copy then.
+        records = parts[0] if len(parts) == 1 else np.concatenate(parts or [np.zeros(0, jr.RECORD)])
         return Replay(records, ck_records, j_records, torn, notes, generation)
 
     def open_journal(

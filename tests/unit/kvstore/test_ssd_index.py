@@ -8,7 +8,7 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from kvoffload.kvstore.ssd.index import EMPTY, SsdIndex
+from kvoffload.kvstore.ssd.index import EMPTY, ROW_DTYPE, SsdIndex
 
 # Keys with trailing zero bytes and shared prefixes on purpose (numpy S16 strips NULs).
 KEYS = [bytes([i % 3, 0, 0, 0, 0, 0, 0, i]) + bytes(8) for i in range(40)]
@@ -143,3 +143,25 @@ def test_export_load_round_trip_and_growth() -> None:
             assert int(again.rows["page"][row]) == i
     assert again.has_child(keys[100]) and not again.has_child(keys[-1])
     assert again.memory_bytes() / len(again) < 128
+
+
+def test_load_places_keys_whose_home_is_the_last_slots() -> None:
+    # A loaded index of 12 rows has a 32-slot table (at least 16 rows of room); keys hashing
+    # to its last two slots push the rows after them past the end, to wrap to slot 0.
+    from kvoffload.kvstore.ssd.keyhash import hash_key
+
+    near_end = [k for k in (i.to_bytes(16, "little") for i in range(1, 5000))
+                if hash_key(k) & 31 >= 30][:8]  # fmt: skip
+    elsewhere = [k for k in (i.to_bytes(16, "little") for i in range(5000, 9000))
+                 if hash_key(k) & 31 < 2][:4]  # fmt: skip
+    keys = near_end + elsewhere
+    rows = np.zeros(len(keys), dtype=ROW_DTYPE)
+    rows["key"] = keys
+    rows["seq"] = np.arange(len(keys))
+    index = SsdIndex(policy="lru")
+    index.load(rows)
+    assert [index.find(k) for k in keys] == list(range(len(keys)))
+    assert index.find((9999).to_bytes(16, "little")) == EMPTY
+    for row in (3, 9):  # probing still finds the rest once rows are taken out
+        index.remove(row)
+    assert [index.find(k) for k in keys] == [EMPTY if i in (3, 9) else i for i in range(12)]
