@@ -177,12 +177,6 @@ class NativeConnection:
     def buffer_updated(self, nbytes: int) -> None:
         self._reader.buffer_updated(nbytes)
 
-    @property
-    def receiving_direct(self) -> bool:
-        """The memory `get_buffer` last returned is the payload sink itself, from where its
-        next byte goes (not the receive buffer)."""
-        return self._reader._direct
-
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Feed received bytes; `b""` means the peer closed its side."""
         if not data:

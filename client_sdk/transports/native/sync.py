@@ -14,8 +14,6 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TypeVar
 
-import msgpack
-
 from kvoffload.client_sdk.transports.base import (
     HeldBlock,
     IntoBuffer,
@@ -37,14 +35,8 @@ from kvoffload.client_sdk.transports.native import plans
 from kvoffload.client_sdk.transports.native.options import NativeOptions
 from kvoffload.client_sdk.transports.native.session import Call, Plan, Req, Session
 from kvoffload.client_sdk.url import StoreURL
-from kvoffload.client_sdk.wire.block import HEADER_BYTES
-from kvoffload.client_sdk.wire.frames import FRAME, HEAD_READ
-from kvoffload.client_sdk.wire.native import (
-    META_VERSION,
-    PROTOCOL_VERSION,
-    GetResult,
-    Welcome,
-)
+from kvoffload.client_sdk.wire.frames import HEAD_READ
+from kvoffload.client_sdk.wire.native import META_VERSION, PROTOCOL_VERSION, Welcome
 from kvoffload.client_sdk.wire.tiers import TierRun
 from kvoffload.errors import (
     DeadlineExceededError,
@@ -64,8 +56,6 @@ _WINDOW = 16
 # daemon closed it (a select per request); if it did, the request's failure says so and it
 # goes again on a fresh connection, as it would after a check that came too early.
 _TRUST_IDLE_S = 0.5
-# A get's answer up to its payload, by the size of the caller's buffer (see `_get_head`).
-_GET_HEADS: dict[int, int] = {}
 # struct timeval for SO_RCVTIMEO / SO_SNDTIMEO.
 _TIMEVAL = struct.Struct("@ll")
 
@@ -157,49 +147,6 @@ class _SyncConnection(SyncRunner[Req, Call]):
                 conn.receive_eof()
         except OSError as exc:
             raise self._lost(exc) from None
-        self.session.feed()
-
-    def pump_get(self, deadline: float, call: Call, into: IntoBuffer) -> None:
-        """`pump` for the answer of a get `call` into `into`, in one read where it can: the
-        answer's frame header and block header into the receive buffer, the rest straight
-        into the caller's buffer, where the payload goes if the value fills it (the common
-        case; the header's size is then known in advance). Otherwise what landed there is
-        fed through the codec like any received bytes (a miss, another length, an error)."""
-        conn = self.session.conn
-        head = _get_head(len(into))
-        front = conn.get_buffer()
-        if self.tls or conn.receiving_direct or len(front) < head:
-            self.pump(deadline, HEAD_READ)
-            return
-        try:
-            self._arm(deadline)
-            n = self.sock.recvmsg_into([front[:head], into.buffer])[0]
-        except OSError as exc:
-            raise self._lost(exc) from None
-        if n <= head:
-            if n:
-                conn.buffer_updated(n)
-            else:
-                conn.receive_eof()
-            self.session.feed()
-            return
-        spill = into.region(0, n - head)  # (marks it touched: scrubbed on failure)
-        # A shorter answer header than foreseen makes the codec copy its first payload bytes
-        # (at most 8: msgpack integer widths) over these before they are fed.
-        saved = bytes(spill[:16])
-        conn.buffer_updated(head)
-        self.session.feed()  # the answer's header: its payload's sink is chosen now
-        answer = call.answer
-        if (
-            isinstance(answer, GetResult)
-            and answer.length is not None
-            and len(conn.get_buffer()) == answer.length - HEADER_BYTES >= n - head
-            and conn.receiving_direct  # (as of that get_buffer)
-        ):
-            # The sink's next byte is the caller's buffer's first: the bytes are in place.
-            conn.buffer_updated(n - head)
-        elif self.session.broken is None:
-            conn.receive_data(saved + bytes(spill[16:]))
         self.session.feed()
 
     def _lost(self, exc: OSError) -> KVOffloadError:
@@ -307,13 +254,7 @@ class NativeTransport:
         """Run a fresh plan, retrying on a lost connection (every operation is idempotent)."""
         return retrying(self.options, self._attempt, plan)
 
-    def _single(
-        self,
-        req: Req,
-        finish: Callable[[Call], T],
-        plan: Callable[[], Plan[T]],
-        into: IntoBuffer | None = None,
-    ) -> T:
+    def _single(self, req: Req, finish: Callable[[Call], T], plan: Callable[[], Plan[T]]) -> T:
         """One request on a pooled connection without the plan and retry machinery (the
         common `get_into` and `put`); only when that attempt fails does `plan` run the
         general way, the failed attempt counting as the first of the retries."""
@@ -331,10 +272,7 @@ class NativeTransport:
             # little of the value: the rest then lands in the caller's buffer uncopied, where
             # a full-size read would take most of it into the receive buffer and copy it out
             # (both cost two reads for a value of 64 KiB or more).
-            if into is not None:
-                conn.pump_get(deadline, call, into)
-            else:
-                conn.pump(deadline, 0 if req.sink is None else HEAD_READ)
+            conn.pump(deadline, 0 if req.sink is None else HEAD_READ)
             # The payload is summed read by read as it lands (`Req.summed`), each piece while
             # it is still in the cache; reads are not cut smaller for it: each costs a pump.
             while not call.done:
@@ -441,7 +379,7 @@ class NativeTransport:
         into = IntoBuffer(buffer)
         req, finish = plans.get_into_request(key, into)
         plan = partial(plans.get_into, key, into)
-        return received_into(into, partial(self._single, req, finish, plan, into))
+        return received_into(into, partial(self._single, req, finish, plan))
 
     def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]:
         return self._run(lambda: plans.get_many(keys))
@@ -484,15 +422,3 @@ class NativeTransport:
 def open_native(url: StoreURL) -> NativeTransport:
     """Open `kv://host:port?token=...` (blocking)."""
     return NativeTransport(NativeOptions.from_url(url))
-
-
-def _get_head(size: int) -> int:
-    """The bytes before the payload of a GetResult for a value that fills a buffer of `size`
-    bytes: the frame header, its map `{"length": size + HEADER_BYTES}`, the block header."""
-    head = _GET_HEADS.get(size)
-    if head is None:
-        packed = msgpack.packb({"length": size + HEADER_BYTES})
-        head = FRAME.size + len(packed) + HEADER_BYTES
-        if len(_GET_HEADS) < 4096:  # a few buffer sizes in practice; bounded all the same
-            _GET_HEADS[size] = head
-    return head
