@@ -394,12 +394,9 @@ class RequestLayer:
         corrupt one is zeroed there, so that no byte of it is left for a caller who ignores the
         miss."""
         payload = buffer[: got.length]
-        # A payload the transport summed as it landed is not read a second time.
-        header = self._open(key, got.header, payload.data, summed=got.crc is None)
-        if header is None or (got.crc is not None and got.crc != header.payload_crc):
+        header = self._open(key, got.header, payload.data)
+        if header is None:
             payload[:] = 0
-            if header is not None:
-                self._corrupt_miss(key, "payload checksum mismatch")
             return None
         if header.codec_id == CODEC_NONE and header.raw_length == got.length:
             self._count_hit(header, payload)

@@ -38,13 +38,11 @@ class Received:
     """A block whose payload a transport received straight into the caller's buffer.
 
     `header` holds the stored value's header (normally `HEADER_BYTES`), `length` the payload
-    bytes now at the start of the caller's buffer. Nothing is verified yet; `crc`, when the
-    transport summed the payload as it landed, is its CRC32C (not yet compared).
+    bytes now at the start of the caller's buffer. Nothing is verified yet.
     """
 
     header: memoryview
     length: int
-    crc: int | None = None
 
 
 class IntoBuffer:

@@ -142,11 +142,6 @@ class FrameReader(ReceiveBuffer):
         self._state = _State.HEAD
         self._head: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)  # type, flags, id, hlen, plen
         self._part = False  # the sink set last holds only part of the payload
-        # A sink's running digests (see `set_sink`): one per buffer, and which buffer each
-        # non-empty sink piece is (empty buffers are dropped from the sink).
-        self._digest: Callable[[memoryview, int], int] | None = None
-        self._digest_at: list[int] = []
-        self.digests: list[int] = []
 
     # ------------------------------------------------------------------ receive side
 
@@ -172,22 +167,12 @@ class FrameReader(ReceiveBuffer):
     def _header_room(self) -> int:
         return self._head[3] if self._state is _State.META else 0
 
-    def set_sink(
-        self,
-        buffers: Sequence[memoryview],
-        *,
-        part: bool = False,
-        digest: Callable[[memoryview, int], int] | None = None,
-    ) -> None:
+    def set_sink(self, buffers: Sequence[memoryview], *, part: bool = False) -> None:
         """Deliver the pending payload into `buffers` (in order; their sizes must add up to it).
 
         With `part`, they may hold less than what remains: once they are full, `next_frame`
         returns `SinkFull` and the consumer chooses where the rest goes (a server reserves
         memory for a batch's values one at a time, as their bytes come).
-
-        With `digest` (`crc32c(data, running)`), `digests[i]` sums buffer i's bytes as they
-        land, while the rest of the payload is still on its way (a client checks a block's
-        CRC32C piece by piece instead of in one pass once all of it is in).
 
         Raises:
             LocalProtocolError: no payload is pending, or the sizes do not match.
@@ -200,22 +185,12 @@ class FrameReader(ReceiveBuffer):
             raise LocalProtocolError(f"sink of {size} bytes for a {self._left}-byte payload")
         self._claim(views, discard=False)
         self._part = size < self._left
-        self._digest = digest
-        if digest is not None:
-            self.digests = [0] * len(buffers)
-            self._digest_at = [i for i, b in enumerate(buffers) if len(b)]
 
     def discard(self) -> None:
         """Read and drop the pending payload without allocating memory for it."""
         if not self._unclaimed:
             raise LocalProtocolError("no payload is waiting to be discarded")
         self._claim([], discard=True)
-        self._digest = None
-
-    def _landed(self, data: memoryview) -> None:
-        if self._digest is not None:  # data lies in one sink piece, the one being filled
-            at = self._digest_at[self._sink_i]
-            self.digests[at] = self._digest(data, self.digests[at])
 
     def next_frame(self) -> Frame | PayloadEnd | SinkFull | Need:
         """The next complete frame head or payload end, or `Need.DATA`.
@@ -293,7 +268,6 @@ class FrameReader(ReceiveBuffer):
                 if self._part:  # a partial sink is full: the consumer chooses again
                     self._part = False
                     return SinkFull(self._head[2], self._left)
-                self._digest = None
                 self._allocate()  # nobody chose a sink (or not again): the reader allocates
             self._drain()
             if not self._left:

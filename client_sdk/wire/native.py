@@ -192,16 +192,9 @@ class NativeConnection:
         """The peer closed its side (whether or not at a frame boundary)."""
         return self._eof
 
-    def set_payload_sink(self, buffers: Sequence[memoryview], *, summed: bool = False) -> None:
-        """Put the payload of the event just returned into `buffers` (sizes must add up);
-        `summed`: also the CRC32C of each buffer's bytes, summed as they land (see
-        `payload_crcs`)."""
-        self._reader.set_sink(buffers, digest=_fast.crc32c if summed else None)
-
-    @property
-    def payload_crcs(self) -> list[int]:
-        """The CRC32C of each buffer of the last summed payload sink (once it is complete)."""
-        return self._reader.digests
+    def set_payload_sink(self, buffers: Sequence[memoryview]) -> None:
+        """Put the payload of the event just returned into `buffers` (sizes must add up)."""
+        self._reader.set_sink(buffers)
 
     def set_payload_part(self, buffers: Sequence[memoryview]) -> None:
         """Put the next bytes of the payload into `buffers`, which may hold less than what

@@ -217,11 +217,9 @@ def get_into_request(
             return None
         if got is None:  # an empty value: no payload came, so no sink call
             return Received(memoryview(bytearray(HEADER_BYTES)), 0)
-        if call.crcs is not None and len(call.crcs) == 2:  # [header, payload] both landed
-            return Received(got.header, got.length, call.crcs[1])
         return got
 
-    return Req(partial(_key_event, Get, key), sink=sink, summed=True), finish
+    return Req(partial(_key_event, Get, key), sink=sink), finish
 
 
 def _land(into: IntoBuffer, length: int, parts: list[memoryview], index: int = -1) -> Received:

@@ -45,16 +45,12 @@ class Req:
     # Where the answer's payload goes (None: let the codec allocate; the callable may return
     # None to drop it, or raise InvalidArgumentError to fail the request after dropping it).
     sink: Sink | None = None
-    # Sum each sink buffer's CRC32C as its bytes land (`Call.crcs`), while the rest arrive.
-    summed: bool = False
 
 
 @dataclass
 class Call:
     request: Event
     sink: Sink | None = None
-    summed: bool = False
-    crcs: list[int] | None = None  # the summed sink's CRC32C per buffer, once complete
     answer: Event | None = None
     payload: memoryview | None = None
     error: KVOffloadError | None = None
@@ -89,7 +85,7 @@ class Session:
         self._next_id = self._next_id % 0xFFFF_FFFF + 1
         event = req.make(self._next_id)
         parts = self.conn.send_parts(event, req.payload)
-        call = Call(event, req.sink, req.summed)
+        call = Call(event, req.sink)
         self.calls[event.request_id] = call
         return call, parts
 
@@ -141,15 +137,13 @@ class Session:
         if buffers is None:
             self.conn.discard_payload()
         else:
-            self.conn.set_payload_sink(buffers, summed=call.summed)
+            self.conn.set_payload_sink(buffers)
             call.receiving = True
 
     def _payload_end(self, end: PayloadEnd) -> None:
         call = self.calls[end.request_id]
         call.payload = end.data
         call.receiving = False
-        if call.summed and end.data is None:
-            call.crcs = self.conn.payload_crcs
         self._finish(call)
 
     def _finish(self, call: Call) -> None:

@@ -139,8 +139,7 @@ class _SyncConnection(SyncRunner[Req, Call]):
         conn = self.session.conn
         try:
             self._arm(deadline)
-            buffer = conn.get_buffer()
-            n = self.sock.recv_into(buffer, min(most, len(buffer)))
+            n = self.sock.recv_into(conn.get_buffer(), most)
             if n:
                 conn.buffer_updated(n)
             else:
@@ -273,8 +272,6 @@ class NativeTransport:
             # a full-size read would take most of it into the receive buffer and copy it out
             # (both cost two reads for a value of 64 KiB or more).
             conn.pump(deadline, 0 if req.sink is None else HEAD_READ)
-            # The payload is summed read by read as it lands (`Req.summed`), each piece while
-            # it is still in the cache; reads are not cut smaller for it: each costs a pump.
             while not call.done:
                 conn.pump(deadline)
             result = finish(call)

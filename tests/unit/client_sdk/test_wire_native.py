@@ -186,44 +186,6 @@ def test_payload_goes_straight_into_the_sink() -> None:
     assert bytes(first) + bytes(second) == payload
 
 
-@pytest.mark.parametrize("step", [1, 7, 777, 1 << 20])
-@pytest.mark.parametrize("before", [0, 100, 1000, 5000])
-def test_a_summed_sink_has_each_buffers_crc(step: int, before: int) -> None:
-    """The CRC32C of each sink buffer, summed as bytes land (copied out of the receive buffer
-    or written in place), whatever the chunking and with empty buffers among them."""
-    client, server = NativeConnection(Role.CLIENT), NativeConnection(Role.SERVER)
-    server.receive_data(client.send(Hello(1)))
-    assert isinstance(server.next_event(), Hello)
-    payload = bytes(range(251)) * 40
-    frame = client.send(Put(2, K1, len(payload)), [payload])
-    head = len(frame) - len(payload)
-    server.receive_data(frame[: head + before])
-    assert isinstance(server.next_event(), Put)
-    sizes = [96, 0, 1000, len(payload) - 1096, 0]
-    sinks = [bytearray(n) for n in sizes]
-    server.set_payload_sink([memoryview(b) for b in sinks], summed=True)
-    pos = head + before
-    while True:
-        end = server.next_event()
-        if end is not NEED_DATA:
-            break
-        dst = server.get_buffer()
-        n = min(len(dst), step, len(frame) - pos)
-        dst[:n] = frame[pos : pos + n]
-        server.buffer_updated(n)
-        pos += n
-    assert end == PayloadEnd(2, None)
-    assert b"".join(sinks) == payload
-    assert server.payload_crcs == [fast.py_crc32c(b) for b in sinks]
-    # An unsummed sink after it leaves the last sums alone and adds none.
-    frame = client.send(Put(3, K1, 10), [bytes(10)])
-    server.receive_data(frame)
-    assert isinstance(server.next_event(), Put)
-    server.set_payload_sink([memoryview(bytearray(10))])
-    assert server.next_event() == PayloadEnd(3, None)
-    assert server.payload_crcs == [fast.py_crc32c(b) for b in sinks]
-
-
 def test_sink_memory_is_handed_out_directly() -> None:
     client, server = NativeConnection(Role.CLIENT), NativeConnection(Role.SERVER)
     server.receive_data(client.send(Hello(1)) + client.send(Put(2, K1, 10), [bytes(10)])[:-10])
