@@ -10,6 +10,7 @@ that finishes normally.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -299,6 +300,26 @@ def test_workers_measure_the_rates_the_scheduler_claims_by(
     assert stats.reduce() == {"loaded_blocks": 6, "load_blocks_per_s": 12.0,
                               "prefill_tokens_per_s": 400.0}  # fmt: skip
     assert not stats.is_empty() and KVOffloadConnector.build_kv_connector_stats().is_empty()
+
+
+def test_the_prefill_rate_counts_the_forward_when_loads_start_after_it(
+    tiny_model: Path, start_daemon: Any, engines: Any
+) -> None:
+    # Without synchronous loads vLLM calls start_load_kv after the forward: the measured
+    # compute time must still cover the forward (it starts when vLLM binds the step's plan).
+    daemon = start_daemon()
+    engine = engines(tiny_model, daemon.url(), "LBNHC", claim="cost")
+    forward = engine._forward
+
+    def slow_forward(out: Any) -> dict[str, list[int]]:
+        time.sleep(0.25)  # a forward that takes at least this long
+        return forward(out)
+
+    engine._forward = slow_forward
+    engine.add("r1", PREFIX + [5, 6, 7, 8])
+    engine.step()  # computes the 100 prompt tokens in one forward
+    rate = engine.scheduler.connector._sched().claim.prefill_tokens_per_s
+    assert rate is not None and rate <= 100 / 0.25
 
 
 def test_saved_blocks_carry_their_token_ids_into_the_store_s_events(
