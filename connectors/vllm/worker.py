@@ -3,11 +3,12 @@ store, off the forward path.
 
 Saves and loads run on background threads, one job at a time each, with their own staging
 buffer of `batch_blocks` blocks; a load the scheduler marked synchronous (small, or on a CPU)
-runs in `start_load_kv` instead, before the forward that reads it. A save gathers a batch of blocks from every layer with one
-tensor op and puts it in one pipelined `put_many`; a load reads a batch with one pipelined
-`get_many_into` (each block verified in its staging row) and scatters it back with one tensor
-op. A block that cannot be read (evicted, corrupt, store down) ends its load there: it and the
-blocks after it are reported to vLLM, which recomputes them.
+runs in `start_load_kv` instead, before the forward that reads it. A save gathers a batch of
+blocks from every layer with one tensor op and puts it in one pipelined `put_many`; a load
+reads a batch with one pipelined `get_many_into` (each block verified in its staging row) and
+copies it into vLLM's KV cache (one tensor op on a GPU, one copy per block on a CPU). A block
+that cannot be read (evicted, corrupt, store down) ends its load there: it and the blocks after
+it are reported to vLLM, which recomputes them.
 """
 
 from __future__ import annotations
