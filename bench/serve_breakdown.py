@@ -1,15 +1,16 @@
 """Where the TTFT of a store hit goes: one warm vLLM server, a ~1,100-token prefix from the store
 against the same prefix from vLLM's own prefix cache (``apc``).
 
-``python -m kvoffload.bench.serve_breakdown [--rounds N] [--json FILE]`` starts a `kvoffload
-serve` daemon and two vLLM servers with kvoffload's connector: one loading asynchronously (the
-request waits a scheduler step in WAITING_FOR_REMOTE_KVS, ``sync_load_blocks: 0``) and one
-loading before the forward (the default on a CPU). Each round, on each server in alternating
-order: reset vLLM's prefix cache, then a request whose prefix comes from the store (``kv``), the
-same prefix with another suffix from vLLM's cache (``apc``), and a prompt of the same length that
-nothing holds (``miss``). The connector's debug log gives the lookup, the read (transfer and CRC)
-and the copy into vLLM's KV cache of each load; vLLM's scheduler log the steps a request waited
-for its load. Everything else in the TTFT is "rest".
+``python -m kvoffload.bench.serve_breakdown [--rounds N] [--suffix T] [--json F]`` starts a
+`kvoffload serve` daemon and two vLLM servers with kvoffload's connector: one loading
+asynchronously (the request waits a scheduler step in WAITING_FOR_REMOTE_KVS,
+``sync_load_blocks: 0``) and one loading before the forward (the default on a CPU). Each round,
+on each server in alternating order: reset vLLM's prefix cache, then a request whose prefix
+comes from the store (``kv``), the same prefix with another suffix of T tokens from vLLM's cache
+(``apc``), and a prompt of the same length that nothing holds (``miss``). The connector's
+debug log gives the lookup, the read (transfer and CRC) and the copy into vLLM's KV cache of
+each load; vLLM's scheduler log the steps a request waited for its load. Everything else in
+the TTFT is "rest".
 """
 
 from __future__ import annotations
@@ -166,6 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvoffload.bench.serve_breakdown",
                                      description=__doc__.splitlines()[0])  # fmt: skip
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--suffix", type=int, default=SUFFIX_TOKENS,
+                        help="tokens after the prefix (past 52: blocks to save)")  # fmt: skip
     parser.add_argument("--vllm-python")
     parser.add_argument("--dir", help="scratch directory (logs, store)")
     parser.add_argument("--json", help="write the samples and the summary")
@@ -181,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefix = [int(t) for t in rng.integers(1000, 40_000, PREFIX_TOKENS)]
 
     def prompt(n: int = PREFIX_TOKENS) -> list[int]:
-        tail = [int(t) for t in rng.integers(1000, 40_000, SUFFIX_TOKENS)]
+        tail = [int(t) for t in rng.integers(1000, 40_000, args.suffix)]
         return (
             prefix[:n] if n else [int(t) for t in rng.integers(1000, 40_000, PREFIX_TOKENS)]
         ) + tail
