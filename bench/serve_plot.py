@@ -32,8 +32,9 @@ def ttft_per_turn_plot(runs: Mapping[str, Sequence[_Sample]], path: Path) -> boo
         p50, p90 = [], []
         for turn in turns:
             values = sorted(s.ttft_s * 1000 for s in samples if s.turn == turn)
-            p50.append(values[len(values) // 2])
-            p90.append(values[min(len(values) - 1, round(0.9 * (len(values) - 1)))])
+            # The table's percentile rule (bench/serve.py), so that plot and table agree.
+            p50.append(values[round(0.5 * (len(values) - 1))])
+            p90.append(values[round(0.9 * (len(values) - 1))])
         x = [t + 1 for t in turns]
         line = ax.plot(x, p50, marker="o", label=f"{name} p50")[0]
         ax.plot(x, p90, linestyle=":", color=line.get_color())

@@ -212,8 +212,11 @@ class VllmServer:
         except OSError:
             return ""
 
-    def complete(self, prompt: Sequence[int] | str, max_tokens: int) -> Completion:
-        """A streamed greedy completion of `prompt` (token ids or text).
+    def complete(
+        self, prompt: Sequence[int] | str, max_tokens: int, cache_salt: str | None = None
+    ) -> Completion:
+        """A streamed greedy completion of `prompt` (token ids or text); `cache_salt` keeps
+        its blocks apart from those of requests with another salt (vLLM's per-request salt).
 
         Raises:
             RuntimeError: the server answered with an error status.
@@ -227,6 +230,8 @@ class VllmServer:
             "return_token_ids": True,
             "ignore_eos": True,
         }
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=900)
         try:
             start = time.perf_counter()

@@ -68,6 +68,7 @@ __all__ = [
     "SupportsHMA",
     "TransferJob",
     "block_ids_of",
+    "device_type",
     "geometry",
     "hash_algo",
     "request_hashes",
@@ -242,6 +243,11 @@ def set_load_failure_policy(vllm_config: Any, policy: str) -> None:
     """Tell the scheduler what to do with blocks whose load failed. vLLM reads the policy
     right after it built the scheduler-side connector, so setting it here takes effect."""
     vllm_config.kv_transfer_config.kv_load_failure_policy = policy
+
+
+def device_type(vllm_config: Any) -> str:
+    """The workers' device kind ("cuda", "cpu", ...)."""
+    return str(vllm_config.device_config.device_type)
 
 
 def tensor_parallel_rank() -> int:

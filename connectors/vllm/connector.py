@@ -92,7 +92,7 @@ class KVOffloadConnector(_compat.KVConnectorBase_V1, _compat.SupportsHMA):
                 lookup = GroupLookup(groups, per_rank, geometry.block_tokens)
             self._scheduler = SchedulerHalf(
                 self._settings, client, namespaces, geometry.block_tokens, geometry.hash_ratio,
-                groups=lookup,
+                groups=lookup, on_cpu=_compat.device_type(vllm_config) == "cpu",
             )  # fmt: skip
         else:
             rank = _compat.tensor_parallel_rank()
@@ -125,8 +125,9 @@ class KVOffloadConnector(_compat.KVConnectorBase_V1, _compat.SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Tokens past `num_computed_tokens` whose KV the store holds, loaded asynchronously
-        (one lookup per tensor-parallel rank; the last prompt token is never counted)."""
+        """Tokens past `num_computed_tokens` whose KV the store holds (one lookup per
+        tensor-parallel rank; the last prompt token is never counted), and whether they load
+        asynchronously (`Settings.sync_load_blocks`)."""
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -187,6 +188,13 @@ class KVOffloadConnector(_compat.KVConnectorBase_V1, _compat.SupportsHMA):
         assert isinstance(meta, KVOffloadConnectorMetadata)
         return meta.plan
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """vLLM binds each step's plan before its forward (and calls `start_load_kv` after
+        the forward when no load is synchronous): the step's compute time starts here."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.begin_step()
+
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         """Finish reading blocks before vLLM hands preempted requests' blocks to others."""
         if isinstance(kv_connector_metadata, KVOffloadConnectorMetadata) and (
@@ -195,12 +203,13 @@ class KVOffloadConnector(_compat.KVConnectorBase_V1, _compat.SupportsHMA):
             self._work().wait_for_saves()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Start this step's loads in the background (requests wait for them in vLLM's
+        """Run this step's synchronous loads (vLLM calls this before the forward that reads
+        them) and start the others in the background (their requests wait in vLLM's
         WAITING_FOR_REMOTE_KVS state, so no forward depends on them)."""
         self._work().start_loads(self._plan())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete before their request is scheduled
+        return  # loads complete before the forward that reads them
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any

@@ -51,6 +51,11 @@ class Settings:
     # Tokens per second one worker's forward pass computes in prefill; 0 = measured (CPU
     # workers only: on a GPU the forward returns before its kernels finish, so tell it there).
     prefill_tokens_per_s: float = 0.0
+    # Loads of at most this many blocks run synchronously, before the forward of the step that
+    # schedules their request; larger ones run in the background while the request waits a
+    # scheduler step (vLLM's WAITING_FOR_REMOTE_KVS). -1: every load on a CPU (nothing else
+    # computes while it runs, and the wait costs a step), none on a GPU.
+    sync_load_blocks: int = -1
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> Settings:
@@ -86,6 +91,8 @@ class Settings:
             raise ConfigError('claim must be "cost" or "all"')
         if settings.load_blocks_per_s < 0 or settings.prefill_tokens_per_s < 0:
             raise ConfigError("load_blocks_per_s and prefill_tokens_per_s must not be negative")
+        if settings.sync_load_blocks < -1:
+            raise ConfigError("sync_load_blocks must be -1 (automatic), 0 (never) or positive")
         return settings
 
 
@@ -153,6 +160,8 @@ class LoadJob:
     # Where the blocks were at the scheduler's lookup (rank 0's), so that each staging batch
     # holds one tier and its time measures that tier's load rate.
     tiers: TierRun = TierRun()
+    # Loaded before this step's forward (which reads the blocks), not in the background.
+    sync: bool = False
 
 
 @dataclass(frozen=True)

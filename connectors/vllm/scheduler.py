@@ -8,6 +8,7 @@ request's cache salt) mixed with the namespace of each tensor-parallel rank.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,7 @@ class SchedulerHalf:
         hash_ratio: int,
         kv_cache_manager: Any = None,
         groups: GroupLookup | None = None,
+        on_cpu: bool = False,
     ) -> None:
         self._settings = settings
         self._client = client
@@ -63,10 +65,17 @@ class SchedulerHalf:
         self.kv_cache_manager = kv_cache_manager
         # Several KV cache groups or a sliding window: the lookup of connectors/vllm/groups.py.
         self._groups = groups
+        # The largest load that runs before its step's forward instead of in the background.
+        # Hybrid models report a failed load per request, which vLLM takes from asynchronous
+        # loads only: theirs stay asynchronous.
+        sync = settings.sync_load_blocks
+        if sync < 0:
+            sync = 1 << 30 if on_cpu else 0
+        self._sync_blocks = 0 if groups is not None else sync
         self._requests: dict[str, _Request] = {}
         # req_id -> (first block not computed locally, leading blocks found in the store, the
-        # tiers of the claimed blocks).
-        self._lookups: dict[str, tuple[int, int, TierRun]] = {}
+        # tiers of the claimed blocks, whether the load is synchronous).
+        self._lookups: dict[str, tuple[int, int, TierRun, bool]] = {}
         self._loads: list[LoadJob] = []
         self.claim = ClaimRule(block_tokens, settings.claim, settings.load_blocks_per_s,
                                settings.prefill_tokens_per_s)  # fmt: skip
@@ -103,14 +112,19 @@ class SchedulerHalf:
         usable = (request.num_tokens - 1) // size
         start = num_computed_tokens // size
         if usable <= start:
-            self._lookups[request.request_id] = (start, 0, TierRun())
+            self._lookups[request.request_id] = (start, 0, TierRun(), False)
             return 0, False
+        began = time.perf_counter()
         hit, run = self._stored_blocks(self._hashes(request)[:usable])
         claimed = self.claim.claim_blocks(run.slice(start)) if hit > start else 0
-        self._lookups[request.request_id] = (start, hit, run.slice(start, start + claimed))
+        sync = 0 < claimed <= self._sync_blocks
+        self._lookups[request.request_id] = (start, hit, run.slice(start, start + claimed), sync)
+        log.debug("kvoffload: lookup %s blocks=%d local=%d hit=%d claimed=%d sync=%s ms=%.1f",
+                  request.request_id, usable, start, hit, claimed, sync,
+                  (time.perf_counter() - began) * 1e3)  # fmt: skip
         if claimed <= 0:
             return 0, False  # the blocks stay known as stored: they are not saved again
-        return claimed * size, True
+        return claimed * size, not sync
 
     def update_state_after_alloc(
         self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int
@@ -118,14 +132,14 @@ class SchedulerHalf:
         req_id = request.request_id
         state = self._requests.setdefault(req_id, _Request(request))
         state.request = request
-        start, hit, tiers = self._lookups.pop(req_id, (0, 0, TierRun()))
+        start, hit, tiers, sync = self._lookups.pop(req_id, (0, 0, TierRun(), False))
         state.stored = max(state.stored, hit)
         if num_external_tokens <= 0:
             return
         count = num_external_tokens // self._block_tokens
         hashes = self._hashes(request)[start : start + count]
         ids = tuple(tuple(group[start : start + count]) for group in block_ids)
-        job = LoadJob(req_id, ids, tuple(hashes), tiers.slice(0, count))
+        job = LoadJob(req_id, ids, tuple(hashes), tiers.slice(0, count), sync)
         state.load, state.load_start = job, start
         self._loads.append(job)
 

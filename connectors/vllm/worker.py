@@ -2,11 +2,13 @@
 store, off the forward path.
 
 Saves and loads run on background threads, one job at a time each, with their own staging
-buffer of `batch_blocks` blocks. A save gathers a batch of blocks from every layer with one
-tensor op and puts it in one pipelined `put_many`; a load reads a batch with one pipelined
-`get_many_into` (each block verified in its staging row) and scatters it back with one tensor
-op. A block that cannot be read (evicted, corrupt, store down) ends its load there: it and the
-blocks after it are reported to vLLM, which recomputes them.
+buffer of `batch_blocks` blocks; a load the scheduler marked synchronous (small, or on a CPU)
+runs in `start_load_kv` instead, before the forward that reads it. A save gathers a batch of
+blocks from every layer with one tensor op and puts it in one pipelined `put_many`; a load
+reads a batch with one pipelined `get_many_into` (each block verified in its staging row) and
+copies it into vLLM's KV cache (one tensor op on a GPU, one copy per block on a CPU). A block
+that cannot be read (evicted, corrupt, store down) ends its load there: it and the blocks after
+it are reported to vLLM, which recomputes them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -82,6 +85,7 @@ class WorkerHalf:
         self._reported_failed: set[str] = set()
         self._rates = StepRates()  # under _lock: the loader thread adds to it
         self._step: tuple[float, int] | None = None  # forward start, tokens it computes
+        self._step_began: float | None = None  # when vLLM bound the current step's plan
 
     # -- registration ---------------------------------------------------------------------
 
@@ -115,14 +119,27 @@ class WorkerHalf:
 
     # -- per-step hooks -------------------------------------------------------------------
 
+    def begin_step(self) -> None:
+        """vLLM bound this step's plan: its forward starts now or after the sync loads."""
+        self._step_began = time.perf_counter()
+
     def start_loads(self, plan: StepPlan) -> None:
+        began = self._step_began
         for job in plan.loads:
-            self._loader.submit(self._run_load, job)
-        # The forward runs between start_load_kv and wait_for_save; on a CPU it is done when
-        # wait_for_save is called (a GPU's is not: there the prefill rate is told instead).
+            if job.sync:
+                # This step's forward reads these blocks: load them before it starts.
+                self._run_load(job)
+                began = time.perf_counter()
+            else:
+                self._loader.submit(self._run_load, job, time.perf_counter())
+        # The forward runs between binding the plan (or the end of the sync loads, which vLLM
+        # starts before it) and wait_for_save; vLLM calls start_load_kv after the forward when
+        # no load is synchronous. On a CPU the forward is done when wait_for_save is called (a
+        # GPU's is not: there the prefill rate is told instead).
         on_cpu = bool(self._groups) and self._groups[0].kv.device.type == "cpu"
-        if on_cpu and plan.scheduled_tokens >= MIN_PREFILL_TOKENS:
-            self._step = (time.perf_counter(), plan.scheduled_tokens)
+        if on_cpu and plan.scheduled_tokens >= MIN_PREFILL_TOKENS and began is not None:
+            self._step = (began, plan.scheduled_tokens)
+        self._step_began = None
 
     def take_rates(self) -> KVOffloadStats | None:
         with self._lock:
@@ -256,10 +273,11 @@ class WorkerHalf:
                                   parents=parents,
                                   metas=[metas[p] for p in pos] if metas else None)  # fmt: skip
 
-    def _run_load(self, job: LoadJob) -> None:
+    def _run_load(self, job: LoadJob, queued: float | None = None) -> None:
         loaded = 0
+        clock = _LoadClock(time.perf_counter())
         try:
-            loaded = self._load(job)
+            loaded = self._load(job, clock)
         except KVOffloadError as exc:
             log.warning("kvoffload: loading blocks of %s failed: %s", job.req_id, exc)
         except Exception:
@@ -271,30 +289,39 @@ class WorkerHalf:
                 "kvoffload: request %s loaded %d of %d blocks; vLLM recomputes the rest",
                 job.req_id, loaded, len(job.hashes),
             )  # fmt: skip
+        clock.log(job, loaded, queued)
         with self._lock:
             if loaded < len(job.hashes) and self._hybrid:
                 self._failed.add(job.req_id)
             elif loaded < len(job.hashes):
                 self._load_errors.update(b for b in job.block_ids[0][loaded:] if b != NULL_BLOCK)
-            self._loaded.add(job.req_id)
+            if not job.sync:
+                # vLLM expects finished_recving only for requests waiting for their load.
+                self._loaded.add(job.req_id)
 
-    def _load(self, job: LoadJob) -> int:
+    def _load(self, job: LoadJob, clock: _LoadClock) -> int:
         """Read and scatter the job's blocks, group by group; returns how many leading block
         positions every group loaded (a failure in one group ends the load for all). With one
         group each staging batch holds blocks of one tier and its time goes to that tier's
         rate; a hybrid model's tiers are not looked up, so its loads time whole jobs."""
         if not self._hybrid:
-            return self._load_group(self._groups[0], job.hashes, job.block_ids[0], job.tiers)
+            return self._load_group(self._groups[0], job.hashes, job.block_ids[0], job.tiers,
+                                    clock)  # fmt: skip
         began, end = time.perf_counter(), len(job.hashes)
         for part, ids in zip(self._groups, job.block_ids, strict=True):
-            end = self._load_group(part, job.hashes[:end], ids[:end], None)
+            end = self._load_group(part, job.hashes[:end], ids[:end], None, clock)
         if end:
             with self._lock:
                 self._rates.loaded(Tier.UNKNOWN, end, time.perf_counter() - began)
         return end
 
     def _load_group(
-        self, part: GroupKV, hashes: Sequence[bytes], ids: Sequence[int], run: TierRun | None
+        self,
+        part: GroupKV,
+        hashes: Sequence[bytes],
+        ids: Sequence[int],
+        run: TierRun | None,
+        clock: _LoadClock,
     ) -> int:
         positions = stored_positions(ids)
         keys = engine_hashes(part.namespace, [hashes[p] for p in positions])
@@ -305,12 +332,15 @@ class WorkerHalf:
         for start, stop, tier in load_batches(len(keys), buffer.shape[0], segments):
             began = time.perf_counter()
             chunk = keys[start:stop]
-            ok = self._read_batch(chunk, buffer, part.kv.block_bytes)
+            ok = _read_batch(self._client, chunk, buffer, part.kv.block_bytes)
+            read = time.perf_counter()
+            clock.read_s += read - began
             if ok:
                 block_ids = torch.tensor([ids[p] for p in positions[start : start + ok]],
                                          dtype=torch.long)  # fmt: skip
                 with self._on(self._load_stream):
                     part.kv.scatter(block_ids, buffer)
+                clock.scatter_s += time.perf_counter() - read
                 if run is not None:
                     with self._lock:
                         self._rates.loaded(tier, ok, time.perf_counter() - began)
@@ -318,27 +348,51 @@ class WorkerHalf:
                 return positions[start + ok]
         return len(hashes)
 
-    def _read_batch(self, keys: Sequence[BlockHash], buffer: torch.Tensor, block_bytes: int) -> int:
-        """Verified blocks straight into the staging rows, in one pipelined batch; returns how
-        many leading blocks can be used."""
-        try:
-            got = self._client.get_many_into(keys, [buffer[i] for i in range(len(keys))])
-        except KVOffloadError as exc:
-            log.warning("kvoffload: reading %d blocks failed: %s", len(keys), exc)
-            return 0
-        ok = 0
-        while ok < len(got) and got[ok] == block_bytes:
-            ok += 1
-        if ok < len(got):
-            key, size = keys[ok], got[ok]
-            if size is not None:
-                log.warning("kvoffload: block %s holds %d bytes, expected %d", key[:16].hex(),
-                            size, block_bytes)  # fmt: skip
-            # Missing or damaged: drop whatever is stored under the key, so that the recomputed
-            # block is saved again instead of failing every later load.
-            with contextlib.suppress(KVOffloadError):
-                self._client.delete(key)
-        return ok
+
+@dataclass
+class _LoadClock:
+    """Where one load's time went (logged at debug level)."""
+
+    start: float
+    read_s: float = 0.0  # get_many_into: transfer and verification
+    scatter_s: float = 0.0  # staging rows into vLLM's KV cache
+
+    def log(self, job: LoadJob, loaded: int, queued: float | None) -> None:
+        if not log.isEnabledFor(logging.DEBUG):
+            return
+        # `bench/serve_breakdown.py` reads these lines for its TTFT breakdown.
+        waited = self.start - queued if queued is not None else 0.0
+        log.debug(
+            "kvoffload: load %s %s blocks=%d/%d queued_ms=%.1f read_ms=%.1f scatter_ms=%.1f "
+            "total_ms=%.1f", job.req_id, "sync" if job.sync else "async", loaded,
+            len(job.hashes), waited * 1e3, self.read_s * 1e3, self.scatter_s * 1e3,
+            (time.perf_counter() - self.start) * 1e3,
+        )  # fmt: skip
+
+
+def _read_batch(
+    client: Client, keys: Sequence[BlockHash], buffer: torch.Tensor, block_bytes: int
+) -> int:
+    """Verified blocks straight into the staging rows, in one pipelined batch; returns how
+    many leading blocks can be used."""
+    try:
+        got = client.get_many_into(keys, [buffer[i] for i in range(len(keys))])
+    except KVOffloadError as exc:
+        log.warning("kvoffload: reading %d blocks failed: %s", len(keys), exc)
+        return 0
+    ok = 0
+    while ok < len(got) and got[ok] == block_bytes:
+        ok += 1
+    if ok < len(got):
+        key, size = keys[ok], got[ok]
+        if size is not None:
+            log.warning("kvoffload: block %s holds %d bytes, expected %d", key[:16].hex(),
+                        size, block_bytes)  # fmt: skip
+        # Missing or damaged: drop whatever is stored under the key, so that the recomputed
+        # block is saved again instead of failing every later load.
+        with contextlib.suppress(KVOffloadError):
+            client.delete(key)
+    return ok
 
 
 def _snapshots(groups: Sequence[GroupKV], job: SaveJob) -> dict[int, torch.Tensor]:

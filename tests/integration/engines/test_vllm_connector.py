@@ -10,6 +10,7 @@ that finishes normally.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,64 @@ def test_second_request_loads_the_shared_prefix_bit_exact(
     assert engine.seen["r3"].first_computed == len(PREFIX) - BLOCK
 
 
+@pytest.mark.parametrize("sync_load_blocks", [-1, 6])
+def test_small_loads_on_a_cpu_run_before_the_forward_that_reads_them(
+    tiny_model: Path, start_daemon: Any, engines: Any, sync_load_blocks: int
+) -> None:
+    daemon = start_daemon()
+    # -1: every load is synchronous on a CPU worker; 6: loads of up to 6 blocks are.
+    engine = engines(tiny_model, daemon.url(), "LBNHC", sync_load_blocks=sync_load_blocks)
+    saved = _save_first_request(engine)
+    engine.add("r2", PREFIX + [9, 9, 9])
+    out = engine.step()
+    # Scheduled in the very step that loads its prefix: no step parked in
+    # WAITING_FOR_REMOTE_KVS, and the forward found the loaded pages in place.
+    assert out.num_scheduled_tokens.get("r2") == 3
+    engine.run()
+    seen = engine.seen["r2"]
+    assert seen.first_computed == len(PREFIX)
+    assert seen.finish == FinishReason.LENGTH
+    for index, page in saved.items():
+        assert torch.equal(engine.page(seen.table[index]).view(torch.uint8),
+                           page.view(torch.uint8)), f"block {index}"  # fmt: skip
+
+
+def test_larger_loads_than_sync_load_blocks_stay_asynchronous(
+    tiny_model: Path, start_daemon: Any, engines: Any
+) -> None:
+    daemon = start_daemon()
+    engine = engines(tiny_model, daemon.url(), "LBNHC", sync_load_blocks=5)
+    _save_first_request(engine)
+    engine.add("r2", PREFIX + [9])
+    assert "r2" not in engine.step().num_scheduled_tokens  # 6 blocks: parked while loading
+    engine.run()
+    assert engine.seen["r2"].first_computed == len(PREFIX)
+
+
+def test_a_corrupt_block_of_a_synchronous_load_is_recomputed(
+    tiny_model: Path, start_daemon: Any, engines: Any
+) -> None:
+    daemon = start_daemon()
+    engine = engines(tiny_model, daemon.url(), "LBNHC", sync_load_blocks=-1)
+    _save_first_request(engine)
+    key = engine_hashes(engine.worker.namespace, [engine.requests["r1"].block_hashes[3]])[0]
+    damage_stored_block(daemon.url(), key, -7)
+    engine.add("r2", PREFIX + [9, 9])
+    engine.run()
+    seen = engine.seen["r2"]
+    assert seen.finish == FinishReason.LENGTH  # recomputed, not failed
+    for index in range(len(PREFIX) // BLOCK):
+        got = engine.page(seen.table[index]).view(torch.uint8)
+        want = engine.expected_page(seen.tokens, index).view(torch.uint8)
+        assert torch.equal(got, want), f"block {index} holds wrong KV"
+    # The recomputed blocks were saved again: the next load is whole and bit exact.
+    engine.scheduler.reset_prefix_cache()
+    engine.scramble()
+    engine.add("r3", PREFIX + [4])
+    engine.run()
+    _assert_recomputed(engine, "r3", loaded=6)
+
+
 def test_blocks_saved_in_one_layout_load_in_another(
     tiny_model: Path, start_daemon: Any, engines: Any
 ) -> None:
@@ -181,6 +240,8 @@ def test_bad_extra_config_is_refused(tiny_model: Path, engines: Any) -> None:
         engines(tiny_model, "kv://127.0.0.1:9", "LBNHC", claim="some")
     with pytest.raises(ConfigError, match="negative"):
         engines(tiny_model, "kv://127.0.0.1:9", "LBNHC", prefill_tokens_per_s=-1)
+    with pytest.raises(ConfigError, match="sync_load_blocks"):
+        engines(tiny_model, "kv://127.0.0.1:9", "LBNHC", sync_load_blocks=-2)
 
 
 def test_hits_that_load_slower_than_they_compute_are_recomputed(
@@ -239,6 +300,26 @@ def test_workers_measure_the_rates_the_scheduler_claims_by(
     assert stats.reduce() == {"loaded_blocks": 6, "load_blocks_per_s": 12.0,
                               "prefill_tokens_per_s": 400.0}  # fmt: skip
     assert not stats.is_empty() and KVOffloadConnector.build_kv_connector_stats().is_empty()
+
+
+def test_the_prefill_rate_counts_the_forward_when_loads_start_after_it(
+    tiny_model: Path, start_daemon: Any, engines: Any
+) -> None:
+    # Without synchronous loads vLLM calls start_load_kv after the forward: the measured
+    # compute time must still cover the forward (it starts when vLLM binds the step's plan).
+    daemon = start_daemon()
+    engine = engines(tiny_model, daemon.url(), "LBNHC", claim="cost")
+    forward = engine._forward
+
+    def slow_forward(out: Any) -> dict[str, list[int]]:
+        time.sleep(0.25)  # a forward that takes at least this long
+        return forward(out)
+
+    engine._forward = slow_forward
+    engine.add("r1", PREFIX + [5, 6, 7, 8])
+    engine.step()  # computes the 100 prompt tokens in one forward
+    rate = engine.scheduler.connector._sched().claim.prefill_tokens_per_s
+    assert rate is not None and rate <= 100 / 0.25
 
 
 def test_saved_blocks_carry_their_token_ids_into_the_store_s_events(

@@ -162,7 +162,15 @@ class Engine:
             kv_role="kv_both",
             # The forward here writes synthetic KV, far cheaper than a model's: the claim rule
             # would rightly recompute every hit, so tests of loading claim them all.
-            kv_connector_extra_config={"url": url, "batch_blocks": 4, "claim": "all", **extra},
+            # Loads run in the background unless a test asks for synchronous ones (the
+            # default on a CPU).
+            kv_connector_extra_config={
+                "url": url,
+                "batch_blocks": 4,
+                "claim": "all",
+                "sync_load_blocks": 0,
+                **extra,
+            },
         )
         self.config, self.kv_config, self.spec = make_configs(model_dir, layout, transfer)
         tensor = self.kv_config.kv_cache_tensors[0]

@@ -122,3 +122,20 @@ def test_the_connector_flag_names_the_module_and_the_store() -> None:
     transfer = connector_transfer("kv://127.0.0.1:1", salt="s")
     assert transfer["kv_connector_module_path"] == "kvoffload.connectors.vllm"
     assert transfer["kv_connector_extra_config"] == {"url": "kv://127.0.0.1:1", "salt": "s"}
+
+
+def test_a_reference_counts_only_the_requests_interleaved_with_the_row_s_configuration() -> None:
+    none = _run("none", {1: [3.0, 3.0]})
+    for sample in none.samples:
+        sample.phase = "kv"
+    none.samples += [Sample("c9", 1, 1000, 9.0, 9.1, 0, "kv_reset") for _ in range(3)]
+    kv = _run("kv", {1: [1.0]})
+    kv.samples[0].phase = "kv"
+    ssd = _run("kv_ssd", {1: [1.0]})  # no none request ran in its phase: all of them count
+    result = result_of({"none": none, "kv": kv, "kv_reset": _run("kv_reset", {1: [1.0]}),
+                        "kv_ssd": ssd}, {})  # fmt: skip
+    rows = {(r.case, r.ref): r for r in result.rows}
+    assert rows[("ttft_p50/turn2plus/kv", "none")].ref_value == 3000.0
+    assert rows[("ttft_p50/turn2plus/kv_reset", "none")].ref_value == 9000.0
+    assert rows[("ttft_p50/turn2plus/kv_ssd", "none")].ref_value == 9000.0  # p50 of all 5
+    assert rows[("throughput/kv", "none")].ref_value == pytest.approx(1 / 3.1)
