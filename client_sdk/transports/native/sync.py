@@ -5,9 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import select
-import socket
 import ssl
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -56,8 +54,6 @@ _WINDOW = 16
 # daemon closed it (a select per request); if it did, the request's failure says so and it
 # goes again on a fresh connection, as it would after a check that came too early.
 _TRUST_IDLE_S = 0.5
-# struct timeval for SO_RCVTIMEO / SO_SNDTIMEO.
-_TIMEVAL = struct.Struct("@ll")
 
 
 class _SyncConnection(SyncRunner[Req, Call]):
@@ -83,10 +79,6 @@ class _SyncConnection(SyncRunner[Req, Call]):
                 raise TransportError(f"TLS handshake with {options.url} failed: {exc}") from None
         self.sock = sock
         self.tls = context is not None
-        if not self.tls:
-            # A blocking socket bounded by the kernel's SO_RCVTIMEO/SO_SNDTIMEO: Python's own
-            # timeout polls before every recv and send (one more system call each).
-            sock.settimeout(None)
         self.reused = False  # taken from the pool: the daemon may have closed it meanwhile
         self.idle_since = 0.0  # when it went back to the pool
         # The socket's timeout as last set: setting it costs a system call, so each call
@@ -111,15 +103,8 @@ class _SyncConnection(SyncRunner[Req, Call]):
         """
         remaining = left(deadline)
         if not remaining <= self._timeout <= remaining + self._slack:
-            timeout = self._timeout = remaining + self._slack
-            if self.tls:
-                self.sock.settimeout(timeout)
-                return
-            self.sock.settimeout(None)  # `stale` may have left it non-blocking
-            whole = int(timeout)
-            timeval = _TIMEVAL.pack(whole, max(1, int((timeout - whole) * 1e6)))
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+            self._timeout = remaining + self._slack
+            self.sock.settimeout(self._timeout)
 
     def start(self, request: Req, deadline: float) -> Call:
         call, parts = self.session.start(request)
@@ -149,8 +134,6 @@ class _SyncConnection(SyncRunner[Req, Call]):
         self.session.feed()
 
     def _lost(self, exc: OSError) -> KVOffloadError:
-        if isinstance(exc, BlockingIOError) and not self.tls:
-            exc = TimeoutError(str(exc))  # SO_RCVTIMEO / SO_SNDTIMEO ran out: the deadline
         error = lost(self.options.url, exc)
         self.session.fail(error)
         self.session.conn.send_failed()
