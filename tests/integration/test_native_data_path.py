@@ -6,7 +6,9 @@ timeouts (SO_RCVTIMEO, no Python timeout) still end a request that gets no answe
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import threading
 from typing import Any
 
 import pytest
@@ -65,7 +67,7 @@ def test_an_async_get_into_checks_the_payload_too(start_daemon: Any) -> None:
 
 def test_a_daemon_that_never_answers_is_a_deadline() -> None:
     # Accepts (the kernel's backlog does) and never reads nor answers: Hello and then the get
-    # run into the socket's SO_RCVTIMEO.
+    # run into the deadline.
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     try:
@@ -73,6 +75,35 @@ def test_a_daemon_that_never_answers_is_a_deadline() -> None:
         with Client.connect(url) as client, pytest.raises(DeadlineExceededError):
             client.get_into(b"k" * 16, bytearray(16))
     finally:
+        listener.close()
+
+
+@pytest.mark.timeout(60)
+def test_deadlines_hold_while_signals_interrupt_the_waits() -> None:
+    # A signal with a Python handler makes a blocking recv return EINTR and Python retry it
+    # (PEP 475); a deadline must count the time already spent, not restart on each retry (a
+    # kernel SO_RCVTIMEO did restart: this call hung). And a hang here is the pytest timeout.
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    main = threading.get_ident()
+    stop = threading.Event()
+
+    def interrupt() -> None:
+        while not stop.wait(0.2):
+            signal.pthread_kill(main, signal.SIGUSR1)
+
+    old = signal.signal(signal.SIGUSR1, lambda *_: None)
+    ticker = threading.Thread(target=interrupt, daemon=True)
+    ticker.start()
+    try:
+        url = f"kv://127.0.0.1:{port}?retries=0&timeout=1&connect_timeout=1"
+        with pytest.raises(DeadlineExceededError):
+            with Client.connect(url) as client:
+                client.get_into(b"k" * 16, bytearray(16))
+    finally:
+        stop.set()
+        ticker.join()
+        signal.signal(signal.SIGUSR1, old)
         listener.close()
 
 
