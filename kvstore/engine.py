@@ -570,15 +570,13 @@ class Engine(_EngineReads):
 
     def close(self) -> None:
         """Stop background work, write DRAM-only blocks to the SSD (`ssd.flush_on_close`),
-        checkpoint the SSD index and unmap the arena. Later calls raise KVOffloadError.
+        checkpoint the SSD index and unmap the arena. Later calls raise KVOffloadError; a close
+        racing another returns once that one has finished.
 
         Raises:
             StorageIOError: the final flush or checkpoint failed (what was acknowledged as
                 durable stays durable; the next open replays the journal).
         """
-        with self._lock:
-            if self._m.closed or self._m.closing:
-                return
         self._m.mover.close(self.config.ssd.flush_on_close)
 
     def __enter__(self) -> Engine:

@@ -42,6 +42,7 @@ class Manager:
         self._tick = 0
         self.closed = False
         self.closing = False  # close() began: new calls fail, in-flight reads finish
+        self.closed_event = threading.Event()  # set when close() has finished
         self.quotas: dict[str, int] = {}
         # Per-tenant recency, to evict a tenant's own coldest blocks when it hits its quota.
         self._tenant_recency: dict[str, OrderedDict[bytes, None]] = {}

@@ -111,7 +111,17 @@ class Mover(Promotions):
         blocks to the SSD (`flush`), then retire every DRAM entry, unmap the arena and detach
         the SSD tier, which is closed last, outside the lock."""
         with self._lock:
+            first = not (self._m.closed or self._m.closing)
             self._m.closing = True  # calls from now on fail with KVOffloadError
+        if not first:  # another close() runs: return once it has flushed and unmapped
+            self._m.closed_event.wait()
+            return
+        try:
+            self._close(flush)
+        finally:
+            self._m.closed_event.set()
+
+    def _close(self, flush: bool) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
         if self.reads is not None:

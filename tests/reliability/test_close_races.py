@@ -122,3 +122,28 @@ def test_a_reservation_committed_after_close_fails() -> None:
         reservation.commit()
     with pytest.raises(KVOffloadError, match="closed"):
         engine.put(bytes(16), b"x")
+
+
+def test_a_second_close_returns_once_the_first_has_flushed(tmp_path: Path) -> None:
+    # The first close writes 60 DRAM-only blocks to the SSD; a close() racing it must not
+    # return before that is done (a caller that reopens or exits right after would lose them).
+    from kvoffload.kvstore import SsdConfig
+
+    cfg = EngineConfig(
+        DramConfig(capacity_bytes=64 << 20, max_value_bytes=1 << 20, prefault=False),
+        SsdConfig(capacity_bytes=256 << 20, admission_min_uses=1, flush_on_close=True),
+        data_dir=str(tmp_path),
+    )
+    engine = Engine(cfg)
+    for i in range(60):
+        engine.put(i.to_bytes(16, "little"), bytes([i]) * (1 << 20))
+    first = threading.Thread(target=engine.close)
+    first.start()
+    for _ in range(1_000_000):  # until the first close has begun (bounded)
+        if engine._m.closing:
+            break
+    engine.close()
+    assert not first.is_alive()
+    first.join()
+    with Engine(cfg) as reopened:
+        assert reopened.recovery.blocks == 60
