@@ -108,6 +108,15 @@ def _hung_up(sock: socket.socket) -> bool:
     return bool(poller.poll(0))
 
 
+def _keep_open(sock: socket.socket) -> int:
+    """A duplicate of `sock`'s descriptor, never closed: the peer sees no close (-1 if the
+    socket is closed already)."""
+    try:
+        return os.dup(sock.fileno())
+    except OSError:
+        return -1
+
+
 def _address(view: memoryview | np.ndarray[Any, Any]) -> int:
     array = view if isinstance(view, np.ndarray) else np.frombuffer(view, dtype=np.uint8)
     return int(array.ctypes.data)
@@ -256,7 +265,10 @@ class NixlAgent:
             try:
                 handle.release()  # cancels one still in progress
             except self.errors as exc:
-                self.quarantine.append(held)
+                # The client frees its buffer once this connection answers or closes, so
+                # neither may happen while the transfer can still land there: a duplicate of
+                # the socket keeps the connection open (no FIN) for as long as `held` lives.
+                self.quarantine.append((held, _keep_open(sock)))
                 log.error("NIXL %s with %s not cancelled (%s): memory stays held", op, peer, exc)
                 stuck = True
             if stuck:
@@ -333,6 +345,10 @@ def _run(
             if s.nixl is None:
                 raise InvalidArgumentError("NixlMemory must name the client's agent first")
             await work(agent, s.nixl)
+        except _StuckError as exc:
+            # No answer and no close the client can see (`_keep_open`): it keeps its buffer.
+            log.error("NIXL transfer with %s stuck: %s; connection parked", s.peer, exc)
+            s.abort()
         except TransportError as exc:
             log.info("NIXL transfer with %s failed: %s", s.peer, exc)
             _refuse(s, request_id, exc)

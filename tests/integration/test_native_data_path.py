@@ -97,9 +97,8 @@ def test_deadlines_hold_while_signals_interrupt_the_waits() -> None:
     ticker.start()
     try:
         url = f"kv://127.0.0.1:{port}?retries=0&timeout=1&connect_timeout=1"
-        with pytest.raises(DeadlineExceededError):
-            with Client.connect(url) as client:
-                client.get_into(b"k" * 16, bytearray(16))
+        with pytest.raises(DeadlineExceededError), Client.connect(url) as client:
+            client.get_into(b"k" * 16, bytearray(16))
     finally:
         stop.set()
         ticker.join()
