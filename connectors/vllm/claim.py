@@ -18,6 +18,13 @@ predecessors), so a rate averaged over steps makes the rule err toward recomputi
 on which a store never makes a request slower than no store. Until the prefill rate is known
 every hit is claimed (what the connector did before), and a tier whose load rate is not known
 yet counts as free, so that its first loads measure it.
+
+With the KV stored in P layer parts (`Settings.layer_parts`), attention layer l waits only for
+part l's load, so loading overlaps the compute of the request's other tokens. Then claiming k
+blocks costs `max(load + compute / P, load / P + compute)` (the first part's load cannot
+overlap anything, nor the last part's compute), where `compute` covers the unclaimed hit
+blocks and the tokens after the hit; the rule claims the k with the least cost, at any block,
+since the best split is where loading and computing take about as long.
 """
 
 from __future__ import annotations
@@ -131,6 +138,7 @@ class ClaimRule:
         claim: "cost" (the rule) or "all" (claim every hit).
         load_blocks_per_s, prefill_tokens_per_s: told rates (the load rate for every tier);
             0 means measured.
+        parts: layer parts a block is stored in (1: a load precedes the forward).
     """
 
     def __init__(
@@ -139,7 +147,11 @@ class ClaimRule:
         claim: str = "cost",
         load_blocks_per_s: float = 0.0,
         prefill_tokens_per_s: float = 0.0,
+        parts: int = 1,
     ) -> None:
+        if parts < 1:
+            raise ValueError(f"parts must be at least 1, got {parts}")
+        self._parts = parts
         self._block_tokens = block_tokens
         self._claim = claim
         self._told_load = load_blocks_per_s
@@ -181,22 +193,26 @@ class ClaimRule:
             if measured is not None:
                 self._tiers[tier] = measured
 
-    def claim_blocks(self, run: TierRun) -> int:
+    def claim_blocks(self, run: TierRun, after_tokens: int = 0) -> int:
         """How many leading blocks of `run` (the hit past what vLLM already has, by tier in
-        key order) to load: the segment end where loading saves the most time, or 0."""
+        key order) to load: the segment end where loading saves the most time, or 0. With
+        layer parts, the block count with the least overlapped cost; `after_tokens` are the
+        tokens the step computes after the hit, under which loads can hide."""
         total = run.total
         prefill = self.prefill_tokens_per_s
         if self._claim == "all" or total <= 0 or not prefill:
             return total
         recompute_s = self._block_tokens / prefill  # per block
-        best, best_saved, at, saved = 0, 0.0, 0, 0.0
-        for tier, count in run.segments:
-            rate = self.tier_blocks_per_s(tier)
-            load_s = 1.0 / rate if rate else 0.0  # not measured yet: load it to measure it
-            saved += count * (recompute_s - load_s)
-            at += count
-            if saved > best_saved:
-                best, best_saved = at, saved
+        if self._parts > 1:
+            costs = [self._load_s(tier) for tier, count in run.segments for _ in range(count)]
+            best = _overlapped_best(costs, recompute_s, after_tokens / prefill, self._parts)
+        else:
+            best, best_saved, at, saved = 0, 0.0, 0, 0.0
+            for tier, count in run.segments:
+                saved += count * (recompute_s - self._load_s(tier))
+                at += count
+                if saved > best_saved:
+                    best, best_saved = at, saved
         if best == total:
             return total
         self._refused += 1
@@ -206,3 +222,22 @@ class ClaimRule:
         log.debug("kvoffload: loading %d of %d hit blocks (%s); the rest is cheaper to "
                   "recompute at %.0f tokens/s", best, total, run.segments, prefill)  # fmt: skip
         return best
+
+    def _load_s(self, tier: Tier) -> float:
+        rate = self.tier_blocks_per_s(tier)
+        return 1.0 / rate if rate else 0.0  # not measured yet: load it to measure it
+
+
+def _overlapped_best(costs: list[float], recompute_s: float, after_s: float, parts: int) -> int:
+    """The block count k whose overlapped cost is least (ties: fewer blocks), where loading
+    the first k blocks costs sum(costs[:k]) and the rest of the step computes
+    (len(costs) - k) x recompute_s + after_s."""
+    best, best_s, load = 0, float("inf"), 0.0
+    for k in range(len(costs) + 1):
+        if k:
+            load += costs[k - 1]
+        compute = (len(costs) - k) * recompute_s + after_s
+        spent = max(load + compute / parts, load / parts + compute)
+        if spent < best_s:
+            best, best_s = k, spent
+    return best

@@ -116,7 +116,9 @@ class SchedulerHalf:
             return 0, False
         began = time.perf_counter()
         hit, run = self._stored_blocks(self._hashes(request)[:usable])
-        claimed = self.claim.claim_blocks(run.slice(start)) if hit > start else 0
+        # Tokens computed after the hit: with layer parts, loads hide under their compute.
+        after = request.num_tokens - hit * size
+        claimed = self.claim.claim_blocks(run.slice(start), after) if hit > start else 0
         sync = 0 < claimed <= self._sync_blocks
         self._lookups[request.request_id] = (start, hit, run.slice(start, start + claimed), sync)
         log.debug("kvoffload: lookup %s blocks=%d local=%d hit=%d claimed=%d sync=%s ms=%.1f",

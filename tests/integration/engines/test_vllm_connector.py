@@ -379,6 +379,28 @@ def test_the_rule_claims_up_to_the_best_tier_segment_end() -> None:
     ]  # fmt: skip
 
 
+def test_with_layer_parts_the_rule_splits_the_hit_where_loading_hides_under_compute() -> None:
+    # A block recomputes in 10 ms and loads from the SSD in 10 ms: without overlap loading it
+    # saves nothing; with 4 layer parts the first k blocks load while the rest compute.
+    ssd = {"load_blocks_ssd": 1.0, "load_s_ssd": 0.01}
+    whole, parts = ClaimRule(16, "cost", 0.0, 1600.0), ClaimRule(16, "cost", 0.0, 1600.0, parts=4)
+    for rule in (whole, parts):
+        rule.observe(ssd)
+    hit = TierRun(((S, 8),))
+    assert whole.claim_blocks(hit) == 0
+    # max(10k + 10(8-k)/4, 10k/4 + 10(8-k)) is least at k = 4: 50 ms against 80 recomputing.
+    assert parts.claim_blocks(hit) == 4
+    assert parts.skipped_tokens == 4 * 16
+    # Tokens computed after the hit give loads more to hide under: all 8 blocks then.
+    assert parts.claim_blocks(hit, after_tokens=16 * 8) == 8
+    # Slow loads (100 ms a block) still never pay.
+    slow = ClaimRule(16, "cost", 0.0, 1600.0, parts=4)
+    slow.observe({"load_blocks_ssd": 1.0, "load_s_ssd": 0.1})
+    assert slow.claim_blocks(TierRun(((S, 4),))) == 0
+    with pytest.raises(ValueError):
+        ClaimRule(16, parts=0)
+
+
 def test_hits_are_claimed_per_tier_with_the_real_scheduler(
     tiny_model: Path, tmp_path: Path, engines: Any
 ) -> None:
