@@ -202,15 +202,18 @@ def _peer_runs(
 
 
 def measure_load_costs(url_for: Callable[[bool], str | None], profile: ModelProfile,
-                       block_tokens: int, blocks: int = 16) -> ttft.LoadCosts:  # fmt: skip
+                       block_tokens: int, blocks: int = 16,
+                       parts: int = 1) -> ttft.LoadCosts:  # fmt: skip
     """Seconds per real-size block of a verified `get_many_into` of `blocks` blocks (how the
     vLLM connector loads a request), from DRAM and (when `url_for(True)` gives a store with an
     SSD tier) from the SSD after a reopen: the best of three batches (each SSD batch of keys
-    of its own, as a second read would come from DRAM)."""
-    size = profile.bytes_per_token * block_tokens
-    ns = profile.namespace(block_tokens, salt="load-cost")
+    of its own, as a second read would come from DRAM). With `parts` > 1 each block is that
+    many values of a layer part's size (the connector's `layer_parts`)."""
+    size = profile.bytes_per_token * block_tokens // parts
+    ns = profile.namespace(block_tokens, salt=f"load-cost-{parts}")
     payloads = Payloads(size, seed=1)
-    keys = [BlockKey(i.to_bytes(16, "little")) for i in range(1, blocks + 1)]
+    values = blocks * parts
+    keys = [BlockKey(i.to_bytes(16, "little")) for i in range(1, values + 1)]
     bufs = [np.empty(size, dtype=np.uint8) for _ in keys]
 
     def timed_reads(client: Client, rounds: int) -> float:
@@ -218,7 +221,7 @@ def measure_load_costs(url_for: Callable[[bool], str | None], profile: ModelProf
         for _ in range(rounds):
             t0 = time.perf_counter()
             got = client.get_many_into(keys, bufs)
-            best = min(best, (time.perf_counter() - t0) / len(keys))
+            best = min(best, (time.perf_counter() - t0) / blocks)
             for key, n, buf in zip(keys, got, bufs, strict=True):
                 if n != size or not payloads.matches(key, buf):
                     raise ConfigError(f"calibration block {key.hex()} did not read back")
@@ -237,7 +240,7 @@ def measure_load_costs(url_for: Callable[[bool], str | None], profile: ModelProf
     if ssd_url is not None:
         # Each SSD round reads its own keys from a reopened store (DRAM cold), so every round
         # reads the disk; the best of three, as for DRAM, keeps one stall of a shared host out.
-        rounds = [[BlockKey((r * blocks + i).to_bytes(16, "little")) for i in range(1, blocks + 1)]
+        rounds = [[BlockKey((r * values + i).to_bytes(16, "little")) for i in range(1, values + 1)]
                   for r in range(3)]  # fmt: skip
         with Client.connect(ssd_url, namespace=ns) as client:
             for key in (k for batch in rounds for k in batch):
@@ -280,6 +283,7 @@ def run(
     url: str | None = None,
     directory: str | None = None,
     gpus: Sequence[str] = ("h100",),
+    layer_parts: Sequence[int] = (1, 4),
     realistic: bool = True,
     peer_timeout_s: float = 3600.0,
     console: Console | None = None,
@@ -301,6 +305,9 @@ def run(
         bad = sorted(set(name) - set(known))
         if bad:
             raise ConfigError(f"unknown {what} {bad}; choose from {sorted(known)}")
+    if not layer_parts or any(p < 1 for p in layer_parts):
+        raise ConfigError("layer parts are positive integers")
+    layer_parts = sorted({1, *layer_parts})  # whole blocks are always modelled
     if not percents or any(not 0 < p <= 100 for p in [*percents, *(ssd_percents or ())]):
         raise ConfigError("capacities are percentages of the working set in (0, 100]")
     profile = PROFILES[model]
@@ -357,11 +364,15 @@ def run(
             return f"local://{scratch / 'calibration'}?{base}&ssd={ssd_bytes(64, real)}"
 
         calibration = ""
-        try:
-            costs = measure_load_costs(url_for, profile, block_tokens)
-        except InvalidArgumentError as exc:  # e.g. the store's blocks are smaller than real
-            costs = measure_load_costs(lambda ssd: url_for(ssd, None), profile, block_tokens)
-            calibration = f"load times measured on a local store: {url} refused them ({exc})"
+        every: dict[int, ttft.LoadCosts] = {}
+        for parts in layer_parts:
+            try:
+                every[parts] = measure_load_costs(url_for, profile, block_tokens, parts=parts)
+            except InvalidArgumentError as exc:  # e.g. the store's blocks are smaller than real
+                every[parts] = measure_load_costs(lambda ssd: url_for(ssd, None), profile,
+                                                  block_tokens, parts=parts)  # fmt: skip
+                calibration = f"load times measured on a local store: {url} refused them ({exc})"
+        costs = every[1]
     ideal = work.ideal_hit_tokens()
     prompt_total = int(work.prompt_tokens.sum())
     summary = trace.summary()
@@ -388,12 +399,12 @@ def run(
             str(p): work.belady_hit_tokens(max(2, round(working_set * p / 100)))
             for p in sorted({*percents, *(ssd_percents or ())})
         },
-        "load_costs": {"dram_ms": round(costs.dram_s * 1e3, 4),
-                       "ssd_ms": None if costs.ssd_s is None else round(costs.ssd_s * 1e3, 4)},
+        "load_costs": _costs_ms(costs),
+        "layer_parts": {str(p): _costs_ms(c) for p, c in every.items() if p > 1},
         "gpus": {g: vars(ttft.GPUS[g]) for g in gpus},
         "ttft_no_cache": no_cache,
         "peers": peer_info,
-        "runs": [run_details(r, work, costs, gpus) for r in runs],
+        "runs": [run_details(r, work, every, gpus) for r in runs],
     }  # fmt: skip
     details_runs = result.details["runs"]
     assert isinstance(details_runs, list)
@@ -427,6 +438,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     store.add_argument("--url", help="replay once against this store (any Client.connect URL)")
     store.add_argument("--dir", help="scratch directory for SSD stores (O_DIRECT capable)")
     store.add_argument("--gpus", default="h100", help=f"TTFT profiles: {', '.join(ttft.GPUS)}")
+    store.add_argument("--layer-parts", default="1,4",
+                       help="model the connector with the KV in this many layer parts (loads "
+                       "overlap compute; 1 = whole blocks, always modelled)")  # fmt: skip
     store.add_argument(
         "--realistic",
         action=argparse.BooleanOptionalAction,
@@ -438,6 +452,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     peers.add_argument("--vllm-python", help="Python with vllm (env KVOFFLOAD_VLLM_PYTHON)")
     peers.add_argument("--lmcache-python",
                        help="Python with lmcache (env KVOFFLOAD_LMCACHE_PYTHON)")  # fmt: skip
+
+
+def _costs_ms(costs: ttft.LoadCosts) -> dict[str, float | None]:
+    return {"dram_ms": round(costs.dram_s * 1e3, 4),
+            "ssd_ms": None if costs.ssd_s is None else round(costs.ssd_s * 1e3, 4)}  # fmt: skip
 
 
 def _csv(text: str) -> list[str]:
@@ -459,8 +478,9 @@ def run_from_args(args: argparse.Namespace) -> TraceResult:
     try:
         percents = [int(p) for p in _csv(args.capacities)]
         ssd_percents = [int(p) for p in _csv(args.ssd_capacities)] if args.ssd_capacities else None
+        layer_parts = [int(p) for p in _csv(args.layer_parts)]
     except ValueError:
-        raise ConfigError("--capacities and --ssd-capacities take integers") from None
+        raise ConfigError("--capacities, --ssd-capacities, --layer-parts take integers") from None
     return run(
         trace,
         model=args.model,
@@ -476,5 +496,6 @@ def run_from_args(args: argparse.Namespace) -> TraceResult:
         url=args.url,
         directory=args.dir,
         gpus=_csv(args.gpus),
+        layer_parts=layer_parts,
         realistic=args.realistic,
     )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,8 +56,10 @@ def ttft_summary(seconds: npt.NDArray[np.float64]) -> dict[str, object]:
             "p90_ms": round(float(np.quantile(ms, 0.9)), 3), "cdf_ms": quantiles(ms)}  # fmt: skip
 
 
-def run_details(run: Run, work: Workload, costs: ttft.LoadCosts | None,
+def run_details(run: Run, work: Workload, every: Mapping[int, ttft.LoadCosts] | None,
                  gpus: Sequence[str]) -> dict[str, object]:  # fmt: skip
+    """One run's details; its modelled TTFT per GPU profile, and per `<gpu>+layers<P>` with the
+    KV in P layer parts (`every`: the load costs measured for each P; 1 is whole blocks)."""
     c = run.config
     out: dict[str, object] = {
         "system": c.system, "tier": c.tier, "percent": c.percent,
@@ -78,19 +81,19 @@ def run_details(run: Run, work: Workload, costs: ttft.LoadCosts | None,
     )
     if run.load_s is not None:
         out["load_ms_cdf"] = quantiles(run.load_s * 1e3)
-    if costs is not None and c.system in POLICIES:
+    if every and c.system in POLICIES:
         ssd_hits = run.ssd_hits if run.ssd_hits is not None else np.zeros_like(run.hit_blocks)
         model: dict[str, object] = {}
-        for name in gpus:
+        for name, (parts, costs) in itertools.product(gpus, sorted(every.items())):
             args = (work.profile, ttft.GPUS[name], work.prompt_tokens, run.hit_blocks,
                     ssd_hits, work.block_tokens, costs)  # fmt: skip
-            chosen = ttft.ttft_seconds(*args, runs=run.tier_runs)
-            every = ttft.ttft_seconds(*args, claim="all", runs=run.tier_runs)
+            chosen = ttft.ttft_seconds(*args, runs=run.tier_runs, parts=parts)
+            loaded = ttft.ttft_seconds(*args, claim="all", runs=run.tier_runs, parts=parts)
             skipped = int((run.hit_blocks - chosen.loaded_blocks).sum()) * work.block_tokens
-            model[name] = {
+            model[name if parts == 1 else f"{name}+layers{parts}"] = {
                 **ttft_summary(chosen.seconds),
                 "skipped_hit_tokens": skipped,  # hits the claim rule recomputed instead
-                "load_all_mean_ms": round(float(every.seconds.mean()) * 1e3, 3),
+                "load_all_mean_ms": round(float(loaded.seconds.mean()) * 1e3, 3),
             }
         out["ttft_model"] = model
         out["ssd_hit_blocks"] = int(ssd_hits.sum())
@@ -140,7 +143,7 @@ def ttft_rows(runs: Sequence[dict[str, Any]], no_store: dict[str, Any], model: s
     for r in runs:
         for gpu, m in r.get("ttft_model", {}).items():
             label = run_label(r)
-            base = float(no_store[gpu]["mean_ms"])
+            base = float(no_store[gpu.split("+")[0]]["mean_ms"])  # h100+layers4: h100's
             note = f"{m['skipped_hit_tokens']:,} hit tokens recomputed (cheaper than loading)"
             rows.append(Row(f"ttft_model/{label}/{r['percent']}%/{model}/{gpu}",
                             float(m["mean_ms"]), "ms", "no_store", base, note=note))  # fmt: skip
@@ -235,6 +238,10 @@ def result_notes(work: Workload, size: int, full: bool, costs: ttft.LoadCosts, u
         "connector claims them: only where loading beats recomputing, per tier — up to the "
         "end of a tier segment of the lookup's run (lookup(keys, tiers=True)) — (the skipped "
         "hit tokens and the load-every-hit mean are in each run's details)",
+        "profiles named <gpu>+layers<P> model the connector with layer_parts=P: each block is "
+        "P values of a layer part's size (load times measured on such values, in details' "
+        "layer_parts), and loading overlaps computing: TTFT = max(load + prefill/P, load/P + "
+        "prefill), with the hit split where that is least, as the connector's claim rule does",
     ]
     if url:
         notes.append(f"replayed once against {url} (its own policy and capacity)")

@@ -23,6 +23,13 @@ is 0 or the end of a segment (the DRAM lead, then the SSD part, ...). Without se
 store that does not report them) the hit is taken as its DRAM blocks first. A store used this
 way is never slower than no store; `claim="all"` loads every hit, as before.
 TTFT = prefill_s + load_s; without a store it is prefill_s(n, 0).
+
+With the KV stored in P layer parts (the connector's `layer_parts`), attention layer l waits
+only for part l, so loading overlaps computing: TTFT = max(load_s + prefill_s / P, load_s / P +
+prefill_s) (the first part's load and the last part's compute do not overlap anything), with
+load_s measured on values of a part's size. Then the best count is wherever loading and
+computing take about as long, so every block count of the hit is a candidate, as in the
+connector's rule (connectors/vllm/claim.py).
 """
 
 from __future__ import annotations
@@ -95,9 +102,11 @@ def ttft_seconds(
     costs: LoadCosts,
     claim: str = "cost",
     runs: Sequence[TierRun] | None = None,
+    parts: int = 1,
 ) -> Modelled:
     """Modelled TTFT of each request: prefill of what was not loaded plus loading what was.
-    `runs`: each request's hit blocks by tier, in key order (else DRAM blocks first).
+    `runs`: each request's hit blocks by tier, in key order (else DRAM blocks first);
+    `parts`: layer parts per block (loads overlap compute when more than one).
 
     Raises:
         ValueError: `claim` is neither "cost" nor "all".
@@ -105,6 +114,12 @@ def ttft_seconds(
     if claim not in ("cost", "all"):
         raise ValueError(f"claim must be 'cost' or 'all', not {claim!r}")
     ssd_s = costs.ssd_s if costs.ssd_s is not None else costs.dram_s
+    if parts > 1:
+        if runs is None:  # DRAM blocks first
+            runs = [TierRun(((Tier.DRAM, int(h - s)), (Tier.SSD, int(s))))
+                    for h, s in zip(hit_blocks, ssd_blocks, strict=True)]  # fmt: skip
+        return _overlapped(model, gpu, prompt, hit_blocks, block_tokens, costs, claim, runs,
+                           parts)  # fmt: skip
     if runs is not None:
         return _by_segments(model, gpu, prompt, hit_blocks, block_tokens, costs, claim, runs)
     dram_blocks = hit_blocks - ssd_blocks
@@ -168,3 +183,39 @@ def _by_segments(
     order = np.lexsort((blocks, times, idx))  # per request: fastest, then loading less
     first = order[np.r_[True, idx[order][1:] != idx[order][:-1]]]
     return Modelled(times[first], blocks[first])
+
+
+def _block_costs(costs: LoadCosts, copy_s: float) -> dict[Tier, float]:
+    """Seconds to load one block from each tier (REMOTE and UNKNOWN: the slowest measured)."""
+    slowest = max(costs.dram_s, costs.ssd_s or 0.0)
+    return {Tier.DRAM: costs.dram_s + copy_s, Tier.SSD: (costs.ssd_s or costs.dram_s) + copy_s,
+            Tier.REMOTE: slowest + copy_s, Tier.UNKNOWN: slowest + copy_s}  # fmt: skip
+
+
+def _overlapped(
+    model: ModelProfile,
+    gpu: GpuProfile,
+    prompt: npt.NDArray[np.int64],
+    hit_blocks: npt.NDArray[np.int64],
+    block_tokens: int,
+    costs: LoadCosts,
+    claim: str,
+    runs: Sequence[TierRun],
+    parts: int,
+) -> Modelled:
+    """`ttft_seconds` with loads overlapping compute (layer parts): every block count of each
+    request's hit is a candidate."""
+    per_block = _block_costs(costs, block_tokens * model.bytes_per_token / gpu.h2d_bytes_per_s)
+    seconds = np.zeros(len(prompt))
+    picked = np.zeros(len(prompt), dtype=np.int64)
+    for i, run in enumerate(runs):
+        hit = int(hit_blocks[i])
+        tiers = [t for t, count in run.slice(0, hit).segments for _ in range(count)]
+        tiers += [Tier.UNKNOWN] * (hit - len(tiers))
+        load = np.concatenate([[0.0], np.cumsum([per_block[t] for t in tiers])])
+        counts = np.arange(hit + 1, dtype=np.int64)
+        compute = prefill_seconds(model, gpu, np.full(hit + 1, prompt[i]), counts * block_tokens)
+        total = np.maximum(load + compute / parts, load / parts + compute)
+        best = hit if claim == "all" else int(np.argmin(total))  # ties: loading less
+        seconds[i], picked[i] = total[best], best
+    return Modelled(seconds, picked)

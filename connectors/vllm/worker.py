@@ -223,7 +223,6 @@ class WorkerHalf:
     def _run_save(
         self, job: SaveJob, ready: torch.cuda.Event | None, snapshots: dict[int, torch.Tensor]
     ) -> None:
-        began = time.perf_counter()
         try:
             for g, part in enumerate(self._groups):
                 self._save(part, job.block_ids[g], job, ready, snapshots.get(g),
@@ -237,8 +236,6 @@ class WorkerHalf:
         finally:
             with self._lock:
                 self._pending_saves[job.req_id] -= 1
-            log.debug("kvoffload: save %s blocks=%d total_ms=%.1f", job.req_id, len(job.hashes),
-                      (time.perf_counter() - began) * 1e3)  # fmt: skip
 
     def _save(
         self,

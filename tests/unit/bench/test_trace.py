@@ -177,6 +177,37 @@ def test_ttft_model_claims_by_the_lookups_segments() -> None:
     assert every.seconds == pytest.approx(old.seconds)  # loading all costs the same either way
 
 
+def test_ttft_model_with_layer_parts_overlaps_loading_and_computing() -> None:
+    """With the KV in P layer parts a load overlaps compute: an SSD hit that costs exactly
+    what recomputing it costs saves nothing whole, but about half the time when the hit is
+    split so that loading and computing take as long."""
+    model, gpu = PROFILES["llama-3.1-8b"], ttft.GPUS["h100"]
+    n = np.array([16 * 64 + 1], dtype=np.int64)  # 64 hit blocks, one token computed after
+    hits, ssd = np.array([64]), np.array([64])
+    none = ttft.prefill_seconds(model, gpu, n, np.zeros_like(n))
+    block_s = float(none[0]) / 64  # recomputing a block, about
+    copy_s = 16 * model.bytes_per_token / gpu.h2d_bytes_per_s
+    costs = ttft.LoadCosts(dram_s=1e-6, ssd_s=block_s - copy_s)
+    runs = [TierRun(((Tier.SSD, 64),))]
+    whole = ttft.ttft_seconds(model, gpu, n, hits, ssd, 16, costs, runs=runs)
+    assert whole.seconds[0] == pytest.approx(none[0], rel=0.02)  # loading no better
+    split = ttft.ttft_seconds(model, gpu, n, hits, ssd, 16, costs, runs=runs, parts=4)
+    assert 20 <= split.loaded_blocks[0] <= 44  # about half loaded, half computed
+    assert split.seconds[0] < 0.7 * none[0]
+    assert split.seconds[0] <= whole.seconds[0]
+    every = ttft.ttft_seconds(model, gpu, n, hits, ssd, 16, costs, claim="all", runs=runs,
+                              parts=4)  # fmt: skip
+    assert every.loaded_blocks[0] == 64 and every.seconds[0] > split.seconds[0]
+    # The overlapped cost of k loaded blocks, at the split chosen.
+    k = int(split.loaded_blocks[0])
+    load = k * (costs.ssd_s + copy_s)
+    compute = ttft.prefill_seconds(model, gpu, n, np.array([16 * k]))[0]
+    assert split.seconds[0] == pytest.approx(max(load + compute / 4, load / 4 + compute))
+    # Without tier runs the hit is DRAM first, as for whole blocks: all loaded (DRAM is cheap).
+    cheap = ttft.ttft_seconds(model, gpu, n, hits, np.array([0]), 16, costs, parts=4)
+    assert cheap.loaded_blocks[0] == 64
+
+
 def test_trace_bench_end_to_end_without_peers_installed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
