@@ -60,6 +60,7 @@ HELP = "multi-turn trace against real vLLM servers: TTFT per turn, with and with
 BLOCK_TOKENS = 128  # vLLM's block size on CPU
 KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M in float32: 2 x 30 layers x 3 heads x 64 x 4 B
 SSD_BATCH = 4  # the connector's batch_blocks for kv_ssd
+KV_CACHE_GIB = "3"  # VLLM_CPU_KVCACHE_SPACE of every server
 CONFIGS = ("none", "apc", "vllm_offloading", "kv", "kv_reset", "kv_ssd")
 _HITS = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")
 
@@ -141,6 +142,11 @@ class _Replayer:
         self.log = scratch / "none.log"  # the last server's log
 
     def server(self, name: str, **kwargs: object) -> VllmServer:
+        """A vLLM server; every server gets the KV cache space of the reference server (room
+        for three phases of `apc` blocks next to the `none` requests' salted ones), so that
+        the configurations differ in their connector only."""
+        env = kwargs.get("env") or {}
+        kwargs["env"] = {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, **env}  # type: ignore[dict-item]
         self._count += 1
         log = self.log = self.scratch / f"{self._count:02d}-{name}.log"
         self.console.print(f"[dim]starting vLLM ({name}), log {log}[/]")
@@ -236,8 +242,7 @@ def run(
     ref_server: VllmServer | None = None
     try:
         if refs:
-            # Room for three phases of apc blocks next to the none requests' salted ones.
-            ref_server = replayer.server("none+apc", env={"VLLM_CPU_KVCACHE_SPACE": "3"})
+            ref_server = replayer.server("none+apc")
             replayer.warm(ref_server, connector=False)
         for phase in phases:
             console.print(

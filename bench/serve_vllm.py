@@ -176,7 +176,12 @@ class VllmServer:
             VLLM_SERVER_DEV_MODE="1",
             PYTHONHASHSEED="0",
             VLLM_CPU_KVCACHE_SPACE=environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            OMP_NUM_THREADS=environ.get("OMP_NUM_THREADS", "2"),
+            # vLLM binds the model's threads to the cores it does not reserve for its other
+            # processes, and reserves one more core when a KV connector is configured: on 2
+            # cores that gave a server with the connector both cores and one without it one
+            # (it reserves 2 of 2, gives up, and binds both). Every server reserves one core.
+            VLLM_CPU_NUM_OF_RESERVED_CPU=environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
+            OMP_NUM_THREADS=environ.get("OMP_NUM_THREADS", "1"),
         )
         environ.update(env or {})
         with log.open("w") as out:
