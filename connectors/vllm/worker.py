@@ -23,14 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvoffload.client_sdk import BlockHash, Client, Namespace, Tier, TierRun, engine_hashes
+from kvoffload.client_sdk import Client, Namespace, Tier, TierRun, engine_hashes
 from kvoffload.connectors.vllm.claim import (
     MIN_PREFILL_TOKENS,
     KVOffloadStats,
     StepRates,
     load_batches,
 )
-from kvoffload.connectors.vllm.groups import GroupKV, chain_hashes, stored_positions
+from kvoffload.connectors.vllm.groups import GroupKV, chain_hashes, read_batch, stored_positions
+from kvoffload.connectors.vllm.layers import LayerLoad
 from kvoffload.connectors.vllm.plan import (
     NULL_BLOCK,
     KVGroup,
@@ -57,18 +58,26 @@ class WorkerHalf:
         namespaces: Sequence[Namespace],
         groups: Sequence[KVGroup],
         num_blocks: int,
+        layered: bool = False,
     ) -> None:
         self._settings = settings
         self._client = client
-        self._namespaces = list(namespaces)  # one per KV cache group
+        # One per KV cache group, or with `layered` one per layer part of the model's one
+        # group (connectors/vllm/layers.py).
+        self._namespaces = list(namespaces)
         self._groups_spec = list(groups)
         self._num_blocks = num_blocks
         self._groups: list[GroupKV] = []
+        self._layered = layered
+        self._layer_load: LayerLoad | None = None  # this step's layer-wise load
         # Hybrid models report a failed load per request: vLLM cannot map a block id back to
         # its request when ids repeat across groups.
-        self._hybrid = len(groups) > 1
-        # The group whose saves carry token ids for the store's KV events (one is enough).
+        self._hybrid = len(groups) > 1 and not layered
+        # The group whose saves carry token ids for the store's KV events (one is enough;
+        # with layer parts the last, saved once the others are).
         self._events_group = next((i for i, g in enumerate(groups) if g.sliding_window is None), 0)
+        if layered:
+            self._events_group = len(groups) - 1
         self._save_stream: torch.cuda.Stream | None = None
         self._load_stream: torch.cuda.Stream | None = None
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-save")
@@ -98,8 +107,10 @@ class WorkerHalf:
         """
         batch = self._settings.batch_blocks
         self._groups = [
-            GroupKV.adopt(group, ns, kv_caches, self._num_blocks, batch)
-            for group, ns in zip(self._groups_spec, self._namespaces, strict=True)
+            GroupKV.adopt(
+                group, ns, kv_caches, self._num_blocks, batch, 0 if self._layered else g
+            )  # fmt: skip
+            for g, (group, ns) in enumerate(zip(self._groups_spec, self._namespaces, strict=True))
         ]
         device = self._groups[0].kv.device
         if device.type == "cuda":
@@ -125,7 +136,14 @@ class WorkerHalf:
 
     def start_loads(self, plan: StepPlan) -> None:
         began = self._step_began
-        for job in plan.loads:
+        if self._layered and plan.loads:
+            # Layer by layer: the forward starts now, each attention layer waiting for its part.
+            self._layer_load = LayerLoad(plan.loads, self._groups, self._client,
+                                         self._load_stream,
+                                         self._settings.layer_load_timeout_s)  # fmt: skip
+            self._loader.submit(self._layer_load.run)
+            began = time.perf_counter()
+        for job in () if self._layered else plan.loads:
             if job.sync:
                 # This step's forward reads these blocks: load them before it starts.
                 self._run_load(job)
@@ -141,17 +159,43 @@ class WorkerHalf:
             self._step = (began, plan.scheduled_tokens)
         self._step_began = None
 
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Block until `layer_name`'s part of this step's loads is in vLLM's KV cache."""
+        if self._layer_load is not None:
+            self._layer_load.wait(layer_name)
+
+    def _finish_layer_load(self) -> float:
+        """Join this step's layer-wise load (its failed blocks go out with this step's
+        output); returns the time the forward spent waiting for it."""
+        load, self._layer_load = self._layer_load, None
+        if load is None:
+            return 0.0
+        loaded = load.finish()
+        with self._lock:
+            load.rates.into(self._rates, len(self._groups))
+            for job, count in zip(load.jobs, loaded, strict=True):
+                if count < len(job.hashes):
+                    log.warning("kvoffload: request %s loaded %d of %d blocks; vLLM "
+                                "recomputes the rest", job.req_id, count,
+                                len(job.hashes))  # fmt: skip
+                    self._load_errors.update(b for b in job.block_ids[0][count:]
+                                             if b != NULL_BLOCK)  # fmt: skip
+        return load.waited_s
+
     def take_rates(self) -> KVOffloadStats | None:
         with self._lock:
             return self._rates.take()
 
     def submit_saves(self, plan: StepPlan) -> None:
+        ended = time.perf_counter()
+        waited = self._finish_layer_load()
         if self._step is not None:
             start, tokens = self._step
             self._step = None
             with self._lock:
                 self._rates.prefill_tokens += tokens
-                self._rates.prefill_s += time.perf_counter() - start
+                # Time blocked on layer loads is not compute.
+                self._rates.prefill_s += max(0.0, ended - start - waited)
         if not plan.saves:
             return
         # The saves read KV the forward just wrote: on a GPU, order them after it.
@@ -225,7 +269,7 @@ class WorkerHalf:
     ) -> None:
         try:
             for g, part in enumerate(self._groups):
-                self._save(part, job.block_ids[g], job, ready, snapshots.get(g),
+                self._save(part, job.block_ids[part.index], job, ready, snapshots.get(g),
                            g == self._events_group)  # fmt: skip
         except KVOffloadError as exc:
             log.warning("kvoffload: saving blocks of %s failed: %s", job.req_id, exc)
@@ -332,7 +376,7 @@ class WorkerHalf:
         for start, stop, tier in load_batches(len(keys), buffer.shape[0], segments):
             began = time.perf_counter()
             chunk = keys[start:stop]
-            ok = _read_batch(self._client, chunk, buffer, part.kv.block_bytes)
+            ok = read_batch(self._client, chunk, buffer, part.kv.block_bytes)
             read = time.perf_counter()
             clock.read_s += read - began
             if ok:
@@ -370,36 +414,12 @@ class _LoadClock:
         )  # fmt: skip
 
 
-def _read_batch(
-    client: Client, keys: Sequence[BlockHash], buffer: torch.Tensor, block_bytes: int
-) -> int:
-    """Verified blocks straight into the staging rows, in one pipelined batch; returns how
-    many leading blocks can be used."""
-    try:
-        got = client.get_many_into(keys, [buffer[i] for i in range(len(keys))])
-    except KVOffloadError as exc:
-        log.warning("kvoffload: reading %d blocks failed: %s", len(keys), exc)
-        return 0
-    ok = 0
-    while ok < len(got) and got[ok] == block_bytes:
-        ok += 1
-    if ok < len(got):
-        key, size = keys[ok], got[ok]
-        if size is not None:
-            log.warning("kvoffload: block %s holds %d bytes, expected %d", key[:16].hex(),
-                        size, block_bytes)  # fmt: skip
-        # Missing or damaged: drop whatever is stored under the key, so that the recomputed
-        # block is saved again instead of failing every later load.
-        with contextlib.suppress(KVOffloadError):
-            client.delete(key)
-    return ok
-
-
 def _snapshots(groups: Sequence[GroupKV], job: SaveJob) -> dict[int, torch.Tensor]:
     """Copies of a job's sliding-window blocks, taken before the next step can free them
     (full-attention blocks stay allocated until `get_finished` reports the request)."""
     out: dict[int, torch.Tensor] = {}
-    for g, (part, ids) in enumerate(zip(groups, job.block_ids, strict=True)):
+    for g, part in enumerate(groups):
+        ids = job.block_ids[part.index]
         kept = [ids[i] for i in stored_positions(ids)]
         if part.group.sliding_window is not None and kept:
             out[g] = part.snapshot(kept)
