@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +27,7 @@ from kvoffload.connectors.paged_kv import PagedKV
 from kvoffload.connectors.vllm.plan import NULL_BLOCK, KVGroup
 from kvoffload.errors import ConfigError, KVOffloadError
 
-__all__ = ["GroupKV", "GroupLookup", "chain_hashes", "group_layout", "read_batch",
+__all__ = ["GroupKV", "GroupLookup", "chain_hashes", "group_layout", "on_stream", "read_batch",
            "stored_positions"]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -148,6 +148,18 @@ class GroupKV:
         if self.kv.device.type == "cuda":
             torch.cuda.current_stream(self.kv.device).synchronize()
         return out
+
+
+@contextlib.contextmanager
+def on_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """Run the block on `stream` (a CPU's None: as is) and wait for it: the staging rows it
+    copied from or into are used again right after."""
+    if stream is None:
+        yield
+        return
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()
 
 
 def read_batch(

@@ -31,7 +31,7 @@ import torch
 
 from kvoffload.client_sdk import Client, Tier, engine_hashes
 from kvoffload.connectors.vllm.claim import StepRates, load_batches
-from kvoffload.connectors.vllm.groups import GroupKV, read_batch
+from kvoffload.connectors.vllm.groups import GroupKV, on_stream, read_batch
 from kvoffload.connectors.vllm.plan import KVGroup, LoadJob
 from kvoffload.errors import ConfigError
 
@@ -188,20 +188,12 @@ class LayerLoad:
                 with self._lock:
                     if self._cancelled:
                         return start
-                    self._scatter(part, block_ids, buffer)
+                    with on_stream(self._stream):
+                        part.kv.scatter(block_ids, buffer)
             self.rates.add(tier, ok, time.perf_counter() - began)
             if ok < stop - start:
                 return start + ok
         return limit
-
-    def _scatter(self, part: GroupKV, block_ids: torch.Tensor, buffer: torch.Tensor) -> None:
-        if self._stream is None:
-            part.kv.scatter(block_ids, buffer)
-            return
-        with torch.cuda.stream(self._stream):
-            part.kv.scatter(block_ids, buffer)
-        # The staging rows are read again by the next batch: let the copy finish first.
-        self._stream.synchronize()
 
     # -- the forward ----------------------------------------------------------------------
 

@@ -13,11 +13,10 @@ it are reported to vLLM, which recomputes them.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -30,7 +29,13 @@ from kvoffload.connectors.vllm.claim import (
     StepRates,
     load_batches,
 )
-from kvoffload.connectors.vllm.groups import GroupKV, chain_hashes, read_batch, stored_positions
+from kvoffload.connectors.vllm.groups import (
+    GroupKV,
+    chain_hashes,
+    on_stream,
+    read_batch,
+    stored_positions,
+)
 from kvoffload.connectors.vllm.layers import LayerLoad
 from kvoffload.connectors.vllm.plan import (
     NULL_BLOCK,
@@ -255,22 +260,13 @@ class WorkerHalf:
 
     # -- background work ------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _on(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
-        if stream is None:
-            yield
-            return
-        with torch.cuda.stream(stream):
-            yield
-        stream.synchronize()
-
     def _run_save(
         self, job: SaveJob, ready: torch.cuda.Event | None, snapshots: dict[int, torch.Tensor]
     ) -> None:
         try:
             for g, part in enumerate(self._groups):
-                self._save(part, job.block_ids[part.index], job, ready, snapshots.get(g),
-                           g == self._events_group)  # fmt: skip
+                _save_group(self._client, self._save_stream, part, job.block_ids[part.index], job,
+                            ready, snapshots.get(g), g == self._events_group)  # fmt: skip
         except KVOffloadError as exc:
             log.warning("kvoffload: saving blocks of %s failed: %s", job.req_id, exc)
         except Exception:
@@ -280,42 +276,6 @@ class WorkerHalf:
         finally:
             with self._lock:
                 self._pending_saves[job.req_id] -= 1
-
-    def _save(
-        self,
-        part: GroupKV,
-        ids: Sequence[int],
-        job: SaveJob,
-        ready: torch.cuda.Event | None,
-        snapshot: torch.Tensor | None,
-        events: bool,
-    ) -> None:
-        """Save one group's blocks of a job (rows of `snapshot`, if taken, else its blocks)."""
-        positions = stored_positions(ids)
-        if not positions:
-            return
-        chain, before = chain_hashes(part.namespace, job.hashes, job.parent)
-        hashes = [chain[p] for p in positions]
-        # Another request may have saved the same prefix since the scheduler planned this.
-        first = self._client.lookup(hashes)
-        metas = block_metas(job, 0, len(job.hashes)) if events else None
-        buffer = part.save_buffer
-        batch = buffer.shape[0]
-        for start in range(first, len(positions), batch):
-            pos = positions[start : start + batch]
-            if snapshot is not None:
-                rows = snapshot[start : start + len(pos)]
-            else:
-                block_ids = torch.tensor([ids[p] for p in pos], dtype=torch.long)
-                with self._on(self._save_stream):
-                    if ready is not None and self._save_stream is not None:
-                        self._save_stream.wait_event(ready)
-                    part.kv.gather(block_ids, buffer)
-                rows = buffer[: len(pos)]
-            parents = [chain[p - 1] if p else before for p in pos]
-            self._client.put_many(zip(hashes[start : start + len(pos)], rows, strict=True),
-                                  parents=parents,
-                                  metas=[metas[p] for p in pos] if metas else None)  # fmt: skip
 
     def _run_load(self, job: LoadJob, queued: float | None = None) -> None:
         loaded = 0
@@ -382,7 +342,7 @@ class WorkerHalf:
             if ok:
                 block_ids = torch.tensor([ids[p] for p in positions[start : start + ok]],
                                          dtype=torch.long)  # fmt: skip
-                with self._on(self._load_stream):
+                with on_stream(self._load_stream):
                     part.kv.scatter(block_ids, buffer)
                 clock.scatter_s += time.perf_counter() - read
                 if run is not None:
@@ -391,6 +351,44 @@ class WorkerHalf:
             if ok < len(chunk):
                 return positions[start + ok]
         return len(hashes)
+
+
+def _save_group(
+    client: Client,
+    stream: torch.cuda.Stream | None,
+    part: GroupKV,
+    ids: Sequence[int],
+    job: SaveJob,
+    ready: torch.cuda.Event | None,
+    snapshot: torch.Tensor | None,
+    events: bool,
+) -> None:
+    """Save one group's blocks of a job (rows of `snapshot`, if taken, else its blocks)."""
+    positions = stored_positions(ids)
+    if not positions:
+        return
+    chain, before = chain_hashes(part.namespace, job.hashes, job.parent)
+    hashes = [chain[p] for p in positions]
+    # Another request may have saved the same prefix since the scheduler planned this.
+    first = client.lookup(hashes)
+    metas = block_metas(job, 0, len(job.hashes)) if events else None
+    buffer = part.save_buffer
+    batch = buffer.shape[0]
+    for start in range(first, len(positions), batch):
+        pos = positions[start : start + batch]
+        if snapshot is not None:
+            rows = snapshot[start : start + len(pos)]
+        else:
+            block_ids = torch.tensor([ids[p] for p in pos], dtype=torch.long)
+            with on_stream(stream):
+                if ready is not None and stream is not None:
+                    stream.wait_event(ready)
+                part.kv.gather(block_ids, buffer)
+            rows = buffer[: len(pos)]
+        parents = [chain[p - 1] if p else before for p in pos]
+        client.put_many(zip(hashes[start : start + len(pos)], rows, strict=True),
+                              parents=parents,
+                              metas=[metas[p] for p in pos] if metas else None)  # fmt: skip
 
 
 @dataclass
