@@ -18,9 +18,11 @@ from kvoffload.connectors.paged_kv import CANONICAL_LAYOUT
 from kvoffload.connectors.vllm import _compat
 from kvoffload.connectors.vllm.claim import KVOffloadStats
 from kvoffload.connectors.vllm.groups import GroupLookup, group_layout
+from kvoffload.connectors.vllm.layers import part_groups, part_layout, split_layers
 from kvoffload.connectors.vllm.plan import Settings, StepPlan, namespace_for
 from kvoffload.connectors.vllm.scheduler import SchedulerHalf
 from kvoffload.connectors.vllm.worker import WorkerHalf
+from kvoffload.errors import ConfigError
 
 __all__ = ["KVOffloadConnector", "KVOffloadConnectorMetadata"]
 
@@ -49,7 +51,8 @@ class KVOffloadConnector(_compat.KVConnectorBase_V1, _compat.SupportsHMA):
     _cache_hit_source = _compat.CacheHitSource.DISK
 
     namespace: Namespace
-    """The namespace of this process's blocks (the scheduler's: tensor-parallel rank 0)."""
+    """The namespace of this process's blocks (the scheduler's: tensor-parallel rank 0; with
+    layer parts, that of part 0)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -60,9 +63,19 @@ class KVOffloadConnector(_compat.KVConnectorBase_V1, _compat.SupportsHMA):
         self._worker: WorkerHalf | None = None
 
         groups = geometry.groups
+        parts = self._settings.layer_parts
+        if parts > 1 and (len(groups) > 1 or groups[0].sliding_window is not None):
+            raise ConfigError(
+                "layer_parts > 1 is not supported yet for hybrid models (several "
+                "KV cache groups or a sliding window); use layer_parts=1"
+            )
+        # With layer parts, the model's one group cut into parts of contiguous layers.
+        spans = split_layers(len(groups[0].layer_names), parts)
+        pieces = part_groups(groups[0], parts) if parts > 1 else groups
 
-        def namespace(rank: int, g: int = 0) -> Namespace:
-            group = groups[g]
+        def namespace(rank: int, g: int = 0, part: int = 0) -> Namespace:
+            group = pieces[part] if parts > 1 else groups[g]
+            layout = group_layout(CANONICAL_LAYOUT, groups, g)
             return namespace_for(
                 model=geometry.model,
                 revision=geometry.revision,
@@ -71,7 +84,7 @@ class KVOffloadConnector(_compat.KVConnectorBase_V1, _compat.SupportsHMA):
                 num_layers=len(group.layer_names),
                 num_kv_heads=group.num_kv_heads,
                 head_width=group.head_width,
-                layout=group_layout(CANONICAL_LAYOUT, groups, g),
+                layout=part_layout(layout, part, parts, spans[part]),
                 tp_rank=rank,
                 tp_size=geometry.tp_size,
                 hash_algo=geometry.hash_algo,
@@ -83,8 +96,9 @@ class KVOffloadConnector(_compat.KVConnectorBase_V1, _compat.SupportsHMA):
             # The connector owns what a failed load means: a block evicted between lookup
             # and load is normal for a cache, so by default vLLM recomputes it.
             _compat.set_load_failure_policy(vllm_config, self._settings.load_failure_policy)
-            namespaces = [namespace(rank) for rank in range(geometry.tp_size)]
-            client = Client.connect(self._settings.url, namespace=namespaces[0])
+            namespaces = [[namespace(rank, part=p) for p in range(parts)]
+                          for rank in range(geometry.tp_size)]  # fmt: skip
+            client = Client.connect(self._settings.url, namespace=namespaces[0][0])
             lookup = None
             if len(groups) > 1 or groups[0].sliding_window is not None:
                 per_rank = [[namespace(rank, g) for g in range(len(groups))]
@@ -98,10 +112,12 @@ class KVOffloadConnector(_compat.KVConnectorBase_V1, _compat.SupportsHMA):
             rank = _compat.tensor_parallel_rank()
             self.namespace = namespace(rank)
             client = Client.connect(self._settings.url, namespace=self.namespace)
-            self._worker = WorkerHalf(
-                self._settings, client, [namespace(rank, g) for g in range(len(groups))], groups,
-                kv_cache_config.num_blocks,
-            )  # fmt: skip
+            if parts > 1:
+                mine = [namespace(rank, part=p) for p in range(parts)]
+            else:
+                mine = [namespace(rank, g) for g in range(len(groups))]
+            self._worker = WorkerHalf(self._settings, client, mine, pieces,
+                                      kv_cache_config.num_blocks, layered=parts > 1)  # fmt: skip
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -209,7 +225,16 @@ class KVOffloadConnector(_compat.KVConnectorBase_V1, _compat.SupportsHMA):
         self._work().start_loads(self._plan())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete before the forward that reads them
+        """With layer parts: block until the part holding `layer_name` of this step's loads
+        is in the KV cache (bounded by `layer_load_timeout_s`); else at once (loads complete
+        before the forward that reads them)."""
+        self._work().wait_for_layer(layer_name)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise waits run Python between layers, which a full CUDA graph would skip."""
+        parts = (extra_config or {}).get("layer_parts", 1)
+        return isinstance(parts, int) and parts > 1
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any

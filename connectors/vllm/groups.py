@@ -15,7 +15,9 @@ long as the shortest group's.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,9 +25,12 @@ import torch
 from kvoffload.client_sdk import BlockHash, Client, Namespace, engine_hashes, engine_keys
 from kvoffload.connectors.paged_kv import PagedKV
 from kvoffload.connectors.vllm.plan import NULL_BLOCK, KVGroup
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, KVOffloadError
 
-__all__ = ["GroupKV", "GroupLookup", "chain_hashes", "group_layout", "stored_positions"]
+__all__ = ["GroupKV", "GroupLookup", "chain_hashes", "group_layout", "on_stream", "read_batch",
+           "stored_positions"]  # fmt: skip
+
+log = logging.getLogger(__name__)
 
 
 def group_layout(layout: str, groups: Sequence[KVGroup], index: int) -> str:
@@ -104,6 +109,7 @@ class GroupKV:
     kv: PagedKV
     save_buffer: torch.Tensor
     load_buffer: torch.Tensor
+    index: int = 0  # the KV cache group (of a job's block_ids) these views belong to
 
     @classmethod
     def adopt(
@@ -113,6 +119,7 @@ class GroupKV:
         kv_caches: dict[str, torch.Tensor],
         num_blocks: int,
         batch: int,
+        index: int = 0,
     ) -> GroupKV:
         """Wrap vLLM's views of the group's layers and check them against its namespace.
 
@@ -131,7 +138,7 @@ class GroupKV:
                 f"KV views hold (tokens, heads, K+V width) = {seen} per block, the KV cache "
                 f"config says {expected}"
             )
-        return cls(group, namespace, kv, kv.staging(batch), kv.staging(batch))
+        return cls(group, namespace, kv, kv.staging(batch), kv.staging(batch), index)
 
     def snapshot(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A host copy of blocks `block_ids`, made now: vLLM frees a sliding window's blocks
@@ -141,3 +148,41 @@ class GroupKV:
         if self.kv.device.type == "cuda":
             torch.cuda.current_stream(self.kv.device).synchronize()
         return out
+
+
+@contextlib.contextmanager
+def on_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """Run the block on `stream` (a CPU's None: as is) and wait for it: the staging rows it
+    copied from or into are used again right after."""
+    if stream is None:
+        yield
+        return
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()
+
+
+def read_batch(
+    client: Client, keys: Sequence[BlockHash], buffer: torch.Tensor, block_bytes: int
+) -> int:
+    """Verified blocks straight into the staging rows, in one pipelined batch; returns how
+    many leading blocks can be used. Rows past that count hold unverified bytes: never
+    scatter them."""
+    try:
+        got = client.get_many_into(keys, [buffer[i] for i in range(len(keys))])
+    except KVOffloadError as exc:
+        log.warning("kvoffload: reading %d blocks failed: %s", len(keys), exc)
+        return 0
+    ok = 0
+    while ok < len(got) and got[ok] == block_bytes:
+        ok += 1
+    if ok < len(got):
+        key, size = keys[ok], got[ok]
+        if size is not None:
+            log.warning("kvoffload: block %s holds %d bytes, expected %d", key[:16].hex(),
+                        size, block_bytes)  # fmt: skip
+        # Missing or damaged: drop whatever is stored under the key, so that the recomputed
+        # block is saved again instead of failing every later load.
+        with contextlib.suppress(KVOffloadError):
+            client.delete(key)
+    return ok

@@ -56,6 +56,14 @@ class Settings:
     # scheduler step (vLLM's WAITING_FOR_REMOTE_KVS). -1: every load on a CPU (nothing else
     # computes while it runs, and the wait costs a step), none on a GPU.
     sync_load_blocks: int = -1
+    # Each block is stored as this many values, each holding a contiguous run of the model's
+    # layers (sizes differ by at most one), sealed and verified on its own. With more than one,
+    # a hit loads part by part while the step's forward runs: attention layer l waits only
+    # for the part holding it (connectors/vllm/layers.py). 1: whole blocks, as before.
+    layer_parts: int = 1
+    # With layer parts: the longest a step's forward waits for its loads; on timeout the
+    # blocks not yet loaded are reported failed (vLLM recomputes them).
+    layer_load_timeout_s: float = 30.0
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> Settings:
@@ -93,6 +101,10 @@ class Settings:
             raise ConfigError("load_blocks_per_s and prefill_tokens_per_s must not be negative")
         if settings.sync_load_blocks < -1:
             raise ConfigError("sync_load_blocks must be -1 (automatic), 0 (never) or positive")
+        if settings.layer_parts < 1:
+            raise ConfigError(f"layer_parts must be at least 1, got {settings.layer_parts}")
+        if not settings.layer_load_timeout_s > 0:
+            raise ConfigError("layer_load_timeout_s must be positive")
         return settings
 
 

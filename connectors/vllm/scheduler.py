@@ -42,7 +42,8 @@ class SchedulerHalf:
 
     Args:
         client: a client of the store (only `lookup` is used here).
-        namespaces: the namespace of every tensor-parallel rank, rank 0 first.
+        namespaces: for every tensor-parallel rank (rank 0 first), the namespace of each layer
+            part of its blocks (one: whole blocks).
         block_tokens, hash_ratio: vLLM's block size and hashes per block.
     """
 
@@ -50,7 +51,7 @@ class SchedulerHalf:
         self,
         settings: Settings,
         client: Client,
-        namespaces: Sequence[Namespace],
+        namespaces: Sequence[Sequence[Namespace]],
         block_tokens: int,
         hash_ratio: int,
         kv_cache_manager: Any = None,
@@ -59,7 +60,7 @@ class SchedulerHalf:
     ) -> None:
         self._settings = settings
         self._client = client
-        self._namespaces = list(namespaces)
+        self._namespaces = [list(parts) for parts in namespaces]
         self._block_tokens = block_tokens
         self._hash_ratio = hash_ratio
         self.kv_cache_manager = kv_cache_manager
@@ -72,20 +73,25 @@ class SchedulerHalf:
         if sync < 0:
             sync = 1 << 30 if on_cpu else 0
         self._sync_blocks = 0 if groups is not None else sync
+        if settings.layer_parts > 1:
+            # Layer by layer: every load runs during its request's first forward.
+            self._sync_blocks = 1 << 30
         self._requests: dict[str, _Request] = {}
         # req_id -> (first block not computed locally, leading blocks found in the store, the
         # tiers of the claimed blocks, whether the load is synchronous).
         self._lookups: dict[str, tuple[int, int, TierRun, bool]] = {}
         self._loads: list[LoadJob] = []
         self.claim = ClaimRule(block_tokens, settings.claim, settings.load_blocks_per_s,
-                               settings.prefill_tokens_per_s)  # fmt: skip
+                               settings.prefill_tokens_per_s,
+                               parts=settings.layer_parts)  # fmt: skip
 
     def _hashes(self, request: Any) -> list[bytes]:
         return _compat.request_hashes(request, self._hash_ratio)
 
     def _stored_blocks(self, hashes: Sequence[bytes]) -> tuple[int, TierRun]:
-        """Leading blocks that every rank has in the store (one lookup per rank), and where
-        rank 0's are (the other ranks' blocks are taken to be alike)."""
+        """Leading blocks that every rank has in the store, every layer part of them (one
+        lookup per rank and part), and where rank 0's part 0 are (the other ranks' and parts'
+        blocks are taken to be alike)."""
         if self._groups is not None:
             # Several KV cache groups: their tiers are not looked up, so the claim rule costs
             # the hit at the one rate hybrid loads measure (Tier.UNKNOWN).
@@ -93,15 +99,16 @@ class SchedulerHalf:
             return hit, TierRun.of(Tier.UNKNOWN, hit)
         hit = len(hashes)
         run = TierRun()
-        for rank, ns in enumerate(self._namespaces):
-            if hit == 0:
-                break
-            keys = engine_keys(ns, hashes[:hit])
-            if rank == 0:
-                run = self._client.lookup(keys, tiers=True)
-                hit = min(hit, run.total)
-            else:
-                hit = min(hit, self._client.lookup(keys))
+        for rank, parts in enumerate(self._namespaces):
+            for part, ns in enumerate(parts):
+                if hit == 0:
+                    break
+                keys = engine_keys(ns, hashes[:hit])
+                if rank == 0 and part == 0:
+                    run = self._client.lookup(keys, tiers=True)
+                    hit = min(hit, run.total)
+                else:
+                    hit = min(hit, self._client.lookup(keys))
         return hit, run.slice(0, hit)
 
     def get_num_new_matched_tokens(

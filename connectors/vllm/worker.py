@@ -13,24 +13,30 @@ it are reported to vLLM, which recomputes them.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from kvoffload.client_sdk import BlockHash, Client, Namespace, Tier, TierRun, engine_hashes
+from kvoffload.client_sdk import Client, Namespace, Tier, TierRun, engine_hashes
 from kvoffload.connectors.vllm.claim import (
     MIN_PREFILL_TOKENS,
     KVOffloadStats,
     StepRates,
     load_batches,
 )
-from kvoffload.connectors.vllm.groups import GroupKV, chain_hashes, stored_positions
+from kvoffload.connectors.vllm.groups import (
+    GroupKV,
+    chain_hashes,
+    on_stream,
+    read_batch,
+    stored_positions,
+)
+from kvoffload.connectors.vllm.layers import LayerLoad
 from kvoffload.connectors.vllm.plan import (
     NULL_BLOCK,
     KVGroup,
@@ -57,18 +63,26 @@ class WorkerHalf:
         namespaces: Sequence[Namespace],
         groups: Sequence[KVGroup],
         num_blocks: int,
+        layered: bool = False,
     ) -> None:
         self._settings = settings
         self._client = client
-        self._namespaces = list(namespaces)  # one per KV cache group
+        # One per KV cache group, or with `layered` one per layer part of the model's one
+        # group (connectors/vllm/layers.py).
+        self._namespaces = list(namespaces)
         self._groups_spec = list(groups)
         self._num_blocks = num_blocks
         self._groups: list[GroupKV] = []
+        self._layered = layered
+        self._layer_load: LayerLoad | None = None  # this step's layer-wise load
         # Hybrid models report a failed load per request: vLLM cannot map a block id back to
         # its request when ids repeat across groups.
-        self._hybrid = len(groups) > 1
-        # The group whose saves carry token ids for the store's KV events (one is enough).
+        self._hybrid = len(groups) > 1 and not layered
+        # The group whose saves carry token ids for the store's KV events (one is enough;
+        # with layer parts the last, saved once the others are).
         self._events_group = next((i for i, g in enumerate(groups) if g.sliding_window is None), 0)
+        if layered:
+            self._events_group = len(groups) - 1
         self._save_stream: torch.cuda.Stream | None = None
         self._load_stream: torch.cuda.Stream | None = None
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-save")
@@ -98,8 +112,10 @@ class WorkerHalf:
         """
         batch = self._settings.batch_blocks
         self._groups = [
-            GroupKV.adopt(group, ns, kv_caches, self._num_blocks, batch)
-            for group, ns in zip(self._groups_spec, self._namespaces, strict=True)
+            GroupKV.adopt(
+                group, ns, kv_caches, self._num_blocks, batch, 0 if self._layered else g
+            )  # fmt: skip
+            for g, (group, ns) in enumerate(zip(self._groups_spec, self._namespaces, strict=True))
         ]
         device = self._groups[0].kv.device
         if device.type == "cuda":
@@ -125,7 +141,14 @@ class WorkerHalf:
 
     def start_loads(self, plan: StepPlan) -> None:
         began = self._step_began
-        for job in plan.loads:
+        if self._layered and plan.loads:
+            # Layer by layer: the forward starts now, each attention layer waiting for its part.
+            self._layer_load = LayerLoad(plan.loads, self._groups, self._client,
+                                         self._load_stream,
+                                         self._settings.layer_load_timeout_s)  # fmt: skip
+            self._loader.submit(self._layer_load.run)
+            began = time.perf_counter()
+        for job in () if self._layered else plan.loads:
             if job.sync:
                 # This step's forward reads these blocks: load them before it starts.
                 self._run_load(job)
@@ -141,17 +164,43 @@ class WorkerHalf:
             self._step = (began, plan.scheduled_tokens)
         self._step_began = None
 
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Block until `layer_name`'s part of this step's loads is in vLLM's KV cache."""
+        if self._layer_load is not None:
+            self._layer_load.wait(layer_name)
+
+    def _finish_layer_load(self) -> float:
+        """Join this step's layer-wise load (its failed blocks go out with this step's
+        output); returns the time the forward spent waiting for it."""
+        load, self._layer_load = self._layer_load, None
+        if load is None:
+            return 0.0
+        loaded = load.finish()
+        with self._lock:
+            load.rates.into(self._rates, len(self._groups))
+            for job, count in zip(load.jobs, loaded, strict=True):
+                if count < len(job.hashes):
+                    log.warning("kvoffload: request %s loaded %d of %d blocks; vLLM "
+                                "recomputes the rest", job.req_id, count,
+                                len(job.hashes))  # fmt: skip
+                    self._load_errors.update(b for b in job.block_ids[0][count:]
+                                             if b != NULL_BLOCK)  # fmt: skip
+        return load.waited_s
+
     def take_rates(self) -> KVOffloadStats | None:
         with self._lock:
             return self._rates.take()
 
     def submit_saves(self, plan: StepPlan) -> None:
+        ended = time.perf_counter()
+        waited = self._finish_layer_load()
         if self._step is not None:
             start, tokens = self._step
             self._step = None
             with self._lock:
                 self._rates.prefill_tokens += tokens
-                self._rates.prefill_s += time.perf_counter() - start
+                # Time blocked on layer loads is not compute.
+                self._rates.prefill_s += max(0.0, ended - start - waited)
         if not plan.saves:
             return
         # The saves read KV the forward just wrote: on a GPU, order them after it.
@@ -211,22 +260,13 @@ class WorkerHalf:
 
     # -- background work ------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _on(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
-        if stream is None:
-            yield
-            return
-        with torch.cuda.stream(stream):
-            yield
-        stream.synchronize()
-
     def _run_save(
         self, job: SaveJob, ready: torch.cuda.Event | None, snapshots: dict[int, torch.Tensor]
     ) -> None:
         try:
             for g, part in enumerate(self._groups):
-                self._save(part, job.block_ids[g], job, ready, snapshots.get(g),
-                           g == self._events_group)  # fmt: skip
+                _save_group(self._client, self._save_stream, part, job.block_ids[part.index], job,
+                            ready, snapshots.get(g), g == self._events_group)  # fmt: skip
         except KVOffloadError as exc:
             log.warning("kvoffload: saving blocks of %s failed: %s", job.req_id, exc)
         except Exception:
@@ -236,42 +276,6 @@ class WorkerHalf:
         finally:
             with self._lock:
                 self._pending_saves[job.req_id] -= 1
-
-    def _save(
-        self,
-        part: GroupKV,
-        ids: Sequence[int],
-        job: SaveJob,
-        ready: torch.cuda.Event | None,
-        snapshot: torch.Tensor | None,
-        events: bool,
-    ) -> None:
-        """Save one group's blocks of a job (rows of `snapshot`, if taken, else its blocks)."""
-        positions = stored_positions(ids)
-        if not positions:
-            return
-        chain, before = chain_hashes(part.namespace, job.hashes, job.parent)
-        hashes = [chain[p] for p in positions]
-        # Another request may have saved the same prefix since the scheduler planned this.
-        first = self._client.lookup(hashes)
-        metas = block_metas(job, 0, len(job.hashes)) if events else None
-        buffer = part.save_buffer
-        batch = buffer.shape[0]
-        for start in range(first, len(positions), batch):
-            pos = positions[start : start + batch]
-            if snapshot is not None:
-                rows = snapshot[start : start + len(pos)]
-            else:
-                block_ids = torch.tensor([ids[p] for p in pos], dtype=torch.long)
-                with self._on(self._save_stream):
-                    if ready is not None and self._save_stream is not None:
-                        self._save_stream.wait_event(ready)
-                    part.kv.gather(block_ids, buffer)
-                rows = buffer[: len(pos)]
-            parents = [chain[p - 1] if p else before for p in pos]
-            self._client.put_many(zip(hashes[start : start + len(pos)], rows, strict=True),
-                                  parents=parents,
-                                  metas=[metas[p] for p in pos] if metas else None)  # fmt: skip
 
     def _run_load(self, job: LoadJob, queued: float | None = None) -> None:
         loaded = 0
@@ -332,13 +336,13 @@ class WorkerHalf:
         for start, stop, tier in load_batches(len(keys), buffer.shape[0], segments):
             began = time.perf_counter()
             chunk = keys[start:stop]
-            ok = _read_batch(self._client, chunk, buffer, part.kv.block_bytes)
+            ok = read_batch(self._client, chunk, buffer, part.kv.block_bytes)
             read = time.perf_counter()
             clock.read_s += read - began
             if ok:
                 block_ids = torch.tensor([ids[p] for p in positions[start : start + ok]],
                                          dtype=torch.long)  # fmt: skip
-                with self._on(self._load_stream):
+                with on_stream(self._load_stream):
                     part.kv.scatter(block_ids, buffer)
                 clock.scatter_s += time.perf_counter() - read
                 if run is not None:
@@ -347,6 +351,44 @@ class WorkerHalf:
             if ok < len(chunk):
                 return positions[start + ok]
         return len(hashes)
+
+
+def _save_group(
+    client: Client,
+    stream: torch.cuda.Stream | None,
+    part: GroupKV,
+    ids: Sequence[int],
+    job: SaveJob,
+    ready: torch.cuda.Event | None,
+    snapshot: torch.Tensor | None,
+    events: bool,
+) -> None:
+    """Save one group's blocks of a job (rows of `snapshot`, if taken, else its blocks)."""
+    positions = stored_positions(ids)
+    if not positions:
+        return
+    chain, before = chain_hashes(part.namespace, job.hashes, job.parent)
+    hashes = [chain[p] for p in positions]
+    # Another request may have saved the same prefix since the scheduler planned this.
+    first = client.lookup(hashes)
+    metas = block_metas(job, 0, len(job.hashes)) if events else None
+    buffer = part.save_buffer
+    batch = buffer.shape[0]
+    for start in range(first, len(positions), batch):
+        pos = positions[start : start + batch]
+        if snapshot is not None:
+            rows = snapshot[start : start + len(pos)]
+        else:
+            block_ids = torch.tensor([ids[p] for p in pos], dtype=torch.long)
+            with on_stream(stream):
+                if ready is not None and stream is not None:
+                    stream.wait_event(ready)
+                part.kv.gather(block_ids, buffer)
+            rows = buffer[: len(pos)]
+        parents = [chain[p - 1] if p else before for p in pos]
+        client.put_many(zip(hashes[start : start + len(pos)], rows, strict=True),
+                              parents=parents,
+                              metas=[metas[p] for p in pos] if metas else None)  # fmt: skip
 
 
 @dataclass
@@ -370,36 +412,12 @@ class _LoadClock:
         )  # fmt: skip
 
 
-def _read_batch(
-    client: Client, keys: Sequence[BlockHash], buffer: torch.Tensor, block_bytes: int
-) -> int:
-    """Verified blocks straight into the staging rows, in one pipelined batch; returns how
-    many leading blocks can be used."""
-    try:
-        got = client.get_many_into(keys, [buffer[i] for i in range(len(keys))])
-    except KVOffloadError as exc:
-        log.warning("kvoffload: reading %d blocks failed: %s", len(keys), exc)
-        return 0
-    ok = 0
-    while ok < len(got) and got[ok] == block_bytes:
-        ok += 1
-    if ok < len(got):
-        key, size = keys[ok], got[ok]
-        if size is not None:
-            log.warning("kvoffload: block %s holds %d bytes, expected %d", key[:16].hex(),
-                        size, block_bytes)  # fmt: skip
-        # Missing or damaged: drop whatever is stored under the key, so that the recomputed
-        # block is saved again instead of failing every later load.
-        with contextlib.suppress(KVOffloadError):
-            client.delete(key)
-    return ok
-
-
 def _snapshots(groups: Sequence[GroupKV], job: SaveJob) -> dict[int, torch.Tensor]:
     """Copies of a job's sliding-window blocks, taken before the next step can free them
     (full-attention blocks stay allocated until `get_finished` reports the request)."""
     out: dict[int, torch.Tensor] = {}
-    for g, (part, ids) in enumerate(zip(groups, job.block_ids, strict=True)):
+    for g, part in enumerate(groups):
+        ids = job.block_ids[part.index]
         kept = [ids[i] for i in stored_positions(ids)]
         if part.group.sliding_window is not None and kept:
             out[g] = part.snapshot(kept)

@@ -51,6 +51,7 @@ from vllm_harness import (  # noqa: E402
 
 from kvoffload.client_sdk import Client, engine_hashes  # noqa: E402
 from kvoffload.connectors.vllm import KVOffloadConnector  # noqa: E402
+from kvoffload.errors import ConfigError  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -205,6 +206,11 @@ def test_connector_declares_hma_and_vllm_keeps_the_hybrid_manager(
     # Each group stores under a namespace of its own: keys never collide across groups.
     full, sliding = engine.group_namespace(0), engine.group_namespace(1)
     assert full.fingerprint != sliding.fingerprint
+
+
+def test_layer_parts_are_refused_for_hybrid_models(tiny_model: Path, engines: Any) -> None:
+    with pytest.raises(ConfigError, match="not supported yet for hybrid models"):
+        engines(tiny_model, "kv://127.0.0.1:9", layer_parts=2)
 
 
 def test_a_fresh_engine_loads_every_group_bit_exact(

@@ -208,3 +208,31 @@ def test_servers_share_prefixes_through_a_cluster_of_two_daemons(
             b.reset_prefix_cache()
             third = b.complete(_turn2(first), ANSWER)
             assert third.token_ids == reference["turn2"].token_ids
+
+
+def test_a_fresh_server_loads_turn_1_layer_by_layer(
+    model: Path, reference: dict[str, Completion], store: Daemon, tmp_path: Path
+) -> None:
+    # Blocks in 4 layer parts (SmolLM2's 30 layers: 8, 8, 7 and 7), under a salt of their own.
+    parts = 4
+    layered = {"layer_parts": parts, "salt": "layers"}
+    with _server(model, tmp_path, "layers-a", store.url, **layered) as a:
+        first = a.complete(TURN1, ANSWER)
+    assert first.token_ids == reference["turn1"].token_ids
+    stored = store.metrics()
+    with _server(model, tmp_path, "layers-b", store.url, **layered) as b:
+        second = b.complete(_turn2(first), ANSWER)
+        assert _external_hits(b) >= TURN1_BLOCKS * BLOCK
+    loaded = store.metrics()
+    # Every part of every turn-1 block was read ...
+    hits = loaded["kvoffload_engine_hits_total"] - stored["kvoffload_engine_hits_total"]
+    assert hits >= TURN1_BLOCKS * parts
+    # ... none saved again ...
+    puts = loaded["kvoffload_engine_puts_total"] - stored["kvoffload_engine_puts_total"]
+    assert puts < TURN1_BLOCKS * parts
+    # ... and every one used: no block reported failed (vLLM would log its recovery), which
+    # is what a forward that skipped a layer's wait would cause.
+    log = b.log.read_text()
+    assert "recomputes the rest" not in log and "Recovered from KV load failure" not in log
+    assert second.token_ids == reference["turn2"].token_ids
+    assert second.text == reference["turn2"].text

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,11 @@ HEAD = 8
 NUM_BLOCKS = 64
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 
+
+def layer_names(layers: int) -> list[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+
+
 # A Llama-shaped model that exists only as a config: nothing is downloaded or loaded.
 TINY_MODEL = {
     "architectures": ["LlamaForCausalLM"],
@@ -74,9 +80,9 @@ TINY_MODEL = {
 }
 
 
-def write_tiny_model(folder: Path) -> Path:
+def write_tiny_model(folder: Path, layers: int = LAYERS) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(TINY_MODEL))
+    (folder / "config.json").write_text(json.dumps({**TINY_MODEL, "num_hidden_layers": layers}))
     return folder
 
 
@@ -94,6 +100,8 @@ class Seen:
 
     tokens: list[int]
     table: list[int] = field(default_factory=list)
+    # num_computed_tokens of every step that scheduled the request.
+    starts: list[int] = field(default_factory=list)
     # num_computed_tokens when the request was first scheduled to compute: local plus
     # external (loaded) tokens.
     first_computed: int | None = None
@@ -101,7 +109,7 @@ class Seen:
 
 
 def make_configs(
-    model_dir: Path, layout: str, transfer: KVTransferConfig, **more: Any
+    model_dir: Path, layout: str, transfer: KVTransferConfig, layers: int = LAYERS, **more: Any
 ) -> tuple[VllmConfig, KVCacheConfig, FullAttentionSpec]:
     """vLLM's configuration of the tiny model with a connector, and its KV cache config (one
     group of full-attention layers in one buffer laid out as `layout`)."""
@@ -126,16 +134,17 @@ def make_configs(
                              dtype=torch.float16)  # fmt: skip
     page = spec.page_size_bytes
     cross_layer = layout.startswith("B")  # block-outermost: a block's layers are adjacent
+    names = layer_names(layers)
     tensor = KVCacheTensor(
-        size=page * NUM_BLOCKS * LAYERS,
-        layers=LAYER_NAMES,
+        size=page * NUM_BLOCKS * layers,
+        layers=names,
         layer_stride=page if cross_layer else page * NUM_BLOCKS,
-        block_stride=page * LAYERS if cross_layer else page,
+        block_stride=page * layers if cross_layer else page,
     )
     kv_config = KVCacheConfig(
         num_blocks=NUM_BLOCKS,
         kv_cache_tensors=[tensor],
-        kv_cache_groups=[KVCacheGroupSpec(LAYER_NAMES, spec)],
+        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
     )
     config.cache_config.num_gpu_blocks = NUM_BLOCKS
     return config, kv_config, spec
@@ -155,7 +164,11 @@ def make_scheduler(config: VllmConfig, kv_config: KVCacheConfig) -> Scheduler:
 class Engine:
     """One vLLM engine: the real scheduler plus one worker with CPU KV tensors."""
 
-    def __init__(self, model_dir: Path, url: str, layout: str, **extra: Any) -> None:
+    layer_names: list[str] = LAYER_NAMES
+
+    def __init__(
+        self, model_dir: Path, url: str, layout: str, layers: int = LAYERS, **extra: Any
+    ) -> None:
         transfer = KVTransferConfig(
             kv_connector="KVOffloadConnector",
             kv_connector_module_path="kvoffload.connectors.vllm",
@@ -172,7 +185,8 @@ class Engine:
                 **extra,
             },
         )
-        self.config, self.kv_config, self.spec = make_configs(model_dir, layout, transfer)
+        self.layer_names = layer_names(layers)
+        self.config, self.kv_config, self.spec = make_configs(model_dir, layout, transfer, layers)
         tensor = self.kv_config.kv_cache_tensors[0]
         self.scheduler = make_scheduler(self.config, self.kv_config)
         # The worker process: vLLM's factory builds the worker-role connector; the model
@@ -185,10 +199,13 @@ class Engine:
         views = create_kv_cache_views(
             self.raw, self.spec, NUM_BLOCKS, KVCacheLayout[layout], tensor
         )
-        self.kv = dict(zip(LAYER_NAMES, views, strict=True))
+        self.kv = dict(zip(self.layer_names, views, strict=True))
         self.worker.register_kv_caches(self.kv)
         self.seen: dict[str, Seen] = {}
         self.requests: dict[str, Request] = {}
+        # Called in the forward after wait_for_layer_load(layer name), before that layer's
+        # attention (tests look at what the layer would read).
+        self.on_layer: Callable[[str], None] | None = None
 
     def close(self) -> None:
         self.worker.shutdown()
@@ -265,29 +282,38 @@ class Engine:
             if new_ids is not None:
                 self.seen[req_id].table.extend(new_ids[0])
             computed[req_id] = cached.num_computed_tokens[i]
+        for req_id in out.num_scheduled_tokens:
+            self.seen[req_id].starts.append(computed[req_id])
+        # Layer by layer, as a model runs: each attention layer first waits for its loads.
+        for layer, name in enumerate(self.layer_names):
+            self.worker.wait_for_layer_load(name)
+            if self.on_layer is not None:
+                self.on_layer(name)
+            for req_id, count in out.num_scheduled_tokens.items():
+                seen = self.seen[req_id]
+                start = computed[req_id]
+                for pos in range(start, min(start + count, len(seen.tokens))):
+                    block, offset = seen.table[pos // BLOCK], pos % BLOCK
+                    self.kv[name][block, :, offset, :] = model_kv(layer, seen.tokens[: pos + 1])
         sampled: dict[str, list[int]] = {}
         for req_id, count in out.num_scheduled_tokens.items():
             seen = self.seen[req_id]
-            start = computed[req_id]
-            for pos in range(start, min(start + count, len(seen.tokens))):
-                block, offset = seen.table[pos // BLOCK], pos % BLOCK
-                for layer, name in enumerate(LAYER_NAMES):
-                    self.kv[name][block, :, offset, :] = model_kv(layer, seen.tokens[: pos + 1])
-            sampled[req_id] = [3] if start + count >= len(seen.tokens) else []
+            sampled[req_id] = [3] if computed[req_id] + count >= len(seen.tokens) else []
         return sampled
 
     # -- inspecting -----------------------------------------------------------------------
 
     def page(self, block_id: int) -> torch.Tensor:
         """Block `block_id` of every layer, [layer, heads, tokens, K+V width]."""
-        return torch.stack([self.kv[name][block_id] for name in LAYER_NAMES]).clone()
+        return torch.stack([self.kv[name][block_id] for name in self.layer_names]).clone()
 
     def expected_page(self, tokens: list[int], index: int) -> torch.Tensor:
         """What the model computes for block `index` of a sequence."""
-        page = torch.empty((LAYERS, HEADS, BLOCK, 2 * HEAD), dtype=torch.float16)
+        layers = len(self.layer_names)
+        page = torch.empty((layers, HEADS, BLOCK, 2 * HEAD), dtype=torch.float16)
         for offset in range(BLOCK):
             pos = index * BLOCK + offset
-            for layer in range(LAYERS):
+            for layer in range(layers):
                 page[layer, :, offset, :] = model_kv(layer, tokens[: pos + 1])
         return page
 
