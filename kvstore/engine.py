@@ -575,7 +575,8 @@ class Engine(_EngineReads):
 
         Raises:
             StorageIOError: the final flush or checkpoint failed (what was acknowledged as
-                durable stays durable; the next open replays the journal).
+                durable stays durable; the next open replays the journal), or an SSD read hung
+                past `ssd.close_wait_s`: closed all the same, its memory leaked (docs/ssd-tier.md).
         """
         self._m.mover.close(self.config.ssd.flush_on_close)
 

@@ -76,6 +76,7 @@ class Promotions:
             ok = ssd.read_into(read.block, read.dst)
         finally:
             self._end_io(read)
+        self._check_not_closed(read)
         entry = self._end(read, ok, prefetch)
         if entry is not None and entry.staging is not None:
             entry.pins -= 1  # the caller's `acquire` pins it
@@ -107,6 +108,7 @@ class Promotions:
                     ok = _read_or_miss(ssd.read_into, read)
                 finally:
                     self._end_io(read)
+                self._check_not_closed(read)
                 self._keep(read, ok, out)
             return out
         futures: dict[Future[bool | None], _Read] = {}
@@ -125,8 +127,9 @@ class Promotions:
                 ok = future.result()
                 with self._lock:
                     self._end_io(read)
-                    self._keep(read, ok, out)
                     ended.add(read.key)
+                    self._check_not_closed(read)
+                    self._keep(read, ok, out)
                     kept = out.get(read.key)
                 if ready is not None and kept is not None:
                     ready(read.key, kept)
@@ -143,7 +146,10 @@ class Promotions:
             for read in todo:
                 if read.key not in ended:
                     self._end_io(read)
-                    self._end(read, None, False)
+                    if self.ssd is not None:
+                        self._end(read, None, False)
+                    else:  # closed under a hung read: nothing left to account to
+                        self._m.unpin_locked(read.entry)
             if not done:
                 for entry in out.values():
                     self._m.unpin_locked(entry)
@@ -202,10 +208,17 @@ class Promotions:
 
     def _end_io(self, read: _Read) -> None:
         """The read's I/O is over (lock held): its block unpinned, its waiters woken."""
-        assert self.ssd is not None
-        self.ssd.unpin(read.block)
+        if self.ssd is not None:  # None: close() gave up waiting for this read (it hung)
+            self.ssd.unpin(read.block)
         del self._inflight[read.key]
         read.event.set()
+
+    def _check_not_closed(self, read: _Read) -> None:
+        """A read that outlived close() (it hung; lock held) serves nothing: its slot is given
+        up with the engine's books, and the caller learns the engine is closed."""
+        if self._m.closed:
+            self._m.unpin_locked(read.entry)
+            raise KVOffloadError("the engine closed while this SSD read hung")
 
     def _end(self, read: _Read, ok: bool | None, prefetch: bool) -> DramEntry | None:
         """Publish a finished read (lock held): the key's entry now, or None if the block
@@ -258,7 +271,7 @@ class Promotions:
     def _prefetch_one(self, key: bytes) -> None:
         try:
             with self._lock:
-                if not self._m.closed and key not in self._m.index:
+                if not (self._m.closed or self._m.closing) and key not in self._m.index:
                     self.promote(key, prefetch=True)
         except KVOffloadError as exc:  # a background task: report, the get will retry
             log.warning("prefetch of block %s failed: %s", key.hex(), exc)
