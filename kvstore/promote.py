@@ -9,8 +9,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,7 +25,16 @@ from kvoffload.kvstore.ssd.tier import SsdRead
 if TYPE_CHECKING:
     from kvoffload.kvstore.manager import Manager
 
-__all__ = ["Promotions"]
+__all__ = ["Promotions", "side_buffers"]
+
+SIDE_BUFFERS = 16  # a batch's side buffers (`side_buffers`), unless the read depth is larger
+
+
+def side_buffers(read_depth: int) -> int:
+    """Side buffers one batched `get_many_into` holds at most (DRAM pinned full): enough to
+    keep `read_depth` reads in flight while earlier blocks are copied out."""
+    return max(SIDE_BUFFERS, read_depth)
+
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +93,7 @@ class Promotions:
         return entry
 
     def promote_many(
-        self, keys: Sequence[bytes], ready: Callable[[bytes, DramEntry], None] | None = None
+        self, keys: Sequence[bytes], ready: Callable[[bytes, DramEntry], bool] | None = None
     ) -> dict[bytes, DramEntry]:
         """Read the SSD-only blocks of `keys` into DRAM with up to `ssd.read_depth` reads in
         flight, each finished as it completes (the lock is released while they run). Returns
@@ -91,18 +101,18 @@ class Promotions:
         Keys another caller is reading already are left to `promote`, which waits for them:
         no block is read twice. `ready(key, entry)` is called without the lock as each
         overlapped read is published (its entry pinned), so the caller can copy it out while
-        the others are still being read."""
+        the others are still being read; True says it did, so a side buffer (DRAM pinned
+        full) can go at once: with `ready`, at most `side_buffers` of them are held, a read
+        that needs one more waiting until an earlier one is copied out."""
         ssd, reads = self.ssd, self.reads
         assert ssd is not None and reads is not None
+        later = deque(k for k in dict.fromkeys(keys)
+                      if k not in self._m.index and k not in self._inflight)  # fmt: skip
+        limit = side_buffers(self._m.config.ssd.read_depth) if ready is not None else 1 << 62
         todo: list[_Read] = []
-        for key in dict.fromkeys(keys):
-            if key in self._m.index or key in self._inflight:
-                continue
-            read = self._begin(key, False)
-            if read is not None:
-                todo.append(read)
+        held = self._begin_some(later, todo, 0, limit, idle=True)
         out: dict[bytes, DramEntry] = {}
-        if len(todo) < 2:  # nothing to overlap: read on this thread, as a single get does
+        if len(todo) < 2 and not later:  # nothing to overlap: on this thread, as a get does
             for read in todo:
                 try:
                     ok = _read_or_miss(ssd.read_into, read)
@@ -112,27 +122,34 @@ class Promotions:
                 self._keep(read, ok, out)
             return out
         futures: dict[Future[bool | None], _Read] = {}
+        running: set[Future[bool | None]] = set()
         ended: set[bytes] = set()
         done = False
         self._lock.release()
         try:
-            for read in todo:
-                try:
-                    future = reads.submit(_read_or_miss, ssd.read_unlocked, read)
-                except RuntimeError:  # the pool shut down: close() began meanwhile
-                    raise KVOffloadError("the engine is closed") from None
-                futures[future] = read
-            for future in as_completed(futures):
-                read = futures[future]
-                ok = future.result()
-                with self._lock:
-                    self._end_io(read)
-                    ended.add(read.key)
-                    self._check_not_closed(read)
-                    self._keep(read, ok, out)
-                    kept = out.get(read.key)
-                if ready is not None and kept is not None:
-                    ready(read.key, kept)
+            _submit(reads, ssd, todo, futures, running)
+            while running:
+                finished, running = wait(running, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    read = futures[future]
+                    ok = future.result()
+                    with self._lock:
+                        self._end_io(read)
+                        ended.add(read.key)
+                        self._check_not_closed(read)
+                        self._keep(read, ok, out)
+                        kept = out.get(read.key)
+                    copied = ready is not None and kept is not None and ready(read.key, kept)
+                    if copied and kept is not None and kept.staging is not None:
+                        with self._lock:
+                            self._dram.spend(kept)  # copied out: its side buffer goes
+                        held -= 1
+                if later:
+                    with self._lock:
+                        self._m.check_open()  # close() waits for reads begun before it only
+                        n = len(todo)
+                        held = self._begin_some(later, todo, held, limit, idle=not running)
+                    _submit(reads, ssd, todo[n:], futures, running)
             done = True
         finally:
             # Interrupted (or the pool refused work): every read still set up ends as a miss
@@ -154,6 +171,24 @@ class Promotions:
                 for entry in out.values():
                     self._m.unpin_locked(entry)
         return out
+
+    def _begin_some(
+        self, later: deque[bytes], todo: list[_Read], held: int, limit: int, idle: bool
+    ) -> int:
+        """Set up reads of `later`'s keys into `todo` (lock held) while this batch holds fewer
+        than `limit` side buffers (one more when nothing else runs: progress). Returns how many
+        it holds then."""
+        started = False
+        while later and (held < limit or (idle and not started)):
+            key = later.popleft()
+            if key in self._m.index or key in self._inflight:
+                continue  # read by another caller meanwhile: `acquire` finds or waits for it
+            read = self._begin(key, False)
+            if read is not None:
+                todo.append(read)
+                started = True
+                held += read.entry.staging is not None
+        return held
 
     def _keep(self, read: _Read, ok: bool | None, out: dict[bytes, DramEntry]) -> None:
         """Finish a read of `promote_many` (lock held), keeping a pin on its entry for the
@@ -290,3 +325,20 @@ def _read_or_miss(
     except Exception:
         log.exception("kvoffload: reading block %s from the SSD failed", read.key.hex())
         return None
+
+
+def _submit(
+    reads: ThreadPoolExecutor,
+    ssd: SsdTier,
+    todo: Sequence[_Read],
+    futures: dict[Future[bool | None], _Read],
+    running: set[Future[bool | None]],
+) -> None:
+    """Start the slot reads of `todo` on the batch read pool (called without the lock)."""
+    for read in todo:
+        try:
+            future = reads.submit(_read_or_miss, ssd.read_unlocked, read)
+        except RuntimeError:  # the pool shut down: close() began meanwhile
+            raise KVOffloadError("the engine is closed") from None
+        futures[future] = read
+        running.add(future)
