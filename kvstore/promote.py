@@ -6,13 +6,13 @@ released while the bytes move, on a pinned SSD row and a reserved DRAM slot).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from queue import SimpleQueue
 from typing import TYPE_CHECKING
 
 from kvoffload.errors import CapacityError, KVOffloadError
@@ -121,44 +121,40 @@ class Promotions:
                 self._check_not_closed(read)
                 self._keep(read, ok, out)
             return out
-        futures: dict[Future[bool | None], _Read] = {}
-        running: set[Future[bool | None]] = set()
+        done_q: SimpleQueue[tuple[_Read, bool | None]] = SimpleQueue()
+        running: set[bytes] = set()  # keys of reads submitted, not reported back yet
         ended: set[bytes] = set()
         done = False
         self._lock.release()
         try:
-            _submit(reads, ssd, todo, futures, running)
+            _submit(reads, ssd, todo, done_q, running)
             while running:
-                finished, running = wait(running, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    read = futures[future]
-                    ok = future.result()
+                read, ok = done_q.get()  # each read reports here, in the order they finish
+                running.discard(read.key)
+                with self._lock:
+                    self._end_io(read)
+                    ended.add(read.key)
+                    self._check_not_closed(read)
+                    self._keep(read, ok, out)
+                    kept = out.get(read.key)
+                copied = ready is not None and kept is not None and ready(read.key, kept)
+                if copied and kept is not None and kept.staging is not None:
                     with self._lock:
-                        self._end_io(read)
-                        ended.add(read.key)
-                        self._check_not_closed(read)
-                        self._keep(read, ok, out)
-                        kept = out.get(read.key)
-                    copied = ready is not None and kept is not None and ready(read.key, kept)
-                    if copied and kept is not None and kept.staging is not None:
-                        with self._lock:
-                            self._dram.spend(kept)  # copied out: its side buffer goes
-                        held -= 1
-                if later:
+                        self._dram.spend(kept)  # copied out: its side buffer goes
+                    held -= 1
+                if later and (held < limit or not running):
                     with self._lock:
                         self._m.check_open()  # close() waits for reads begun before it only
                         n = len(todo)
                         held = self._begin_some(later, todo, held, limit, idle=not running)
-                    _submit(reads, ssd, todo[n:], futures, running)
+                    _submit(reads, ssd, todo[n:], done_q, running)
             done = True
         finally:
             # Interrupted (or the pool refused work): every read still set up ends as a miss
             # once its I/O, if started, is over, so that no key stays in flight, and the pins
             # kept for the caller, who will not get `out`, are dropped.
-            for future, read in futures.items():
-                if read.key not in ended:
-                    with contextlib.suppress(BaseException):
-                        future.result()
+            while running:
+                running.discard(done_q.get()[0].key)
             self._lock.acquire()
             for read in todo:
                 if read.key not in ended:
@@ -331,14 +327,28 @@ def _submit(
     reads: ThreadPoolExecutor,
     ssd: SsdTier,
     todo: Sequence[_Read],
-    futures: dict[Future[bool | None], _Read],
-    running: set[Future[bool | None]],
+    done_q: SimpleQueue[tuple[_Read, bool | None]],
+    running: set[bytes],
 ) -> None:
-    """Start the slot reads of `todo` on the batch read pool (called without the lock)."""
+    """Start the slot reads of `todo` on the batch read pool (called without the lock); each
+    reports `(read, ok)` on `done_q` when over."""
     for read in todo:
         try:
-            future = reads.submit(_read_or_miss, ssd.read_unlocked, read)
+            reads.submit(_read_and_report, ssd.read_unlocked, read, done_q)
         except RuntimeError:  # the pool shut down: close() began meanwhile
             raise KVOffloadError("the engine is closed") from None
-        futures[future] = read
-        running.add(future)
+        running.add(read.key)
+
+
+def _read_and_report(
+    read_unlocked: Callable[[SsdRead, memoryview], bool | None],
+    read: _Read,
+    done_q: SimpleQueue[tuple[_Read, bool | None]],
+) -> None:
+    """A batch's slot read on a pool thread: the result goes straight to the batch's queue (a
+    Future and a wait over all reads in flight cost more per read than the read's own Python)."""
+    ok = None
+    try:
+        ok = _read_or_miss(read_unlocked, read)
+    finally:
+        done_q.put((read, ok))
