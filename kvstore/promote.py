@@ -11,7 +11,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from queue import SimpleQueue
 from typing import TYPE_CHECKING
 
@@ -49,6 +49,19 @@ class _Read:
     entry: DramEntry
     dst: memoryview
     event: threading.Event
+
+
+@dataclass(eq=False, slots=True)
+class _Batch:
+    """A `promote_many` in progress: what its reads kept, what each reports on finishing."""
+
+    out: dict[bytes, DramEntry]
+    ready: Callable[[bytes, DramEntry], bool] | None
+    ended: set[bytes] = field(default_factory=set)  # reads whose I/O is over and accounted
+    # (read, whether its side buffer went back, what finishing it raised)
+    done_q: SimpleQueue[tuple[_Read, bool, BaseException | None]] = field(
+        default_factory=SimpleQueue
+    )
 
 
 class Promotions:
@@ -121,43 +134,34 @@ class Promotions:
                 self._check_not_closed(read)
                 self._keep(read, ok, out)
             return out
-        done_q: SimpleQueue[tuple[_Read, bool | None]] = SimpleQueue()
+        batch = _Batch(out, ready)
         running: set[bytes] = set()  # keys of reads submitted, not reported back yet
-        ended: set[bytes] = set()
         done = False
         self._lock.release()
         try:
-            _submit(reads, ssd, todo, done_q, running)
+            _submit(reads, ssd, todo, batch, self._finish, running)
             while running:
-                read, ok = done_q.get()  # each read reports here, in the order they finish
+                read, spent, error = batch.done_q.get()  # each read, as the pool finished it
                 running.discard(read.key)
-                with self._lock:
-                    self._end_io(read)
-                    ended.add(read.key)
-                    self._check_not_closed(read)
-                    self._keep(read, ok, out)
-                    kept = out.get(read.key)
-                copied = ready is not None and kept is not None and ready(read.key, kept)
-                if copied and kept is not None and kept.staging is not None:
-                    with self._lock:
-                        self._dram.spend(kept)  # copied out: its side buffer goes
-                    held -= 1
+                if error is not None:
+                    raise error
+                held -= spent
                 if later and (held < limit or not running):
                     with self._lock:
                         self._m.check_open()  # close() waits for reads begun before it only
                         n = len(todo)
                         held = self._begin_some(later, todo, held, limit, idle=not running)
-                    _submit(reads, ssd, todo[n:], done_q, running)
+                    _submit(reads, ssd, todo[n:], batch, self._finish, running)
             done = True
         finally:
             # Interrupted (or the pool refused work): every read still set up ends as a miss
             # once its I/O, if started, is over, so that no key stays in flight, and the pins
             # kept for the caller, who will not get `out`, are dropped.
             while running:
-                running.discard(done_q.get()[0].key)
+                running.discard(batch.done_q.get()[0].key)
             self._lock.acquire()
             for read in todo:
-                if read.key not in ended:
+                if read.key not in batch.ended:
                     self._end_io(read)
                     if self.ssd is not None:
                         self._end(read, None, False)
@@ -167,6 +171,28 @@ class Promotions:
                 for entry in out.values():
                     self._m.unpin_locked(entry)
         return out
+
+    def _finish(self, batch: _Batch, read: _Read, ok: bool | None) -> None:
+        """Finish a batch's read on the pool thread that did it (not the batch's caller, so
+        reads finish, and are copied out, side by side): publish it, hand it to `ready`, give
+        back its side buffer once copied, and report to the batch."""
+        spent, error = False, None
+        try:
+            with self._lock:
+                self._end_io(read)
+                batch.ended.add(read.key)
+                self._check_not_closed(read)
+                self._keep(read, ok, batch.out)
+                kept = batch.out.get(read.key)
+            ready = batch.ready
+            copied = ready is not None and kept is not None and ready(read.key, kept)
+            if copied and kept is not None and kept.staging is not None:
+                with self._lock:
+                    self._dram.spend(kept)  # copied out: its side buffer goes
+                spent = True
+        except BaseException as exc:  # the batch's caller raises it
+            error = exc
+        batch.done_q.put((read, spent, error))
 
     def _begin_some(
         self, later: deque[bytes], todo: list[_Read], held: int, limit: int, idle: bool
@@ -327,28 +353,30 @@ def _submit(
     reads: ThreadPoolExecutor,
     ssd: SsdTier,
     todo: Sequence[_Read],
-    done_q: SimpleQueue[tuple[_Read, bool | None]],
+    batch: _Batch,
+    finish: Callable[[_Batch, _Read, bool | None], None],
     running: set[bytes],
 ) -> None:
     """Start the slot reads of `todo` on the batch read pool (called without the lock); each
-    reports `(read, ok)` on `done_q` when over."""
+    is finished there (`finish`), which reports to the batch."""
     for read in todo:
         try:
-            reads.submit(_read_and_report, ssd.read_unlocked, read, done_q)
+            reads.submit(_read_and_finish, ssd.read_unlocked, read, batch, finish)
         except RuntimeError:  # the pool shut down: close() began meanwhile
             raise KVOffloadError("the engine is closed") from None
         running.add(read.key)
 
 
-def _read_and_report(
+def _read_and_finish(
     read_unlocked: Callable[[SsdRead, memoryview], bool | None],
     read: _Read,
-    done_q: SimpleQueue[tuple[_Read, bool | None]],
+    batch: _Batch,
+    finish: Callable[[_Batch, _Read, bool | None], None],
 ) -> None:
-    """A batch's slot read on a pool thread: the result goes straight to the batch's queue (a
-    Future and a wait over all reads in flight cost more per read than the read's own Python)."""
+    """A batch's slot read on a pool thread, then its finish there (a Future per read and a
+    hand-off of each to the caller cost more than the read's own Python)."""
     ok = None
     try:
         ok = _read_or_miss(read_unlocked, read)
     finally:
-        done_q.put((read, ok))
+        finish(batch, read, ok)
