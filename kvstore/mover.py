@@ -128,9 +128,12 @@ class Mover(Promotions):
     def _close(self, flush: bool) -> None:
         # `closing` is set: no read begins from now on, so those in flight are all to wait for.
         hung = self._wait_reads(time.monotonic() + self._m.config.ssd.close_wait_s)
-        for pool in (self.pool, self.reads):
-            if pool is not None:  # without a hung read every task ends at once
-                pool.shutdown(wait=not hung, cancel_futures=True)
+        # Without a hung read every task ends at once. Queued prefetches are dropped; a
+        # batch's queued reads are not (each must report to its batch, else that get waits).
+        if self.pool is not None:
+            self.pool.shutdown(wait=not hung, cancel_futures=True)
+        if self.reads is not None:
+            self.reads.shutdown(wait=not hung)
         try:
             if self.ssd is not None and flush:
                 self.flush()

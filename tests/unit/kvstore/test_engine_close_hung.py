@@ -52,7 +52,8 @@ def test_close_gives_up_on_a_hung_read_and_leaves_its_memory_mapped(
     ))  # fmt: skip
     for i in range(30):  # 6 MB into 4 MiB of DRAM: the first blocks are on the SSD only
         engine.put(key(i), bytes([i]) * BLOCK)
-    wanted = [key(0), key(1)] if batched else [key(0)]
+    # Batched: 6 reads, 4 at a time (read_depth): 4 hang, 2 wait in the pool's queue.
+    wanted = [key(i) for i in range(6)] if batched else [key(0)]
     assert engine.stats().tiers[0].entries < 30 and engine.lookup(wanted) == len(wanted)
     hung = HungRead(engine)
     errors: list[BaseException] = []
