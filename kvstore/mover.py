@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from kvoffload.errors import CapacityError, StorageIOError
 from kvoffload.kvstore.dram import DramEntry
 from kvoffload.kvstore.promote import Promotions
+from kvoffload.kvstore.readpool import ReadPool
 from kvoffload.kvstore.ssd import SsdTier
 from kvoffload.kvstore.ssd.tier import SsdWipe
 
@@ -44,12 +45,12 @@ class Mover(Promotions):
         self._inflight: dict[bytes, threading.Event] = {}  # promotions reading, by key
         self._queued: set[bytes] = set()  # prefetches submitted, not finished
         self.pool: ThreadPoolExecutor | None = None
-        self.reads: ThreadPoolExecutor | None = None  # the slot reads of batched gets
+        self.reads: ReadPool | None = None  # the slot reads of batched gets
 
     def start(self, io_threads: int, read_depth: int) -> None:
         """Start the prefetch pool and the batch read pool (with an SSD tier)."""
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-prefetch")
-        self.reads = ThreadPoolExecutor(read_depth, thread_name_prefix="kvoffload-read")
+        self.reads = ReadPool(read_depth, "kvoffload-read")
 
     def ssd_stored(self, key: bytes) -> None:
         """The SSD tier committed a copy of `key` (its callback, lock held)."""

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from kvoffload.errors import CapacityError, KVOffloadError
 from kvoffload.kvstore.dram import DramEntry, DramTier
 from kvoffload.kvstore.extents import slot_bytes
+from kvoffload.kvstore.readpool import ReadPool
 from kvoffload.kvstore.ssd import SsdTier
 from kvoffload.kvstore.ssd.slotio import AlignedBuffer
 from kvoffload.kvstore.ssd.tier import SsdRead
@@ -74,7 +75,7 @@ class Promotions:
     _inflight: dict[bytes, threading.Event]  # promotions reading, by key
     _queued: set[bytes]  # prefetches submitted, not finished
     pool: ThreadPoolExecutor | None
-    reads: ThreadPoolExecutor | None  # the slot reads of batched gets
+    reads: ReadPool | None  # the slot reads of batched gets
 
     def promote(self, key: bytes, *, prefetch: bool = False) -> DramEntry | None:
         """Read an SSD-only block into DRAM; the published entry, or None if it is gone or
@@ -350,7 +351,7 @@ def _read_or_miss(
 
 
 def _submit(
-    reads: ThreadPoolExecutor,
+    reads: ReadPool,
     ssd: SsdTier,
     todo: Sequence[_Read],
     batch: _Batch,
