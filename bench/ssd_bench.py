@@ -10,9 +10,11 @@
   the slot I/O going through NIXL's POSIX backend (`ssd.io_backend = "nixl-posix"`, Linux AIO
   or io_uring), against the thread path ("posix", ref `threads`), in alternating rounds of one
   run; O_DIRECT on both sides. cpu_us/...: process CPU time per block of the same rounds.
-- read_batch/2MiB: one thread, `get_many_into` of 32 cold SSD blocks per call (the SSD-only
-  blocks of a batch are read with `ssd.read_depth` reads in flight), against read_depth 1 (one
-  block after another) and raw O_DIRECT preadv with 8 threads, in alternating rounds.
+- read_batch/<size> (2MiB, 640KiB, 160KiB: a 70B TP8 block whole and in 4 layer parts): one
+  thread, `get_many_into` of 32 cold SSD blocks per call (the SSD-only blocks of a batch are
+  read with `ssd.read_depth` reads in flight), against read_depth 1 (one block after another)
+  and raw O_DIRECT preadv with 8 threads, in alternating rounds; cpu_us/read_batch/<size>:
+  process CPU time per block, against both.
 - restart/1M: open a store whose index holds 1M blocks, from its checkpoint (after a clean
   close) and from the journal alone (after a crash). index_bytes/1M: bytes of the SSD index's
   arrays per block.
@@ -307,14 +309,18 @@ def _nixl_rows(directory: Path, total: int, rounds: int, result: BenchResult) ->
 
 
 BATCH = 32  # keys per get_many_into of the read_batch rows (an LMCache task is 8-32)
+# Value sizes of the read_batch rows: a 2 MiB block, and the 640 KiB and 160 KiB of a 70B TP8
+# block stored whole and in 4 layer parts (per-read overhead weighs more as values shrink).
+BATCH_SIZES = {"2MiB": 2 << 20, "640KiB": 640 << 10, "160KiB": 160 << 10}
 
 
-def _batch_rows(directory: Path, total: int, rounds: int, result: BenchResult) -> None:
-    """read_batch/2MiB: one thread calls `get_many_into` with BATCH cold SSD blocks at a
+def _batch_rows(directory: Path, total: int, rounds: int, result: BenchResult,
+                label: str = "2MiB") -> None:  # fmt: skip
+    """read_batch/<label>: one thread calls `get_many_into` with BATCH cold SSD blocks at a
     time (ssd.read_depth 8), against the same with read_depth 1 (the blocks read one after
     another, as before batching) and raw O_DIRECT preadv with THREADS reads in flight, in
     alternating rounds of one run; each round drops the cache and reopens the store."""
-    size = 2 << 20
+    size = BATCH_SIZES[label]
     n = max(2 * BATCH, total // size // BATCH * BATCH)
     store, raw = directory / "store-batch", directory / "raw-batch.bin"
     value = np.frombuffer(os.urandom(size), dtype=np.uint8)
@@ -369,11 +375,14 @@ def _batch_rows(directory: Path, total: int, rounds: int, result: BenchResult) -
             f"get_many_into of {BATCH} per call on one thread, read_depth 8; serial = "
             f"read_depth 1; odirect = {THREADS} threads of raw preadv")  # fmt: skip
     cpu_note = "process CPU time per block (all threads), same rounds"
+    cpu_med = {arm: statistics.median(v) for arm, v in cpu.items()}
     result.rows += [
-        Row("read_batch/2MiB", med["batch"], "GB/s", "odirect", med["odirect"], note=note),
-        Row("read_batch/2MiB", med["batch"], "GB/s", "serial", med["serial"], note=note),
-        Row("cpu_us/read_batch/2MiB", statistics.median(cpu["batch"]), "us", "serial",
-            statistics.median(cpu["serial"]), note=cpu_note),
+        Row(f"read_batch/{label}", med["batch"], "GB/s", "odirect", med["odirect"], note=note),
+        Row(f"read_batch/{label}", med["batch"], "GB/s", "serial", med["serial"], note=note),
+        Row(f"cpu_us/read_batch/{label}", cpu_med["batch"], "us", "serial", cpu_med["serial"],
+            note=cpu_note),
+        Row(f"cpu_us/read_batch/{label}", cpu_med["batch"], "us", "odirect",
+            cpu_med["odirect"], note=cpu_note),
     ]  # fmt: skip
 
 
@@ -485,8 +494,9 @@ def _announce_rows(directory: Path, entries: int, result: BenchResult) -> None:
 
 
 def run(*, directory: str = ".", size_mib: int = 512, entries: int = 1_000_000,
-        sizes: dict[str, int] | None = None, nixl: str = "on",
-        rounds: int = 3, batch: str = "on", restart: str = "on") -> BenchResult:  # fmt: skip
+        sizes: dict[str, int] | None = None, nixl: str = "on", rounds: int = 3,
+        batch: str = "on", restart: str = "on",
+        batch_sizes: tuple[str, ...] = tuple(BATCH_SIZES)) -> BenchResult:  # fmt: skip
     """Measure in a scratch folder under `directory` (it must support O_DIRECT). `nixl`: "on"
     (with the NIXL rows), "off", or "only" (just them, `rounds` alternating rounds); `batch`
     the same for the read_batch rows ("only" with `nixl` "off": just those); `restart` the
@@ -502,7 +512,8 @@ def run(*, directory: str = ".", size_mib: int = 512, entries: int = 1_000_000,
             for label, size in (sizes or SIZES).items():
                 _tier_rows(work, label, size, size_mib << 20, result)
         if batch != "off":
-            _batch_rows(work, size_mib << 20, rounds, result)
+            for label in batch_sizes:
+                _batch_rows(work, size_mib << 20, rounds, result, label)
         if nixl != "off" and batch != "only":
             _nixl_rows(work, size_mib << 20, rounds, result)
         if entries and not alone and restart != "off":
@@ -548,9 +559,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="on",
         help="rows of restarts at --entries blocks: open, announce, a daemon until ready",
     )
+    parser.add_argument(
+        "--batch-sizes",
+        default=",".join(BATCH_SIZES),
+        help=f"value sizes of the read_batch rows, of {', '.join(BATCH_SIZES)}",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (NIXL, batch)")
 
 
 def run_from_args(args: argparse.Namespace) -> BenchResult:
+    labels = tuple(s for s in args.batch_sizes.split(",") if s)
+    unknown = [s for s in labels if s not in BATCH_SIZES]
+    if unknown:
+        raise SystemExit(f"--batch-sizes: unknown {unknown}; choose from {list(BATCH_SIZES)}")
     return run(directory=args.dir, size_mib=args.size, entries=args.entries, nixl=args.nixl,
-               rounds=args.rounds, batch=args.batch, restart=args.restart)  # fmt: skip
+               rounds=args.rounds, batch=args.batch, restart=args.restart,
+               batch_sizes=labels)  # fmt: skip

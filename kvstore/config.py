@@ -142,6 +142,9 @@ class SsdConfig:
     # Slot reads of one batched get (`get_many`, `get_many_into`) in flight at once, each on a
     # thread of its own (preadv releases the GIL); 1 reads a batch's blocks one by one.
     read_depth: int = 8
+    # Longest time close() waits for SSD reads in flight; a read still hung then leaves its
+    # memory mapped (leaked) and close raises StorageIOError (docs/ssd-tier.md).
+    close_wait_s: float = 10.0
     # Longest time a journal record of a non-durable change waits for its fsync.
     sync_interval_s: float = 0.05
     # On a clean close, write every DRAM block that is not on the SSD yet (so a restart keeps it).
@@ -178,6 +181,8 @@ class SsdConfig:
             )
         if self.nixl_queue not in ("aio", "uring"):
             raise ConfigError(f"ssd.nixl_queue must be 'aio' or 'uring', got {self.nixl_queue!r}")
+        if not 0 < self.close_wait_s <= 3600:
+            raise ConfigError(f"ssd.close_wait_s must be in (0, 3600], got {self.close_wait_s}")
         if not 0 < self.sync_interval_s <= 10:
             raise ConfigError("ssd.sync_interval_s must be in (0, 10]")
 

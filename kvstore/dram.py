@@ -43,6 +43,7 @@ class DramEntry:
     # A block read from the SSD while DRAM had no room for it: served from a buffer of its own
     # (offset -1), never published.
     staging: AlignedBuffer | None = None
+    spent: bool = False  # the staging buffer went back early (`DramTier.spend`)
     # The client's block metadata (opaque bytes, bounded by the front that took the put);
     # it travels with the block to the SSD and back.
     meta: bytes | None = None
@@ -88,6 +89,16 @@ class DramTier:
         self.staged += 1
         self.staged_peak = max(self.staged_peak, self.staged)
 
+    def spend(self, entry: DramEntry) -> None:
+        """Give back a staged entry's side buffer now that its bytes were copied out (it may
+        stay pinned a while; nothing reads it again). Idempotent."""
+        assert entry.staging is not None
+        if not entry.spent:
+            entry.spent = True
+            self.staged -= 1
+            with contextlib.suppress(BufferError):  # a caller's view may outlive the release
+                entry.staging.close()
+
     def place(self, entry: DramEntry) -> None:
         """Record an entry on the slot just allocated for it."""
         self.slots[entry.offset] = self.slot_ends[entry.offset + entry.slot] = entry
@@ -96,9 +107,7 @@ class DramTier:
     def free(self, entry: DramEntry) -> None:
         """Give back an unpinned entry's slot (or staging buffer)."""
         if entry.staging is not None:
-            self.staged -= 1
-            with contextlib.suppress(BufferError):  # a caller's view may outlive the release
-                entry.staging.close()
+            self.spend(entry)
             return
         del self.slots[entry.offset]
         del self.slot_ends[entry.offset + entry.slot]

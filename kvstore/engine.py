@@ -307,10 +307,12 @@ class _EngineReads(_EngineState):
             dsts[i][: entry.length] = np.frombuffer(self._dram.value(entry), dtype=np.uint8)
             copied[i] = entry
 
-        def ready(key: bytes, entry: DramEntry) -> None:
+        def ready(key: bytes, entry: DramEntry) -> bool:
             first = where[key][0]  # the one `acquire_many` hands this entry to
-            if entry.length <= dsts[first].size:
-                copy(first, entry)
+            if entry.length > dsts[first].size:
+                return False
+            copy(first, entry)
+            return True  # not read again: a side buffer it took may go (they are bounded)
 
         with self._lock:
             m = self._m
@@ -575,7 +577,8 @@ class Engine(_EngineReads):
 
         Raises:
             StorageIOError: the final flush or checkpoint failed (what was acknowledged as
-                durable stays durable; the next open replays the journal).
+                durable stays durable; the next open replays the journal), or an SSD read hung
+                past `ssd.close_wait_s`: closed all the same, its memory leaked (docs/ssd-tier.md).
         """
         self._m.mover.close(self.config.ssd.flush_on_close)
 

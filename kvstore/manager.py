@@ -338,7 +338,7 @@ def lookup(m: Manager, keys: Sequence[bytes], tiers: list[str] | None = None) ->
 
 
 def acquire_many(
-    m: Manager, keys: Sequence[bytes], ready: Callable[[bytes, DramEntry], None] | None = None
+    m: Manager, keys: Sequence[bytes], ready: Callable[[bytes, DramEntry], bool] | None = None
 ) -> list[DramEntry | None]:
     """`Manager.acquire` each key (lock held), the SSD-only ones read with their reads in
     flight together (`Mover.promote_many`, which calls `ready`). The batch's DRAM hits are

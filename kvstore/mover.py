@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from kvoffload.errors import CapacityError, StorageIOError
 from kvoffload.kvstore.dram import DramEntry
 from kvoffload.kvstore.promote import Promotions
+from kvoffload.kvstore.readpool import ReadPool
 from kvoffload.kvstore.ssd import SsdTier
 from kvoffload.kvstore.ssd.tier import SsdWipe
 
@@ -26,6 +28,9 @@ if TYPE_CHECKING:
 __all__ = ["Mover"]
 
 log = logging.getLogger(__name__)
+
+# Arenas of engines closed while an SSD read into them hung: kept mapped for good.
+_LEAKED: list[object] = []
 
 
 class Mover(Promotions):
@@ -40,12 +45,12 @@ class Mover(Promotions):
         self._inflight: dict[bytes, threading.Event] = {}  # promotions reading, by key
         self._queued: set[bytes] = set()  # prefetches submitted, not finished
         self.pool: ThreadPoolExecutor | None = None
-        self.reads: ThreadPoolExecutor | None = None  # the slot reads of batched gets
+        self.reads: ReadPool | None = None  # the slot reads of batched gets
 
     def start(self, io_threads: int, read_depth: int) -> None:
         """Start the prefetch pool and the batch read pool (with an SSD tier)."""
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-prefetch")
-        self.reads = ThreadPoolExecutor(read_depth, thread_name_prefix="kvoffload-read")
+        self.reads = ReadPool(read_depth, "kvoffload-read")
 
     def ssd_stored(self, key: bytes) -> None:
         """The SSD tier committed a copy of `key` (its callback, lock held)."""
@@ -122,11 +127,14 @@ class Mover(Promotions):
             self._m.closed_event.set()
 
     def _close(self, flush: bool) -> None:
+        # `closing` is set: no read begins from now on, so those in flight are all to wait for.
+        hung = self._wait_reads(time.monotonic() + self._m.config.ssd.close_wait_s)
+        # Without a hung read every task ends at once. Queued prefetches are dropped; a
+        # batch's queued reads are not (each must report to its batch, else that get waits).
         if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool.shutdown(wait=not hung, cancel_futures=True)
         if self.reads is not None:
-            self.reads.shutdown(wait=True)
-        self._wait_reads()
+            self.reads.shutdown(wait=not hung)
         try:
             if self.ssd is not None and flush:
                 self.flush()
@@ -137,22 +145,39 @@ class Mover(Promotions):
                 for entry in m.index.values():
                     entry.live = False  # no longer a neighbour a reserve may evict
                 m.index.clear()
-                self._dram.arena.close()
+                if hung:
+                    # A hung read may still write into the arena: never unmap it under the
+                    # read (a backend may hold its raw address); it is leaked instead.
+                    _LEAKED.append(self._dram.arena)
+                else:
+                    self._dram.arena.close()
                 ssd = self.ssd
                 m.detach_ssd()
             if ssd is not None:
                 ssd.close()
+        if hung:
+            names = ", ".join(key.hex() for key in hung)
+            log.error("close: SSD reads of blocks %s still hung after %.1f s; their memory stays "
+                      "mapped (leaked)", names, m.config.ssd.close_wait_s)  # fmt: skip
+            raise StorageIOError(
+                f"the SSD did not finish reading blocks {names} within ssd.close_wait_s "
+                f"({m.config.ssd.close_wait_s} s): the engine is closed, the memory those reads "
+                "write into is leaked"
+            )
 
-    def _wait_reads(self) -> None:
-        """Wait until no promotion is in flight (called without the lock): a get that began
-        before close finishes its reads on an SSD tier and an arena still there."""
+    def _wait_reads(self, deadline: float) -> list[bytes]:
+        """Wait until no promotion is in flight (called without the lock), so that a get that
+        began before close finishes its reads on an SSD tier and an arena still there; the keys
+        of reads still in flight at `deadline` (a hung device)."""
         while True:
             with self._lock:
-                events = list(self._inflight.values())
-            if not events:
-                return
-            for event in events:
-                event.wait()
+                inflight = dict(self._inflight)
+            if not inflight:
+                return []
+            for event in inflight.values():
+                if not event.wait(max(0.0, deadline - time.monotonic())):
+                    with self._lock:
+                        return list(self._inflight)
 
     def delete(self, key: bytes) -> bool:
         """Remove `key` from both tiers (called without the lock); True if it was stored. The

@@ -6,17 +6,19 @@ released while the bytes move, on a pinned SSD row and a reserved DRAM slot).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from queue import SimpleQueue
 from typing import TYPE_CHECKING
 
 from kvoffload.errors import CapacityError, KVOffloadError
 from kvoffload.kvstore.dram import DramEntry, DramTier
 from kvoffload.kvstore.extents import slot_bytes
+from kvoffload.kvstore.readpool import ReadPool
 from kvoffload.kvstore.ssd import SsdTier
 from kvoffload.kvstore.ssd.slotio import AlignedBuffer
 from kvoffload.kvstore.ssd.tier import SsdRead
@@ -24,7 +26,16 @@ from kvoffload.kvstore.ssd.tier import SsdRead
 if TYPE_CHECKING:
     from kvoffload.kvstore.manager import Manager
 
-__all__ = ["Promotions"]
+__all__ = ["Promotions", "side_buffers"]
+
+SIDE_BUFFERS = 16  # a batch's side buffers (`side_buffers`), unless the read depth is larger
+
+
+def side_buffers(read_depth: int) -> int:
+    """Side buffers one batched `get_many_into` holds at most (DRAM pinned full): enough to
+    keep `read_depth` reads in flight while earlier blocks are copied out."""
+    return max(SIDE_BUFFERS, read_depth)
+
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +52,19 @@ class _Read:
     event: threading.Event
 
 
+@dataclass(eq=False, slots=True)
+class _Batch:
+    """A `promote_many` in progress: what its reads kept, what each reports on finishing."""
+
+    out: dict[bytes, DramEntry]
+    ready: Callable[[bytes, DramEntry], bool] | None
+    ended: set[bytes] = field(default_factory=set)  # reads whose I/O is over and accounted
+    # (read, whether its side buffer went back, what finishing it raised)
+    done_q: SimpleQueue[tuple[_Read, bool, BaseException | None]] = field(
+        default_factory=SimpleQueue
+    )
+
+
 class Promotions:
     """SSD -> DRAM: `promote` (a get), `promote_many` (a batched get), `prefetch`."""
 
@@ -51,7 +75,7 @@ class Promotions:
     _inflight: dict[bytes, threading.Event]  # promotions reading, by key
     _queued: set[bytes]  # prefetches submitted, not finished
     pool: ThreadPoolExecutor | None
-    reads: ThreadPoolExecutor | None  # the slot reads of batched gets
+    reads: ReadPool | None  # the slot reads of batched gets
 
     def promote(self, key: bytes, *, prefetch: bool = False) -> DramEntry | None:
         """Read an SSD-only block into DRAM; the published entry, or None if it is gone or
@@ -76,13 +100,14 @@ class Promotions:
             ok = ssd.read_into(read.block, read.dst)
         finally:
             self._end_io(read)
+        self._check_not_closed(read)
         entry = self._end(read, ok, prefetch)
         if entry is not None and entry.staging is not None:
             entry.pins -= 1  # the caller's `acquire` pins it
         return entry
 
     def promote_many(
-        self, keys: Sequence[bytes], ready: Callable[[bytes, DramEntry], None] | None = None
+        self, keys: Sequence[bytes], ready: Callable[[bytes, DramEntry], bool] | None = None
     ) -> dict[bytes, DramEntry]:
         """Read the SSD-only blocks of `keys` into DRAM with up to `ssd.read_depth` reads in
         flight, each finished as it completes (the lock is released while they run). Returns
@@ -90,64 +115,103 @@ class Promotions:
         Keys another caller is reading already are left to `promote`, which waits for them:
         no block is read twice. `ready(key, entry)` is called without the lock as each
         overlapped read is published (its entry pinned), so the caller can copy it out while
-        the others are still being read."""
+        the others are still being read; True says it did, so a side buffer (DRAM pinned
+        full) can go at once: with `ready`, at most `side_buffers` of them are held, a read
+        that needs one more waiting until an earlier one is copied out."""
         ssd, reads = self.ssd, self.reads
         assert ssd is not None and reads is not None
+        later = deque(k for k in dict.fromkeys(keys)
+                      if k not in self._m.index and k not in self._inflight)  # fmt: skip
+        limit = side_buffers(self._m.config.ssd.read_depth) if ready is not None else 1 << 62
         todo: list[_Read] = []
-        for key in dict.fromkeys(keys):
-            if key in self._m.index or key in self._inflight:
-                continue
-            read = self._begin(key, False)
-            if read is not None:
-                todo.append(read)
+        held = self._begin_some(later, todo, 0, limit, idle=True)
         out: dict[bytes, DramEntry] = {}
-        if len(todo) < 2:  # nothing to overlap: read on this thread, as a single get does
+        if len(todo) < 2 and not later:  # nothing to overlap: on this thread, as a get does
             for read in todo:
                 try:
                     ok = _read_or_miss(ssd.read_into, read)
                 finally:
                     self._end_io(read)
+                self._check_not_closed(read)
                 self._keep(read, ok, out)
             return out
-        futures: dict[Future[bool | None], _Read] = {}
-        ended: set[bytes] = set()
+        batch = _Batch(out, ready)
+        running: set[bytes] = set()  # keys of reads submitted, not reported back yet
         done = False
         self._lock.release()
         try:
-            for read in todo:
-                try:
-                    future = reads.submit(_read_or_miss, ssd.read_unlocked, read)
-                except RuntimeError:  # the pool shut down: close() began meanwhile
-                    raise KVOffloadError("the engine is closed") from None
-                futures[future] = read
-            for future in as_completed(futures):
-                read = futures[future]
-                ok = future.result()
-                with self._lock:
-                    self._end_io(read)
-                    self._keep(read, ok, out)
-                    ended.add(read.key)
-                    kept = out.get(read.key)
-                if ready is not None and kept is not None:
-                    ready(read.key, kept)
+            _submit(reads, ssd, todo, batch, self._finish, running)
+            while running:
+                read, spent, error = batch.done_q.get()  # each read, as the pool finished it
+                running.discard(read.key)
+                if error is not None:
+                    raise error
+                held -= spent
+                if later and (held < limit or not running):
+                    with self._lock:
+                        self._m.check_open()  # close() waits for reads begun before it only
+                        n = len(todo)
+                        held = self._begin_some(later, todo, held, limit, idle=not running)
+                    _submit(reads, ssd, todo[n:], batch, self._finish, running)
             done = True
         finally:
             # Interrupted (or the pool refused work): every read still set up ends as a miss
             # once its I/O, if started, is over, so that no key stays in flight, and the pins
             # kept for the caller, who will not get `out`, are dropped.
-            for future, read in futures.items():
-                if read.key not in ended:
-                    with contextlib.suppress(BaseException):
-                        future.result()
+            while running:
+                running.discard(batch.done_q.get()[0].key)
             self._lock.acquire()
             for read in todo:
-                if read.key not in ended:
+                if read.key not in batch.ended:
                     self._end_io(read)
-                    self._end(read, None, False)
+                    if self.ssd is not None:
+                        self._end(read, None, False)
+                    else:  # closed under a hung read: nothing left to account to
+                        self._m.unpin_locked(read.entry)
             if not done:
                 for entry in out.values():
                     self._m.unpin_locked(entry)
         return out
+
+    def _finish(self, batch: _Batch, read: _Read, ok: bool | None) -> None:
+        """Finish a batch's read on the pool thread that did it (not the batch's caller, so
+        reads finish, and are copied out, side by side): publish it, hand it to `ready`, give
+        back its side buffer once copied, and report to the batch."""
+        spent, error = False, None
+        try:
+            with self._lock:
+                self._end_io(read)
+                batch.ended.add(read.key)
+                self._check_not_closed(read)
+                self._keep(read, ok, batch.out)
+                kept = batch.out.get(read.key)
+            ready = batch.ready
+            copied = ready is not None and kept is not None and ready(read.key, kept)
+            if copied and kept is not None and kept.staging is not None:
+                with self._lock:
+                    self._dram.spend(kept)  # copied out: its side buffer goes
+                spent = True
+        except BaseException as exc:  # the batch's caller raises it
+            error = exc
+        batch.done_q.put((read, spent, error))
+
+    def _begin_some(
+        self, later: deque[bytes], todo: list[_Read], held: int, limit: int, idle: bool
+    ) -> int:
+        """Set up reads of `later`'s keys into `todo` (lock held) while this batch holds fewer
+        than `limit` side buffers (one more when nothing else runs: progress). Returns how many
+        it holds then."""
+        started = False
+        while later and (held < limit or (idle and not started)):
+            key = later.popleft()
+            if key in self._m.index or key in self._inflight:
+                continue  # read by another caller meanwhile: `acquire` finds or waits for it
+            read = self._begin(key, False)
+            if read is not None:
+                todo.append(read)
+                started = True
+                held += read.entry.staging is not None
+        return held
 
     def _keep(self, read: _Read, ok: bool | None, out: dict[bytes, DramEntry]) -> None:
         """Finish a read of `promote_many` (lock held), keeping a pin on its entry for the
@@ -202,10 +266,17 @@ class Promotions:
 
     def _end_io(self, read: _Read) -> None:
         """The read's I/O is over (lock held): its block unpinned, its waiters woken."""
-        assert self.ssd is not None
-        self.ssd.unpin(read.block)
+        if self.ssd is not None:  # None: close() gave up waiting for this read (it hung)
+            self.ssd.unpin(read.block)
         del self._inflight[read.key]
         read.event.set()
+
+    def _check_not_closed(self, read: _Read) -> None:
+        """A read that outlived close() (it hung; lock held) serves nothing: its slot is given
+        up with the engine's books, and the caller learns the engine is closed."""
+        if self._m.closed:
+            self._m.unpin_locked(read.entry)
+            raise KVOffloadError("the engine closed while this SSD read hung")
 
     def _end(self, read: _Read, ok: bool | None, prefetch: bool) -> DramEntry | None:
         """Publish a finished read (lock held): the key's entry now, or None if the block
@@ -258,7 +329,7 @@ class Promotions:
     def _prefetch_one(self, key: bytes) -> None:
         try:
             with self._lock:
-                if not self._m.closed and key not in self._m.index:
+                if not (self._m.closed or self._m.closing) and key not in self._m.index:
                     self.promote(key, prefetch=True)
         except KVOffloadError as exc:  # a background task: report, the get will retry
             log.warning("prefetch of block %s failed: %s", key.hex(), exc)
@@ -277,3 +348,36 @@ def _read_or_miss(
     except Exception:
         log.exception("kvoffload: reading block %s from the SSD failed", read.key.hex())
         return None
+
+
+def _submit(
+    reads: ReadPool,
+    ssd: SsdTier,
+    todo: Sequence[_Read],
+    batch: _Batch,
+    finish: Callable[[_Batch, _Read, bool | None], None],
+    running: set[bytes],
+) -> None:
+    """Start the slot reads of `todo` on the batch read pool (called without the lock); each
+    is finished there (`finish`), which reports to the batch."""
+    for read in todo:
+        try:
+            reads.submit(_read_and_finish, ssd.read_unlocked, read, batch, finish)
+        except RuntimeError:  # the pool shut down: close() began meanwhile
+            raise KVOffloadError("the engine is closed") from None
+        running.add(read.key)
+
+
+def _read_and_finish(
+    read_unlocked: Callable[[SsdRead, memoryview], bool | None],
+    read: _Read,
+    batch: _Batch,
+    finish: Callable[[_Batch, _Read, bool | None], None],
+) -> None:
+    """A batch's slot read on a pool thread, then its finish there (a Future per read and a
+    hand-off of each to the caller cost more than the read's own Python)."""
+    ok = None
+    try:
+        ok = _read_or_miss(read_unlocked, read)
+    finally:
+        finish(batch, read, ok)

@@ -239,6 +239,8 @@ def _commit(s: NativeSession, pending: PendingPut, indices: list[int]) -> None:
     try:
         for i in indices:
             pending.reserved.pop(i).commit()
+            # Counted as each is stored: a batch that fails later keeps (and counts) these.
+            s.bytes_in.inc(pending.items[i][1])
     finally:
         for i in indices:
             reservation = pending.reserved.pop(i, None)
@@ -267,8 +269,7 @@ def _end_put(s: NativeSession, pending: PendingPut) -> Awaitable[object] | None:
     commit = partial(_commit, s, pending, sorted(pending.reserved))
 
     def done(_: None) -> None:
-        s.bytes_in.inc(pending.request.payload_length)
-        s.reply(answer)
+        s.reply(answer)  # `_commit` counted the bytes in
 
     if pending.request.durable:
         # A durable commit waits for the SSD and the journal: off the loop, and the reader

@@ -108,6 +108,8 @@ class AlignedBuffer:
 
 def _advance(buffers: Sequence[memoryview], done: int) -> list[memoryview]:
     """What is left of `buffers` after `done` bytes moved."""
+    if len(buffers) == 2 and done == len(buffers[0]) + len(buffers[1]):
+        return []  # a slot's header and value in one transfer: the common case, quickly
     out: list[memoryview] = []
     for buf in buffers:
         if done >= len(buf):
@@ -175,7 +177,7 @@ class SlotFile:
         Raises:
             StorageIOError: the device failed or the file ended early.
         """
-        todo = list(buffers)
+        todo = buffers
         while todo:
             try:
                 n = self._preadv(self.fd, todo, offset)
@@ -284,10 +286,15 @@ class BlockIO:
         key, page_no, length, seq, crc = row_snapshot
         with self._header_page() as page:
             self._transfer(False, page_no * PAGE, [page, dst])
-            header = unpack_header(page)
-        if header is None or (header.key, header.seq, header.length) != (key, seq, length):
+            fields = _HEADER.unpack(page[:SLOT_HEADER])
+            sealed = fields[0] == crc32c.crc32c(page[4:SLOT_HEADER])
+        # (crc, magic, version, flags, tenant, _, seq, key, parent, length, value crc, name):
+        # the header must be intact and name this very block; then the value must match.
+        if not sealed or fields[1:3] != (_MAGIC, 1) or fields[6:8] != (seq, key):
             return False
-        return crc32c.crc32c(dst[:length]) == crc == header.crc
+        if fields[9] != length or fields[10] != crc:
+            return False
+        return crc32c.crc32c(dst[:length]) == crc
 
     def wipe(self, offset: int) -> None:
         """Zero a slot's header page, so a rebuild from slot headers cannot bring a deleted

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvoffload.client_sdk import Client
+from kvoffload.errors import CapacityError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -45,3 +47,29 @@ def test_a_put_many_larger_than_dram_stores_what_fits_like_the_engine(
         if ssd != "0":
             assert all(hits) and all(engine_hits)  # the rest were demoted, not lost
         assert client.stats().store["puts"] == BATCH
+
+
+def test_a_put_many_failing_after_early_commits_counts_the_bytes_it_stored(
+    start_daemon: Start,
+) -> None:
+    # A tenant quota of 2 MiB: the batch's received values fill it, the daemon commits them to
+    # make room (they stay stored), then the last value fails: alone it exceeds the quota.
+    config = '[tenants.alice]\ntoken = "t"\nquota_bytes = "2MiB"\n'
+    daemon = start_daemon("--dram", "64MiB", config=config)
+    keys = [i.to_bytes(16, "big") for i in range(1, 18)]
+    values = [bytes(BLOCK)] * 16 + [bytes(3 << 20)]
+    with Client.connect(daemon.url(token="t")) as client:
+        client.put(bytes(16), bytes(BLOCK))  # what one value sends, framing included
+        one = _bytes_in(daemon)
+        with pytest.raises(CapacityError):
+            client.put_many(zip(keys, values, strict=True))
+        stored = client.stats().store["puts"]
+    assert stored > 1
+    assert _bytes_in(daemon) == one * stored  # 1 * one before: the early commits went uncounted
+
+
+def _bytes_in(daemon: Any) -> float:
+    text = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
+    (line,) = [s for s in text.splitlines()
+               if s.startswith('kvoffload_payload_bytes_in_total{front="native"} ')]  # fmt: skip
+    return float(line.split()[-1])

@@ -37,6 +37,9 @@ def test_ssd_bench_smoke(tmp_path: Path) -> None:
             assert rows[(f"{op}/{size}", "odirect")]["value"] > 0
             fio = rows[(f"{op}/{size}", "fio")]
             assert fio["ref_value"] is None or fio["ref_value"] > 0
+    for label in ("2MiB", "640KiB", "160KiB"):  # the batched reads, a layer part's size too
+        assert rows[(f"read_batch/{label}", "odirect")]["value"] > 0
+        assert rows[(f"cpu_us/read_batch/{label}", "odirect")]["ref_value"] > 0
     assert rows[("restart/2k", "goal_5s")]["unit"] == "s"
     assert 0 < rows[("index_bytes/2k", "goal_128B")]["value"] < 4096
     assert not list(tmp_path.glob("kvoffload-bench-ssd-*"))  # cleaned up

@@ -12,6 +12,7 @@ import numpy as np
 
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
 from kvoffload.kvstore.config import PAGE
+from kvoffload.kvstore.promote import side_buffers
 
 BLOCK = 200_000
 WAIT_S = 30  # a hang guard, never a timing assertion
@@ -224,6 +225,33 @@ def test_a_batch_does_not_evict_its_own_dram_hits(tmp_path: Path) -> None:
         ]
         assert all(engine.contains(k) for k in hot)
         dram = engine.stats().tiers[0]
+        assert dram.evictions == 0 and dram.pinned == 0
+
+
+def test_a_batch_of_more_ssd_blocks_than_dram_holds_bounds_its_side_buffers(
+    tmp_path: Path,
+) -> None:
+    # Called directly (no SDK window): 15 DRAM hits pin most of the arena, and 60 SSD-only
+    # blocks need room DRAM does not have. Each of those takes a side buffer, held until the
+    # batch ended before (~55 at once); now one copied out goes before a read takes another.
+    cold_store(tmp_path, 60)
+    cfg = config(tmp_path)
+    cfg = dataclasses.replace(cfg, ssd=dataclasses.replace(cfg.ssd, admission_min_uses=2))
+    with Engine(cfg) as engine:
+        hot = [(9000 + i).to_bytes(16, "little") for i in range(15)]
+        for i, k in enumerate(hot):
+            engine.put(k, value(100 + i))
+        keys = hot + [key(i) for i in range(60)]
+        buffers = [bytearray(BLOCK) for _ in keys]
+        assert engine.get_many_into(keys, buffers) == [BLOCK] * 75
+        assert [bytes(b) for b in buffers] == [value(100 + i) for i in range(15)] + [
+            value(i) for i in range(60)
+        ]
+        stats = engine.stats()
+        assert stats.staged_gets > side_buffers(4)  # DRAM did run out: the bound is tested
+        assert stats.staged_peak <= side_buffers(4)
+        assert all(engine.contains(k) for k in hot)  # the batch's own hits were not evicted
+        dram = stats.tiers[0]
         assert dram.evictions == 0 and dram.pinned == 0
 
 

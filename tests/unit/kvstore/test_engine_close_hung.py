@@ -1,0 +1,106 @@
+"""close() with an SSD read that never finishes: bounded by `ssd.close_wait_s`, and the memory
+the hung read writes into stays mapped. The read is held in the slot file's preadv seam (the
+one the fault tests use), so the engine's own read path runs up to the device."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+
+from kvoffload.errors import KVOffloadError, StorageIOError
+from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
+
+BLOCK = 200_000
+
+
+def key(i: int) -> bytes:
+    return (1000 + i).to_bytes(16, "little")
+
+
+class HungRead:
+    """Every slot read blocks (before it reaches the device) until `release()`."""
+
+    def __init__(self, engine: Engine) -> None:
+        slots = engine._ssd.slots  # type: ignore[union-attr]
+        self._preadv: Callable[[int, Sequence[memoryview], int], int] = slots._preadv
+        self.started = threading.Event()
+        self._go = threading.Event()
+        slots._preadv = self
+
+    def __call__(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        self.started.set()
+        self._go.wait(120)  # bounded: a failing test still ends
+        return self._preadv(fd, buffers, offset)
+
+    def release(self) -> None:
+        self._go.set()
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_close_gives_up_on_a_hung_read_and_leaves_its_memory_mapped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, batched: bool
+) -> None:
+    engine = Engine(EngineConfig(
+        DramConfig(capacity_bytes=4 << 20, max_value_bytes=256 << 10, prefault=False),
+        SsdConfig(capacity_bytes=64 << 20, close_wait_s=0.2, read_depth=4),
+        data_dir=str(tmp_path),
+    ))  # fmt: skip
+    for i in range(30):  # 6 MB into 4 MiB of DRAM: the first blocks are on the SSD only
+        engine.put(key(i), bytes([i]) * BLOCK)
+    # Batched: 6 reads, 4 at a time (read_depth): 4 hang, 2 wait in the pool's queue.
+    wanted = [key(i) for i in range(6)] if batched else [key(0)]
+    assert engine.stats().tiers[0].entries < 30 and engine.lookup(wanted) == len(wanted)
+    hung = HungRead(engine)
+    errors: list[BaseException] = []
+
+    def get() -> None:
+        try:
+            engine.get_many_into(wanted, [bytearray(BLOCK) for _ in wanted])
+        except BaseException as exc:
+            errors.append(exc)
+
+    reader = threading.Thread(target=get)
+    reader.start()
+    arena = engine._dram.arena
+    closer = threading.Thread(target=lambda: errors.append(_close(engine)))
+    try:
+        assert hung.started.wait(60)
+        with caplog.at_level(logging.ERROR):
+            closer.start()
+            closer.join(60)
+            assert not closer.is_alive()  # waited for ever before
+        (closed,) = [e for e in errors if isinstance(e, StorageIOError)]
+        assert "close_wait_s" in str(closed) and key(0).hex() in str(closed)
+        assert key(0).hex() in caplog.text and "leaked" in caplog.text
+        # Still mapped: the hung read may write here yet.
+        assert not arena._map.closed
+        arena.array[:1] = 1
+    finally:
+        hung.release()
+        reader.join(60)
+    assert not reader.is_alive()
+    (late,) = [e for e in errors if not isinstance(e, StorageIOError)]
+    assert isinstance(late, KVOffloadError) and "closed" in str(late)
+    with pytest.raises(KVOffloadError):
+        engine.get(key(5))
+    assert os.listdir(tmp_path)  # the store's files are all there for the next open
+    reopened = Engine(EngineConfig(
+        DramConfig(capacity_bytes=4 << 20, max_value_bytes=256 << 10, prefault=False),
+        SsdConfig(capacity_bytes=64 << 20), data_dir=str(tmp_path),
+    ))  # fmt: skip
+    with reopened:
+        buf = bytearray(BLOCK)
+        assert reopened.get_into(key(0), buf) == BLOCK and buf == bytes([0]) * BLOCK
+
+
+def _close(engine: Engine) -> BaseException | None:
+    try:
+        engine.close()
+    except BaseException as exc:
+        return exc
+    return None
