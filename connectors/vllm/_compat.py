@@ -250,6 +250,13 @@ def device_type(vllm_config: Any) -> str:
     return str(vllm_config.device_config.device_type)
 
 
+def async_scheduling(vllm_config: Any) -> bool:
+    """Whether vLLM schedules step N+1 before step N's output is processed (its default on
+    GPUs since 0.11; the CPU platform turns it off)."""
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    return bool(getattr(scheduler, "async_scheduling", False))
+
+
 def tensor_parallel_rank() -> int:
     """This worker's tensor parallel rank (0 when vLLM's groups are not initialised, as in a
     single-process engine)."""

@@ -107,6 +107,7 @@ class KVOffloadConnector(_compat.KVConnectorBase_V1, _compat.SupportsHMA):
             self._scheduler = SchedulerHalf(
                 self._settings, client, namespaces, geometry.block_tokens, geometry.hash_ratio,
                 groups=lookup, on_cpu=_compat.device_type(vllm_config) == "cpu",
+                async_scheduling=_compat.async_scheduling(vllm_config),
             )  # fmt: skip
         else:
             rank = _compat.tensor_parallel_rank()

@@ -62,8 +62,10 @@ class Settings:
     # for the part holding it (connectors/vllm/layers.py). 1: whole blocks, as before.
     layer_parts: int = 1
     # With layer parts: the longest a step's forward waits for its loads; on timeout the
-    # blocks not yet loaded are reported failed (vLLM recomputes them).
-    layer_load_timeout_s: float = 30.0
+    # blocks not yet loaded are reported failed (vLLM recomputes them). The wait holds the
+    # whole batch (other requests' decodes too), so it is short: a step's loads take
+    # milliseconds to a few hundred of them from a healthy store.
+    layer_load_timeout_s: float = 5.0
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> Settings:

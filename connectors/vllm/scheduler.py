@@ -18,6 +18,7 @@ from kvoffload.connectors.vllm import _compat
 from kvoffload.connectors.vllm.claim import ClaimRule
 from kvoffload.connectors.vllm.groups import GroupLookup
 from kvoffload.connectors.vllm.plan import LoadJob, SaveJob, Settings, StepPlan
+from kvoffload.errors import ConfigError
 
 __all__ = ["SchedulerHalf"]
 
@@ -57,7 +58,16 @@ class SchedulerHalf:
         kv_cache_manager: Any = None,
         groups: GroupLookup | None = None,
         on_cpu: bool = False,
+        async_scheduling: bool = False,
     ) -> None:
+        if async_scheduling and (settings.layer_parts > 1 or settings.sync_load_blocks > 0):
+            # Step N+1 is scheduled before step N's failed loads are known: a request that
+            # shares the prefix would read blocks vLLM has not yet marked for recomputing.
+            raise ConfigError(
+                "layer_parts > 1 and sync_load_blocks > 0 load blocks during the step that "
+                "reads them, which vLLM's async scheduling cannot undo when a load fails: "
+                "start vLLM with --no-async-scheduling, or leave both settings at their default"
+            )
         self._settings = settings
         self._client = client
         self._namespaces = [list(parts) for parts in namespaces]
@@ -71,7 +81,7 @@ class SchedulerHalf:
         # loads only: theirs stay asynchronous.
         sync = settings.sync_load_blocks
         if sync < 0:
-            sync = 1 << 30 if on_cpu else 0
+            sync = 1 << 30 if on_cpu and not async_scheduling else 0
         self._sync_blocks = 0 if groups is not None else sync
         if settings.layer_parts > 1:
             # Layer by layer: every load runs during its request's first forward.

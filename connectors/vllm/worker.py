@@ -75,6 +75,7 @@ class WorkerHalf:
         self._groups: list[GroupKV] = []
         self._layered = layered
         self._layer_load: LayerLoad | None = None  # this step's layer-wise load
+        self._layer_waited_s = 0.0  # time this step's forward waited for it
         # Hybrid models report a failed load per request: vLLM cannot map a block id back to
         # its request when ids repeat across groups.
         self._hybrid = len(groups) > 1 and not layered
@@ -169,12 +170,12 @@ class WorkerHalf:
         if self._layer_load is not None:
             self._layer_load.wait(layer_name)
 
-    def _finish_layer_load(self) -> float:
-        """Join this step's layer-wise load (its failed blocks go out with this step's
-        output); returns the time the forward spent waiting for it."""
+    def _finish_layer_load(self) -> None:
+        """Join this step's layer-wise load so its failed blocks go out with this step's
+        output (`get_finished` runs after the forward, before `wait_for_save` in spec decode)."""
         load, self._layer_load = self._layer_load, None
         if load is None:
-            return 0.0
+            return
         loaded = load.finish()
         with self._lock:
             load.rates.into(self._rates, len(self._groups))
@@ -185,7 +186,7 @@ class WorkerHalf:
                                 len(job.hashes))  # fmt: skip
                     self._load_errors.update(b for b in job.block_ids[0][count:]
                                              if b != NULL_BLOCK)  # fmt: skip
-        return load.waited_s
+        self._layer_waited_s += load.waited_s
 
     def take_rates(self) -> KVOffloadStats | None:
         with self._lock:
@@ -193,7 +194,8 @@ class WorkerHalf:
 
     def submit_saves(self, plan: StepPlan) -> None:
         ended = time.perf_counter()
-        waited = self._finish_layer_load()
+        self._finish_layer_load()  # also joined by get_finished when spec decode runs first
+        waited, self._layer_waited_s = self._layer_waited_s, 0.0
         if self._step is not None:
             start, tokens = self._step
             self._step = None
@@ -217,13 +219,13 @@ class WorkerHalf:
             self._save_futures.append(self._saver.submit(self._run_save, job, ready, snapshots))
 
     def wait_for_saves(self) -> None:
-        """Block until every submitted save has read its blocks (before vLLM reuses blocks
-        of preempted requests, and at shutdown)."""
+        """Block until every submitted save has read its blocks (preemptions, shutdown)."""
         futures, self._save_futures = self._save_futures, []
         for future in futures:
             future.result()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        self._finish_layer_load()
         with self._lock:
             for req_id in finished_req_ids:
                 if req_id in self._saving:

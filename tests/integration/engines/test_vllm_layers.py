@@ -223,6 +223,39 @@ def test_a_damaged_part_is_never_scattered_and_is_recomputed(
     _assert_correct_kv(engine, "r2")
 
 
+def test_a_failed_part_is_reported_with_its_step_when_wait_for_save_comes_later(
+    six_layers: Path, start_daemon: Any, engines: Any
+) -> None:
+    """With speculative decoding vLLM takes a step's failed blocks before `wait_for_save`
+    (which runs after the drafter): the layer-wise load is joined there too, so the step that
+    read the bad part is discarded, not the next one."""
+    daemon = start_daemon()
+    engine = _layered(engines, six_layers, daemon.url())
+    _save_first_request(engine)
+    damage_stored_block(daemon.url(), _part_keys(engine, 1)[3], -7)
+    engine.add("r2", PREFIX + [9, 9])
+    engine.execute(engine.schedule(), defer_finalize=True)
+    assert engine.seen["r2"].finish is None  # its token of that step was not kept
+    engine.run()
+    assert engine.seen["r2"].starts == [len(PREFIX), 3 * BLOCK]
+    _assert_correct_kv(engine, "r2")
+
+
+def test_loads_during_the_step_are_refused_under_async_scheduling(
+    six_layers: Path, start_daemon: Any, engines: Any
+) -> None:
+    """vLLM's async scheduling plans step N+1 before step N's failed loads are known, so a
+    request sharing the prefix could read blocks loaded during step N that failed: layer
+    parts and explicit synchronous loads need it off; by default loads stay asynchronous."""
+    daemon = start_daemon()
+    for extra in ({"layer_parts": PARTS}, {"sync_load_blocks": 4}):
+        with pytest.raises(ConfigError, match="--no-async-scheduling"):
+            engines(six_layers, daemon.url(), "LBNHC", layers=LAYERS, async_scheduling=True,
+                    **extra)  # fmt: skip
+    engine = engines(six_layers, daemon.url(), "LBNHC", layers=LAYERS, async_scheduling=True)
+    assert engine.scheduler.connector._sched()._sync_blocks == 0
+
+
 def test_a_store_that_goes_away_before_a_layered_load_means_recompute(
     six_layers: Path, start_daemon: Any, engines: Any
 ) -> None:

@@ -167,7 +167,13 @@ class Engine:
     layer_names: list[str] = LAYER_NAMES
 
     def __init__(
-        self, model_dir: Path, url: str, layout: str, layers: int = LAYERS, **extra: Any
+        self,
+        model_dir: Path,
+        url: str,
+        layout: str,
+        layers: int = LAYERS,
+        async_scheduling: bool = False,
+        **extra: Any,
     ) -> None:
         transfer = KVTransferConfig(
             kv_connector="KVOffloadConnector",
@@ -187,6 +193,8 @@ class Engine:
         )
         self.layer_names = layer_names(layers)
         self.config, self.kv_config, self.spec = make_configs(model_dir, layout, transfer, layers)
+        # What vLLM decides on a GPU (the CPU platform turns it off); the connector reads it.
+        self.config.scheduler_config.async_scheduling = async_scheduling
         tensor = self.kv_config.kv_cache_tensors[0]
         self.scheduler = make_scheduler(self.config, self.kv_config)
         # The worker process: vLLM's factory builds the worker-role connector; the model
@@ -229,14 +237,20 @@ class Engine:
     def schedule(self) -> Any:
         return self.scheduler.schedule()
 
-    def execute(self, out: Any) -> None:
-        """The worker's step for `out`, then the scheduler's update from its output."""
+    def execute(self, out: Any, defer_finalize: bool = False) -> None:
+        """The worker's step for `out`, then the scheduler's update from its output.
+        `defer_finalize`: as with speculative decoding, vLLM collects the step's finished
+        transfers and failed loads before `wait_for_save`, which runs after the drafter."""
         self.worker.handle_preemptions(out.kv_connector_metadata)
         with (
             set_forward_context(None, self.config),
-            KVConnectorModelRunnerMixin._get_kv_connector_output(out) as connector_output,
+            KVConnectorModelRunnerMixin._get_kv_connector_output(
+                out, defer_finalize=defer_finalize
+            ) as connector_output,
         ):
             sampled = self._forward(out)
+        if defer_finalize:
+            KVConnectorModelRunnerMixin.finalize_kv_connector()
         ids = list(sampled)
         result = ModelRunnerOutput(
             req_ids=ids,
