@@ -156,23 +156,20 @@ def _by_segments(
     """`ttft_seconds` with each request's hit blocks in their tiers: the candidates are 0 and
     every segment end (an SSD block costs the SSD's time; a block of a tier not measured here,
     REMOTE or UNKNOWN, the slowest measured time)."""
-    slowest = max(costs.dram_s, costs.ssd_s or 0.0)
-    per_block = {Tier.DRAM: costs.dram_s, Tier.SSD: costs.ssd_s or costs.dram_s,
-                 Tier.REMOTE: slowest, Tier.UNKNOWN: slowest}  # fmt: skip
-    copy_s = block_tokens * model.bytes_per_token / gpu.h2d_bytes_per_s
+    per_block = _block_costs(costs, block_tokens * model.bytes_per_token / gpu.h2d_bytes_per_s)
     n = len(prompt)
     who, loaded, load = list(range(n)), [0] * n, [0.0] * n  # candidate 0 of every request
     for i, run in enumerate(runs):
         at, spent, hit = 0, 0.0, int(hit_blocks[i])
         for tier, count in run.slice(0, hit).segments:
-            at, spent = at + count, spent + count * (per_block[tier] + copy_s)
+            at, spent = at + count, spent + count * per_block[tier]
             who.append(i)
             loaded.append(at)
             load.append(spent)
         if at < hit:  # hits the lookup did not report: the slowest cost
             who.append(i)
             loaded.append(hit)
-            load.append(spent + (hit - at) * (slowest + copy_s))
+            load.append(spent + (hit - at) * per_block[Tier.UNKNOWN])
     idx = np.asarray(who, dtype=np.int64)
     blocks = np.asarray(loaded, dtype=np.int64)
     times = prefill_seconds(model, gpu, prompt[idx], blocks * block_tokens) + np.asarray(load)
