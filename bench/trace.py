@@ -208,11 +208,13 @@ def measure_load_costs(url_for: Callable[[bool], str | None], profile: ModelProf
     vLLM connector loads a request), from DRAM and (when `url_for(True)` gives a store with an
     SSD tier) from the SSD after a reopen: the best of three batches (each SSD batch of keys
     of its own, as a second read would come from DRAM). With `parts` > 1 each block is that
-    many values of a layer part's size (the connector's `layer_parts`)."""
+    many values of a layer part's size (the connector's `layer_parts`), and a batch is
+    `blocks` values of one part, as the connector reads a staging batch part by part (the
+    same store room as the whole-block batches)."""
     size = profile.bytes_per_token * block_tokens // parts
     ns = profile.namespace(block_tokens, salt=f"load-cost-{parts}")
     payloads = Payloads(size, seed=1)
-    values = blocks * parts
+    values, made = blocks, blocks / parts  # a batch's values, and the blocks they make
     keys = [BlockKey(i.to_bytes(16, "little")) for i in range(1, values + 1)]
     bufs = [np.empty(size, dtype=np.uint8) for _ in keys]
 
@@ -221,7 +223,7 @@ def measure_load_costs(url_for: Callable[[bool], str | None], profile: ModelProf
         for _ in range(rounds):
             t0 = time.perf_counter()
             got = client.get_many_into(keys, bufs)
-            best = min(best, (time.perf_counter() - t0) / blocks)
+            best = min(best, (time.perf_counter() - t0) / made)
             for key, n, buf in zip(keys, got, bufs, strict=True):
                 if n != size or not payloads.matches(key, buf):
                     raise ConfigError(f"calibration block {key.hex()} did not read back")
