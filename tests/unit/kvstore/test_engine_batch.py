@@ -3,9 +3,10 @@ damaged blocks are misses that leave the caller's buffer alone."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -206,23 +207,31 @@ def test_a_batch_failing_part_way_leaves_no_pin(tmp_path: Path) -> None:
         assert engine.stats().tiers[0].pinned == 0
 
 
-def test_a_batch_does_not_evict_its_own_dram_hits(tmp_path: Path) -> None:
-    # 15 DRAM-only blocks (used once: SSD admission 2 would drop them if evicted) and 10
-    # SSD-only ones in one batch: the room the SSD reads take must not come from the batch's
-    # own DRAM hits (pinned first), so every block is served and every DRAM block stays.
-    cold_store(tmp_path, 10)
+@contextlib.contextmanager
+def _hot_then_cold_batch(tmp_path: Path, cold: int) -> Iterator[tuple[Engine, list[bytes]]]:
+    """An engine (SSD admission 2) holding 15 DRAM-only blocks (used once) and `cold`
+    SSD-only ones, after one `get_many_into` of all of them, hot first, read back exactly."""
+    cold_store(tmp_path, cold)
     cfg = config(tmp_path)
     cfg = dataclasses.replace(cfg, ssd=dataclasses.replace(cfg.ssd, admission_min_uses=2))
     with Engine(cfg) as engine:
         hot = [(9000 + i).to_bytes(16, "little") for i in range(15)]
         for i, k in enumerate(hot):
             engine.put(k, value(100 + i))
-        keys = hot + [key(i) for i in range(10)]
+        keys = hot + [key(i) for i in range(cold)]
         buffers = [bytearray(BLOCK) for _ in keys]
-        assert engine.get_many_into(keys, buffers) == [BLOCK] * 25
+        assert engine.get_many_into(keys, buffers) == [BLOCK] * (15 + cold)
         assert [bytes(b) for b in buffers] == [value(100 + i) for i in range(15)] + [
-            value(i) for i in range(10)
+            value(i) for i in range(cold)
         ]
+        yield engine, hot
+
+
+def test_a_batch_does_not_evict_its_own_dram_hits(tmp_path: Path) -> None:
+    # 15 DRAM-only blocks (used once: SSD admission 2 would drop them if evicted) and 10
+    # SSD-only ones in one batch: the room the SSD reads take must not come from the batch's
+    # own DRAM hits (pinned first), so every block is served and every DRAM block stays.
+    with _hot_then_cold_batch(tmp_path, 10) as (engine, hot):
         assert all(engine.contains(k) for k in hot)
         dram = engine.stats().tiers[0]
         assert dram.evictions == 0 and dram.pinned == 0
@@ -234,19 +243,7 @@ def test_a_batch_of_more_ssd_blocks_than_dram_holds_bounds_its_side_buffers(
     # Called directly (no SDK window): 15 DRAM hits pin most of the arena, and 60 SSD-only
     # blocks need room DRAM does not have. Each of those takes a side buffer, held until the
     # batch ended before (~55 at once); now one copied out goes before a read takes another.
-    cold_store(tmp_path, 60)
-    cfg = config(tmp_path)
-    cfg = dataclasses.replace(cfg, ssd=dataclasses.replace(cfg.ssd, admission_min_uses=2))
-    with Engine(cfg) as engine:
-        hot = [(9000 + i).to_bytes(16, "little") for i in range(15)]
-        for i, k in enumerate(hot):
-            engine.put(k, value(100 + i))
-        keys = hot + [key(i) for i in range(60)]
-        buffers = [bytearray(BLOCK) for _ in keys]
-        assert engine.get_many_into(keys, buffers) == [BLOCK] * 75
-        assert [bytes(b) for b in buffers] == [value(100 + i) for i in range(15)] + [
-            value(i) for i in range(60)
-        ]
+    with _hot_then_cold_batch(tmp_path, 60) as (engine, hot):
         stats = engine.stats()
         assert stats.staged_gets > side_buffers(4)  # DRAM did run out: the bound is tested
         assert stats.staged_peak <= side_buffers(4)
