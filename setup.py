@@ -14,22 +14,23 @@ def _package_dir() -> dict[str, str]:
 def _packages() -> list[str]:
     import os
 
-    found = ["kvoffload"]
-    for name in SUBPACKAGES:
+    found = []
+    for name in ["kvoffload", *SUBPACKAGES]:
         for root, dirs, files in os.walk(name):
             dirs[:] = [d for d in dirs if not d.startswith((".", "__"))]
             if "__init__.py" in files:
-                found.append("kvoffload." + root.replace(os.sep, "."))
+                dotted = root.replace(os.sep, ".")
+                found.append(dotted if name == "kvoffload" else "kvoffload." + dotted)
     return found
 
 
-# The data plane's C fast path (client_sdk/wire/fast.py falls back to Python without it):
+# The data plane's C fast path (kvoffload/wire/fast.py falls back to Python without it):
 # optional, so that a machine without a compiler still installs; CI sets KVOFFLOAD_REQUIRE_EXT
 # to prove it built.
 SPEEDUPS = Extension(
-    "kvoffload.client_sdk.wire._speedups",
-    sources=["client_sdk/wire/_speedups.c", "client_sdk/wire/_speedups_frames.c"],
-    depends=["client_sdk/wire/_speedups.h"],
+    "kvoffload.wire._speedups",
+    sources=["kvoffload/wire/_speedups.c", "kvoffload/wire/_speedups_frames.c"],
+    depends=["kvoffload/wire/_speedups.h"],
     extra_compile_args=["-O2", "-std=c11"],
     optional=True,
 )

@@ -9,11 +9,11 @@ from collections.abc import Callable
 
 import msgpack
 
-from kvoffload.client_sdk.wire import native as nw
-from kvoffload.client_sdk.wire import nvme_cmd as nc
-from kvoffload.client_sdk.wire import nvme_data as nd
-from kvoffload.client_sdk.wire import nvme_tcp as nt
-from kvoffload.client_sdk.wire.frames import FRAME
+from kvoffload.wire.native import connection as nw
+from kvoffload.wire.native.frames import FRAME
+from kvoffload.wire.nvme_tcp import cmd as nc
+from kvoffload.wire.nvme_tcp import connection as nt
+from kvoffload.wire.nvme_tcp import data as nd
 
 SUBNQN = "nqn.2026-11.io.kvoffload:store"
 HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-00000000f022"

@@ -19,9 +19,9 @@ from kvoffload.bench.fuzz_inputs import (
     nvme_queue,
     with_id,
 )
-from kvoffload.client_sdk.wire import native as nw
-from kvoffload.client_sdk.wire import nvme_tcp as nt
 from kvoffload.errors import KVOffloadError
+from kvoffload.wire.native import connection as nw
+from kvoffload.wire.nvme_tcp import connection as nt
 
 SOCKET_TIMEOUT = 2.0
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from kvoffload.bench import common
 from kvoffload.bench.serve_vllm import VllmServer, connector_transfer, daemon, default_model_dir
-from kvoffload.client_sdk.wire import fast
+from kvoffload.wire import fast
 
 __all__ = ["Sample", "main", "parse_log"]
 

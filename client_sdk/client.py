@@ -33,11 +33,11 @@ from kvoffload.client_sdk.transports.base import (
     windows,
 )
 from kvoffload.client_sdk.url import DEFAULT_URL, parse_url
-from kvoffload.client_sdk.wire.block import peek_codec
-from kvoffload.client_sdk.wire.blockmeta import BlockMeta
-from kvoffload.client_sdk.wire.tiers import TierRun
 from kvoffload.compression import CODEC_NONE, Codec
 from kvoffload.errors import DeadlineExceededError, TransportError
+from kvoffload.wire.block import peek_codec
+from kvoffload.wire.blockmeta import BlockMeta
+from kvoffload.wire.tiers import TierRun
 
 __all__ = ["AsyncClient", "Client", "ClientStats", "resolve_codec"]
 

@@ -15,16 +15,6 @@ import numpy as np
 from kvoffload.buffers import Bytes, as_readable, as_writable
 from kvoffload.client_sdk.keys import BlockKey, Namespace, to_key
 from kvoffload.client_sdk.transports.base import HeldBlock, PutItem, Received
-from kvoffload.client_sdk.wire import fast as _fast
-from kvoffload.client_sdk.wire.block import (
-    HEADER_BYTES,
-    BlockHeader,
-    open_header,
-    open_parts,
-    peek_codec,
-    seal,
-)
-from kvoffload.client_sdk.wire.blockmeta import BlockMeta
 from kvoffload.compression import (
     CODEC_NONE,
     DTYPE_BYTES,
@@ -40,6 +30,16 @@ from kvoffload.errors import (
     InvalidArgumentError,
     UnsupportedCodecConfigError,
 )
+from kvoffload.wire import fast as _fast
+from kvoffload.wire.block import (
+    HEADER_BYTES,
+    BlockHeader,
+    open_header,
+    open_parts,
+    peek_codec,
+    seal,
+)
+from kvoffload.wire.blockmeta import BlockMeta
 
 __all__ = [
     "ClientStats",

@@ -1,7 +1,7 @@
 """A storage node's membership: its record in etcd, held by a lease this module keeps alive.
 
 `kvoffload serve --cluster etcd://HOST:PORT/NAME` puts ``/kvoffload/NAME/nodes/<node id>`` (the
-node's fronts and weight, `client_sdk.wire.etcd`) under a lease of `cluster.lease_ttl_s`, and a
+node's fronts and weight, `kvoffload.wire.membership`) under a lease of `cluster.lease_ttl_s`, and a
 thread renews it every third of that. The node id is generated once and kept in the data dir,
 with the random nonces of the processes that used it: a record carrying one of those nonces is a
 crashed predecessor's and is replaced at once; any other record under the id belongs to another
@@ -27,7 +27,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvoffload.client_sdk.wire.etcd import (
+from kvoffload.errors import ConfigError, KVOffloadError, RemoteProtocolError, TransportError
+from kvoffload.nvmeof_target.config import Config
+from kvoffload.wire.membership import (
     Member,
     Request,
     claim_request,
@@ -43,8 +45,6 @@ from kvoffload.client_sdk.wire.etcd import (
     parse_range,
     revoke_request,
 )
-from kvoffload.errors import ConfigError, KVOffloadError, RemoteProtocolError, TransportError
-from kvoffload.nvmeof_target.config import Config
 
 __all__ = ["NodeIdClaimedError", "Registration", "join", "leave"]
 

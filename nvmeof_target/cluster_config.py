@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvoffload.client_sdk.wire.etcd import check_name, parse_etcd_url
 from kvoffload.errors import ConfigError, InvalidArgumentError
+from kvoffload.wire.membership import check_name, parse_etcd_url
 
 __all__ = ["ClusterConfig"]
 

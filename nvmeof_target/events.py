@@ -48,11 +48,11 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
-from kvoffload.client_sdk.wire.blockmeta import BlockMeta
 from kvoffload.kvstore import DescribedBlock, DescribedTable
 from kvoffload.nvmeof_target import events_bulk as bulk
 from kvoffload.nvmeof_target.config import EventsConfig
 from kvoffload.nvmeof_target.events_curve import Curve
+from kvoffload.wire.blockmeta import BlockMeta
 
 __all__ = ["END_SEQ", "KVEvents", "event_hash", "stored_meta"]
 

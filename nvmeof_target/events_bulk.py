@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload.client_sdk.wire.blockmeta import MAX_META_TOKENS, MAX_NAME_BYTES, BlockMeta
 from kvoffload.errors import LocalProtocolError
 from kvoffload.kvstore.described import DRAM, SSD  # bits of a row's tiers, as the engine lists them
+from kvoffload.wire.blockmeta import MAX_META_TOKENS, MAX_NAME_BYTES, BlockMeta
 
 __all__ = ["DRAM", "SSD", "Announced", "decode", "decode_joined", "encode_events", "event_order",
            "payload"]  # fmt: skip

@@ -1,4 +1,4 @@
-"""The native front: the native protocol (client_sdk/wire/native.py) over TCP, on the engine.
+"""The native front: the native protocol (`wire.native.connection`) over TCP, on the engine.
 
 A thin shell in the shape of h11's example servers: read into the codec's buffer, drain its
 events, call the engine, write the answers. Payloads never pass through Python objects: a put's
@@ -23,13 +23,13 @@ import ssl
 import time
 from dataclasses import replace
 
-from kvoffload.client_sdk.wire.native import ErrorReply, Limits, NativeConnection, Role
-from kvoffload.client_sdk.wire.status import Status
 from kvoffload.nvmeof_target.channel import Channel, TlsChannel
 from kvoffload.nvmeof_target.config import Config, NativeConfig
 from kvoffload.nvmeof_target.native_session import FRONT, NativeSession
 from kvoffload.nvmeof_target.services import Services
 from kvoffload.nvmeof_target.session import Instruments, stop_sessions
+from kvoffload.wire.native.connection import ErrorReply, Limits, NativeConnection, Role
+from kvoffload.wire.status import Status
 
 __all__ = ["NativeFront", "make_front"]
 

@@ -13,8 +13,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
-from kvoffload.client_sdk.wire.blockmeta import BlockMeta
-from kvoffload.client_sdk.wire.native import (
+from kvoffload.errors import CapacityError, KVOffloadError
+from kvoffload.kvstore import PutReservation
+from kvoffload.nvmeof_target.events import stored_meta
+from kvoffload.wire.blockmeta import BlockMeta
+from kvoffload.wire.native.connection import (
     Event,
     PayloadEnd,
     Put,
@@ -23,10 +26,7 @@ from kvoffload.client_sdk.wire.native import (
     PutManyDone,
     SinkFull,
 )
-from kvoffload.client_sdk.wire.shards import shard_of
-from kvoffload.errors import CapacityError, KVOffloadError
-from kvoffload.kvstore import PutReservation
-from kvoffload.nvmeof_target.events import stored_meta
+from kvoffload.wire.shards import shard_of
 
 if TYPE_CHECKING:
     from kvoffload.nvmeof_target.native_session import NativeSession

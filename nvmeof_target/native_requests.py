@@ -13,7 +13,11 @@ from functools import partial
 from typing import TYPE_CHECKING, TypeVar
 
 from kvoffload import __version__
-from kvoffload.client_sdk.wire.native import (
+from kvoffload.errors import AuthError, KVOffloadError, RemoteProtocolError
+from kvoffload.kvstore import BlockView
+from kvoffload.nvmeof_target.native_puts import on_put, on_put_many
+from kvoffload.nvmeof_target.nixl import on_nixl_get, on_nixl_memory, on_nixl_put
+from kvoffload.wire.native.connection import (
     PROTOCOL_VERSIONS,
     Delete,
     DeleteResult,
@@ -36,11 +40,7 @@ from kvoffload.client_sdk.wire.native import (
     StatsResult,
     Welcome,
 )
-from kvoffload.client_sdk.wire.tiers import wire_pairs
-from kvoffload.errors import AuthError, KVOffloadError, RemoteProtocolError
-from kvoffload.kvstore import BlockView
-from kvoffload.nvmeof_target.native_puts import on_put, on_put_many
-from kvoffload.nvmeof_target.nixl import on_nixl_get, on_nixl_memory, on_nixl_put
+from kvoffload.wire.tiers import wire_pairs
 
 if TYPE_CHECKING:
     from kvoffload.nvmeof_target.native_session import NativeSession

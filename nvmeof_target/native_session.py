@@ -15,7 +15,15 @@ from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, TypeVar
 
-from kvoffload.client_sdk.wire.native import (
+from kvoffload.errors import KVOffloadError, LocalProtocolError, RemoteProtocolError
+from kvoffload.kvstore import BlockView
+from kvoffload.nvmeof_target.channel import Channel, TlsChannel
+from kvoffload.nvmeof_target.native_puts import PendingPut, payload_end, payload_part
+from kvoffload.nvmeof_target.native_requests import HANDLERS
+from kvoffload.nvmeof_target.nixl import NixlPeer, forget
+from kvoffload.nvmeof_target.session import Session
+from kvoffload.nvmeof_target.tenants import Tenant
+from kvoffload.wire.native.connection import (
     NEED_DATA,
     ConnectionClosed,
     Delete,
@@ -32,15 +40,7 @@ from kvoffload.client_sdk.wire.native import (
     Role,
     SinkFull,
 )
-from kvoffload.client_sdk.wire.status import Status, status_of
-from kvoffload.errors import KVOffloadError, LocalProtocolError, RemoteProtocolError
-from kvoffload.kvstore import BlockView
-from kvoffload.nvmeof_target.channel import Channel, TlsChannel
-from kvoffload.nvmeof_target.native_puts import PendingPut, payload_end, payload_part
-from kvoffload.nvmeof_target.native_requests import HANDLERS
-from kvoffload.nvmeof_target.nixl import NixlPeer, forget
-from kvoffload.nvmeof_target.session import Session
-from kvoffload.nvmeof_target.tenants import Tenant
+from kvoffload.wire.status import Status, status_of
 
 if TYPE_CHECKING:
     from kvoffload.nvmeof_target.native import NativeFront

@@ -25,19 +25,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from kvoffload.client_sdk.wire.block import HEADER_BYTES
-from kvoffload.client_sdk.wire.blockmeta import BlockMeta
-from kvoffload.client_sdk.wire.native import (
-    NIXL_DEADLINE_VERSION,
-    NIXL_VERSION,
-    NixlGet,
-    NixlGetResult,
-    NixlMemory,
-    NixlMemoryDone,
-    NixlPut,
-    NixlPutDone,
-)
-from kvoffload.client_sdk.wire.shards import shard_of
 from kvoffload.errors import (
     AuthError,
     ConfigError,
@@ -49,6 +36,19 @@ from kvoffload.errors import (
 from kvoffload.kvstore import BlockView, Engine, PutReservation
 from kvoffload.kvstore.engine import arena_of
 from kvoffload.nvmeof_target.events import stored_meta
+from kvoffload.wire.block import HEADER_BYTES
+from kvoffload.wire.blockmeta import BlockMeta
+from kvoffload.wire.native.connection import (
+    NIXL_DEADLINE_VERSION,
+    NIXL_VERSION,
+    NixlGet,
+    NixlGetResult,
+    NixlMemory,
+    NixlMemoryDone,
+    NixlPut,
+    NixlPutDone,
+)
+from kvoffload.wire.shards import shard_of
 
 if TYPE_CHECKING:
     from kvoffload.nvmeof_target.native_session import NativeSession

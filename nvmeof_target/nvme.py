@@ -2,7 +2,7 @@
 
 Each TCP connection is one queue pair: ICReq/ICResp, then a Fabrics Connect makes it the admin
 queue of a new controller (qid 0) or an I/O queue of an existing one. A thin shell in the shape
-of the native front: read into the codec (`client_sdk/wire/nvme_tcp.py`), drain its events,
+of the native front: read into the codec (`wire.nvme_tcp.connection`), drain its events,
 call the engine, write completions. Values move without extra copies: a Store's data — in the
 capsule or fetched with R2T/H2CData — is received straight into the slot `Engine.reserve` hands
 out, and a Retrieve's C2HData is sent straight from the pinned `BlockView`.
@@ -12,7 +12,7 @@ The front owns the listener, the subsystems and their controllers, and the watch
 
 A PDU that breaks the transport rules gets a C2HTermReq with its Fatal Error Status and the
 connection is closed; other connections carry on. A command that fails gets an NVMe status
-(`client_sdk/wire/status.py` maps engine errors). Keep Alive is enforced: a controller that
+(`kvoffload/wire/status.py` maps engine errors). Keep Alive is enforced: a controller that
 hears no Keep Alive for KATO is torn down with all its queues.
 """
 
@@ -25,7 +25,6 @@ import socket
 import time
 from collections.abc import Callable
 
-from kvoffload.client_sdk.wire import nvme_data as nd
 from kvoffload.nvmeof_target.channel import Channel
 from kvoffload.nvmeof_target.config import Config, NvmeConfig
 from kvoffload.nvmeof_target.nvme_queue import FRONT, NvmeQueue
@@ -39,6 +38,7 @@ from kvoffload.nvmeof_target.nvme_subsys import (
 )
 from kvoffload.nvmeof_target.services import Services
 from kvoffload.nvmeof_target.session import Instruments, stop_sessions
+from kvoffload.wire.nvme_tcp import data as nd
 
 __all__ = ["NvmeFront", "make_front"]
 

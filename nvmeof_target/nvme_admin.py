@@ -9,16 +9,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from kvoffload.client_sdk.wire import nvme_data as nd
-from kvoffload.client_sdk.wire.nvme_cmd import (
-    SGL_IN_CAPSULE,
-    AdminOpc,
-    CmdSc,
-    Command,
-    FabricsType,
-    Sc,
-    Sct,
-)
 from kvoffload.nvmeof_target.nvme_subsys import (
     AER_LIMIT,
     CommandFailed,
@@ -26,6 +16,16 @@ from kvoffload.nvmeof_target.nvme_subsys import (
     invalid_field,
     no_info,
     read_length,
+)
+from kvoffload.wire.nvme_tcp import data as nd
+from kvoffload.wire.nvme_tcp.cmd import (
+    SGL_IN_CAPSULE,
+    AdminOpc,
+    CmdSc,
+    Command,
+    FabricsType,
+    Sc,
+    Sct,
 )
 
 if TYPE_CHECKING:

@@ -13,18 +13,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvoffload.client_sdk.wire import nvme_data as nd
-from kvoffload.client_sdk.wire.nvme_cmd import (
-    KEY_MAX,
-    Command,
-    Completion,
-    KvOpc,
-    Sc,
-    Sct,
-    StoreOption,
-    kv_key,
-)
-from kvoffload.client_sdk.wire.nvme_tcp import R2T
 from kvoffload.errors import KVOffloadError
 from kvoffload.kvstore import BlockView, PutReservation
 from kvoffload.nvmeof_target.nvme_subsys import (
@@ -35,6 +23,18 @@ from kvoffload.nvmeof_target.nvme_subsys import (
     read_length,
     write_sgl,
 )
+from kvoffload.wire.nvme_tcp import data as nd
+from kvoffload.wire.nvme_tcp.cmd import (
+    KEY_MAX,
+    Command,
+    Completion,
+    KvOpc,
+    Sc,
+    Sct,
+    StoreOption,
+    kv_key,
+)
+from kvoffload.wire.nvme_tcp.connection import R2T
 
 if TYPE_CHECKING:
     from kvoffload.nvmeof_target.nvme_queue import Handler, NvmeQueue

@@ -1,7 +1,7 @@
 """One NVMe/TCP connection of the target: one NVMe queue pair (`NvmeQueue`).
 
 A thin shell in the shape of h11's example servers: read into the codec
-(`client_sdk/wire/nvme_tcp.py`), drain its events through `_EVENTS`, hand each command to its
+(`wire.nvme_tcp.connection`), drain its events through `_EVENTS`, hand each command to its
 handler from the tables in `nvme_admin` (Fabrics, Admin) and `nvme_io` (Key Value), and write
 what they answer. The queue only routes data and answers; the handlers decide.
 """
@@ -15,10 +15,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
-from kvoffload.client_sdk.wire.nvme_cmd import (
+from kvoffload.errors import KVOffloadError, LocalProtocolError, RemoteProtocolError
+from kvoffload.nvmeof_target.channel import Channel
+from kvoffload.nvmeof_target.nvme_admin import ADMIN, ADMIN_FABRICS, FABRICS
+from kvoffload.nvmeof_target.nvme_io import IO
+from kvoffload.nvmeof_target.nvme_subsys import CommandFailed, Controller, invalid_field
+from kvoffload.nvmeof_target.session import Session
+from kvoffload.wire.nvme_tcp.cmd import (
     FABRICS as FABRICS_OPC,
 )
-from kvoffload.client_sdk.wire.nvme_cmd import (
+from kvoffload.wire.nvme_tcp.cmd import (
     AdminOpc,
     CmdSc,
     Command,
@@ -28,7 +34,7 @@ from kvoffload.client_sdk.wire.nvme_cmd import (
     Sc,
     Sct,
 )
-from kvoffload.client_sdk.wire.nvme_tcp import (
+from kvoffload.wire.nvme_tcp.connection import (
     NEED_DATA,
     C2HData,
     C2HTermReq,
@@ -46,13 +52,7 @@ from kvoffload.client_sdk.wire.nvme_tcp import (
     Role,
     SinkFull,
 )
-from kvoffload.client_sdk.wire.status import nvme_status_of
-from kvoffload.errors import KVOffloadError, LocalProtocolError, RemoteProtocolError
-from kvoffload.nvmeof_target.channel import Channel
-from kvoffload.nvmeof_target.nvme_admin import ADMIN, ADMIN_FABRICS, FABRICS
-from kvoffload.nvmeof_target.nvme_io import IO
-from kvoffload.nvmeof_target.nvme_subsys import CommandFailed, Controller, invalid_field
-from kvoffload.nvmeof_target.session import Session
+from kvoffload.wire.status import nvme_status_of
 
 if TYPE_CHECKING:
     from kvoffload.nvmeof_target.nvme import NvmeFront

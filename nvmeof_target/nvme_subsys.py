@@ -17,8 +17,12 @@ from dataclasses import dataclass, field
 from blake3 import blake3
 
 from kvoffload import __version__
-from kvoffload.client_sdk.wire import nvme_data as nd
-from kvoffload.client_sdk.wire.nvme_cmd import (
+from kvoffload.errors import KVOffloadError
+from kvoffload.nvmeof_target.config import NvmeConfig, SubsystemConfig
+from kvoffload.nvmeof_target.keydir import KeyDirectory
+from kvoffload.nvmeof_target.tenants import Tenant
+from kvoffload.wire.nvme_tcp import data as nd
+from kvoffload.wire.nvme_tcp.cmd import (
     FABRICS,
     KEY_MAX,
     SGL_IN_CAPSULE,
@@ -30,10 +34,6 @@ from kvoffload.client_sdk.wire.nvme_cmd import (
     Sc,
     Sct,
 )
-from kvoffload.errors import KVOffloadError
-from kvoffload.nvmeof_target.config import NvmeConfig, SubsystemConfig
-from kvoffload.nvmeof_target.keydir import KeyDirectory
-from kvoffload.nvmeof_target.tenants import Tenant
 
 __all__ = [
     "CommandFailed",

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from kvoffload import __version__
-from kvoffload.client_sdk.wire.shards import shard_of
 from kvoffload.errors import WrongShardError
 from kvoffload.kvstore import Engine
 from kvoffload.nvmeof_target.config import Config
 from kvoffload.nvmeof_target.events import KVEvents
 from kvoffload.nvmeof_target.metrics import Metrics
 from kvoffload.nvmeof_target.tenants import Tenants
+from kvoffload.wire.shards import shard_of
 
 if TYPE_CHECKING:
     from kvoffload.nvmeof_target.nixl import NixlAgent

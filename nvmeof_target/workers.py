@@ -40,13 +40,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvoffload.client_sdk.wire.shards import merge_stats
 from kvoffload.errors import ConfigError
 from kvoffload.nvmeof_target.cluster import Registration
 from kvoffload.nvmeof_target.config import Config
 from kvoffload.nvmeof_target.events_relay import EventRelay
 from kvoffload.nvmeof_target.metrics import NodeMetrics
 from kvoffload.nvmeof_target.services import ShardRole
+from kvoffload.wire.shards import merge_stats
 
 __all__ = ["LAYOUT_FILE", "shard_config", "shard_count", "supervise"]
 

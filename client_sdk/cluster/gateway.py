@@ -1,4 +1,4 @@
-"""Blocking calls to etcd's v3 HTTP/JSON gateway (the messages: `client_sdk.wire.etcd`)."""
+"""Blocking calls to etcd's v3 HTTP/JSON gateway (the messages: `kvoffload.wire.membership`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from kvoffload.client_sdk.wire.etcd import Request
 from kvoffload.errors import RemoteProtocolError, TransportError
+from kvoffload.wire.membership import Request
 
 __all__ = ["EtcdGateway"]
 

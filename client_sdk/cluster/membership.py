@@ -15,7 +15,8 @@ from typing import Protocol
 from urllib.parse import parse_qsl, urlsplit
 
 from kvoffload.client_sdk.cluster.gateway import EtcdGateway
-from kvoffload.client_sdk.wire.etcd import (
+from kvoffload.errors import ConfigError, InvalidArgumentError, KVOffloadError
+from kvoffload.wire.membership import (
     Member,
     decode_member,
     nodes_prefix,
@@ -24,7 +25,6 @@ from kvoffload.client_sdk.wire.etcd import (
     range_request,
     watch_request,
 )
-from kvoffload.errors import ConfigError, InvalidArgumentError, KVOffloadError
 
 __all__ = [
     "ClusterURL",

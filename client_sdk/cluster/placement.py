@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload.client_sdk.wire.etcd import Member
 from kvoffload.errors import InvalidArgumentError
+from kvoffload.wire.membership import Member
 
 __all__ = ["Placement", "key_hashes"]
 

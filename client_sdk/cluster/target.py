@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 
 from kvoffload.client_sdk.transports.base import Transport
-from kvoffload.client_sdk.wire.etcd import Member
 from kvoffload.errors import KVOffloadError, TransportError
+from kvoffload.wire.membership import Member
 
 __all__ = ["COUNTERS", "Target"]
 

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvoffload.client_sdk.wire.tiers import TierRun
+from kvoffload.wire.tiers import TierRun
 
 __all__ = [
     "AsyncTransport",

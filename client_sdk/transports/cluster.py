@@ -37,10 +37,10 @@ from kvoffload.client_sdk.transports.base import (
 )
 from kvoffload.client_sdk.transports.sharding import Got, release
 from kvoffload.client_sdk.url import StoreURL, parse_url
-from kvoffload.client_sdk.wire.etcd import Member
-from kvoffload.client_sdk.wire.shards import merge_stats
-from kvoffload.client_sdk.wire.tiers import Tier, TierRun
 from kvoffload.errors import ConfigError, InvalidArgumentError, KVOffloadError, TransportError
+from kvoffload.wire.membership import Member
+from kvoffload.wire.shards import merge_stats
+from kvoffload.wire.tiers import Tier, TierRun
 
 __all__ = ["ClusterTransport", "open_cluster", "open_cluster_async"]
 

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 from kvoffload.client_sdk.transports.base import HeldBlock, PutItem, Received
 from kvoffload.client_sdk.url import StoreURL
-from kvoffload.client_sdk.wire.tiers import TierRun
 from kvoffload.errors import ConfigError
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig, parse_size
+from kvoffload.wire.tiers import TierRun
 
 __all__ = ["LocalTransport", "open_local"]
 

@@ -17,9 +17,9 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TypeAlias, TypeVar
 
 from kvoffload.client_sdk.transports.base import HeldBlock, PutItem, Received, Transport
-from kvoffload.client_sdk.wire.shards import merge_stats, shard_of
-from kvoffload.client_sdk.wire.tiers import Tier, TierRun
 from kvoffload.errors import TransportError, WrongShardError
+from kvoffload.wire.shards import merge_stats, shard_of
+from kvoffload.wire.tiers import Tier, TierRun
 
 __all__ = [
     "Got",

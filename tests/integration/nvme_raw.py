@@ -6,10 +6,10 @@ from __future__ import annotations
 import socket
 from collections.abc import Sequence
 
-from kvoffload.client_sdk.wire import nvme_cmd as nc
-from kvoffload.client_sdk.wire import nvme_data as nd
-from kvoffload.client_sdk.wire.nvme_cmd import Command, Completion
-from kvoffload.client_sdk.wire.nvme_tcp import (
+from kvoffload.wire.nvme_tcp import cmd as nc
+from kvoffload.wire.nvme_tcp import data as nd
+from kvoffload.wire.nvme_tcp.cmd import Command, Completion
+from kvoffload.wire.nvme_tcp.connection import (
     NEED_DATA,
     R2T,
     C2HData,

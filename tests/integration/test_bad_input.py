@@ -14,8 +14,7 @@ import pytest
 from probes import closed, eventually, pinned, refused, small_window
 
 from kvoffload.client_sdk import Client
-from kvoffload.client_sdk.wire.frames import FRAME, MAGIC
-from kvoffload.client_sdk.wire.native import (
+from kvoffload.wire.native.connection import (
     NEED_DATA,
     ConnectionClosed,
     ErrorReply,
@@ -27,7 +26,8 @@ from kvoffload.client_sdk.wire.native import (
     Role,
     Welcome,
 )
-from kvoffload.client_sdk.wire.status import Status
+from kvoffload.wire.native.frames import FRAME, MAGIC
+from kvoffload.wire.status import Status
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 Start = Callable[..., Any]

@@ -18,9 +18,10 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvoffload.client_sdk import AsyncClient, Client
-from kvoffload.client_sdk.wire.block import HEADER_BYTES
-from kvoffload.client_sdk.wire.blockmeta import BlockMeta
-from kvoffload.client_sdk.wire.native import (
+from kvoffload.errors import KVOffloadError, RemoteProtocolError, TransportError
+from kvoffload.wire.block import HEADER_BYTES
+from kvoffload.wire.blockmeta import BlockMeta
+from kvoffload.wire.native.connection import (
     NEED_DATA,
     ConnectionClosed,
     ErrorReply,
@@ -43,8 +44,7 @@ from kvoffload.client_sdk.wire.native import (
     Role,
     Welcome,
 )
-from kvoffload.client_sdk.wire.status import Status
-from kvoffload.errors import KVOffloadError, RemoteProtocolError, TransportError
+from kvoffload.wire.status import Status
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

@@ -24,13 +24,13 @@ import zmq
 from probes import pinned, settled
 
 from kvoffload.client_sdk import AsyncClient, Client, Namespace, block_keys
-from kvoffload.client_sdk.wire.native import Get, Hello, NativeConnection, Role, Welcome
 from kvoffload.errors import (
     AuthError,
     DeadlineExceededError,
     InvalidArgumentError,
     TransportError,
 )
+from kvoffload.wire.native.connection import Get, Hello, NativeConnection, Role, Welcome
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

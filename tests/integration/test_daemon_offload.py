@@ -23,11 +23,11 @@ from probes import closed, eventually, refused, small_window
 
 from kvoffload.client_sdk import Client
 from kvoffload.client_sdk.transports.nvme import NvmeHost, NvmeOptions
-from kvoffload.client_sdk.wire.native import Get, Hello, NativeConnection, Put, Role
-from kvoffload.client_sdk.wire.nvme_cmd import Completion, StoreOption
 from kvoffload.kvstore import Engine, PutReservation
 from kvoffload.nvmeof_target.config import DEFAULT_SUBNQN, load_config
 from kvoffload.nvmeof_target.server import Daemon
+from kvoffload.wire.native.connection import Get, Hello, NativeConnection, Put, Role
+from kvoffload.wire.nvme_tcp.cmd import Completion, StoreOption
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -15,7 +15,7 @@ import zmq
 from dynamo_index import DynamoIndex, local_hashes, sequence_hashes
 
 from kvoffload.client_sdk import BlockMeta, Client
-from kvoffload.client_sdk.wire.shards import shard_of
+from kvoffload.wire.shards import shard_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

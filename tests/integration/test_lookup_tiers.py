@@ -17,8 +17,7 @@ import pytest
 from test_client_bad_answers import _joined, peer
 
 from kvoffload.client_sdk import AsyncClient, Client, Tier, TierRun
-from kvoffload.client_sdk.wire.frames import FrameReader
-from kvoffload.client_sdk.wire.native import (
+from kvoffload.wire.native.connection import (
     NEED_DATA,
     Event,
     Hello,
@@ -27,7 +26,8 @@ from kvoffload.client_sdk.wire.native import (
     NativeConnection,
     Role,
 )
-from kvoffload.client_sdk.wire.shards import shard_of
+from kvoffload.wire.native.frames import FrameReader
+from kvoffload.wire.shards import shard_of
 from tests.conftest import Daemon
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

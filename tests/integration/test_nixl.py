@@ -30,7 +30,8 @@ from kvoffload.client_sdk.transports.native import nixl as nixl_transport
 from kvoffload.client_sdk.transports.native.nixl_memory import MAX_REGIONS, NixlMemory
 from kvoffload.client_sdk.transports.native.options import NativeOptions
 from kvoffload.client_sdk.url import parse_url
-from kvoffload.client_sdk.wire.native import (
+from kvoffload.errors import ConfigError, DeadlineExceededError, InvalidArgumentError
+from kvoffload.wire.native.connection import (
     NIXL_VERSION,
     ConnectionClosed,
     ErrorReply,
@@ -44,12 +45,11 @@ from kvoffload.client_sdk.wire.native import (
     NixlMemoryDone,
     Role,
 )
-from kvoffload.client_sdk.wire.native import (
+from kvoffload.wire.native.connection import (
     NixlMemory as NixlMemoryEvent,
 )
-from kvoffload.client_sdk.wire.shards import shard_of
-from kvoffload.client_sdk.wire.status import Status
-from kvoffload.errors import ConfigError, DeadlineExceededError, InvalidArgumentError
+from kvoffload.wire.shards import shard_of
+from kvoffload.wire.status import Status
 from tests.conftest import Daemon
 from tests.integration.test_client_bad_answers import peer
 from tests.integration.test_daemon import _self_signed

@@ -20,11 +20,11 @@ from nvme_raw import CC_ENABLE, SUBNQN, RawQueue
 
 from kvoffload.client_sdk import AsyncClient, Client, Namespace, block_keys
 from kvoffload.client_sdk.transports.nvme import NvmeHost, NvmeOptions
-from kvoffload.client_sdk.wire import nvme_cmd as nc
-from kvoffload.client_sdk.wire import nvme_data as nd
-from kvoffload.client_sdk.wire.nvme_cmd import StoreOption
-from kvoffload.client_sdk.wire.nvme_tcp import CapsuleCmd, CapsuleResp, ConnectionClosed
 from kvoffload.errors import AuthError, ConfigError, InvalidArgumentError
+from kvoffload.wire.nvme_tcp import cmd as nc
+from kvoffload.wire.nvme_tcp import data as nd
+from kvoffload.wire.nvme_tcp.cmd import StoreOption
+from kvoffload.wire.nvme_tcp.connection import CapsuleCmd, CapsuleResp, ConnectionClosed
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

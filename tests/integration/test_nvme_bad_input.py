@@ -20,9 +20,10 @@ from nvme_raw import RawQueue
 from probes import closed, eventually, pinned, refused, small_window
 
 from kvoffload.client_sdk import Client
-from kvoffload.client_sdk.wire import nvme_cmd as nc
-from kvoffload.client_sdk.wire import nvme_data as nd
-from kvoffload.client_sdk.wire.nvme_tcp import (
+from kvoffload.errors import RemoteProtocolError
+from kvoffload.wire.nvme_tcp import cmd as nc
+from kvoffload.wire.nvme_tcp import data as nd
+from kvoffload.wire.nvme_tcp.connection import (
     R2T,
     C2HTermReq,
     CapsuleCmd,
@@ -33,7 +34,6 @@ from kvoffload.client_sdk.wire.nvme_tcp import (
     NvmeTcpConnection,
     Role,
 )
-from kvoffload.errors import RemoteProtocolError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 Start = Callable[..., Any]

@@ -30,7 +30,7 @@ import pytest
 
 from kvoffload.client_sdk import Client
 from kvoffload.client_sdk.transports.nvme import NvmeHost, NvmeOptions
-from kvoffload.client_sdk.wire.nvme_cmd import StoreOption
+from kvoffload.wire.nvme_tcp.cmd import StoreOption
 
 pytestmark = [pytest.mark.integration, pytest.mark.needs_tshark, pytest.mark.timeout(300)]
 Start = Callable[..., Any]

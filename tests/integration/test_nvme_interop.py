@@ -6,7 +6,7 @@ transport, scapy 2.8.0 has no NVMe/TCP layer, `libnvme`/`libnvme3`/Debian's `pyt
 `nvme-cli` drive the kernel's nvme-fabrics module (no /dev/nvme-fabrics, no modules to load in
 this sandbox), and the pure-Python TrueNAS client (`nvmeof-client`) is not on PyPI. So `_Host`
 below is written from the byte layouts of shared/ref/nvme-tcp-kv.md with `struct` alone (not
-from `kvoffload.client_sdk.wire`), and sends PDUs the way the independent host that found the
+from `kvoffload.wire`), and sends PDUs the way the independent host that found the
 bug does: PDO = 72 on every capsule, data or not; an all-zero SGL (type 00h) on commands
 without data; MAXR2T carrying 0x400000 in its ICReq. It runs plain and with header and data
 digests (CRC32C from the `crc32c` package, checked on every PDU the target sends). Covered:

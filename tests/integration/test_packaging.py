@@ -27,7 +27,7 @@ with Client.connect("local://?dram=8MiB&prefault=0") as c:
 with Client.connect("local://?dram=8MiB&prefault=0", codec="split-zstd") as c:
     c.put(bytes(16), bytes(4096))  # the codec modules ship and load
     assert c.get(bytes(16)) == bytes(4096) and c.stats().bytes_stored < 4096
-from kvoffload.client_sdk.wire import fast  # KVOFFLOAD_REQUIRE_EXT: the C part built
+from kvoffload.wire import fast  # KVOFFLOAD_REQUIRE_EXT: the C part built
 assert fast.IMPLEMENTATION == "c" and fast.crc32c(b"123456789") == 0xE3069283
 print("imports ok")
 """

@@ -25,9 +25,9 @@ import pytest
 import zmq
 
 from kvoffload.client_sdk import AsyncClient, Client
-from kvoffload.client_sdk.wire.native import Hello, NativeConnection, Role
-from kvoffload.client_sdk.wire.shards import shard_of
 from kvoffload.errors import AuthError, KVOffloadError
+from kvoffload.wire.native.connection import Hello, NativeConnection, Role
+from kvoffload.wire.shards import shard_of
 from tests.conftest import Daemon
 
 pytestmark = pytest.mark.integration

@@ -5,7 +5,7 @@ Run one harness per process (atheris ends the process when it is done):
     python tests/reliability/fuzz_codecs.py TARGET [libFuzzer flags] [corpus dirs]
     python tests/reliability/fuzz_codecs.py --seeds TARGET DIR   # write the seed corpus
 
-Targets: native-server, native-client (client_sdk/wire/native.py, frames.py, rxbuffer.py),
+Targets: native-server, native-client (kvoffload/wire/native/connection.py, frames.py, rxbuffer.py),
 nvme-target, nvme-host (nvme_tcp.py, nvme_cmd.py) and nvme-data (nvme_data.py, nvme_cmd.py
 unpackers). Each input is one byte choosing how the stream is chunked (and how payloads are
 taken), then the byte stream a peer sends. A harness fails (an uncaught exception, which atheris
@@ -26,13 +26,13 @@ from pathlib import Path
 import atheris
 
 with atheris.instrument_imports(include=["kvoffload"]):
-    from kvoffload.client_sdk.wire import native as nw
-    from kvoffload.client_sdk.wire import nvme_cmd as nc
-    from kvoffload.client_sdk.wire import nvme_data as nd
-    from kvoffload.client_sdk.wire import nvme_tcp as nt
-    from kvoffload.client_sdk.wire.frames import FRAME, Limits
-    from kvoffload.client_sdk.wire.rxbuffer import ReceiveBuffer
     from kvoffload.errors import LocalProtocolError, RemoteProtocolError
+    from kvoffload.wire.native import connection as nw
+    from kvoffload.wire.native.frames import FRAME, Limits
+    from kvoffload.wire.nvme_tcp import cmd as nc
+    from kvoffload.wire.nvme_tcp import connection as nt
+    from kvoffload.wire.nvme_tcp import data as nd
+    from kvoffload.wire.rxbuffer import ReceiveBuffer
 
 # Small limits, so that a bound that does not hold shows at once.
 LIMITS = Limits(max_header_bytes=1 << 20, max_payload_bytes=1 << 20, max_pending=16)

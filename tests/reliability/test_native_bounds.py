@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import msgpack
 import pytest
 
-from kvoffload.client_sdk.wire.frames import FRAME, MAGIC, VERSION
-from kvoffload.client_sdk.wire.native import (
+from kvoffload.errors import RemoteProtocolError
+from kvoffload.wire.native.connection import (
     NEED_DATA,
     GetMany,
     Hello,
@@ -20,7 +20,7 @@ from kvoffload.client_sdk.wire.native import (
     NativeConnection,
     Role,
 )
-from kvoffload.errors import RemoteProtocolError
+from kvoffload.wire.native.frames import FRAME, MAGIC, VERSION
 
 LIMITS = Limits(max_header_bytes=4 << 20)
 KEY = bytes(range(16))

@@ -3,7 +3,7 @@ that a server reserves memory for one value of a batch at a time."""
 
 from __future__ import annotations
 
-from kvoffload.client_sdk.wire.native import (
+from kvoffload.wire.native.connection import (
     NEED_DATA,
     Hello,
     NativeConnection,

@@ -15,7 +15,7 @@ import pytest
 
 from kvoffload.bench import fuzz
 from kvoffload.client_sdk import Client
-from kvoffload.client_sdk.wire.native import (
+from kvoffload.wire.native.connection import (
     NEED_DATA,
     ConnectionClosed,
     Event,

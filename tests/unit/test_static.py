@@ -30,7 +30,7 @@ def test_mypy_strict(tmp_path: Path) -> None:
     root = tmp_path / "kvoffload"
     root.mkdir()
     for path in (ROOT / "kvoffload").glob("*"):
-        if path.suffix in (".py", ".typed"):
+        if path.suffix in (".py", ".typed") or (path / "__init__.py").exists():
             (root / path.name).symlink_to(path)
     for package in PACKAGES:
         (root / package).symlink_to(ROOT / package)

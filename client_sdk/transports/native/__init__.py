@@ -4,7 +4,7 @@ Every operation is written once, as a plan (`plans`, run by `core`'s runners); t
 driver (`NativeTransport`, a pool of sockets, in `sync`) and the asyncio driver
 (`AsyncNativeTransport`, one multiplexed connection, in `aio`) only move bytes; matching
 answers to requests is the `session`'s job, which sits on the sans-I/O codec in
-`client_sdk/wire/native.py`.
+`kvoffload/wire/native/connection.py`.
 
 URL parameters: `token` (the tenant's token), `timeout` (seconds per operation, default 30),
 `connect_timeout` (default 5), `retries` (default 3, with exponential backoff from `backoff`

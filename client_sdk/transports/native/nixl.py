@@ -46,8 +46,14 @@ from kvoffload.client_sdk.transports.native.nixl_memory import NixlMemory, Regio
 from kvoffload.client_sdk.transports.native.options import NativeOptions
 from kvoffload.client_sdk.transports.native.session import Req
 from kvoffload.client_sdk.transports.native.sync import NativeTransport, _SyncConnection
-from kvoffload.client_sdk.wire.block import HEADER_BYTES
-from kvoffload.client_sdk.wire.native import (
+from kvoffload.errors import (
+    DeadlineExceededError,
+    KVOffloadError,
+    RemoteProtocolError,
+    TransportError,
+)
+from kvoffload.wire.block import HEADER_BYTES
+from kvoffload.wire.native.connection import (
     NIXL_DEADLINE_VERSION,
     NIXL_VERSION,
     Event,
@@ -55,14 +61,8 @@ from kvoffload.client_sdk.wire.native import (
     NixlGetResult,
     NixlPut,
 )
-from kvoffload.client_sdk.wire.native import (
+from kvoffload.wire.native.connection import (
     NixlMemory as NixlMemoryEvent,
-)
-from kvoffload.errors import (
-    DeadlineExceededError,
-    KVOffloadError,
-    RemoteProtocolError,
-    TransportError,
 )
 
 __all__ = ["NixlTransport", "quarantined", "release_quarantined"]

@@ -11,8 +11,9 @@ from kvoffload import __version__
 from kvoffload.client_sdk.transports.base import HeldBlock, IntoBuffer, PutItem, Received
 from kvoffload.client_sdk.transports.core import Held, one, too_small
 from kvoffload.client_sdk.transports.native.session import Call, Plan, Req, Sink
-from kvoffload.client_sdk.wire.block import HEADER_BYTES
-from kvoffload.client_sdk.wire.native import (
+from kvoffload.errors import KVOffloadError, RemoteProtocolError
+from kvoffload.wire.block import HEADER_BYTES
+from kvoffload.wire.native.connection import (
     META_VERSION,
     PROTOCOL_VERSION,
     TIER_LOOKUP_VERSION,
@@ -36,8 +37,7 @@ from kvoffload.client_sdk.wire.native import (
     StatsResult,
     Welcome,
 )
-from kvoffload.client_sdk.wire.tiers import Tier, TierRun
-from kvoffload.errors import KVOffloadError, RemoteProtocolError
+from kvoffload.wire.tiers import Tier, TierRun
 
 __all__ = [
     "delete",

@@ -1,5 +1,5 @@
 """The client side of a native-protocol connection, sans I/O: request ids, answers and
-payload sinks over the codec in `client_sdk/wire/native.py`. The drivers (`sync`, `aio`)
+payload sinks over the codec in `kvoffload/wire/native/connection.py`. The drivers (`sync`, `aio`)
 only move bytes."""
 
 from __future__ import annotations
@@ -9,7 +9,13 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from kvoffload.client_sdk.transports import core
-from kvoffload.client_sdk.wire.native import (
+from kvoffload.errors import (
+    InvalidArgumentError,
+    KVOffloadError,
+    RemoteProtocolError,
+    TransportError,
+)
+from kvoffload.wire.native.connection import (
     NEED_DATA,
     ConnectionClosed,
     ErrorReply,
@@ -19,13 +25,7 @@ from kvoffload.client_sdk.wire.native import (
     PayloadEnd,
     Role,
 )
-from kvoffload.client_sdk.wire.status import error_for
-from kvoffload.errors import (
-    InvalidArgumentError,
-    KVOffloadError,
-    RemoteProtocolError,
-    TransportError,
-)
+from kvoffload.wire.status import error_for
 
 __all__ = ["Call", "Plan", "Req", "Session", "Sink"]
 

@@ -36,14 +36,14 @@ from kvoffload.client_sdk.transports.sharding import (
     settle,
 )
 from kvoffload.client_sdk.url import StoreURL
-from kvoffload.client_sdk.wire.shards import merge_stats, shard_of
-from kvoffload.client_sdk.wire.tiers import TierRun
 from kvoffload.errors import (
     DeadlineExceededError,
     KVOffloadError,
     TransportError,
     WrongShardError,
 )
+from kvoffload.wire.shards import merge_stats, shard_of
+from kvoffload.wire.tiers import TierRun
 
 __all__ = ["AsyncShardedTransport", "ShardedTransport", "open_sharded", "open_sharded_async"]
 

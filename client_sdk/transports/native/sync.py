@@ -33,15 +33,15 @@ from kvoffload.client_sdk.transports.native import plans
 from kvoffload.client_sdk.transports.native.options import NativeOptions
 from kvoffload.client_sdk.transports.native.session import Call, Plan, Req, Session
 from kvoffload.client_sdk.url import StoreURL
-from kvoffload.client_sdk.wire.frames import HEAD_READ
-from kvoffload.client_sdk.wire.native import META_VERSION, PROTOCOL_VERSION, Welcome
-from kvoffload.client_sdk.wire.tiers import TierRun
 from kvoffload.errors import (
     DeadlineExceededError,
     KVOffloadError,
     RemoteProtocolError,
     TransportError,
 )
+from kvoffload.wire.native.connection import META_VERSION, PROTOCOL_VERSION, Welcome
+from kvoffload.wire.native.frames import HEAD_READ
+from kvoffload.wire.tiers import TierRun
 
 __all__ = ["NativeTransport", "open_native"]
 

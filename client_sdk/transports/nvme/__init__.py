@@ -2,7 +2,7 @@
 
 A userspace NVMe/TCP host (no kernel modules): one admin queue and several I/O queues, each its
 own TCP connection with queue depth > 1 (`queue`), driven through the sans-I/O codec in
-`client_sdk/wire/nvme_tcp.py`. Bring-up follows a Linux host's order (ref §1.10) and checks the
+`wire.nvme_tcp.connection`. Bring-up follows a Linux host's order (ref §1.10) and checks the
 controller's answers the way Linux and SPDK do (`bringup`); Keep Alive runs on the admin queue
 from a background thread; `close()` shuts the controller down (CC.SHN) before closing the
 sockets.

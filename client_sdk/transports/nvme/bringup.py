@@ -12,11 +12,11 @@ from functools import partial
 from kvoffload.client_sdk.transports.core import one
 from kvoffload.client_sdk.transports.nvme.options import NvmeOptions
 from kvoffload.client_sdk.transports.nvme.queue import Call, Cmd, Plan, Queue
-from kvoffload.client_sdk.wire import nvme_cmd as nc
-from kvoffload.client_sdk.wire import nvme_data as nd
-from kvoffload.client_sdk.wire.nvme_cmd import Command
-from kvoffload.client_sdk.wire.status import nvme_error_for
 from kvoffload.errors import ConfigError, DeadlineExceededError, RemoteProtocolError
+from kvoffload.wire.nvme_tcp import cmd as nc
+from kvoffload.wire.nvme_tcp import data as nd
+from kvoffload.wire.nvme_tcp.cmd import Command
+from kvoffload.wire.status import nvme_error_for
 
 __all__ = ["ADMIN_DEPTH", "CC_CONFIG", "CC_CSS_ALL", "CC_EN", "Controller", "bring_up"]
 

@@ -21,10 +21,10 @@ from kvoffload.client_sdk.transports.nvme.bringup import (
 from kvoffload.client_sdk.transports.nvme.options import NvmeOptions
 from kvoffload.client_sdk.transports.nvme.plans import keyed, store
 from kvoffload.client_sdk.transports.nvme.queue import Call, Cmd, Plan, Queue, views
-from kvoffload.client_sdk.wire import nvme_cmd as nc
-from kvoffload.client_sdk.wire import nvme_data as nd
-from kvoffload.client_sdk.wire.nvme_cmd import Command, Completion
 from kvoffload.errors import DeadlineExceededError, KVOffloadError, TransportError
+from kvoffload.wire.nvme_tcp import cmd as nc
+from kvoffload.wire.nvme_tcp import data as nd
+from kvoffload.wire.nvme_tcp.cmd import Command, Completion
 
 __all__ = ["NvmeHost"]
 

@@ -10,8 +10,8 @@ from typing import Any
 
 from kvoffload.client_sdk.transports.core import RETRY_PARAMS, typed_params
 from kvoffload.client_sdk.url import StoreURL
-from kvoffload.client_sdk.wire import nvme_data as nd
 from kvoffload.errors import ConfigError, LocalProtocolError
+from kvoffload.wire.nvme_tcp import data as nd
 
 __all__ = ["DEFAULT_PORT", "DEFAULT_SUBNQN", "NvmeOptions"]
 

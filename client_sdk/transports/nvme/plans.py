@@ -11,10 +11,10 @@ from functools import partial
 from kvoffload.client_sdk.transports.base import HeldBlock, IntoBuffer, PutItem, Received
 from kvoffload.client_sdk.transports.core import Held, one, too_small
 from kvoffload.client_sdk.transports.nvme.queue import Call, Cmd, Plan, views
-from kvoffload.client_sdk.wire import nvme_cmd as nc
-from kvoffload.client_sdk.wire.block import HEADER_BYTES
-from kvoffload.client_sdk.wire.nvme_cmd import Command, Sc, Sct
 from kvoffload.errors import RemoteProtocolError
+from kvoffload.wire.block import HEADER_BYTES
+from kvoffload.wire.nvme_tcp import cmd as nc
+from kvoffload.wire.nvme_tcp.cmd import Command, Sc, Sct
 
 __all__ = [
     "count",

@@ -1,5 +1,5 @@
 """One NVMe/TCP queue pair: its TCP connection, command ids and data transfers (in the
-capsule, on R2T, into a read sink), over the sans-I/O codec in `client_sdk/wire/nvme_tcp.py`."""
+capsule, on R2T, into a read sink), over the sans-I/O codec in `wire.nvme_tcp.connection`."""
 
 from __future__ import annotations
 
@@ -11,9 +11,15 @@ from typing import Any, TypeVar
 from kvoffload.client_sdk.transports import core
 from kvoffload.client_sdk.transports.core import SyncRunner, connect, left, lost, receive, send_all
 from kvoffload.client_sdk.transports.nvme.options import NvmeOptions
-from kvoffload.client_sdk.wire import nvme_cmd as nc
-from kvoffload.client_sdk.wire.nvme_cmd import Command, Completion
-from kvoffload.client_sdk.wire.nvme_tcp import (
+from kvoffload.errors import (
+    DeadlineExceededError,
+    KVOffloadError,
+    RemoteProtocolError,
+    TransportError,
+)
+from kvoffload.wire.nvme_tcp import cmd as nc
+from kvoffload.wire.nvme_tcp.cmd import Command, Completion
+from kvoffload.wire.nvme_tcp.connection import (
     NEED_DATA,
     R2T,
     C2HData,
@@ -31,13 +37,7 @@ from kvoffload.client_sdk.wire.nvme_tcp import (
     Role,
     SinkFull,
 )
-from kvoffload.client_sdk.wire.status import nvme_error_for
-from kvoffload.errors import (
-    DeadlineExceededError,
-    KVOffloadError,
-    RemoteProtocolError,
-    TransportError,
-)
+from kvoffload.wire.status import nvme_error_for
 
 __all__ = ["Call", "Cmd", "Plan", "Queue", "Sink", "views"]
 

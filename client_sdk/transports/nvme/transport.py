@@ -24,10 +24,10 @@ from kvoffload.client_sdk.transports.nvme.options import NvmeOptions
 from kvoffload.client_sdk.transports.nvme.queue import Plan
 from kvoffload.client_sdk.transports.sharding import ShardRouter
 from kvoffload.client_sdk.url import StoreURL
-from kvoffload.client_sdk.wire import nvme_cmd as nc
-from kvoffload.client_sdk.wire import nvme_data as nd
-from kvoffload.client_sdk.wire.tiers import Tier, TierRun
 from kvoffload.errors import DeadlineExceededError, InvalidArgumentError, TransportError
+from kvoffload.wire.nvme_tcp import cmd as nc
+from kvoffload.wire.nvme_tcp import data as nd
+from kvoffload.wire.tiers import Tier, TierRun
 
 __all__ = ["NvmeTransport", "open_nvme"]
 

@@ -16,7 +16,7 @@ from netns import Network
 from kvoffload.cli import main
 from kvoffload.client_sdk import Client
 from kvoffload.client_sdk.cluster import EtcdMembership, Member
-from kvoffload.client_sdk.wire.etcd import decode_member, nodes_prefix
+from kvoffload.wire.membership import decode_member, nodes_prefix
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -9,7 +9,7 @@ import pytest
 from etcd_server import EtcdServer
 
 from kvoffload.client_sdk.cluster import EtcdMembership, Member, open_membership, parse_cluster_url
-from kvoffload.client_sdk.wire.etcd import encode_member, nodes_prefix
+from kvoffload.wire.membership import encode_member, nodes_prefix
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

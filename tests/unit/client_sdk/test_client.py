@@ -9,9 +9,9 @@ import pytest
 
 from kvoffload.client_sdk import AsyncClient, Client, Namespace, block_hashes, block_keys
 from kvoffload.client_sdk.transports.local import LocalTransport
-from kvoffload.client_sdk.wire.block import HEADER_BYTES
 from kvoffload.errors import InvalidArgumentError
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig
+from kvoffload.wire.block import HEADER_BYTES
 
 NS = Namespace("org/model", block_tokens=4, num_layers=2, num_kv_heads=2, head_size=8)
 URL = "local://?dram=8MiB&prefault=0"

@@ -17,7 +17,6 @@ import pytest
 from kvdata import as_float32, make_kv_block
 
 from kvoffload.client_sdk import AsyncClient, Client, Namespace, block_keys
-from kvoffload.client_sdk.wire.block import HEADER_BYTES, seal
 from kvoffload.compression import get_codec
 from kvoffload.compression.base import PREAMBLE_BYTES, Preamble
 from kvoffload.compression.lossless import _part_count
@@ -27,6 +26,7 @@ from kvoffload.errors import (
     InvalidArgumentError,
     UnsupportedCodecConfigError,
 )
+from kvoffload.wire.block import HEADER_BYTES, seal
 
 # "kv" runs against a live daemon (tests/conftest.py), so it carries the integration mark.
 TRANSPORTS = [

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from kvoffload.client_sdk.cluster import StaticMembership, parse_cluster_url
-from kvoffload.client_sdk.wire import etcd
 from kvoffload.errors import ConfigError, InvalidArgumentError, RemoteProtocolError
+from kvoffload.wire import membership as etcd
 
 PREFIX = etcd.nodes_prefix("prod")
 

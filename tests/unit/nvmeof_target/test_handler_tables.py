@@ -3,11 +3,11 @@ Fabrics, Admin and Key Value command the NVMe front implements."""
 
 from __future__ import annotations
 
-from kvoffload.client_sdk.wire.native_events import _ANSWER
-from kvoffload.client_sdk.wire.nvme_cmd import AdminOpc, FabricsType, KvOpc
 from kvoffload.nvmeof_target.native_requests import HANDLERS
 from kvoffload.nvmeof_target.nvme_admin import ADMIN, ADMIN_FABRICS, FABRICS
 from kvoffload.nvmeof_target.nvme_io import IO
+from kvoffload.wire.native.events import _ANSWER
+from kvoffload.wire.nvme_tcp.cmd import AdminOpc, FabricsType, KvOpc
 
 
 def test_every_native_request_has_a_handler() -> None:

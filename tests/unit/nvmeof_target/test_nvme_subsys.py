@@ -8,9 +8,6 @@ from dataclasses import replace
 
 import pytest
 
-from kvoffload.client_sdk.wire import nvme_cmd as nc
-from kvoffload.client_sdk.wire import nvme_data as nd
-from kvoffload.client_sdk.wire.nvme_cmd import Completion
 from kvoffload.nvmeof_target.config import (
     NamespaceConfig,
     NvmeConfig,
@@ -25,6 +22,9 @@ from kvoffload.nvmeof_target.nvme_subsys import (
     build_subsystems,
 )
 from kvoffload.nvmeof_target.tenants import Tenants
+from kvoffload.wire.nvme_tcp import cmd as nc
+from kvoffload.wire.nvme_tcp import data as nd
+from kvoffload.wire.nvme_tcp.cmd import Completion
 
 A = "nqn.2014-08.org.nvmexpress:uuid:a"
 B = "nqn.2014-08.org.nvmexpress:uuid:b"

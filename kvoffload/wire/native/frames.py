@@ -30,8 +30,8 @@ from typing import Protocol
 
 import msgpack
 
-from kvoffload.client_sdk.wire.rxbuffer import ReceiveBuffer
 from kvoffload.errors import LocalProtocolError
+from kvoffload.wire.rxbuffer import ReceiveBuffer
 
 __all__ = [
     "FLAG_RESPONSE",

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvoffload.client_sdk.wire.blockmeta import check_meta
-from kvoffload.client_sdk.wire.tiers import check_pairs
 from kvoffload.errors import LocalProtocolError
+from kvoffload.wire.blockmeta import check_meta
+from kvoffload.wire.tiers import check_pairs
 
 __all__ = ["KEY_BYTES", "VALIDATORS", "fail"]
 

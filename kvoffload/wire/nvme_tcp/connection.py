@@ -34,7 +34,8 @@ from typing import ClassVar
 
 import crc32c
 
-from kvoffload.client_sdk.wire.nvme_tcp_events import (
+from kvoffload.errors import LocalProtocolError, RemoteProtocolError
+from kvoffload.wire.nvme_tcp.events import (
     _ALLOWED_FLAGS,
     _DIGEST,
     _DIGESTED,
@@ -85,8 +86,8 @@ from kvoffload.client_sdk.wire.nvme_tcp_events import (
     _TermReq,
     digest,
 )
-from kvoffload.client_sdk.wire.nvme_tcp_readers import PARSERS, check_lengths
-from kvoffload.client_sdk.wire.nvme_tcp_state import (
+from kvoffload.wire.nvme_tcp.readers import PARSERS, check_lengths
+from kvoffload.wire.nvme_tcp.state import (
     _NOW,
     _ON_RECEIVE,
     _ON_SEND,
@@ -96,9 +97,8 @@ from kvoffload.client_sdk.wire.nvme_tcp_state import (
     Role,
     _Phase,
 )
-from kvoffload.client_sdk.wire.nvme_tcp_writers import WRITERS
-from kvoffload.client_sdk.wire.rxbuffer import ReceiveBuffer
-from kvoffload.errors import LocalProtocolError, RemoteProtocolError
+from kvoffload.wire.nvme_tcp.writers import WRITERS
+from kvoffload.wire.rxbuffer import ReceiveBuffer
 
 __all__ = [
     "ADMIN_IN_CAPSULE",

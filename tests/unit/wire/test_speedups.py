@@ -1,4 +1,4 @@
-"""The C fast path (`_speedups`) against its pure-Python twin (client_sdk/wire/fast.py): the
+"""The C fast path (`_speedups`) against its pure-Python twin (kvoffload/wire/fast.py): the
 same checksums, the same events from the same bytes, the same errors, the same answer bytes."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.client_sdk.wire import fast
-from kvoffload.client_sdk.wire.frames import FLAG_RESPONSE, FRAME, MAGIC, VERSION, encode_frame
-from kvoffload.client_sdk.wire.native import (
+from kvoffload.errors import RemoteProtocolError
+from kvoffload.wire import fast
+from kvoffload.wire.native.connection import (
     Event,
     Exists,
     ExistsResult,
@@ -28,7 +28,7 @@ from kvoffload.client_sdk.wire.native import (
     PutDone,
     Role,
 )
-from kvoffload.errors import RemoteProtocolError
+from kvoffload.wire.native.frames import FLAG_RESPONSE, FRAME, MAGIC, VERSION, encode_frame
 
 IMPLS = fast.available()
 

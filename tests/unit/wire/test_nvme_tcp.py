@@ -10,9 +10,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvoffload.client_sdk.wire import nvme_cmd as nc
-from kvoffload.client_sdk.wire.nvme_cmd import Command, Completion
-from kvoffload.client_sdk.wire.nvme_tcp import (
+from kvoffload.errors import LocalProtocolError, RemoteProtocolError
+from kvoffload.wire.nvme_tcp import cmd as nc
+from kvoffload.wire.nvme_tcp.cmd import Command, Completion
+from kvoffload.wire.nvme_tcp.connection import (
     NEED_DATA,
     R2T,
     C2HData,
@@ -33,7 +34,6 @@ from kvoffload.client_sdk.wire.nvme_tcp import (
     SinkFull,
     digest,
 )
-from kvoffload.errors import LocalProtocolError, RemoteProtocolError
 
 KEY = bytes(range(16))
 CONNECT_DATA = bytes(range(256)) * 4

@@ -3,18 +3,18 @@ every event a role may send, and every role's receivable types in the state tabl
 
 from __future__ import annotations
 
-from kvoffload.client_sdk.wire.native import Event
-from kvoffload.client_sdk.wire.native_events import _ANSWER, _BY_FRAME
-from kvoffload.client_sdk.wire.nvme_tcp import PduType, Role
-from kvoffload.client_sdk.wire.nvme_tcp_readers import PARSERS
-from kvoffload.client_sdk.wire.nvme_tcp_state import (
+from kvoffload.wire.native.connection import Event
+from kvoffload.wire.native.events import _ANSWER, _BY_FRAME
+from kvoffload.wire.nvme_tcp.connection import PduType, Role
+from kvoffload.wire.nvme_tcp.readers import PARSERS
+from kvoffload.wire.nvme_tcp.state import (
     _NOW,
     _ON_RECEIVE,
     _ON_SEND,
     _RECEIVABLE,
     _SENDABLE,
 )
-from kvoffload.client_sdk.wire.nvme_tcp_writers import WRITERS
+from kvoffload.wire.nvme_tcp.writers import WRITERS
 
 
 def test_every_pdu_type_has_a_reader() -> None:

@@ -8,7 +8,8 @@ import pytest
 
 from kvoffload.client_sdk.transports.native.options import NativeOptions
 from kvoffload.client_sdk.url import parse_url
-from kvoffload.client_sdk.wire.native import (
+from kvoffload.errors import ConfigError, LocalProtocolError, RemoteProtocolError
+from kvoffload.wire.native.connection import (
     NIXL_DEADLINE_VERSION,
     NIXL_VERSION,
     PROTOCOL_VERSIONS,
@@ -24,7 +25,6 @@ from kvoffload.client_sdk.wire.native import (
     Role,
     Welcome,
 )
-from kvoffload.errors import ConfigError, LocalProtocolError, RemoteProtocolError
 
 K1, K2 = bytes(16), bytes(range(16))
 

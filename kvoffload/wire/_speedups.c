@@ -1,4 +1,4 @@
-/* kvoffload.client_sdk.wire._speedups: the data plane's hot loops in C (issue 13 step 4).
+/* kvoffload.wire._speedups: the data plane's hot loops in C (issue 13 step 4).
  *
  * - crc32c / crc32c_copy: CRC32C (Castagnoli, the `crc32c` package's checksum), the second one
  *   copying while it sums, so a verified get reads its bytes once. SSE4.2 `crc32` when the CPU

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from kvoffload.client_sdk import Client, Tier, TierRun
 from kvoffload.client_sdk.transports.sharding import merge_tier_runs
-from kvoffload.client_sdk.wire.tiers import wire_pairs
 from kvoffload.errors import InvalidArgumentError
 from kvoffload.kvstore import Engine, EngineConfig
+from kvoffload.wire.tiers import wire_pairs
 
 D, S, R, U = Tier.DRAM, Tier.SSD, Tier.REMOTE, Tier.UNKNOWN
 tiers_lists = st.lists(st.sampled_from([D, S, R, U]), max_size=40)

@@ -9,10 +9,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvoffload.client_sdk.wire import nvme_cmd as nc
-from kvoffload.client_sdk.wire import nvme_data as nd
-from kvoffload.client_sdk.wire.nvme_cmd import CmdSc, Command, Completion, Direction, Sc, Sct, Sgl
-from kvoffload.client_sdk.wire.status import nvme_error_for, nvme_status_of
 from kvoffload.errors import (
     AuthError,
     CapacityError,
@@ -24,6 +20,10 @@ from kvoffload.errors import (
     StorageIOError,
     TransportError,
 )
+from kvoffload.wire.nvme_tcp import cmd as nc
+from kvoffload.wire.nvme_tcp import data as nd
+from kvoffload.wire.nvme_tcp.cmd import CmdSc, Command, Completion, Direction, Sc, Sct, Sgl
+from kvoffload.wire.status import nvme_error_for, nvme_status_of
 
 U32 = st.integers(0, 2**32 - 1)
 

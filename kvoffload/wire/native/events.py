@@ -9,9 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
-from kvoffload.client_sdk.wire.frames import FLAG_RESPONSE, MAX_REQUEST_ID, Frame, Need
-from kvoffload.client_sdk.wire.native_fields import KEY_BYTES, VALIDATORS, fail
 from kvoffload.errors import LocalProtocolError
+from kvoffload.wire.native.fields import KEY_BYTES, VALIDATORS, fail
+from kvoffload.wire.native.frames import FLAG_RESPONSE, MAX_REQUEST_ID, Frame, Need
 
 __all__ = [
     "KEY_BYTES",

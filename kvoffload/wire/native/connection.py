@@ -25,19 +25,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
-from kvoffload.client_sdk.wire import fast as _fast
-from kvoffload.client_sdk.wire.frames import (
-    FLAG_RESPONSE,
-    HEAD_READ,
-    Frame,
-    FrameReader,
-    Limits,
-    Need,
-    PayloadEnd,
-    SinkFull,
-    encode_frame,
-)
-from kvoffload.client_sdk.wire.native_events import (
+from kvoffload.errors import LocalProtocolError, RemoteProtocolError
+from kvoffload.wire import fast as _fast
+from kvoffload.wire.native.events import (
     _ANSWER,
     KEY_BYTES,
     META_VERSION,
@@ -78,7 +68,17 @@ from kvoffload.client_sdk.wire.native_events import (
     Welcome,
     _decode,
 )
-from kvoffload.errors import LocalProtocolError, RemoteProtocolError
+from kvoffload.wire.native.frames import (
+    FLAG_RESPONSE,
+    HEAD_READ,
+    Frame,
+    FrameReader,
+    Limits,
+    Need,
+    PayloadEnd,
+    SinkFull,
+    encode_frame,
+)
 
 __all__ = [
     "KEY_BYTES",

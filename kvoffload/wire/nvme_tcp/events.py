@@ -15,8 +15,8 @@ from typing import ClassVar
 
 import crc32c
 
-from kvoffload.client_sdk.wire.nvme_cmd import Command, Completion
 from kvoffload.errors import LocalProtocolError, RemoteProtocolError
+from kvoffload.wire.nvme_tcp.cmd import Command, Completion
 
 __all__ = [
     "ADMIN_IN_CAPSULE",

@@ -25,8 +25,8 @@ from types import ModuleType
 import crc32c as _crc32c
 import msgpack
 
-from kvoffload.client_sdk.wire.frames import FLAG_RESPONSE, FRAME, MAGIC, VERSION, ParseFrame
 from kvoffload.errors import KVOffloadError
+from kvoffload.wire.native.frames import FLAG_RESPONSE, FRAME, MAGIC, VERSION, ParseFrame
 
 __all__ = [
     "IMPLEMENTATION",
@@ -59,7 +59,7 @@ def _load() -> ModuleType | None:
     if os.environ.get("KVOFFLOAD_PURE_PYTHON") == "1":
         return None
     try:
-        from kvoffload.client_sdk.wire import _speedups
+        from kvoffload.wire import _speedups
     except ImportError as exc:
         if os.environ.get("KVOFFLOAD_REQUIRE_EXT") == "1":
             raise ExtensionMissingError(f"the C extension is required and missing: {exc}") from exc

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from kvoffload.client_sdk.wire.nvme_cmd import SGL_IN_CAPSULE, SGL_TRANSPORT, Direction
-from kvoffload.client_sdk.wire.nvme_tcp_events import (
+from kvoffload.errors import LocalProtocolError
+from kvoffload.wire.nvme_tcp.cmd import SGL_IN_CAPSULE, SGL_TRANSPORT, Direction
+from kvoffload.wire.nvme_tcp.events import (
     _DATA,
     _IC,
     _TERM,
@@ -28,8 +29,7 @@ from kvoffload.client_sdk.wire.nvme_tcp_events import (
     ICResp,
     _TermReq,
 )
-from kvoffload.client_sdk.wire.nvme_tcp_state import QueueState, _Cmd, _Phase, _R2TWindow
-from kvoffload.errors import LocalProtocolError
+from kvoffload.wire.nvme_tcp.state import QueueState, _Cmd, _Phase, _R2TWindow
 
 __all__ = ["WRITERS"]
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvoffload.client_sdk.wire.nvme_cmd import Direction
-from kvoffload.client_sdk.wire.nvme_tcp_events import (
+from kvoffload.errors import LocalProtocolError
+from kvoffload.wire.nvme_tcp.cmd import Direction
+from kvoffload.wire.nvme_tcp.events import (
     R2T,
     C2HData,
     C2HTermReq,
@@ -22,7 +23,6 @@ from kvoffload.client_sdk.wire.nvme_tcp_events import (
     ICResp,
     PduType,
 )
-from kvoffload.errors import LocalProtocolError
 
 __all__ = ["QueueState", "Role"]
 

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvoffload.client_sdk.wire import fast
-from kvoffload.client_sdk.wire.blockmeta import BlockMeta
-from kvoffload.client_sdk.wire.frames import FRAME, MAGIC, Limits
-from kvoffload.client_sdk.wire.native import (
+from kvoffload.errors import LocalProtocolError, RemoteProtocolError
+from kvoffload.wire import fast
+from kvoffload.wire.blockmeta import BlockMeta
+from kvoffload.wire.native.connection import (
     NEED_DATA,
     ConnectionClosed,
     Delete,
@@ -41,7 +41,7 @@ from kvoffload.client_sdk.wire.native import (
     StatsResult,
     Welcome,
 )
-from kvoffload.errors import LocalProtocolError, RemoteProtocolError
+from kvoffload.wire.native.frames import FRAME, MAGIC, Limits
 
 K1, K2, K3 = bytes(16), bytes(range(16)), b"\xff" * 16
 
@@ -258,7 +258,7 @@ def test_server_refuses_out_of_order_requests(events: list[Event], match: str) -
 
 def _raw(event: Event, payload: Sequence[bytes] = ()) -> bytes:
     """Encode without the sender-side rules, to forge illegal sequences."""
-    from kvoffload.client_sdk.wire.frames import FLAG_RESPONSE, encode_frame
+    from kvoffload.wire.native.frames import FLAG_RESPONSE, encode_frame
 
     flags = FLAG_RESPONSE if event.RESPONSE else 0
     return b"".join(

@@ -12,8 +12,8 @@ import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvoffload.client_sdk.wire.nvme_cmd import KEY_MAX
 from kvoffload.errors import LocalProtocolError
+from kvoffload.wire.nvme_tcp.cmd import KEY_MAX
 
 __all__ = [
     "CONNECT_DATA_BYTES",

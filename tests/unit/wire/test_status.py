@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import pytest
 
-from kvoffload.client_sdk.wire.status import Status, error_for, status_of
 from kvoffload.errors import (
     AuthError,
     CapacityError,
@@ -15,6 +14,7 @@ from kvoffload.errors import (
     StorageIOError,
     TransportError,
 )
+from kvoffload.wire.status import Status, error_for, status_of
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """Sans-I/O wire formats shared by the SDK and the daemon: bytes in, events out, no sockets."""
 
-from kvoffload.client_sdk.wire.block import HEADER_BYTES, BlockHeader, open_block, seal
+from kvoffload.wire.block import HEADER_BYTES, BlockHeader, open_block, seal
 
 __all__ = ["HEADER_BYTES", "BlockHeader", "open_block", "seal"]

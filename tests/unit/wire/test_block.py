@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvoffload.client_sdk.wire.block import HEADER_BYTES, open_block, peek_codec, seal
 from kvoffload.errors import CorruptBlockError
+from kvoffload.wire.block import HEADER_BYTES, open_block, peek_codec, seal
 
 KEY = bytes(range(16))
 HASH = bytes(range(32))

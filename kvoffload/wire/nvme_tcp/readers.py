@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvoffload.client_sdk.wire.nvme_cmd import Command, Completion, Direction
-from kvoffload.client_sdk.wire.nvme_tcp_events import (
+from kvoffload.wire.nvme_tcp.cmd import Command, Completion, Direction
+from kvoffload.wire.nvme_tcp.events import (
     _DATA,
     _HLEN,
     _IC,
@@ -46,7 +46,7 @@ from kvoffload.client_sdk.wire.nvme_tcp_events import (
     PduType,
     _Fatal,
 )
-from kvoffload.client_sdk.wire.nvme_tcp_state import QueueState, Role, _Cmd, _R2TWindow
+from kvoffload.wire.nvme_tcp.state import QueueState, Role, _Cmd, _R2TWindow
 
 __all__ = ["PARSERS", "check_lengths"]
 

@@ -10,9 +10,9 @@ import pytest
 
 from kvoffload.client_sdk import BlockMeta, Client
 from kvoffload.client_sdk.transports.native import plans
-from kvoffload.client_sdk.wire.blockmeta import MAX_META_BYTES, MAX_META_TOKENS, check_meta
-from kvoffload.client_sdk.wire.native import Put, PutMany
 from kvoffload.errors import InvalidArgumentError, LocalProtocolError
+from kvoffload.wire.blockmeta import MAX_META_BYTES, MAX_META_TOKENS, check_meta
+from kvoffload.wire.native.connection import Put, PutMany
 
 K1, K2 = bytes(16), bytes(range(16))
 

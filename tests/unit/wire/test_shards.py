@@ -1,5 +1,5 @@
 """Shard placement, how a chain's leading run is rebuilt from per-shard lookups, and how
-shards' stats add up (client_sdk/wire/shards.py, transports/native/shards.py)."""
+shards' stats add up (kvoffload/wire/shards.py, transports/native/shards.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvoffload.client_sdk.transports.sharding import gather, groups_of, leading_run
-from kvoffload.client_sdk.wire.shards import merge_stats, shard_of
+from kvoffload.wire.shards import merge_stats, shard_of
 
 
 def test_placement_is_stable_and_spreads_keys() -> None:

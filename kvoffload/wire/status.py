@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import enum
 
-from kvoffload.client_sdk.wire.nvme_cmd import CmdSc, Completion, Sc, Sct
 from kvoffload.errors import (
     AuthError,
     CapacityError,
@@ -22,6 +21,7 @@ from kvoffload.errors import (
     TransportError,
     WrongShardError,
 )
+from kvoffload.wire.nvme_tcp.cmd import CmdSc, Completion, Sc, Sct
 
 __all__ = ["Status", "error_for", "nvme_error_for", "nvme_status_of", "status_of"]
 
