@@ -51,7 +51,7 @@ from kvoffload.client_sdk import BlockMeta
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
 from kvoffload.kvstore.described import take_listing
 from kvoffload.nvmeof_target.config import EventsConfig
-from kvoffload.nvmeof_target.events import KVEvents
+from kvoffload.nvmeof_target.events.publisher import KVEvents
 
 __all__ = ["HELP", "add_arguments", "run", "run_from_args"]
 

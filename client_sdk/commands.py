@@ -8,12 +8,13 @@ from typing import Any
 
 from rich.console import Console
 
+from kvoffload.client_sdk.client import Client
+from kvoffload.client_sdk.cluster.status import cluster_status
+
 __all__ = ["add_commands"]
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from kvoffload.client_sdk import Client
-
     with Client.connect(args.url) as client:
         stats = client.stats().as_dict()
     if args.json:
@@ -41,8 +42,6 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _cluster_status(args: argparse.Namespace) -> int:
-    from kvoffload.client_sdk.cluster.status import cluster_status
-
     nodes = cluster_status(args.url, timeout_s=args.timeout, token=args.token)
     if args.json:
         print(json.dumps([n.as_dict() for n in nodes], indent=2))

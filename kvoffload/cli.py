@@ -7,17 +7,16 @@ import sys
 from collections.abc import Sequence
 
 import kvoffload
+from kvoffload.bench import commands as bench
+from kvoffload.client_sdk import commands as sdk
 from kvoffload.errors import KVOffloadError
+from kvoffload.kvstore import commands as store
+from kvoffload.nvmeof_target import commands as daemon
 
 __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvoffload.bench import commands as bench
-    from kvoffload.client_sdk import commands as sdk
-    from kvoffload.kvstore import commands as store
-    from kvoffload.nvmeof_target import commands as daemon
-
     parser = argparse.ArgumentParser(
         prog="kvoffload", description="KV-cache offload store: demo, benchmarks, stats."
     )
@@ -33,9 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
-        from kvoffload.nvmeof_target.commands import serve
-
-        return serve(argv[1:])
+        return daemon.serve(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         code = int(args.func(args))

@@ -21,7 +21,7 @@ from typing import Any, NoReturn, cast
 from kvoffload.errors import ConfigError
 from kvoffload.kvstore import DramConfig, EngineConfig, parse_size
 from kvoffload.kvstore.config import SsdConfig
-from kvoffload.nvmeof_target.cluster_config import ClusterConfig
+from kvoffload.nvmeof_target.cluster.config import ClusterConfig
 
 if sys.version_info >= (3, 11):
     import tomllib

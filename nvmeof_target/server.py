@@ -15,24 +15,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TextIO, cast
 
-from kvoffload.errors import ConfigError, KVOffloadError
+from kvoffload.errors import ConfigError
 from kvoffload.kvstore import Engine
-from kvoffload.nvmeof_target import cluster, native, nvme
-from kvoffload.nvmeof_target.config import Config, load_config
-from kvoffload.nvmeof_target.events import KVEvents
+from kvoffload.nvmeof_target.cluster import registration as cluster
+from kvoffload.nvmeof_target.config import Config
+from kvoffload.nvmeof_target.events.publisher import KVEvents
+from kvoffload.nvmeof_target.layout import shard_count
 from kvoffload.nvmeof_target.metrics import Metrics
+from kvoffload.nvmeof_target.native import front as native
+from kvoffload.nvmeof_target.nvme import front as nvme
 from kvoffload.nvmeof_target.services import Front, Services, ShardRole
 from kvoffload.nvmeof_target.tenants import Tenants
 
-__all__ = ["FRONTS", "Daemon", "Front", "Services", "main"]
+__all__ = ["FRONTS", "Daemon", "Front", "Services", "serve_one"]
 
 log = logging.getLogger("kvoffload.serve")
 
@@ -217,12 +219,8 @@ def setup_logging(config: Config, prefix: str = "") -> None:
     )
 
 
-def run(config: Config) -> int:
-    """Serve until SIGTERM/SIGINT; returns the exit status."""
-    from kvoffload.nvmeof_target.workers import shard_count, supervise
-
-    if config.server.workers != 1:
-        return supervise(config)
+def serve_one(config: Config) -> int:
+    """Serve in this process until SIGTERM/SIGINT; returns the exit status."""
     shard_count(config)  # refuses a data directory that holds a multi-worker store
     setup_logging(config)
     loop = event_loop_factory(config.server.loop)()
@@ -230,16 +228,3 @@ def run(config: Config) -> int:
         return loop.run_until_complete(_serve(config))
     finally:
         loop.close()
-
-
-def main(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
-    """`kvoffload serve [flags]`."""
-    try:
-        config = load_config(None, os.environ if environ is None else environ, argv)
-        return run(config)
-    except KVOffloadError as exc:
-        print(f"kvoffload serve: {exc}", file=sys.stderr, flush=True)
-        return 2
-    except OSError as exc:  # a port in use, an unreadable certificate
-        print(f"kvoffload serve: {exc}", file=sys.stderr, flush=True)
-        return 2

@@ -16,13 +16,13 @@ from kvoffload import __version__
 from kvoffload.errors import WrongShardError
 from kvoffload.kvstore import Engine
 from kvoffload.nvmeof_target.config import Config
-from kvoffload.nvmeof_target.events import KVEvents
+from kvoffload.nvmeof_target.events.publisher import KVEvents
 from kvoffload.nvmeof_target.metrics import Metrics
 from kvoffload.nvmeof_target.tenants import Tenants
 from kvoffload.wire.shards import shard_of
 
 if TYPE_CHECKING:
-    from kvoffload.nvmeof_target.nixl import NixlAgent
+    from kvoffload.nvmeof_target.native.agent import NixlAgent
 
 __all__ = ["Front", "Services", "ShardRole"]
 

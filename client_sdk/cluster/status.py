@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvoffload.client_sdk.client import Client
 from kvoffload.client_sdk.cluster.membership import (
     ClusterURL,
     Member,
@@ -64,8 +65,6 @@ def members_of(url: str, *, timeout_s: float = 2.0) -> tuple[ClusterURL, list[Me
 
 
 def _probe(member: Member, timeout_s: float, token: str) -> NodeStatus:
-    from kvoffload.client_sdk import Client
-
     address = member.fronts.get("native") or member.fronts.get("native+tls", "")
     if not address:
         return NodeStatus(member.node_id, "", member.weight, False, "no native front")

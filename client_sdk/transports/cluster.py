@@ -28,6 +28,7 @@ import numpy.typing as npt
 from kvoffload.client_sdk.cluster.membership import Membership, open_membership, parse_cluster_url
 from kvoffload.client_sdk.cluster.placement import Placement
 from kvoffload.client_sdk.cluster.target import Target
+from kvoffload.client_sdk.transports import open_transport
 from kvoffload.client_sdk.transports.base import (
     HeldBlock,
     PutItem,
@@ -67,8 +68,17 @@ def _store_url(url: StoreURL) -> str:
     return f"{url.scheme}://{netloc}{url.path}{query}"
 
 
-class _Nodes:
-    """The members, their placement and side-by-side calls to them (the transport's base)."""
+class ClusterTransport:
+    """A blocking transport over the members of `membership`: their placement and side-by-side
+    calls to them.
+
+    Args:
+        membership: where the members come from (static list or etcd watch).
+        replicas: copies of each block.
+        open_node: opens a member's transport (called on its first use).
+        deadline_s: the node transports' deadline; also the breaker's probe window.
+        durable_puts: whether the nodes' front can store durably (NVMe/TCP cannot).
+    """
 
     def __init__(
         self,
@@ -199,18 +209,6 @@ class _Nodes:
         self._repair_pool.shutdown(wait=True)
         for target in list(self._targets.values()):
             target.close()
-
-
-class ClusterTransport(_Nodes):
-    """A blocking transport over the members of `membership`.
-
-    Args:
-        membership: where the members come from (static list or etcd watch).
-        replicas: copies of each block.
-        open_node: opens a member's transport (called on its first use).
-        deadline_s: the node transports' deadline; also the breaker's probe window.
-        durable_puts: whether the nodes' front can store durably (NVMe/TCP cannot).
-    """
 
     # ------------------------------------------------------------------ the Transport API
 
@@ -526,8 +524,6 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
     query = urlencode(node_params)
 
     def open_node(member: Member) -> Transport:
-        from kvoffload.client_sdk.transports import open_transport
-
         address = member.fronts.get(front)
         if address is None:
             raise TransportError(f"node {member.node_id} has no {front} front")

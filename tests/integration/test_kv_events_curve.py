@@ -14,7 +14,7 @@ import zmq.auth
 from kvoffload.client_sdk import BlockMeta, Client
 from kvoffload.errors import ConfigError
 from kvoffload.nvmeof_target.config import EventsConfig
-from kvoffload.nvmeof_target.events_curve import Curve
+from kvoffload.nvmeof_target.events.curve import Curve
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

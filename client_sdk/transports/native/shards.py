@@ -22,6 +22,7 @@ from kvoffload.client_sdk.transports.base import (
     Transport,
 )
 from kvoffload.client_sdk.transports.native.aio import AsyncNativeTransport
+from kvoffload.client_sdk.transports.native.nixl import NixlTransport
 from kvoffload.client_sdk.transports.native.options import NativeOptions
 from kvoffload.client_sdk.transports.native.sync import NativeTransport
 from kvoffload.client_sdk.transports.sharding import (
@@ -290,8 +291,6 @@ class AsyncShardedTransport:
 def _sync_transport(options: NativeOptions) -> NativeTransport:
     """One daemon process's transport: payloads over NIXL with `data=nixl`."""
     if options.data == "nixl":
-        from kvoffload.client_sdk.transports.native.nixl import NixlTransport
-
         return NixlTransport(options)
     return NativeTransport(options)
 

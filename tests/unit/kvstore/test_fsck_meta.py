@@ -14,7 +14,7 @@ from kvoffload.client_sdk import BlockMeta
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
 from kvoffload.kvstore.ssd.fsck import fsck
 from kvoffload.nvmeof_target.config import EventsConfig
-from kvoffload.nvmeof_target.events import KVEvents
+from kvoffload.nvmeof_target.events.publisher import KVEvents
 
 BLOCK = 100_000
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvoffload.errors import ConfigError
-from kvoffload.nvmeof_target.cluster import Registration
+from kvoffload.nvmeof_target.cluster.registration import Registration
 from kvoffload.nvmeof_target.config import DEFAULT_SUBNQN, ClusterConfig, load_config
 
 

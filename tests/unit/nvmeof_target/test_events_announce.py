@@ -13,7 +13,7 @@ import pytest
 from kvoffload.client_sdk import BlockMeta
 from kvoffload.kvstore import DescribedBlock
 from kvoffload.nvmeof_target.config import EventsConfig
-from kvoffload.nvmeof_target.events import KVEvents
+from kvoffload.nvmeof_target.events.publisher import KVEvents
 
 Sent = list[tuple[bytes, dict[str, object]]]
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvoffload.client_sdk import BlockMeta
 from kvoffload.nvmeof_target.config import EventsConfig
-from kvoffload.nvmeof_target.events import KVEvents, event_hash
+from kvoffload.nvmeof_target.events.publisher import KVEvents, event_hash
 
 
 @pytest.fixture

@@ -3,9 +3,9 @@ Fabrics, Admin and Key Value command the NVMe front implements."""
 
 from __future__ import annotations
 
-from kvoffload.nvmeof_target.native_requests import HANDLERS
-from kvoffload.nvmeof_target.nvme_admin import ADMIN, ADMIN_FABRICS, FABRICS
-from kvoffload.nvmeof_target.nvme_io import IO
+from kvoffload.nvmeof_target.native.requests import HANDLERS
+from kvoffload.nvmeof_target.nvme.admin import ADMIN, ADMIN_FABRICS, FABRICS
+from kvoffload.nvmeof_target.nvme.io import IO
 from kvoffload.wire.native.events import _ANSWER
 from kvoffload.wire.nvme_tcp.cmd import AdminOpc, FabricsType, KvOpc
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvoffload.nvmeof_target.keydir import KeyDirectory
+from kvoffload.nvmeof_target.nvme.keydir import KeyDirectory
 
 
 def test_keys_come_back_in_byte_order_from_a_start_key() -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-import kvoffload.nvmeof_target.nixl as daemon_nixl
+import kvoffload.nvmeof_target.native.nixl as daemon_nixl
 
 
 class _StuckHandle:

@@ -14,7 +14,7 @@ from kvoffload.nvmeof_target.config import (
     SubsystemConfig,
     TenantConfig,
 )
-from kvoffload.nvmeof_target.nvme_subsys import (
+from kvoffload.nvmeof_target.nvme.subsys import (
     LOG_PAD_MAX,
     CommandFailed,
     Controller,

@@ -9,7 +9,7 @@ import pytest
 
 from kvoffload.errors import ConfigError
 from kvoffload.nvmeof_target.config import load_config
-from kvoffload.nvmeof_target.workers import shard_config, shard_count
+from kvoffload.nvmeof_target.layout import shard_config, shard_count
 
 TOML = """
 [tenants.alice]

@@ -11,11 +11,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvoffload.errors import KVOffloadError
 from kvoffload.kvstore import BlockView, PutReservation
-from kvoffload.nvmeof_target.nvme_subsys import (
+from kvoffload.nvmeof_target.nvme.queue import Handler, NvmeQueue
+from kvoffload.nvmeof_target.nvme.subsys import (
     CommandFailed,
     NvmeNamespace,
     invalid_field,
@@ -35,9 +35,6 @@ from kvoffload.wire.nvme_tcp.cmd import (
     kv_key,
 )
 from kvoffload.wire.nvme_tcp.connection import R2T
-
-if TYPE_CHECKING:
-    from kvoffload.nvmeof_target.nvme_queue import Handler, NvmeQueue
 
 __all__ = ["IO"]
 

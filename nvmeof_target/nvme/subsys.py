@@ -19,7 +19,7 @@ from blake3 import blake3
 from kvoffload import __version__
 from kvoffload.errors import KVOffloadError
 from kvoffload.nvmeof_target.config import NvmeConfig, SubsystemConfig
-from kvoffload.nvmeof_target.keydir import KeyDirectory
+from kvoffload.nvmeof_target.nvme.keydir import KeyDirectory
 from kvoffload.nvmeof_target.tenants import Tenant
 from kvoffload.wire.nvme_tcp import data as nd
 from kvoffload.wire.nvme_tcp.cmd import (

@@ -1,27 +1,30 @@
 """One connection of the native front (`NativeSession`).
 
 A thin shell in the shape of h11's example servers: read into the codec's buffer, drain its
-events, hand each request to its handler (`native_requests.HANDLERS`; puts in `native_puts`),
-write what they answer. The session owns the flow control, the timeouts and how answers and
-errors go out; the handlers decide.
+events, hand each request to its handler, write what they answer. The session owns the flow
+control, the timeouts and how answers and errors go out; the handlers (`requests`, `puts`,
+`nixl`) decide. They reach the session through its methods; it reaches them only through the
+table its front hands it (`Host.handlers`), so neither side imports the other back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 from kvoffload.errors import KVOffloadError, LocalProtocolError, RemoteProtocolError
-from kvoffload.kvstore import BlockView
+from kvoffload.kvstore import BlockView, PutReservation
 from kvoffload.nvmeof_target.channel import Channel, TlsChannel
-from kvoffload.nvmeof_target.native_puts import PendingPut, payload_end, payload_part
-from kvoffload.nvmeof_target.native_requests import HANDLERS
-from kvoffload.nvmeof_target.nixl import NixlPeer, forget
-from kvoffload.nvmeof_target.session import Session
+from kvoffload.nvmeof_target.config import NativeConfig
+from kvoffload.nvmeof_target.native.agent import NixlPeer
+from kvoffload.nvmeof_target.services import Services
+from kvoffload.nvmeof_target.session import Instruments, Session
 from kvoffload.nvmeof_target.tenants import Tenant
 from kvoffload.wire.native.connection import (
     NEED_DATA,
@@ -32,20 +35,20 @@ from kvoffload.wire.native.connection import (
     Exists,
     Get,
     GetMany,
+    Limits,
     Lookup,
     NativeConnection,
     NixlGet,
     PayloadEnd,
     Prefetch,
+    Put,
+    PutMany,
     Role,
     SinkFull,
 )
 from kvoffload.wire.status import Status, status_of
 
-if TYPE_CHECKING:
-    from kvoffload.nvmeof_target.native import NativeFront
-
-__all__ = ["FRONT", "NativeSession"]
+__all__ = ["FRONT", "Handler", "Host", "NativeSession", "PendingPut"]
 
 log = logging.getLogger("kvoffload.native")
 FRONT = "native"
@@ -58,14 +61,65 @@ _KEYED: frozenset[type[Event]] = frozenset(
 )
 
 
+@dataclass
+class PendingPut:
+    """A put whose payload is arriving, value by value, into reservations.
+
+    A value's slot is reserved only when its bytes are next in the stream (empty values at
+    the end): a batch header that declares much and sends little must not pin, and evict for,
+    more of the arena than one value.
+    """
+
+    request: Put | PutMany
+    # (client key, length, client parent, block metadata: the client's, then what is stored)
+    items: list[tuple[bytes, int, bytes | None, bytes | None]]
+    reserved: dict[int, PutReservation] = dataclasses.field(default_factory=dict)  # index -> slot
+    at: int = -1  # the item whose bytes are arriving
+    error: KVOffloadError | None = None
+
+    def next_item(self) -> int:
+        """The next item that carries bytes, after the one arriving."""
+        return next(i for i in range(self.at + 1, len(self.items)) if self.items[i][1])
+
+    @property
+    def empty_items(self) -> list[int]:
+        return [i for i, item in enumerate(self.items) if not item[1]]
+
+    def abort(self) -> None:
+        for reservation in self.reserved.values():
+            reservation.abort()
+        self.reserved.clear()
+
+
+Handler = Callable[..., Awaitable[object] | None]
+
+
+class Host(Protocol):
+    """What a session needs of the front that accepted it (`front.NativeFront`)."""
+
+    config: NativeConfig
+    services: Services
+    instruments: Instruments
+    limits: Limits
+    hello_limits: Limits
+    # request type (and PayloadEnd, SinkFull) -> its handler
+    handlers: Mapping[type[object], Handler]
+
+    @property
+    def connection_count(self) -> int: ...
+
+    def forget(self, session: NativeSession) -> None: ...
+
+
 class NativeSession(Session):
     """One client connection."""
 
-    def __init__(self, front: NativeFront, channel: Channel, peer: str) -> None:
+    def __init__(self, front: Host, channel: Channel, peer: str) -> None:
         super().__init__(
             FRONT, front.services, channel, peer, front.instruments, front.config.frame_timeout_s
         )
         self.front = front
+        self._handlers = front.handlers
         self.engine = front.services.engine
         self.config = front.config
         self.conn = NativeConnection(Role.SERVER, front.hello_limits)
@@ -114,9 +168,9 @@ class NativeSession(Session):
             if isinstance(event, ConnectionClosed):
                 return False
             if isinstance(event, PayloadEnd):
-                waiting = payload_end(self, event)
+                waiting = self._handlers[PayloadEnd](self, event)
             elif isinstance(event, SinkFull):
-                waiting = payload_part(self, event)
+                waiting = self._handlers[SinkFull](self, event)
             else:
                 assert isinstance(event, Event)
                 waiting = self._dispatch(event)
@@ -132,7 +186,7 @@ class NativeSession(Session):
             if self.shard is not None and cls in _KEYED:  # puts are checked as they reserve
                 keys = getattr(event, "keys", None)
                 self.shard.check_all(keys if keys is not None else (getattr(event, "key", b""),))
-            return HANDLERS[cls](self, event)
+            return self._handlers[cls](self, event)
         except KVOffloadError as exc:  # e.g. the engine closing under a stopping daemon
             self.fail(event.request_id, exc)
             return None
@@ -168,7 +222,9 @@ class NativeSession(Session):
         for pending in self.puts.values():  # partially received puts never become visible
             pending.abort()
         self.puts.clear()
-        forget(self)
+        if self.nixl is not None and self.services.nixl is not None:
+            self.services.nixl.forget(self.nixl.name)  # its client's memory is out of reach
+        self.nixl = None
 
     def _forget(self) -> None:
         self.front.forget(self)

@@ -7,15 +7,12 @@ reserving (which may evict) runs on the I/O threads and the session's reader wai
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
 
 from kvoffload.errors import CapacityError, KVOffloadError
-from kvoffload.kvstore import PutReservation
-from kvoffload.nvmeof_target.events import stored_meta
+from kvoffload.nvmeof_target.events.publisher import stored_meta
+from kvoffload.nvmeof_target.native.session import NativeSession, PendingPut
 from kvoffload.wire.blockmeta import BlockMeta
 from kvoffload.wire.native.connection import (
     Event,
@@ -28,40 +25,7 @@ from kvoffload.wire.native.connection import (
 )
 from kvoffload.wire.shards import shard_of
 
-if TYPE_CHECKING:
-    from kvoffload.nvmeof_target.native_session import NativeSession
-
-__all__ = ["PendingPut", "on_put", "on_put_many", "payload_end", "payload_part"]
-
-
-@dataclass
-class PendingPut:
-    """A put whose payload is arriving, value by value, into reservations.
-
-    A value's slot is reserved only when its bytes are next in the stream (empty values at
-    the end): a batch header that declares much and sends little must not pin, and evict for,
-    more of the arena than one value.
-    """
-
-    request: Put | PutMany
-    # (client key, length, client parent, block metadata: the client's, then what is stored)
-    items: list[tuple[bytes, int, bytes | None, bytes | None]]
-    reserved: dict[int, PutReservation] = dataclasses.field(default_factory=dict)  # index -> slot
-    at: int = -1  # the item whose bytes are arriving
-    error: KVOffloadError | None = None
-
-    def next_item(self) -> int:
-        """The next item that carries bytes, after the one arriving."""
-        return next(i for i in range(self.at + 1, len(self.items)) if self.items[i][1])
-
-    @property
-    def empty_items(self) -> list[int]:
-        return [i for i, item in enumerate(self.items) if not item[1]]
-
-    def abort(self) -> None:
-        for reservation in self.reserved.values():
-            reservation.abort()
-        self.reserved.clear()
+__all__ = ["on_put", "on_put_many", "payload_end", "payload_part"]
 
 
 def on_put(s: NativeSession, event: Put) -> Awaitable[object] | None:

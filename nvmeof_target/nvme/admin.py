@@ -7,9 +7,9 @@ Each handler takes the queue, the command and its in-capsule data length; it ans
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
-from kvoffload.nvmeof_target.nvme_subsys import (
+from kvoffload.nvmeof_target.nvme.queue import Handler, NvmeQueue
+from kvoffload.nvmeof_target.nvme.subsys import (
     AER_LIMIT,
     CommandFailed,
     connect_invalid,
@@ -27,9 +27,6 @@ from kvoffload.wire.nvme_tcp.cmd import (
     Sc,
     Sct,
 )
-
-if TYPE_CHECKING:
-    from kvoffload.nvmeof_target.nvme_queue import Handler, NvmeQueue
 
 __all__ = ["ADMIN", "ADMIN_FABRICS", "FABRICS"]
 

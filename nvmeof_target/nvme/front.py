@@ -27,8 +27,10 @@ from collections.abc import Callable
 
 from kvoffload.nvmeof_target.channel import Channel
 from kvoffload.nvmeof_target.config import Config, NvmeConfig
-from kvoffload.nvmeof_target.nvme_queue import FRONT, NvmeQueue
-from kvoffload.nvmeof_target.nvme_subsys import (
+from kvoffload.nvmeof_target.nvme.admin import ADMIN, ADMIN_FABRICS, FABRICS
+from kvoffload.nvmeof_target.nvme.io import IO
+from kvoffload.nvmeof_target.nvme.queue import FRONT, CommandTables, NvmeQueue
+from kvoffload.nvmeof_target.nvme.subsys import (
     Controller,
     NvmeNamespace,
     StoreInfo,
@@ -59,6 +61,7 @@ class NvmeFront:
         self.config = config
         self.services = services
         self.engine = services.engine
+        self.tables = CommandTables(FABRICS, ADMIN_FABRICS, ADMIN, IO)
         self.subsystems: dict[str, Subsystem] = build_subsystems(config, services.tenants.named)
         self.controllers: dict[int, Controller] = {}
         self._members: dict[int, set[NvmeQueue]] = {}  # cntlid -> its queues, admin included

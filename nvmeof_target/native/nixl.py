@@ -12,30 +12,28 @@ The NIXL package is optional: nothing here imports it until a client asks for th
 
 from __future__ import annotations
 
-import asyncio
-import importlib
 import logging
-import os
-import select
-import socket
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
-
-import numpy as np
+from typing import TypeVar
 
 from kvoffload.errors import (
     AuthError,
     ConfigError,
-    DeadlineExceededError,
     InvalidArgumentError,
     KVOffloadError,
     TransportError,
 )
-from kvoffload.kvstore import BlockView, Engine, PutReservation
-from kvoffload.kvstore.engine import arena_of
-from kvoffload.nvmeof_target.events import stored_meta
+from kvoffload.kvstore import BlockView, PutReservation
+from kvoffload.nvmeof_target.events.publisher import stored_meta
+from kvoffload.nvmeof_target.native.agent import (
+    NixlAgent,
+    NixlPeer,
+    StuckError,
+    address_of,
+    agent_name,
+)
+from kvoffload.nvmeof_target.native.session import NativeSession
 from kvoffload.wire.block import HEADER_BYTES
 from kvoffload.wire.blockmeta import BlockMeta
 from kvoffload.wire.native.connection import (
@@ -50,257 +48,10 @@ from kvoffload.wire.native.connection import (
 )
 from kvoffload.wire.shards import shard_of
 
-if TYPE_CHECKING:
-    from kvoffload.nvmeof_target.native_session import NativeSession
-
-__all__ = ["NixlAgent", "NixlPeer", "on_nixl_get", "on_nixl_memory", "on_nixl_put"]
+__all__ = ["on_nixl_get", "on_nixl_memory", "on_nixl_put"]
 
 log = logging.getLogger("kvoffload.nixl")
 T = TypeVar("T")
-# Regions one connection may have registered at once (the client's cache holds fewer).
-_MAX_REGIONS = 4096
-# Waiting for a transfer: this many polls yield to the loop without sleeping, then the naps
-# double from _NAP_S to _MAX_NAP_S, so a long transfer does not spin the loop at 100 % (each
-# poll costs ~0.1 ms of Python and UCX progress: at 1 ms naps that was still ~10 % of a core).
-_SPINS = 16
-_NAP_S = 0.00005
-_MAX_NAP_S = 0.002
-# NIXL's serialised agent metadata starts with the agent's name: read before anything loads.
-_SERDES = b"nixlSerDes|Agent"
-_MAX_NAME = 256
-
-
-class _StuckError(TransportError):
-    """A transfer that could not be cancelled: its arena memory must stay held."""
-
-
-class _LateError(DeadlineExceededError):
-    """The client's time ran out (or it hung up) before the transfer was posted: nothing
-    moved, so the connection may stay."""
-
-
-def agent_name(metadata: bytes) -> str:
-    """The name of the agent NIXL metadata describes, read without loading it.
-
-    Raises:
-        InvalidArgumentError: not NIXL agent metadata.
-    """
-    at = len(_SERDES)
-    size = int.from_bytes(metadata[at : at + 8], "little")
-    name = metadata[at + 8 : at + 8 + size]
-    if (
-        not metadata.startswith(_SERDES)
-        or not 0 < size <= _MAX_NAME
-        or len(name) != size
-        or metadata[at + 8 + size : at + 9 + size] != b"|"
-    ):
-        raise InvalidArgumentError("not NIXL agent metadata")
-    try:
-        return name.decode()
-    except UnicodeDecodeError:
-        raise InvalidArgumentError("NIXL agent metadata names no readable agent") from None
-
-
-def _hung_up(sock: socket.socket) -> bool:
-    """The client shut its side of the control connection (it gave up on its request)."""
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLRDHUP)
-    return bool(poller.poll(0))
-
-
-def _keep_open(sock: socket.socket) -> int:
-    """A duplicate of `sock`'s descriptor, never closed: the peer sees no close (-1 if the
-    socket is closed already)."""
-    try:
-        return os.dup(sock.fileno())
-    except OSError:
-        return -1
-
-
-def _address(view: memoryview | np.ndarray[Any, Any]) -> int:
-    array = view if isinstance(view, np.ndarray) else np.frombuffer(view, dtype=np.uint8)
-    return int(array.ctypes.data)
-
-
-class NixlAgent:
-    """This process's NIXL agent, with the engine's arena registered.
-
-    Raises (constructor):
-        ConfigError: NIXL is not installed, or its backend cannot be created here.
-    """
-
-    def __init__(self, engine: Engine, backend: str) -> None:
-        self._engine, self._backend = engine, backend
-        self._agent: Any = None
-        self._making: asyncio.Future[None] | None = None
-        self.arena = (0, 0)  # the registered arena: [start, end) addresses
-        self.errors: tuple[type[Exception], ...] = (RuntimeError, ValueError)
-        self.names: set[str] = set()  # remote agents loaded, one per connection
-        # Views and reservations of transfers that could not be cancelled: the client's NIXL
-        # may still touch their memory, so they are never given back (logged, counted).
-        self.quarantine: list[object] = []
-
-    async def ready(self) -> None:
-        """Make the agent (once, in a thread: importing NIXL and loading its plugins takes
-        seconds, and the loop must go on serving other connections meanwhile).
-
-        Raises:
-            ConfigError: NIXL is not installed, or its backend cannot be created here (a
-                later request tries again).
-        """
-        if self._agent is not None:
-            return
-        if self._making is None:
-            self._making = asyncio.ensure_future(asyncio.to_thread(self._make))
-        making = self._making
-        try:
-            await asyncio.shield(making)  # a waiter that goes away leaves it to the others
-        except ConfigError:
-            if self._making is making:
-                self._making = None
-            raise
-
-    def _make(self) -> None:
-        engine, backend = self._engine, self._backend
-        try:
-            api = importlib.import_module("nixl._api")
-            bindings = importlib.import_module("nixl._bindings")
-        except ImportError as exc:
-            raise ConfigError(f"the NIXL data path needs the nixl package: {exc}") from None
-        # NIXL raises its own exception types, all plain Exception subclasses.
-        self.errors = (
-            RuntimeError,
-            ValueError,
-            *(
-                getattr(bindings, n)
-                for n in dir(bindings)
-                if n.startswith("nixl") and n.endswith("Error")
-            ),
-        )
-        name = f"kvoffload-daemon-{os.getpid()}"
-        config = api.nixl_agent_config(enable_prog_thread=False, backends=[])
-        try:
-            agent = api.nixl_agent(name, config)
-            agent.create_backend(backend)
-            arena = arena_of(engine)
-            start = _address(arena)
-            agent.register_memory([(start, len(arena), 0, "")], "DRAM")
-        except self.errors as exc:
-            raise ConfigError(f"NIXL backend {backend!r} cannot be created: {exc}") from None
-        self.arena = (start, start + len(arena))
-        self._agent = agent
-
-    def load(self, metadata: bytes, expected: str) -> None:
-        """Load a client's agent metadata (whole or partial), whose owner the caller has
-        checked: it names agent `expected`.
-
-        Raises:
-            InvalidArgumentError: NIXL does not accept it.
-        """
-        try:
-            name = self._agent.add_remote_agent(metadata)
-        except self.errors as exc:
-            raise InvalidArgumentError(f"NIXL agent metadata refused: {exc}") from None
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        if name != expected:  # NIXL read the name otherwise than `agent_name`: refuse it
-            self.forget(name)
-            raise InvalidArgumentError(f"NIXL agent metadata names {name!r}, not {expected!r}")
-
-    def forget(self, name: str) -> None:
-        self.names.discard(name)
-        try:
-            self._agent.remove_remote_agent(name)
-        except self.errors as exc:
-            log.debug("removing NIXL agent %s: %s", name, exc)
-
-    async def move(
-        self,
-        op: str,
-        local: list[tuple[int, int]],
-        remote: list[tuple[int, int]],
-        peer: str,
-        deadline: float,
-        held: object,
-        sock: socket.socket,
-    ) -> None:
-        """Run one transfer (WRITE: arena -> client; READ: client -> arena), driving NIXL's
-        progress while it runs, until `deadline` (monotonic). Nothing is posted once the
-        deadline has passed or the client has shut its side of `sock`: a client that gave up
-        may have handed its buffer back to its caller.
-
-        Raises:
-            InvalidArgumentError: NIXL refused the descriptors (not the client's memory).
-            TransportError: the transfer failed or timed out (the client went away), or was
-                never posted; if it could not be cancelled, `held` (what pins its arena
-                memory) is kept forever.
-        """
-        if not local:
-            return
-        agent = self._agent
-        try:
-            handle = agent.initialize_xfer(
-                op,
-                agent.get_xfer_descs([(a, n, 0) for a, n in local], "DRAM"),
-                agent.get_xfer_descs([(a, n, 0) for a, n in remote], "DRAM"),
-                peer,
-            )
-        except self.errors as exc:
-            raise InvalidArgumentError(f"NIXL refused the transfer: {exc}") from None
-        state, stuck, polls, nap = "ERR", False, 0, _NAP_S
-        try:
-            if time.monotonic() >= deadline or _hung_up(sock):
-                raise _LateError(f"the client's time ran out before the NIXL {op}: none posted")
-            state = agent.transfer(handle)
-            while state == "PROC" and time.monotonic() < deadline:
-                polls += 1  # other connections run between progress polls
-                if polls <= _SPINS:
-                    await asyncio.sleep(0)
-                else:
-                    await asyncio.sleep(nap)
-                    nap = min(nap * 2, _MAX_NAP_S)
-                state = agent.check_xfer_state(handle)
-        except self.errors as exc:
-            state = f"ERR ({exc})"
-        finally:  # also when the connection is cut (cancelled) mid-transfer
-            try:
-                handle.release()  # cancels one still in progress
-            except self.errors as exc:
-                # The client frees its buffer once this connection answers or closes, so
-                # neither may happen while the transfer can still land there: a duplicate of
-                # the socket keeps the connection open (no FIN) for as long as `held` lives.
-                self.quarantine.append((held, _keep_open(sock)))
-                log.error("NIXL %s with %s not cancelled (%s): memory stays held", op, peer, exc)
-                stuck = True
-            if stuck:
-                raise _StuckError(f"NIXL {op} did not finish")  # noqa: B012
-        if state != "DONE":
-            raise TransportError(f"NIXL {op} with the client failed: {state}")
-
-
-@dataclass
-class NixlPeer:
-    """One connection's NIXL state: its client's agent and the memory it registered."""
-
-    name: str
-    regions: set[tuple[int, int]] = field(default_factory=set)
-
-    def change(self, add: tuple[int, ...], revoke: tuple[int, ...]) -> None:
-        for i in range(0, len(revoke), 2):
-            self.regions.discard((revoke[i], revoke[i + 1]))
-        for i in range(0, len(add), 2):
-            self.regions.add((add[i], add[i + 1]))
-        if len(self.regions) > _MAX_REGIONS:
-            raise InvalidArgumentError(f"more than {_MAX_REGIONS} NIXL regions on one connection")
-
-    def check(self, addr: int, length: int) -> None:
-        """Raises: InvalidArgumentError: [addr, addr+length) is not inside one region this
-        connection has registered (and not revoked)."""
-        for start, size in self.regions:
-            if start <= addr and addr + length <= start + size:
-                return
-        raise InvalidArgumentError(
-            f"descriptor {addr:#x}+{length} is outside this connection's registered memory"
-        )
 
 
 async def _agent(s: NativeSession) -> NixlAgent:
@@ -345,7 +96,7 @@ def _run(
             if s.nixl is None:
                 raise InvalidArgumentError("NixlMemory must name the client's agent first")
             await work(agent, s.nixl)
-        except _StuckError as exc:
+        except StuckError as exc:
             # No answer and no close the client can see (`_keep_open`): it keeps its buffer.
             log.error("NIXL transfer with %s stuck: %s; connection parked", s.peer, exc)
             s.abort()
@@ -407,13 +158,6 @@ def _own(s: NativeSession, agent: NixlAgent, metadata: bytes) -> None:
         agent.load(metadata, name)
 
 
-def forget(s: NativeSession) -> None:
-    """The connection ended: the daemon no longer reaches its client's memory."""
-    if s.nixl is not None and s.services.nixl is not None:
-        s.services.nixl.forget(s.nixl.name)
-    s.nixl = None
-
-
 async def _off(s: NativeSession, work: Callable[[], T], undo: Callable[[T], None]) -> T:
     """`work` inline on a DRAM-only engine, else on the I/O threads."""
     if not s.services.blocking_engine:
@@ -462,7 +206,7 @@ def on_nixl_get(s: NativeSession, event: NixlGet) -> Awaitable[None]:
             for i, (view, addr, cap) in enumerate(zip(views, event.addrs, event.caps, strict=True)):
                 if view is None:
                     continue
-                at = _address(view.data)
+                at = address_of(view.data)
                 if not start <= at < end:
                     # Served from outside the arena (an SSD hit staged aside while DRAM is
                     # pinned full): not registered with NIXL, so a miss (the client recomputes).
@@ -479,7 +223,7 @@ def on_nixl_get(s: NativeSession, event: NixlGet) -> Awaitable[None]:
             await agent.move("WRITE", local, remote, peer.name, deadline, views, s.channel.sock)
             s.bytes_out.inc(sum(n for _, n in local))
             lengths = tuple(None if v is None else len(v) for v in views)
-        except _StuckError:
+        except StuckError:
             kept = True
             raise
         finally:
@@ -546,12 +290,12 @@ def on_nixl_put(s: NativeSession, event: NixlPut) -> Awaitable[None]:
             ):
                 r.buffer[: len(head)] = head
                 if n:
-                    local.append((_address(r.array) + len(head), n))
+                    local.append((address_of(r.array) + len(head), n))
                     remote.append((addr, n))
             sock = s.channel.sock
             try:
                 await agent.move("READ", local, remote, peer.name, deadline, reservations, sock)
-            except _StuckError:
+            except StuckError:
                 kept = True
                 raise
             await _commit(s, event, reservations, metas)

@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from kvoffload import __version__
 from kvoffload.errors import AuthError, KVOffloadError, RemoteProtocolError
 from kvoffload.kvstore import BlockView
-from kvoffload.nvmeof_target.native_puts import on_put, on_put_many
-from kvoffload.nvmeof_target.nixl import on_nixl_get, on_nixl_memory, on_nixl_put
+from kvoffload.nvmeof_target.native.nixl import on_nixl_get, on_nixl_memory, on_nixl_put
+from kvoffload.nvmeof_target.native.puts import on_put, on_put_many
+from kvoffload.nvmeof_target.native.session import NativeSession
 from kvoffload.wire.native.connection import (
     PROTOCOL_VERSIONS,
     Delete,
@@ -41,9 +42,6 @@ from kvoffload.wire.native.connection import (
     Welcome,
 )
 from kvoffload.wire.tiers import wire_pairs
-
-if TYPE_CHECKING:
-    from kvoffload.nvmeof_target.native_session import NativeSession
 
 __all__ = ["HANDLERS"]
 

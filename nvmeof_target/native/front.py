@@ -21,14 +21,24 @@ import logging
 import socket
 import ssl
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 
 from kvoffload.nvmeof_target.channel import Channel, TlsChannel
 from kvoffload.nvmeof_target.config import Config, NativeConfig
-from kvoffload.nvmeof_target.native_session import FRONT, NativeSession
+from kvoffload.nvmeof_target.native.puts import payload_end, payload_part
+from kvoffload.nvmeof_target.native.requests import HANDLERS
+from kvoffload.nvmeof_target.native.session import FRONT, Handler, NativeSession
 from kvoffload.nvmeof_target.services import Services
 from kvoffload.nvmeof_target.session import Instruments, stop_sessions
-from kvoffload.wire.native.connection import ErrorReply, Limits, NativeConnection, Role
+from kvoffload.wire.native.connection import (
+    ErrorReply,
+    Limits,
+    NativeConnection,
+    PayloadEnd,
+    Role,
+    SinkFull,
+)
 from kvoffload.wire.status import Status
 
 __all__ = ["NativeFront", "make_front"]
@@ -50,6 +60,11 @@ class NativeFront:
     def __init__(self, config: NativeConfig, services: Services) -> None:
         self.config = config
         self.services = services
+        self.handlers: Mapping[type[object], Handler] = {
+            **HANDLERS,
+            PayloadEnd: payload_end,
+            SinkFull: payload_part,
+        }
         self._listeners: list[socket.socket] = []
         self._accept_tasks: list[asyncio.Task[None]] = []
         self._watchdog: asyncio.Task[None] | None = None

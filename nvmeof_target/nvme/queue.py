@@ -2,8 +2,9 @@
 
 A thin shell in the shape of h11's example servers: read into the codec
 (`wire.nvme_tcp.connection`), drain its events through `_EVENTS`, hand each command to its
-handler from the tables in `nvme_admin` (Fabrics, Admin) and `nvme_io` (Key Value), and write
-what they answer. The queue only routes data and answers; the handlers decide.
+handler from the tables its front hands it (`Host.tables`: Fabrics and Admin from `admin`, Key
+Value from `io`), and write what they answer. The queue only routes data and answers; the
+handlers decide. They import the queue; it never imports them back.
 """
 
 from __future__ import annotations
@@ -11,16 +12,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 from kvoffload.errors import KVOffloadError, LocalProtocolError, RemoteProtocolError
+from kvoffload.kvstore import Engine
 from kvoffload.nvmeof_target.channel import Channel
-from kvoffload.nvmeof_target.nvme_admin import ADMIN, ADMIN_FABRICS, FABRICS
-from kvoffload.nvmeof_target.nvme_io import IO
-from kvoffload.nvmeof_target.nvme_subsys import CommandFailed, Controller, invalid_field
-from kvoffload.nvmeof_target.session import Session
+from kvoffload.nvmeof_target.config import NvmeConfig
+from kvoffload.nvmeof_target.nvme.subsys import (
+    CommandFailed,
+    Controller,
+    NvmeNamespace,
+    StoreInfo,
+    Subsystem,
+    invalid_field,
+)
+from kvoffload.nvmeof_target.services import Services
+from kvoffload.nvmeof_target.session import Instruments, Session
+from kvoffload.wire.nvme_tcp import data as nd
 from kvoffload.wire.nvme_tcp.cmd import (
     FABRICS as FABRICS_OPC,
 )
@@ -54,10 +64,7 @@ from kvoffload.wire.nvme_tcp.connection import (
 )
 from kvoffload.wire.status import nvme_status_of
 
-if TYPE_CHECKING:
-    from kvoffload.nvmeof_target.nvme import NvmeFront
-
-__all__ = ["FRONT", "Handler", "NvmeQueue"]
+__all__ = ["FRONT", "CommandTables", "Handler", "Host", "NvmeQueue"]
 
 log = logging.getLogger("kvoffload.nvme")
 FRONT = "nvme"
@@ -66,6 +73,39 @@ T = TypeVar("T")
 # A command handler: (queue, command, in-capsule data length) -> what the queue's reader must
 # await before it takes the next command (engine work on the I/O threads), or None.
 Handler = Callable[["NvmeQueue", Command, int], "Awaitable[object] | None"]
+
+
+@dataclass(frozen=True)
+class CommandTables:
+    """Opcode -> handler, per command set (built by the front from `admin` and `io`)."""
+
+    fabrics: Mapping[int, Handler]  # by fctype
+    admin_fabrics: frozenset[int]  # the Fabrics commands only the admin queue takes
+    admin: Mapping[int, Handler]
+    io: Mapping[int, Handler]
+
+
+class Host(Protocol):
+    """What a queue and its handlers need of the front that accepted it (`front.NvmeFront`)."""
+
+    config: NvmeConfig
+    services: Services
+    engine: Engine
+    instruments: Instruments
+    tables: CommandTables
+    subsystems: dict[str, Subsystem]
+    controllers: dict[int, Controller]
+
+    def new_controller(self, sub: Subsystem, data: nd.ConnectData, kato_ms: int) -> Controller: ...
+
+    def attach(self, ctrl: Controller, queue: NvmeQueue) -> None: ...
+
+    def io_queue_taken(self, ctrl: Controller, qid: int) -> bool: ...
+
+    def forget(self, queue: NvmeQueue) -> None: ...
+
+    def store_info(self, ns: NvmeNamespace) -> Callable[[], StoreInfo]: ...
+
 
 _STATUS_NAMES: dict[tuple[int, int], str] = {
     **{(Sct.GENERIC, int(sc)): sc.name.lower() for sc in Sc},
@@ -90,11 +130,12 @@ class _Incoming:
 class NvmeQueue(Session):
     """One connection: one NVMe queue pair."""
 
-    def __init__(self, front: NvmeFront, channel: Channel, peer: str) -> None:
+    def __init__(self, front: Host, channel: Channel, peer: str) -> None:
         super().__init__(
             FRONT, front.services, channel, peer, front.instruments, front.config.frame_timeout_s
         )
         self.front = front
+        self._tables = front.tables
         self.engine = front.engine
         self.config = front.config
         self.conn = NvmeTcpConnection(
@@ -226,17 +267,17 @@ class NvmeQueue(Session):
 
     def _handler(self, cmd: Command) -> Handler:
         if cmd.opc == FABRICS_OPC:
-            handler = FABRICS.get(cmd.fctype)
+            handler = self._tables.fabrics.get(cmd.fctype)
             if handler is None:
                 raise CommandFailed(Sct.GENERIC, Sc.INVALID_OPCODE, f"fabrics {cmd.fctype:#x}")
             if cmd.fctype != FabricsType.CONNECT and self.qid is None:
                 raise CommandFailed(Sct.GENERIC, Sc.COMMAND_SEQUENCE, "Connect first")
-            if cmd.fctype in ADMIN_FABRICS and self.qid != 0:
+            if cmd.fctype in self._tables.admin_fabrics and self.qid != 0:
                 raise invalid_field("properties live on the admin queue")
             return handler
         if self.qid is None:
             raise CommandFailed(Sct.GENERIC, Sc.COMMAND_SEQUENCE, "Connect first")
-        handler = (ADMIN if self.qid == 0 else IO).get(cmd.opc)
+        handler = (self._tables.admin if self.qid == 0 else self._tables.io).get(cmd.opc)
         if handler is None:
             raise CommandFailed(Sct.GENERIC, Sc.INVALID_OPCODE, f"opcode {cmd.opc:#x}")
         if not self.controller.ready:

@@ -49,9 +49,9 @@ import numpy.typing as npt
 import zmq
 
 from kvoffload.kvstore import DescribedBlock, DescribedTable
-from kvoffload.nvmeof_target import events_bulk as bulk
 from kvoffload.nvmeof_target.config import EventsConfig
-from kvoffload.nvmeof_target.events_curve import Curve
+from kvoffload.nvmeof_target.events import bulk
+from kvoffload.nvmeof_target.events.curve import Curve
 from kvoffload.wire.blockmeta import BlockMeta
 
 __all__ = ["END_SEQ", "KVEvents", "event_hash", "stored_meta"]
@@ -143,9 +143,10 @@ def message_bounds(topic: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
             for s in range(a, e, _MAX_BATCH)]  # fmt: skip
 
 
-class _Publisher:
-    """The sockets and the queue of `KVEvents`: batches events and publishes them on a ZMQ PUB
-    socket (or a worker's channel to the supervisor's relay); answers replay requests."""
+class KVEvents:
+    """Follows the blocks a daemon holds and publishes their `BlockStored`/`BlockRemoved`:
+    batches events and publishes them on a ZMQ PUB socket (or a worker's channel to the
+    supervisor's relay); answers replay requests."""
 
     def __init__(self, config: EventsConfig, forward_to: str = "", source: int = 0) -> None:
         """`forward_to`: worker `source` of a multi-process daemon sends its batches to the
@@ -174,6 +175,13 @@ class _Publisher:
         self._replay: zmq.Socket[bytes] | None = None
         self._announcer: threading.Thread | None = None
         self._closing = False
+        # Engine key -> the block, for blocks published or announced, so that tier moves
+        # (reported by engine key) name the block.
+        self._published: dict[bytes, _Block] = {}
+        # Blocks announced at start and untouched since, as arrays (events_bulk.py).
+        self._table: bulk.Announced | None = None
+        # While an announce lists the store: moves of blocks it may list, applied to its rows.
+        self._recording: list[tuple[str, bytes, str]] | None = None
 
     def start(self) -> str:
         """Bind the socket and start publishing; returns the bound endpoint."""
@@ -294,25 +302,6 @@ class _Publisher:
             self._replay.close(linger=0)
         if self._curve is not None:
             self._curve.close()
-
-    def snapshot(self, wanted: bytes = b"") -> list[tuple[bytes, bytes, bytes]]:
-        raise NotImplementedError
-
-
-class KVEvents(_Publisher):
-    """Follows the blocks a daemon holds and publishes their `BlockStored`/`BlockRemoved`."""
-
-    def __init__(self, config: EventsConfig, forward_to: str = "", source: int = 0) -> None:
-        """`forward_to`: worker `source` of a multi-process daemon sends its batches to the
-        supervisor's `EventRelay` there (which numbers and publishes them) instead of binding."""
-        super().__init__(config, forward_to, source)
-        # Engine key -> the block, for blocks published or announced, so that tier moves
-        # (reported by engine key) name the block.
-        self._published: dict[bytes, _Block] = {}
-        # Blocks announced at start and untouched since, as arrays (events_bulk.py).
-        self._table: bulk.Announced | None = None
-        # While an announce lists the store: moves of blocks it may list, applied to its rows.
-        self._recording: list[tuple[str, bytes, str]] | None = None
 
     def _stored_event(self, block: _Block, tier: str) -> dict[str, object]:
         meta = block.meta

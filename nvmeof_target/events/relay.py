@@ -29,9 +29,9 @@ import numpy as np
 import zmq
 
 from kvoffload.nvmeof_target.config import EventsConfig
-from kvoffload.nvmeof_target.events import END_SEQ, message_bounds
-from kvoffload.nvmeof_target.events_bulk import event_order
-from kvoffload.nvmeof_target.events_curve import Curve
+from kvoffload.nvmeof_target.events.bulk import event_order
+from kvoffload.nvmeof_target.events.curve import Curve
+from kvoffload.nvmeof_target.events.publisher import END_SEQ, message_bounds
 
 __all__ = ["EventRelay"]
 

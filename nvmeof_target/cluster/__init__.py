@@ -1,0 +1,1 @@
+"""Cluster membership of a node: its `[cluster]` config and its registration in etcd."""

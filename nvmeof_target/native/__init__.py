@@ -1,0 +1,1 @@
+"""The native front: listener, one session per connection, and the request handlers."""
