@@ -129,8 +129,9 @@ def test_every_result_file_is_referenced() -> None:
 
 
 def test_results_are_filed_by_date() -> None:
-    misplaced = [_rel(f) for f in sorted(RESULTS.rglob("*")) if f.is_file()
-                 and not re.fullmatch(r"\d{4}-\d\d-\d\d", f.relative_to(RESULTS).parts[0])]  # fmt: skip
+    dated = re.compile(r"\d{4}-\d\d-\d\d")
+    files = [f for f in sorted(RESULTS.rglob("*")) if f.is_file()]
+    misplaced = [_rel(f) for f in files if not dated.fullmatch(f.relative_to(RESULTS).parts[0])]
     assert not misplaced, f"results files outside a results/<YYYY-MM-DD>/ folder: {misplaced}"
 
 
