@@ -1,4 +1,4 @@
-"""`bench net` rows of the NIXL data path (issue 16; docs/nixl.md): one client against one
+"""`bench net` rows of the NIXL data path (issue 16; docs/guides/nixl.md): one client against one
 loopback daemon, each case measured next to its reference in the same run, alternating A/B
 rounds so that a busy machine slows both alike.
 

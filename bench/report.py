@@ -321,7 +321,7 @@ def _ttft_words(details: dict[str, Any]) -> str:
 
 def run(
     *,
-    out_dir: str = "bench/results",
+    out_dir: str = "results",
     date: str | None = None,
     benches: Sequence[str] = REPORTED,
     argv: dict[str, list[str]] | None = None,
@@ -425,7 +425,7 @@ def _draw(results: dict[str, dict[str, Any]], folder: Path, missing: list[str]) 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="bench/results", help="folder for <date>/report.md")
+    parser.add_argument("--out", default="results", help="folder for <date>/report.md")
     parser.add_argument(
         "--from",
         dest="render_from",

@@ -137,7 +137,7 @@ class PagedKV:
         if self.device.type == "cpu":
             # index_copy_ moves these uint8 views one byte at a time; a block's copy_ moves
             # its contiguous runs whole: ~5x faster for SmolLM2's 5.6 MiB blocks
-            # (docs/workload-benchmark.md, `bench serve`).
+            # (docs/design/workload-benchmark.md, `bench serve`).
             for row, block in enumerate(block_ids.tolist()):
                 if self._single is not None:
                     self._single[block].copy_(rows[row])

@@ -135,7 +135,7 @@ class SsdConfig:
     # A block evicted from DRAM is written to the SSD once it was used this many times (puts,
     # lookups and reads count); 1 admits every block. Durable puts always go to the SSD. 1 by
     # default: KV blocks are mostly put once and wanted later, and a block dropped at its first
-    # eviction misses when its prefix comes back; 2 spares SSD wear (docs/ssd-tier.md).
+    # eviction misses when its prefix comes back; 2 spares SSD wear (docs/design/ssd-tier.md).
     admission_min_uses: int = 1
     # Threads for background promotions (prefetch) from the SSD.
     io_threads: int = 4
@@ -143,7 +143,7 @@ class SsdConfig:
     # thread of its own (preadv releases the GIL); 1 reads a batch's blocks one by one.
     read_depth: int = 8
     # Longest time close() waits for SSD reads in flight; a read still hung then leaves its
-    # memory mapped (leaked) and close raises StorageIOError (docs/ssd-tier.md).
+    # memory mapped (leaked) and close raises StorageIOError (docs/design/ssd-tier.md).
     close_wait_s: float = 10.0
     # Longest time a journal record of a non-durable change waits for its fsync.
     sync_interval_s: float = 0.05

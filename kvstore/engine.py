@@ -260,7 +260,7 @@ class _EngineReads(_EngineState):
     @property
     def hold_window(self) -> int:
         """Blocks of a batched get a caller should hold at once: with DRAM all pinned, each
-        further SSD block takes a side buffer (see docs/architecture.md, the engine)."""
+        further SSD block takes a side buffer (see docs/design/architecture.md, the engine)."""
         return max(HOLD_WINDOW, self.config.ssd.read_depth)
 
     def get_many(self, keys: Sequence[bytes]) -> list[BlockView | None]:
@@ -578,7 +578,8 @@ class Engine(_EngineReads):
         Raises:
             StorageIOError: the final flush or checkpoint failed (what was acknowledged as
                 durable stays durable; the next open replays the journal), or an SSD read hung
-                past `ssd.close_wait_s`: closed all the same, its memory leaked (docs/ssd-tier.md).
+                past `ssd.close_wait_s`: closed all the same, its memory leaked
+                (docs/design/ssd-tier.md).
         """
         self._m.mover.close(self.config.ssd.flush_on_close)
 

@@ -5,7 +5,7 @@ is) and exactly as large as its value needs: there are no size classes, so value
 sizes share the whole range. Free space is kept as coalesced extents, found best-fit; slots in
 use are the caller's to track (it knows each slot's size). When no extent fits, a tier evicts
 blocks until one does, so a full tier keeps nearly all of its bytes live under mixed sizes
-without moving any block (docs/architecture.md).
+without moving any block (docs/design/architecture.md).
 """
 
 from __future__ import annotations

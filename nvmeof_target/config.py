@@ -64,7 +64,7 @@ class ServerConfig:
     shutdown_timeout_s: float = 10.0
     log_level: str = "info"
     # Processes serving the node, each one shard of the keys with its own engine (DRAM/N,
-    # SSD/N, data_dir/shard-<i>); 0 = one per core. See docs/daemon.md#workers.
+    # SSD/N, data_dir/shard-<i>); 0 = one per core. See docs/guides/daemon.md#workers.
     workers: int = 1
 
     def __post_init__(self) -> None:

@@ -6,7 +6,7 @@ processes. Each is a complete daemon (`server.Daemon`) over its own engine — D
 assigns it. Every worker accepts on the node's port (one listening socket, shared) and on a
 port of its own; Welcome tells a client the shard it reached and every shard's port, and the
 SDK then sends each key straight to its shard, as Redis Cluster clients do. Nothing crosses
-processes on the data path. See docs/daemon.md#workers for why this design and its limits.
+processes on the data path. See docs/guides/daemon.md#workers for why this design and its limits.
 
 The supervisor (this module, no event loop) binds the shared socket, starts the workers,
 hands them the port map, and then serves what belongs to the node as a whole: `/metrics`

@@ -20,7 +20,7 @@ __all__ = [
 ]
 
 # (key, parts of the stored value, parent key, block metadata in its byte form) — one block of
-# a batch put. Transports that cannot carry metadata drop it (see docs/events.md).
+# a batch put. Transports that cannot carry metadata drop it (see docs/reference/events.md).
 PutItem = tuple[bytes, Sequence[object], "bytes | None", "bytes | None"]
 
 

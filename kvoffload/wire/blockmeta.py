@@ -3,7 +3,7 @@ its compact byte form, the same on the native wire, in the engine and in the SSD
 
 A KV-aware router (Dynamo, llm-d) hashes a block's token ids itself; the store never sees
 tokens otherwise, so the serving engine hands them over with the put. Token ids are prompt
-content: see docs/daemon.md (KV events) for how to keep them private.
+content: see docs/guides/daemon.md (KV events) for how to keep them private.
 
 Byte form, little-endian::
 

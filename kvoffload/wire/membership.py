@@ -4,7 +4,8 @@ A storage node registers one record under ``/kvoffload/<cluster>/nodes/<node id>
 and watch that prefix. The daemon writes records and the SDK reads them, so both sides use this
 one codec. etcd 3.4 serves its gRPC API as JSON under ``/v3/...`` (bytes fields are base64, 64-bit
 integers are strings); the builders here return ``(path, body)`` pairs and the parsers take the
-decoded JSON answer, so the callers own the sockets (docs/architecture.md says why the gateway).
+decoded JSON answer, so the callers own the sockets (docs/design/architecture.md says why the
+gateway).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ completes, and hands over once its own has. The others wait on a condition. Noth
 no transfer is in flight, and NIXL's own progress thread is off (the POSIX backend needs none).
 A dedicated I/O thread was tried first: on this 2-core machine each completion then cost two
 thread wake-ups and reads ran at 0.5-0.9x the thread path; with the callers driving they are
-at par (docs/ssd-tier.md).
+at par (docs/design/ssd-tier.md).
 
 Registered once: the slot file (its descriptor, whole length), the DRAM arena (the engine calls
 `register_memory`) and a pool of header pages. A buffer outside them (a staging buffer, fsck's)

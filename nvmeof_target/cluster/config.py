@@ -12,7 +12,7 @@ __all__ = ["ClusterConfig"]
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """Membership in a cluster of storage nodes, registered in etcd (docs/cluster.md)."""
+    """Membership in a cluster of storage nodes, registered in etcd (docs/guides/cluster.md)."""
 
     # etcd://HOST:PORT/NAME registers this node in cluster NAME; "" = a standalone node.
     etcd: str = ""

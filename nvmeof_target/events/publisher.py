@@ -22,7 +22,7 @@ Medium: ``"CPU"`` and ``"STORAGE"`` are vLLM's own names (`vllm.distributed.kv_e
 `kv_offload` `Medium` enum, which drops other values); Dynamo's router (`lib/kv-router`,
 `StorageTier::from_kv_medium`) maps ``CPU`` to host memory and ``STORAGE`` to disk (older
 releases knew only ``CPU_PINNED``/``CPU_TIER1`` and ``CPU_TIER2``/``DISK``/``NVME``; they count
-an unknown medium as GPU). docs/events.md has the table.
+an unknown medium as GPU). docs/reference/events.md has the table.
 
 Tier moves are reported by the engine from whichever thread made them, under its lock, so they
 only go into a thread-safe deque; the loop publishes. The engine also reports a client's put

@@ -2,7 +2,7 @@
 
 A get asks the daemon to WRITE the block's payload straight into the caller's buffer and
 answers with the block's length and header; a put names where its payload lies and the daemon
-READs it into a reserved slot (docs/nixl.md). The client registers buffers once
+READs it into a reserved slot (docs/guides/nixl.md). The client registers buffers once
 (`nixl_memory`); verification is the request layer's, as for every `Received` block.
 
 Each NIXL lane is one control connection (protocol 4, or 3 with an older daemon) with its own
@@ -17,7 +17,7 @@ most `_SETTLE_S`, for the daemon to finish the request. If it does not, the lane
 registrations and half-closed connection are kept (`quarantined`) and the error says so, until
 the daemon answers or closes that connection: then its handler is over (any transfer done or
 cancelled, our agent removed there), and once our memory is deregistered and our agent gone,
-no late transfer can land in it by any transport (docs/nixl.md), so the lane is released.
+no late transfer can land in it by any transport (docs/guides/nixl.md), so the lane is released.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The client's NIXL agent and its registration cache (the NIXL data path, docs/nixl.md).
+"""The client's NIXL agent and its registration cache (the NIXL data path, docs/guides/nixl.md).
 
 Registering memory costs a system call or more (on RDMA hardware it pins pages), and the daemon
 must learn each region, so buffers are registered once and remembered: a later get or put into

@@ -20,7 +20,7 @@ _PARAMS = {
     "tls": "1 to connect with TLS",
     "ca": "CA file that signed the daemon's certificate",
     "server_name": "certificate name to expect (default: the URL's host)",
-    "data": "how payloads move: kv (through the connection, default) or nixl (docs/nixl.md)",
+    "data": "how payloads move: kv (through the connection, default) or nixl (docs/guides/nixl.md)",
     "nixl_cache_bytes": "data=nixl: bytes kept registered per connection (default 1 GiB)",
 }
 _DATA_PATHS = ("kv", "nixl")

@@ -80,7 +80,7 @@ class NvmeTransport:
         durable: bool = False,
         meta: bytes | None = None,
     ) -> None:
-        # `meta` is dropped: a KV Store command has no room for it (docs/events.md).
+        # `meta` is dropped: a KV Store command has no room for it (docs/reference/events.md).
         if durable:
             raise InvalidArgumentError("nvme+tcp:// has no durable stores (no FUA in KV Store)")
         self._run(lambda h: plans.put(h.nsid, h.in_capsule, key, parts))
