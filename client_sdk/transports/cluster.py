@@ -52,8 +52,8 @@ DEFAULT_DEADLINE_S = 2.0
 _PARAMS = {
     "timeout": f"seconds per call to a node (default {DEFAULT_DEADLINE_S:g})",
     "token": "the tenant's token on every node (front=native)",
-    "data": "kv (default) or nixl: how payloads move to native nodes (docs/nixl.md)",
-    "nixl_cache_bytes": "data=nixl: bytes kept registered per node connection (docs/nixl.md)",
+    "data": "kv (default) or nixl: how payloads move to native nodes",
+    "nixl_cache_bytes": "data=nixl: bytes kept registered per node connection",
     "hostnqn": "this host's NQN on every node (front=nvme; default as for nvme+tcp://)",
 }
 # Repairs (copies to a new owner) run in the background; past this many waiting, skip them.

@@ -1,4 +1,4 @@
-"""The daemon's NIXL agent and what one connection may reach through it (protocol 3; docs/nixl.md).
+"""The daemon's NIXL agent and what one connection may reach through it (docs/guides/nixl.md).
 
 The native connection stays the control channel; the payload moves one-sided between the
 arena and the client's registered memory: a NixlGet WRITEs each hit there, a NixlPut READs

@@ -93,8 +93,8 @@ from kvoffload.wire.nvme_tcp.state import (
     _ON_SEND,
     _RECEIVABLE,
     _SENDABLE,
-    QueueState,
     Role,
+    _Cmd,
     _Phase,
 )
 from kvoffload.wire.nvme_tcp.writers import WRITERS
@@ -152,7 +152,7 @@ class _Rx(enum.Enum):
     DIGEST = "data digest"
 
 
-class NvmeTcpConnection(ReceiveBuffer, QueueState):
+class NvmeTcpConnection(ReceiveBuffer):
     """One side of one NVMe/TCP connection (one queue pair); no I/O.
 
     Args:
@@ -176,7 +176,18 @@ class NvmeTcpConnection(ReceiveBuffer, QueueState):
         maxh2cdata: int = 1 << 20,
     ) -> None:
         ReceiveBuffer.__init__(self)
-        QueueState.__init__(self, role, in_capsule, max_outstanding, maxh2cdata)
+        self.role = role
+        self.in_capsule = in_capsule
+        self.max_outstanding = max_outstanding
+        self.maxh2cdata = maxh2cdata
+        self.hdgst = False
+        self.ddgst = False
+        self._asked: ICReq | None = None  # host: what it asked for; target: what it was asked
+        self._rx_phase = _Phase.AWAIT_IC
+        self._tx_phase = _Phase.AWAIT_IC
+        self._cmds: dict[int, _Cmd] = {}
+        self._pdu_data = 0  # data bytes the PDU being received declares
+        self._data_cid = 0  # the command the data being received belongs to
         self._error: RemoteProtocolError | None = None
         self._eof = False
         self._rx = _Rx.HEAD
@@ -185,6 +196,18 @@ class NvmeTcpConnection(ReceiveBuffer, QueueState):
         self._hd = 0  # header digest bytes of the current PDU
         self._ddgst = False
         self._crc = 0
+
+    def _enter(self, phases: tuple[_Phase | None, _Phase | None]) -> None:
+        """Move to the phases a row of `_ON_RECEIVE` / `_ON_SEND` gives."""
+        rx, tx = phases
+        if rx is not None:
+            self._rx_phase = rx
+        if tx is not None:
+            self._tx_phase = tx
+
+    def _ready(self) -> None:
+        if self._tx_phase is not _Phase.READY:
+            raise LocalProtocolError("the connection is not initialized (ICReq/ICResp) or failed")
 
     # ------------------------------------------------------------------ receiving
 

@@ -1,15 +1,15 @@
 """NVMe/TCP state: which PDU each side may receive and send when, and what one queue tracks.
 
-The tables here are the whole state machine; `nvme_tcp_readers` and `nvme_tcp_writers` move
-a `QueueState` through them, one PDU at a time.
+The tables here are the whole state machine; `readers` and `writers` move
+a queue (`QueueState`, the face of `NvmeTcpConnection` they see) through them, one PDU at a time.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Protocol
 
-from kvoffload.errors import LocalProtocolError
 from kvoffload.wire.nvme_tcp.cmd import Direction
 from kvoffload.wire.nvme_tcp.events import (
     R2T,
@@ -99,32 +99,24 @@ class _R2TWindow:
     next: int
 
 
-class QueueState:
+class QueueState(Protocol):
     """What the readers and writers of one queue share: its limits, what ICReq/ICResp
-    negotiated, each direction's phase, and the commands in progress."""
+    negotiated, each direction's phase, and the commands in progress (`NvmeTcpConnection`
+    holds it; this is the narrow face the reader and writer tables see)."""
 
-    def __init__(self, role: Role, in_capsule: int, max_outstanding: int, maxh2cdata: int) -> None:
-        self.role = role
-        self.in_capsule = in_capsule
-        self.max_outstanding = max_outstanding
-        self.maxh2cdata = maxh2cdata
-        self.hdgst = False
-        self.ddgst = False
-        self._asked: ICReq | None = None  # host: what it asked for; target: what it was asked
-        self._rx_phase = _Phase.AWAIT_IC
-        self._tx_phase = _Phase.AWAIT_IC
-        self._cmds: dict[int, _Cmd] = {}
-        self._pdu_data = 0  # data bytes the PDU being received declares
-        self._data_cid = 0  # the command the data being received belongs to
+    role: Role
+    in_capsule: int
+    max_outstanding: int
+    maxh2cdata: int
+    hdgst: bool
+    ddgst: bool
+    _asked: ICReq | None
+    _rx_phase: _Phase
+    _tx_phase: _Phase
+    _cmds: dict[int, _Cmd]
+    _pdu_data: int
+    _data_cid: int
 
-    def _enter(self, phases: tuple[_Phase | None, _Phase | None]) -> None:
-        """Move to the phases a row of `_ON_RECEIVE` / `_ON_SEND` gives."""
-        rx, tx = phases
-        if rx is not None:
-            self._rx_phase = rx
-        if tx is not None:
-            self._tx_phase = tx
+    def _enter(self, phases: tuple[_Phase | None, _Phase | None]) -> None: ...
 
-    def _ready(self) -> None:
-        if self._tx_phase is not _Phase.READY:
-            raise LocalProtocolError("the connection is not initialized (ICReq/ICResp) or failed")
+    def _ready(self) -> None: ...
