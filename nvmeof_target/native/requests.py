@@ -210,7 +210,7 @@ def _row(
 
 
 # Request type -> its handler.
-HANDLERS: dict[type[Event], Callable[..., Awaitable[object] | None]] = dict(
+HANDLERS: dict[type[object], Callable[..., Awaitable[object] | None]] = dict(
     [
         _row(Hello, on_hello),
         _row(Put, on_put),
