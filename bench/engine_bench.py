@@ -16,8 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvoffload.bench.common import BenchResult, Row, time_median
-from kvoffload.client_sdk import Client
-from kvoffload.client_sdk.transports.local import LocalTransport
+from kvoffload.client_sdk import Client, LocalTransport
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig
 
 __all__ = ["HELP", "SIZES", "add_arguments", "run", "run_from_args"]

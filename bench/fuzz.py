@@ -40,7 +40,7 @@ from kvoffload.bench.common import BenchResult, Row, daemon_ports, stop_process
 from kvoffload.bench.fuzz_load import WORKERS, Job, work
 from kvoffload.client_sdk import Client
 from kvoffload.errors import ConfigError, KVOffloadError
-from kvoffload.kvstore.config import parse_size
+from kvoffload.kvstore import parse_size
 
 __all__ = ["HELP", "FuzzReport", "add_arguments", "daemon", "fuzz", "run", "run_from_args"]
 

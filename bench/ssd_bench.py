@@ -49,9 +49,7 @@ from kvoffload.bench.common import BenchResult, Row
 from kvoffload.bench.serve_restart import serve_rows
 from kvoffload.client_sdk import BlockMeta
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
-from kvoffload.kvstore.described import take_listing
-from kvoffload.nvmeof_target.config import EventsConfig
-from kvoffload.nvmeof_target.events import KVEvents
+from kvoffload.nvmeof_target import EventsConfig, KVEvents
 
 __all__ = ["HELP", "add_arguments", "run", "run_from_args"]
 
@@ -465,8 +463,7 @@ def _announce_rows(directory: Path, entries: int, result: BenchResult) -> None:
     with Engine(config) as again:
         opened, opened_wall = time.process_time() - c0, time.perf_counter() - t0
         # What `described_table` does, timed in its two parts: under the lock, and after.
-        with again._lock:
-            listing = take_listing(again._m)
+        listing = again.described_listing()
         held, held_wall = time.process_time() - c0, time.perf_counter() - t0
         table = listing.table()
         listed = time.process_time() - c0

@@ -60,8 +60,7 @@ from kvoffload.bench.workload import (
 )
 from kvoffload.client_sdk import BlockKey, Client
 from kvoffload.errors import ConfigError, InvalidArgumentError
-from kvoffload.kvstore import POLICIES
-from kvoffload.kvstore.config import PAGE, DramConfig
+from kvoffload.kvstore import PAGE, POLICIES, DramConfig
 
 __all__ = ["HELP", "PEERS", "TraceResult", "Workload", "add_arguments", "run", "run_from_args"]
 

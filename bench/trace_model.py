@@ -18,7 +18,7 @@ from kvoffload.bench.workload import (
     chain_keys,
 )
 from kvoffload.client_sdk import BlockKey, Client, Namespace, TierRun
-from kvoffload.kvstore.config import PAGE
+from kvoffload.kvstore import PAGE
 
 # Peer name -> (package, environment variable naming the Python that has it).
 PEERS: dict[str, tuple[str, str]] = {

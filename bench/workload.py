@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvoffload.client_sdk import BlockKey, Namespace, block_keys
-from kvoffload.client_sdk.keys import DTYPE_BYTES
+from kvoffload.compression import DTYPE_BYTES
 from kvoffload.errors import ConfigError
 
 __all__ = [
