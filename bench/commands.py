@@ -21,7 +21,7 @@ def console() -> Console:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvoffload.bench import demo
+    from kvoffload.bench.demo import chat as demo
 
     if args.synthetic:
         report = demo.run_synthetic(

@@ -3,7 +3,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvoffload.bench import engine_bench as engine
+from kvoffload.bench.micro import engine_bench as engine
 from kvoffload.cli import main
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvoffload.bench import cluster_bench
+from kvoffload.bench.cluster import cluster_bench
 from kvoffload.cli import main
 
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from kvoffload.bench import report
 from kvoffload.bench.registry import BENCHES
+from kvoffload.bench.trace import report
 from kvoffload.cli import main
 
 PNG = b"\x89PNG\r\n\x1a\n"

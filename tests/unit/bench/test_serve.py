@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvoffload.bench.registry import BENCHES
-from kvoffload.bench.serve import (
+from kvoffload.bench.serve.plot import ttft_per_turn_plot
+from kvoffload.bench.serve.serve_bench import (
     BLOCK_TOKENS,
     ConfigRun,
     Sample,
@@ -21,9 +22,8 @@ from kvoffload.bench.serve import (
     scaled_shape,
     working_set_blocks,
 )
-from kvoffload.bench.serve_plot import ttft_per_turn_plot
-from kvoffload.bench.serve_vllm import connector_transfer, parse_metrics
-from kvoffload.bench.workload import generate
+from kvoffload.bench.serve.servers import connector_transfer, parse_metrics
+from kvoffload.bench.trace.workload import generate
 from kvoffload.errors import ConfigError
 
 
@@ -109,7 +109,7 @@ def test_a_server_that_failed_is_explained_by_its_root_cause(tmp_path: Path) -> 
 
 
 def test_bad_arguments_are_config_errors(tmp_path: Path) -> None:
-    assert BENCHES["serve"] == "kvoffload.bench.serve"
+    assert BENCHES["serve"] == "kvoffload.bench.serve.serve_bench"
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     with pytest.raises(ConfigError, match="bad --configs"):

@@ -13,10 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvoffload.bench import ttft
-from kvoffload.bench.replay import Payloads, replay
-from kvoffload.bench.trace import Workload, _peer_runs, _peer_work, block_slot, plan
-from kvoffload.bench.workload import PROFILES, TraceShape, generate, write_jsonl
+from kvoffload.bench.peers import peer_driver
+from kvoffload.bench.trace import ttft
+from kvoffload.bench.trace.replay import Payloads, replay
+from kvoffload.bench.trace.trace_bench import Workload, _peer_runs, _peer_work, block_slot, plan
+from kvoffload.bench.trace.workload import PROFILES, TraceShape, generate, write_jsonl
 from kvoffload.cli import main
 from kvoffload.client_sdk import Client, Tier, TierRun
 from kvoffload.errors import ConfigError, CorruptBlockError
@@ -36,7 +37,7 @@ def _url(blocks: int, policy: str) -> str:
 
 
 def _check_totals(result: object, work: Workload, client_stats: dict[str, object]) -> None:
-    from kvoffload.bench.replay import ReplayResult
+    from kvoffload.bench.trace.replay import ReplayResult
 
     assert isinstance(result, ReplayResult)
     # every request: hit + computed = prompt tokens, hits never beyond the chain
@@ -290,7 +291,7 @@ def test_peer_python_finds_the_engine_suites_venvs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kvoffload.bench import common
-    from kvoffload.bench import trace as bench
+    from kvoffload.bench.trace import trace_bench as bench
 
     args = argparse.Namespace(vllm_python=None, lmcache_python=None)
     monkeypatch.setattr(common, "__file__", str(tmp_path / "bench" / "common.py"))
@@ -314,7 +315,7 @@ def test_peer_python_finds_the_engine_suites_venvs(
 
 def test_bad_arguments_are_config_errors() -> None:
     trace = generate(TraceShape(sessions=1), seed=0)
-    from kvoffload.bench import trace as bench
+    from kvoffload.bench.trace import trace_bench as bench
 
     with pytest.raises(ConfigError, match="policy"):
         bench.run(trace, policies=["mru"], peers=[])
@@ -330,7 +331,7 @@ def test_bad_arguments_are_config_errors() -> None:
 def test_peer_driver_reports_an_absent_peer(tmp_path: Path, work: Workload) -> None:
     work_file = _peer_work(work, tmp_path)
     out = tmp_path / "peer.json"
-    driver = Path(__file__).parents[3] / "bench" / "peer_driver.py"
+    driver = peer_driver.__file__
     # vllm made unimportable even where it is installed
     hide = (
         "import runpy, sys; sys.modules['vllm'] = None; sys.argv = sys.argv[1:]; "
@@ -365,7 +366,7 @@ def test_real_peer_on_a_small_trace(tmp_path: Path, work: Workload, peer: str, e
     """Runs where a Python with the peer is named or found (`.venv-<package>`, as
     .ci/engines.sh builds them); KVOFFLOAD_REQUIRE_PEERS=1 (CI) turns a missing one into a
     failure."""
-    from kvoffload.bench import trace as bench
+    from kvoffload.bench.trace import trace_bench as bench
 
     names = argparse.Namespace(vllm_python=None, lmcache_python=None)
     python = bench._peer_python(peer, names)

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvoffload.bench import workload
-from kvoffload.bench.workload import PROFILES, TraceShape, chain_keys, generate, read_jsonl
+from kvoffload.bench.trace import workload
+from kvoffload.bench.trace.workload import PROFILES, TraceShape, chain_keys, generate, read_jsonl
 from kvoffload.client_sdk import block_keys
 from kvoffload.errors import ConfigError
 

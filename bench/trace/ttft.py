@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload.bench.workload import ModelProfile
+from kvoffload.bench.trace.workload import ModelProfile
 from kvoffload.client_sdk import Tier, TierRun
 
 __all__ = ["GPUS", "GpuProfile", "LoadCosts", "Modelled", "prefill_seconds", "ttft_seconds"]

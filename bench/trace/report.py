@@ -95,7 +95,7 @@ def _rows_table(data: dict[str, Any]) -> str:
 
 
 def _label(run: dict[str, Any]) -> str:
-    from kvoffload.bench.trace_model import run_label
+    from kvoffload.bench.trace.model import run_label
 
     return run_label(run)
 
@@ -290,8 +290,8 @@ def analyse(details: dict[str, Any]) -> str:
 
 def _ttft_words(details: dict[str, Any]) -> str:
     """Put the measured load time of a block next to the modelled cost of recomputing it."""
-    from kvoffload.bench import ttft
-    from kvoffload.bench.workload import PROFILES
+    from kvoffload.bench.trace import ttft
+    from kvoffload.bench.trace.workload import PROFILES
 
     costs = details.get("load_costs", {})
     model = PROFILES.get(details.get("model", {}).get("name", ""))
@@ -404,7 +404,7 @@ def _draw(results: dict[str, dict[str, Any]], folder: Path, missing: list[str]) 
     if importlib.util.find_spec("matplotlib") is None:
         missing.append("plots: matplotlib is not installed (pip install 'kvoffload[bench]')")
         return {}
-    from kvoffload.bench import plots
+    from kvoffload.bench.trace import plots
 
     figures: dict[str, str] = {}
     jobs: list[tuple[str, Callable[[Path], bool]]] = [

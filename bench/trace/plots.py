@@ -50,7 +50,7 @@ def _save(plt: Any, fig: Any, path: Path) -> bool:
 
 
 def _label(run: dict[str, Any]) -> str:
-    from kvoffload.bench.trace_model import run_label
+    from kvoffload.bench.trace.model import run_label
 
     return run_label(run)
 

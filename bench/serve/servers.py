@@ -365,9 +365,9 @@ def daemon(
 
 
 def main(argv: Sequence[str]) -> int:
-    """``python -m kvoffload.bench.serve_vllm prepare [FOLDER]``: convert the model once."""
+    """``python -m kvoffload.bench.serve.servers prepare [FOLDER]``: convert the model once."""
     if len(argv) < 1 or argv[0] != "prepare":
-        print("usage: python -m kvoffload.bench.serve_vllm prepare [FOLDER]", file=sys.stderr)
+        print("usage: python -m kvoffload.bench.serve.servers prepare [FOLDER]", file=sys.stderr)
         return 2
     folder = Path(argv[1]) if len(argv) > 1 else default_model_dir()
     print(prepare_model(folder))

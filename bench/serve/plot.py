@@ -17,7 +17,7 @@ class _Sample(Protocol):
 def ttft_per_turn_plot(runs: Mapping[str, Sequence[_Sample]], path: Path) -> bool:
     """TTFT p50 (line) and p90 (dotted) per turn; False when matplotlib is not installed."""
     try:
-        from kvoffload.bench.plots import _pyplot
+        from kvoffload.bench.trace.plots import _pyplot
     except ImportError:
         return False
     try:
@@ -32,7 +32,7 @@ def ttft_per_turn_plot(runs: Mapping[str, Sequence[_Sample]], path: Path) -> boo
         p50, p90 = [], []
         for turn in turns:
             values = sorted(s.ttft_s * 1000 for s in samples if s.turn == turn)
-            # The table's percentile rule (bench/serve.py), so that plot and table agree.
+            # The table's percentile rule (serve_bench.py), so that plot and table agree.
             p50.append(values[round(0.5 * (len(values) - 1))])
             p90.append(values[round(0.9 * (len(values) - 1))])
         x = [t + 1 for t in turns]

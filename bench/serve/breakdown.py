@@ -1,7 +1,7 @@
 """Where the TTFT of a store hit goes: one warm vLLM server, a ~1,100-token prefix from the store
 against the same prefix from vLLM's own prefix cache (``apc``).
 
-``python -m kvoffload.bench.serve_breakdown [--rounds N] [--suffix T] [--json F]`` starts a
+``python -m kvoffload.bench.serve.breakdown [--rounds N] [--suffix T] [--json F]`` starts a
 `kvoffload serve` daemon and two vLLM servers with kvoffload's connector: one loading
 asynchronously (the request waits a scheduler step in WAITING_FOR_REMOTE_KVS,
 ``sync_load_blocks: 0``) and one loading before the forward (the default on a CPU). Each round,
@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from kvoffload.bench import common
-from kvoffload.bench.serve_vllm import VllmServer, connector_transfer, daemon, default_model_dir
+from kvoffload.bench.serve.servers import VllmServer, connector_transfer, daemon, default_model_dir
 from kvoffload.wire import fast
 
 __all__ = ["Sample", "main", "parse_log"]
@@ -164,7 +164,7 @@ def summary(samples: Sequence[Sample]) -> list[dict[str, object]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvoffload.bench.serve_breakdown",
+    parser = argparse.ArgumentParser(prog="python -m kvoffload.bench.serve.breakdown",
                                      description=__doc__.splitlines()[0])  # fmt: skip
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--suffix", type=int, default=SUFFIX_TOKENS,

@@ -57,7 +57,7 @@ def nixl_rows(rounds: int = 5, working_set: int = 64 << 20, cpu_requests: int = 
     """The four NIXL rows; rows with a note and no values where NIXL is not installed."""
     if importlib.util.find_spec("nixl") is None:
         return _missing("nixl not installed (pip install --no-deps nixl-cu12 nixl)")
-    from kvoffload.bench.net import _cpu_seconds, daemon
+    from kvoffload.bench.micro.net import _cpu_seconds, daemon
 
     os.environ.setdefault("UCX_TLS", "sm,tcp")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")

@@ -1,6 +1,6 @@
 """LMCache's `lm://` server as a reference for `kvoffload bench net`.
 
-Run by the net bench under a Python that has `lmcache` (``python -m kvoffload.bench.lmserver
+Run by the net bench under a Python that has `lmcache` (``python -m kvoffload.bench.peers.lmserver
 --size N --count N``): starts LMCache's own server (``python -m lmcache.v1.server HOST PORT
 cpu``) and drives it over loopback with LMCache's protocol classes the way its
 `LMCServerConnector` does (``sendall`` of a `ClientMetaMessage` and the bytes; a get receives

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvoffload.bench.fuzz_inputs import (
+from kvoffload.bench.fuzz.inputs import (
     KEYS,
     hello_frame,
     mutate_native,

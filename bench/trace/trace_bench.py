@@ -5,8 +5,8 @@ Every request looks up its block chain, loads (and verifies) the hit blocks, the
 blocks it had to compute, with parent keys. Capacities are fractions of the trace's working set
 (its distinct blocks). DRAM-only runs hold that many blocks in DRAM; DRAM+SSD runs split the
 same number of blocks 1:3 between DRAM and SSD. Peers replay the same chains in their own
-environment (see `peer_driver.py`); a peer that is not installed gives rows with no value and a
-note. Hit counts depend on how many blocks fit, not on their bytes, so by default a block's
+environment (see `peers/peer_driver.py`); a peer that is not installed gives rows with no value
+and a note. Hit counts depend on how many blocks fit, not on their bytes, so by default a block's
 payload is scaled down (capacities scaled with it; `--full` stores real-size blocks instead),
 and the TTFT model plugs in load times of real-size blocks measured in the same run.
 """
@@ -29,9 +29,10 @@ import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 
-from kvoffload.bench import common, ttft
-from kvoffload.bench.replay import Payloads, ReplayResult, replay
-from kvoffload.bench.trace_model import (
+from kvoffload.bench import common
+from kvoffload.bench.peers import peer_driver
+from kvoffload.bench.trace import ttft
+from kvoffload.bench.trace.model import (
     DEFAULT_PAYLOAD,
     PEERS,
     Config,
@@ -41,7 +42,8 @@ from kvoffload.bench.trace_model import (
     plan,
     ssd_bytes,
 )
-from kvoffload.bench.trace_tables import (
+from kvoffload.bench.trace.replay import Payloads, ReplayResult, replay
+from kvoffload.bench.trace.tables import (
     TraceResult,
     result_notes,
     result_rows,
@@ -49,7 +51,7 @@ from kvoffload.bench.trace_tables import (
     ttft_rows,
     ttft_summary,
 )
-from kvoffload.bench.workload import (
+from kvoffload.bench.trace.workload import (
     PROFILES,
     ModelProfile,
     Trace,
@@ -167,7 +169,7 @@ def _peer_runs(
 ) -> tuple[list[Run], dict[str, object]]:
     """Run one peer over its configurations in a subprocess; failures become notes."""
     out = scratch / f"peer-{peer}.json"
-    cmd = [python, str(Path(__file__).with_name("peer_driver.py")), str(work_file), str(out),
+    cmd = [python, peer_driver.__file__, str(work_file), str(out),
            "--peer", peer, "--capacities", ",".join(str(c.dram_blocks) for c in configs),
            "--disk", ",".join(str(c.ssd_blocks) for c in configs),
            "--block-tokens", str(work.block_tokens), "--payload", str(payload),

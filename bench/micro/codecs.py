@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> BenchResult:
-    from kvoffload.bench.model import SmolLM2
+    from kvoffload.bench.demo.model import SmolLM2
 
     return run(
         SmolLM2(args.dtype),
@@ -239,7 +239,7 @@ def run(
     codecs: Sequence[str] | None = None,
 ) -> BenchResult:
     """Measure `codecs` (default: all registered) on the real KV of `model` (a `SmolLM2`)."""
-    from kvoffload.bench.model import MODEL_ID, document
+    from kvoffload.bench.demo.model import MODEL_ID, document
 
     torch = model.torch
     ids = model.tokenizer(document())["input_ids"]

@@ -13,7 +13,7 @@ per GB that the benchmark process spent (all its threads; the `kv://` daemon's o
 in it). The last round's loaded bytes are compared with what was stored.
 
 Runs under a Python that has `lmcache` (``--lmcache-python``, env KVOFFLOAD_LMCACHE_PYTHON,
-else `.venv-lmcache`, else this one): ``python -m kvoffload.bench.lmcache_mp --drive JSON``.
+else `.venv-lmcache`, else this one): ``python -m kvoffload.bench.peers.lmcache_mp --drive JSON``.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def _ours(url: str) -> dict[str, Any]:
 
 def _drive(python: str, config: dict[str, Any]) -> dict[str, Any]:
     proc = subprocess.run(
-        [python, "-m", "kvoffload.bench.lmcache_mp", "--drive", json.dumps(config)],
+        [python, "-m", "kvoffload.bench.peers.lmcache_mp", "--drive", json.dumps(config)],
         capture_output=True,
         text=True,
         env={**os.environ, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"},

@@ -12,9 +12,9 @@ import numpy.typing as npt
 from rich.console import Console
 from rich.table import Table
 
-from kvoffload.bench import ttft
 from kvoffload.bench.common import BenchResult, Row
-from kvoffload.bench.trace_model import (
+from kvoffload.bench.trace import ttft
+from kvoffload.bench.trace.model import (
     CDF_POINTS,
     PEERS,
     SSD_SHARE,

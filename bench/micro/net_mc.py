@@ -52,7 +52,7 @@ def _kv_client(url: str, rounds: int, barrier: Any, done: Any) -> None:
 
 
 def _raw_client(port: int, rounds: int, barrier: Any, done: Any) -> None:
-    from kvoffload.bench.net import RawClient
+    from kvoffload.bench.micro.net import RawClient
 
     raw = RawClient(port, SIZE)
     try:
@@ -93,7 +93,7 @@ def _aggregate(target: Any, arg: object, rounds: int) -> float:
 
 def _forking_server(listener: socket.socket) -> None:
     """One process per connection, as a multi-process server at its simplest."""
-    from kvoffload.bench.net import raw_connection
+    from kvoffload.bench.micro.net import raw_connection
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
     while True:
@@ -143,7 +143,7 @@ def _children(pid: int) -> list[int]:
 
 
 def mc_rows(rounds: int) -> list[Row]:
-    from kvoffload.bench.net import _cpu_seconds, daemon
+    from kvoffload.bench.micro.net import _cpu_seconds, daemon
 
     cores = len(os.sched_getaffinity(0))
     rates: dict[int, float] = {}

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvoffload.bench.common import BenchResult, Row, daemon_ports, stop_process
-from kvoffload.bench.fuzz_load import WORKERS, Job, work
+from kvoffload.bench.fuzz.load import WORKERS, Job, work
 from kvoffload.client_sdk import Client
 from kvoffload.errors import ConfigError, KVOffloadError
 from kvoffload.kvstore import parse_size

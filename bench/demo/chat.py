@@ -18,7 +18,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from kvoffload.bench.model import MODEL_ID, SmolLM2, document, find_gguf
+from kvoffload.bench.demo.model import MODEL_ID, SmolLM2, document, find_gguf
 from kvoffload.client_sdk import Client, Namespace, block_keys
 
 __all__ = ["DemoReport", "TurnReport", "document", "find_gguf", "run_demo", "run_synthetic"]

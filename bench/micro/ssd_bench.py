@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from kvoffload.bench.common import BenchResult, Row
-from kvoffload.bench.serve_restart import serve_rows
+from kvoffload.bench.micro.ssd_restart import serve_rows
 from kvoffload.client_sdk import BlockMeta
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
 from kvoffload.nvmeof_target import EventsConfig, KVEvents

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload.bench.workload import (
+from kvoffload.bench.trace.workload import (
     ModelProfile,
     Trace,
     chain_keys,
