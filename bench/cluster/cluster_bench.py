@@ -19,8 +19,7 @@ import time
 import numpy as np
 
 from kvoffload.bench.cluster import live as cluster_live
-from kvoffload.bench.common import BenchResult, Row, time_median
-from kvoffload.bench.micro.net import daemon
+from kvoffload.bench.common import BenchResult, Row, daemon, time_median
 from kvoffload.client_sdk import Client
 from kvoffload.client_sdk.cluster import Member, Placement
 

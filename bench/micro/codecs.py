@@ -28,6 +28,7 @@ import numpy as np
 import zstandard
 
 from kvoffload.bench.common import BenchResult, Row, Summary, time_best
+from kvoffload.bench.demo.model import MODEL_ID, SmolLM2, document
 from kvoffload.compression import BlockSpec, Codec, as_payload, codec_infos, get_codec
 from kvoffload.errors import KVOffloadError
 
@@ -63,8 +64,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> BenchResult:
-    from kvoffload.bench.demo.model import SmolLM2
-
     return run(
         SmolLM2(args.dtype),
         tokens=args.tokens,
@@ -239,8 +238,6 @@ def run(
     codecs: Sequence[str] | None = None,
 ) -> BenchResult:
     """Measure `codecs` (default: all registered) on the real KV of `model` (a `SmolLM2`)."""
-    from kvoffload.bench.demo.model import MODEL_ID, document
-
     torch = model.torch
     ids = model.tokenizer(document())["input_ids"]
     ids = ids[:tokens] if tokens else ids

@@ -9,10 +9,11 @@ CRC32C verification included); its put seals a header and CRC32C.
 References:
 - raw_socket: a Python server process that `recv_into`s a preallocated buffer and answers with
   1 byte (put) or sends a preallocated buffer (get); the client uses `sendmsg` and `recv_into`.
-  This is the floor of what any Python protocol on this machine can do.
+  This is the floor of what any Python protocol on this machine can do (`raw_socket.py`).
 - redis: Debian's `redis-server` (persistence off) through redis-py with its hiredis parser (as
   a Redis user runs it; the note says when hiredis is missing), `SET`/`GET`, pipelines for the
-  pipelined cases. Skipped (row with a null reference) when either is not installed.
+  pipelined cases (`peers/redis_ref.py`). Skipped (row with a null reference) when either is
+  not installed.
 
 `daemon_cpu_us/get/64KiB`: the CPU time of the daemon process (all its threads, from
 /proc/<pid>/stat) divided by the requests of a loop of `--cpu-requests` 64 KiB gets (goal 20 µs).
@@ -26,34 +27,23 @@ References:
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib.util
 import json
-import multiprocessing
 import os
-import re
-import shutil
-import signal
-import socket
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from kvoffload.bench.common import (
-    BenchResult,
-    Row,
-    free_port,
-    peer_python,
-    stop_process,
-    time_median,
-)
+from kvoffload.bench.common import BenchResult, Row, cpu_seconds, daemon, peer_python, time_median
+from kvoffload.bench.micro.net_mc import mc_rows
+from kvoffload.bench.micro.net_nixl import nixl_rows
+from kvoffload.bench.micro.raw_socket import RawClient, raw_reference
+from kvoffload.bench.peers.redis_ref import redis_parser, redis_rates, redis_server
 from kvoffload.client_sdk import Client
 
 __all__ = ["HELP", "SIZES", "add_arguments", "run", "run_from_args"]
@@ -63,140 +53,6 @@ HELP = "native protocol vs a raw socket loop, Redis and LMCache on loopback"
 SIZES = {"64KiB": 64 << 10, "2MiB": 2 << 20, "8MiB": 8 << 20}
 DEPTH = 8  # requests in flight in the pipelined cases
 LOOKUP_KEYS = 1000
-_HDR = struct.Struct("<cQ")
-_LISTEN = re.compile(r"^kvoffload: native listening on \S+:(\d+)$")
-
-
-# ---------------------------------------------------------------------------- raw socket
-
-
-def _raw_server(listener: socket.socket, max_size: int) -> None:
-    """Serve the raw protocol to one connection after another."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    while True:
-        conn, _ = listener.accept()
-        raw_connection(conn, max_size)
-
-
-def raw_connection(conn: socket.socket, max_size: int) -> None:
-    """Serve one connection: b"P" + u64 n + n bytes -> b"k"; b"G" + u64 n -> n bytes."""
-    view = memoryview(bytearray(max_size))
-    head = bytearray(_HDR.size)
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    with conn:
-        while _recv_exact(conn, memoryview(head)):
-            op, n = _HDR.unpack(head)
-            if op == b"P":
-                if not _recv_exact(conn, view[:n]):
-                    break
-                conn.sendall(b"k")
-            else:
-                conn.sendall(view[:n])
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
-    pos = 0
-    while pos < len(view):
-        n = sock.recv_into(view[pos:])
-        if n == 0:
-            return False
-        pos += n
-    return True
-
-
-class RawClient:
-    def __init__(self, port: int, max_size: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.buf = memoryview(bytearray(max_size))
-        self.ack = memoryview(bytearray(DEPTH))
-
-    def _send(self, parts: list[memoryview | bytes]) -> None:
-        views = [memoryview(p).cast("B") for p in parts]
-        while views:
-            sent = self.sock.sendmsg(views)
-            while sent:
-                if sent >= len(views[0]):
-                    sent -= len(views.pop(0))
-                else:
-                    views[0] = views[0][sent:]
-                    sent = 0
-
-    def put(self, value: memoryview, depth: int = 1) -> None:
-        self._send([_HDR.pack(b"P", len(value)), value] * depth)
-        _recv_exact(self.sock, self.ack[:depth])
-
-    def get(self, size: int, depth: int = 1) -> None:
-        self._send([_HDR.pack(b"G", size)] * depth)
-        for _ in range(depth):
-            _recv_exact(self.sock, self.buf[:size])
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-@contextlib.contextmanager
-def _raw_reference(max_size: int) -> Iterator[RawClient]:
-    listener = socket.create_server(("127.0.0.1", 0))
-    ctx = multiprocessing.get_context("fork")
-    server = ctx.Process(target=_raw_server, args=(listener, max_size), daemon=True)
-    server.start()
-    client = RawClient(listener.getsockname()[1], max_size)
-    listener.close()
-    try:
-        yield client
-    finally:
-        client.close()
-        server.terminate()
-        server.join(10)
-
-
-# ---------------------------------------------------------------------------- processes
-
-
-@contextlib.contextmanager
-def daemon(dram: str, tmp: str, workers: int = 1) -> Iterator[tuple[str, int]]:
-    """A `kvoffload serve` on loopback: (its kv:// URL, its pid)."""
-    args = [
-        sys.executable,
-        "-m",
-        "kvoffload.cli",
-        "serve",
-        "--port",
-        "0",
-        "--workers",
-        str(workers),
-    ]
-    args += ["--nvme-port", "0", "--metrics-port", "0", "--dram", dram, "--ssd", "0"]
-    args += ["--data-dir", tmp]
-    # KVOFFLOAD_PURE_PYTHON reaches the daemon: a pure-Python run measures both sides so.
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("KVOFFLOAD_") or k == "KVOFFLOAD_PURE_PYTHON"
-    }
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        port = None
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            m = _LISTEN.match(line.strip())
-            if m:
-                port = int(m.group(1))
-            if line.strip() == "kvoffload: ready":
-                break
-        if port is None:
-            raise RuntimeError("kvoffload serve did not start")
-        yield f"kv://127.0.0.1:{port}", proc.pid
-    finally:
-        stop_process(proc)
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU of process `pid`, all threads (fields 14 and 15 of /proc/<pid>/stat)."""
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rpartition(")")[2].split()  # the name may hold spaces
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _daemon_cpu_row(client: Client, pid: int, requests: int) -> Row:
@@ -209,10 +65,10 @@ def _daemon_cpu_row(client: Client, pid: int, requests: int) -> Row:
         client.put(key, value)
     for key in keys:
         client.get_into(key, out)  # warm: first-touch and connection set-up not counted
-    t0, cpu0 = time.perf_counter(), _cpu_seconds(pid)
+    t0, cpu0 = time.perf_counter(), cpu_seconds(pid)
     for i in range(requests):
         client.get_into(keys[i % len(keys)], out)
-    cpu, wall = _cpu_seconds(pid) - cpu0, time.perf_counter() - t0
+    cpu, wall = cpu_seconds(pid) - cpu0, time.perf_counter() - t0
     for key in keys:
         client.delete(key)
     note = (
@@ -220,48 +76,6 @@ def _daemon_cpu_row(client: Client, pid: int, requests: int) -> Row:
         "every daemon thread / requests, clock-tick resolution"
     )
     return Row("daemon_cpu_us/get/64KiB", cpu / requests * 1e6, "us", "goal", 20.0, note=note)
-
-
-def _redis_parser() -> str:
-    try:
-        from redis.utils import HIREDIS_AVAILABLE
-    except ImportError:
-        return "redis-py"
-    return "redis-py + hiredis" if HIREDIS_AVAILABLE else "redis-py without hiredis (slower)"
-
-
-@contextlib.contextmanager
-def _redis() -> Iterator[Any | None]:
-    """A redis-py client to a fresh redis-server, or None (with why) when not installed."""
-    server = shutil.which("redis-server")
-    if server is None or importlib.util.find_spec("redis") is None:
-        yield None
-        return
-    import redis
-
-    port = free_port()
-    proc = subprocess.Popen(
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        + ["--protected-mode", "no", "--proto-max-bulk-len", "1gb"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=60)
-    try:
-        for _ in range(200):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        yield client
-    finally:
-        client.close()
-        proc.terminate()
-        proc.wait(10)
-
-
-# ---------------------------------------------------------------------------- the run
 
 
 def _rate(nbytes: int, fn: Callable[[], object], rounds: int) -> float:
@@ -283,8 +97,6 @@ def run(
     LMCache's server runs under `lmcache_python` (default: this interpreter). `nixl`: "also"
     adds the NIXL data path's rows, "no" skips them, "only" measures nothing else."""
     if nixl == "only":
-        from kvoffload.bench.micro.net_nixl import nixl_rows
-
         only = BenchResult("net")
         only.rows += nixl_rows(max(rounds, 5))
         only.notes.append("the NIXL data path's rows only (bench net --nixl only)")
@@ -298,90 +110,21 @@ def run(
         tempfile.TemporaryDirectory() as tmp,
         daemon(dram, tmp) as (url, pid),
         Client.connect(url) as client,
-        _raw_reference(largest) as raw,
-        _redis() as redis_client,
+        raw_reference(largest, DEPTH) as raw,
+        redis_server() as redis_client,
     ):
         missing = "redis-server or redis-py not installed"
-        redis_note = _redis_parser() if redis_client is not None else missing
+        redis_note = redis_parser() if redis_client is not None else missing
         for label, size in sizes.items():
-            n = max(DEPTH, working_set // size // DEPTH * DEPTH)
-            keys = [i.to_bytes(16, "big") for i in range(n)]
-            value = np.frombuffer(os.urandom(size), dtype=np.uint8)
-            vbytes = value.tobytes()
-            vview = memoryview(vbytes)
-            out = np.empty(size, dtype=np.uint8)
-            batches = [keys[i : i + DEPTH] for i in range(0, n, DEPTH)]
-            total = n * size
-
-            def kv_put(keys: list[bytes] = keys, value: np.ndarray = value) -> None:
-                for key in keys:
-                    client.put(key, value)
-
-            def kv_get(keys: list[bytes] = keys, out: np.ndarray = out) -> None:
-                for key in keys:
-                    client.get_into(key, out)
-
-            def kv_put_p(batches: list[list[bytes]] = batches, value: np.ndarray = value) -> None:
-                for batch in batches:
-                    client.put_many([(k, value) for k in batch])
-
-            outs = [np.empty(size, dtype=np.uint8) for _ in range(DEPTH)]
-
-            def kv_get_p(
-                batches: list[list[bytes]] = batches, outs: list[np.ndarray] = outs
-            ) -> None:
-                for batch in batches:
-                    client.get_many_into(batch, outs[: len(batch)])
-
-            def raw_put(n: int = n, view: memoryview = vview) -> None:
-                for _ in range(n):
-                    raw.put(view)
-
-            def raw_get(n: int = n, size: int = size) -> None:
-                for _ in range(n):
-                    raw.get(size)
-
-            def raw_put_p(n: int = n, view: memoryview = vview) -> None:
-                for _ in range(n // DEPTH):
-                    raw.put(view, DEPTH)
-
-            def raw_get_p(n: int = n, size: int = size) -> None:
-                for _ in range(n // DEPTH):
-                    raw.get(size, DEPTH)
-
-            cases: list[tuple[str, Callable[[], None], Callable[[], None]]] = [
-                ("put", kv_put, raw_put),
-                ("get", kv_get, raw_get),
-                ("put_pipelined", kv_put_p, raw_put_p),
-                ("get_pipelined", kv_get_p, raw_get_p),
-            ]
-            redis_rates: dict[str, float] = {}
-            if redis_client is not None:
-                redis_rates = _redis_rates(redis_client, keys, batches, vbytes, total, rounds)
-            lmcache_rates, lmcache_note = _lmcache_rates(lm_python, size, n, rounds)
-            for op, kv, ref in cases:
-                mine = _rate(total, kv, rounds)
-                case = f"{op}/{label}"
-                result.rows.append(Row(case, mine, "GB/s", "raw_socket", _rate(total, ref, rounds)))
-                result.rows.append(
-                    Row(case, mine, "GB/s", "redis", redis_rates.get(op), note=redis_note)
-                )
-                result.rows.append(
-                    Row(case, mine, "GB/s", "lmcache", lmcache_rates.get(op), note=lmcache_note)
-                )
-            for batch in batches:
-                for key in batch:
-                    client.delete(key)
+            result.rows += _size_rows(
+                client, raw, redis_client, redis_note, lm_python, label, size, working_set, rounds
+            )
         result.rows += _lookup_rows(client, lookups)
         if cpu_requests:
             result.rows.append(_daemon_cpu_row(client, pid, cpu_requests))
     if multi_client:
-        from kvoffload.bench.micro.net_mc import mc_rows
-
         result.rows += mc_rows(rounds)
     if nixl == "also":
-        from kvoffload.bench.micro.net_nixl import nixl_rows
-
         scale = min(working_set, 64 << 20), min(cpu_requests, 200)
         result.rows += nixl_rows(max(rounds, 5), *scale)
     result.notes.append(
@@ -393,39 +136,83 @@ def run(
     return result
 
 
-def _redis_rates(
-    r: Any, keys: list[bytes], batches: list[list[bytes]], value: bytes, total: int, rounds: int
-) -> dict[str, float]:
-    def put() -> None:
+def _size_rows(
+    client: Client,
+    raw: RawClient,
+    redis_client: Any | None,
+    redis_note: str,
+    lm_python: str,
+    label: str,
+    size: int,
+    working_set: int,
+    rounds: int,
+) -> list[Row]:
+    """put, get and their pipelined forms of `size`-byte values over about `working_set`
+    bytes: kvoffload next to the raw socket, Redis and LMCache, each case in the same run."""
+    rows: list[Row] = []
+    n = max(DEPTH, working_set // size // DEPTH * DEPTH)
+    keys = [i.to_bytes(16, "big") for i in range(n)]
+    value = np.frombuffer(os.urandom(size), dtype=np.uint8)
+    vbytes = value.tobytes()
+    vview = memoryview(vbytes)
+    out = np.empty(size, dtype=np.uint8)
+    batches = [keys[i : i + DEPTH] for i in range(0, n, DEPTH)]
+    total = n * size
+
+    def kv_put(keys: list[bytes] = keys, value: np.ndarray = value) -> None:
         for key in keys:
-            r.set(key, value)
+            client.put(key, value)
 
-    def get() -> None:
+    def kv_get(keys: list[bytes] = keys, out: np.ndarray = out) -> None:
         for key in keys:
-            r.get(key)
+            client.get_into(key, out)
 
-    def put_p() -> None:
+    def kv_put_p(batches: list[list[bytes]] = batches, value: np.ndarray = value) -> None:
         for batch in batches:
-            pipe = r.pipeline(transaction=False)
-            for key in batch:
-                pipe.set(key, value)
-            pipe.execute()
+            client.put_many([(k, value) for k in batch])
 
-    def get_p() -> None:
+    outs = [np.empty(size, dtype=np.uint8) for _ in range(DEPTH)]
+
+    def kv_get_p(batches: list[list[bytes]] = batches, outs: list[np.ndarray] = outs) -> None:
         for batch in batches:
-            pipe = r.pipeline(transaction=False)
-            for key in batch:
-                pipe.get(key)
-            pipe.execute()
+            client.get_many_into(batch, outs[: len(batch)])
 
-    rates = {
-        "put": _rate(total, put, rounds),
-        "get": _rate(total, get, rounds),
-        "put_pipelined": _rate(total, put_p, rounds),
-        "get_pipelined": _rate(total, get_p, rounds),
-    }
-    r.flushall()
-    return rates
+    def raw_put(n: int = n, view: memoryview = vview) -> None:
+        for _ in range(n):
+            raw.put(view)
+
+    def raw_get(n: int = n, size: int = size) -> None:
+        for _ in range(n):
+            raw.get(size)
+
+    def raw_put_p(n: int = n, view: memoryview = vview) -> None:
+        for _ in range(n // DEPTH):
+            raw.put(view, DEPTH)
+
+    def raw_get_p(n: int = n, size: int = size) -> None:
+        for _ in range(n // DEPTH):
+            raw.get(size, DEPTH)
+
+    cases: list[tuple[str, Callable[[], None], Callable[[], None]]] = [
+        ("put", kv_put, raw_put),
+        ("get", kv_get, raw_get),
+        ("put_pipelined", kv_put_p, raw_put_p),
+        ("get_pipelined", kv_get_p, raw_get_p),
+    ]
+    redis: dict[str, float] = {}
+    if redis_client is not None:
+        redis = redis_rates(redis_client, keys, batches, vbytes, total, rounds)
+    lmcache_rates, lmcache_note = _lmcache_rates(lm_python, size, n, rounds)
+    for op, kv, ref in cases:
+        mine = _rate(total, kv, rounds)
+        case = f"{op}/{label}"
+        rows.append(Row(case, mine, "GB/s", "raw_socket", _rate(total, ref, rounds)))
+        rows.append(Row(case, mine, "GB/s", "redis", redis.get(op), note=redis_note))
+        rows.append(Row(case, mine, "GB/s", "lmcache", lmcache_rates.get(op), note=lmcache_note))
+    for batch in batches:
+        for key in batch:
+            client.delete(key)
+    return rows
 
 
 def _lmcache_rates(python: str, size: int, count: int, rounds: int) -> tuple[dict[str, float], str]:

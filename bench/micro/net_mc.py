@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from kvoffload.bench.common import Row
+from kvoffload.bench.common import Row, cpu_seconds, daemon
+from kvoffload.bench.micro.raw_socket import RawClient, raw_connection
 from kvoffload.client_sdk import Client
 
 __all__ = ["mc_rows"]
@@ -52,8 +53,6 @@ def _kv_client(url: str, rounds: int, barrier: Any, done: Any) -> None:
 
 
 def _raw_client(port: int, rounds: int, barrier: Any, done: Any) -> None:
-    from kvoffload.bench.micro.net import RawClient
-
     raw = RawClient(port, SIZE)
     try:
         raw.get(SIZE)
@@ -93,8 +92,6 @@ def _aggregate(target: Any, arg: object, rounds: int) -> float:
 
 def _forking_server(listener: socket.socket) -> None:
     """One process per connection, as a multi-process server at its simplest."""
-    from kvoffload.bench.micro.net import raw_connection
-
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
     while True:
         conn, _ = listener.accept()
@@ -143,8 +140,6 @@ def _children(pid: int) -> list[int]:
 
 
 def mc_rows(rounds: int) -> list[Row]:
-    from kvoffload.bench.micro.net import _cpu_seconds, daemon
-
     cores = len(os.sched_getaffinity(0))
     rates: dict[int, float] = {}
     spread = ""
@@ -152,10 +147,10 @@ def mc_rows(rounds: int) -> list[Row]:
         with tempfile.TemporaryDirectory() as tmp, daemon("512MiB", tmp, workers) as (url, pid):
             _fill(url)
             procs = [pid, *_children(pid)] if workers > 1 else [pid]
-            before = {p: _cpu_seconds(p) for p in procs}
+            before = {p: cpu_seconds(p) for p in procs}
             rates[workers] = _aggregate(_kv_client, url, rounds)
             if workers > 1:
-                used = [_cpu_seconds(p) - before[p] for p in procs]
+                used = [cpu_seconds(p) - before[p] for p in procs]
                 spread = "; daemon CPU s per process during the rounds (supervisor first): " + (
                     ", ".join(f"{u:.2f}" for u in used)
                 )

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import crc32c
 import numpy as np
 
-from kvoffload.bench.common import Row
+from kvoffload.bench.common import Row, cpu_seconds, daemon
 from kvoffload.client_sdk import Client
 
 __all__ = ["nixl_rows"]
@@ -57,8 +57,6 @@ def nixl_rows(rounds: int = 5, working_set: int = 64 << 20, cpu_requests: int = 
     """The four NIXL rows; rows with a note and no values where NIXL is not installed."""
     if importlib.util.find_spec("nixl") is None:
         return _missing("nixl not installed (pip install --no-deps nixl-cu12 nixl)")
-    from kvoffload.bench.micro.net import _cpu_seconds, daemon
-
     os.environ.setdefault("UCX_TLS", "sm,tcp")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     ucx = f"UCX_TLS={os.environ['UCX_TLS']} UCX_NET_DEVICES={os.environ['UCX_NET_DEVICES']}"
@@ -113,7 +111,7 @@ def nixl_rows(rounds: int = 5, working_set: int = 64 << 20, cpu_requests: int = 
                         note=note.replace("get_into", "put"),
                     )
                 )
-                rows.append(_cpu_row(kv, nixl, keys, out, pid, cpu_requests, _cpu_seconds))
+                rows.append(_cpu_row(kv, nixl, keys, out, pid, cpu_requests, cpu_seconds))
             else:
                 src = np.frombuffer(os.urandom(size), dtype=np.uint8)
                 dst = np.empty(size, dtype=np.uint8)

@@ -6,6 +6,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvoffload.bench.trace.plots import pyplot
+
 __all__ = ["ttft_per_turn_plot"]
 
 
@@ -17,11 +19,7 @@ class _Sample(Protocol):
 def ttft_per_turn_plot(runs: Mapping[str, Sequence[_Sample]], path: Path) -> bool:
     """TTFT p50 (line) and p90 (dotted) per turn; False when matplotlib is not installed."""
     try:
-        from kvoffload.bench.trace.plots import _pyplot
-    except ImportError:
-        return False
-    try:
-        plt: Any = _pyplot()
+        plt: Any = pyplot()
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -43,6 +43,7 @@ from rich.console import Console
 
 from kvoffload.bench import common
 from kvoffload.bench.common import BenchResult, Row, Summary
+from kvoffload.bench.serve.plot import ttft_per_turn_plot
 from kvoffload.bench.serve.servers import (
     VllmServer,
     connector_transfer,
@@ -482,7 +483,5 @@ def run_from_args(args: argparse.Namespace) -> BenchResult:
             {n: {"error": r.error, "wall_s": r.wall_s, "samples": [asdict(s) for s in r.samples]}
              for n, r in runs.items()}, indent=1) + "\n")  # fmt: skip
     if args.plot:
-        from kvoffload.bench.serve.plot import ttft_per_turn_plot
-
         ttft_per_turn_plot({n: r.samples for n, r in runs.items()}, Path(args.plot))
     return result

@@ -11,7 +11,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["hit_ratio_plot", "latency_cdf_plot", "throughput_plot"]
+from kvoffload.bench.trace.model import run_label
+
+__all__ = ["hit_ratio_plot", "latency_cdf_plot", "pyplot", "throughput_plot"]
 
 # Our policies solid, peers dashed; one colour per system across all figures.
 _COLOURS = {
@@ -24,7 +26,7 @@ _COLOURS = {
 }
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -49,12 +51,6 @@ def _save(plt: Any, fig: Any, path: Path) -> bool:
     return True
 
 
-def _label(run: dict[str, Any]) -> str:
-    from kvoffload.bench.trace.model import run_label
-
-    return run_label(run)
-
-
 def hit_ratio_plot(trace: dict[str, Any], path: Path) -> bool:
     """Hit ratio against capacity (% of the working set) per policy and peer; DRAM+SSD runs
     dotted; the offline Belady reference and the unbounded ideal in grey."""
@@ -62,10 +58,10 @@ def hit_ratio_plot(trace: dict[str, Any], path: Path) -> bool:
     runs = [r for r in details.get("runs", []) if "hit_ratio" in r]
     if not runs:
         return False
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    for label in dict.fromkeys(_label(r) for r in runs):
-        points = sorted((r["percent"], r["hit_ratio"]) for r in runs if _label(r) == label)
+    for label in dict.fromkeys(run_label(r) for r in runs):
+        points = sorted((r["percent"], r["hit_ratio"]) for r in runs if run_label(r) == label)
         system = label.removesuffix("+ssd")
         peer = system.startswith(("vllm", "lmcache"))
         style = ":" if label.endswith("+ssd") else ("--" if peer else "-")
@@ -109,7 +105,7 @@ def throughput_plot(results: dict[str, dict[str, Any]], path: Path) -> bool:
             panels.append((bench, ops, ref, rows))
     if not panels:
         return False
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
     for ax, (bench, ops, ref, rows) in zip(axes[0], panels, strict=True):
         for op in ops:
@@ -140,12 +136,12 @@ def latency_cdf_plot(trace: dict[str, Any], percent: int, path: Path) -> bool:
     runs = [r for r in details.get("runs", []) if r.get("percent") == percent and "hit_ratio" in r]
     if not runs:
         return False
-    plt = _pyplot()
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     levels = np.linspace(0, 1, len(runs[0]["request_ms_cdf"]))
     for r in runs:
         system = r["system"]
-        left.plot(r["request_ms_cdf"], levels, label=_label(r), color=_COLOURS.get(system),
+        left.plot(r["request_ms_cdf"], levels, label=run_label(r), color=_COLOURS.get(system),
                   ls=":" if r["tier"] != "dram" else "-")  # fmt: skip
     left.set_xscale("log")
     _finish(left, "ms per request (lookup + loads + stores), measured", "fraction of requests",
@@ -157,7 +153,7 @@ def latency_cdf_plot(trace: dict[str, Any], percent: int, path: Path) -> bool:
         for r in runs:
             model = r.get("ttft_model", {}).get(gpu)
             if model:
-                right.plot(model["cdf_ms"], levels, label=_label(r),
+                right.plot(model["cdf_ms"], levels, label=run_label(r),
                            color=_COLOURS.get(r["system"]),
                            ls=":" if r["tier"] != "dram" else "-")  # fmt: skip
         name = details.get("gpus", {}).get(gpu, {}).get("name", gpu)

@@ -27,6 +27,9 @@ from rich.console import Console
 
 from kvoffload.bench.common import BenchResult, Row, machine_info
 from kvoffload.bench.registry import BENCHES
+from kvoffload.bench.trace import plots, ttft
+from kvoffload.bench.trace.model import run_label
+from kvoffload.bench.trace.workload import PROFILES
 from kvoffload.errors import ConfigError, KVOffloadError
 
 __all__ = [
@@ -94,15 +97,9 @@ def _rows_table(data: dict[str, Any]) -> str:
     return _table(["case", "kvoffload", "reference", "ref value", "ratio", "note"], rows)
 
 
-def _label(run: dict[str, Any]) -> str:
-    from kvoffload.bench.trace.model import run_label
-
-    return run_label(run)
-
-
 def _hits(details: dict[str, Any], label: str, percent: int) -> int | None:
     for r in details.get("runs", []):
-        if _label(r) == label and r["percent"] == percent and "hit_tokens" in r:
+        if run_label(r) == label and r["percent"] == percent and "hit_tokens" in r:
             return int(r["hit_tokens"])
     return None
 
@@ -136,7 +133,7 @@ def _by_capacity(runs: list[dict[str, Any]], labels: list[str], percents: list[i
     for p in percents:
         row: list[object] = [f"{p}%"]
         for label in labels:
-            match = [r for r in runs if _label(r) == label and r["percent"] == p]
+            match = [r for r in runs if run_label(r) == label and r["percent"] == p]
             row.append(fmt.format(match[0][field]) if match and field in match[0]
                        else (failed if match else ""))  # fmt: skip
         rows.append(row)
@@ -147,7 +144,7 @@ def _trace_section(data: dict[str, Any], figures: dict[str, str]) -> list[str]:
     d = data.get("details", {})
     t = d.get("trace", {})
     runs = d.get("runs", [])
-    labels = list(dict.fromkeys(_label(r) for r in runs))
+    labels = list(dict.fromkeys(run_label(r) for r in runs))
     percents = sorted({r["percent"] for r in runs})
     total = float(t.get("prompt_tokens_total", 0)) or 1.0
     belady = d.get("belady_hit_tokens", {})
@@ -187,7 +184,7 @@ def _trace_section(data: dict[str, Any], figures: dict[str, str]) -> list[str]:
         for r in runs:
             m = r.get("ttft_model", {}).get(gpu)
             if m:
-                rows.append([f"{_label(r)} @ {r['percent']}%", f"{m['mean_ms']:.1f}",
+                rows.append([f"{run_label(r)} @ {r['percent']}%", f"{m['mean_ms']:.1f}",
                              f"{m['p90_ms']:.1f}"])  # fmt: skip
         out += [_table(["run", "mean", "p90"], rows), ""]
         costs = d.get("load_costs", {})
@@ -290,9 +287,6 @@ def analyse(details: dict[str, Any]) -> str:
 
 def _ttft_words(details: dict[str, Any]) -> str:
     """Put the measured load time of a block next to the modelled cost of recomputing it."""
-    from kvoffload.bench.trace import ttft
-    from kvoffload.bench.trace.workload import PROFILES
-
     costs = details.get("load_costs", {})
     model = PROFILES.get(details.get("model", {}).get("name", ""))
     gpus = details.get("gpus", {})
@@ -404,8 +398,6 @@ def _draw(results: dict[str, dict[str, Any]], folder: Path, missing: list[str]) 
     if importlib.util.find_spec("matplotlib") is None:
         missing.append("plots: matplotlib is not installed (pip install 'kvoffload[bench]')")
         return {}
-    from kvoffload.bench.trace import plots
-
     figures: dict[str, str] = {}
     jobs: list[tuple[str, Callable[[Path], bool]]] = [
         ("throughput", lambda p: plots.throughput_plot(results, p)),
