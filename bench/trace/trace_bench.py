@@ -270,6 +270,89 @@ def _peer_python(peer: str, args: argparse.Namespace) -> str:
     return common.peer_python(package, getattr(args, f"{package}_python", None), env)
 
 
+def _check(
+    model: str,
+    policies: Sequence[str],
+    tiers: Sequence[str],
+    peers: Sequence[str],
+    gpus: Sequence[str],
+    layer_parts: Sequence[int],
+    percents: Sequence[int],
+    ssd_percents: Sequence[int] | None,
+) -> None:
+    """Raise `ConfigError` for what `run` cannot replay (see there)."""
+    if model not in PROFILES:
+        raise ConfigError(f"unknown model profile {model!r}; choose one of {sorted(PROFILES)}")
+    checks: list[tuple[Sequence[str], Collection[str], str]] = [
+        (policies, POLICIES, "policy"),
+        (tiers, ("dram", "ssd"), "tier"),
+        (peers, PEERS, "peer"),
+        (gpus, ttft.GPUS, "GPU profile"),
+    ]
+    for name, known, what in checks:
+        bad = sorted(set(name) - set(known))
+        if bad:
+            raise ConfigError(f"unknown {what} {bad}; choose from {sorted(known)}")
+    if not layer_parts or any(p < 1 for p in layer_parts):
+        raise ConfigError("layer parts are positive integers")
+    if not percents or any(not 0 < p <= 100 for p in [*percents, *(ssd_percents or ())]):
+        raise ConfigError("capacities are percentages of the working set in (0, 100]")
+
+
+def _peer_replay(
+    peer: str,
+    python: str,
+    work: Workload,
+    work_file: Path,
+    size: int,
+    scratch: Path,
+    timeout_s: float,
+    percents: Sequence[int],
+    tiers: Sequence[str],
+    ssd_percents: Sequence[int] | None,
+) -> tuple[list[Run], dict[str, object]]:
+    """One peer's runs over the capacities (vLLM's have no disk tier: rows with that error)."""
+    working_set = work.working_set
+    configs = plan(working_set, percents, [peer], tiers, ssd_percents)
+    if peer.startswith("vllm"):
+        configs = [c for c in configs if not c.ssd]
+    runs, info = _peer_runs(peer, python, configs, work_file, work, size, scratch, timeout_s)
+    if peer.startswith("vllm") and "ssd" in tiers:
+        no_disk = "vLLM's CPU offloading manager has no disk tier here"
+        ssd_plan = plan(working_set, percents, [peer], ["ssd"], ssd_percents)
+        runs += [Run(c, error=no_disk) for c in ssd_plan]
+    return runs, info
+
+
+def _calibrate(url: str | None, profile: ModelProfile, block_tokens: int, tiers: Sequence[str],
+               layer_parts: Sequence[int],
+               scratch: Path) -> tuple[dict[int, ttft.LoadCosts], str]:  # fmt: skip
+    """Load times of real-size blocks per layer-part count, from `url` or else a local store
+    in `scratch`; and a note when `url` refused them and a local store was measured."""
+
+    def url_for(ssd: bool, target: str | None = url) -> str | None:
+        if target:
+            return None if ssd else target
+        real = block_slot(profile.bytes_per_token * block_tokens)
+        base = f"dram={64 * real}&max_value={real}&prefault=0"
+        if not ssd:
+            return f"local://?{base}"
+        if "ssd" not in tiers:
+            return None
+        return f"local://{scratch / 'calibration'}?{base}&ssd={ssd_bytes(64, real)}"
+
+    calibration = ""
+    every: dict[int, ttft.LoadCosts] = {}
+    for parts in layer_parts:
+        try:
+            every[parts] = measure_load_costs(url_for, profile, block_tokens, parts=parts)
+        except InvalidArgumentError as exc:  # e.g. the store's blocks are smaller than real
+            every[parts] = measure_load_costs(lambda ssd: url_for(ssd, None), profile,
+                                              block_tokens, parts=parts)  # fmt: skip
+            calibration = f"load times measured on a local store: {url} refused them ({exc})"
+    return every, calibration
+
+
 def run(
     trace: Trace,
     *,
@@ -296,23 +379,8 @@ def run(
     Raises:
         ConfigError: unknown model, policy, tier, peer or GPU profile; bad capacities.
     """
-    if model not in PROFILES:
-        raise ConfigError(f"unknown model profile {model!r}; choose one of {sorted(PROFILES)}")
-    checks: list[tuple[Sequence[str], Collection[str], str]] = [
-        (policies, POLICIES, "policy"),
-        (tiers, ("dram", "ssd"), "tier"),
-        (peers, PEERS, "peer"),
-        (gpus, ttft.GPUS, "GPU profile"),
-    ]
-    for name, known, what in checks:
-        bad = sorted(set(name) - set(known))
-        if bad:
-            raise ConfigError(f"unknown {what} {bad}; choose from {sorted(known)}")
-    if not layer_parts or any(p < 1 for p in layer_parts):
-        raise ConfigError("layer parts are positive integers")
+    _check(model, policies, tiers, peers, gpus, layer_parts, percents, ssd_percents)
     layer_parts = sorted({1, *layer_parts})  # whole blocks are always modelled
-    if not percents or any(not 0 < p <= 100 for p in [*percents, *(ssd_percents or ())]):
-        raise ConfigError("capacities are percentages of the working set in (0, 100]")
     profile = PROFILES[model]
     salt = f"trace-{os.getpid()}-{time.time_ns()}" if url else ""
     work = Workload.build(trace, profile, block_tokens, salt)
@@ -342,39 +410,13 @@ def run(
             work_file = _peer_work(work, scratch)
             for peer in peers:
                 bar.update(task, description=f"peer {peer}")
-                peer_configs = plan(working_set, percents, [peer], tiers, ssd_percents)
-                if peer.startswith("vllm"):
-                    peer_configs = [c for c in peer_configs if not c.ssd]
-                peer_runs, info = _peer_runs(peer, peer_python(peer), peer_configs, work_file,
-                                             work, size, scratch, peer_timeout_s)  # fmt: skip
+                peer_runs, peer_info[peer] = _peer_replay(
+                    peer, peer_python(peer), work, work_file, size, scratch, peer_timeout_s,
+                    percents, tiers, ssd_percents,
+                )  # fmt: skip
                 runs += peer_runs
-                peer_info[peer] = info
-                if peer.startswith("vllm") and "ssd" in tiers:
-                    no_disk = "vLLM's CPU offloading manager has no disk tier here"
-                    ssd_plan = plan(working_set, percents, [peer], ["ssd"], ssd_percents)
-                    runs += [Run(c, error=no_disk) for c in ssd_plan]
         bar.update(task, description="measuring load times of real-size blocks")
-
-        def url_for(ssd: bool, target: str | None = url) -> str | None:
-            if target:
-                return None if ssd else target
-            real = block_slot(profile.bytes_per_token * block_tokens)
-            base = f"dram={64 * real}&max_value={real}&prefault=0"
-            if not ssd:
-                return f"local://?{base}"
-            if "ssd" not in tiers:
-                return None
-            return f"local://{scratch / 'calibration'}?{base}&ssd={ssd_bytes(64, real)}"
-
-        calibration = ""
-        every: dict[int, ttft.LoadCosts] = {}
-        for parts in layer_parts:
-            try:
-                every[parts] = measure_load_costs(url_for, profile, block_tokens, parts=parts)
-            except InvalidArgumentError as exc:  # e.g. the store's blocks are smaller than real
-                every[parts] = measure_load_costs(lambda ssd: url_for(ssd, None), profile,
-                                                  block_tokens, parts=parts)  # fmt: skip
-                calibration = f"load times measured on a local store: {url} refused them ({exc})"
+        every, calibration = _calibrate(url, profile, block_tokens, tiers, layer_parts, scratch)
         costs = every[1]
     ideal = work.ideal_hit_tokens()
     prompt_total = int(work.prompt_tokens.sum())
