@@ -257,33 +257,7 @@ def run(
             ratio, enc, dec, _ = _measure(cache, ref, rounds)
             results.append(CodecResult(ref.name, True, ratio, enc, dec))
         for name in names:
-            codec = get_codec(name)
-            ratio, enc, dec, payloads = _measure(cache, codec, rounds)
-            decoded = cache.decoded(codec, payloads)
-            x, y = cache.blocks.float(), decoded.float()
-            error = (y - x).abs().max().item()
-            relative = ((y - x).norm() / x.norm()).item()
-            if codec.lossless:
-                if not torch.equal(decoded.view(torch.uint8), cache.blocks.view(torch.uint8)):
-                    raise KVOffloadError(f"lossless codec {name} did not round-trip bit-exact")
-                results.append(CodecResult(name, True, ratio, enc, dec))
-                continue
-            from kvoffload.connectors.transformers import blocks_to_kv
-
-            kv = blocks_to_kv(decoded)
-            logp = cache.logits(kv)
-            kl = (exact_logp.exp() * (exact_logp - logp)).sum(-1).mean().item()
-            top1 = (logp.argmax(-1) == exact_logp.argmax(-1)).float().mean().item()
-            generated, _ = cache.greedy(kv, greedy)
-            pairs = enumerate(zip(generated, exact_greedy, strict=True))
-            same = next((i for i, (a, b) in pairs if a != b), greedy)
-            # The same codec where torch is absent (same bytes, numpy arithmetic).
-            _, np_enc, np_dec, _ = _measure(cache, get_codec(name, backend="numpy"), rounds)
-            results.append(
-                CodecResult(
-                    name, False, ratio, enc, dec, error, relative, kl, top1, same, (np_enc, np_dec)
-                )
-            )
+            results.append(_codec_result(cache, name, rounds, exact_logp, exact_greedy, greedy))
         parallel = _parallel_rows(cache, threads, rounds)
     finally:
         torch.set_num_threads(threads_before)
@@ -294,8 +268,55 @@ def run(
     result.machine["lz4"] = lz4.__version__
     result.rows = _rows(results, greedy) + parallel
     result.summary = _summary(results, greedy)
+    result.notes = _notes(results, cache, context, block_tokens, positions, greedy, rounds, margins)
+    return result
+
+
+def _codec_result(
+    cache: _Cache, name: str, rounds: int, exact_logp: Any, exact_greedy: list[int], greedy: int
+) -> CodecResult:
+    """One codec's ratio and speeds; for a lossy one also its errors and what they change in
+    the model's output next to the exact cache (`exact_logp`, `exact_greedy`)."""
+    torch = cache.torch
+    codec = get_codec(name)
+    ratio, enc, dec, payloads = _measure(cache, codec, rounds)
+    decoded = cache.decoded(codec, payloads)
+    x, y = cache.blocks.float(), decoded.float()
+    error = (y - x).abs().max().item()
+    relative = ((y - x).norm() / x.norm()).item()
+    if codec.lossless:
+        if not torch.equal(decoded.view(torch.uint8), cache.blocks.view(torch.uint8)):
+            raise KVOffloadError(f"lossless codec {name} did not round-trip bit-exact")
+        return CodecResult(name, True, ratio, enc, dec)
+    from kvoffload.connectors.transformers import blocks_to_kv
+
+    kv = blocks_to_kv(decoded)
+    logp = cache.logits(kv)
+    kl = (exact_logp.exp() * (exact_logp - logp)).sum(-1).mean().item()
+    top1 = (logp.argmax(-1) == exact_logp.argmax(-1)).float().mean().item()
+    generated, _ = cache.greedy(kv, greedy)
+    pairs = enumerate(zip(generated, exact_greedy, strict=True))
+    same = next((i for i, (a, b) in pairs if a != b), greedy)
+    # The same codec where torch is absent (same bytes, numpy arithmetic).
+    _, np_enc, np_dec, _ = _measure(cache, get_codec(name, backend="numpy"), rounds)
+    return CodecResult(
+        name, False, ratio, enc, dec, error, relative, kl, top1, same, (np_enc, np_dec)
+    )
+
+
+def _notes(
+    results: list[CodecResult],
+    cache: _Cache,
+    context: int,
+    block_tokens: int,
+    positions: int,
+    greedy: int,
+    rounds: int,
+    margins: list[float],
+) -> list[str]:
+    """What the rows are measured on, where greedy decoding diverged, and the lossless goal."""
     split = next((r for r in results if r.name == "split-zstd"), None)
-    result.notes = [
+    notes = [
         f"{MODEL_ID}, {cache.spec.dtype} KV of {context} document tokens as "
         f"{len(cache.raw)} blocks of {block_tokens} tokens ({cache.nbytes / 2**20:.1f} MiB); "
         f"{positions} positions scored, {greedy} greedy tokens compared.",
@@ -309,7 +330,7 @@ def run(
         if r.greedy_same is not None and r.greedy_same < greedy
     ]
     if diverged:
-        result.notes.append(
+        notes.append(
             "Greedy tokens leave the exact cache's: " + "; ".join(diverged) + ". Margins of "
             f"the exact run's first {min(8, greedy)} steps: "
             + ", ".join(f"{m:.3g}" for m in margins[:8])
@@ -318,13 +339,13 @@ def run(
     if split is not None and cache.spec.dtype == "bfloat16":  # the goal is set for bf16 KV
         met = split.ratio >= LOSSLESS_GOAL_RATIO and split.decode_gbs >= LOSSLESS_GOAL_DECODE
         zstd = next(r for r in results if r.name == "zstd1_raw")
-        result.notes.append(
+        notes.append(
             f"Goal split-zstd >= {LOSSLESS_GOAL_RATIO}x at >= {LOSSLESS_GOAL_DECODE} GB/s decode "
             f"per core: {'met' if met else 'MISSED'} ({split.ratio:.3f}x, "
             f"{split.decode_gbs:.2f} GB/s, {split.decode_gbs / zstd.decode_gbs:.2f}x the "
             "decode speed of zstd-1 on the raw bytes in this run; on a busy machine both drop)."
         )
-    return result
+    return notes
 
 
 def _rows(results: list[CodecResult], greedy: int) -> list[Row]:
