@@ -4,7 +4,7 @@ over 1, 2 and 4 targets (issue 12's rows).
 
 Targets are named like the ids daemons generate; keys are random 16-byte block keys, fixed by
 `--seed`, so a run is reproducible. The ideal values are 1.0 (balance) and 1/5 = 0.2 (moved).
-The live rows run real daemons on loopback (`cluster_live`).
+The live rows run real daemons on loopback (`live.py`).
 """
 
 from __future__ import annotations

