@@ -177,6 +177,44 @@ def _round_trips(
             report.wrong_values += 1
 
 
+def _jobs(
+    kinds: Sequence[str],
+    workers: int,
+    frames: int,
+    deadline: float,
+    seed: int,
+    limits: tuple[int, int],
+    native_port: int,
+    nvme_port: int | None,
+) -> list[Job]:
+    """The fuzz workers' jobs: how many processes of each kind, and each one's share of
+    `frames`."""
+    # Most frames go to the workers that send many small ones; the slow and crowd workers
+    # count their connections' frames too (a few, each held a while).
+    procs = {
+        "native": max(1, workers // 2),
+        "nvme": max(1, workers // 4),
+        "slow": 1,
+        "crowd": 1,
+    }
+    shares = {"native": 30, "nvme": 20, "slow": 1, "crowd": 1}
+    weight = sum(shares[k] for k in kinds)
+    return [
+        Job(
+            kind,
+            "127.0.0.1",
+            native_port,
+            max(1, frames * shares[kind] // weight // procs[kind]),
+            deadline,
+            seed * 1000 + len(kinds) * i + j,
+            limits,
+            nvme_port or 0,
+        )
+        for j, kind in enumerate(kinds)
+        for i in range(procs[kind])
+    ]
+
+
 def fuzz(
     native_port: int,
     nvme_port: int | None,
@@ -213,31 +251,7 @@ def fuzz(
             target=_round_trips, args=(client, rng, report, report.during, stop.is_set)
         )
         t0 = time.time()
-        deadline = t0 + seconds
-        # Most frames go to the workers that send many small ones; the slow and crowd workers
-        # count their connections' frames too (a few, each held a while).
-        procs = {
-            "native": max(1, workers // 2),
-            "nvme": max(1, workers // 4),
-            "slow": 1,
-            "crowd": 1,
-        }
-        shares = {"native": 30, "nvme": 20, "slow": 1, "crowd": 1}
-        weight = sum(shares[k] for k in kinds)
-        jobs = [
-            Job(
-                kind,
-                "127.0.0.1",
-                native_port,
-                max(1, frames * shares[kind] // weight // procs[kind]),
-                deadline,
-                seed * 1000 + len(kinds) * i + j,
-                limits,
-                nvme_port or 0,
-            )
-            for j, kind in enumerate(kinds)
-            for i in range(procs[kind])
-        ]
+        jobs = _jobs(kinds, workers, frames, t0 + seconds, seed, limits, native_port, nvme_port)
         good.start()
         ctx = multiprocessing.get_context("spawn")
         try:
