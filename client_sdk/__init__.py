@@ -11,6 +11,7 @@ from kvoffload.client_sdk.keys import (
     engine_keys,
 )
 from kvoffload.client_sdk.request_layer import ClientStats
+from kvoffload.client_sdk.transports.local import LocalTransport
 from kvoffload.wire.blockmeta import BlockMeta
 from kvoffload.wire.tiers import Tier, TierRun
 
@@ -21,6 +22,7 @@ __all__ = [
     "BlockMeta",
     "Client",
     "ClientStats",
+    "LocalTransport",
     "Namespace",
     "Tier",
     "TierRun",

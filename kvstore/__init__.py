@@ -3,7 +3,14 @@
 No sockets and no asyncio here; the daemon and the SDK drive the engine.
 """
 
-from kvoffload.kvstore.config import DramConfig, EngineConfig, SsdConfig, format_size, parse_size
+from kvoffload.kvstore.config import (
+    PAGE,
+    DramConfig,
+    EngineConfig,
+    SsdConfig,
+    format_size,
+    parse_size,
+)
 from kvoffload.kvstore.engine import (
     KEY_BYTES,
     MAX_META_BYTES,
@@ -21,6 +28,7 @@ from kvoffload.kvstore.eviction import POLICIES, EvictionPolicy, Rank, make_poli
 __all__ = [
     "KEY_BYTES",
     "MAX_META_BYTES",
+    "PAGE",
     "POLICIES",
     "PutReservation",
     "Recovery",

@@ -5,8 +5,9 @@
 `services.Services`. Configuration: `config.load_config`.
 """
 
-from kvoffload.nvmeof_target.config import Config, load_config
+from kvoffload.nvmeof_target.config import Config, EventsConfig, load_config
+from kvoffload.nvmeof_target.events import KVEvents
 from kvoffload.nvmeof_target.server import FRONTS, Daemon
 from kvoffload.nvmeof_target.services import Services
 
-__all__ = ["FRONTS", "Config", "Daemon", "Services", "load_config"]
+__all__ = ["FRONTS", "Config", "Daemon", "EventsConfig", "KVEvents", "Services", "load_config"]

@@ -404,7 +404,7 @@ class _LoadClock:
     def log(self, job: LoadJob, loaded: int, queued: float | None) -> None:
         if not log.isEnabledFor(logging.DEBUG):
             return
-        # `bench/serve_breakdown.py` reads these lines for its TTFT breakdown.
+        # `bench/serve/breakdown.py` reads these lines for its TTFT breakdown.
         waited = self.start - queued if queued is not None else 0.0
         log.debug(
             "kvoffload: load %s %s blocks=%d/%d queued_ms=%.1f read_ms=%.1f scatter_ms=%.1f "

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.bench.net import run
+from kvoffload.bench.micro.net import run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 HAVE_REDIS = shutil.which("redis-server") is not None and importlib.util.find_spec("redis")

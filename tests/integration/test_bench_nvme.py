@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.bench.nvme_bench import run
+from kvoffload.bench.micro.nvme_bench import run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.bench.ssd_bench import run
+from kvoffload.bench.micro.ssd_bench import run
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

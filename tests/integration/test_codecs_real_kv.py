@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvoffload.bench.model import MODEL_ID, document, model_available
+from kvoffload.bench.demo.model import MODEL_ID, document, model_available
 
 pytestmark = [
     pytest.mark.integration,
@@ -29,7 +29,7 @@ CONTEXT = 256  # tokens of real KV: 16 blocks of 16 tokens, 5.6 MiB
 
 @pytest.fixture(scope="module")
 def model() -> Iterator[Any]:
-    from kvoffload.bench.model import SmolLM2
+    from kvoffload.bench.demo.model import SmolLM2
 
     yield SmolLM2("bfloat16")
 
@@ -79,7 +79,7 @@ def test_real_kv_through_the_sdk_with_every_codec(real_kv: tuple[Any, Any]) -> N
 
 
 def test_codecs_bench_on_real_kv(model: Any, tmp_path: Path) -> None:
-    from kvoffload.bench import codecs
+    from kvoffload.bench.micro import codecs
 
     result = codecs.run(model, tokens=400, positions=64, greedy=12, rounds=1, threads=2)
     rows = {row.case: row for row in result.rows}

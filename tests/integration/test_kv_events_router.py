@@ -14,7 +14,7 @@ import pytest
 import zmq
 from dynamo_index import DynamoIndex, local_hashes, sequence_hashes
 
-from kvoffload.bench.workload import TraceShape, chain_keys, generate
+from kvoffload.bench.trace.workload import TraceShape, chain_keys, generate
 from kvoffload.client_sdk import BlockMeta, Client, Namespace
 
 pytestmark = pytest.mark.integration

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvoffload.bench.net_nixl import nixl_rows
+from kvoffload.bench.micro.net_nixl import nixl_rows
 from kvoffload.client_sdk import AsyncClient, Client
 from kvoffload.client_sdk.transports.native import nixl as nixl_transport
 from kvoffload.client_sdk.transports.native.nixl_memory import MAX_REGIONS, NixlMemory

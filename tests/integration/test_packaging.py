@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 
 CHECK = """
-import kvoffload, kvoffload.bench.demo as demo
+import kvoffload, kvoffload.bench.demo.chat as demo
 from kvoffload.client_sdk import Client, AsyncClient, Namespace, block_keys
 from kvoffload.kvstore import Engine
 from kvoffload.compression import CODEC_NONE

@@ -1,4 +1,4 @@
-"""The live fuzzer (bench/fuzz.py) against a real daemon started with small limits: the daemon
+"""The live fuzzer (bench/fuzz/) against a real daemon started with small limits: the daemon
 survives, answers a good client bit-exact during and after, logs no traceback, and its RSS
 stays within what its limits allow.
 
@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from kvoffload.bench import fuzz
+from kvoffload.bench.fuzz import fuzz_bench as fuzz
 from kvoffload.client_sdk import Client
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1200)]

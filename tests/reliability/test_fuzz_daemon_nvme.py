@@ -1,4 +1,4 @@
-"""The live fuzzer's NVMe/TCP half (bench/fuzz.py) against a real daemon with small NVMe
+"""The live fuzzer's NVMe/TCP half (bench/fuzz/) against a real daemon with small NVMe
 limits: the daemon survives, a good client stays bit-exact, no traceback, and RSS stays within
 what the NVMe front's limits allow.
 
@@ -13,7 +13,7 @@ import os
 import pytest
 from test_fuzz_daemon import MARGIN, check_good_client, first_traceback
 
-from kvoffload.bench import fuzz
+from kvoffload.bench.fuzz import fuzz_bench as fuzz
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1200)]
 

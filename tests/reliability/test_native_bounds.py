@@ -1,5 +1,5 @@
 """The native codec's receive side allocates no more than what arrived, whatever a frame
-declares (found by the fuzz harnesses in fuzz_codecs.py and the live fuzzer, bench/fuzz.py)."""
+declares (found by the fuzz harnesses in fuzz_codecs.py and the live fuzzer, bench/fuzz/)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A put reserves arena slots only for the values whose bytes are arriving: a PutMany header
 that declares many large values and sends nothing must not pin (and evict the cache for) all
-of them. Found with the live fuzzer's slow-payload worker (bench/fuzz.py): 1.5 KB of header
+of them. Found with the live fuzzer's slow-payload worker (bench/fuzz/): 1.5 KB of header
 evicted a 200 MiB working set and pinned 240 MiB for the frame timeout."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import cast
 
 import pytest
 
-from kvoffload.bench import fuzz
+from kvoffload.bench.fuzz import fuzz_bench as fuzz
 from kvoffload.client_sdk import Client
 from kvoffload.wire.native.connection import (
     NEED_DATA,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.bench import cluster_live
+from kvoffload.bench.cluster import live as cluster_live
 from kvoffload.cli import main
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

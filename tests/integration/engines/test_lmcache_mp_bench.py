@@ -10,7 +10,7 @@ from engine_env import require_engine
 
 require_engine("lmcache", "KVOFFLOAD_REQUIRE_LMCACHE")
 
-from kvoffload.bench.lmcache_mp import run  # noqa: E402
+from kvoffload.bench.peers.lmcache_mp import run  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

@@ -9,8 +9,8 @@ from engine_env import require_engine
 
 require_engine("lmcache", "KVOFFLOAD_REQUIRE_LMCACHE")
 
-from kvoffload.bench import lmserver  # noqa: E402
-from kvoffload.bench.net import run  # noqa: E402
+from kvoffload.bench.micro.net import run  # noqa: E402
+from kvoffload.bench.peers import lmserver  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -44,7 +44,7 @@ require_engine("vllm", "KVOFFLOAD_REQUIRE_VLLM_SERVE")
 from PIL import Image  # noqa: E402
 from test_vllm_ec import write_tiny_blip2  # noqa: E402
 
-from kvoffload.bench.serve_vllm import Daemon, VllmServer, daemon  # noqa: E402
+from kvoffload.bench.serve.servers import Daemon, VllmServer, daemon  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 

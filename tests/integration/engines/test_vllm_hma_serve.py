@@ -28,7 +28,7 @@ if not os.environ.get("KVOFFLOAD_REQUIRE_VLLM_SERVE"):
                 "(KVOFFLOAD_REQUIRE_VLLM_SERVE=1)", allow_module_level=True)  # fmt: skip
 require_engine("vllm", "KVOFFLOAD_REQUIRE_VLLM_SERVE")
 
-from kvoffload.bench.serve_vllm import (  # noqa: E402
+from kvoffload.bench.serve.servers import (  # noqa: E402
     Completion,
     Daemon,
     VllmServer,

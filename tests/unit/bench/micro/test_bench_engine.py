@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvoffload.bench.micro import engine_bench as engine
+from kvoffload.cli import main
+
+
+def test_engine_bench_rows_and_json(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    assert main(["bench", "engine", "--working-set", "4", "--rounds", "1", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["bench"] == "engine" and data["machine"]["cpus"]
+    cases = {row["case"] for row in data["rows"]}
+    for op in ("put", "get", "get_into"):
+        for size in engine.SIZES:
+            assert f"{op}/{size}" in cases
+    fill = next(row for row in data["rows"] if row["case"] == "dram_fill/mixed")
+    assert fill["value"] >= 0.85 and fill["ref"] == "goal_0.85"
+    for row in data["rows"]:
+        if row is fill:
+            continue
+        assert row["ref"] == "memcpy" and row["unit"] == "GB/s"
+        assert row["value"] > 0 and row["ref_value"] > 0
+        assert abs(row["ratio"] - row["value"] / row["ref_value"]) < 1e-2
+
+
+def test_ssd_bench_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "ssd.json"
+    argv = ["bench", "ssd", "--dir", str(tmp_path), "--size", "4", "--entries", "2000"]
+    assert main([*argv, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = {(r["case"], r["ref"]): r for r in data["rows"]}
+    for size in ("128KiB", "2MiB", "8MiB"):
+        for op in ("read", "write"):
+            assert rows[(f"{op}/{size}", "odirect")]["value"] > 0
+            fio = rows[(f"{op}/{size}", "fio")]
+            assert fio["ref_value"] is None or fio["ref_value"] > 0
+    for label in ("2MiB", "640KiB", "160KiB"):  # the batched reads, a layer part's size too
+        assert rows[(f"read_batch/{label}", "odirect")]["value"] > 0
+        assert rows[(f"cpu_us/read_batch/{label}", "odirect")]["ref_value"] > 0
+    assert rows[("restart/2k", "goal_5s")]["unit"] == "s"
+    assert 0 < rows[("index_bytes/2k", "goal_128B")]["value"] < 4096
+    assert not list(tmp_path.glob("kvoffload-bench-ssd-*"))  # cleaned up
