@@ -6,7 +6,7 @@
 """
 
 from kvoffload.nvmeof_target.config import Config, EventsConfig, load_config
-from kvoffload.nvmeof_target.events import KVEvents
+from kvoffload.nvmeof_target.events.publisher import KVEvents
 from kvoffload.nvmeof_target.server import FRONTS, Daemon
 from kvoffload.nvmeof_target.services import Services
 
