@@ -41,8 +41,8 @@ from typing import Any
 
 import numpy as np
 
+import kvoffload.kvstore.faults as faults
 from kvoffload.errors import ConfigError, StorageIOError
-from kvoffload.kvstore import faults
 from kvoffload.kvstore.config import PAGE, SsdConfig
 from kvoffload.kvstore.ssd.slotio import AlignedBuffer, BlockIO, SlotFile
 

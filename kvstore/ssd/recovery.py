@@ -12,13 +12,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import kvoffload.kvstore.ssd.journal as jr
 from kvoffload.errors import ConfigError, StorageIOError
 from kvoffload.kvstore.config import PAGE, EngineConfig
-from kvoffload.kvstore.ssd import journal as jr
 from kvoffload.kvstore.ssd.catalog import SsdCatalog, export_records
-from kvoffload.kvstore.ssd.gds import select_slot_file
 from kvoffload.kvstore.ssd.index import RankFn, ssd_slot_bytes
-from kvoffload.kvstore.ssd.slotio import SlotFile
+from kvoffload.kvstore.ssd.slotio import SlotFile, select_slot_file
 from kvoffload.kvstore.ssd.store import StoreDir
 
 __all__ = ["Recovery", "SsdStore"]

@@ -68,7 +68,7 @@ def test_device_errors_become_storage_io_errors(tmp_path: Path) -> None:
 
 def test_backend_selection_falls_back_to_the_host_path(tmp_path: Path) -> None:
     from kvoffload.errors import ConfigError
-    from kvoffload.kvstore.ssd.gds import KvikioSlotFile, gds_available, select_slot_file
+    from kvoffload.kvstore.ssd.slotio import KvikioSlotFile, gds_available, select_slot_file
 
     slots = select_slot_file("auto", str(tmp_path / "a"), 1 << 20)
     assert isinstance(slots, SlotFile)
