@@ -44,10 +44,10 @@ import numpy as np
 import kvoffload.kvstore.faults as faults
 from kvoffload.errors import ConfigError, StorageIOError
 from kvoffload.kvstore.config import PAGE, SsdConfig
-from kvoffload.kvstore.ssd.slotio import AlignedBuffer, BlockIO, SlotFile
+from kvoffload.kvstore.ssd.slotio import AlignedBuffer, BlockIO, SlotFile, select_slot_file
 
-__all__ = ["BACKENDS", "NixlBlockIO", "NixlFileIO", "NixlIOStats", "nixl_available",
-           "open_block_io"]  # fmt: skip
+__all__ = ["BACKENDS", "NixlBlockIO", "NixlFileIO", "NixlIOStats", "SlotBackend",
+           "nixl_available"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -492,14 +492,33 @@ class NixlBlockIO(BlockIO):
         self.files.transfer(write, pieces)
 
 
-def open_block_io(config: SsdConfig, slots: SlotFile) -> BlockIO:
-    """The slot I/O that `config.io_backend` names.
+@dataclass(frozen=True, slots=True)
+class SlotBackend:
+    """The one seam for slot I/O (python-diskcache's `Disk`): the only reader of
+    `ssd.io_backend`. It says how the slot file is opened (O_DIRECT, or kvikio's cuFile) and
+    how blocks move through it (the calling threads, or NIXL); the store and the tier ask it,
+    never the config."""
 
-    Raises:
-        ConfigError: a NIXL backend was asked for and NIXL or that backend is missing here.
-    """
-    if config.io_backend in BACKENDS:
-        io = NixlBlockIO(slots, config.io_backend, config.nixl_queue)
-        log.info("SSD slot I/O through NIXL's %s backend", io.files.plugin)
-        return io
-    return BlockIO(slots)
+    config: SsdConfig
+
+    def open_file(self, path: str, size: int) -> SlotFile:
+        """The slot file ("kvikio", or "auto" with kvikio usable: through cuFile).
+
+        Raises:
+            ConfigError: "kvikio" asked for but not usable here.
+        """
+        backend = self.config.io_backend
+        return select_slot_file("posix" if backend in BACKENDS else backend, path, size)
+
+    def open_io(self, slots: SlotFile) -> BlockIO:
+        """The block I/O over `slots` ("nixl-*": through NIXL).
+
+        Raises:
+            ConfigError: a NIXL backend was asked for and NIXL or that backend is missing here.
+        """
+        config = self.config
+        if config.io_backend in BACKENDS:
+            io = NixlBlockIO(slots, config.io_backend, config.nixl_queue)
+            log.info("SSD slot I/O through NIXL's %s backend", io.files.plugin)
+            return io
+        return BlockIO(slots)

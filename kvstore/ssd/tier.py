@@ -19,7 +19,7 @@ from kvoffload.errors import StorageIOError
 from kvoffload.kvstore.config import EngineConfig
 from kvoffload.kvstore.ssd.catalog import WritePlan, restore_slots
 from kvoffload.kvstore.ssd.index import EMPTY, RankFn
-from kvoffload.kvstore.ssd.nixl_io import open_block_io
+from kvoffload.kvstore.ssd.nixl_io import SlotBackend
 from kvoffload.kvstore.ssd.recovery import Recovery, SsdStore
 from kvoffload.kvstore.ssd.store import META_NAME
 from kvoffload.kvstore.tier import TierStats
@@ -75,13 +75,20 @@ class SsdTier:
         # The lock every coarse operation expects held (the engine's); released for I/O.
         self._lock = lock or threading.Lock()
         self._on_stored = on_stored
-        self.store = store = SsdStore(config, rank=rank, on_removed=on_removed, lock=self._lock,
-                                      read_only=read_only)  # fmt: skip
+        backend = SlotBackend(config.ssd)  # the one reader of `ssd.io_backend`
+        self.store = store = SsdStore(
+            config,
+            rank=rank,
+            on_removed=on_removed,
+            lock=self._lock,
+            read_only=read_only,
+            open_slots=backend.open_file,
+        )
         self.files, self.dir, self.meta = store.files, store.files.dir, store.meta
         self.recovery, self.store_id = store.recovery, store.store_id
         self.capacity, self.max_value_bytes = store.capacity, store.max_value_bytes
         try:
-            io = open_block_io(config.ssd, store.slots)
+            io = backend.open_io(store.slots)
         except BaseException:
             store.abandon()  # NIXL or its backend is missing: a store made just now goes
             raise
