@@ -139,6 +139,7 @@ class DramIndex:
         for entry in self._entries.values():
             entry.live = False
         self._entries.clear()
+        self._touched = []
 
 
 class DramTier:

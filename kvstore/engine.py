@@ -16,6 +16,7 @@ engine's, guards all of it; value bytes move with it released, on pinned slots.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -198,8 +199,8 @@ def _open_lower(config: EngineConfig, m: Manager, mover: Mover) -> list[SsdTier]
     if not (config.ssd.capacity_bytes or (data_dir and (Path(data_dir) / META_NAME).exists())):
         return []
     ssd = SsdTier(config, rank=m.lower_rank, lock=m.lock,
-                  on_stored=lambda key: m.stored_below(ssd, key),
-                  on_removed=lambda key: m.removed_below(ssd, key))  # fmt: skip
+                  on_stored=functools.partial(m.stored_below, SsdTier.name),
+                  on_removed=functools.partial(m.removed_below, SsdTier.name))  # fmt: skip
     limit = config.dram.effective_max_value_bytes
     if ssd.max_value_bytes < limit:
         ssd.abandon()  # a store created just now is removed again

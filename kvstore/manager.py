@@ -155,16 +155,19 @@ class Manager:
 
     # ------------------------------------------------------------------ tier callbacks
 
-    def stored_below(self, tier: SsdTier, key: bytes) -> None:
-        """A tier below DRAM committed a copy of `key` (its callback, lock held)."""
-        self.notify("stored", key, tier.name)
+    def stored_below(self, tier: str, key: bytes) -> None:
+        """The tier below DRAM named `tier` committed a copy of `key` (its callback, lock
+        held). By name, not the tier itself: a tier holding a callback that holds it would
+        outlive its close until the cyclic GC ran."""
+        self.notify("stored", key, tier)
 
-    def removed_below(self, tier: SsdTier, key: bytes) -> None:
-        """A tier below DRAM dropped its copy of `key` (its callback, lock held)."""
+    def removed_below(self, tier: str, key: bytes) -> None:
+        """The tier below DRAM named `tier` dropped its copy of `key` (its callback, lock
+        held)."""
         entry = self.index.lookup(key)
         if entry is not None:
             entry.on_ssd = False  # the copy below is gone: evicting the DRAM copy must write it
-        self.notify("removed", key, tier.name)
+        self.notify("removed", key, tier)
 
     # ------------------------------------------------------------------ pins
 
