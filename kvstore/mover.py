@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from queue import SimpleQueue
 from typing import Any
 
-from kvoffload.errors import KVOffloadError
 from kvoffload.kvstore.dram import DramEntry
 from kvoffload.kvstore.ssd.catalog import WritePlan
 from kvoffload.kvstore.ssd.tier import SsdRead, SsdTier, SsdWipe
@@ -161,21 +160,19 @@ class Mover:
 
     def submit_reads(
         self, plans: Sequence[ReadPlan], done: Callable[[ReadPlan, bool | None], None]
-    ) -> None:
-        """Start the reads of a batch on the read pool (called without the lock); each
-        completes there through `done(plan, ok)`.
-
-        Raises:
-            KVOffloadError: the pool shut down (the engine is closing); the plans not started
-                are not reported.
-        """
+    ) -> int:
+        """Start a batch of reads on the read pool (called without the lock); each completes
+        there through `done(plan, ok)`. Returns how many were started, in order: fewer than
+        all once the pool has shut down (the engine is closing); those not started are not
+        reported."""
         reads = self.reads
         assert reads is not None
-        for plan in plans:
+        for n, plan in enumerate(plans):
             try:
                 reads.submit(_read_and_report, plan, done)
             except RuntimeError:  # the pool shut down: close() began meanwhile
-                raise KVOffloadError("the engine is closed") from None
+                return n
+        return len(plans)
 
     def submit_prefetch(self, run: Callable[[bytes], None], key: bytes) -> None:
         """Run `run(key)` on the prefetch pool.

@@ -169,9 +169,10 @@ class Reads:
             self._complete(batch, plan, ok)
 
         def submit(plans: Sequence[ReadPlan]) -> None:
-            for plan in plans:
-                mover.submit_reads((plan,), done)
-                running.add(plan.key)
+            started = mover.submit_reads(plans, done)
+            running.update(plan.key for plan in plans[:started])
+            if started < len(plans):
+                raise KVOffloadError("the engine is closed")
 
         finished = False
         self._lock.release()
