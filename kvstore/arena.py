@@ -1,4 +1,5 @@
-"""One preallocated, page-aligned memory arena for the DRAM tier."""
+"""Page-aligned host memory: the DRAM tier's one preallocated arena, and the small aligned
+buffers that O_DIRECT slot I/O and a get's side buffer need."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import mmap
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Arena"]
+from kvoffload.kvstore.config import PAGE
+
+__all__ = ["AlignedBuffer", "Arena"]
 
 # Not exported by the mmap module on every Python; the Linux value is stable.
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0x8000)
@@ -42,3 +45,16 @@ class Arena:
         # unmapping now would leave it dangling, so then the GC unmaps later.
         with contextlib.suppress(BufferError):
             self._map.close()
+
+
+class AlignedBuffer:
+    """Page-aligned anonymous memory (O_DIRECT needs aligned buffers)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = -(-size // PAGE) * PAGE
+        self._map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.view = memoryview(self._map)
+
+    def close(self) -> None:
+        self.view.release()
+        self._map.close()

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from kvoffload.kvstore.ssd.fsck import FsckReport
+from kvoffload.kvstore.ssd.fsck import FsckReport, fsck
 
 __all__ = ["add_commands"]
 
@@ -30,8 +29,6 @@ def _stores(directory: str) -> tuple[list[str], list[str]]:
 
 
 def _fsck(args: argparse.Namespace) -> int:
-    from kvoffload.kvstore.ssd.fsck import fsck
-
     stores, missing = _stores(args.directory)
     reports = [fsck(store, rebuild=args.rebuild) for store in stores]
     if args.json:

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 from kvoffload.errors import ConfigError
+from kvoffload.kvstore.eviction import POLICIES
 
 __all__ = ["PAGE", "DramConfig", "EngineConfig", "SsdConfig", "format_size", "parse_size"]
 
@@ -105,8 +106,6 @@ class DramConfig:
                 f"({format_size(self.effective_max_value_bytes)}); raise the capacity or lower "
                 "max_value_bytes"
             )
-        from kvoffload.kvstore.eviction import POLICIES
-
         if self.policy not in POLICIES:
             raise ConfigError(
                 f"unknown eviction policy {self.policy!r}; choose one of {sorted(POLICIES)}"
@@ -159,13 +158,10 @@ class SsdConfig:
     def __post_init__(self) -> None:
         if self.capacity_bytes < 0:
             raise ConfigError(f"ssd.capacity_bytes must not be negative, got {self.capacity_bytes}")
-        if self.policy:
-            from kvoffload.kvstore.eviction import POLICIES
-
-            if self.policy not in POLICIES:
-                raise ConfigError(
-                    f"unknown ssd.policy {self.policy!r}; choose one of {sorted(POLICIES)}"
-                )
+        if self.policy and self.policy not in POLICIES:
+            raise ConfigError(
+                f"unknown ssd.policy {self.policy!r}; choose one of {sorted(POLICIES)}"
+            )
         if self.max_value_bytes < 0:
             raise ConfigError("ssd.max_value_bytes must not be negative")
         if self.admission_min_uses < 1:

@@ -11,16 +11,14 @@ finding tenants and tiers runs after the lock is released, in numpy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload.kvstore.ssd import journal as jr
+import kvoffload.kvstore.ssd.journal as jr
+from kvoffload.kvstore.manager import Manager
 from kvoffload.kvstore.ssd.metabook import MetaSnapshot
-
-if TYPE_CHECKING:
-    from kvoffload.kvstore.manager import Manager
+from kvoffload.kvstore.ssd.tier import SsdTier
 
 __all__ = ["DRAM", "SSD", "DescribedBlock", "DescribedTable", "Listing", "take_listing"]
 
@@ -152,10 +150,13 @@ def _bodies(
 def take_listing(m: Manager) -> Listing:
     """The books' contents (lock held): copies of arrays and lists, no per-block Python for
     SSD blocks (`MetaBook.snapshot`)."""
-    dram = [(k, e.tenant, e.meta) for k, e in m.index.items() if e.live and e.meta is not None]
-    ssd = m.ssd
-    if ssd is None:
-        return Listing(None, [""], None, None, dram)
+    dram = [(e.key, e.tenant, e.meta) for e in m.index.values() if e.live and e.meta is not None]
+    for ssd in m.lower[:1]:  # the SSD's books list the blocks below DRAM
+        return _listing(ssd, dram)
+    return Listing(None, [""], None, None, dram)
+
+
+def _listing(ssd: SsdTier, dram: list[tuple[bytes, str, bytes]]) -> Listing:
     index = ssd.cat.index
     keys, tids = None, None
     if len(ssd.tenants) > 1:

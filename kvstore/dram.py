@@ -1,26 +1,31 @@
-"""The DRAM tier: one arena carved into page-aligned extents, the eviction policy and the pins.
+"""The DRAM tier: one arena carved into page-aligned extents, its index, the eviction policy
+and the pins.
 
-Bookkeeping only, under the engine's lock: which extent holds which entry, which holes are
-free, which keys readers pin, and which blocks to evict to make room. Where an evicted block
-goes is decided by the engine's manager (`kvstore.manager`); the bytes move outside the lock,
-on pinned slots.
+Bookkeeping only, under the engine's lock: which key holds which entry (`DramIndex`), which
+extent holds which entry, which holes are free, which keys readers pin, and which blocks to
+evict to make room. Where an evicted block goes is decided by the engine's manager
+(`kvstore.manager`); the bytes move outside the lock, on pinned slots.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from kvoffload.errors import CapacityError, ConfigError, KVOffloadError
-from kvoffload.kvstore.arena import Arena
+from kvoffload.kvstore.arena import AlignedBuffer, Arena
 from kvoffload.kvstore.config import PAGE, DramConfig
-from kvoffload.kvstore.eviction import make_policy
+from kvoffload.kvstore.eviction import Rank, make_policy
 from kvoffload.kvstore.extents import ExtentAllocator
-from kvoffload.kvstore.ssd.slotio import AlignedBuffer
-from kvoffload.kvstore.stats import TierStats
+from kvoffload.kvstore.tier import TierStats
 
-__all__ = ["DramEntry", "DramTier"]
+__all__ = ["TOUCH_RING", "DramEntry", "DramIndex", "DramTier"]
+
+# Hits queued in the index's touch ring before the tier hands them to the eviction policy
+# (it does so sooner whenever the policy is asked anything).
+TOUCH_RING = 256
 
 
 @dataclass(eq=False, slots=True)
@@ -49,16 +54,112 @@ class DramEntry:
     meta: bytes | None = None
 
 
-class DramTier:
-    """The arena, its extent allocator, the DRAM eviction policy and the pinned keys.
+class DramIndex:
+    """Key -> live DRAM entry, with the pins readers hold and the hits not yet told to the
+    eviction policy.
 
-    Every method expects the engine's lock to be held.
+    The hot path of a get needs only this narrow interface: `lookup`, `pin`, `unpin`, and on
+    the write side `insert` and `remove`; the eviction policy learns of hits from the ordered
+    ring of touched entries (`drain_touches`), not on the get's own path. That is the seam a
+    C index can take over (read by a C hot path from other threads); this is the Python
+    reference. Every method expects the engine's lock held.
     """
+
+    __slots__ = ("_entries", "_touched", "lookup", "pinned", "tick")
+
+    def __init__(self) -> None:
+        self._entries: dict[bytes, DramEntry] = {}
+        # The live entry of a key, or None (the dict's own lookup: as fast as the dict).
+        self.lookup: Callable[[bytes], DramEntry | None] = self._entries.get
+        # Keys of live entries that views pin: eviction skips them.
+        self.pinned: set[bytes] = set()
+        self._touched: list[DramEntry] = []  # hits, in order, since the last drain
+        self.tick = 0  # the recency clock: bumped by each hit and each new entry
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def values(self) -> Iterator[DramEntry]:
+        """The live entries (a copy: callers may drop entries while they walk)."""
+        return iter(list(self._entries.values()))
+
+    def next_tick(self) -> int:
+        self.tick += 1
+        return self.tick
+
+    def pin(self, entry: DramEntry) -> int:
+        """Pin an entry for a reader; a live, published one counts as a hit (queued for the
+        policy). Returns how many hits are queued."""
+        entry.pins += 1
+        if entry.staging is not None or not entry.live:
+            return 0  # not (or no longer) in the index's books: nothing to touch
+        self.tick += 1
+        entry.tick = self.tick
+        self._touched.append(entry)
+        self.pinned.add(entry.key)
+        return len(self._touched)
+
+    def unpin(self, entry: DramEntry) -> bool:
+        """Drop a reader's pin; True when that was the last pin of an entry no longer live
+        (its slot may go now)."""
+        entry.pins -= 1
+        if entry.pins:
+            return False
+        if entry.live:
+            self.pinned.discard(entry.key)
+            return False
+        return True
+
+    def insert(self, entry: DramEntry) -> None:
+        """Make a filled entry the key's live value (the caller removed an older one)."""
+        entry.live = True
+        self._entries[entry.key] = entry
+        if entry.pins:
+            self.pinned.add(entry.key)
+        else:
+            self.pinned.discard(entry.key)
+
+    def remove(self, key: bytes) -> DramEntry:
+        """Take the key's live entry out of the index."""
+        entry = self._entries.pop(key)
+        entry.live = False
+        self.pinned.discard(key)
+        return entry
+
+    def drain_touches(self) -> list[DramEntry]:
+        """The entries hit since the last drain, oldest first (the ring is emptied)."""
+        touched, self._touched = self._touched, []
+        return touched
+
+    def retire(self) -> None:
+        """Close: every entry stops being live (no longer a neighbour a reserve may evict)."""
+        for entry in self._entries.values():
+            entry.live = False
+        self._entries.clear()
+        self._touched = []
+
+
+class DramTier:
+    """The arena, its extent allocator, the index, the DRAM eviction policy and per-tenant
+    recency (a `kvstore.tier.Tier`).
+
+    Every method expects the engine's lock to be held. The policy and the recency lists are
+    told of the index's queued hits before they are asked or changed, so they see every
+    event in the order it happened.
+    """
+
+    name = "dram"
 
     def __init__(self, config: DramConfig) -> None:
         self.alloc = ExtentAllocator(config.capacity_bytes)
-        self.policy = make_policy(config.policy)
-        self.pinned: set[bytes] = set()
+        self.index = DramIndex()
+        self._policy = make_policy(config.policy)
+        self.pinned = self.index.pinned
+        # Per-tenant recency, to evict a tenant's own coldest blocks when it hits its quota.
+        self._recency: dict[str, OrderedDict[bytes, None]] = {}
         # Every entry that holds an arena slot (live, or dead and still pinned), by its slot's
         # start and end: the neighbours of a hole are found here.
         self.slots: dict[int, DramEntry] = {}
@@ -68,6 +169,68 @@ class DramTier:
         # Side buffers of gets that found DRAM all pinned: taken in all, held now, most held.
         self.staged_gets = self.staged = self.staged_peak = 0
         self._prefault = config.prefault
+
+    # ------------------------------------------------------------------ Tier
+
+    def contains(self, key: bytes) -> bool:
+        return key in self.index
+
+    def length_of(self, key: bytes) -> int | None:
+        entry = self.index.lookup(key)
+        return None if entry is None else entry.length
+
+    def meta_of(self, key: bytes) -> bytes | None:
+        entry = self.index.lookup(key)
+        return None if entry is None else entry.meta
+
+    # ------------------------------------------------------------------ eviction order
+
+    def apply_touches(self) -> None:
+        """Tell the policy and the recency lists of the hits the index queued, in order."""
+        policy, recency = self._policy, self._recency
+        for entry in self.index.drain_touches():
+            if entry.key in policy:  # not while a demotion writes it out
+                policy.touch(entry.key)
+            recency[entry.tenant].move_to_end(entry.key)
+
+    def ranked(self, entry: DramEntry, rank: Rank) -> None:
+        """A newly published entry joins the eviction order."""
+        self.apply_touches()
+        self._policy.insert(entry.key, rank)
+        self._recency.setdefault(entry.tenant, OrderedDict())[entry.key] = None
+
+    def unranked(self, entry: DramEntry) -> None:
+        """A dropped entry leaves the eviction order."""
+        self.apply_touches()
+        self._policy.remove(entry.key)
+        order = self._recency[entry.tenant]
+        del order[entry.key]
+        if not order:
+            del self._recency[entry.tenant]
+
+    def set_rank(self, key: bytes, rank: Rank) -> None:
+        self.apply_touches()
+        self._policy.set_rank(key, rank)
+
+    def requeue(self, key: bytes, rank: Rank) -> None:
+        """A block taken out of the policy's order (a victim being written out) is evictable
+        again."""
+        self.apply_touches()
+        self._policy.insert(key, rank)
+
+    def take_victim(self, tenant: str, keep: bytes) -> DramEntry | None:
+        """The tenant's least recently used unpinned entry other than `keep`, taken out of the
+        policy's order (a victim: a demotion may put it back); None if every one is pinned."""
+        self.apply_touches()
+        pinned = self.pinned
+        order = self._recency.get(tenant, ())
+        victim = next((k for k in order if k not in pinned and k != keep), None)
+        if victim is None:
+            return None
+        self._policy.remove(victim)
+        entry = self.index.lookup(victim)
+        assert entry is not None
+        return entry
 
     def map_arena(self) -> None:
         """Map the arena (after the SSD tier opened: a failure here abandons that).
@@ -140,18 +303,13 @@ class DramTier:
         except ValueError:  # the released view of a closed arena
             raise KVOffloadError("the engine is closed") from None
 
-    def reserve(
-        self,
-        size: int,
-        index: dict[bytes, DramEntry],
-        evict: Callable[[DramEntry, bool], None],
-    ) -> int:
+    def reserve(self, size: int, evict: Callable[[DramEntry, bool], None]) -> int:
         """Find a free `size`-byte slot, evicting blocks when needed.
 
         Evicts the policy's victim, then widens the hole it left with the blocks on either side
         (colder first) until the value fits; pinned blocks are never moved or evicted, so this
         fails only when they leave no room. `evict(entry, neighbour)` makes a live, unpinned
-        entry of `index` leave DRAM; it may release the lock while it writes to the SSD.
+        entry leave DRAM; it may release the lock while it writes to the SSD.
 
         Raises:
             CapacityError: pinned blocks leave no hole of `size` bytes.
@@ -163,20 +321,23 @@ class DramTier:
                 return offset
             # Pinned blocks may leave no hole large enough at all: find out before evicting
             # everything else for nothing (checked only once evictions did not suffice).
+            self.apply_touches()  # the policy may be asked: after a released lock too
             if evicted > 2 * size and not self._room_possible(size):
                 victims = None
             else:
-                victims = self.policy.evict(1, self.pinned)
+                victims = self._policy.evict(1, self.pinned)
             if victims is None:
                 raise CapacityError(
                     f"no room for a {size}-byte slot: every block that could make room is "
                     "pinned by an unreleased view"
                 )
-            victim = index[victims[0]]
+            victim = self.index.lookup(victims[0])
+            assert victim is not None
             evicted += victim.slot
             evict(victim, False)
             while (entry := self._next_to_hole(victim.offset, size)) is not None:
-                self.policy.remove(entry.key)
+                self.apply_touches()
+                self._policy.remove(entry.key)
                 evict(entry, True)
 
     def _room_possible(self, size: int) -> bool:
@@ -200,13 +361,13 @@ class DramTier:
         movable = [e for e in sides if e is not None and e.pins == 0 and e.live]
         return min(movable, key=lambda e: e.tick) if movable else None
 
-    def stats(self, n: dict[str, int], entries: int) -> TierStats:
+    def stats(self, n: Mapping[str, int]) -> TierStats:
         return TierStats(
             name="dram",
             capacity_bytes=self.arena.size,
             used_bytes=self.alloc.used_bytes,
             stored_bytes=n["stored"],
-            entries=entries,
+            entries=len(self.index),
             pinned=len(self.pinned),
             hits=n["hits"],
             misses=n["misses"] + n["ssd_hits"],

@@ -1,20 +1,25 @@
-"""The engine facade: the public API over the manager, the DRAM tier, the SSD tier and the mover.
+"""The engine facade: the public API over the manager, the read path, the mover and the tiers.
 
 Tiering: new blocks land in DRAM. A block evicted from DRAM is written to the SSD (write-back)
 if the admission filter lets it; a block found only on the SSD is read back into DRAM (promoted)
 and served from there; `prefetch` does the same ahead of time on background threads. A durable
 put writes through to the SSD and waits for its journal record before it returns.
 
-Who does what: the manager (`kvstore.manager`) keeps the key index, lineage and quotas and
-decides what moves; the DRAM tier (`kvstore.dram`) and the SSD tier (`kvstore.ssd`) keep their
-own books; the mover (`kvstore.mover`) carries blocks between them. One lock, the engine's,
-guards all of it; value bytes move with it released, on pinned slots.
+Who does what: the manager (`kvstore.manager`) keeps the books (the DRAM index, lineage,
+quotas, counters) and decides what moves: it prepares plans and completes them with their
+outcome; the mover (`kvstore.mover`) executes them against the tiers and never sees the
+manager; the read path (`kvstore.reads`) drives gets, batches and prefetches through both. The
+tiers (`kvstore.dram`, `kvstore.ssd.tier`) keep their own books behind one `Tier` protocol
+(`kvstore.tier`), fastest first; nothing here asks whether an SSD is there. One lock, the
+engine's, guards all of it; value bytes move with it released, on pinned slots.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -22,14 +27,18 @@ from types import TracebackType
 import numpy as np
 
 from kvoffload.buffers import Bytes, as_readable, as_writable
-from kvoffload.errors import ConfigError, InvalidArgumentError, KVOffloadError
+from kvoffload.errors import ConfigError, InvalidArgumentError, KVOffloadError, StorageIOError
 from kvoffload.kvstore.arena import Arena
 from kvoffload.kvstore.config import DramConfig, EngineConfig
 from kvoffload.kvstore.described import DescribedBlock, DescribedTable, Listing, take_listing
 from kvoffload.kvstore.dram import DramEntry, DramTier
-from kvoffload.kvstore.manager import Manager, TierListener, acquire_many, lookup
-from kvoffload.kvstore.ssd import META_NAME, Recovery, SsdTier
-from kvoffload.kvstore.stats import EngineStats, TierStats, snapshot
+from kvoffload.kvstore.manager import EngineStats, Manager, TierListener
+from kvoffload.kvstore.mover import Mover
+from kvoffload.kvstore.reads import Reads
+from kvoffload.kvstore.ssd.recovery import Recovery
+from kvoffload.kvstore.ssd.store import META_NAME
+from kvoffload.kvstore.ssd.tier import SsdTier
+from kvoffload.kvstore.tier import TierStats
 
 __all__ = [
     "KEY_BYTES",
@@ -182,14 +191,16 @@ def _check_length(length: int, max_value_bytes: int) -> None:
         )
 
 
-def _open_ssd(config: EngineConfig, m: Manager) -> SsdTier | None:
-    """The SSD tier of the config, attached to the manager, or None without one."""
+def _open_lower(config: EngineConfig, m: Manager, mover: Mover) -> list[SsdTier]:
+    """The tiers below DRAM that the config asks for (the SSD, if any), attached to the
+    manager, with the mover's I/O threads started for them."""
     data_dir = config.data_dir
     # A data directory that already holds a store is opened with its own geometry.
     if not (config.ssd.capacity_bytes or (data_dir and (Path(data_dir) / META_NAME).exists())):
-        return None
-    ssd = SsdTier(config, rank=m.ssd_rank, lock=m.lock, on_stored=m.mover.ssd_stored,
-                  on_removed=m.mover.ssd_removed)  # fmt: skip
+        return []
+    ssd = SsdTier(config, rank=m.lower_rank, lock=m.lock,
+                  on_stored=functools.partial(m.stored_below, SsdTier.name),
+                  on_removed=functools.partial(m.removed_below, SsdTier.name))  # fmt: skip
     limit = config.dram.effective_max_value_bytes
     if ssd.max_value_bytes < limit:
         ssd.abandon()  # a store created just now is removed again
@@ -197,42 +208,75 @@ def _open_ssd(config: EngineConfig, m: Manager) -> SsdTier | None:
             f"dram.max_value_bytes ({limit}) exceeds the store's SSD slot "
             f"limit ({ssd.max_value_bytes}); lower it"
         )
-    m.attach_ssd(ssd)
-    m.mover.start(config.ssd.io_threads, config.ssd.read_depth)
-    return ssd
+    m.attach(ssd)
+    mover.start(config.ssd.io_threads, config.ssd.read_depth)
+    return [ssd]
 
 
-class _EngineState:
-    """What the engine tells about its state besides values: the SSD tier, what opening it
-    found, and the blocks' metadata. (A base of `Engine`, to keep that class readable.)"""
+class Engine:
+    """A KV block store: opaque values under 16-byte keys, in a DRAM arena and (optionally) an
+    SSD tier that survives restarts and crashes.
 
-    _lock: threading.Lock
-    _m: Manager
+    Thread-safe: one lock guards indexes, policies and allocators. Value bytes move outside it
+    (copies, SSD reads and writes) on slots that are pinned meanwhile, so work on several
+    threads overlaps. A miss is None/False, never an exception.
+    """
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        dram = self.config.dram
+        if dram.slab_bytes or dram.class_growth != DramConfig.class_growth:
+            log.warning("dram.slab_bytes and dram.class_growth are no longer used: ignored")
+        self._lock = threading.Lock()
+        self._dram = DramTier(dram)
+        self._mover = mover = Mover()
+        self._m = m = Manager(self.config, self._lock, self._dram, mover)
+        self._reads = Reads(m, mover)
+        self._index = m.index
+        lower = _open_lower(self.config, m, mover)  # attached to the manager
+        self._pool = mover.pool
+        try:
+            self._dram.map_arena()
+        except BaseException:
+            for tier in lower:
+                tier.abandon()
+            raise
+        self._arena = self._dram.arena
+        for tier in lower:
+            tier.register_memory(self._arena.view)  # for slot I/O that registers memory (NIXL)
+
+    @property
+    def max_value_bytes(self) -> int:
+        """The largest value `put` accepts."""
+        return self.config.dram.effective_max_value_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._arena.size
 
     @property
     def _ssd(self) -> SsdTier | None:
-        return self._m.ssd
+        """The SSD tier, for tests and `bench ssd` that look inside it."""
+        return next(iter(self._m.lower), None)
 
     @_ssd.setter
     def _ssd(self, ssd: None) -> None:
-        # Tests and `bench ssd` simulate a crash with None: the manager and the mover lose the
-        # tier too, so every path behaves as without one.
-        self._m.detach_ssd()
+        # Tests and `bench ssd` simulate a crash with None: the engine loses the tier, so
+        # every path behaves as without one.
+        self._m.detach_lower()
 
     @property
     def recovery(self) -> Recovery | None:
         """What opening the SSD tier found (None without an SSD tier)."""
-        return self._ssd.recovery if self._ssd is not None else None
+        return next((tier.recovery for tier in self._m.lower), None)
 
     def meta_of(self, key: bytes) -> bytes | None:
         """The metadata the key's value was stored with, or None (a miss, or none given)."""
         _check_key(key)
         with self._lock:
             self._m.check_open()
-            entry = self._m.index.get(key)
-            if entry is not None:
-                return entry.meta
-            return self._ssd.cat.meta.get(key) if self._ssd is not None else None
+            holder = self._m.holder(key)
+            return None if holder is None else holder.meta_of(key)
 
     def described_table(self) -> DescribedTable:
         """Every stored block that has metadata, as arrays: key, tenant, metadata, tiers.
@@ -253,14 +297,6 @@ class _EngineState:
         """`described_table` as one `DescribedBlock` per block."""
         return self.described_table().blocks()
 
-
-class _EngineReads(_EngineState):
-    """The engine's batched reads and copies into callers' buffers. (A base of `Engine`, to
-    keep that class readable.)"""
-
-    _dram: DramTier
-    config: EngineConfig
-
     @property
     def hold_window(self) -> int:
         """Blocks of a batched get a caller should hold at once: with DRAM all pinned, each
@@ -274,7 +310,7 @@ class _EngineReads(_EngineState):
         for key in keys:
             _check_key(key)
         with self._lock:
-            entries = acquire_many(self._m, keys)
+            entries = self._reads.acquire_many(keys)
             return [None if e is None else BlockView(self._m, e, self._dram.value(e).toreadonly())
                     for e in entries]  # fmt: skip
 
@@ -319,8 +355,8 @@ class _EngineReads(_EngineState):
             return True  # not read again: a side buffer it took may go (they are bounded)
 
         with self._lock:
-            m = self._m
-            entries = acquire_many(m, keys, ready) if len(keys) > 1 else [m.acquire(keys[0])]
+            m, reads = self._m, self._reads
+            entries = reads.acquire_many(keys, ready) if len(keys) > 1 else [reads.acquire(keys[0])]
         try:
             for entry, dst in zip(entries, dsts, strict=True):
                 if entry is not None and entry.length > dst.size:
@@ -336,46 +372,6 @@ class _EngineReads(_EngineState):
                     if entry is not None:
                         m.unpin_locked(entry)
         return [None if e is None else e.length for e in entries]
-
-
-class Engine(_EngineReads):
-    """A KV block store: opaque values under 16-byte keys, in a DRAM arena and (optionally) an
-    SSD tier that survives restarts and crashes.
-
-    Thread-safe: one lock guards indexes, policies and allocators. Value bytes move outside it
-    (copies, SSD reads and writes) on slots that are pinned meanwhile, so work on several
-    threads overlaps. A miss is None/False, never an exception.
-    """
-
-    def __init__(self, config: EngineConfig | None = None) -> None:
-        self.config = config or EngineConfig()
-        dram = self.config.dram
-        if dram.slab_bytes or dram.class_growth != DramConfig.class_growth:
-            log.warning("dram.slab_bytes and dram.class_growth are no longer used: ignored")
-        self._lock = threading.Lock()
-        self._dram = DramTier(dram)
-        self._m = m = Manager(self.config, self._lock, self._dram)
-        self._index = m.index
-        ssd = _open_ssd(self.config, m)  # attached to the manager and the mover
-        self._pool = m.mover.pool
-        try:
-            self._dram.map_arena()
-        except BaseException:
-            if ssd is not None:
-                ssd.abandon()
-            raise
-        self._arena = self._dram.arena
-        if ssd is not None:
-            ssd.register_memory(self._arena.view)  # for slot I/O that registers memory (NIXL)
-
-    @property
-    def max_value_bytes(self) -> int:
-        """The largest value `put` accepts."""
-        return self.config.dram.effective_max_value_bytes
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._arena.size
 
     def put(
         self,
@@ -466,7 +462,7 @@ class Engine(_EngineReads):
         """
         _check_keys(key, parent)
         _check_meta(meta)
-        if durable and self._m.ssd is None:
+        if durable and not self._m.lower:
             raise InvalidArgumentError(
                 "a durable put needs the SSD tier; open the store with an SSD capacity"
             )
@@ -491,7 +487,7 @@ class Engine(_EngineReads):
         """
         _check_key(key)
         with self._lock:
-            entry = self._m.acquire(key)
+            entry = self._reads.acquire(key)
             if entry is None:
                 return None
             data = self._dram.value(entry).toreadonly()
@@ -509,17 +505,15 @@ class Engine(_EngineReads):
         _check_key(key)
         with self._lock:
             self._m.check_open()
-            entry = self._index.get(key)
-            if entry is not None:
-                return entry.length
-            return self._ssd.length_of(key) if self._ssd is not None else None
+            holder = self._m.holder(key)
+            return None if holder is None else holder.length_of(key)
 
     def lookup(self, keys: Sequence[bytes], tiers: list[str] | None = None) -> int:
         """How many leading keys of a chain are stored in any tier (the usable prefix); with
         `tiers`, each run key's tier ("dram", or "ssd" only on the SSD) is appended to it."""
         for key in keys:
             _check_key(key)
-        return lookup(self._m, keys, tiers)
+        return self._reads.lookup(keys, tiers)
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Start reading SSD-only blocks of `keys` into DRAM in the background.
@@ -529,12 +523,12 @@ class Engine(_EngineReads):
         """
         for key in keys:
             _check_key(key)
-        return self._m.mover.prefetch(keys)
+        return self._reads.prefetch(keys)
 
     def delete(self, key: bytes) -> bool:
         """Remove `key` from every tier; True if it was stored. A pinned view stays valid."""
         _check_key(key)
-        return self._m.mover.delete(key)
+        return self._m.delete(key)
 
     def set_quota(
         self, tenant: str, quota_bytes: int | None, *, ssd_bytes: int | None = None
@@ -567,12 +561,17 @@ class Engine(_EngineReads):
 
     def checkpoint(self) -> None:
         """Snapshot the SSD index now (it also happens on its own as the journal grows)."""
-        if self._ssd is not None:
-            self._m.mover.checkpoint()
+        m = self._m
+        with self._lock:
+            if m.lower:
+                m.check_open()
+            finishes = [tier.begin_checkpoint() for tier in m.lower]
+        for finish in finishes:
+            finish()  # the file is written without the lock
 
     def stats(self) -> EngineStats:
         with self._lock:
-            return snapshot(self._m, self.config.dram.policy)
+            return self._m.snapshot(self.config.dram.policy)
 
     def close(self) -> None:
         """Stop background work, write DRAM-only blocks to the SSD (`ssd.flush_on_close`),
@@ -585,7 +584,40 @@ class Engine(_EngineReads):
                 past `ssd.close_wait_s`: closed all the same, its memory leaked
                 (docs/design/ssd-tier.md).
         """
-        self._m.mover.close(self.config.ssd.flush_on_close)
+        m = self._m
+        with self._lock:
+            first = m.begin_close()  # calls from now on fail with KVOffloadError
+        if not first:  # another close() runs: return once it has flushed and unmapped
+            m.closed_event.wait()
+            return
+        try:
+            self._close(self.config.ssd.flush_on_close)
+        finally:
+            m.closed_event.set()
+
+    def _close(self, flush: bool) -> None:
+        m = self._m
+        wait_s = self.config.ssd.close_wait_s
+        # `closing` is set: no read begins from now on, so those in flight are all to wait for.
+        hung = self._reads.wait(time.monotonic() + wait_s)
+        # Without a hung read every task ends at once.
+        self._mover.shutdown(wait=not hung)
+        try:
+            if flush:
+                m.flush()
+        finally:
+            with self._lock:
+                lower = m.retire(bool(hung))
+            for tier in lower:
+                tier.close()
+        if hung:
+            names = ", ".join(key.hex() for key in hung)
+            log.error("close: SSD reads of blocks %s still hung after %.1f s; their memory stays "
+                      "mapped (leaked)", names, wait_s)  # fmt: skip
+            raise StorageIOError(
+                f"the SSD did not finish reading blocks {names} within ssd.close_wait_s "
+                f"({wait_s} s): the engine is closed, the memory those reads write into is leaked"
+            )
 
     def __enter__(self) -> Engine:
         return self

@@ -1,85 +1,137 @@
-"""The engine's manager: the key index, lineage and quotas, and what moves between tiers.
+"""The engine's manager: the books over every tier, and the plans that move blocks between
+them.
 
-It decides; the DRAM tier (`kvstore.dram`) and the SSD tier (`kvstore.ssd`) keep their own
-books, and the mover (`kvstore.mover`) carries blocks between them. Every method expects the
-engine's lock held; those that may evict can release it while a demotion writes (the entry is
-pinned meanwhile), as the comments say.
+It keeps the DRAM tier's index and lineage, per-tenant quotas and the engine's counters, and
+decides what moves: it *prepares* a plan (which block to write down, read back or wipe, into
+which tier and which DRAM slot), hands it to the mover (`kvstore.mover`) to execute, and
+*completes* it with the outcome (publish, drop, re-rank, report). The tiers (`kvstore.dram`,
+`kvstore.ssd.tier`) keep their own books; the engine holds them fastest first and the
+manager walks the list (`tiers`; `lower` for those below DRAM) rather than asking whether an
+SSD is there.
+
+Every method expects the engine's lock held unless it says otherwise; those that may evict
+can release it while a demotion writes (the entry is pinned meanwhile), as the comments say.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
-from kvoffload.errors import CapacityError, InvalidArgumentError, KVOffloadError
-from kvoffload.kvstore.admission import FrequencySketch
+from kvoffload.errors import CapacityError, InvalidArgumentError, KVOffloadError, StorageIOError
+from kvoffload.kvstore.arena import AlignedBuffer
 from kvoffload.kvstore.config import EngineConfig
 from kvoffload.kvstore.dram import DramEntry, DramTier
 from kvoffload.kvstore.eviction import Rank
 from kvoffload.kvstore.extents import slot_bytes
-from kvoffload.kvstore.mover import Mover
-from kvoffload.kvstore.ssd import SsdIndex, SsdTier
+from kvoffload.kvstore.mover import Mover, ReadPlan, WriteBack, WriteThrough
+from kvoffload.kvstore.ssd.admission import FrequencySketch
+from kvoffload.kvstore.ssd.index import SsdIndex
+from kvoffload.kvstore.ssd.tier import SsdTier
+from kvoffload.kvstore.tier import Tier, TierStats
 
-__all__ = ["Manager", "TierListener", "acquire_many", "lookup"]
+__all__ = ["EngineStats", "Manager", "TierListener"]
+
+log = logging.getLogger(__name__)
 
 # listener(kind, key, tier): kind "stored" or "removed", tier "dram" or "ssd".
 TierListener = Callable[[str, bytes, str], None]
 
+# Arenas of engines closed while an SSD read into them hung: kept mapped for good.
+_LEAKED: list[object] = []
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A consistent snapshot of the engine's counters (taken under its lock)."""
+
+    policy: str
+    puts: int
+    gets: int
+    hits: int
+    misses: int
+    deletes: int
+    evictions: int
+    # Evictions of blocks next to a victim, to widen its hole until a larger value fits.
+    neighbour_evictions: int
+    tiers: tuple[TierStats, ...] = field(default_factory=tuple)
+    # DRAM slot bytes held per tenant (all tenants that hold anything or have a quota).
+    tenant_bytes: dict[str, int] = field(default_factory=dict)
+    # SSD slot bytes held per tenant (tenants that hold anything there).
+    ssd_tenant_bytes: dict[str, int] = field(default_factory=dict)
+    durable_puts: int = 0
+    admission_rejected: int = 0  # DRAM evictions the admission filter kept off the SSD
+    checkpoints: int = 0
+    # Gets of SSD blocks read into a side buffer of their own because pinned views held all of
+    # DRAM, and the most such buffers held at once (a batch's are bounded by its caller).
+    staged_gets: int = 0
+    staged_peak: int = 0
+    recovery: dict[str, object] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
 
 class Manager:
-    """Keys to DRAM entries, chains, per-tenant quotas and counters, over both tiers."""
+    """Keys to DRAM entries, chains, per-tenant quotas and counters, over every tier."""
 
-    def __init__(self, config: EngineConfig, lock: threading.Lock, dram: DramTier) -> None:
+    def __init__(
+        self, config: EngineConfig, lock: threading.Lock, dram: DramTier, mover: Mover
+    ) -> None:
         self.config = config
         self.lock = lock
         self.dram = dram
-        # The DRAM tier's books, used on every put and get.
-        self._alloc, self._policy, self._pinned = dram.alloc, dram.policy, dram.pinned
-        self.index: dict[bytes, DramEntry] = {}
+        self.mover = mover
+        self.index = dram.index
+        self.lower: list[SsdTier] = []  # the tiers below DRAM, fastest first
+        self.tiers: list[Tier] = [dram]  # every tier, fastest first
         # parent key -> stored children in DRAM; parents need not be stored themselves.
         self._children: dict[bytes, set[bytes]] = {}
-        self._tick = 0
         self.closed = False
         self.closing = False  # close() began: new calls fail, in-flight reads finish
         self.closed_event = threading.Event()  # set when close() has finished
         self.quotas: dict[str, int] = {}
-        # Per-tenant recency, to evict a tenant's own coldest blocks when it hits its quota.
-        self._tenant_recency: dict[str, OrderedDict[bytes, None]] = {}
         self.n = dict.fromkeys(
             ("puts", "gets", "hits", "misses", "deletes", "evictions", "neighbours", "bytes_in",
              "bytes_out", "stored", "demotions", "promotions", "prefetches", "durable",
              "admission_rejected", "ssd_hits", "ssd_misses"),
             0,
         )  # fmt: skip
-        self.ssd: SsdTier | None = None
-        self.sketch: FrequencySketch | None = None
+        self.inflight: dict[bytes, threading.Event] = {}  # reads back into DRAM, by key
+        self.sketch: FrequencySketch | None = None  # admission to the tiers below DRAM
         self.listener: TierListener | None = None
-        self.mover = Mover(self)
         self._evict_cb = self._evict_for_room  # bound once: `claim` runs on every put
 
-    def attach_ssd(self, ssd: SsdTier) -> None:
-        self.ssd = self.mover.ssd = ssd
-        self.sketch = FrequencySketch()
+    def attach(self, tier: SsdTier) -> None:
+        """A tier below DRAM (the SSD) joins, slowest last."""
+        self.lower.append(tier)
+        self.tiers.append(tier)
+        if self.sketch is None:
+            self.sketch = FrequencySketch()
 
-    def detach_ssd(self) -> None:
-        """From now on there is no SSD tier (a closed engine, or a test's simulated crash)."""
-        self.ssd = self.mover.ssd = None
+    def detach_lower(self) -> list[SsdTier]:
+        """From now on there is no tier below DRAM (a closed engine, or a test's simulated
+        crash); the tiers that were."""
+        gone, self.lower = self.lower, []
+        self.tiers = [self.dram]
+        return gone
 
-    def set_quota(self, tenant: str, quota_bytes: int | None, ssd_bytes: int | None) -> None:
+    def set_quota(self, tenant: str, quota_bytes: int | None, lower_bytes: int | None) -> None:
         """See `Engine.set_quota` (called without the lock)."""
-        for what, value in (("quota", quota_bytes), ("SSD quota", ssd_bytes)):
+        for what, value in (("quota", quota_bytes), ("SSD quota", lower_bytes)):
             if value is not None and value < 0:
                 raise InvalidArgumentError(f"{what} must not be negative, got {value}")
         with self.lock:
-            if ssd_bytes is not None and self.ssd is None:
+            if lower_bytes is not None and not self.lower:
                 raise InvalidArgumentError("an SSD quota needs an SSD tier")
             if quota_bytes is None:
                 self.quotas.pop(tenant, None)
             else:
                 self.quotas[tenant] = quota_bytes
-            if self.ssd is not None:
-                self.ssd.set_quota(tenant, ssd_bytes)
+            for tier in self.lower:
+                tier.set_quota(tenant, lower_bytes)
 
     def notify(self, kind: str, key: bytes, tier: str) -> None:
         if self.listener is not None:
@@ -89,44 +141,35 @@ class Manager:
         if self.closed or self.closing:
             raise KVOffloadError("the engine is closed")
 
-    def next_tick(self) -> int:
-        self._tick += 1
-        return self._tick
-
     def stored(self, key: bytes) -> bool:
-        return key in self.index or (self.ssd is not None and self.ssd.contains(key))
+        return self.holder(key) is not None
 
-    # ------------------------------------------------------------------ reads
+    def holder(self, key: bytes) -> Tier | None:
+        """The fastest tier that holds `key`, or None."""
+        if key in self.index:
+            return self.dram
+        for tier in self.lower:
+            if tier.contains(key):
+                return tier
+        return None
 
-    def acquire(self, key: bytes, fetched: DramEntry | None = None) -> DramEntry | None:
-        """Pin and return the DRAM entry of `key`, promoting it from the SSD if need be, or
-        `fetched`, the block `Mover.promote_many` read just now (pinned by it), served even if
-        the key was deleted or written since (the get began first)."""
-        self.check_open()
-        self.n["gets"] += 1
-        entry = self.index.get(key) if fetched is None else fetched
-        if fetched is not None:
-            self.n["ssd_hits"] += 1
-        elif entry is not None:
-            self.n["hits"] += 1
-        elif self.ssd is not None:
-            entry = self.mover.promote(key)
-            self.n["ssd_hits"] += entry is not None
-        if entry is None:
-            self.n["misses"] += 1
-            return None
-        self.n["bytes_out"] += entry.length
-        if self.sketch is not None:
-            self.sketch.add(key)
-        entry.pins += 1
-        if entry.staging is not None or not entry.live:
-            return entry  # not (or no longer) in DRAM's books: nothing to touch
-        entry.tick = self.next_tick()
-        if entry.key in self._policy:  # not while a demotion writes it out
-            self._policy.touch(entry.key)
-        self._tenant_recency[entry.tenant].move_to_end(entry.key)
-        self._pinned.add(entry.key)
-        return entry
+    # ------------------------------------------------------------------ tier callbacks
+
+    def stored_below(self, tier: str, key: bytes) -> None:
+        """The tier below DRAM named `tier` committed a copy of `key` (its callback, lock
+        held). By name, not the tier itself: a tier holding a callback that holds it would
+        outlive its close until the cyclic GC ran."""
+        self.notify("stored", key, tier)
+
+    def removed_below(self, tier: str, key: bytes) -> None:
+        """The tier below DRAM named `tier` dropped its copy of `key` (its callback, lock
+        held)."""
+        entry = self.index.lookup(key)
+        if entry is not None:
+            entry.on_ssd = False  # the copy below is gone: evicting the DRAM copy must write it
+        self.notify("removed", key, tier)
+
+    # ------------------------------------------------------------------ pins
 
     def unpin(self, entry: DramEntry) -> None:
         """`unpin_locked`, taking the lock (called without it)."""
@@ -134,12 +177,7 @@ class Manager:
             self.unpin_locked(entry)
 
     def unpin_locked(self, entry: DramEntry) -> None:
-        entry.pins -= 1
-        if entry.pins:
-            return
-        if entry.live:
-            self._pinned.discard(entry.key)
-        elif not self.closed:
+        if self.index.unpin(entry) and not self.closed:
             self.dram.free(entry)
 
     # ------------------------------------------------------------------ writes
@@ -148,8 +186,9 @@ class Manager:
         self, key: bytes, length: int, size: int, parent: bytes | None, tenant: str
     ) -> DramEntry:
         """A pinned, unpublished entry on a fresh `size`-byte slot (may evict to make room)."""
-        offset = self.dram.reserve(size, self.index, self._evict_cb)
-        entry = DramEntry(key, offset, length, size, parent, self.next_tick(), tenant, pins=1)
+        offset = self.dram.reserve(size, self._evict_cb)
+        entry = DramEntry(key, offset, length, size, parent, self.index.next_tick(), tenant,
+                          pins=1)  # fmt: skip
         self.dram.place(entry)
         return entry
 
@@ -168,10 +207,18 @@ class Manager:
         return entry
 
     def commit(self, entry: DramEntry, durable: bool, if_stored: bool | None = None) -> bool:
-        """Publish a filled reservation (called without the lock); durable ones go through
-        the SSD first."""
+        """Publish a filled reservation (called without the lock); durable ones are written
+        through to the tier below first (`prepare_write_through` .. `complete_write_through`)."""
         if durable:
-            return self.mover.commit_durable(entry)
+            with self.lock:
+                plan = self.prepare_write_through(entry)
+                try:
+                    seq = self.mover.write_through(plan)
+                except BaseException:
+                    self.unpin_locked(entry)  # never published: frees the slot
+                    raise
+                self.complete_write_through(plan, seq)
+            return True
         with self.lock:
             if self.closed or self.closing:
                 # close() began after the reservation: a value published now would be in no
@@ -184,35 +231,68 @@ class Manager:
             self.publish(entry, put=True)
         return True
 
-    def publish(self, entry: DramEntry, *, put: bool, ssd_seq: int | None = None) -> None:
-        """Make a filled entry the key's DRAM value. An SSD copy of an older value goes: for a
-        durable put (`ssd_seq`) one older than its own write, for a fast put any copy but one
-        that a durable put of the key is still writing (those are newer or overlap it)."""
+    def prepare_write_through(self, entry: DramEntry) -> WriteThrough:
+        """Plan a durable put's write to the tier below (a filled reservation, pinned).
+
+        Raises:
+            KVOffloadError: the engine closed; the reservation is given back.
+        """
+        try:
+            self.check_open()
+        except BaseException:
+            self.unpin_locked(entry)  # never published: frees the slot
+            raise
+        return WriteThrough(entry, self.lower[0], self.dram.pages(entry))
+
+    def complete_write_through(self, plan: WriteThrough, seq: int) -> None:
+        """Publish a durable put written as `seq`, then wait for its journal record.
+
+        The tier below decides the order of overlapping durable puts of a key: the highest seq
+        wins in both tiers, so what readers see before a crash is what the store holds after.
+        """
+        tier, entry = plan.tier, plan.entry
         key = entry.key
-        old = self.index.get(key)
+        tier.write_through_done(key, seq)
+        self.n["durable"] += 1
+        row_seq = tier.seq_of(key)
+        if row_seq > seq:
+            # A newer durable put of the key owns the SSD copy: ours comes before it. Until
+            # that put publishes, DRAM must not serve anything older than it.
+            current = self.index.lookup(key)
+            if current is not None and current.seq != row_seq:
+                self.drop(current)
+                self.notify("removed", key, "dram")
+            self.n["puts"] += 1
+            self.unpin_locked(entry)
+            return
+        entry.on_ssd = entry.durable = row_seq == seq
+        entry.seq = seq
+        self.publish(entry, put=True, lower_seq=seq)
+
+    def publish(self, entry: DramEntry, *, put: bool, lower_seq: int | None = None) -> None:
+        """Make a filled entry the key's DRAM value. A copy below of an older value goes: for
+        a durable put (`lower_seq`) one older than its own write, for a fast put any copy but
+        one that a durable put of the key is still writing (those are newer or overlap it)."""
+        key = entry.key
+        old = self.index.lookup(key)
         if old is not None:
             self.drop(old)
-        if self.ssd is not None and not entry.on_ssd:
-            self.ssd.drop_older(key, ssd_seq)
-        entry.live = True
+        if not entry.on_ssd:
+            for tier in self.lower:
+                tier.drop_older(key, lower_seq)
         entry.pins -= 1
-        self.index[key] = entry
+        self.index.insert(entry)
         if put:
             self.n["puts"] += 1
             self.n["bytes_in"] += entry.length
             self.notify("stored", key, "dram")
         self.n["stored"] += entry.length
-        self._policy.insert(key, self.rank(key, entry.parent))
-        self._tenant_recency.setdefault(entry.tenant, OrderedDict())[key] = None
+        self.dram.ranked(entry, self.rank(key, entry.parent))
         if entry.parent is not None:
             self._children.setdefault(entry.parent, set()).add(key)
             self._rerank(entry.parent)
         for child in self._children.get(key, ()):
             self._rerank(child)  # orphans found their parent again
-        if entry.pins == 0:
-            self._pinned.discard(key)
-        else:
-            self._pinned.add(key)
         if old is not None and old.pins and entry.tenant in self.quotas:
             # A reader pinned the old value after fit_quota counted it as freed. Last: this
             # may release the lock (demotions), and the index is consistent by now.
@@ -221,15 +301,9 @@ class Manager:
     def drop(self, entry: DramEntry) -> None:
         """Take a live entry out of the DRAM index; free its slot unless a view pins it."""
         key = entry.key
-        del self.index[key]
-        entry.live = False
+        self.dram.unranked(entry)
+        self.index.remove(key)
         self.n["stored"] -= entry.length
-        self._policy.remove(key)
-        tenant_order = self._tenant_recency[entry.tenant]
-        del tenant_order[key]
-        if not tenant_order:
-            del self._tenant_recency[entry.tenant]
-        self._pinned.discard(key)
         if entry.parent is not None:
             siblings = self._children.get(entry.parent)
             if siblings is not None:
@@ -238,9 +312,30 @@ class Manager:
                     del self._children[entry.parent]
                 self._rerank(entry.parent)
         for child in self._children.get(key, ()):
-            self._rerank(child)  # now orphans unless the SSD holds the parent
+            self._rerank(child)  # now orphans unless a tier below holds the parent
         if entry.pins == 0:
             self.dram.free(entry)
+
+    def delete(self, key: bytes) -> bool:
+        """Remove `key` from every tier (called without the lock); True if it was stored. The
+        slots below are wiped with the lock released."""
+        with self.lock:
+            self.check_open()
+            found = False
+            entry = self.index.lookup(key)
+            if entry is not None:
+                self.drop(entry)
+                found = True
+            wipes = []
+            for tier in self.lower:
+                wipe = tier.detach(key)
+                if wipe is not None:
+                    wipes.append((tier, wipe))
+            found |= bool(wipes)
+            self.n["deletes"] += found
+        for tier, wipe in wipes:
+            self.mover.wipe(tier, wipe)
+        return found
 
     # ------------------------------------------------------------------ making room
 
@@ -250,22 +345,63 @@ class Manager:
         self._evict(entry)
 
     def _evict(self, entry: DramEntry) -> None:
-        """Make a live, unpinned entry leave DRAM: dropped, or first written to the SSD.
+        """Make a live, unpinned entry leave DRAM: dropped, or first written to the tier below
+        if it admits the block.
 
-        May release the lock while the SSD write runs; the entry is pinned meanwhile.
+        May release the lock while the write runs; the entry is pinned meanwhile.
         """
-        ssd = self.ssd
-        if ssd is None or entry.on_ssd:
-            self.drop(entry)
-            self.notify("removed", entry.key, "dram")
-            return
-        assert self.sketch is not None
-        if self.sketch.estimate(entry.key) < self.config.ssd.admission_min_uses:
-            self.n["admission_rejected"] += 1
-            self.drop(entry)
-            self.notify("removed", entry.key, "dram")
-            return
-        self.mover.demote(entry, drop=True)
+        if not entry.on_ssd:
+            for tier in self.lower[:1]:
+                assert self.sketch is not None
+                if self.sketch.estimate(entry.key) < self.config.ssd.admission_min_uses:
+                    self.n["admission_rejected"] += 1
+                    break
+                self.demote(tier, entry, drop=True)
+                return
+        self.drop(entry)
+        self.notify("removed", entry.key, "dram")
+
+    def demote(self, tier: SsdTier, entry: DramEntry, *, drop: bool) -> None:
+        """Write a live DRAM block down to `tier` (`prepare_write_back` .., then
+        `complete_write_back`), then with `drop` take it out of DRAM. Releases the lock for
+        the write."""
+        plan = self.prepare_write_back(tier, entry, drop=drop)
+        if plan is not None:
+            self.complete_write_back(plan, self.mover.write_back(plan), drop=drop)
+
+    def prepare_write_back(
+        self, tier: SsdTier, entry: DramEntry, *, drop: bool
+    ) -> WriteBack | None:
+        """Plan a demotion: a slot below, the entry pinned for the write. None if the tier
+        has no room or failed (with `drop`, the block leaves DRAM all the same)."""
+        try:
+            write = tier.plan_write(entry.key, entry.length, entry.parent, entry.tenant,
+                                    entry.meta)  # fmt: skip
+        except (CapacityError, StorageIOError) as exc:
+            log.warning("cannot demote block %s: %s", entry.key.hex(), exc)
+            if drop:
+                self.drop(entry)
+                self.notify("removed", entry.key, "dram")  # routers must not count on it
+            return None
+        entry.pins += 1
+        self.dram.pinned.add(entry.key)
+        # Deleted or overwritten while writing: not committed.
+        return WriteBack(entry, tier, write, self.dram.pages(entry), lambda: entry.live)
+
+    def complete_write_back(self, plan: WriteBack, committed: bool, *, drop: bool) -> None:
+        entry = plan.entry
+        if committed:
+            entry.on_ssd = True
+            self.n["demotions"] += 1
+        self.unpin_locked(entry)
+        if drop and entry.live:
+            if entry.pins:
+                # A reader got here first; keep it evictable later (now a clean copy).
+                self.dram.requeue(entry.key, self.rank(entry.key, entry.parent))
+            else:
+                self.drop(entry)
+                self.notify("removed", entry.key, "dram")
+        plan.tier.checkpoint_if_due()
 
     def fit_quota(self, tenant: str, key: bytes, size: int, *, strict: bool = True) -> None:
         """Evict the tenant's coldest unpinned blocks until `size` more bytes fit its quota.
@@ -279,16 +415,15 @@ class Manager:
             if not strict:
                 return
             raise CapacityError(f"a {size}-byte slot exceeds tenant {tenant!r}'s quota of {quota}")
-        old = self.index.get(key)
+        old = self.index.lookup(key)
         # The value this put replaces is freed on publish (unless a view pins it); do not evict
         # on its account.
         credit = 0
         if old is not None and old.tenant == tenant and old.pins == 0:
             credit = old.slot
-        order = self._tenant_recency.get(tenant, OrderedDict())
         used = self.dram.tenant_used
         while used.get(tenant, 0) - credit + size > quota:
-            victim = next((k for k in order if k not in self._pinned and k != key), None)
+            victim = self.dram.take_victim(tenant, key)
             if victim is None:
                 if not strict:
                     return
@@ -297,8 +432,132 @@ class Manager:
                     "holds is pinned"
                 )
             self.n["evictions"] += 1
-            self._policy.remove(victim)  # as a policy victim: a demotion may put it back
-            self._evict(self.index[victim])
+            self._evict(victim)
+
+    def flush(self) -> None:
+        """Write every live DRAM block without a copy below down (clean shutdown; called
+        without the lock)."""
+        with self.lock:
+            for tier in self.lower[:1]:
+                for entry in self.index.values():
+                    if entry.live and not entry.on_ssd:
+                        self.demote(tier, entry, drop=False)
+
+    # ------------------------------------------------------------------ reads back up
+
+    def promote(self, key: bytes, *, prefetch: bool = False) -> DramEntry | None:
+        """Read a block only a tier below holds into DRAM; the published entry, or None if it
+        is gone or fails verification. Releases the lock for the read; a read of the key in
+        flight already is waited for, not repeated."""
+        while key in self.inflight:
+            event = self.inflight[key]
+            self.lock.release()
+            try:
+                event.wait()
+            finally:
+                self.lock.acquire()
+            self.check_open()  # close() may have begun (or ended) meanwhile
+            done = self.index.lookup(key)
+            if done is not None:
+                return done
+        plan = self.prepare_read(key, prefetch)
+        if plan is None:
+            return None
+        try:
+            ok = self.mover.read(plan)
+        finally:
+            self.read_done(plan)
+        self.check_not_closed(plan)
+        entry = self.complete_read(plan, ok, prefetch)
+        if entry is not None and entry.staging is not None:
+            entry.pins -= 1  # the caller's `acquire` pins it
+        return entry
+
+    def prepare_read(self, key: bytes, prefetch: bool) -> ReadPlan | None:
+        """Plan a read of `key` back into DRAM: the block pinned below, a reserved DRAM slot
+        (or, for a get when pinned views hold all of DRAM, a buffer of its own), and the key
+        marked in flight. None if no tier below holds it."""
+        for tier in self.lower:
+            block = tier.find_block(key)
+            if block is not None:
+                break
+        else:
+            return None
+        length = block.length
+        if length > self.config.dram.effective_max_value_bytes:
+            return None  # written under a larger DRAM limit; cannot be staged in DRAM
+        tier.pin(block)
+        event = threading.Event()
+        self.inflight[key] = event
+        try:
+            size = slot_bytes(length)
+            self.fit_quota(block.tenant, key, size, strict=False)
+            try:
+                entry = self.claim(key, length, size, block.parent, block.tenant)
+                entry.meta = block.meta
+                entry.seq = block.snap[3]
+                entry.on_ssd = True
+                dst = self.dram.pages(entry)
+            except CapacityError:
+                if prefetch:
+                    raise
+                # Pinned views hold all of DRAM: serve this get from a buffer of its own.
+                entry = DramEntry(key, -1, length, 0, block.parent, 0, block.tenant, pins=1,
+                                  meta=block.meta)  # fmt: skip
+                entry.staging = AlignedBuffer(size)
+                dst = entry.staging.view
+                self.dram.staging_taken()
+        except BaseException:
+            tier.unpin(block)
+            del self.inflight[key]
+            event.set()
+            raise
+        return ReadPlan(key, tier, block, entry, dst, event)
+
+    def read_done(self, plan: ReadPlan) -> None:
+        """The read's I/O is over: its block unpinned, its waiters woken."""
+        if plan.tier in self.lower:  # else close() gave up waiting for this read (it hung)
+            plan.tier.unpin(plan.block)
+        del self.inflight[plan.key]
+        plan.event.set()
+
+    def check_not_closed(self, plan: ReadPlan) -> None:
+        """A read that outlived close() (it hung) serves nothing: its slot is given up with
+        the engine's books, and the caller learns the engine is closed."""
+        if self.closed:
+            self.unpin_locked(plan.entry)
+            raise KVOffloadError("the engine closed while this SSD read hung")
+
+    def complete_read(self, plan: ReadPlan, ok: bool | None, prefetch: bool) -> DramEntry | None:
+        """Publish a finished read: the key's entry now, or None if the block was gone or
+        failed verification."""
+        key, entry = plan.key, plan.entry
+        current = plan.tier.finish_read(plan.block, ok)
+        if current is None:
+            self.unpin_locked(entry)
+            return None
+        if key in self.index or not current:
+            self.unpin_locked(entry)  # written or deleted while we read: ours is stale
+            return self.index.lookup(key)
+        plan.tier.touch(plan.block)
+        if entry.staging is not None:
+            return entry
+        self.n["promotions"] += 1
+        self.n["prefetches"] += prefetch
+        self.publish(entry, put=False)
+        self.notify("stored", key, "dram")
+        return entry
+
+    def keep_read(self, plan: ReadPlan, ok: bool | None, out: dict[bytes, DramEntry]) -> None:
+        """Complete a batch's read, keeping a pin on its entry for the caller; a block gone,
+        damaged or replaced meanwhile is left out."""
+        entry = self.complete_read(plan, ok, False)
+        if entry is not plan.entry:
+            return
+        if entry.staging is None:  # published unpinned just now: pinned before anyone evicts
+            entry.pins += 1
+            self.dram.pinned.add(entry.key)
+        out[plan.key] = entry
 
     # ------------------------------------------------------------------ lineage
 
@@ -307,8 +566,8 @@ class Manager:
             return Rank.ORPHAN
         return Rank.INTERIOR if self._children.get(key) else Rank.LEAF
 
-    def ssd_rank(self, index: SsdIndex, row: int) -> int:
-        """The prefix policy's view of an SSD block, across both tiers."""
+    def lower_rank(self, index: SsdIndex, row: int) -> int:
+        """The prefix policy's view of a block below DRAM, across every tier."""
         parent = index.parent_of(row)
         if parent is not None and not self.stored(parent):
             return int(Rank.ORPHAN)
@@ -318,51 +577,61 @@ class Manager:
         return int(Rank.LEAF)
 
     def _rerank(self, key: bytes) -> None:
-        entry = self.index.get(key)
+        entry = self.index.lookup(key)
         if entry is not None:
-            self._policy.set_rank(key, self.rank(key, entry.parent))
+            self.dram.set_rank(key, self.rank(key, entry.parent))
 
+    # ------------------------------------------------------------------ close
 
-def lookup(m: Manager, keys: Sequence[bytes], tiers: list[str] | None = None) -> int:
-    """Leading keys either tier holds (called unlocked); `tiers` as in `Engine.lookup`."""
-    with m.lock:
-        m.check_open()
-        for n, key in enumerate(keys):
-            if not m.stored(key):
-                return n
-            if tiers is not None:
-                tiers.append("dram" if key in m.index else "ssd")
-            if m.sketch is not None:
-                m.sketch.add(key)
-        return len(keys)
+    def begin_close(self) -> bool:
+        """close() begins (lock held): calls from now on fail. False if one began before."""
+        first = not (self.closed or self.closing)
+        self.closing = True
+        return first
 
+    def retire(self, hung: bool) -> list[SsdTier]:
+        """Close the books (lock held): every DRAM entry retired, the arena unmapped (leaked
+        if a hung read may still write into it), the tiers below detached; those are returned
+        for the caller to close outside the lock."""
+        self.closed = True
+        self.index.retire()
+        if hung:
+            # A hung read may still write into the arena: never unmap it under the read (a
+            # backend may hold its raw address); it is leaked instead.
+            _LEAKED.append(self.dram.arena)
+        else:
+            self.dram.arena.close()
+        return self.detach_lower()
 
-def acquire_many(
-    m: Manager, keys: Sequence[bytes], ready: Callable[[bytes, DramEntry], bool] | None = None
-) -> list[DramEntry | None]:
-    """`Manager.acquire` each key (lock held), the SSD-only ones read with their reads in
-    flight together (`Mover.promote_many`, which calls `ready`). The batch's DRAM hits are
-    pinned first, so the room its SSD reads take cannot evict them."""
-    m.check_open()
-    got: dict[int, DramEntry | None] = {}
-    try:
-        for i, key in enumerate(keys):
-            if key in m.index:
-                got[i] = m.acquire(key)
-        rest = [key for i, key in enumerate(keys) if i not in got]
-        fetched = m.mover.promote_many(rest, ready) if m.ssd is not None and rest else {}
-        ours = list(fetched.values())
-        try:
-            # A repeated key counts as an SSD hit once, as successive gets would.
-            for i, key in enumerate(keys):
-                if i not in got:
-                    got[i] = m.acquire(key, fetched.pop(key, None))
-        finally:
-            for entry in ours:
-                m.unpin_locked(entry)  # the batch's own pin; the caller's stay
-        return [got[i] for i in range(len(keys))]
-    except BaseException:
-        for held in got.values():  # a get failing part-way leaves no pin behind
-            if held is not None:
-                m.unpin_locked(held)
-        raise
+    # ------------------------------------------------------------------ stats
+
+    def snapshot(self, policy: str) -> EngineStats:
+        """The engine's counters and every tier's."""
+        n = self.n
+        used = self.dram.tenant_used
+        lower_tenants: dict[str, int] = {}
+        recovery: dict[str, object] = {}
+        checkpoints = 0
+        for tier in self.lower:
+            lower_tenants.update(tier.tenant_usage())
+            checkpoints += tier.counters.checkpoints
+            recovery = asdict(tier.recovery)
+        return EngineStats(
+            policy=policy,
+            puts=n["puts"],
+            gets=n["gets"],
+            hits=n["hits"] + n["ssd_hits"],
+            misses=n["misses"],
+            deletes=n["deletes"],
+            evictions=n["evictions"],
+            neighbour_evictions=n["neighbours"],
+            tiers=tuple(tier.stats(n) for tier in self.tiers),
+            tenant_bytes={t: used.get(t, 0) for t in used.keys() | self.quotas.keys()},
+            ssd_tenant_bytes=lower_tenants,
+            durable_puts=n["durable"],
+            admission_rejected=n["admission_rejected"],
+            checkpoints=checkpoints,
+            staged_gets=self.dram.staged_gets,
+            staged_peak=self.dram.staged_peak,
+            recovery=recovery,
+        )

@@ -1,236 +1,227 @@
-"""The mover: carries blocks between the tiers once the manager has decided.
+"""The mover: executes the plans the manager prepares, against the tiers, and hands back
+their outcome; it keeps no books and never sees the manager.
 
-Demotions (DRAM -> SSD, on eviction and at a clean close), promotions (SSD -> DRAM, for a get
-or a prefetch on the background pool, in-flight reads de-duplicated) and durable puts' writes
-through to the SSD. Methods expect the engine's lock held on entry and hold it on return unless
-they say otherwise; the bytes move with the lock released, on a DRAM entry and an SSD slot or
-row pinned meanwhile.
+A plan says which block moves between which tier and which DRAM memory: a read back up into
+DRAM (`ReadPlan`), a DRAM block written down to the SSD on eviction or at a clean close
+(`WriteBack`), a durable put's write through (`WriteThrough`), a deleted slot's wipe
+(`SsdWipe`). The manager completes each with what executing it returned. The mover also owns
+the threads the I/O runs on: a prefetch pool, and a read pool that serves a batch of reads
+(`submit_reads`: each read completes, on the pool thread that did it, through the batch's
+callback) — the batch shape an io_uring ring can serve as well.
+
+Methods that take the engine's lock held on entry hold it again on return; the tiers release
+it while the bytes move (on a DRAM entry and an SSD row pinned meanwhile).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from queue import SimpleQueue
+from typing import Any
 
-from kvoffload.errors import CapacityError, StorageIOError
 from kvoffload.kvstore.dram import DramEntry
-from kvoffload.kvstore.promote import Promotions
-from kvoffload.kvstore.readpool import ReadPool
-from kvoffload.kvstore.ssd import SsdTier
-from kvoffload.kvstore.ssd.tier import SsdWipe
+from kvoffload.kvstore.ssd.catalog import WritePlan
+from kvoffload.kvstore.ssd.tier import SsdRead, SsdTier, SsdWipe
 
-if TYPE_CHECKING:
-    from kvoffload.kvstore.manager import Manager
-
-__all__ = ["Mover"]
+__all__ = ["Mover", "ReadPlan", "ReadPool", "WriteBack", "WriteThrough"]
 
 log = logging.getLogger(__name__)
 
-# Arenas of engines closed while an SSD read into them hung: kept mapped for good.
-_LEAKED: list[object] = []
+
+@dataclass(eq=False, slots=True)
+class ReadPlan:
+    """A block to read back into DRAM (prepared to completed): the SSD block (pinned), the
+    DRAM entry it lands in (pinned, unpublished), where its bytes go, and the event other
+    readers of the key wait on."""
+
+    key: bytes
+    tier: SsdTier
+    block: SsdRead
+    entry: DramEntry
+    dst: memoryview
+    event: threading.Event
 
 
-class Mover(Promotions):
-    """Moves blocks between the manager's DRAM tier and its SSD tier (reads back from the SSD:
-    `Promotions`)."""
+@dataclass(eq=False, slots=True)
+class WriteBack:
+    """A live DRAM block (pinned) to write down to `tier` as `write` plans it; committed
+    only while `keep()` holds (the block was not deleted or overwritten meanwhile)."""
 
-    def __init__(self, manager: Manager) -> None:
-        self._m = manager
-        self._lock = manager.lock
-        self._dram = manager.dram
-        self.ssd: SsdTier | None = None
-        self._inflight: dict[bytes, threading.Event] = {}  # promotions reading, by key
-        self._queued: set[bytes] = set()  # prefetches submitted, not finished
-        self.pool: ThreadPoolExecutor | None = None
+    entry: DramEntry
+    tier: SsdTier
+    write: WritePlan
+    payload: memoryview
+    keep: Callable[[], bool]
+
+
+@dataclass(eq=False, slots=True)
+class WriteThrough:
+    """A durable put's filled reservation (pinned, unpublished) to write to `tier` and wait
+    for its journal record."""
+
+    entry: DramEntry
+    tier: SsdTier
+    payload: memoryview
+
+
+_Call = tuple[Callable[..., object], tuple[Any, ...]]
+
+
+class ReadPool:
+    """`threads` threads running submitted calls first in, first out; started on the first.
+
+    Lighter per call than `ThreadPoolExecutor` (no Future and work item per call, no thread
+    bookkeeping per submit): a batch's reads report to the batch themselves. The threads are
+    daemons: a read hung in the kernel does not hold up the interpreter's exit.
+    """
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._size = threads
+        self._name = name
+        self._calls: SimpleQueue[_Call | None] = SimpleQueue()
+        self._lock = threading.Lock()  # orders submits against shutdown's stop marks
+        self._threads: list[threading.Thread] = []
+        self._shut = False
+
+    def submit(self, fn: Callable[..., object], *args: Any) -> None:
+        """Queue `fn(*args)`; what it raises is logged, it should report on its own.
+
+        Raises:
+            RuntimeError: the pool is shut down (as `ThreadPoolExecutor.submit`).
+        """
+        with self._lock:
+            if self._shut:
+                raise RuntimeError("cannot schedule new reads after shutdown")
+            if not self._threads:
+                for i in range(self._size):
+                    thread = threading.Thread(target=self._work, name=f"{self._name}_{i}",
+                                              daemon=True)  # fmt: skip
+                    thread.start()
+                    self._threads.append(thread)
+            self._calls.put((fn, args))
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop once every call submitted so far has run; with `wait`, return only then."""
+        with self._lock:
+            if not self._shut:
+                self._shut = True
+                for _ in self._threads:
+                    self._calls.put(None)
+            threads = list(self._threads)
+        if wait:
+            for thread in threads:
+                thread.join()
+
+    def _work(self) -> None:
+        while (call := self._calls.get()) is not None:
+            fn, args = call
+            try:
+                fn(*args)
+            except BaseException:  # a read reports its own failures; this is a last resort
+                log.exception("kvoffload: a batch read failed")
+
+
+class Mover:
+    """Runs plans against the tiers, on the caller's thread or on the I/O pools."""
+
+    def __init__(self) -> None:
+        self.pool: ThreadPoolExecutor | None = None  # prefetches
         self.reads: ReadPool | None = None  # the slot reads of batched gets
 
     def start(self, io_threads: int, read_depth: int) -> None:
-        """Start the prefetch pool and the batch read pool (with an SSD tier)."""
+        """Start the prefetch pool and the batch read pool (there is a tier to read from)."""
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-prefetch")
         self.reads = ReadPool(read_depth, "kvoffload-read")
 
-    def ssd_stored(self, key: bytes) -> None:
-        """The SSD tier committed a copy of `key` (its callback, lock held)."""
-        self._m.notify("stored", key, "ssd")
-
-    def ssd_removed(self, key: bytes) -> None:
-        """The SSD tier dropped its copy of `key` (its callback, lock held)."""
-        entry = self._m.index.get(key)
-        if entry is not None:
-            entry.on_ssd = False  # the SSD copy is gone: evicting the DRAM copy must write it
-        self._m.notify("removed", key, "ssd")
-
-    # ------------------------------------------------------------------ DRAM -> SSD
-
-    def demote(self, entry: DramEntry, *, drop: bool) -> None:
-        """Write a live DRAM block to the SSD, then with `drop` take it out of DRAM. Releases
-        the lock for the write."""
-        ssd, m = self.ssd, self._m
-        assert ssd is not None
-        try:
-            plan = ssd.plan_write(entry.key, entry.length, entry.parent, entry.tenant, entry.meta)
-        except (CapacityError, StorageIOError) as exc:
-            log.warning("cannot demote block %s: %s", entry.key.hex(), exc)
-            if drop:
-                m.drop(entry)
-                m.notify("removed", entry.key, "dram")  # routers must not count on it
-            return
-        entry.pins += 1
-        self._dram.pinned.add(entry.key)
-        # Deleted or overwritten while writing: not committed.
-        if ssd.demote(plan, self._dram.pages(entry), lambda: entry.live):
-            entry.on_ssd = True
-            m.n["demotions"] += 1
-        m.unpin_locked(entry)
-        if drop and entry.live:
-            if entry.pins:
-                # A reader got here first; keep it evictable later (now a clean copy).
-                self._dram.policy.insert(entry.key, m.rank(entry.key, entry.parent))
-            else:
-                m.drop(entry)
-                m.notify("removed", entry.key, "dram")
-        ssd.checkpoint_if_due()
-
-    def checkpoint(self) -> None:
-        """Snapshot the SSD index now (called without the lock; the file is written without
-        it)."""
-        assert self.ssd is not None
-        with self._lock:
-            self._m.check_open()
-            finish = self.ssd.begin_checkpoint()
-        finish()
-
-    def flush(self) -> None:
-        """Write every live DRAM block without an SSD copy to the SSD (clean shutdown; called
-        without the lock)."""
-        with self._lock:
-            for entry in list(self._m.index.values()):
-                if entry.live and not entry.on_ssd:
-                    self.demote(entry, drop=False)
-
-    def close(self, flush: bool) -> None:
-        """The engine's close (called without the lock): stop the prefetch pool, write DRAM-only
-        blocks to the SSD (`flush`), then retire every DRAM entry, unmap the arena and detach
-        the SSD tier, which is closed last, outside the lock."""
-        with self._lock:
-            first = not (self._m.closed or self._m.closing)
-            self._m.closing = True  # calls from now on fail with KVOffloadError
-        if not first:  # another close() runs: return once it has flushed and unmapped
-            self._m.closed_event.wait()
-            return
-        try:
-            self._close(flush)
-        finally:
-            self._m.closed_event.set()
-
-    def _close(self, flush: bool) -> None:
-        # `closing` is set: no read begins from now on, so those in flight are all to wait for.
-        hung = self._wait_reads(time.monotonic() + self._m.config.ssd.close_wait_s)
-        # Without a hung read every task ends at once. Queued prefetches are dropped; a
-        # batch's queued reads are not (each must report to its batch, else that get waits).
+    def shutdown(self, *, wait: bool) -> None:
+        """Stop both pools. Queued prefetches are dropped; a batch's queued reads are not
+        (each must report to its batch, else that get waits)."""
         if self.pool is not None:
-            self.pool.shutdown(wait=not hung, cancel_futures=True)
+            self.pool.shutdown(wait=wait, cancel_futures=True)
         if self.reads is not None:
-            self.reads.shutdown(wait=not hung)
-        try:
-            if self.ssd is not None and flush:
-                self.flush()
-        finally:
-            m = self._m
-            with self._lock:
-                m.closed = True
-                for entry in m.index.values():
-                    entry.live = False  # no longer a neighbour a reserve may evict
-                m.index.clear()
-                if hung:
-                    # A hung read may still write into the arena: never unmap it under the
-                    # read (a backend may hold its raw address); it is leaked instead.
-                    _LEAKED.append(self._dram.arena)
-                else:
-                    self._dram.arena.close()
-                ssd = self.ssd
-                m.detach_ssd()
-            if ssd is not None:
-                ssd.close()
-        if hung:
-            names = ", ".join(key.hex() for key in hung)
-            log.error("close: SSD reads of blocks %s still hung after %.1f s; their memory stays "
-                      "mapped (leaked)", names, m.config.ssd.close_wait_s)  # fmt: skip
-            raise StorageIOError(
-                f"the SSD did not finish reading blocks {names} within ssd.close_wait_s "
-                f"({m.config.ssd.close_wait_s} s): the engine is closed, the memory those reads "
-                "write into is leaked"
-            )
+            self.reads.shutdown(wait=wait)
 
-    def _wait_reads(self, deadline: float) -> list[bytes]:
-        """Wait until no promotion is in flight (called without the lock), so that a get that
-        began before close finishes its reads on an SSD tier and an arena still there; the keys
-        of reads still in flight at `deadline` (a hung device)."""
-        while True:
-            with self._lock:
-                inflight = dict(self._inflight)
-            if not inflight:
-                return []
-            for event in inflight.values():
-                if not event.wait(max(0.0, deadline - time.monotonic())):
-                    with self._lock:
-                        return list(self._inflight)
+    # ------------------------------------------------------------------ reads
 
-    def delete(self, key: bytes) -> bool:
-        """Remove `key` from both tiers (called without the lock); True if it was stored. The
-        SSD slot's header is wiped with the lock released."""
-        ssd, m = self.ssd, self._m
-        wipe: SsdWipe | None = None
-        with self._lock:
-            m.check_open()
-            found = False
-            entry = m.index.get(key)
-            if entry is not None:
-                m.drop(entry)
-                found = True
-            if ssd is not None:
-                wipe = ssd.detach(key)
-                found |= wipe is not None
-            m.n["deletes"] += found
-        if ssd is not None and wipe is not None:
-            ssd.wipe(wipe)
-        return found
+    def read(self, plan: ReadPlan) -> bool | None:
+        """Read a planned block (lock held, released for the read): whether it verified, or
+        None if the device failed."""
+        return plan.tier.read_into(plan.block, plan.dst)
 
-    def commit_durable(self, entry: DramEntry) -> bool:
-        """Write a filled reservation through to the SSD, wait for its journal record, then
-        publish it in DRAM (called without the lock).
+    def read_or_miss(self, plan: ReadPlan) -> bool | None:
+        """`read`, where an I/O path failing in a way of its own (not a `StorageIOError`,
+        which the tier turns into None itself) makes that block a miss, not a lost DRAM
+        slot."""
+        return _read_or_miss(plan.tier.read_into, plan)
 
-        The SSD decides the order of overlapping durable puts of a key: the highest seq wins in
-        both tiers, so what readers see before a crash is what the store holds after it.
-        """
-        ssd, m = self.ssd, self._m
-        assert ssd is not None
-        key = entry.key
-        with self._lock:
+    def submit_reads(
+        self, plans: Sequence[ReadPlan], done: Callable[[ReadPlan, bool | None], None]
+    ) -> int:
+        """Start a batch of reads on the read pool (called without the lock); each completes
+        there through `done(plan, ok)`. Returns how many were started, in order: fewer than
+        all once the pool has shut down (the engine is closing); those not started are not
+        reported."""
+        reads = self.reads
+        assert reads is not None
+        for n, plan in enumerate(plans):
             try:
-                m.check_open()
-                seq = ssd.write_through(key, entry.length, entry.parent, entry.tenant,
-                                        self._dram.pages(entry), entry.meta)  # fmt: skip
-            except BaseException:
-                m.unpin_locked(entry)  # never published: frees the slot
-                raise
-            ssd.write_through_done(key, seq)
-            m.n["durable"] += 1
-            row_seq = ssd.seq_of(key)
-            if row_seq > seq:
-                # A newer durable put of the key owns the SSD copy: ours comes before it. Until
-                # that put publishes, DRAM must not serve anything older than it.
-                current = m.index.get(key)
-                if current is not None and current.seq != row_seq:
-                    m.drop(current)
-                    m.notify("removed", key, "dram")
-                m.n["puts"] += 1
-                m.unpin_locked(entry)
-                return True
-            entry.on_ssd = entry.durable = row_seq == seq
-            entry.seq = seq
-            m.publish(entry, put=True, ssd_seq=seq)
-        return True
+                reads.submit(_read_and_report, plan, done)
+            except RuntimeError:  # the pool shut down: close() began meanwhile
+                return n
+        return len(plans)
+
+    def submit_prefetch(self, run: Callable[[bytes], None], key: bytes) -> None:
+        """Run `run(key)` on the prefetch pool.
+
+        Raises:
+            RuntimeError: the pool shut down.
+        """
+        if self.pool is not None:
+            self.pool.submit(run, key)
+
+    # ------------------------------------------------------------------ writes
+
+    def write_back(self, plan: WriteBack) -> bool:
+        """Write a DRAM block down (lock held, released for the write); True if the tier
+        committed it."""
+        return plan.tier.demote(plan.write, plan.payload, plan.keep)
+
+    def write_through(self, plan: WriteThrough) -> int:
+        """Write a durable put and wait for its journal record (lock held, released for the
+        write and the wait); the write's seq.
+
+        Raises:
+            CapacityError: no slot could be freed.
+            StorageIOError: the device or the journal failed.
+        """
+        e = plan.entry
+        return plan.tier.write_through(e.key, e.length, e.parent, e.tenant, plan.payload, e.meta)
+
+    def wipe(self, tier: SsdTier, wipe: SsdWipe) -> None:
+        """Zero a deleted block's header page and let its slot be reused (called without the
+        lock)."""
+        tier.wipe(wipe)
+
+
+def _read_or_miss(
+    read_into: Callable[[SsdRead, memoryview], bool | None], plan: ReadPlan
+) -> bool | None:
+    try:
+        return read_into(plan.block, plan.dst)
+    except Exception:
+        log.exception("kvoffload: reading block %s from the SSD failed", plan.key.hex())
+        return None
+
+
+def _read_and_report(plan: ReadPlan, done: Callable[[ReadPlan, bool | None], None]) -> None:
+    """A batch's slot read on a pool thread, then its completion there (a Future per read
+    and a hand-off of each to the caller cost more than the read's own Python)."""
+    ok = None
+    try:
+        ok = _read_or_miss(plan.tier.read_unlocked, plan)
+    finally:
+        done(plan, ok)

@@ -198,7 +198,7 @@ def _drop_cache(path: Path) -> None:
 
 def _io_stats(engine: Engine) -> tuple[int, int, int]:
     """(requests, transfers, completion checks) of a NIXL slot I/O backend; zeros otherwise."""
-    files = getattr(engine._ssd.io, "files", None) if engine._ssd is not None else None
+    files = getattr(engine._ssd.io.pages, "files", None) if engine._ssd is not None else None
     if files is None:
         return 0, 0, 0
     st = files.stats()

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+import kvoffload.kvstore.ssd.journal as jr
 from kvoffload.errors import CapacityError, StorageIOError
 from kvoffload.kvstore.config import PAGE, EngineConfig
 from kvoffload.kvstore.extents import ExtentAllocator
-from kvoffload.kvstore.ssd import journal as jr
 from kvoffload.kvstore.ssd.index import (
     EMPTY,
     ROW_DTYPE,

@@ -20,10 +20,10 @@ from pathlib import Path
 import crc32c
 import numpy as np
 
+import kvoffload.kvstore.ssd.journal as jr
 from kvoffload.errors import StorageIOError
 from kvoffload.kvstore.config import PAGE, DramConfig, EngineConfig
 from kvoffload.kvstore.extents import ExtentAllocator, slot_bytes
-from kvoffload.kvstore.ssd import journal as jr
 from kvoffload.kvstore.ssd.catalog import restore_slots
 from kvoffload.kvstore.ssd.index import ssd_slot_bytes
 from kvoffload.kvstore.ssd.metabook import MetaBook

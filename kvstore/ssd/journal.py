@@ -41,8 +41,8 @@ import crc32c
 import numpy as np
 import numpy.typing as npt
 
+import kvoffload.kvstore.faults as faults
 from kvoffload.errors import StorageIOError
-from kvoffload.kvstore import faults
 
 __all__ = [
     "DEL",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload.kvstore.ssd import journal as jr
+import kvoffload.kvstore.ssd.journal as jr
 from kvoffload.kvstore.ssd.keyhash import hash_key, hash_keys
 
 __all__ = ["MetaBook", "MetaSnapshot"]

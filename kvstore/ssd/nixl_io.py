@@ -35,19 +35,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+import kvoffload.kvstore.faults as faults
 from kvoffload.errors import ConfigError, StorageIOError
-from kvoffload.kvstore import faults
 from kvoffload.kvstore.config import PAGE, SsdConfig
-from kvoffload.kvstore.ssd.slotio import AlignedBuffer, BlockIO, SlotFile
+from kvoffload.kvstore.ssd.slotio import AlignedBuffer, BlockIO, SlotFile, select_slot_file
 
-__all__ = ["BACKENDS", "NixlBlockIO", "NixlFileIO", "NixlIOStats", "nixl_available",
-           "open_block_io"]  # fmt: skip
+__all__ = ["BACKENDS", "NixlFileIO", "NixlIOStats", "NixlPages", "SlotBackend",
+           "nixl_available"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -460,12 +461,13 @@ class NixlFileIO:
         self._stats.rebuilds += 1
 
 
-class NixlBlockIO(BlockIO):
-    """`BlockIO` whose pages move through `NixlFileIO`: same slot layout, verification and
-    error contract; header pages come from the registered pool."""
+class NixlPages:
+    """`kvstore.ssd.slotio.Pages` through `NixlFileIO`: the same slot layout, verification
+    and error contract as the calling threads' path; header pages come from the registered
+    pool."""
 
     def __init__(self, slots: SlotFile, io_backend: str, nixl_queue: str = "aio") -> None:
-        super().__init__(slots)
+        self.slots = slots
         self.files = NixlFileIO(slots, io_backend, nixl_queue)
 
     def register_memory(self, view: memoryview) -> None:
@@ -474,12 +476,10 @@ class NixlBlockIO(BlockIO):
     def close(self) -> None:
         self.files.close()
 
-    @contextlib.contextmanager
-    def _header_page(self) -> Iterator[memoryview]:
-        with self.files.header_page() as page:
-            yield page
+    def header_page(self) -> AbstractContextManager[memoryview]:
+        return self.files.header_page()
 
-    def _transfer(self, write: bool, offset: int, buffers: Sequence[memoryview]) -> None:
+    def transfer(self, write: bool, offset: int, buffers: Sequence[memoryview]) -> None:
         try:
             faults.check("slot.write" if write else "slot.read")  # the thread path's seams
         except OSError as exc:
@@ -492,14 +492,33 @@ class NixlBlockIO(BlockIO):
         self.files.transfer(write, pieces)
 
 
-def open_block_io(config: SsdConfig, slots: SlotFile) -> BlockIO:
-    """The slot I/O that `config.io_backend` names.
+@dataclass(frozen=True, slots=True)
+class SlotBackend:
+    """The one seam for slot I/O (python-diskcache's `Disk`): the only reader of
+    `ssd.io_backend`. It says how the slot file is opened (O_DIRECT, or kvikio's cuFile) and
+    how blocks move through it (the calling threads, or NIXL); the store and the tier ask it,
+    never the config."""
 
-    Raises:
-        ConfigError: a NIXL backend was asked for and NIXL or that backend is missing here.
-    """
-    if config.io_backend in BACKENDS:
-        io = NixlBlockIO(slots, config.io_backend, config.nixl_queue)
-        log.info("SSD slot I/O through NIXL's %s backend", io.files.plugin)
-        return io
-    return BlockIO(slots)
+    config: SsdConfig
+
+    def open_file(self, path: str, size: int) -> SlotFile:
+        """The slot file ("kvikio", or "auto" with kvikio usable: through cuFile).
+
+        Raises:
+            ConfigError: "kvikio" asked for but not usable here.
+        """
+        backend = self.config.io_backend
+        return select_slot_file("posix" if backend in BACKENDS else backend, path, size)
+
+    def open_io(self, slots: SlotFile) -> BlockIO:
+        """The block I/O over `slots` ("nixl-*": through NIXL).
+
+        Raises:
+            ConfigError: a NIXL backend was asked for and NIXL or that backend is missing here.
+        """
+        config = self.config
+        if config.io_backend in BACKENDS:
+            pages = NixlPages(slots, config.io_backend, config.nixl_queue)
+            log.info("SSD slot I/O through NIXL's %s backend", pages.files.plugin)
+            return BlockIO(slots, pages)
+        return BlockIO(slots)

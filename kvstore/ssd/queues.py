@@ -7,17 +7,24 @@ indexed by row, like the index's own; every call runs under the engine's lock.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from kvoffload.kvstore.ssd.keyhash import hash_key
 
-if TYPE_CHECKING:
-    from kvoffload.kvstore.ssd.index import RankFn, SsdIndex
 
-__all__ = ["EvictionQueues"]
+class Rows(Protocol):
+    """What the queues read of the index they order (`kvstore.ssd.index.SsdIndex`)."""
+
+    def key_of(self, row: int) -> bytes: ...
+
+    def __len__(self) -> int: ...
+
+
+_R = TypeVar("_R", bound=Rows)
 
 EMPTY = -1
 # Eviction queues: LRU and prefix use queue 0; S3-FIFO uses 0 (small) and 1 (main).
@@ -113,7 +120,7 @@ class EvictionQueues:
             self.prev[nxt] = prev
         self._sizes[queue] -= 1
 
-    def choose_victim(self, protected: set[int], rank: RankFn, index: SsdIndex) -> int:
+    def choose_victim(self, protected: set[int], rank: Callable[[_R, int], int], index: _R) -> int:
         """The row to evict next, skipping `protected` rows, or EMPTY if none is free.
 
         Does not remove it; S3-FIFO may move rows between its queues while it looks.
@@ -140,7 +147,7 @@ class EvictionQueues:
             row = int(self.next[row])
         return leaf if leaf != EMPTY else first
 
-    def _s3fifo_victim(self, protected: set[int], index: SsdIndex) -> int:
+    def _s3fifo_victim(self, protected: set[int], index: Rows) -> int:
         sizes = self._sizes
         # Each row moves or decays at most 4 times before it is evicted or found pinned.
         budget = 4 * (sizes[0] + sizes[1]) + 4

@@ -12,11 +12,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import kvoffload.kvstore.ssd.journal as jr
 from kvoffload.errors import ConfigError, StorageIOError
 from kvoffload.kvstore.config import PAGE, EngineConfig
-from kvoffload.kvstore.ssd import journal as jr
 from kvoffload.kvstore.ssd.catalog import SsdCatalog, export_records
-from kvoffload.kvstore.ssd.gds import select_slot_file
 from kvoffload.kvstore.ssd.index import RankFn, ssd_slot_bytes
 from kvoffload.kvstore.ssd.slotio import SlotFile
 from kvoffload.kvstore.ssd.store import StoreDir
@@ -50,12 +49,13 @@ class SsdStore:
         on_removed: Callable[[bytes], None],
         lock: threading.Lock,
         read_only: bool,
+        open_slots: Callable[[str, int], SlotFile],
     ) -> None:
         self.config = config
         self._lock = lock  # the engine's: checkpoint threads count their failures under it
         self.files = StoreDir(config, read_only)
         try:
-            self._open(rank, on_removed, read_only)
+            self._open(rank, on_removed, read_only, open_slots)
         except BaseException:
             self.abandon()
             raise
@@ -77,7 +77,13 @@ class SsdStore:
             self.files.undo_create()
         self.files.unlock()
 
-    def _open(self, rank: RankFn, on_removed: Callable[[bytes], None], read_only: bool) -> None:
+    def _open(
+        self,
+        rank: RankFn,
+        on_removed: Callable[[bytes], None],
+        read_only: bool,
+        open_slots: Callable[[str, int], SlotFile],
+    ) -> None:
         files = self.files
         self.meta, creating = files.load_or_create_meta()
         self.capacity = self.meta.capacity_bytes // PAGE * PAGE
@@ -89,9 +95,7 @@ class SsdStore:
         self.cat = cat = SsdCatalog(self.config, self.capacity, self.max_value_bytes, rank,
                                     on_removed)  # fmt: skip
         slot_path = self.meta.slot_path or str(files.dir / "ssd.slots")
-        self.slots = select_slot_file(
-            self.config.ssd.io_backend, slot_path, self.meta.capacity_bytes
-        )
+        self.slots = open_slots(slot_path, self.meta.capacity_bytes)
         self.recovery = self._recover()
         if not read_only:
             self._generation += 1

@@ -25,19 +25,22 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib.util
 import logging
-import mmap
 import os
+import stat
 import struct
 import threading
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import crc32c
 
-from kvoffload.errors import StorageIOError
-from kvoffload.kvstore import faults
+import kvoffload.kvstore.faults as faults
+from kvoffload.errors import ConfigError, StorageIOError
+from kvoffload.kvstore.arena import AlignedBuffer
 from kvoffload.kvstore.config import PAGE, format_size
 
 if TYPE_CHECKING:
@@ -47,9 +50,14 @@ __all__ = [
     "SLOT_HEADER",
     "AlignedBuffer",
     "BlockIO",
+    "Pages",
+    "ThreadPages",
+    "CuFileIO",
     "SlotFile",
     "SlotHeader",
+    "gds_available",
     "pack_header",
+    "select_slot_file",
     "unpack_header",
 ]
 
@@ -93,19 +101,6 @@ def unpack_header(page: memoryview | bytes) -> SlotHeader | None:
                       name.rstrip(b"\x00").decode(errors="replace"))  # fmt: skip
 
 
-class AlignedBuffer:
-    """Page-aligned anonymous memory (O_DIRECT needs aligned buffers)."""
-
-    def __init__(self, size: int) -> None:
-        self.size = -(-size // PAGE) * PAGE
-        self._map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.view = memoryview(self._map)
-
-    def close(self) -> None:
-        self.view.release()
-        self._map.close()
-
-
 def _advance(buffers: Sequence[memoryview], done: int) -> list[memoryview]:
     """What is left of `buffers` after `done` bytes moved."""
     if len(buffers) == 2 and done == len(buffers[0]) + len(buffers[1]):
@@ -131,6 +126,9 @@ class SlotFile:
     def __init__(self, path: str, size: int) -> None:
         self.path = path
         self.size = size
+        # Another path for the reads and writes (kvikio's cuFile: `select_slot_file`); the
+        # descriptor still preallocates and flushes.
+        self.device: CuFileIO | None = None
         self.direct = True
         self.created = not os.path.exists(path)  # a failed open removes only a file it made
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
@@ -177,6 +175,9 @@ class SlotFile:
         Raises:
             StorageIOError: the device failed or the file ended early.
         """
+        if self.device is not None:
+            self.device.transfer("read", offset, buffers)
+            return
         todo = buffers
         while todo:
             try:
@@ -195,6 +196,9 @@ class SlotFile:
         Raises:
             StorageIOError: the device failed (EIO, ENOSPC); the slot's old content is gone.
         """
+        if self.device is not None:
+            self.device.transfer("write", offset, buffers)  # made stable by flush(), as here
+            return
         todo = list(buffers)
         while todo:
             try:
@@ -217,49 +221,84 @@ class SlotFile:
             raise StorageIOError(f"flushing {self.path}: {exc.strerror or exc}") from exc
 
     def close(self) -> None:
+        if self.device is not None:
+            self.device.close()
         os.close(self.fd)
 
 
 def _is_block_device(fd: int) -> bool:
-    import stat
-
     return stat.S_ISBLK(os.fstat(fd).st_mode)
 
 
-class BlockIO:
-    """Blocks in a slot file: a header page, then the value's pages. Runs without the engine's
-    lock, on slots set aside for it; each thread has a header page of its own, and the calling
-    thread does the I/O (`ssd.io_backend` "posix"). `kvstore.ssd.nixl_io` overrides the two
-    seams, `_header_page` and `_transfer`, to move the same pages through NIXL."""
+class Pages(Protocol):
+    """How a `BlockIO` moves pages: a header page to use, and transfers at an offset."""
+
+    def header_page(self) -> AbstractContextManager[memoryview]:
+        """A page-aligned header page of the caller's own while the context lasts."""
+        ...
+
+    def transfer(self, write: bool, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Move `buffers` (page-aligned, whole pages) to or from the slot file at `offset`.
+
+        Raises:
+            StorageIOError: the device failed.
+        """
+        ...
+
+    def register_memory(self, view: memoryview) -> None:
+        """Memory most transfers use (the DRAM arena); only a backend that registers memory
+        with the kernel or a library needs to know."""
+        ...
+
+    def close(self) -> None:
+        """Stop what the backend runs."""
+        ...
+
+
+class ThreadPages:
+    """`Pages` on the calling threads (`ssd.io_backend` "posix"): each thread has a header
+    page of its own and does the I/O itself."""
 
     def __init__(self, slots: SlotFile) -> None:
         self.slots = slots
         self._pages = threading.local()
 
     def register_memory(self, view: memoryview) -> None:
-        """Memory most transfers use (the DRAM arena); only a backend that registers memory
-        with the kernel or a library needs to know."""
+        """Nothing to register: the kernel reads into any page-aligned memory."""
 
     def close(self) -> None:
-        """Stop what the backend runs (nothing here: the calling threads do the I/O)."""
+        """Nothing runs here: the calling threads do the I/O."""
 
     @contextlib.contextmanager
-    def _header_page(self) -> Iterator[memoryview]:
+    def header_page(self) -> Iterator[memoryview]:
         buf: AlignedBuffer | None = getattr(self._pages, "buf", None)
         if buf is None:
             buf = self._pages.buf = AlignedBuffer(PAGE)
         yield buf.view
 
-    def _transfer(self, write: bool, offset: int, buffers: Sequence[memoryview]) -> None:
-        """Move `buffers` (page-aligned, whole pages) to or from the slot file at `offset`.
-
-        Raises:
-            StorageIOError: the device failed.
-        """
+    def transfer(self, write: bool, offset: int, buffers: Sequence[memoryview]) -> None:
         if write:
             self.slots.write(offset, buffers)
         else:
             self.slots.read(offset, buffers)
+
+
+class BlockIO:
+    """Blocks in a slot file: a header page, then the value's pages. Runs without the engine's
+    lock, on slots set aside for it. The pages move through `pages`: the calling threads'
+    own I/O (`ThreadPages`, the default) or NIXL's (`kvstore.ssd.nixl_io.NixlPages`)."""
+
+    def __init__(self, slots: SlotFile, pages: Pages | None = None) -> None:
+        self.slots = slots
+        self.pages: Pages = ThreadPages(slots) if pages is None else pages
+
+    def register_memory(self, view: memoryview) -> None:
+        """Memory most transfers use (the DRAM arena), for pages that register memory."""
+        self.pages.register_memory(view)
+
+    def close(self) -> None:
+        """Stop what the pages' backend runs."""
+        self.pages.close()
 
     def write(self, plan: WritePlan, tenant_name: str, payload: memoryview) -> None:
         """Write header and value (sets `plan.crc`); `payload` is page-aligned and spans whole
@@ -269,11 +308,12 @@ class BlockIO:
             StorageIOError: the device failed.
         """
         plan.crc = crc32c.crc32c(payload[: plan.length])
-        with self._header_page() as page:
+        pages = self.pages
+        with pages.header_page() as page:
             page[:] = bytes(PAGE)
             pack_header(page, SlotHeader(plan.seq, plan.key, plan.parent, plan.length, plan.crc,
                                          plan.tenant, tenant_name))  # fmt: skip
-            self._transfer(True, plan.offset, [page, payload])
+            pages.transfer(True, plan.offset, [page, payload])
 
     def read(self, row_snapshot: tuple[bytes, int, int, int, int], dst: memoryview) -> bool:
         """Read a block into `dst` (page-aligned, whole pages); False if it fails verification.
@@ -284,8 +324,9 @@ class BlockIO:
             StorageIOError: the device failed.
         """
         key, page_no, length, seq, crc = row_snapshot
-        with self._header_page() as page:
-            self._transfer(False, page_no * PAGE, [page, dst])
+        pages = self.pages
+        with pages.header_page() as page:
+            pages.transfer(False, page_no * PAGE, [page, dst])
             fields = _HEADER.unpack(page[:SLOT_HEADER])
             sealed = fields[0] == crc32c.crc32c(page[4:SLOT_HEADER])
         # (crc, magic, version, flags, tenant, _, seq, key, parent, length, value crc, name):
@@ -303,6 +344,66 @@ class BlockIO:
         Raises:
             StorageIOError: the device failed.
         """
-        with self._header_page() as page:
+        pages = self.pages
+        with pages.header_page() as page:
             page[:] = bytes(PAGE)
-            self._transfer(True, offset, [page])
+            pages.transfer(True, offset, [page])
+
+
+# GPUDirect Storage: slot I/O through kvikio (cuFile) when it is installed and a CUDA device is
+# present, so a later step can move blocks between SSD and GPU memory without a host bounce.
+# Same contract as `SlotFile.read` / `write` for host buffers; kvikio's `pread`/`pwrite` also
+# accept device buffers, which is the point. `select_slot_file` falls back to the O_DIRECT host
+# path whenever either is missing.
+
+
+def gds_available() -> bool:
+    """kvikio importable and at least one CUDA device visible."""
+    if importlib.util.find_spec("kvikio") is None:
+        return False
+    try:
+        import cupy  # kvikio's own dependency
+
+        return bool(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # no driver, no device: the host path serves
+        return False
+
+
+class CuFileIO:
+    """A slot file's reads and writes through kvikio's cuFile handle (`SlotFile.device`)."""
+
+    def __init__(self, path: str) -> None:
+        import kvikio
+
+        self.path = path
+        self._cufile = kvikio.CuFile(path, "r+")
+
+    def transfer(self, verb: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        op = self._cufile.pread if verb == "read" else self._cufile.pwrite
+        for buf in buffers:
+            try:
+                done = op(buf, len(buf), offset).get()
+            except Exception as exc:  # kvikio raises its own runtime errors
+                raise StorageIOError(f"cuFile {verb} of {self.path} at {offset}: {exc}") from exc
+            if done != len(buf):
+                raise StorageIOError(f"cuFile {verb} of {self.path} at {offset}: short transfer")
+            offset += len(buf)
+
+    def close(self) -> None:
+        self._cufile.close()
+
+
+def select_slot_file(backend: str, path: str, size: int) -> SlotFile:
+    """The slot file for `backend`: "posix", "kvikio", or "auto" (kvikio when usable).
+
+    Raises:
+        ConfigError: "kvikio" asked for but not usable here.
+    """
+    if backend == "kvikio" or (backend == "auto" and gds_available()):
+        if not gds_available():
+            raise ConfigError("ssd.io_backend = 'kvikio' needs the kvikio package and a CUDA GPU")
+        log.info("SSD slot I/O through kvikio (GPUDirect Storage)")
+        slots = SlotFile(path, size)  # preallocation, O_DIRECT fd for fdatasync
+        slots.device = CuFileIO(path)
+        return slots
+    return SlotFile(path, size)

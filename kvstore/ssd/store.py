@@ -27,10 +27,10 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+import kvoffload.kvstore.faults as faults
+import kvoffload.kvstore.ssd.journal as jr
 from kvoffload.errors import ConfigError, StorageIOError
-from kvoffload.kvstore import faults
 from kvoffload.kvstore.config import EngineConfig
-from kvoffload.kvstore.ssd import journal as jr
 
 __all__ = ["FORMAT", "META_NAME", "Replay", "StoreDir", "StoreMeta"]
 

@@ -11,18 +11,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
+import kvoffload.kvstore.ssd.journal as jr
 from kvoffload.errors import StorageIOError
 from kvoffload.kvstore.config import EngineConfig
-from kvoffload.kvstore.ssd import journal as jr
 from kvoffload.kvstore.ssd.catalog import WritePlan, restore_slots
 from kvoffload.kvstore.ssd.index import EMPTY, RankFn
-from kvoffload.kvstore.ssd.nixl_io import open_block_io
+from kvoffload.kvstore.ssd.nixl_io import SlotBackend
 from kvoffload.kvstore.ssd.recovery import Recovery, SsdStore
 from kvoffload.kvstore.ssd.store import META_NAME
-from kvoffload.kvstore.stats import TierStats
+from kvoffload.kvstore.tier import TierStats
 
 __all__ = ["META_NAME", "Recovery", "SsdRead", "SsdTier", "SsdWipe", "WritePlan", "restore_slots"]
 
@@ -57,7 +57,9 @@ class SsdWipe:
 
 class SsdTier:
     """Blocks on SSD: who is where (index), how to find room (allocator + eviction), and how
-    the index survives crashes (journal + checkpoints)."""
+    the index survives crashes (journal + checkpoints). A `kvstore.tier.Tier`."""
+
+    name = "ssd"
 
     def __init__(
         self,
@@ -73,13 +75,20 @@ class SsdTier:
         # The lock every coarse operation expects held (the engine's); released for I/O.
         self._lock = lock or threading.Lock()
         self._on_stored = on_stored
-        self.store = store = SsdStore(config, rank=rank, on_removed=on_removed, lock=self._lock,
-                                      read_only=read_only)  # fmt: skip
+        backend = SlotBackend(config.ssd)  # the one reader of `ssd.io_backend`
+        self.store = store = SsdStore(
+            config,
+            rank=rank,
+            on_removed=on_removed,
+            lock=self._lock,
+            read_only=read_only,
+            open_slots=backend.open_file,
+        )
         self.files, self.dir, self.meta = store.files, store.files.dir, store.meta
         self.recovery, self.store_id = store.recovery, store.store_id
         self.capacity, self.max_value_bytes = store.capacity, store.max_value_bytes
         try:
-            io = open_block_io(config.ssd, store.slots)
+            io = backend.open_io(store.slots)
         except BaseException:
             store.abandon()  # NIXL or its backend is missing: a store made just now goes
             raise
@@ -153,6 +162,9 @@ class SsdTier:
 
     def contains(self, key: bytes) -> bool:
         return self.index.find(key) != EMPTY
+
+    def meta_of(self, key: bytes) -> bytes | None:
+        return self.cat.meta.get(key)
 
     def length_of(self, key: bytes) -> int | None:
         row = self.index.find(key)
@@ -336,7 +348,7 @@ class SsdTier:
         with self._lock:
             self.cat.release_slot(wipe.journal, wipe.ticket, wipe.offset, wipe.size)
 
-    def stats(self, n: dict[str, int]) -> TierStats:
+    def stats(self, n: Mapping[str, int]) -> TierStats:
         """This tier's counters; `n` holds the engine's (hits, misses, moves between tiers)."""
         return _tier_stats(self, n)
 
@@ -352,7 +364,7 @@ class SsdTier:
         return int(self.index.rows["length"][self.index.live_rows()].sum())
 
 
-def _tier_stats(tier: SsdTier, n: dict[str, int]) -> TierStats:
+def _tier_stats(tier: SsdTier, n: Mapping[str, int]) -> TierStats:
     c = tier.counters
     return TierStats(
         name="ssd",

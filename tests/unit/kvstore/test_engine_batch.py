@@ -13,7 +13,7 @@ import numpy as np
 
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
 from kvoffload.kvstore.config import PAGE
-from kvoffload.kvstore.promote import side_buffers
+from kvoffload.kvstore.reads import side_buffers
 
 BLOCK = 200_000
 WAIT_S = 30  # a hang guard, never a timing assertion
@@ -186,7 +186,7 @@ def test_a_batch_failing_part_way_leaves_no_pin(tmp_path: Path) -> None:
         for v in engine.get_many([key(i) for i in range(3)]):  # blocks 0-2 in DRAM, unpinned
             assert v is not None
             v.release()
-        manager = engine._m
+        manager = engine._reads
         real, calls = manager.acquire, [0]
 
         def failing(k: bytes, fetched: object = None) -> object:
@@ -275,4 +275,4 @@ def test_a_read_failing_oddly_is_a_miss_that_leaves_no_pin_or_slot(tmp_path: Pat
         dram = engine.stats().tiers[0]
         assert dram.pinned == 0 and dram.entries == 4
         assert dram.used_bytes == 4 * (-(-BLOCK // PAGE) * PAGE)  # no slot lost
-        assert not engine._m.mover._inflight  # type: ignore[attr-defined]
+        assert not engine._m.inflight

@@ -291,7 +291,7 @@ def test_prefetch_promotes_in_background_once(tmp_path: Path) -> None:
     with Engine(config(tmp_path)) as engine:
         for i in range(40):
             engine.put(key(i), value(i))
-        cold = [i for i in range(40) if not engine._index.get(key(i))][:8]  # fits in DRAM
+        cold = [i for i in range(40) if not engine._index.lookup(key(i))][:8]  # fits in DRAM
         assert len(cold) == 8
         keys = [key(i) for i in cold]
         assert engine.prefetch(keys + [key(999)]) == 8

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from kvoffload.kvstore.readpool import ReadPool
+from kvoffload.kvstore.mover import ReadPool
 
 
 def test_shutdown_runs_what_was_submitted_then_refuses_more() -> None:

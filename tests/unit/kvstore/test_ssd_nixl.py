@@ -22,7 +22,7 @@ from kvoffload.errors import ConfigError, StorageIOError
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
 from kvoffload.kvstore.config import PAGE
 from kvoffload.kvstore.ssd.catalog import WritePlan
-from kvoffload.kvstore.ssd.slotio import AlignedBuffer, SlotFile
+from kvoffload.kvstore.ssd.slotio import AlignedBuffer, BlockIO, SlotFile
 
 HAVE_NIXL = importlib.util.find_spec("nixl") is not None
 needs_nixl = pytest.mark.skipif(
@@ -60,9 +60,10 @@ def process_cpu_ticks() -> int:
 
 @needs_nixl
 def test_blocks_round_trip_verified_and_wiped(slots: SlotFile) -> None:
-    from kvoffload.kvstore.ssd.nixl_io import NixlBlockIO
+    from kvoffload.kvstore.ssd.nixl_io import NixlPages
 
-    io = NixlBlockIO(slots, "nixl-posix")
+    pages = NixlPages(slots, "nixl-posix")
+    io = BlockIO(slots, pages)
     try:
         arena = AlignedBuffer(8 * PAGE)
         io.register_memory(arena.view)
@@ -80,7 +81,7 @@ def test_blocks_round_trip_verified_and_wiped(slots: SlotFile) -> None:
         io.wipe(p.offset)
         assert io.read(snap, dst) is False  # no header any more
         # Everything landed in registered memory: no per-transfer registration.
-        stats = io.files.stats()
+        stats = pages.files.stats()
         assert stats.temp_registrations == 0 and stats.requests == stats.transfers == 5
     finally:
         io.close()

@@ -173,15 +173,15 @@ def test_durable_put_flushes_its_slot_before_its_record_is_synced(tmp_path: Path
 
 @needs_nixl
 def test_nixl_engine_registers_the_arena_once(tmp_path: Path) -> None:
-    from kvoffload.kvstore.ssd.nixl_io import NixlBlockIO
+    from kvoffload.kvstore.ssd.nixl_io import NixlPages
 
     with Engine(config(tmp_path, "nixl-posix")) as engine:
         for i in range(30):
             engine.put(key(i), value(i))
         assert all(read(engine, i) == value(i) for i in range(30))
         ssd = engine._ssd
-        assert ssd is not None and isinstance(ssd.io, NixlBlockIO)
-        stats = ssd.io.files.stats()
+        assert ssd is not None and isinstance(ssd.io.pages, NixlPages)
+        stats = ssd.io.pages.files.stats()
         assert stats.requests > 30 and stats.temp_registrations == 0
         assert stats.failed_transfers == 0
 

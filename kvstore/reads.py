@@ -1,0 +1,306 @@
+"""The engine's read path: a get's hit in DRAM, a block read back up from a tier below, a
+batch's reads in flight together, and prefetches on the background pool.
+
+`Reads` drives the manager's read plans (`Manager.prepare_read` .. `complete_read`) through
+the mover: one at a time on the caller's thread, or a batch on the read pool with each read
+completed on the pool thread that did it. Reads already in flight are never repeated. The
+same locking rules as the manager's: the engine's lock held on entry and on return unless a
+method says otherwise, released while the bytes move.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from queue import SimpleQueue
+
+from kvoffload.errors import KVOffloadError
+from kvoffload.kvstore.dram import TOUCH_RING, DramEntry
+from kvoffload.kvstore.manager import Manager
+from kvoffload.kvstore.mover import Mover, ReadPlan
+
+__all__ = ["Reads", "side_buffers"]
+
+log = logging.getLogger(__name__)
+
+SIDE_BUFFERS = 16  # a batch's side buffers (`side_buffers`), unless the read depth is larger
+
+
+def side_buffers(read_depth: int) -> int:
+    """Side buffers one batched `get_many_into` holds at most (DRAM pinned full): enough to
+    keep `read_depth` reads in flight while earlier blocks are copied out."""
+    return max(SIDE_BUFFERS, read_depth)
+
+
+@dataclass(eq=False, slots=True)
+class _Batch:
+    """A `fetch_many` in progress: what its reads kept, what each reports on finishing."""
+
+    out: dict[bytes, DramEntry]
+    ready: Callable[[bytes, DramEntry], bool] | None
+    ended: set[bytes] = field(default_factory=set)  # reads whose I/O is over and accounted
+    # (read, whether its side buffer went back, what finishing it raised)
+    done_q: SimpleQueue[tuple[ReadPlan, bool, BaseException | None]] = field(
+        default_factory=SimpleQueue
+    )
+
+
+class Reads:
+    """Gets and prefetches over the manager's books and the mover's I/O."""
+
+    def __init__(self, manager: Manager, mover: Mover) -> None:
+        self._m = manager
+        self._mover = mover
+        self._lock = manager.lock
+        self._n = manager.n
+        self._index = manager.index
+        self._dram = manager.dram
+        self._queued: set[bytes] = set()  # prefetches submitted, not finished
+
+    def acquire(self, key: bytes, fetched: DramEntry | None = None) -> DramEntry | None:
+        """Pin and return the DRAM entry of `key`, reading it back up from a tier below if
+        need be, or `fetched`, the block `fetch_many` read just now (pinned by it), served
+        even if the key was deleted or written since (the get began first)."""
+        m = self._m
+        if m.closing or m.closed:
+            raise KVOffloadError("the engine is closed")
+        n = self._n
+        n["gets"] += 1
+        entry = self._index.lookup(key) if fetched is None else fetched
+        if fetched is not None:
+            n["ssd_hits"] += 1
+        elif entry is not None:
+            n["hits"] += 1
+        else:
+            entry = m.promote(key)  # from a tier below, if one holds it
+            n["ssd_hits"] += entry is not None
+        if entry is None:
+            n["misses"] += 1
+            return None
+        n["bytes_out"] += entry.length
+        if m.sketch is not None:
+            m.sketch.add(key)
+        if self._index.pin(entry) >= TOUCH_RING:
+            self._dram.apply_touches()
+        return entry
+
+    def lookup(self, keys: Sequence[bytes], tiers: list[str] | None = None) -> int:
+        """Leading keys any tier holds (called unlocked); `tiers` as in `Engine.lookup`."""
+        m = self._m
+        with self._lock:
+            m.check_open()
+            for n, key in enumerate(keys):
+                holder = m.holder(key)
+                if holder is None:
+                    return n
+                if tiers is not None:
+                    tiers.append(holder.name)
+                if m.sketch is not None:
+                    m.sketch.add(key)
+            return len(keys)
+
+    def acquire_many(
+        self, keys: Sequence[bytes], ready: Callable[[bytes, DramEntry], bool] | None = None
+    ) -> list[DramEntry | None]:
+        """`acquire` each key (lock held), the ones only a tier below holds read with their
+        reads in flight together (`fetch_many`, which calls `ready`). The batch's DRAM hits
+        are pinned first, so the room its other reads take cannot evict them."""
+        m = self._m
+        m.check_open()
+        got: dict[int, DramEntry | None] = {}
+        try:
+            for i, key in enumerate(keys):
+                if key in self._index:
+                    got[i] = self.acquire(key)
+            rest = [key for i, key in enumerate(keys) if i not in got]
+            fetched = self.fetch_many(rest, ready) if rest else {}
+            ours = list(fetched.values())
+            try:
+                # A repeated key counts as an SSD hit once, as successive gets would.
+                for i, key in enumerate(keys):
+                    if i not in got:
+                        got[i] = self.acquire(key, fetched.pop(key, None))
+            finally:
+                for entry in ours:
+                    m.unpin_locked(entry)  # the batch's own pin; the caller's stay
+            return [got[i] for i in range(len(keys))]
+        except BaseException:
+            for held in got.values():  # a get failing part-way leaves no pin behind
+                if held is not None:
+                    m.unpin_locked(held)
+            raise
+
+    def fetch_many(
+        self, keys: Sequence[bytes], ready: Callable[[bytes, DramEntry], bool] | None = None
+    ) -> dict[bytes, DramEntry]:
+        """Read the blocks of `keys` that only a tier below holds into DRAM with up to
+        `ssd.read_depth` reads in flight, each completed as it finishes (the lock is released
+        while they run). Returns the entries read, each pinned once for the caller
+        (`acquire(fetched=...)`). Keys another caller is reading already are left to
+        `Manager.promote`, which waits for them: no block is read twice. `ready(key, entry)`
+        is called without the lock as each overlapped read is published (its entry pinned),
+        so the caller can copy it out while the others are still being read; True says it
+        did, so a side buffer (DRAM pinned full) can go at once: with `ready`, at most
+        `side_buffers` of them are held, a read that needs one more waiting until an earlier
+        one is copied out."""
+        m, mover = self._m, self._mover
+        later = deque(k for k in dict.fromkeys(keys)
+                      if k not in self._index and k not in m.inflight)  # fmt: skip
+        limit = side_buffers(m.config.ssd.read_depth) if ready is not None else 1 << 62
+        todo: list[ReadPlan] = []
+        held = self._prepare_some(later, todo, 0, limit, idle=True)
+        out: dict[bytes, DramEntry] = {}
+        if len(todo) < 2 and not later:  # nothing to overlap: on this thread, as a get does
+            for plan in todo:
+                try:
+                    ok = mover.read_or_miss(plan)
+                finally:
+                    m.read_done(plan)
+                m.check_not_closed(plan)
+                m.keep_read(plan, ok, out)
+            return out
+        batch = _Batch(out, ready)
+        running: set[bytes] = set()  # keys of reads submitted, not reported back yet
+
+        def done(plan: ReadPlan, ok: bool | None) -> None:
+            self._complete(batch, plan, ok)
+
+        def submit(plans: Sequence[ReadPlan]) -> None:
+            started = mover.submit_reads(plans, done)
+            running.update(plan.key for plan in plans[:started])
+            if started < len(plans):
+                raise KVOffloadError("the engine is closed")
+
+        finished = False
+        self._lock.release()
+        try:
+            submit(todo)
+            while running:
+                plan, spent, error = batch.done_q.get()  # each read, as the pool finished it
+                running.discard(plan.key)
+                if error is not None:
+                    raise error
+                held -= spent
+                if later and (held < limit or not running):
+                    with self._lock:
+                        m.check_open()  # close() waits for reads begun before it only
+                        first = len(todo)
+                        held = self._prepare_some(later, todo, held, limit, idle=not running)
+                    submit(todo[first:])
+            finished = True
+        finally:
+            # Interrupted (or the pool refused work): every read still set up ends as a miss
+            # once its I/O, if started, is over, so that no key stays in flight, and the pins
+            # kept for the caller, who will not get `out`, are dropped.
+            while running:
+                running.discard(batch.done_q.get()[0].key)
+            self._lock.acquire()
+            for plan in todo:
+                if plan.key not in batch.ended:
+                    m.read_done(plan)
+                    if plan.tier in m.lower:
+                        m.complete_read(plan, None, False)
+                    else:  # closed under a hung read: nothing left to account to
+                        m.unpin_locked(plan.entry)
+            if not finished:
+                for entry in out.values():
+                    m.unpin_locked(entry)
+        return out
+
+    def _complete(self, batch: _Batch, plan: ReadPlan, ok: bool | None) -> None:
+        """Complete a batch's read on the pool thread that did it (not the batch's caller, so
+        reads finish, and are copied out, side by side): publish it, hand it to `ready`, give
+        back its side buffer once copied, and report to the batch."""
+        m = self._m
+        spent, error = False, None
+        try:
+            with self._lock:
+                m.read_done(plan)
+                batch.ended.add(plan.key)
+                m.check_not_closed(plan)
+                m.keep_read(plan, ok, batch.out)
+                kept = batch.out.get(plan.key)
+            ready = batch.ready
+            copied = ready is not None and kept is not None and ready(plan.key, kept)
+            if copied and kept is not None and kept.staging is not None:
+                with self._lock:
+                    self._dram.spend(kept)  # copied out: its side buffer goes
+                spent = True
+        except BaseException as exc:  # the batch's caller raises it
+            error = exc
+        batch.done_q.put((plan, spent, error))
+
+    def _prepare_some(
+        self, later: deque[bytes], todo: list[ReadPlan], held: int, limit: int, idle: bool
+    ) -> int:
+        """Plan reads of `later`'s keys into `todo` (lock held) while this batch holds fewer
+        than `limit` side buffers (one more when nothing else runs: progress). Returns how
+        many it holds then."""
+        m = self._m
+        started = False
+        while later and (held < limit or (idle and not started)):
+            key = later.popleft()
+            if key in self._index or key in m.inflight:
+                continue  # read by another caller meanwhile: `acquire` finds or waits for it
+            plan = m.prepare_read(key, False)
+            if plan is not None:
+                todo.append(plan)
+                started = True
+                held += plan.entry.staging is not None
+        return held
+
+    def prefetch(self, keys: Sequence[bytes]) -> int:
+        """Queue background reads into DRAM of the blocks of `keys` only a tier below holds
+        and not already being read (called without the lock); returns how many of `keys`
+        any tier holds."""
+        found = 0
+        m = self._m
+        with self._lock:
+            m.check_open()
+            todo = []
+            for key in keys:
+                holder = m.holder(key)
+                if holder is None:
+                    continue
+                found += 1
+                if holder is not m.dram and key not in m.inflight and key not in self._queued:
+                    self._queued.add(key)
+                    todo.append(key)
+        for key in todo:
+            try:
+                self._mover.submit_prefetch(self._prefetch_one, key)
+            except RuntimeError:  # the pool shut down: close() began meanwhile
+                with self._lock:
+                    self._queued.difference_update(todo)
+                raise KVOffloadError("the engine is closed") from None
+        return found
+
+    def _prefetch_one(self, key: bytes) -> None:
+        m = self._m
+        try:
+            with self._lock:
+                if not (m.closed or m.closing) and key not in self._index:
+                    m.promote(key, prefetch=True)
+        except KVOffloadError as exc:  # a background task: report, the get will retry
+            log.warning("prefetch of block %s failed: %s", key.hex(), exc)
+        finally:
+            with self._lock:
+                self._queued.discard(key)
+
+    def wait(self, deadline: float) -> list[bytes]:
+        """Wait until no read back up is in flight (called without the lock), so that a get
+        that began before close finishes its reads on tiers and an arena still there; the
+        keys of reads still in flight at `deadline` (a hung device)."""
+        m = self._m
+        while True:
+            with self._lock:
+                inflight = dict(m.inflight)
+            if not inflight:
+                return []
+            for event in inflight.values():
+                if not event.wait(max(0.0, deadline - time.monotonic())):
+                    with self._lock:
+                        return list(m.inflight)
