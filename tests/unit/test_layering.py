@@ -104,17 +104,21 @@ def load() -> dict[str, Module]:
                 submodules = [f"{node.module}.{alias.name}" for alias in node.names]
                 names = list(submodules)
                 # `from pkg import name` runs pkg/__init__ unless every name is a submodule.
-                if any(_resolve(n, modules) != n.removeprefix("kvoffload.") for n in submodules):
+                if any(
+                    _resolve(n, modules) != n.removeprefix("kvoffload.")
+                    and n.removeprefix("kvoffload.") not in OPTIONAL
+                    for n in submodules
+                ):
                     names.append(node.module)
             else:
                 continue
             for name in names:
+                if name.removeprefix("kvoffload.") in OPTIONAL - set(modules):
+                    continue  # an optional build that may be absent (the C extension)
                 if name == "kvoffload" or name.startswith("kvoffload."):
                     target = _resolve(name, modules)
                     if target is not None and target != mod.name and target != "":
                         mod.imports.append((target, node.lineno, id(node) in in_function))
-                    elif name.removeprefix("kvoffload.").split(".")[0] == "_speedups":
-                        pass
                     elif target is None:
                         # a C extension or a name of the namespace root (__version__)
                         leaf = name.removeprefix("kvoffload.")
