@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Collection
 from typing import ClassVar
 
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, KVOffloadError
 
 __all__ = [
     "POLICIES",
@@ -158,15 +158,22 @@ class S3FIFOPolicy(EvictionPolicy):
         return [self._evict_one(protected) for _ in range(n)]
 
     def _evict_one(self, protected: Collection[bytes]) -> bytes:
-        # Every pass evicts, demotes a frequency, promotes small->main or rotates a pinned key,
-        # so the loop ends; the budget stops rotating a small queue that is all pinned.
-        small_budget = len(self._small)
-        while True:
+        # Every pass evicts, demotes a frequency, promotes small->main or rotates a pinned key.
+        # Each queue has a budget of pinned rotations (its length): a queue that is all pinned
+        # hands over to the other one whatever the size ratio says, so the loop ends. Once both
+        # budgets are spent the small queue is all pinned and main holds an evictable key, whose
+        # frequency falls at each pass: at most (MAX_FREQ + 2) passes a key.
+        small_budget, main_budget = len(self._small), len(self._main)
+        for _ in range((self.MAX_FREQ + 2) * (len(self._small) + len(self._main)) + 1):
             small, main = self._small, self._main
             use_small = (
                 small
                 and small_budget > 0
-                and (not main or len(small) >= self.SMALL_RATIO * (len(small) + len(main)))
+                and (
+                    not main
+                    or main_budget <= 0
+                    or len(small) >= self.SMALL_RATIO * (len(small) + len(main))
+                )
             )
             queue = small if use_small else main
             if not queue:
@@ -178,6 +185,8 @@ class S3FIFOPolicy(EvictionPolicy):
                 queue[key] = None
                 if queue is small:
                     small_budget -= 1
+                else:
+                    main_budget -= 1
                 continue
             freq = self._freq[key]
             if queue is small:
@@ -194,6 +203,8 @@ class S3FIFOPolicy(EvictionPolicy):
                 continue
             del self._freq[key]
             return key
+        # `evict` counted an evictable key first: reaching this is a bug, not a full cache.
+        raise KVOffloadError("s3fifo: no victim within its bound although one was evictable")
 
 
 class PrefixAwarePolicy(EvictionPolicy):

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvoffload.errors import ConfigError
 from kvoffload.kvstore import POLICIES, EvictionPolicy, Rank, make_policy, register_policy
@@ -93,3 +95,65 @@ def test_registry_refuses_duplicates_and_unknown_names() -> None:
         register_policy(LRUPolicy)
     with pytest.raises(ConfigError, match="choose one of"):
         make_policy("random")
+
+
+@pytest.mark.timeout(60)
+def test_s3fifo_evicts_from_small_when_main_is_all_pinned() -> None:
+    # The trust issue's reproduction (f): only the small queue holds an evictable key, it is
+    # under 10% of the keys, and main is all pinned; the old loop rotated main for ever.
+    policy = make_policy("s3fifo")
+    fill(policy, 100)
+    for i in range(100):
+        policy.touch(k(i))
+    assert policy.evict(1, set()) is not None
+    small = [key for key in map(k, range(100)) if key in policy][-9:]  # still probationary
+    for key in small[:5]:
+        policy.remove(key)
+    policy.insert(k(1000), Rank.LEAF)
+    pinned = {k(i) for i in range(100)}
+    assert policy.evict(1, pinned) == [k(1000)]
+    assert policy.evict(1, pinned) is None
+
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["insert", "touch", "remove", "evict"]),
+        st.integers(0, 40),  # key
+        st.integers(1, 3),  # how many to evict
+        st.integers(0, 2**41 - 1),  # which keys are pinned (bit i: key i)
+    ),
+    max_size=200,
+)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.timeout(120)
+@settings(max_examples=150, deadline=None)
+@given(ops=_OPS)
+def test_every_policy_evicts_what_it_can_and_ends(
+    name: str, ops: list[tuple[str, int, int, int]]
+) -> None:
+    """Random inserts, touches, removes and evictions under random pins: an eviction ends, takes
+    exactly `n` distinct unpinned keys it held, or none at all when fewer are evictable."""
+    policy = make_policy(name)
+    held: set[bytes] = set()
+    for op, i, n, pins in ops:
+        key = k(i)
+        if op == "insert" and key not in held:
+            policy.insert(key, Rank.LEAF if i % 3 else Rank.INTERIOR)
+            held.add(key)
+        elif op == "touch" and key in held:
+            policy.touch(key)
+        elif op == "remove" and key in held:
+            policy.remove(key)
+            held.discard(key)
+        elif op == "evict":
+            protected = {k(j) for j in range(41) if pins >> j & 1}
+            victims = policy.evict(n, protected)
+            if len(held - protected) < n:
+                assert victims is None
+                continue
+            assert victims is not None and len(set(victims)) == n
+            assert set(victims) <= held - protected
+            held -= set(victims)
+        assert len(policy) == len(held) and all(key in policy for key in held)
