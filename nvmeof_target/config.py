@@ -127,8 +127,16 @@ class NativeConfig:
     nixl_backend: str = "UCX"
     # NIXL transfers bypass TLS: a TLS daemon refuses them unless this allows it.
     nixl_over_tls: bool = False
+    # Share of the DRAM tier that get_many answers still on their way may hold pinned, all
+    # connections together: past it an answer is cut short (the client asks again for the
+    # rest; at least one value an answer), so a slow reader cannot starve writers of the tier.
+    answer_pin_share: float = 0.25
 
     def __post_init__(self) -> None:
+        if not 0 < self.answer_pin_share <= 1:
+            raise ConfigError(
+                f"native.answer_pin_share must be in (0, 1], got {self.answer_pin_share}"
+            )
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"native.port must be in 0..65535, got {self.port}")
         for name in ("max_connections", "max_inflight_bytes", "max_pending", "backlog"):

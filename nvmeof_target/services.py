@@ -6,6 +6,7 @@ the fronts) depend on it rather than on each other.
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +56,32 @@ class ShardRole:
             self.check(key)
 
 
+class PinBudget:
+    """Bytes of the arena that answers still being sent hold pinned, across connections.
+
+    Taken from any thread (reads run on the I/O threads with an SSD tier), given back when the
+    kernel has an answer's bytes.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._lock = threading.Lock()
+
+    def take(self, n: int, first: bool) -> bool:
+        """Hold `n` more bytes if they fit; the first value of an answer always fits (an answer
+        carries at least one value, or the client could never read a block)."""
+        with self._lock:
+            if not first and self.held + n > self.limit:
+                return False
+            self.held += n
+            return True
+
+    def give_back(self, n: int) -> None:
+        with self._lock:
+            self.held -= n
+
+
 @dataclass
 class Services:
     """What every front shares."""
@@ -72,6 +99,11 @@ class Services:
     # This process's NIXL agent, made when a client first asks for the NIXL data path.
     nixl: NixlAgent | None = None
     started: float = field(default_factory=time.monotonic)
+    answer_pins: PinBudget = field(init=False)
+
+    def __post_init__(self) -> None:
+        share = self.config.native.answer_pin_share
+        self.answer_pins = PinBudget(int(self.config.dram.capacity_bytes * share))
 
     def server_info(self) -> dict[str, object]:
         return {"version": __version__, "uptime_s": round(time.monotonic() - self.started, 3)}

@@ -107,23 +107,28 @@ def on_get(s: NativeSession, event: Get) -> None:
 def on_get_many(s: NativeSession, event: GetMany) -> None:
     keys = s.me.keys(event.keys)
     budget = s.config.max_payload_bytes
+    pins = s.services.answer_pins
+    taken = 0  # bytes this answer holds in `pins`, given back once sent (or on failure)
 
     def fetch() -> list[BlockView | None]:
+        nonlocal taken
         views: list[BlockView | None] = []
-        total = 0
         # Chunks of `ssd.read_depth` keys: the SSD-only blocks of each are read together.
         step = s.engine.config.ssd.read_depth
         try:
             for at in range(0, len(keys), step):
                 chunk = s.engine.get_many(keys[at : at + step])
                 for i, view in enumerate(chunk):
-                    if view is not None and views and total + len(view) > budget:
+                    size = len(view) if view is not None else 0
+                    if view is not None and (
+                        (views and taken + size > budget) or not pins.take(size, taken == 0)
+                    ):
                         # Answer a prefix; the client asks again for the rest.
                         for rest in chunk[i:]:
                             if rest is not None:
                                 rest.release()
                         return views
-                    total += len(view) if view is not None else 0
+                    taken += size
                     views.append(view)
         except BaseException:
             # A get that fails part-way (a promotion finding every DRAM block pinned, some
@@ -131,6 +136,7 @@ def on_get_many(s: NativeSession, event: GetMany) -> None:
             for view in views:
                 if view is not None:
                     view.release()
+            pins.give_back(taken)
             raise
         return views
 
@@ -142,6 +148,7 @@ def on_get_many(s: NativeSession, event: GetMany) -> None:
         def release() -> None:
             for view in hits:
                 view.release()
+            pins.give_back(taken)
 
         s.reply(GetManyResult(event.request_id, lengths), [v.data for v in hits], release)
 
