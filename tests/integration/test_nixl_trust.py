@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from kvoffload.client_sdk import Client
-from kvoffload.errors import KVOffloadError
+from kvoffload.errors import ConfigError, KVOffloadError
+from kvoffload.nvmeof_target.native.agent import daemon_tls
 from kvoffload.wire.block import HEADER_BYTES, seal
 from kvoffload.wire.native.connection import (
     ErrorReply,
@@ -177,3 +178,43 @@ def test_a_forged_pid_reaches_no_other_process(
         tenant.close()
         bystander.close()
     assert daemon.proc.poll() is None  # the daemon lives
+
+
+_REFUSED = "sm,shm,mm,cma,knem,xpmem,posix,sysv,self,cuda_ipc,rocm_ipc"
+
+
+@pytest.mark.parametrize(
+    ("operator", "daemon"),
+    [
+        (None, "^" + _REFUSED),
+        ("", "^" + _REFUSED),
+        ("all", "^" + _REFUSED),
+        ("sm,tcp", "tcp"),
+        ("tcp", "tcp"),
+        ("rc_x,ud,sm,self,cuda_copy,cuda_ipc", "rc_x,ud,cuda_copy"),
+        ("^ib,cma", "^ib,cma," + _REFUSED.replace("cma,", "")),
+        (" TCP , CMA ", "TCP"),
+    ],
+)
+def test_the_daemons_transports(operator: str | None, daemon: str) -> None:
+    """What the daemon's agent may use, from the operator's UCX_TLS: never a transport that
+    reaches memory by an identifier the peer declares."""
+    assert daemon_tls(operator) == daemon
+    assert daemon_tls(daemon) == daemon  # a second try derives the same
+
+
+@pytest.mark.parametrize("operator", ["sm", "cma,self", "posix,sysv,xpmem,knem"])
+def test_no_transport_left_is_refused(operator: str) -> None:
+    with pytest.raises(ConfigError, match="UCX_TLS"):
+        daemon_tls(operator)
+
+
+def test_a_daemon_left_no_transport_says_so(start_daemon: Start) -> None:
+    daemon = start_daemon(env={"UCX_TLS": "sm", "UCX_NET_DEVICES": "lo"})
+    tenant = _Raw(daemon.port)
+    try:
+        refusal = tenant.ask(NixlMemoryEvent(next(tenant.ids), tenant.memory.metadata()))
+        assert isinstance(refusal, ErrorReply) and "UCX_TLS" in refusal.message, refusal
+    finally:
+        tenant.close()
+    assert daemon.proc.poll() is None
