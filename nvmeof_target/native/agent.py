@@ -33,7 +33,15 @@ from kvoffload.errors import (
 from kvoffload.kvstore import Engine
 from kvoffload.kvstore.engine import arena_of
 
-__all__ = ["LateError", "NixlAgent", "NixlPeer", "StuckError", "address_of", "agent_name"]
+__all__ = [
+    "LateError",
+    "NixlAgent",
+    "NixlPeer",
+    "StuckError",
+    "address_of",
+    "agent_name",
+    "daemon_tls",
+]
 
 log = logging.getLogger("kvoffload.nixl")
 # Regions one connection may have registered at once (the client's cache holds fewer).
@@ -47,6 +55,15 @@ _MAX_NAP_S = 0.002
 # NIXL's serialised agent metadata starts with the agent's name: read before anything loads.
 _SERDES = b"nixlSerDes|Agent"
 _MAX_NAME = 256
+# UCX transports the daemon's agent never uses (docs/guides/nixl.md, "What the daemon trusts
+# about a NIXL peer"): with each, the daemon's own process (or its kernel) reaches the peer's
+# memory by an identifier the peer's metadata declares and nothing binds to the connection —
+# a pid (cma: process_vm_readv/writev; knem; xpmem; posix shm via /proc/<pid>/fd; cuda_ipc and
+# rocm_ipc handles), a System V segment id (sysv), or this very process (self). The aliases
+# that name any of them (sm, shm, mm) go too. TCP and RDMA stay: there the peer's own worker or
+# NIC serves each access, so a client reaches only its own process's memory.
+_PID_ADDRESSED = ("sm", "shm", "mm", "cma", "knem", "xpmem", "posix", "sysv", "self")
+_REFUSED_TLS = (*_PID_ADDRESSED, "cuda_ipc", "rocm_ipc")
 
 
 class StuckError(TransportError):
@@ -78,6 +95,31 @@ def agent_name(metadata: bytes) -> str:
         return name.decode()
     except UnicodeDecodeError:
         raise InvalidArgumentError("NIXL agent metadata names no readable agent") from None
+
+
+def daemon_tls(operator: str | None) -> str:
+    """The daemon agent's UCX_TLS: the operator's setting (None: unset) without the transports
+    through which a client could name memory it does not own (`_REFUSED_TLS`).
+
+    Raises:
+        ConfigError: the operator's setting leaves no other transport.
+    """
+    setting = (operator or "").strip()
+    if setting.lower() in ("", "all", "^"):
+        return "^" + ",".join(_REFUSED_TLS)
+    if setting.startswith("^"):
+        excluded = [t.strip() for t in setting[1:].split(",") if t.strip()]
+        have = {t.lower() for t in excluded}
+        return "^" + ",".join([*excluded, *(t for t in _REFUSED_TLS if t not in have)])
+    kept = [t.strip() for t in setting.split(",") if t.strip()]
+    kept = [t for t in kept if t.lower() not in _REFUSED_TLS]
+    if not kept:
+        raise ConfigError(
+            f"UCX_TLS={setting!r} leaves the daemon's NIXL agent no transport: shared memory "
+            "(sm, cma, knem, xpmem, posix, sysv) lets a client name another process's memory; "
+            "add tcp or an RDMA transport (docs/guides/nixl.md)"
+        )
+    return ",".join(kept)
 
 
 def _hung_up(sock: socket.socket) -> bool:
@@ -141,6 +183,10 @@ class NixlAgent:
 
     def _make(self) -> None:
         engine, backend = self._engine, self._backend
+        # Before NIXL (and UCX) first load in this process: UCX reads its transports from the
+        # environment when the backend is made, and nothing else in the daemon uses UCX.
+        # (Idempotent: a second try after a failure derives the same setting again.)
+        os.environ["UCX_TLS"] = daemon_tls(os.environ.get("UCX_TLS"))
         try:
             api = importlib.import_module("nixl._api")
             bindings = importlib.import_module("nixl._bindings")

@@ -1,0 +1,220 @@
+"""A NIXL client may name only its own memory (the trust issue, defect 0; docs/guides/nixl.md,
+"What the daemon trusts about a NIXL peer").
+
+The attack: a tenant sends its own genuine NIXL agent metadata with only the 4-byte pid in its
+UCX worker address replaced by a bystander's. Over UCX's pid-addressed shared-memory transports
+(CMA: process_vm_readv/writev; knem, xpmem) the daemon's process then copies the bystander's
+memory itself. The bystander here is plain Python, without NIXL and without any connection to
+the daemon; it maps a page at the very address of a page the tenant registered, so that every
+check the daemon makes of addresses and registrations passes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvoffload.client_sdk import Client
+from kvoffload.errors import ConfigError, KVOffloadError
+from kvoffload.nvmeof_target.native.agent import daemon_tls
+from kvoffload.wire.block import HEADER_BYTES, seal
+from kvoffload.wire.native.connection import (
+    ErrorReply,
+    NixlGet,
+    NixlGetResult,
+    NixlMemoryDone,
+    NixlPut,
+    NixlPutDone,
+)
+from kvoffload.wire.native.connection import NixlMemory as NixlMemoryEvent
+from tests.conftest import Daemon
+from tests.integration.test_nixl import _HAVE_NIXL, Start, _Raw
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        not _HAVE_NIXL and not os.environ.get("KVOFFLOAD_REQUIRE_NIXL"),
+        reason="nixl not installed (CI sets KVOFFLOAD_REQUIRE_NIXL=1)",
+    ),
+]
+
+PAGE = 4096
+_PROT_RW = 0x3
+_MAP_PRIVATE_ANON = 0x22
+_MAP_FIXED_NOREPLACE = 0x100000
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+# The bystander: maps one page at the address given, fills it with the secret, prints its pid
+# and the address, then answers each line on stdin with its page in hex (until stdin closes).
+_BYSTANDER = r"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_int, ctypes.c_long]
+addr, secret = int(sys.argv[1]), bytes.fromhex(sys.argv[2])
+got = libc.mmap(addr, len(secret), 0x3, 0x22 | 0x100000, -1, 0)
+if got != addr:
+    print("nomap", flush=True)
+    sys.exit(1)
+ctypes.memmove(addr, secret, len(secret))
+print(os.getpid(), addr, flush=True)
+for _ in sys.stdin:
+    print(ctypes.string_at(addr, len(secret)).hex(), flush=True)
+"""
+
+
+class _Bystander:
+    def __init__(self, addr: int, secret: bytes) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _BYSTANDER, str(addr), secret.hex()],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().split()
+        assert len(line) == 2 and int(line[1]) == addr, f"bystander could not map: {line}"
+        self.pid = int(line[0])
+
+    def memory(self) -> bytes:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("?\n")
+        self.proc.stdin.flush()
+        return bytes.fromhex(self.proc.stdout.readline().strip())
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=20)
+
+
+@pytest.fixture
+def page() -> Iterator[np.ndarray]:
+    """One page of the tenant's own (this process's) memory, at an address the kernel picks."""
+    addr = _libc.mmap(None, PAGE, _PROT_RW, _MAP_PRIVATE_ANON, -1, 0)
+    assert addr not in (None, ctypes.c_void_p(-1).value)
+    try:
+        yield np.ctypeslib.as_array((ctypes.c_uint8 * PAGE).from_address(addr))
+    finally:
+        _libc.munmap(addr, PAGE)
+
+
+def _forged(metadata: bytes, pid: int) -> bytes:
+    """The tenant's genuine metadata with only its pid (in UCX's CMA address) replaced."""
+    mine = os.getpid().to_bytes(4, "little")
+    assert metadata.count(mine) == 1, "this process's pid is not once in its NIXL metadata"
+    return metadata.replace(mine, pid.to_bytes(4, "little"))
+
+
+def test_a_forged_pid_reaches_no_other_process(
+    start_daemon: Start, page: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The settings docs/guides/nixl.md recommends on one host: shared memory and TCP.
+    ucx = {"UCX_TLS": "sm,tcp", "UCX_NET_DEVICES": "lo"}
+    for name, setting in ucx.items():
+        monkeypatch.setenv(name, setting)
+    daemon: Daemon = start_daemon("--dram", "128MiB", env=ucx)
+    rng = np.random.default_rng(5)
+    secret = rng.bytes(PAGE)
+    page[:] = 0x54  # the tenant's own bytes ("T")
+    addr = int(page.ctypes.data)
+    bystander = _Bystander(addr, secret)
+    tenant = _Raw(daemon.port)
+    try:
+        region, _ = tenant.memory.register(memoryview(page))
+        assert region == (addr, PAGE)
+        forged = _forged(tenant.memory.metadata(), bystander.pid)
+        loaded = tenant.ask(NixlMemoryEvent(next(tenant.ids), forged, region))
+        print("metadata with the bystander's pid:", loaded)
+
+        # A put whose descriptor names the page: must not store the bystander's bytes.
+        key = b"s" * 16
+        head = seal(key_or_hash=key, payload=secret, stored_length=PAGE, raw_length=PAGE)
+        put = tenant.ask(NixlPut(next(tenant.ids), (key,), (head,), (addr,), (PAGE,)))
+        print("put:", put)
+        stored: bytes | None
+        try:
+            with Client.connect(daemon.url()) as plain:
+                got = plain.get(key)
+            stored = None if got is None else bytes(got)
+        except KVOffloadError as exc:  # a block whose payload is not the sealed secret
+            stored = None
+            print("stored block:", exc)
+        leaked = stored == secret
+        assert not leaked, "the daemon copied the bystander's memory into a block"
+        assert isinstance(put, (NixlPutDone, ErrorReply))
+
+        # A get into the page: must not write into the bystander's memory.
+        if isinstance(put, NixlPutDone) and isinstance(loaded, NixlMemoryDone):
+            other, value = b"w" * 16, np.full(PAGE - HEADER_BYTES, 0x57, np.uint8)
+            with Client.connect(daemon.url()) as plain:
+                plain.put(other, value)
+            got_into = tenant.ask(NixlGet(next(tenant.ids), (other,), (addr,), (PAGE,)))
+            print("get:", got_into)
+            if isinstance(got_into, NixlGetResult) and got_into.lengths[0] is not None:
+                # It landed in the tenant's own page, where the tenant's agent put it.
+                assert np.array_equal(page[: value.size], value)
+        intact = bystander.memory() == secret
+        assert intact, "the daemon wrote into the bystander's memory"
+    finally:
+        tenant.close()
+        bystander.close()
+    assert daemon.proc.poll() is None  # the daemon lives
+
+
+_REFUSED = "sm,shm,mm,cma,knem,xpmem,posix,sysv,self,cuda_ipc,rocm_ipc"
+
+
+@pytest.mark.parametrize(
+    ("operator", "daemon"),
+    [
+        (None, "^" + _REFUSED),
+        ("", "^" + _REFUSED),
+        ("all", "^" + _REFUSED),
+        ("sm,tcp", "tcp"),
+        ("tcp", "tcp"),
+        ("rc_x,ud,sm,self,cuda_copy,cuda_ipc", "rc_x,ud,cuda_copy"),
+        ("^ib,cma", "^ib,cma," + _REFUSED.replace("cma,", "")),
+        (" TCP , CMA ", "TCP"),
+    ],
+)
+def test_the_daemons_transports(operator: str | None, daemon: str) -> None:
+    """What the daemon's agent may use, from the operator's UCX_TLS: never a transport that
+    reaches memory by an identifier the peer declares."""
+    assert daemon_tls(operator) == daemon
+    assert daemon_tls(daemon) == daemon  # a second try derives the same
+
+
+@pytest.mark.parametrize("operator", ["sm", "cma,self", "posix,sysv,xpmem,knem"])
+def test_no_transport_left_is_refused(operator: str) -> None:
+    with pytest.raises(ConfigError, match="UCX_TLS"):
+        daemon_tls(operator)
+
+
+def test_a_daemon_left_no_transport_says_so(start_daemon: Start) -> None:
+    daemon = start_daemon(env={"UCX_TLS": "sm", "UCX_NET_DEVICES": "lo"})
+    tenant = _Raw(daemon.port)
+    try:
+        refusal = tenant.ask(NixlMemoryEvent(next(tenant.ids), tenant.memory.metadata()))
+        assert isinstance(refusal, ErrorReply) and "UCX_TLS" in refusal.message, refusal
+    finally:
+        tenant.close()
+    assert daemon.proc.poll() is None
