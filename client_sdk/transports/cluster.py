@@ -9,6 +9,10 @@ that needs a second rank sends a second batch only for the keys still missing.
 Failures are misses: a node that fails (down, past the deadline, cut off) answers nothing for
 that call and its breaker opens (`cluster.target`); a put meant for it goes to the next node in
 HRW order. A put raises only when some block could be stored on no node at all.
+
+A caller's error (`InvalidArgumentError`: a buffer too small, a value too large) is raised to the
+caller as over `kv://` and is no failure of the node; a full node's `CapacityError` sends the put
+to the next node without opening its breaker, and is raised if no node could take the block.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import numpy.typing as npt
 
 from kvoffload.client_sdk.cluster.membership import Membership, open_membership, parse_cluster_url
 from kvoffload.client_sdk.cluster.placement import Placement
-from kvoffload.client_sdk.cluster.target import Target
+from kvoffload.client_sdk.cluster.target import CALLER_ERRORS, REFUSALS, Target
 from kvoffload.client_sdk.transports import open_transport
 from kvoffload.client_sdk.transports.base import (
     HeldBlock,
@@ -38,7 +42,13 @@ from kvoffload.client_sdk.transports.base import (
 )
 from kvoffload.client_sdk.transports.sharding import Got, release
 from kvoffload.client_sdk.url import StoreURL, parse_url
-from kvoffload.errors import ConfigError, InvalidArgumentError, KVOffloadError, TransportError
+from kvoffload.errors import (
+    CapacityError,
+    ConfigError,
+    InvalidArgumentError,
+    KVOffloadError,
+    TransportError,
+)
 from kvoffload.wire.membership import Member
 from kvoffload.wire.shards import merge_stats
 from kvoffload.wire.tiers import Tier, TierRun
@@ -153,15 +163,18 @@ class ClusterTransport:
         groups: dict[Target, list[int]],
         call: Callable[[Target, list[int]], T],
         counted: bool = True,
+        raise_caller: bool = True,
     ) -> list[tuple[Target, list[int], T | None, BaseException | None]]:
         """`call(target, positions)` for each group side by side (the last in this thread);
-        each answer or error, with the breaker told which."""
+        each answer or error, with the breaker told which (only a node's failure opens it).
+        Once all have answered, a caller's error is raised (`raise_caller`; else the caller
+        raises it with `_raise_caller_error` when it has taken the other answers in)."""
 
         def one(target: Target, at: list[int]) -> T:
             try:
                 result = call(target, at)
             except KVOffloadError as exc:
-                target.failed(exc, counted)
+                target.answered(exc, counted)
                 raise
             target.succeeded(counted)
             return result
@@ -181,7 +194,18 @@ class ClusterTransport:
             if error is not None and not isinstance(error, KVOffloadError):
                 raise error
             out.append((target, at, None if error else future.result(), error))
+        if raise_caller:
+            self._raise_caller_error(out)
         return out
+
+    @staticmethod
+    def _raise_caller_error(
+        answers: Sequence[tuple[Target, list[int], object, BaseException | None]],
+    ) -> None:
+        """Raise the first caller's error among `answers` (it would fail on any node)."""
+        for _, _, _, exc in answers:
+            if isinstance(exc, CALLER_ERRORS):
+                raise exc
 
     @staticmethod
     def _group(
@@ -223,7 +247,9 @@ class ClusterTransport:
                     target.succeeded(counted=False)
                     break
                 except KVOffloadError as exc:
-                    target.failed(exc, counted=False)
+                    target.answered(exc, counted=False)
+                    if isinstance(exc, CALLER_ERRORS):
+                        raise
             else:
                 raise TransportError("no storage node of the cluster can be reached")
         return self._max_value_bytes
@@ -242,7 +268,10 @@ class ClusterTransport:
         """Each block to its R best nodes; a failed node's blocks to the next node in HRW order.
 
         Raises:
-            InvalidArgumentError: a durable put over fronts that cannot store durably.
+            InvalidArgumentError: a durable put over fronts that cannot store durably, or a
+                node refused an item as the caller's error (as over `kv://`).
+            CapacityError: some block could be stored on no node, and every node that was
+                asked refused it as full.
             TransportError: some block could be stored on no node (none answers).
         """
         if durable and not self._durable_puts:
@@ -252,6 +281,7 @@ class ClusterTransport:
         stored = [0] * len(items)
         owners_of: list[set[Target]] = [set() for _ in items]
         failed: set[Target] = set()
+        refusals = errors = 0  # a full node's refusals, and all errors
         pending = list(range(len(items)))
         for attempt in range(2):
             live, ranks = self._plan([keys[i] for i in pending], self.replicas, frozenset(failed))
@@ -267,6 +297,8 @@ class ClusterTransport:
             retry: set[int] = set()
             for target, at, _, exc in sent:
                 if exc is not None:
+                    errors += 1
+                    refusals += isinstance(exc, REFUSALS)
                     failed.add(target)
                     retry.update(at)
                     continue
@@ -281,9 +313,9 @@ class ClusterTransport:
                 break
             if not attempt:
                 self._count("puts_rerouted", len(pending))
-        self._settle_puts(stored, durable)
+        self._settle_puts(stored, durable, full=0 < refusals == errors)
 
-    def _settle_puts(self, stored: list[int], durable: bool) -> None:
+    def _settle_puts(self, stored: list[int], durable: bool, full: bool = False) -> None:
         lost = sum(1 for n in stored if n == 0)
         short = sum(1 for n in stored if 0 < n < self.replicas)
         if short:
@@ -291,6 +323,11 @@ class ClusterTransport:
             log.debug("cluster: %d block(s) stored on fewer than %d nodes", short, self.replicas)
         if lost:
             self._count("puts_lost", lost)
+            if full:
+                raise CapacityError(
+                    f"{lost} of {len(stored)} block(s) could not be stored: "
+                    "every node asked is full"
+                )
             raise TransportError(
                 f"{lost} of {len(stored)} block(s) could not be stored on any cluster node"
                 + (" durably" if durable else "")
@@ -330,9 +367,10 @@ class ClusterTransport:
         try:
             for rank in range(ranks.shape[1]):
                 still: list[int] = []
-                for target, at, got, exc in self._fanout(
-                    self._group(live, ranks, rank, pending), call
-                ):
+                answers = self._fanout(
+                    self._group(live, ranks, rank, pending), call, raise_caller=False
+                )
+                for target, at, got, exc in answers:
                     if exc is not None or got is None:
                         still.extend(at)
                         continue
@@ -346,6 +384,8 @@ class ClusterTransport:
                             out[i], hits = block, hits + 1
                     target.count("hits", hits)
                     target.count("misses", len(at) - hits)
+                # Raised once this rank's blocks are in `out`, so that they are released.
+                self._raise_caller_error(answers)
                 pending = sorted(still)
                 if not pending:
                     break
@@ -377,7 +417,7 @@ class ClusterTransport:
                         target.transport.put(key, [value], None)
                         target.count("repairs")
                     except KVOffloadError as exc:
-                        target.failed(exc)
+                        target.answered(exc)
             finally:
                 self._repairs.release()
 
@@ -391,7 +431,9 @@ class ClusterTransport:
             try:
                 found = target.transport.exists(key)
             except KVOffloadError as exc:
-                target.failed(exc)
+                target.answered(exc)
+                if isinstance(exc, CALLER_ERRORS):
+                    raise
                 continue
             target.succeeded()
             if found:

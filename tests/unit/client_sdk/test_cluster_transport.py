@@ -12,7 +12,12 @@ import pytest
 
 from kvoffload.client_sdk import AsyncClient, Client
 from kvoffload.client_sdk.cluster import Member, Placement
-from kvoffload.errors import ConfigError, TransportError
+from kvoffload.client_sdk.cluster.membership import StaticMembership
+from kvoffload.client_sdk.transports import open_transport
+from kvoffload.client_sdk.transports.base import Transport
+from kvoffload.client_sdk.transports.cluster import ClusterTransport
+from kvoffload.client_sdk.url import parse_url
+from kvoffload.errors import CapacityError, ConfigError, InvalidArgumentError, TransportError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -230,3 +235,75 @@ def test_lookup_after_a_node_joined_counts_blocks_on_old_and_new_owners(
     with Client.connect(_cluster(daemons)) as client:
         assert client.lookup(keys) == len(keys)
         assert client.lookup(keys[: moved[-1]] + _keys(3, seed=14)) == moved[-1]
+
+
+def test_a_callers_error_is_raised_and_never_opens_a_nodes_breaker(three: list[object]) -> None:
+    keys = _keys(20, seed=15)
+    with Client.connect(three[0].url()) as direct:  # type: ignore[attr-defined]
+        direct.put(keys[0], _value(keys[0]))
+        # The reference: a node of its own raises the caller's error.
+        with pytest.raises(InvalidArgumentError):
+            direct.get_into(keys[0], bytearray(16))
+    with Client.connect(_cluster(three, replicas="2")) as client:
+        client.put_many([(k, _value(k)) for k in keys])
+        with pytest.raises(InvalidArgumentError):
+            client.get_into(keys[0], bytearray(16))
+        with pytest.raises(InvalidArgumentError):
+            client.get_many_into(keys[:4], [bytearray(4096)] * 3 + [bytearray(16)])
+        nodes = client.stats().store["nodes"]  # type: ignore[index]
+        assert all(n["up"] and n["failures"] == 0 for n in nodes.values())  # type: ignore[index]
+        # Every node still serves: the reads hit and a put lands on its two owners.
+        assert client.get_many(keys) == [_value(k) for k in keys]
+        more = _keys(10, seed=16)
+        client.put_many([(k, _value(k)) for k in more])
+        assert client.stats().store["cluster"]["puts_rerouted"] == 0  # type: ignore[index]
+        buffers = [bytearray(4096) for _ in more]
+        assert client.get_many_into(more, buffers) == [2048] * len(more)
+
+
+class _Full:
+    """A real node's transport whose puts are refused as full."""
+
+    def __init__(self, inner: Transport) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+    def put_many(self, items: object, durable: bool = False) -> None:
+        raise CapacityError("full")
+
+
+def test_a_full_node_sends_puts_to_the_next_node_and_its_breaker_stays_closed(
+    three: list[object],
+) -> None:
+    full_id = f"127.0.0.1-{three[0].port}"  # type: ignore[attr-defined]
+
+    def open_node(member: Member) -> Transport:
+        node = open_transport(parse_url(f"kv://{member.fronts['native']}"))
+        return _Full(node) if member.node_id == full_id else node  # type: ignore[return-value]
+
+    keys = _keys(40, seed=17)
+    cluster = ClusterTransport(StaticMembership(tuple(_members(three))), 2, open_node)
+    try:
+        cluster.put_many([(k, [_value(k)], None, None) for k in keys])
+        assert cluster.counters["puts_short"] == 0 and cluster.counters["puts_rerouted"] > 0
+        nodes = cluster.stats()["nodes"]
+        assert isinstance(nodes, dict)
+        assert nodes[full_id]["up"] and nodes[full_id]["failures"] == 0
+    finally:
+        cluster.close()
+    for key in keys[:10]:
+        assert _holders(three[1:], key) == {0, 1}
+
+    # Every node full: the caller is told so, as by one node over kv://.
+    def open_full(member: Member) -> Transport:
+        return _Full(open_node(member))  # type: ignore[return-value]
+
+    cluster = ClusterTransport(StaticMembership(tuple(_members(three))), 2, open_full)
+    try:
+        with pytest.raises(CapacityError):
+            cluster.put_many([(keys[0], [_value(keys[0])], None, None)])
+        assert all(t.up for t in cluster._current())
+    finally:
+        cluster.close()
