@@ -106,7 +106,7 @@ class ClusterTransport:
         self._targets: dict[tuple[str, tuple[tuple[str, str], ...]], Target] = {}
         self._generation = -1
         self._members: tuple[Target, ...] = ()
-        self._placements: dict[tuple[str, ...], Placement] = {}
+        self._placements: dict[tuple[tuple[str, float], ...], Placement] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(_POOL_THREADS, "kvoffload-cluster")
         # Copies to new owners on their own threads, so they never queue ahead of reads.
@@ -121,13 +121,16 @@ class ClusterTransport:
     # ------------------------------------------------------------------ members and placement
 
     def _current(self) -> tuple[Target, ...]:
-        """The targets of the members now (a new Target when a node's fronts change)."""
+        """The targets of the members now: a new Target when a node's fronts change; a node
+        back at the same fronts keeps its Target (transport, breaker, counters) with its record
+        refreshed, so a new weight places keys at once."""
         generation = self._membership.generation
         if generation != self._generation:
             with self._lock:
                 if self._closed:
                     raise TransportError("the client is closed")
-                members = self._membership.members()
+                # By node id, as Placement orders them: its ranks index `live` in `_plan`.
+                members = sorted(self._membership.members(), key=lambda m: m.node_id)
                 targets = []
                 for member in members:
                     ident = (member.node_id, tuple(sorted(member.fronts.items())))
@@ -135,6 +138,8 @@ class ClusterTransport:
                     if target is None:
                         target = Target(member, partial(self._open_node, member), self._deadline_s)
                         self._targets[ident] = target
+                    elif target.member != member:
+                        target.member = member  # a new weight or nonce, the same address
                     targets.append(target)
                 self._members, self._generation = tuple(targets), generation
         if self._closed:
@@ -149,13 +154,15 @@ class ClusterTransport:
         live = [t for t in self._current() if t not in exclude and t.admit()]
         if not live or not keys:
             return live, np.zeros((len(keys), 0), dtype=np.intp)
-        ids = tuple(t.node_id for t in live)
-        placement = self._placements.get(ids)
+        members = [t.member for t in live]
+        # Keyed by ids and weights: a node whose weight changed is ranked anew.
+        ident = tuple((m.node_id, m.weight) for m in members)
+        placement = self._placements.get(ident)
         if placement is None:
             if len(self._placements) > 64:
                 self._placements.clear()
-            placement = self._placements[ids] = Placement([t.member for t in live])
-        # Placement sorts members by node id, like `live` (members come sorted).
+            placement = self._placements[ident] = Placement(members)
+        # Placement sorts members by node id, like `live` (`_current` sorts them).
         return live, placement.rank_many(keys, width)
 
     def _fanout(

@@ -30,6 +30,8 @@ from typing import Any, TextIO
 from kvoffload.errors import ConfigError, KVOffloadError, RemoteProtocolError, TransportError
 from kvoffload.nvmeof_target.config import Config
 from kvoffload.wire.membership import (
+    MAX_WEIGHT,
+    MIN_WEIGHT,
     Member,
     Request,
     claim_request,
@@ -288,7 +290,7 @@ def _fronts(config: Config, addresses: Mapping[str, tuple[str, int]]) -> dict[st
 
 def _capacity_gib(config: Config) -> float:
     capacity = config.ssd.capacity_bytes or config.dram.capacity_bytes
-    return max(round(capacity / 2**30, 3), 0.001)
+    return min(max(round(capacity / 2**30, 3), MIN_WEIGHT), MAX_WEIGHT)
 
 
 async def join(

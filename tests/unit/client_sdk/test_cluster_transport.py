@@ -307,3 +307,67 @@ def test_a_full_node_sends_puts_to_the_next_node_and_its_breaker_stays_closed(
         assert all(t.up for t in cluster._current())
     finally:
         cluster.close()
+
+
+class _Records:
+    """A membership whose records the test changes (as an etcd watch would deliver them)."""
+
+    def __init__(self, members: list[Member]) -> None:
+        self._members = tuple(members)
+        self.generation = 1
+
+    def set(self, members: list[Member]) -> None:
+        self._members, self.generation = tuple(members), self.generation + 1
+
+    def members(self) -> tuple[Member, ...]:
+        return self._members
+
+    def wait_changed(self, generation: int, timeout_s: float) -> int:
+        return self.generation
+
+    def close(self) -> None:
+        pass
+
+
+def _owners(cluster: ClusterTransport, keys: list[bytes], width: int) -> list[list[str]]:
+    live, ranks = cluster._plan(keys, width)
+    return [[live[r].node_id for r in row] for row in ranks]
+
+
+def _open_kv(member: Member) -> Transport:
+    return open_transport(parse_url(f"kv://{member.fronts['native']}"))
+
+
+def test_a_weight_change_reaches_older_clients_in_one_round(three: list[object]) -> None:
+    before = _members(three)
+    heavy = Member(before[1].node_id, before[1].fronts, weight=100.0, nonce="restarted")
+    after = [before[0], heavy, before[2]]
+    keys = _keys(600, seed=18)
+    records = _Records(before)
+    old = ClusterTransport(records, 1, _open_kv)
+    try:
+        old.put_many([(k, [_value(k)], None, None) for k in keys[:50]])  # its view: weights 1.0
+        assert _owners(old, keys, 1) == _owners_of(before, keys)
+        # Node b restarts on the same address with weight 100: it leaves, then comes back.
+        records.set([before[0], before[2]])
+        old.get_many(keys[:5])
+        records.set(after)
+        new = ClusterTransport(StaticMembership(tuple(after)), 1, _open_kv)
+        try:
+            new.put_many([(k, [_value(k)], None, None) for k in keys])
+            # One round later every key has the same owners for both clients.
+            assert _owners(old, keys, 2) == _owners(new, keys, 2) == _owners_of(after, keys, 2)
+            got = old.get_many(keys)
+            assert [bytes(g.data) if g is not None else None for g in got] == [  # type: ignore[union-attr]
+                _value(k) for k in keys
+            ]
+            assert old.stats()["nodes"][heavy.node_id]["weight"] == 100.0  # type: ignore[index]
+        finally:
+            new.close()
+    finally:
+        old.close()
+
+
+def _owners_of(members: list[Member], keys: list[bytes], width: int = 1) -> list[list[str]]:
+    placement = Placement(members)
+    return [[m.node_id for m in placement.owners(k, width)] for k in keys]
