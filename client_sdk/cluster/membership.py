@@ -30,6 +30,7 @@ __all__ = [
     "ClusterURL",
     "EtcdMembership",
     "Member",
+    "WATCH_RETRY_MAX_S",
     "Membership",
     "StaticMembership",
     "open_membership",
@@ -47,6 +48,8 @@ PARAMS = {
 _HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,252}")
 # Retry pauses while etcd is unreachable: short first (a restart), capped (a long outage).
 _RETRY_FIRST_S, _RETRY_MAX_S = 0.2, 2.0
+# The longest a client whose watch broke waits before listing the members again.
+WATCH_RETRY_MAX_S = _RETRY_MAX_S
 
 
 class Membership(Protocol):

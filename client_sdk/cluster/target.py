@@ -5,6 +5,12 @@ so later calls skip the node instead of paying its timeout; after a back-off (do
 cap) a background thread probes the node with one small request, and a success closes the
 breaker again. The probe is not a caller's request: a node that is cut off (no reset, every
 request waits out its deadline) costs callers one deadline when it fails, not one per back-off.
+
+Only a failure of the node opens the breaker (`node_failed`): it is down, cut off, past its
+deadline, broke the protocol or failed inside. A caller's error (`CALLER_ERRORS`: a buffer too
+small, a bad key or value) would fail on every node alike; it is raised to the caller and never
+held against a node. A refusal (`REFUSALS`: the node is full) is an answer from a node that
+works: the put goes to another node, and the breaker stays as it is.
 """
 
 from __future__ import annotations
@@ -15,10 +21,10 @@ import time
 from collections.abc import Callable
 
 from kvoffload.client_sdk.transports.base import Transport
-from kvoffload.errors import KVOffloadError, TransportError
+from kvoffload.errors import CapacityError, InvalidArgumentError, KVOffloadError, TransportError
 from kvoffload.wire.membership import Member
 
-__all__ = ["COUNTERS", "Target"]
+__all__ = ["CALLER_ERRORS", "COUNTERS", "REFUSALS", "Target", "node_failed"]
 
 log = logging.getLogger("kvoffload.cluster")
 
@@ -35,6 +41,17 @@ COUNTERS = (
     "repairs",  # blocks copied here from a previous owner after a miss
     "probes",  # background requests that tested a failed node
 )
+# The caller's errors: raised to the caller as over kv://, never a failure of the node.
+CALLER_ERRORS: tuple[type[KVOffloadError], ...] = (InvalidArgumentError,)
+# A node's refusal of one request: it works (the breaker stays as it is); try another node.
+REFUSALS: tuple[type[KVOffloadError], ...] = (CapacityError,)
+
+
+def node_failed(exc: BaseException) -> bool:
+    """Whether `exc` from a call to a node is a failure of the node (its breaker opens)."""
+    return not isinstance(exc, CALLER_ERRORS + REFUSALS)
+
+
 # What a probe asks: any answer (here: "no") shows the node is back.
 _PROBE_KEY = bytes(16)
 
@@ -112,6 +129,15 @@ class Target:
                 log.warning("cluster: node %s answers again", self.node_id)
                 self._failing = False
                 self._backoff = BACKOFF_FIRST_S
+
+    def answered(self, exc: BaseException, counted: bool = True) -> None:
+        """A call ended in `exc`: a node failure opens the breaker (`failed`); a caller's error
+        or a refusal only counts the request and leaves the breaker as it is."""
+        if node_failed(exc):
+            self.failed(exc, counted)
+        else:
+            with self._lock:
+                self.counters["requests"] += counted
 
     def failed(self, exc: BaseException, counted: bool = True) -> None:
         with self._lock:

@@ -9,6 +9,10 @@ that needs a second rank sends a second batch only for the keys still missing.
 Failures are misses: a node that fails (down, past the deadline, cut off) answers nothing for
 that call and its breaker opens (`cluster.target`); a put meant for it goes to the next node in
 HRW order. A put raises only when some block could be stored on no node at all.
+
+A caller's error (`InvalidArgumentError`: a buffer too small, a value too large) is raised to the
+caller as over `kv://` and is no failure of the node; a full node's `CapacityError` sends the put
+to the next node without opening its breaker, and is raised if no node could take the block.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import numpy.typing as npt
 
 from kvoffload.client_sdk.cluster.membership import Membership, open_membership, parse_cluster_url
 from kvoffload.client_sdk.cluster.placement import Placement
-from kvoffload.client_sdk.cluster.target import Target
+from kvoffload.client_sdk.cluster.target import CALLER_ERRORS, REFUSALS, Target
 from kvoffload.client_sdk.transports import open_transport
 from kvoffload.client_sdk.transports.base import (
     HeldBlock,
@@ -38,7 +42,13 @@ from kvoffload.client_sdk.transports.base import (
 )
 from kvoffload.client_sdk.transports.sharding import Got, release
 from kvoffload.client_sdk.url import StoreURL, parse_url
-from kvoffload.errors import ConfigError, InvalidArgumentError, KVOffloadError, TransportError
+from kvoffload.errors import (
+    CapacityError,
+    ConfigError,
+    InvalidArgumentError,
+    KVOffloadError,
+    TransportError,
+)
 from kvoffload.wire.membership import Member
 from kvoffload.wire.shards import merge_stats
 from kvoffload.wire.tiers import Tier, TierRun
@@ -96,7 +106,7 @@ class ClusterTransport:
         self._targets: dict[tuple[str, tuple[tuple[str, str], ...]], Target] = {}
         self._generation = -1
         self._members: tuple[Target, ...] = ()
-        self._placements: dict[tuple[str, ...], Placement] = {}
+        self._placements: dict[tuple[tuple[str, float], ...], Placement] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(_POOL_THREADS, "kvoffload-cluster")
         # Copies to new owners on their own threads, so they never queue ahead of reads.
@@ -111,13 +121,16 @@ class ClusterTransport:
     # ------------------------------------------------------------------ members and placement
 
     def _current(self) -> tuple[Target, ...]:
-        """The targets of the members now (a new Target when a node's fronts change)."""
+        """The targets of the members now: a new Target when a node's fronts change; a node
+        back at the same fronts keeps its Target (transport, breaker, counters) with its record
+        refreshed, so a new weight places keys at once."""
         generation = self._membership.generation
         if generation != self._generation:
             with self._lock:
                 if self._closed:
                     raise TransportError("the client is closed")
-                members = self._membership.members()
+                # By node id, as Placement orders them: its ranks index `live` in `_plan`.
+                members = sorted(self._membership.members(), key=lambda m: m.node_id)
                 targets = []
                 for member in members:
                     ident = (member.node_id, tuple(sorted(member.fronts.items())))
@@ -125,6 +138,8 @@ class ClusterTransport:
                     if target is None:
                         target = Target(member, partial(self._open_node, member), self._deadline_s)
                         self._targets[ident] = target
+                    elif target.member != member:
+                        target.member = member  # a new weight or nonce, the same address
                     targets.append(target)
                 self._members, self._generation = tuple(targets), generation
         if self._closed:
@@ -139,13 +154,15 @@ class ClusterTransport:
         live = [t for t in self._current() if t not in exclude and t.admit()]
         if not live or not keys:
             return live, np.zeros((len(keys), 0), dtype=np.intp)
-        ids = tuple(t.node_id for t in live)
-        placement = self._placements.get(ids)
+        members = [t.member for t in live]
+        # Keyed by ids and weights: a node whose weight changed is ranked anew.
+        ident = tuple((m.node_id, m.weight) for m in members)
+        placement = self._placements.get(ident)
         if placement is None:
             if len(self._placements) > 64:
                 self._placements.clear()
-            placement = self._placements[ids] = Placement([t.member for t in live])
-        # Placement sorts members by node id, like `live` (members come sorted).
+            placement = self._placements[ident] = Placement(members)
+        # Placement sorts members by node id, like `live` (`_current` sorts them).
         return live, placement.rank_many(keys, width)
 
     def _fanout(
@@ -153,15 +170,18 @@ class ClusterTransport:
         groups: dict[Target, list[int]],
         call: Callable[[Target, list[int]], T],
         counted: bool = True,
+        raise_caller: bool = True,
     ) -> list[tuple[Target, list[int], T | None, BaseException | None]]:
         """`call(target, positions)` for each group side by side (the last in this thread);
-        each answer or error, with the breaker told which."""
+        each answer or error, with the breaker told which (only a node's failure opens it).
+        Once all have answered, a caller's error is raised (`raise_caller`; else the caller
+        raises it with `_raise_caller_error` when it has taken the other answers in)."""
 
         def one(target: Target, at: list[int]) -> T:
             try:
                 result = call(target, at)
             except KVOffloadError as exc:
-                target.failed(exc, counted)
+                target.answered(exc, counted)
                 raise
             target.succeeded(counted)
             return result
@@ -181,7 +201,18 @@ class ClusterTransport:
             if error is not None and not isinstance(error, KVOffloadError):
                 raise error
             out.append((target, at, None if error else future.result(), error))
+        if raise_caller:
+            self._raise_caller_error(out)
         return out
+
+    @staticmethod
+    def _raise_caller_error(
+        answers: Sequence[tuple[Target, list[int], object, BaseException | None]],
+    ) -> None:
+        """Raise the first caller's error among `answers` (it would fail on any node)."""
+        for _, _, _, exc in answers:
+            if isinstance(exc, CALLER_ERRORS):
+                raise exc
 
     @staticmethod
     def _group(
@@ -223,7 +254,9 @@ class ClusterTransport:
                     target.succeeded(counted=False)
                     break
                 except KVOffloadError as exc:
-                    target.failed(exc, counted=False)
+                    target.answered(exc, counted=False)
+                    if isinstance(exc, CALLER_ERRORS):
+                        raise
             else:
                 raise TransportError("no storage node of the cluster can be reached")
         return self._max_value_bytes
@@ -242,7 +275,10 @@ class ClusterTransport:
         """Each block to its R best nodes; a failed node's blocks to the next node in HRW order.
 
         Raises:
-            InvalidArgumentError: a durable put over fronts that cannot store durably.
+            InvalidArgumentError: a durable put over fronts that cannot store durably, or a
+                node refused an item as the caller's error (as over `kv://`).
+            CapacityError: some block could be stored on no node, and every node that was
+                asked refused it as full.
             TransportError: some block could be stored on no node (none answers).
         """
         if durable and not self._durable_puts:
@@ -252,6 +288,7 @@ class ClusterTransport:
         stored = [0] * len(items)
         owners_of: list[set[Target]] = [set() for _ in items]
         failed: set[Target] = set()
+        refusals = errors = 0  # a full node's refusals, and all errors
         pending = list(range(len(items)))
         for attempt in range(2):
             live, ranks = self._plan([keys[i] for i in pending], self.replicas, frozenset(failed))
@@ -267,6 +304,8 @@ class ClusterTransport:
             retry: set[int] = set()
             for target, at, _, exc in sent:
                 if exc is not None:
+                    errors += 1
+                    refusals += isinstance(exc, REFUSALS)
                     failed.add(target)
                     retry.update(at)
                     continue
@@ -281,9 +320,9 @@ class ClusterTransport:
                 break
             if not attempt:
                 self._count("puts_rerouted", len(pending))
-        self._settle_puts(stored, durable)
+        self._settle_puts(stored, durable, full=0 < refusals == errors)
 
-    def _settle_puts(self, stored: list[int], durable: bool) -> None:
+    def _settle_puts(self, stored: list[int], durable: bool, full: bool = False) -> None:
         lost = sum(1 for n in stored if n == 0)
         short = sum(1 for n in stored if 0 < n < self.replicas)
         if short:
@@ -291,6 +330,11 @@ class ClusterTransport:
             log.debug("cluster: %d block(s) stored on fewer than %d nodes", short, self.replicas)
         if lost:
             self._count("puts_lost", lost)
+            if full:
+                raise CapacityError(
+                    f"{lost} of {len(stored)} block(s) could not be stored: "
+                    "every node asked is full"
+                )
             raise TransportError(
                 f"{lost} of {len(stored)} block(s) could not be stored on any cluster node"
                 + (" durably" if durable else "")
@@ -330,9 +374,10 @@ class ClusterTransport:
         try:
             for rank in range(ranks.shape[1]):
                 still: list[int] = []
-                for target, at, got, exc in self._fanout(
-                    self._group(live, ranks, rank, pending), call
-                ):
+                answers = self._fanout(
+                    self._group(live, ranks, rank, pending), call, raise_caller=False
+                )
+                for target, at, got, exc in answers:
                     if exc is not None or got is None:
                         still.extend(at)
                         continue
@@ -346,6 +391,8 @@ class ClusterTransport:
                             out[i], hits = block, hits + 1
                     target.count("hits", hits)
                     target.count("misses", len(at) - hits)
+                # Raised once this rank's blocks are in `out`, so that they are released.
+                self._raise_caller_error(answers)
                 pending = sorted(still)
                 if not pending:
                     break
@@ -377,7 +424,7 @@ class ClusterTransport:
                         target.transport.put(key, [value], None)
                         target.count("repairs")
                     except KVOffloadError as exc:
-                        target.failed(exc)
+                        target.answered(exc)
             finally:
                 self._repairs.release()
 
@@ -391,7 +438,9 @@ class ClusterTransport:
             try:
                 found = target.transport.exists(key)
             except KVOffloadError as exc:
-                target.failed(exc)
+                target.answered(exc)
+                if isinstance(exc, CALLER_ERRORS):
+                    raise
                 continue
             target.succeeded()
             if found:

@@ -22,6 +22,8 @@ from urllib.parse import urlsplit
 from kvoffload.errors import InvalidArgumentError, RemoteProtocolError
 
 __all__ = [
+    "MAX_WEIGHT",
+    "MIN_WEIGHT",
     "RECORD_VERSION",
     "KeyValue",
     "Member",
@@ -47,6 +49,9 @@ __all__ = [
 ]
 
 RECORD_VERSION = 1
+# A node's weight is its capacity in GiB by default: 1 MiB to about 1 PiB. Bounded so that no
+# record (a typo, a hostile writer) can take every placement or drop out of all of them.
+MIN_WEIGHT, MAX_WEIGHT = 0.001, 1_000_000.0
 # Cluster names and node ids become etcd key segments and log words: keep them plain.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 # Largest record accepted from etcd: a record is a few hundred bytes; bounds a hostile one.
@@ -107,8 +112,15 @@ class Member:
     def __post_init__(self) -> None:
         node = check_name(self.node_id, "node id")
         weight = self.weight
-        if not (isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0):
-            raise InvalidArgumentError(f"node {node}: weight must be a positive number")
+        if not (
+            isinstance(weight, (int, float))
+            and math.isfinite(weight)
+            and MIN_WEIGHT <= weight <= MAX_WEIGHT
+        ):
+            raise InvalidArgumentError(
+                f"node {node}: weight must be a number in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}], "
+                f"got {weight!r}"
+            )
         for name, address in self.fronts.items():
             if not (isinstance(name, str) and isinstance(address, str)):
                 raise InvalidArgumentError(f"node {node}: fronts must map names to addresses")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvoffload.errors import ConfigError, InvalidArgumentError
-from kvoffload.wire.membership import check_name, parse_etcd_url
+from kvoffload.wire.membership import MAX_WEIGHT, MIN_WEIGHT, check_name, parse_etcd_url
 
 __all__ = ["ClusterConfig"]
 
@@ -20,7 +20,8 @@ class ClusterConfig:
     advertise: str = ""
     # "" = generated once and kept in data_dir (a restart rejoins as the same node).
     node_id: str = ""
-    # Share of placements against other nodes; 0 = the node's capacity in GiB.
+    # Share of placements against other nodes, MIN_WEIGHT..MAX_WEIGHT (0.001..1e6); 0 = the
+    # node's capacity in GiB (kept within that range).
     weight: float = 0.0
     # Seconds a crashed node's record outlives it (its lease is renewed every third of this).
     lease_ttl_s: int = 10
@@ -32,8 +33,13 @@ class ClusterConfig:
                 check_name(self.node_id, "cluster.node_id")
         except InvalidArgumentError as exc:
             raise ConfigError(f"cluster: {exc}") from None
-        if self.weight < 0 or not 2 <= self.lease_ttl_s <= 3600:
-            raise ConfigError("cluster.weight must be >= 0, lease_ttl_s 2..3600")
+        if not (self.weight == 0 or MIN_WEIGHT <= self.weight <= MAX_WEIGHT):
+            raise ConfigError(
+                f"cluster.weight must be 0 (capacity) or {MIN_WEIGHT:g}..{MAX_WEIGHT:g}, "
+                f"got {self.weight!r}"
+            )
+        if not 2 <= self.lease_ttl_s <= 3600:
+            raise ConfigError("cluster.lease_ttl_s must be 2..3600")
 
     @property
     def endpoint(self) -> tuple[str, int, str] | None:

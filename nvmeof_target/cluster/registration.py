@@ -9,7 +9,8 @@ live daemon, and registering is refused (`NodeIdClaimedError`). A file lock on t
 two processes on one dir from both calling themselves the predecessor.
 
 etcd being unreachable never stops the node serving: the first attempt logs a warning, and the
-thread registers again (new lease, same id) as soon as etcd answers.
+thread registers again (new lease, same id) as soon as etcd answers; a node whose lease lapsed
+while it was cut off is back within `rejoin_within_s(lease_ttl_s)` of etcd answering again.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from typing import Any, TextIO
 from kvoffload.errors import ConfigError, KVOffloadError, RemoteProtocolError, TransportError
 from kvoffload.nvmeof_target.config import Config
 from kvoffload.wire.membership import (
+    MAX_WEIGHT,
+    MIN_WEIGHT,
     Member,
     Request,
     claim_request,
@@ -46,7 +49,14 @@ from kvoffload.wire.membership import (
     revoke_request,
 )
 
-__all__ = ["NodeIdClaimedError", "Registration", "join", "leave"]
+__all__ = [
+    "CALL_TIMEOUT_S",
+    "NodeIdClaimedError",
+    "Registration",
+    "join",
+    "leave",
+    "rejoin_within_s",
+]
 
 log = logging.getLogger("kvoffload.cluster")
 
@@ -59,6 +69,16 @@ _WILDCARDS = ("", "0.0.0.0", "::")
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # Pauses between registration attempts while etcd is unreachable.
 _RETRY_FIRST_S, _RETRY_MAX_S = 0.5, 3.0
+# Each call to etcd gives up after this long.
+CALL_TIMEOUT_S = 2.0
+
+
+def rejoin_within_s(lease_ttl_s: float) -> float:
+    """The bound on how long after etcd is reachable again a node whose lease lapsed (a cut
+    link, etcd down past the TTL) has its record back: the next renewal (a third of the TTL),
+    a call in flight when the link came back timing out, one failed retry's pause, and the
+    renewal, grant and claim calls."""
+    return lease_ttl_s / 3 + _RETRY_MAX_S + 4 * CALL_TIMEOUT_S
 
 
 class NodeIdClaimedError(ConfigError):
@@ -250,7 +270,7 @@ class Registration:
 
     def _call(self, request: Request) -> dict[str, Any]:
         path, body = request
-        conn = http.client.HTTPConnection(self._host, self._port, timeout=2.0)
+        conn = http.client.HTTPConnection(self._host, self._port, timeout=CALL_TIMEOUT_S)
         try:
             conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
             resp = conn.getresponse()
@@ -288,7 +308,7 @@ def _fronts(config: Config, addresses: Mapping[str, tuple[str, int]]) -> dict[st
 
 def _capacity_gib(config: Config) -> float:
     capacity = config.ssd.capacity_bytes or config.dram.capacity_bytes
-    return max(round(capacity / 2**30, 3), 0.001)
+    return min(max(round(capacity / 2**30, 3), MIN_WEIGHT), MAX_WEIGHT)
 
 
 async def join(

@@ -9,6 +9,7 @@ import pytest
 
 from kvoffload.client_sdk.cluster import StaticMembership, parse_cluster_url
 from kvoffload.errors import ConfigError, InvalidArgumentError, RemoteProtocolError
+from kvoffload.nvmeof_target.cluster.config import ClusterConfig
 from kvoffload.wire import membership as etcd
 
 PREFIX = etcd.nodes_prefix("prod")
@@ -153,3 +154,25 @@ def test_static_urls() -> None:
 def test_bad_cluster_urls_say_what_is_wrong(url: str) -> None:
     with pytest.raises(ConfigError, match="cluster URL"):
         parse_cluster_url(url)
+
+
+@pytest.mark.parametrize(
+    "weight", [1e300, float("inf"), float("-inf"), float("nan"), -1.0, 0.0, 1e-9, 1_000_001.0]
+)
+def test_a_record_whose_weight_is_out_of_range_is_refused(weight: float) -> None:
+    # A record with weight 1e300 would take every placement: refused, with the reason.
+    good = json.loads(etcd.encode_member(_member()))
+    good["weight"] = weight
+    with pytest.raises(RemoteProtocolError, match=r"weight must be a number in \[0.001, 1e\+06\]"):
+        etcd.decode_member(PREFIX + b"kv-1", json.dumps(good).encode(), PREFIX)
+    with pytest.raises(InvalidArgumentError, match="weight"):
+        _member(weight=weight)
+    with pytest.raises(ConfigError, match="weight"):
+        ClusterConfig(weight=weight) if weight != 0 else ClusterConfig(weight=-0.5)
+
+
+@pytest.mark.parametrize("weight", [etcd.MIN_WEIGHT, 1, 3072.0, etcd.MAX_WEIGHT])
+def test_weights_in_range_are_kept(weight: float) -> None:
+    member = _member(weight=weight)
+    assert etcd.decode_member(PREFIX + b"kv-1", etcd.encode_member(member), PREFIX) == member
+    assert ClusterConfig(weight=weight).weight == weight

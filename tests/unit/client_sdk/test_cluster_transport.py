@@ -12,7 +12,12 @@ import pytest
 
 from kvoffload.client_sdk import AsyncClient, Client
 from kvoffload.client_sdk.cluster import Member, Placement
-from kvoffload.errors import ConfigError, TransportError
+from kvoffload.client_sdk.cluster.membership import StaticMembership
+from kvoffload.client_sdk.transports import open_transport
+from kvoffload.client_sdk.transports.base import Transport
+from kvoffload.client_sdk.transports.cluster import ClusterTransport
+from kvoffload.client_sdk.url import parse_url
+from kvoffload.errors import CapacityError, ConfigError, InvalidArgumentError, TransportError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -230,3 +235,139 @@ def test_lookup_after_a_node_joined_counts_blocks_on_old_and_new_owners(
     with Client.connect(_cluster(daemons)) as client:
         assert client.lookup(keys) == len(keys)
         assert client.lookup(keys[: moved[-1]] + _keys(3, seed=14)) == moved[-1]
+
+
+def test_a_callers_error_is_raised_and_never_opens_a_nodes_breaker(three: list[object]) -> None:
+    keys = _keys(20, seed=15)
+    with Client.connect(three[0].url()) as direct:  # type: ignore[attr-defined]
+        direct.put(keys[0], _value(keys[0]))
+        # The reference: a node of its own raises the caller's error.
+        with pytest.raises(InvalidArgumentError):
+            direct.get_into(keys[0], bytearray(16))
+    with Client.connect(_cluster(three, replicas="2")) as client:
+        client.put_many([(k, _value(k)) for k in keys])
+        with pytest.raises(InvalidArgumentError):
+            client.get_into(keys[0], bytearray(16))
+        with pytest.raises(InvalidArgumentError):
+            client.get_many_into(keys[:4], [bytearray(4096)] * 3 + [bytearray(16)])
+        nodes = client.stats().store["nodes"]  # type: ignore[index]
+        assert all(n["up"] and n["failures"] == 0 for n in nodes.values())  # type: ignore[index]
+        # Every node still serves: the reads hit and a put lands on its two owners.
+        assert client.get_many(keys) == [_value(k) for k in keys]
+        more = _keys(10, seed=16)
+        client.put_many([(k, _value(k)) for k in more])
+        assert client.stats().store["cluster"]["puts_rerouted"] == 0  # type: ignore[index]
+        buffers = [bytearray(4096) for _ in more]
+        assert client.get_many_into(more, buffers) == [2048] * len(more)
+
+
+class _Full:
+    """A real node's transport whose puts are refused as full."""
+
+    def __init__(self, inner: Transport) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+    def put_many(self, items: object, durable: bool = False) -> None:
+        raise CapacityError("full")
+
+
+def test_a_full_node_sends_puts_to_the_next_node_and_its_breaker_stays_closed(
+    three: list[object],
+) -> None:
+    full_id = f"127.0.0.1-{three[0].port}"  # type: ignore[attr-defined]
+
+    def open_node(member: Member) -> Transport:
+        node = open_transport(parse_url(f"kv://{member.fronts['native']}"))
+        return _Full(node) if member.node_id == full_id else node  # type: ignore[return-value]
+
+    keys = _keys(40, seed=17)
+    cluster = ClusterTransport(StaticMembership(tuple(_members(three))), 2, open_node)
+    try:
+        cluster.put_many([(k, [_value(k)], None, None) for k in keys])
+        assert cluster.counters["puts_short"] == 0 and cluster.counters["puts_rerouted"] > 0
+        nodes = cluster.stats()["nodes"]
+        assert isinstance(nodes, dict)
+        assert nodes[full_id]["up"] and nodes[full_id]["failures"] == 0
+    finally:
+        cluster.close()
+    for key in keys[:10]:
+        assert _holders(three[1:], key) == {0, 1}
+
+    # Every node full: the caller is told so, as by one node over kv://.
+    def open_full(member: Member) -> Transport:
+        return _Full(open_node(member))  # type: ignore[return-value]
+
+    cluster = ClusterTransport(StaticMembership(tuple(_members(three))), 2, open_full)
+    try:
+        with pytest.raises(CapacityError):
+            cluster.put_many([(keys[0], [_value(keys[0])], None, None)])
+        assert all(t.up for t in cluster._current())
+    finally:
+        cluster.close()
+
+
+class _Records:
+    """A membership whose records the test changes (as an etcd watch would deliver them)."""
+
+    def __init__(self, members: list[Member]) -> None:
+        self._members = tuple(members)
+        self.generation = 1
+
+    def set(self, members: list[Member]) -> None:
+        self._members, self.generation = tuple(members), self.generation + 1
+
+    def members(self) -> tuple[Member, ...]:
+        return self._members
+
+    def wait_changed(self, generation: int, timeout_s: float) -> int:
+        return self.generation
+
+    def close(self) -> None:
+        pass
+
+
+def _owners(cluster: ClusterTransport, keys: list[bytes], width: int) -> list[list[str]]:
+    live, ranks = cluster._plan(keys, width)
+    return [[live[r].node_id for r in row] for row in ranks]
+
+
+def _open_kv(member: Member) -> Transport:
+    return open_transport(parse_url(f"kv://{member.fronts['native']}"))
+
+
+def test_a_weight_change_reaches_older_clients_in_one_round(three: list[object]) -> None:
+    before = _members(three)
+    heavy = Member(before[1].node_id, before[1].fronts, weight=100.0, nonce="restarted")
+    after = [before[0], heavy, before[2]]
+    keys = _keys(600, seed=18)
+    records = _Records(before)
+    old = ClusterTransport(records, 1, _open_kv)
+    try:
+        old.put_many([(k, [_value(k)], None, None) for k in keys[:50]])  # its view: weights 1.0
+        assert _owners(old, keys, 1) == _owners_of(before, keys)
+        # Node b restarts on the same address with weight 100: it leaves, then comes back.
+        records.set([before[0], before[2]])
+        old.get_many(keys[:5])
+        records.set(after)
+        new = ClusterTransport(StaticMembership(tuple(after)), 1, _open_kv)
+        try:
+            new.put_many([(k, [_value(k)], None, None) for k in keys])
+            # One round later every key has the same owners for both clients.
+            assert _owners(old, keys, 2) == _owners(new, keys, 2) == _owners_of(after, keys, 2)
+            got = old.get_many(keys)
+            assert [bytes(g.data) if g is not None else None for g in got] == [  # type: ignore[union-attr]
+                _value(k) for k in keys
+            ]
+            assert old.stats()["nodes"][heavy.node_id]["weight"] == 100.0  # type: ignore[index]
+        finally:
+            new.close()
+    finally:
+        old.close()
+
+
+def _owners_of(members: list[Member], keys: list[bytes], width: int = 1) -> list[list[str]]:
+    placement = Placement(members)
+    return [[m.node_id for m in placement.owners(k, width)] for k in keys]
