@@ -211,10 +211,12 @@ def test_refused_connects_say_why(start_daemon: Start) -> None:
     c = io.connect(1, hostnqn=HOST_A, cntlid=cntlid)
     assert _status(c) == (0, 0x0C)  # the controller is not enabled yet
     q.enable()
-    c = io.connect(1, hostnqn=HOST_A, cntlid=cntlid)
-    assert _status(c) == (1, 0x82) and c.dw0 == 42  # QID: no queues granted yet
+    c = io.connect(17, hostnqn=HOST_A, cntlid=cntlid)
+    assert _status(c) == (1, 0x82) and c.dw0 == 42  # QID: past the subsystem's 16 queues
     c, _ = q.command(nc.set_features(q.cid(), 0x07, 0))  # one I/O queue
     assert c.ok
+    c = io.connect(2, hostnqn=HOST_A, cntlid=cntlid)
+    assert _status(c) == (1, 0x82) and c.dw0 == 42  # QID: past the one granted
     c = io.connect(1, hostnqn=HOST_B, cntlid=cntlid)
     assert _status(c) == (1, 0x82) and c.dw0 == 16 | (1 << 16)  # not B's controller
     assert io.connect(1, hostnqn=HOST_A, cntlid=cntlid).ok
