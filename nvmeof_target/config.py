@@ -115,7 +115,13 @@ class NativeConfig:
     # A connection with nothing in progress and no bytes for this long is closed.
     idle_timeout_s: float = 300.0
     # A new connection must have its Hello accepted within this long (TLS handshake included).
-    hello_timeout_s: float = 10.0
+    hello_timeout_s: float = 3.0
+    # Connections whose Hello is not accepted yet have a budget of their own, in all and per
+    # peer address; a new one beyond it closes the oldest such connection (of that peer first),
+    # so connections that never say Hello cannot lock tenants out. Authenticated connections are
+    # never closed to make room: up to max_connections, they always find room.
+    max_unauthenticated: int = 64
+    max_unauthenticated_per_peer: int = 8
     # A frame that has begun must be complete within this long (defeats slow partial frames),
     # and a peer that takes none of its queued answers for this long is closed (its pinned
     # blocks released).
@@ -143,6 +149,11 @@ class NativeConfig:
             raise ConfigError("native.max_header_bytes >= 4 KiB, max_payload_bytes >= 1 MiB")
         if min(self.idle_timeout_s, self.frame_timeout_s, self.hello_timeout_s) <= 0:
             raise ConfigError("native timeouts must be positive")
+        if not 1 <= self.max_unauthenticated_per_peer <= self.max_unauthenticated:
+            raise ConfigError(
+                "native: need 1 <= max_unauthenticated_per_peer <= max_unauthenticated, got "
+                f"{self.max_unauthenticated_per_peer} and {self.max_unauthenticated}"
+            )
 
 
 def _check_nqn(nqn: str, what: str) -> None:
