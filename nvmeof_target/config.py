@@ -115,7 +115,13 @@ class NativeConfig:
     # A connection with nothing in progress and no bytes for this long is closed.
     idle_timeout_s: float = 300.0
     # A new connection must have its Hello accepted within this long (TLS handshake included).
-    hello_timeout_s: float = 10.0
+    hello_timeout_s: float = 3.0
+    # Connections whose Hello is not accepted yet have a budget of their own, in all and per
+    # peer address; a new one beyond it closes the oldest such connection (of that peer first),
+    # so connections that never say Hello cannot lock tenants out. Authenticated connections are
+    # never closed to make room: up to max_connections, they always find room.
+    max_unauthenticated: int = 64
+    max_unauthenticated_per_peer: int = 8
     # A frame that has begun must be complete within this long (defeats slow partial frames),
     # and a peer that takes none of its queued answers for this long is closed (its pinned
     # blocks released).
@@ -151,6 +157,11 @@ class NativeConfig:
             raise ConfigError("native.max_header_bytes >= 4 KiB, max_payload_bytes >= 1 MiB")
         if min(self.idle_timeout_s, self.frame_timeout_s, self.hello_timeout_s) <= 0:
             raise ConfigError("native timeouts must be positive")
+        if not 1 <= self.max_unauthenticated_per_peer <= self.max_unauthenticated:
+            raise ConfigError(
+                "native: need 1 <= max_unauthenticated_per_peer <= max_unauthenticated, got "
+                f"{self.max_unauthenticated_per_peer} and {self.max_unauthenticated}"
+            )
 
 
 def _check_nqn(nqn: str, what: str) -> None:
@@ -205,7 +216,10 @@ class SubsystemConfig:
 class NvmeConfig:
     """The NVMe/TCP front: the NVMe Key Value command set over NVMe/TCP (DESIGN §5)."""
 
-    enabled: bool = True
+    # Unset (the default): the front starts, unless tenants are configured; then it is skipped
+    # with a warning, since it has no tenant authentication (no DH-HMAC-CHAP, and a host NQN
+    # is no credential). true with tenants is a config error; false never starts it.
+    enabled: bool | None = None
     host: str = "127.0.0.1"
     # 0 binds any free port (the daemon prints the one it got). 4420 is IANA's NVMe/TCP port.
     port: int = 4420
@@ -254,6 +268,11 @@ class NvmeConfig:
                 raise ConfigError(f"nvme.{name} must be positive")
         if self.connect_timeout_s <= 0 or self.frame_timeout_s <= 0:
             raise ConfigError("nvme timeouts must be positive")
+
+    @property
+    def explicit(self) -> bool:
+        """The operator asked for this front: `enabled = true`, or subsystems configured."""
+        return self.enabled is True or bool(self.subsystems)
 
     @property
     def served(self) -> tuple[SubsystemConfig, ...]:
@@ -365,6 +384,15 @@ class Config:
         if len(set(tokens)) != len(tokens):
             raise ConfigError("two tenants share a token")
         EngineConfig(dram=self.dram, ssd=self.ssd, data_dir=self.data_dir)  # validates them
+        if self.tenants and self.nvme.explicit:
+            raise ConfigError(
+                "the NVMe/TCP front cannot run with [tenants]: it has no tenant authentication "
+                "(no NVMe in-band authentication; a host NQN is not a credential, any host can "
+                "present one), so any process that reaches it could read and forge every "
+                "tenant's blocks. Serve tenants on the native front alone: set "
+                "nvme.enabled = false and remove [nvme.subsystems]; or remove [tenants] to "
+                "serve an open store over NVMe/TCP"
+            )
         for subsystem in self.nvme.served:
             for ns in subsystem.active:
                 if ns.tenant and ns.tenant not in names:
@@ -372,6 +400,13 @@ class Config:
                         f"namespace {ns.nsid} of {subsystem.nqn} maps to tenant {ns.tenant!r}, "
                         f"which is not configured (tenants: {names})"
                     )
+
+    @property
+    def nvme_serves(self) -> bool:
+        """Whether the NVMe/TCP front starts (see `NvmeConfig.enabled`)."""
+        if self.nvme.enabled is None:
+            return not self.tenants
+        return self.nvme.enabled
 
     @property
     def engine(self) -> EngineConfig:
@@ -538,7 +573,11 @@ def _convert(tp: Any, value: Any, name: str) -> Any:
             for k, v in value.items()
         )
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        raise ConfigError(f"{name}: unsupported option type")  # pragma: no cover
+        # `X | None`: None is the unset default; a value given is an X.
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) != 1:
+            raise ConfigError(f"{name}: unsupported option type")  # pragma: no cover
+        return _convert(args[0], value, name)
     return _SCALARS[tp](value, name)
 
 

@@ -124,6 +124,8 @@ class NativeSession(Session):
         self.config = front.config
         self.conn = NativeConnection(Role.SERVER, front.hello_limits)
         self.tenant: Tenant | None = None
+        self.address = ""  # the peer's address, for the front's per-peer budget
+        self.tenant_refused = False  # closed by the front to make room (never said Hello)
         self.puts: dict[int, PendingPut] = {}  # request id -> its payload on the way
         self.shard = front.services.shard
         self.version = 0  # the protocol version of the accepted Hello

@@ -87,7 +87,7 @@ def _admit(q: NvmeQueue, cmd: Command, data: nd.ConnectData) -> int:
         ctrl = found
         if not ctrl.ready:
             raise CommandFailed(Sct.GENERIC, Sc.COMMAND_SEQUENCE, "controller not enabled")
-        if qid > ctrl.granted_queues or front.io_queue_taken(ctrl, qid):
+        if qid > ctrl.io_queues or front.io_queue_taken(ctrl, qid):
             raise connect_invalid(42, False, f"QID {qid}")
         q.conn.in_capsule = q.config.in_capsule_bytes
     q.qid, q.ctrl = qid, ctrl

@@ -49,7 +49,12 @@ _WATCH_INTERVAL = 0.1  # keep-alive granularity is 100 ms (Identify KAS = 1)
 
 
 def make_front(config: Config, services: Services) -> NvmeFront | None:
-    return NvmeFront(config.nvme, services) if config.nvme.enabled else None
+    if config.nvme.enabled is None and config.tenants:
+        log.warning(
+            "NVMe/TCP front not started: tenants are configured and the NVMe/TCP front has no "
+            "tenant authentication (set nvme.enabled = false to say so and silence this)"
+        )
+    return NvmeFront(config.nvme, services) if config.nvme_serves else None
 
 
 class NvmeFront:

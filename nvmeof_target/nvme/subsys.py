@@ -201,6 +201,12 @@ class Controller:
     max_value: int = 0  # KVVML: the engine's largest value
 
     @property
+    def io_queues(self) -> int:
+        """I/O queues this controller admits: those granted by Set Features Number of Queues,
+        or (a host that never sent it, as Linux nvmet allows) the subsystem's maximum."""
+        return self.granted_queues or self.config.max_io_queues
+
+    @property
     def namespaces(self) -> dict[int, NvmeNamespace]:
         return {
             nsid: ns
@@ -300,7 +306,7 @@ class Controller:
                 return 0x4
             raise invalid_field(f"feature {fid:#x} is not supported")
         if fid == FID_NUM_QUEUES:
-            n = (self.granted_queues or self.config.max_io_queues) - 1
+            n = self.io_queues - 1
             return n | (n << 16)
         if fid == FID_ASYNC_EVENT:
             return self.aec

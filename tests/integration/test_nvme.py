@@ -7,9 +7,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -147,37 +151,29 @@ def test_many_threads_share_the_queues(start_daemon: Start) -> None:
     assert not errors, errors
 
 
+# Hosts and namespaces of the open store (no tenants: with tenants the NVMe front does not run).
 ISOLATED = f"""
+[nvme.subsystems."{SUBNQN}"]
+allow_hosts = ["{HOST_A}", "{HOST_B}"]
+[nvme.subsystems."{SUBNQN}".namespaces.1]
+hosts = ["{HOST_A}"]
+[nvme.subsystems."{SUBNQN}".namespaces.2]
+hosts = ["{HOST_B}"]
+"""
+TENANTS = """
 [tenants.alice]
 token = "alice-secret"
 [tenants.bob]
 token = "bob-secret"
-[nvme.subsystems."{SUBNQN}"]
-allow_hosts = ["{HOST_A}", "{HOST_B}"]
-[nvme.subsystems."{SUBNQN}".namespaces.1]
-tenant = "alice"
-hosts = ["{HOST_A}"]
-[nvme.subsystems."{SUBNQN}".namespaces.2]
-tenant = "bob"
-hosts = ["{HOST_B}"]
 """
 
 
-def test_two_hosts_two_namespaces_are_isolated(start_daemon: Start) -> None:
+def test_hosts_see_only_their_namespaces(start_daemon: Start) -> None:
     daemon = start_daemon(config=ISOLATED)
     key = os.urandom(16)
-    with (
-        Client.connect(daemon.nvme_url(hostnqn=HOST_A)) as a,
-        Client.connect(daemon.nvme_url(hostnqn=HOST_B)) as b,
-    ):
-        a.put(key, b"alice's block")
-        assert not b.exists(key) and b.get(key) is None
-        b.put(key, b"bob's block")
-        assert a.get(key) == b"alice's block" and b.get(key) == b"bob's block"
-        assert b.delete(key) and a.get(key) == b"alice's block"
-    # A namespace is its tenant's key space: the native front with alice's token sees it.
-    with Client.connect(daemon.url(token="alice-secret")) as native:
-        assert native.get(key) == b"alice's block"
+    with Client.connect(daemon.nvme_url(hostnqn=HOST_A)) as a:
+        a.put(key, b"a block")
+        assert a.get(key) == b"a block"
     with pytest.raises(ConfigError, match="no namespace 2"):
         NvmeHost(NvmeOptions(port=daemon.ports["nvme"], hostnqn=HOST_A, nsid=2))
     with pytest.raises(AuthError):
@@ -189,6 +185,59 @@ def test_two_hosts_two_namespaces_are_isolated(start_daemon: Start) -> None:
         assert _status(c) == (0, 0x0B)
     finally:
         host.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_tenants_keep_the_default_nvme_front_closed(start_daemon: Start) -> None:
+    """The trust issue's attack: with tenants, a local process reached alice's engine keys
+    through the NVMe front (no token there) and forged her blocks. With tenants configured the
+    default NVMe front does not listen at all; the native front still asks for tokens."""
+    port = _free_port()
+    daemon = start_daemon("--nvme-port", str(port), config=TENANTS)
+    assert "nvme" not in daemon.ports and "native" in daemon.ports
+    with Client.connect(daemon.url(token="alice-secret")) as alice:
+        alice.put(b"k" * 16, b"alice's block")
+        assert alice.get(b"k" * 16) == b"alice's block"
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), 5):
+        pass
+    daemon.stop()
+    assert "NVMe/TCP front not started" in daemon.stderr()
+
+
+@pytest.mark.parametrize(
+    ("toml", "env"),
+    [
+        (TENANTS + "[nvme]\nenabled = true\n", {}),
+        (TENANTS, {"KVOFFLOAD_NVME__ENABLED": "true"}),
+        (TENANTS + f'[nvme.subsystems."{SUBNQN}".namespaces.1]\ntenant = "alice"\n', {}),
+        (TENANTS + ISOLATED, {}),
+    ],
+    ids=["enabled", "environment", "tenant-namespace", "subsystems"],
+)
+def test_an_nvme_front_asked_for_with_tenants_is_refused(
+    tmp_path: Path, toml: str, env: dict[str, str]
+) -> None:
+    config = tmp_path / "kvoffload.toml"
+    config.write_text(toml)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvoffload.cli", "serve", "--port", "0", "--nvme-port", "0"]
+        + ["--metrics-port", "0", "--dram", "16MiB", "--ssd", "0", "--config", str(config)]
+        + ["--data-dir", str(tmp_path / "data")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**environ, **env},
+    )
+    assert proc.returncode != 0
+    assert "the NVMe/TCP front cannot run with [tenants]" in proc.stderr
+    assert "nvme.enabled = false" in proc.stderr
+    assert "Traceback" not in proc.stderr and "listening" not in proc.stdout
 
 
 def test_refused_connects_say_why(start_daemon: Start) -> None:
@@ -211,10 +260,12 @@ def test_refused_connects_say_why(start_daemon: Start) -> None:
     c = io.connect(1, hostnqn=HOST_A, cntlid=cntlid)
     assert _status(c) == (0, 0x0C)  # the controller is not enabled yet
     q.enable()
-    c = io.connect(1, hostnqn=HOST_A, cntlid=cntlid)
-    assert _status(c) == (1, 0x82) and c.dw0 == 42  # QID: no queues granted yet
+    c = io.connect(17, hostnqn=HOST_A, cntlid=cntlid)
+    assert _status(c) == (1, 0x82) and c.dw0 == 42  # QID: past the subsystem's 16 queues
     c, _ = q.command(nc.set_features(q.cid(), 0x07, 0))  # one I/O queue
     assert c.ok
+    c = io.connect(2, hostnqn=HOST_A, cntlid=cntlid)
+    assert _status(c) == (1, 0x82) and c.dw0 == 42  # QID: past the one granted
     c = io.connect(1, hostnqn=HOST_B, cntlid=cntlid)
     assert _status(c) == (1, 0x82) and c.dw0 == 16 | (1 << 16)  # not B's controller
     assert io.connect(1, hostnqn=HOST_A, cntlid=cntlid).ok
@@ -452,17 +503,3 @@ def test_kv_events_for_nvme_stores_and_deletes(start_daemon: Start) -> None:
     finally:
         host.close()
         sub.close(linger=0)
-
-
-def test_a_full_namespace_answers_capacity_exceeded(start_daemon: Start) -> None:
-    daemon = start_daemon(
-        config='[tenants.small]\ntoken = "t"\nquota_bytes = "1MiB"\n'
-        f'[nvme.subsystems."{SUBNQN}".namespaces.1]\ntenant = "small"\n'
-    )
-    host = _host(daemon, kato_ms=0)
-    try:
-        c = host.store(os.urandom(16), [bytes(2 << 20)])  # more than the tenant may hold
-        assert _status(c) == (0, 0x81) and not c.dnr  # Capacity Exceeded, may retry later
-        assert host.store(os.urandom(16), [bytes(1000)]).ok
-    finally:
-        host.close()

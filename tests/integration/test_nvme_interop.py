@@ -192,13 +192,14 @@ class _Host:
 
     # -------------------------------------------------------------- Fabrics
 
-    def connect(self, qid: int, cntlid: int = 0xFFFF) -> Cqe:
+    def connect(self, qid: int, cntlid: int = 0xFFFF, sqsize: int = 31) -> Cqe:
         data = bytearray(1024)
         data[0:16] = bytes.fromhex("3f1c5b2e00004000800000000000beef")
         struct.pack_into("<H", data, 16, cntlid)
         data[256 : 256 + len(SUBNQN)] = SUBNQN.encode()
         data[512 : 512 + len(HOSTNQN)] = HOSTNQN.encode()
-        sqe = bytearray(_sqe(0x7F, self.next_cid(), sgl=(1024, 0x01), dw={10: qid << 16, 11: 31}))
+        dw = {10: qid << 16, 11: sqsize}
+        sqe = bytearray(_sqe(0x7F, self.next_cid(), sgl=(1024, 0x01), dw=dw))
         sqe[4] = 0x01  # FCTYPE Connect
         return self.run(bytes(sqe), bytes(data))[0]
 
@@ -377,3 +378,36 @@ def test_descriptor_and_field_forms_other_hosts_use(start_daemon: Any) -> None:
     assert io.keyed(0x14, 1, key).ok
     io.close()
     admin.close()
+
+
+def test_an_io_queue_connect_without_set_features_is_admitted(start_daemon: Any) -> None:
+    """The exact sequence of the third-party host that found the bug: Connect, Identify and the
+    namespace list on the admin queue, then (no Set Features Number of Queues) the I/O queue's
+    Connect on a second TCP connection: queue 1, SQSIZE 127. Linux nvmet admits it (up to the
+    subsystem's maximum); we refused it with SCT 1 / SC 0x82."""
+    daemon = start_daemon(config=CONFIG)
+    port = daemon.ports["nvme"]
+    admin = _Host(port)
+    admin.icreq()
+    c = admin.connect(0)
+    assert c.ok, c
+    cntlid = c.dw0 & 0xFFFF
+    assert admin.set_property(0x14, (6 << 16) | (4 << 20) | (6 << 4) | 1).ok
+    assert admin.get_property(0x1C) & 1  # CSTS.RDY
+    admin.identify(1)
+    assert [n for (n,) in struct.iter_unpack("<I", admin.identify(2)) if n] == [1]
+    io = _Host(port)
+    io.icreq()
+    c = io.connect(1, cntlid, sqsize=127)
+    assert c.ok, (c.sct, hex(c.sc))
+    key, value = os.urandom(16), os.urandom(100)
+    assert io.store(1, key, value, in_capsule=True).ok
+    c, data = io.retrieve(1, key, 4096)
+    assert c.ok and data == value
+    # Beyond the subsystem's maximum (16 I/O queues by default) it is still refused.
+    over = _Host(port)
+    over.icreq()
+    c = over.connect(17, cntlid)
+    assert (c.sct, c.sc) == (1, 0x82), c
+    for host in (over, io, admin):
+        host.close()

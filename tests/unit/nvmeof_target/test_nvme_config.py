@@ -15,7 +15,7 @@ HOST_B = "nqn.2014-08.org.nvmexpress:uuid:bbbbbbbb-0000-0000-0000-000000000002"
 
 def test_defaults_serve_one_open_subsystem_on_4420() -> None:
     nvme = load_config(None, {}, []).nvme
-    assert nvme.enabled and nvme.port == 4420 and nvme.host == "127.0.0.1" and nvme.loopback
+    assert nvme.enabled is None and nvme.port == 4420 and nvme.host == "127.0.0.1" and nvme.loopback
     (sub,) = nvme.served
     assert sub.nqn == DEFAULT_SUBNQN == "nqn.2026-11.io.kvoffload:store"
     assert sub.allow_hosts == () and sub.active == (NamespaceConfig(1),)
@@ -45,12 +45,27 @@ hosts = ["{HOST_A}"]
 tenant = "bob"
 """
     )
+    # The NVMe front has no tenant authentication: asked for with tenants, it is refused.
+    with pytest.raises(ConfigError, match=r"cannot run with \[tenants\]"):
+        load_config(str(toml), {}, [])
+    # Without tenants (an open store) the same subsystem serves, hosts and namespaces as set.
+    lines = toml.read_text().split("[nvme.", 1)[1].splitlines()
+    toml.write_text("[nvme." + "\n".join(x for x in lines if not x.startswith("tenant")))
     (sub,) = load_config(str(toml), {}, []).nvme.served
     assert sub.allow_hosts == (HOST_A, HOST_B)
-    assert sub.active == (
-        NamespaceConfig(1, "alice", (HOST_A,)),
-        NamespaceConfig(2, "bob", ()),
-    )
+    assert sub.active == (NamespaceConfig(1, "", (HOST_A,)), NamespaceConfig(2, "", ()))
+
+
+def test_tenants_decide_whether_the_default_nvme_front_runs() -> None:
+    open_store = load_config(None, {}, [])
+    assert open_store.nvme.enabled is None and open_store.nvme_serves
+    tenants = {"KVOFFLOAD_TENANTS__ALICE__TOKEN": "a"}
+    with_tenants = load_config(None, tenants, [])
+    assert not with_tenants.nvme_serves and not with_tenants.nvme.explicit
+    assert not load_config(None, {"KVOFFLOAD_NVME__ENABLED": "false"}, []).nvme_serves
+    with pytest.raises(ConfigError, match="nvme.enabled = false"):
+        load_config(None, {**tenants, "KVOFFLOAD_NVME__ENABLED": "1"}, [])
+    assert not load_config(None, {**tenants, "KVOFFLOAD_NVME__ENABLED": "0"}, []).nvme_serves
 
 
 @pytest.mark.parametrize(
