@@ -115,7 +115,7 @@ class NativeConfig:
     # A connection with nothing in progress and no bytes for this long is closed.
     idle_timeout_s: float = 300.0
     # A new connection must have its Hello accepted within this long (TLS handshake included).
-    hello_timeout_s: float = 3.0
+    hello_timeout_s: float = 5.0
     # Connections whose Hello is not accepted yet have a budget of their own, in all and per
     # peer address; a new one beyond it closes the oldest such connection (of that peer first),
     # so connections that never say Hello cannot lock tenants out. Authenticated connections are
