@@ -241,7 +241,12 @@ class NvmeConfig:
     # Answer bytes one connection may have queued before the daemon stops reading it.
     max_inflight_bytes: int = 256 << 20
     # A new connection must finish ICReq and Connect within this long.
-    connect_timeout_s: float = 10.0
+    connect_timeout_s: float = 5.0
+    # Connections that have not finished Connect have their own budget, in all and per peer
+    # address: past it the oldest of them is closed (never a connected queue), so strangers
+    # cannot hold every slot.
+    max_unconnected: int = 64
+    max_unconnected_per_peer: int = 8
     # A PDU that has begun must be complete within this long, and a host that takes none of
     # its queued data and completions for this long is disconnected.
     frame_timeout_s: float = 60.0
@@ -268,6 +273,11 @@ class NvmeConfig:
                 raise ConfigError(f"nvme.{name} must be positive")
         if self.connect_timeout_s <= 0 or self.frame_timeout_s <= 0:
             raise ConfigError("nvme timeouts must be positive")
+        if not 1 <= self.max_unconnected_per_peer <= self.max_unconnected:
+            raise ConfigError(
+                "nvme: need 1 <= max_unconnected_per_peer <= max_unconnected, got "
+                f"{self.max_unconnected_per_peer} and {self.max_unconnected}"
+            )
 
     @property
     def explicit(self) -> bool:

@@ -98,3 +98,56 @@ def test_the_per_peer_budget_closes_that_peers_oldest(start_daemon: Start) -> No
     finally:
         for sock in other + mine:
             sock.close()
+
+
+# The NVMe/TCP front (no tenants: it does not start with them): connections that never finish
+# ICReq and Connect have the same kind of budget, so they cannot hold every slot.
+NVME_CONFIG = """
+[nvme]
+max_connections = {total}
+max_unconnected = {waiting}
+max_unconnected_per_peer = {per_peer}
+connect_timeout_s = 600.0
+"""
+
+
+def test_unconnected_nvme_connections_do_not_lock_hosts_out(start_daemon: Start) -> None:
+    daemon = start_daemon(config=NVME_CONFIG.format(total=8, waiting=4, per_peer=4))
+    port = daemon.ports["nvme"]
+    idle = [_idle(port) for _ in range(12)]  # three times the budget, never an ICReq
+    try:
+        for i in range(2):  # a host (admin queue + I/O queues) still finds room each time
+            with Client.connect(daemon.nvme_url()) as host:
+                host.put(bytes([i]) * 16, b"a block over NVMe/TCP")
+                assert host.get(bytes([i]) * 16) == b"a block over NVMe/TCP"
+        assert _closed_by_daemon(idle[0])  # the oldest made room
+        assert _refused(daemon, "unconnected per peer") >= 8
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_the_nvme_per_peer_budget_closes_that_peers_oldest(start_daemon: Start) -> None:
+    daemon = start_daemon(config=NVME_CONFIG.format(total=64, waiting=16, per_peer=2))
+    port = daemon.ports["nvme"]
+    other = [_idle(port, "127.0.0.3") for _ in range(2)]
+    mine = [_idle(port, "127.0.0.2") for _ in range(3)]  # one over: its first goes
+    try:
+        assert _closed_by_daemon(mine[0])
+        assert _refused(daemon, "unconnected per peer") == 1
+        assert _refused(daemon, "unconnected") == 0
+        assert not _closed_by_daemon_soon(other[0])
+    finally:
+        for sock in other + mine:
+            sock.close()
+
+
+def _closed_by_daemon_soon(sock: socket.socket) -> bool:
+    """Whether the daemon has closed `sock` already (a short look, not a wait)."""
+    sock.settimeout(0.5)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
