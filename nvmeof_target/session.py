@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvoffload.errors import KVOffloadError, RemoteProtocolError, TransportError
@@ -19,7 +20,7 @@ from kvoffload.nvmeof_target.channel import Channel
 from kvoffload.nvmeof_target.metrics import Metrics
 from kvoffload.nvmeof_target.services import Services
 
-__all__ = ["Instruments", "Session", "stop_sessions"]
+__all__ = ["Instruments", "RoomLimits", "Session", "make_room", "stop_sessions"]
 
 log = logging.getLogger("kvoffload.serve")
 T = TypeVar("T")
@@ -73,6 +74,8 @@ class Session:
         self.services = services
         self.channel = channel
         self.peer = peer
+        self.address = peer.rpartition(":")[0]  # the peer's address, for its front's budgets
+        self.dropped = False  # closed by its front to make room: no longer counted
         self.send_timeout_s = send_timeout_s
         self._instruments = instruments
         self.bytes_in = instruments.bytes_in
@@ -161,6 +164,11 @@ class Session:
     def end_after_answers(self) -> None:
         """Take no more requests; the connection closes once what is queued is out."""
         self._reading = False
+
+    def drop_for_room(self) -> None:
+        """Closed by the front to make room for a newer connection (it never authenticated)."""
+        self.dropped = True
+        self.abort()
 
     def abort(self) -> None:
         """Close now, dropping whatever is queued."""
@@ -318,3 +326,40 @@ async def stop_sessions(sessions: Mapping[S, asyncio.Task[None]], timeout: float
                 session.abort()
         if late:
             await asyncio.wait(late, timeout=1.0)
+
+
+@dataclass(frozen=True)
+class RoomLimits:
+    """A front's connection limits; `waiting` counts connections not yet authenticated (no
+    accepted Hello, no NVMe Connect), in all and per peer address."""
+
+    connections: int
+    waiting: int
+    waiting_per_peer: int
+    label: str  # the refusal reason's word: "unauthenticated", "unconnected"
+
+
+def make_room(
+    sessions: Collection[S],
+    admitted: Callable[[S], bool],
+    address: str,
+    limits: RoomLimits,
+    metrics: Metrics,
+    front: str,
+) -> bool:
+    """Room for a new connection from `address`: beyond the budgets of connections not yet
+    admitted (per peer, in all) or the connection limit, the oldest such connection (of this
+    peer first) is closed; an admitted one never is. False when every connection is admitted
+    and the limit is reached. `sessions` iterate oldest first."""
+    waiting = [s for s in sessions if not admitted(s) and not s.dropped]
+    mine = [s for s in waiting if s.address == address]
+    if len(mine) >= limits.waiting_per_peer:
+        victim, reason = mine[0], f"{limits.label} per peer"
+    elif len(waiting) >= limits.waiting or (waiting and len(sessions) >= limits.connections):
+        victim, reason = waiting[0], limits.label
+    else:
+        return len(sessions) < limits.connections
+    metrics.refused.labels(front, reason).inc()
+    log.info("closing %s: %s connections over budget", victim.peer, reason)
+    victim.drop_for_room()
+    return True

@@ -30,7 +30,7 @@ from kvoffload.nvmeof_target.native.puts import payload_end, payload_part
 from kvoffload.nvmeof_target.native.requests import HANDLERS
 from kvoffload.nvmeof_target.native.session import FRONT, Handler, NativeSession
 from kvoffload.nvmeof_target.services import Services
-from kvoffload.nvmeof_target.session import Instruments, stop_sessions
+from kvoffload.nvmeof_target.session import Instruments, RoomLimits, make_room, stop_sessions
 from kvoffload.wire.native.connection import (
     ErrorReply,
     Limits,
@@ -71,6 +71,12 @@ class NativeFront:
         self._sessions: dict[NativeSession, asyncio.Task[None]] = {}
         self._tls: ssl.SSLContext | None = None
         self.instruments = Instruments(services.metrics, FRONT)
+        self._budget = RoomLimits(
+            config.max_connections,
+            config.max_unauthenticated,
+            config.max_unauthenticated_per_peer,
+            "unauthenticated",
+        )
         self.limits = Limits(
             max_header_bytes=config.max_header_bytes,
             max_payload_bytes=config.max_payload_bytes,
@@ -122,7 +128,9 @@ class NativeFront:
                 await asyncio.sleep(0.1)
                 continue
             metrics.connections_total.labels(FRONT).inc()
-            if not self._make_room(str(peer[0])):
+            if not make_room(
+                self._sessions, _admitted, str(peer[0]), self._budget, self.services.metrics, FRONT
+            ):
                 metrics.refused.labels(FRONT, "too many connections").inc()
                 _refuse(sock, "too many connections")
                 continue
@@ -130,34 +138,7 @@ class NativeFront:
                 TlsChannel(sock, loop, self._tls) if self._tls else Channel(sock, loop)
             )
             session = NativeSession(self, channel, f"{peer[0]}:{peer[1]}")
-            session.address = str(peer[0])
             self._sessions[session] = loop.create_task(session.run())
-
-    def _make_room(self, address: str) -> bool:
-        """Room for a new (unauthenticated) connection from `address`: beyond the budgets of
-        connections without an accepted Hello (per peer, in all) or the connection limit, the
-        oldest such connection (of this peer first) is closed; authenticated ones never are.
-        False when every connection is authenticated and the limit is reached."""
-        config = self.config
-        waiting = [s for s in self._sessions if s.tenant is None and not s.tenant_refused]
-        mine = [s for s in waiting if s.address == address]
-        victim: NativeSession | None = None
-        reason = ""
-        if len(mine) >= config.max_unauthenticated_per_peer:
-            victim, reason = mine[0], "unauthenticated per peer"
-        elif len(waiting) >= config.max_unauthenticated:
-            victim, reason = waiting[0], "unauthenticated"
-        elif len(self._sessions) >= config.max_connections:
-            if not waiting:
-                return False
-            victim, reason = waiting[0], "unauthenticated"
-        if victim is not None:
-            self.services.metrics.refused.labels(FRONT, reason).inc()
-            log.info("closing %s: %s connections over budget", victim.peer, reason)
-            victim.say_goodbye(Status.UNAVAILABLE, "too many connections without Hello")
-            victim.tenant_refused = True  # no longer counted while its task winds down
-            victim.abort()
-        return True
 
     async def _watch(self) -> None:
         """Close connections that sit idle or trickle a frame in for too long."""
@@ -207,3 +188,7 @@ def _refuse(sock: socket.socket, why: str) -> None:
     except OSError:
         pass
     sock.close()
+
+
+def _admitted(session: NativeSession) -> bool:
+    return session.tenant is not None

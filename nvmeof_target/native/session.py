@@ -124,8 +124,6 @@ class NativeSession(Session):
         self.config = front.config
         self.conn = NativeConnection(Role.SERVER, front.hello_limits)
         self.tenant: Tenant | None = None
-        self.address = ""  # the peer's address, for the front's per-peer budget
-        self.tenant_refused = False  # closed by the front to make room (never said Hello)
         self.puts: dict[int, PendingPut] = {}  # request id -> its payload on the way
         self.shard = front.services.shard
         self.version = 0  # the protocol version of the accepted Hello
@@ -230,6 +228,10 @@ class NativeSession(Session):
 
     def _forget(self) -> None:
         self.front.forget(self)
+
+    def drop_for_room(self) -> None:
+        self.say_goodbye(Status.UNAVAILABLE, "too many connections without Hello")
+        super().drop_for_room()
 
     def say_goodbye(self, status: Status, message: str) -> None:
         self._reading = False

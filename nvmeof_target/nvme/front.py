@@ -39,7 +39,7 @@ from kvoffload.nvmeof_target.nvme.subsys import (
     next_cntlid,
 )
 from kvoffload.nvmeof_target.services import Services
-from kvoffload.nvmeof_target.session import Instruments, stop_sessions
+from kvoffload.nvmeof_target.session import Instruments, RoomLimits, make_room, stop_sessions
 from kvoffload.wire.nvme_tcp import data as nd
 
 __all__ = ["NvmeFront", "make_front"]
@@ -75,6 +75,12 @@ class NvmeFront:
         self._tasks: list[asyncio.Task[None]] = []
         self._sweeping = False
         self.instruments = Instruments(services.metrics, FRONT)
+        self._budget = RoomLimits(
+            config.max_connections,
+            config.max_unconnected,
+            config.max_unconnected_per_peer,
+            "unconnected",
+        )
 
     async def start(self) -> list[tuple[str, str, int]]:
         listener = socket.create_server(
@@ -106,37 +112,14 @@ class NvmeFront:
                 await asyncio.sleep(0.1)
                 continue
             metrics.connections_total.labels(FRONT).inc()
-            if not self._make_room(str(peer[0])):
+            if not make_room(
+                self._queues, _admitted, str(peer[0]), self._budget, self.services.metrics, FRONT
+            ):
                 metrics.refused.labels(FRONT, "too many connections").inc()
                 sock.close()  # NVMe/TCP has no PDU to refuse with before ICReq
                 continue
             queue = NvmeQueue(self, Channel(sock, loop), f"{peer[0]}:{peer[1]}")
             self._queues[queue] = loop.create_task(queue.run())
-
-    def _make_room(self, address: str) -> bool:
-        """Room for a new connection from `address`: beyond the budgets of connections that
-        have not finished Connect (per peer, in all) or the connection limit, the oldest such
-        connection (of this peer first) is closed; a connected queue never is. False when
-        every connection is connected and the limit is reached."""
-        config = self.config
-        waiting = [q for q in self._queues if q.qid is None and not q.dropped]
-        mine = [q for q in waiting if q.address == address]
-        victim: NvmeQueue | None = None
-        reason = ""
-        if len(mine) >= config.max_unconnected_per_peer:
-            victim, reason = mine[0], "unconnected per peer"
-        elif len(waiting) >= config.max_unconnected:
-            victim, reason = waiting[0], "unconnected"
-        elif len(self._queues) >= config.max_connections:
-            if not waiting:
-                return False
-            victim, reason = waiting[0], "unconnected"
-        if victim is not None:
-            self.services.metrics.refused.labels(FRONT, reason).inc()
-            log.info("closing %s: %s connections over budget", victim.peer, reason)
-            victim.dropped = True
-            victim.abort()
-        return True
 
     async def _watch(self) -> None:
         """Keep-alive timeouts, connections that never connect, PDUs that trickle in, and the
@@ -250,3 +233,7 @@ class NvmeFront:
             self._listener.close()
             self._listener = None
         await stop_sessions(self._queues, timeout)
+
+
+def _admitted(queue: NvmeQueue) -> bool:
+    return queue.qid is not None

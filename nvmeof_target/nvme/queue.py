@@ -145,8 +145,6 @@ class NvmeQueue(Session):
         )
         self.qid: int | None = None
         self.ctrl: Controller | None = None
-        self.address = peer.rpartition(":")[0]  # the peer's address, for its budget
-        self.dropped = False  # closed to make room: no longer counted while it winds down
         self.slots = front.config.queue_depth  # SQ entries, for SQHD
         self._sqhd = 0
         self._ttag = 0
