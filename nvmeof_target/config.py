@@ -40,6 +40,7 @@ __all__ = [
     "ServerConfig",
     "SubsystemConfig",
     "TenantConfig",
+    "TenantEventsConfig",
     "TlsConfig",
     "build_flag_parser",
     "load_config",
@@ -329,6 +330,7 @@ class EventsConfig:
     # ZMQ CURVE for the publisher and the replay endpoint: the server's secret key file
     # (zmq.auth's format, `zmq.auth.create_certificates`), and the clients allowed: a public
     # key file or a directory of them. Both or neither; with them, other clients get nothing.
+    # The key pair also serves the tenants' own endpoints (`tenants.<name>.events`).
     curve_secret_key_file: str = ""
     curve_clients: str = ""
 
@@ -343,6 +345,21 @@ class EventsConfig:
 
 
 @dataclass(frozen=True)
+class TenantEventsConfig:
+    """A tenant's own KV-event endpoints (`[tenants.<name>.events]`): they carry only its
+    events, and with CURVE admit only its routers. A tenant without them is published on the
+    shared `[events]` endpoints, where every router they admit may subscribe to it."""
+
+    # ZMQ PUB endpoint of the tenant's events; "" = the shared endpoint carries them.
+    endpoint: str = ""
+    # ZMQ ROUTER endpoint answering the tenant's replay requests; "" = none.
+    replay_endpoint: str = ""
+    # With `events.curve_secret_key_file`: the public key file (or directory of them) of the
+    # routers allowed this tenant's events. Required then; refused without it.
+    curve_clients: str = ""
+
+
+@dataclass(frozen=True)
 class TenantConfig:
     """One tenant: the token that authenticates it and its capacity quota."""
 
@@ -352,6 +369,7 @@ class TenantConfig:
     quota_bytes: int = 0
     # Bytes of SSD slots the tenant may hold (needs an SSD tier); 0 = no quota.
     ssd_quota_bytes: int = 0
+    events: TenantEventsConfig = TenantEventsConfig()
 
     def __post_init__(self) -> None:
         if not self.name or not self.token:
@@ -359,6 +377,11 @@ class TenantConfig:
         for key in ("quota_bytes", "ssd_quota_bytes"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"tenants.{self.name}.{key} must not be negative")
+        if (self.events.replay_endpoint or self.events.curve_clients) and not self.events.endpoint:
+            raise ConfigError(
+                f"tenants.{self.name}.events: replay_endpoint and curve_clients need the "
+                f"tenant's own endpoint (tenants.{self.name}.events.endpoint)"
+            )
 
 
 def default_data_dir(environ: Mapping[str, str]) -> str:
@@ -403,6 +426,7 @@ class Config:
                 "nvme.enabled = false and remove [nvme.subsystems]; or remove [tenants] to "
                 "serve an open store over NVMe/TCP"
             )
+        _check_event_feeds(self.events, self.tenants)
         for subsystem in self.nvme.served:
             for ns in subsystem.active:
                 if ns.tenant and ns.tenant not in names:
@@ -421,6 +445,37 @@ class Config:
     @property
     def engine(self) -> EngineConfig:
         return EngineConfig(dram=self.dram, ssd=self.ssd, data_dir=self.data_dir)
+
+
+def _check_event_feeds(events: EventsConfig, tenants: Sequence[TenantConfig]) -> None:
+    """The tenants' own event endpoints agree with `[events]`: CURVE on all or none, no
+    endpoint bound twice.
+
+    Raises:
+        ConfigError: they do not.
+    """
+    bound = [events.endpoint, events.replay_endpoint]
+    for t in tenants:
+        own = t.events
+        if not own.endpoint:
+            continue
+        where = f"tenants.{t.name}.events"
+        if own.curve_clients and not events.curve_secret_key_file:
+            raise ConfigError(
+                f"{where}.curve_clients needs events.curve_secret_key_file (the daemon's CURVE "
+                "key pair) and events.curve_clients"
+            )
+        if events.curve_secret_key_file and not own.curve_clients:
+            raise ConfigError(
+                f"{where}.curve_clients must name the routers allowed {t.name}'s events: with "
+                "CURVE on, every events endpoint admits only its own list"
+            )
+        bound += [own.endpoint, own.replay_endpoint]
+    # A port of "*" (any free port) may repeat; a named address binds once.
+    named = [e for e in bound if e and not e.endswith(":*")]
+    twice = sorted({e for e in named if named.count(e) > 1})
+    if twice:
+        raise ConfigError(f"events endpoints bound twice: {twice} (each feed needs its own)")
 
 
 # ---------------------------------------------------------------------------- flags

@@ -26,6 +26,7 @@ from kvoffload.errors import ConfigError
 from kvoffload.kvstore import Engine
 from kvoffload.nvmeof_target.cluster import registration as cluster
 from kvoffload.nvmeof_target.config import Config
+from kvoffload.nvmeof_target.events.feeds import Feeds
 from kvoffload.nvmeof_target.events.publisher import KVEvents
 from kvoffload.nvmeof_target.layout import shard_count
 from kvoffload.nvmeof_target.metrics import Metrics
@@ -113,7 +114,10 @@ class Daemon:
         self._services = services
         if config.events.enabled:
             services.events = KVEvents(
-                config.events, self._events_relay, self._shard.index if self._shard else 0
+                config.events,
+                self._events_relay,
+                self._shard.index if self._shard else 0,
+                Feeds(config.events, config.tenants),
             )
             endpoint = services.events.start()
             engine.set_tier_listener(services.events.moved)
@@ -121,6 +125,9 @@ class Daemon:
             if services.events.replay_endpoint:
                 print(f"kvoffload: events replay on {services.events.replay_endpoint}",
                       file=self._out, flush=True)  # fmt: skip
+            services.events.print_tenants(
+                lambda line: print(f"kvoffload: {line}", file=self._out, flush=True)
+            )
         if config.metrics.enabled:
             self._announce("metrics", *metrics.serve(config.metrics.host, config.metrics.port))
         for make_front in FRONTS.values():

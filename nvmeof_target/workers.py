@@ -42,6 +42,7 @@ from typing import Any, TextIO
 from kvoffload.errors import ConfigError
 from kvoffload.nvmeof_target.cluster.registration import Registration
 from kvoffload.nvmeof_target.config import Config
+from kvoffload.nvmeof_target.events.feeds import Feeds
 from kvoffload.nvmeof_target.events.relay import EventRelay
 from kvoffload.nvmeof_target.layout import shard_config, shard_count, write_layout
 from kvoffload.nvmeof_target.metrics import NodeMetrics
@@ -134,10 +135,11 @@ class _Worker:
         with self.lock, contextlib.suppress(OSError):
             self.conn.send(("stop", None))
 
-    def replay(self, number: int, wanted: bytes) -> None:
-        """Ask for the worker's part of replay request `number` (it answers to the relay)."""
+    def replay(self, number: int, tenant: str, wanted: bytes) -> None:
+        """Ask for the worker's part of replay request `number`, made on `tenant`'s feed (it
+        answers to the relay)."""
         with self.lock, contextlib.suppress(OSError):
-            self.conn.send(("replay", (number, wanted)))
+            self.conn.send(("replay", (number, tenant, wanted)))
 
 
 def supervise(config: Config, out: TextIO | None = None) -> int:
@@ -184,7 +186,12 @@ def supervise(config: Config, out: TextIO | None = None) -> int:
     status = 0
     try:
         if config.events.enabled:
-            relay = EventRelay(config.events, f"ipc://{scratch}/events", count)
+            relay = EventRelay(
+                config.events,
+                f"ipc://{scratch}/events",
+                count,
+                Feeds(config.events, config.tenants),
+            )
         ctx = multiprocessing.get_context("spawn")
         inbox = f"ipc://{scratch}/events" if relay else ""
         workers = [_Worker(ctx, configs[i], i, count, listener, inbox) for i in range(count)]
@@ -209,8 +216,11 @@ def supervise(config: Config, out: TextIO | None = None) -> int:
         if relay is not None:
             say(f"events publishing on {relay.endpoint}")
             if relay.replay_endpoint:
-                relay.ask = lambda number, wanted: _ask_replay(workers, number, wanted)
+                relay.ask = lambda number, tenant, wanted: _ask_replay(
+                    workers, number, tenant, wanted
+                )
                 say(f"events replay on {relay.replay_endpoint}")
+            relay.print_tenants(say)
         if config.metrics.enabled:
             metrics = NodeMetrics(metrics_dir, lambda: _node_stats(workers))
             host, port = metrics.serve(config.metrics.host, config.metrics.port)
@@ -261,12 +271,12 @@ def _remove_stale_scratch() -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _ask_replay(workers: list[_Worker], number: int, wanted: bytes) -> None:
+def _ask_replay(workers: list[_Worker], number: int, tenant: str, wanted: bytes) -> None:
     """On a thread: a stats scrape may hold a worker's pipe for seconds; the relay waits not."""
 
     def ask() -> None:
         for w in workers:
-            w.replay(number, wanted)
+            w.replay(number, tenant, wanted)
 
     threading.Thread(target=ask, name="kvoffload-replay", daemon=True).start()
 

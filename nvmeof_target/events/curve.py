@@ -4,10 +4,16 @@ Token ids in the events are prompt content. With CURVE the sockets encrypt, and 
 whose public key is allowed connect: a ZAP handler (pyzmq's `ThreadAuthenticator`) on a ZMQ
 context of the events' own checks every handshake, so a client with another key gets nothing.
 The context is the events' own because a context has one ZAP handler.
+
+A tenant's own endpoints (`tenants.<name>.events`) share the daemon's key pair but not its
+allow list: each of their sockets has the ZAP domain ``tenant/<name>``, which admits only the
+keys of that tenant's `curve_clients`, so a router allowed one tenant cannot connect to
+another's endpoints, nor to the shared ones.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +54,32 @@ def allowed_keys(location: str) -> set[bytes]:
     return keys
 
 
-class Curve:
-    """The server side: a context with a ZAP handler allowing `curve_clients`, and the keys
-    each bound socket is given (`secure`)."""
+class _Allowed:
+    """One ZAP domain's allow list (pyzmq calls `callback` per handshake)."""
 
-    def __init__(self, config: EventsConfig) -> None:
-        """Raises:
+    def __init__(self, keys: set[bytes]) -> None:
+        self._keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """Whether a client's public key (Z85, as pyzmq passes it) is allowed."""
+        return key in self._keys
+
+
+def domain_of(tenant: str) -> str:
+    """The ZAP domain of a tenant's own sockets ("" for the shared ones)."""
+    return f"tenant/{tenant}" if tenant else ""
+
+
+class Curve:
+    """The server side: a context with a ZAP handler allowing `curve_clients` on the shared
+    sockets and each tenant's own clients on its sockets, and the keys each bound socket is
+    given (`secure`)."""
+
+    def __init__(self, config: EventsConfig, tenants: Mapping[str, str] | None = None) -> None:
+        """`tenants`: tenant name -> its `curve_clients`, for the tenants with endpoints of
+        their own.
+
+        Raises:
         ConfigError: libzmq was built without CURVE, or a key file is missing or bad."""
         if not zmq.has("curve"):
             raise ConfigError(
@@ -67,21 +93,24 @@ class Curve:
                 "server's .key_secret file)"
             )
         self._public, self._secret = public, secret
-        self._allowed = allowed_keys(config.curve_clients)
+        # pyzmq's authenticator reads an empty domain as "*".
+        domains = {"*": _Allowed(allowed_keys(config.curve_clients))}
+        for tenant, clients in (tenants or {}).items():
+            domains[domain_of(tenant)] = _Allowed(allowed_keys(clients))
         self.context: zmq.Context[Any] = zmq.Context()
         self._auth = ThreadAuthenticator(self.context)
         self._auth.start()
-        self._auth.configure_curve_callback("*", credentials_provider=self)
+        for domain, allowed in domains.items():
+            self._auth.configure_curve_callback(domain, credentials_provider=allowed)
 
-    def callback(self, domain: str, key: bytes) -> bool:
-        """ZAP: whether a client's public key (Z85, as pyzmq passes it) is allowed."""
-        return key in self._allowed
-
-    def secure(self, socket: zmq.Socket[bytes]) -> None:
-        """Make `socket` a CURVE server (before it binds)."""
+    def secure(self, socket: zmq.Socket[bytes], tenant: str = "") -> None:
+        """Make `socket` a CURVE server (before it binds) admitting the shared clients, or
+        `tenant`'s own."""
         socket.curve_secretkey = self._secret
         socket.curve_publickey = self._public
         socket.curve_server = True
+        if tenant:
+            socket.zap_domain = domain_of(tenant).encode()
 
     def close(self) -> None:
         """After the sockets of `context` are closed."""

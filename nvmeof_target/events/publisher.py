@@ -7,7 +7,8 @@ it a `BlockRemoved`, with ``medium="CPU"`` for DRAM and ``"STORAGE"`` for the SS
 a Removed(CPU) + Stored(STORAGE) pair, a promotion a Stored(CPU). Hashes are 64-bit ints, the low
 64 bits of the client's 16-byte block key read big-endian, as vLLM does with its digests.
 Tenants use the same client keys, so each configured tenant's events go out on its own topic,
-``<topic>/<tenant>``, with its own sequence numbers (a subscription to ``<topic>`` gets all).
+``<topic>/<tenant>``, with its own sequence numbers (a subscription to ``<topic>`` gets all), on
+the tenant's own endpoints when it has them, else on the shared ones (feeds.py).
 
 A put that carries block metadata (`BlockMeta`: token ids, the serving engine's block hash and
 its parent's, LoRA name) is published with it: real ``token_ids`` and ``block_size``, so routers
@@ -52,9 +53,10 @@ from kvoffload.kvstore import DescribedBlock, DescribedTable
 from kvoffload.nvmeof_target.config import EventsConfig
 from kvoffload.nvmeof_target.events import bulk
 from kvoffload.nvmeof_target.events.curve import Curve
+from kvoffload.nvmeof_target.events.feeds import Feeds, Sockets
 from kvoffload.wire.blockmeta import BlockMeta
 
-__all__ = ["END_SEQ", "KVEvents", "event_hash", "stored_meta"]
+__all__ = ["END_SEQ", "KVEvents", "event_hash", "stored_meta", "warn_shared"]
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,18 @@ def stored_meta(key: bytes, parent: bytes | None, raw: bytes | None) -> bytes:
         meta.cache_salt,
         meta.block_size,
     ).encode()
+
+
+def warn_shared(feeds: Feeds, endpoint: str) -> None:
+    """Log which tenants share the shared feed: each router it admits hears all of them."""
+    if feeds.on_shared:
+        log.warning(
+            "events: tenant(s) %s have no events endpoint of their own "
+            "(tenants.<name>.events.endpoint): their events go out on %s, where every router "
+            "it admits may subscribe to all of them",
+            ", ".join(feeds.on_shared),
+            endpoint,
+        )
 
 
 def _removed_event(digest: int, tier: str) -> dict[str, object]:
@@ -148,21 +162,35 @@ class KVEvents:
     batches events and publishes them on a ZMQ PUB socket (or a worker's channel to the
     supervisor's relay); answers replay requests."""
 
-    def __init__(self, config: EventsConfig, forward_to: str = "", source: int = 0) -> None:
+    def __init__(
+        self,
+        config: EventsConfig,
+        forward_to: str = "",
+        source: int = 0,
+        feeds: Feeds | None = None,
+    ) -> None:
         """`forward_to`: worker `source` of a multi-process daemon sends its batches to the
-        supervisor's `EventRelay` there (which numbers and publishes them) instead of binding."""
+        supervisor's `EventRelay` there (which numbers and publishes them) instead of binding.
+        `feeds`: the tenants' own endpoints (default: none, every topic on `config`'s)."""
         self._config = config
         self._forward_to = forward_to
         self._source = source.to_bytes(2, "big")
-        self._topic = config.topic.encode()
+        self._feeds = feeds if feeds is not None else Feeds(config)
         # A worker's channel to the relay is a private ipc socket: CURVE is the relay's.
-        self._curve = Curve(config) if config.curve_secret_key_file and not forward_to else None
+        self._curve = (
+            Curve(config, self._feeds.curve_clients)
+            if config.curve_secret_key_file and not forward_to
+            else None
+        )
         self._context: zmq.Context[Any] = (
             self._curve.context if self._curve is not None else zmq.Context.instance()
         )
-        self._socket: zmq.Socket[bytes] = self._context.socket(zmq.PUSH if forward_to else zmq.PUB)
-        self._socket.setsockopt(zmq.SNDHWM, config.hwm)
-        self._socket.setsockopt(zmq.LINGER, 0)
+        self._push: zmq.Socket[bytes] | None = None
+        self._sockets: Sockets | None = None
+        if forward_to:
+            self._push = self._context.socket(zmq.PUSH)
+            self._push.setsockopt(zmq.SNDHWM, config.hwm)
+            self._push.setsockopt(zmq.LINGER, 0)
         # (topic, event), or an announce's messages (`_Chunks`) in their place in the order.
         self._pending: collections.deque[tuple[bytes, dict[str, object] | _Chunks]] = (
             collections.deque()
@@ -172,7 +200,6 @@ class KVEvents:
         self._task: asyncio.Task[None] | None = None
         self.endpoint = ""
         self.replay_endpoint = ""
-        self._replay: zmq.Socket[bytes] | None = None
         self._announcer: threading.Thread | None = None
         self._closing = False
         # Engine key -> the block, for blocks published or announced, so that tier moves
@@ -184,36 +211,42 @@ class KVEvents:
         self._recording: list[tuple[str, bytes, str]] | None = None
 
     def start(self) -> str:
-        """Bind the socket and start publishing; returns the bound endpoint."""
-        if self._forward_to:
-            self._socket.connect(self._forward_to)
+        """Bind the sockets and start publishing; returns the shared feed's bound endpoint.
+
+        Raises:
+            ConfigError: an endpoint cannot be bound.
+        """
+        if self._push is not None:
+            self._push.connect(self._forward_to)
             self.endpoint = self._forward_to
         else:
-            if self._curve is not None:
-                self._curve.secure(self._socket)
-            self._socket.bind(self._config.endpoint)
-            self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
-            if self._config.replay_endpoint:
-                self._replay = self._context.socket(zmq.ROUTER)
-                self._replay.setsockopt(zmq.LINGER, 0)
-                if self._curve is not None:
-                    self._curve.secure(self._replay)
-                self._replay.bind(self._config.replay_endpoint)
-                self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+            try:
+                self._sockets = Sockets(self._feeds, self._context, self._config.hwm, self._curve)
+            except BaseException:
+                if self._curve is not None:  # its ZAP thread
+                    self._curve.close()
+                    self._curve = None
+                raise
+            self.endpoint = self._sockets.endpoint()
+            self.replay_endpoint = self._sockets.replay_endpoint()
+            warn_shared(self._feeds, self.endpoint)
         self._task = asyncio.get_running_loop().create_task(self._run())
         return self.endpoint
 
+    def print_tenants(self, say: Callable[[str], None]) -> None:
+        """Say where the tenants' own feeds are bound."""
+        if self._sockets is not None:
+            self._sockets.announce(say)
+
     def _send(self, topic: bytes, payload: bytes) -> None:
         seq = self._seq[topic] = self._seq.get(topic, 0) + 1
-        if self._forward_to:  # the relay renumbers it; a gap in ours becomes one in its
+        if self._push is not None:  # the relay renumbers it; a gap in ours becomes one in its
             with contextlib.suppress(zmq.Again):
-                self._socket.send_multipart(
+                self._push.send_multipart(
                     [self._source, topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK
                 )
-            return
-        # PUB drops when subscribers lag: routers resynchronise from later events.
-        with contextlib.suppress(zmq.Again):
-            self._socket.send_multipart([topic, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
+        elif self._sockets is not None:
+            self._sockets.publish(topic, seq.to_bytes(8, "big"), payload)
 
     def flush(self, announce_limit: int | None = None) -> None:
         """Publish the queued events; at most `announce_limit` messages of an announce (the
@@ -244,41 +277,34 @@ class KVEvents:
             self._send(topic, msgpack.packb([time.time(), events, None], use_bin_type=True))
 
     def serve_replay(self) -> int:
-        """Answer the replay requests that arrived: each gets every block held now, as
-        `BlockStored` batches numbered with its topic's current sequence number (live events
-        after it continue from there), then `END_SEQ`. A request is ``[start seq]`` (ignored:
-        the answer is the whole state, not a backlog) or ``[start seq, topic]`` to get one
-        tenant's blocks. Returns how many requests were answered."""
-        if self._replay is None:
+        """Answer the replay requests that arrived: each gets every block of its feed held
+        now, as `BlockStored` batches numbered with its topic's current sequence number (live
+        events after it continue from there), then `END_SEQ`. A request is ``[start seq]``
+        (ignored: the answer is the whole state, not a backlog) or ``[start seq, topic]`` to
+        get one topic's blocks (that topic exactly). Returns how many requests were answered."""
+        if self._sockets is None:
             return 0
         answered = 0
-        while True:
-            try:
-                frames = self._replay.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return answered
-            if len(frames) < 3 or frames[1] != b"":
-                continue  # not a REQ/DEALER request in vLLM's framing
-            client, wanted = frames[0], frames[3] if len(frames) > 3 else b""
+        for tenant, client, wanted in self._sockets.requests():
             self.flush()  # what happened before the snapshot goes out first
-            for _, seq, payload in self.snapshot(wanted):
-                with contextlib.suppress(zmq.Again):
-                    self._replay.send_multipart([client, b"", seq, payload], zmq.NOBLOCK)
-            with contextlib.suppress(zmq.Again):
-                self._replay.send_multipart([client, b"", END_SEQ, b""], zmq.NOBLOCK)
+            for _, seq, payload in self.snapshot(self._feeds.replayed(tenant, wanted)):
+                self._sockets.answer(tenant, client, seq, payload)
+            self._sockets.answer(tenant, client, END_SEQ, b"")
             answered += 1
+        return answered
 
-    def push_snapshot(self, number: int, wanted: bytes) -> None:
-        """A worker's part of the node's replay request `number` (on the loop): its queued
-        events, then its blocks, then an end mark, all through the channel to the relay, so
-        the relay numbers the events before the blocks they led to."""
+    def push_snapshot(self, number: int, tenant: str, wanted: bytes) -> None:
+        """A worker's part of the node's replay request `number` on `tenant`'s feed (on the
+        loop): its queued events, then its blocks, then an end mark, all through the channel
+        to the relay, so the relay numbers the events before the blocks they led to."""
+        assert self._push is not None
         self.flush()
         tag = number.to_bytes(8, "big")
-        for topic, _, payload in self.snapshot(wanted):
+        for topic, _, payload in self.snapshot(self._feeds.replayed(tenant, wanted)):
             with contextlib.suppress(zmq.Again):
-                self._socket.send_multipart([self._source, b"R", tag, topic, payload], zmq.NOBLOCK)
+                self._push.send_multipart([self._source, b"R", tag, topic, payload], zmq.NOBLOCK)
         with contextlib.suppress(zmq.Again):
-            self._socket.send_multipart([self._source, b"E", tag], zmq.NOBLOCK)
+            self._push.send_multipart([self._source, b"E", tag], zmq.NOBLOCK)
 
     async def _run(self) -> None:
         while True:
@@ -297,9 +323,10 @@ class KVEvents:
             self._task = None
         self.flush()
         # A worker's last batches still have to reach the relay.
-        self._socket.close(linger=1000 if self._forward_to else 0)
-        if self._replay is not None:
-            self._replay.close(linger=0)
+        if self._push is not None:
+            self._push.close(linger=1000)
+        if self._sockets is not None:
+            self._sockets.close()
         if self._curve is not None:
             self._curve.close()
 
@@ -320,7 +347,7 @@ class KVEvents:
 
     def topic_of(self, tenant: str) -> bytes:
         """The configured topic, with ``/<tenant>`` appended for a configured tenant."""
-        return self._topic + (b"/" + tenant.encode() if tenant else b"")
+        return self._feeds.topic_of(tenant)
 
     def expect(
         self,
@@ -485,17 +512,20 @@ class KVEvents:
         for tier in sorted(block.tiers):
             self._pending.append((block.topic, _removed_event(block.digest, tier)))
 
-    def snapshot(self, wanted: bytes = b"") -> list[tuple[bytes, bytes, bytes]]:
-        """Every block held now on topics starting with `wanted`, as replay messages
-        ``(topic, its seq now, EventBatch)``: `BlockStored` events, parents first."""
+    def snapshot(
+        self, wanted: bytes | Callable[[bytes], bool] = b""
+    ) -> list[tuple[bytes, bytes, bytes]]:
+        """Every block held now on the topic `wanted` (b"" = every topic; or the topics a
+        predicate accepts), as replay messages ``(topic, its seq now, EventBatch)``:
+        `BlockStored` events, parents first. Topics match exactly, never by prefix."""
+        keep = wanted if callable(wanted) else (lambda t: not wanted or t == wanted)
         with self._lock:
-            blocks = [b for b in self._published.values() if b.tiers
-                      and b.topic.startswith(wanted)]  # fmt: skip
+            blocks = [b for b in self._published.values() if b.tiers and keep(b.topic)]
             table = self._table
             dec, topics, rows = _EMPTY, [], np.zeros(0, np.int64)
             if table is not None:
                 dec, topics = table.dec, table.topics
-                mine = np.asarray([t.startswith(wanted) for t in topics] + [False], bool)
+                mine = np.asarray([keep(t) for t in topics] + [False], bool)
                 rows = np.flatnonzero((table.tiers != 0) & mine[table.topic])
                 table_tiers = table.tiers[rows]
             seqs = dict(self._seq)

@@ -13,11 +13,14 @@ came: a router applies the live events after it, which re-applies some that a la
 blocks already reflect (a block is only ever one worker's, and re-applying the events that
 led to a state ends in that state). Blocks are ordered parents first across workers (a
 child's parent is often another shard's) before they are sent.
+
+Each tenant with endpoints of its own (feeds.py) has its PUB and replay socket here too: the
+relay publishes a batch on its topic's feed and answers a replay request with the blocks of the
+feed it came in on.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -31,7 +34,8 @@ import zmq
 from kvoffload.nvmeof_target.config import EventsConfig
 from kvoffload.nvmeof_target.events.bulk import event_order
 from kvoffload.nvmeof_target.events.curve import Curve
-from kvoffload.nvmeof_target.events.publisher import END_SEQ, message_bounds
+from kvoffload.nvmeof_target.events.feeds import Feeds, Sockets
+from kvoffload.nvmeof_target.events.publisher import END_SEQ, message_bounds, warn_shared
 
 __all__ = ["EventRelay"]
 
@@ -42,6 +46,8 @@ _REPLAY_TIMEOUT_S = 60.0
 
 @dataclass
 class _Request:
+    tenant: str  # the feed it came in on
+    wanted: bytes
     client: bytes
     waiting: int  # workers that have not sent their end mark
     started: float
@@ -52,36 +58,35 @@ class _Request:
 class EventRelay:
     """Publishes the workers' batches with node-wide numbers; answers replay requests."""
 
-    def __init__(self, config: EventsConfig, inbox: str, workers: int = 1) -> None:
+    def __init__(
+        self, config: EventsConfig, inbox: str, workers: int = 1, feeds: Feeds | None = None
+    ) -> None:
         """Raises:
-        ConfigError: CURVE configured but unavailable, or its key files bad."""
-        self._curve = Curve(config) if config.curve_secret_key_file else None
+        ConfigError: CURVE configured but unavailable, its key files bad, or an endpoint
+        that cannot be bound."""
+        self._feeds = feeds if feeds is not None else Feeds(config)
+        self._curve = (
+            Curve(config, self._feeds.curve_clients) if config.curve_secret_key_file else None
+        )
         self._context: zmq.Context[Any] = (
             self._curve.context if self._curve is not None else zmq.Context.instance()
         )
-        self._pub: zmq.Socket[bytes] = self._context.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.SNDHWM, config.hwm)
-        self._pub.setsockopt(zmq.LINGER, 0)
+        try:
+            self._sockets = Sockets(self._feeds, self._context, config.hwm, self._curve)
+        except BaseException:
+            if self._curve is not None:  # its ZAP thread
+                self._curve.close()
+            raise
         self._pull: zmq.Socket[bytes] = self._context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        if self._curve is not None:
-            self._curve.secure(self._pub)
-        self._pub.bind(config.endpoint)
         self._pull.bind(inbox)
-        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.replay_endpoint = ""
-        self._replay: zmq.Socket[bytes] | None = None
-        if config.replay_endpoint:
-            self._replay = self._context.socket(zmq.ROUTER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            if self._curve is not None:
-                self._curve.secure(self._replay)
-            self._replay.bind(config.replay_endpoint)
-            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint = self._sockets.endpoint()
+        self.replay_endpoint = self._sockets.replay_endpoint()
+        warn_shared(self._feeds, self.endpoint)
         self._workers = workers
-        # Set by the supervisor once the workers run: sends request (number, topic prefix) to
-        # every worker. Requests before that are answered empty.
-        self.ask: Callable[[int, bytes], None] | None = None
+        # Set by the supervisor once the workers run: sends request (number, feed's tenant,
+        # wanted topic) to every worker. Requests before that are answered empty.
+        self.ask: Callable[[int, str, bytes], None] | None = None
         self._requests: dict[int, _Request] = {}
         self._asked = 0
         self._seq: dict[bytes, int] = {}
@@ -93,15 +98,19 @@ class EventRelay:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
-        if self._replay is not None:
-            poller.register(self._replay, zmq.POLLIN)
+        for sock in self._sockets.replays.values():
+            poller.register(sock, zmq.POLLIN)
         while not self._stop.is_set():
             ready = dict(poller.poll(100))
             if self._pull in ready:
                 self._relay()
-            if self._replay is not None and self._replay in ready:
+            if len(ready) > (self._pull in ready):
                 self._accept()
             self._expire()
+
+    def print_tenants(self, say: Callable[[str], None]) -> None:
+        """Say where the tenants' own feeds are bound."""
+        self._sockets.announce(say)
 
     def _relay(self) -> None:
         while True:
@@ -123,25 +132,18 @@ class EventRelay:
         lost = max(0, theirs - self._last.get((source, topic), 0) - 1)
         self._last[(source, topic)] = theirs
         seq = self._seq[topic] = self._seq.get(topic, 0) + 1 + lost
-        with contextlib.suppress(zmq.Again):
-            self._pub.send_multipart([topic, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
+        self._sockets.publish(topic, seq.to_bytes(8, "big"), payload)
 
     def _accept(self) -> None:
-        assert self._replay is not None
-        while True:
-            try:
-                frames = self._replay.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(frames) < 3 or frames[1] != b"":
-                continue  # not a REQ/DEALER request in vLLM's framing
-            client, wanted = frames[0], frames[3] if len(frames) > 3 else b""
+        for tenant, client, wanted in self._sockets.requests():
             if self.ask is None:
-                self._end(client)
+                self._sockets.answer(tenant, client, END_SEQ, b"")
                 continue
             self._asked += 1
-            self._requests[self._asked] = _Request(client, self._workers, time.monotonic())
-            self.ask(self._asked, wanted)
+            self._requests[self._asked] = _Request(
+                tenant, wanted, client, self._workers, time.monotonic()
+            )
+            self.ask(self._asked, tenant, wanted)
 
     def _part(self, number: int, topic: bytes | None, payload: bytes) -> None:
         request = self._requests.get(number)
@@ -166,11 +168,14 @@ class EventRelay:
 
     def _answer(self, request: _Request) -> None:
         """Every worker's blocks, parents first across workers, then the end mark."""
-        assert self._replay is not None
         topics: dict[bytes, int] = {}
         events: list[dict[str, Any]] = []
         topic_ids: list[int] = []
+        # The workers filtered already; the relay checks again what leaves on this feed.
+        keep = self._feeds.replayed(request.tenant, request.wanted)
         for topic, payload in request.parts:
+            if not keep(topic):
+                continue
             batch = msgpack.unpackb(payload)[1]
             events += batch
             topic_ids += [topics.setdefault(topic, len(topics))] * len(batch)
@@ -189,17 +194,10 @@ class EventRelay:
             topic = names[int(ordered_topics[start])]
             batch = [events[i] for i in order[start:end].tolist()]
             payload = msgpack.packb([time.time(), batch, None])
-            with contextlib.suppress(zmq.Again):
-                self._replay.send_multipart(
-                    [request.client, b"", numbers.get(topic, 0).to_bytes(8, "big"), payload],
-                    zmq.NOBLOCK,
-                )
-        self._end(request.client)
-
-    def _end(self, client: bytes) -> None:
-        assert self._replay is not None
-        with contextlib.suppress(zmq.Again):
-            self._replay.send_multipart([client, b"", END_SEQ, b""], zmq.NOBLOCK)
+            self._sockets.answer(
+                request.tenant, request.client, numbers.get(topic, 0).to_bytes(8, "big"), payload
+            )
+        self._sockets.answer(request.tenant, request.client, END_SEQ, b"")
 
     def close(self) -> None:
         """Call after the workers have stopped: what they sent last is published first."""
@@ -207,8 +205,6 @@ class EventRelay:
         self._thread.join(timeout=5)
         self._relay()
         self._pull.close(linger=0)
-        self._pub.close(linger=0)
-        if self._replay is not None:
-            self._replay.close(linger=0)
+        self._sockets.close()
         if self._curve is not None:
             self._curve.close()

@@ -78,3 +78,40 @@ def test_bad_config_is_a_config_error(
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(str(tmp_path / "absent.toml"), {}, [])
+
+
+def test_tenants_own_event_endpoints(tmp_path: Path) -> None:
+    toml = tmp_path / "k.toml"
+    toml.write_text(
+        '[events]\nenabled = true\ncurve_secret_key_file = "/k/server.key_secret"\n'
+        'curve_clients = "/k/operator"\n'
+        '[tenants.alice]\ntoken = "t"\n[tenants.alice.events]\nendpoint = "tcp://*:5601"\n'
+        'replay_endpoint = "tcp://*:5602"\ncurve_clients = "/k/alice"\n'
+    )
+    env = {"KVOFFLOAD_TENANTS__BOB__TOKEN": "u"}
+    (alice, bob) = sorted(load_config(str(toml), env, []).tenants, key=lambda t: t.name)
+    assert (alice.events.endpoint, alice.events.replay_endpoint) == ("tcp://*:5601", "tcp://*:5602")
+    assert alice.events.curve_clients == "/k/alice" and bob.events.endpoint == ""
+
+
+@pytest.mark.parametrize(
+    ("events", "alice", "message"),
+    [
+        ("", 'replay_endpoint = "tcp://*:1"', "need the tenant's own endpoint"),
+        ("", 'curve_clients = "/k/a"', "need the tenant's own endpoint"),
+        ("", 'endpoint = "tcp://*:1"\ncurve_clients = "/k/a"', "needs events.curve_secret_key"),
+        ('curve_secret_key_file = "/s"\ncurve_clients = "/c"', 'endpoint = "tcp://*:1"',
+         "must name the routers allowed alice's events"),
+        ('endpoint = "tcp://*:1"', 'endpoint = "tcp://*:1"', "bound twice"),
+        ("", 'endpoint = "tcp://*:2"\nreplay_endpoint = "tcp://*:2"', "bound twice"),
+    ],
+)  # fmt: skip
+def test_tenant_event_endpoints_that_cannot_work_are_refused(
+    tmp_path: Path, events: str, alice: str, message: str
+) -> None:
+    toml = tmp_path / "k.toml"
+    toml.write_text(
+        f'[events]\n{events}\n[tenants.alice]\ntoken = "t"\n[tenants.alice.events]\n{alice}\n'
+    )
+    with pytest.raises(ConfigError, match=message):
+        load_config(str(toml), {}, [])
