@@ -302,6 +302,9 @@ class MetricsConfig:
     enabled: bool = True
     host: str = "127.0.0.1"
     port: int = 9480  # 0 binds any free port
+    # Export each tenant's DRAM and SSD bytes labelled with its name; false drops those two
+    # families (tenant names and their usage are then not visible to whoever scrapes).
+    tenant_labels: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

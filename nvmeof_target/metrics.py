@@ -37,8 +37,9 @@ _BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], Mapping[str, Any]]) -> None:
+    def __init__(self, stats: Callable[[], Mapping[str, Any]], tenant_labels: bool) -> None:
         self._stats = stats
+        self._tenant_labels = tenant_labels
 
     def collect(self) -> Iterator[Metric]:
         stats = dict(self._stats())
@@ -58,6 +59,8 @@ class _EngineCollector(Collector):
                     family = families[name] = _labelled(f"kvoffload_tier_{name}", name, "tier")
                 family.add_metric([str(tier.get("name", "?"))], value)
         yield from families.values()
+        if not self._tenant_labels:  # `metrics.tenant_labels = false`: no names, no usage
+            return
         for name, doc, values in (
             ("kvoffload_tenant_bytes", "DRAM bytes held per tenant", tenants),
             ("kvoffload_tenant_ssd_bytes", "SSD slot bytes held per tenant", ssd_tenants),
@@ -109,7 +112,9 @@ class _Endpoint:
 class Metrics(_Endpoint):
     """The daemon's metrics registry and its HTTP endpoint."""
 
-    def __init__(self, engine_stats: Callable[[], Mapping[str, Any]]) -> None:
+    def __init__(
+        self, engine_stats: Callable[[], Mapping[str, Any]], tenant_labels: bool = True
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -153,7 +158,7 @@ class Metrics(_Endpoint):
         self.auth_failures = Counter(
             "kvoffload_auth_failures", "Refused authentications", ["front"], registry=r
         )
-        r.register(_EngineCollector(engine_stats))
+        r.register(_EngineCollector(engine_stats, tenant_labels))
 
 
 class NodeMetrics(_Endpoint):
@@ -161,9 +166,11 @@ class NodeMetrics(_Endpoint):
     (prometheus-client's multiprocess files under `path`) plus the sum of their engines'
     stats, which `engine_stats` gathers when scraped."""
 
-    def __init__(self, path: str, engine_stats: Callable[[], Mapping[str, Any]]) -> None:
+    def __init__(
+        self, path: str, engine_stats: Callable[[], Mapping[str, Any]], tenant_labels: bool = True
+    ) -> None:
         from prometheus_client.multiprocess import MultiProcessCollector
 
         self.registry = CollectorRegistry()
         MultiProcessCollector(self.registry, path=path)  # type: ignore[no-untyped-call]
-        self.registry.register(_EngineCollector(engine_stats))
+        self.registry.register(_EngineCollector(engine_stats, tenant_labels))

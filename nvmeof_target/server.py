@@ -101,7 +101,7 @@ class Daemon:
             raise
         tenants = Tenants(config.tenants)
         tenants.apply_quotas(engine)
-        metrics = Metrics(lambda: engine.stats().as_dict())
+        metrics = Metrics(lambda: engine.stats().as_dict(), config.metrics.tenant_labels)
         services = Services(
             config,
             engine,

@@ -222,7 +222,9 @@ def supervise(config: Config, out: TextIO | None = None) -> int:
                 say(f"events replay on {relay.replay_endpoint}")
             relay.print_tenants(say)
         if config.metrics.enabled:
-            metrics = NodeMetrics(metrics_dir, lambda: _node_stats(workers))
+            metrics = NodeMetrics(
+                metrics_dir, lambda: _node_stats(workers), config.metrics.tenant_labels
+            )
             host, port = metrics.serve(config.metrics.host, config.metrics.port)
             say(f"metrics listening on {host}:{port}")
         if config.cluster.etcd and config.native.enabled:

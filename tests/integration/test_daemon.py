@@ -317,6 +317,17 @@ def _self_signed(tmp: Path) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_metrics_can_leave_tenant_names_out(start_daemon: Start, workers: str) -> None:
+    env = {"KVOFFLOAD_METRICS__TENANT_LABELS": "false"}
+    daemon = start_daemon("--workers", workers, config=TENANTS, env=env)
+    with Client.connect(daemon.url(token="alice-secret")) as alice:
+        alice.put(bytes(16), bytes(5000))
+    text = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
+    assert 'kvoffload_requests_total{front="native",op="put",status="ok"} 1.0' in text
+    assert "alice" not in text and "bob" not in text and "kvoffload_tenant_" not in text
+
+
 def test_metrics_are_scraped(start_daemon: Start) -> None:
     daemon = start_daemon()
     with Client.connect(daemon.url()) as client:

@@ -28,3 +28,12 @@ def test_engine_counters_are_exported_per_tier() -> None:
     assert 'kvoffload_tenant_bytes{tenant="anonymous"} 4096.0' in text
     assert 'kvoffload_requests_total{front="native",op="get",status="ok"} 1.0' in text
     assert "policy" not in text.replace("kvoffload", "")  # strings are not metrics
+
+
+def test_tenant_labels_can_be_dropped() -> None:
+    stats = {"puts": 3, "tenant_bytes": {"alice": 4096}, "ssd_tenant_bytes": {"alice": 8192}}
+    text = generate_latest(Metrics(lambda: stats, tenant_labels=False).registry).decode()
+    assert "alice" not in text and "kvoffload_tenant_" not in text
+    assert "kvoffload_engine_puts_total 3.0" in text
+    text = generate_latest(Metrics(lambda: stats).registry).decode()
+    assert 'kvoffload_tenant_ssd_bytes{tenant="alice"} 8192.0' in text
