@@ -116,7 +116,7 @@ class Sockets:
         sock = self.replays.get(tenant)
         return "" if sock is None else sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def announce(self, say: Callable[[str], None]) -> None:
+    def say_endpoints(self, say: Callable[[str], None]) -> None:
         """Print the tenants' own bound endpoints (the shared ones are the caller's lines)."""
         for tenant in self.pubs:
             if tenant:

@@ -236,7 +236,7 @@ class KVEvents:
     def print_tenants(self, say: Callable[[str], None]) -> None:
         """Say where the tenants' own feeds are bound."""
         if self._sockets is not None:
-            self._sockets.announce(say)
+            self._sockets.say_endpoints(say)
 
     def _send(self, topic: bytes, payload: bytes) -> None:
         seq = self._seq[topic] = self._seq.get(topic, 0) + 1

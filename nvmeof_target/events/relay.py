@@ -110,7 +110,7 @@ class EventRelay:
 
     def print_tenants(self, say: Callable[[str], None]) -> None:
         """Say where the tenants' own feeds are bound."""
-        self._sockets.announce(say)
+        self._sockets.say_endpoints(say)
 
     def _relay(self) -> None:
         while True:

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -197,3 +199,28 @@ curve_clients = "{tmp_path / tenant}"
     assert _replay(operator, b"") == [] and _replay(operator, b"kv/alice") == []
     for sock in (hears, alice2_hears, asks, operator):
         sock.close()
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_tenant_endpoint_in_use_stops_the_start_with_a_config_error(
+    tmp_path: Path, workers: str
+) -> None:
+    taken = zmq.Context.instance().socket(zmq.PUB)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    config = tmp_path / "kvoffload.toml"
+    config.write_text(
+        f'{TENANTS}[tenants.alice.events]\nendpoint = "tcp://127.0.0.1:{port}"\n'
+        '[events]\nenabled = true\nendpoint = "tcp://127.0.0.1:*"\n'
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvoffload.cli", "serve", "--port", "0", "--metrics-port", "0"]
+        + ["--dram", "16MiB", "--ssd", "0", "--workers", workers, "--config", str(config)]
+        + ["--data-dir", str(tmp_path / "data")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    taken.close(linger=0)
+    assert proc.returncode != 0
+    assert f"cannot bind tenant alice's endpoint tcp://127.0.0.1:{port}" in proc.stderr
+    assert "Traceback" not in proc.stderr
