@@ -67,47 +67,45 @@ class Feeds:
 
 
 class Sockets:
-    """Every feed's bound PUB socket and replay ROUTER socket."""
+    """Every feed's PUB socket and replay ROUTER socket (`bind` binds them)."""
 
     def __init__(
         self, feeds: Feeds, context: zmq.Context[Any], hwm: int, curve: Curve | None
     ) -> None:
-        """Raises:
-        ConfigError: an endpoint cannot be bound (in use, malformed)."""
         self._feeds = feeds
         self.pubs: dict[str, zmq.Socket[bytes]] = {}
         self.replays: dict[str, zmq.Socket[bytes]] = {}
-        try:
-            for feed in feeds.by_tenant.values():
-                self.pubs[feed.tenant] = self._bind(context, zmq.PUB, feed, feed.endpoint, curve)
-                self.pubs[feed.tenant].setsockopt(zmq.SNDHWM, hwm)
-                if feed.replay_endpoint:
-                    self.replays[feed.tenant] = self._bind(
-                        context, zmq.ROUTER, feed, feed.replay_endpoint, curve
-                    )
-        except BaseException:
-            self.close()
-            raise
+        for feed in feeds.by_tenant.values():
+            self.pubs[feed.tenant] = self._socket(context, zmq.PUB, feed.tenant, curve)
+            self.pubs[feed.tenant].setsockopt(zmq.SNDHWM, hwm)
+            if feed.replay_endpoint:
+                self.replays[feed.tenant] = self._socket(context, zmq.ROUTER, feed.tenant, curve)
 
-    def _bind(
-        self,
-        context: zmq.Context[Any],
-        kind: int,
-        feed: Feed,
-        endpoint: str,
-        curve: Curve | None,
+    @staticmethod
+    def _socket(
+        context: zmq.Context[Any], kind: int, tenant: str, curve: Curve | None
     ) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = context.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         if curve is not None:
-            curve.secure(sock, feed.tenant)
-        try:
-            sock.bind(endpoint)
-        except zmq.ZMQError as exc:
-            sock.close(linger=0)
-            owner = f"tenant {feed.tenant}'s" if feed.tenant else "the"
-            raise ConfigError(f"events: cannot bind {owner} endpoint {endpoint}: {exc}") from None
+            curve.secure(sock, tenant)
         return sock
+
+    def bind(self) -> None:
+        """Raises:
+        ConfigError: an endpoint cannot be bound (in use, malformed)."""
+        for tenant, feed in self._feeds.by_tenant.items():
+            bound = [(self.pubs[tenant], feed.endpoint)]
+            if tenant in self.replays:
+                bound.append((self.replays[tenant], feed.replay_endpoint))
+            for sock, endpoint in bound:
+                try:
+                    sock.bind(endpoint)
+                except zmq.ZMQError as exc:
+                    owner = f"tenant {tenant}'s" if tenant else "the"
+                    raise ConfigError(
+                        f"events: cannot bind {owner} endpoint {endpoint}: {exc}"
+                    ) from None
 
     def endpoint(self, tenant: str = "") -> str:
         return self.pubs[tenant].getsockopt_string(zmq.LAST_ENDPOINT)

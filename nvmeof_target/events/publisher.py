@@ -191,6 +191,8 @@ class KVEvents:
             self._push = self._context.socket(zmq.PUSH)
             self._push.setsockopt(zmq.SNDHWM, config.hwm)
             self._push.setsockopt(zmq.LINGER, 0)
+        else:  # bound by `start`; what is sent before goes nowhere, as on any PUB socket
+            self._sockets = Sockets(self._feeds, self._context, config.hwm, self._curve)
         # (topic, event), or an announce's messages (`_Chunks`) in their place in the order.
         self._pending: collections.deque[tuple[bytes, dict[str, object] | _Chunks]] = (
             collections.deque()
@@ -219,14 +221,8 @@ class KVEvents:
         if self._push is not None:
             self._push.connect(self._forward_to)
             self.endpoint = self._forward_to
-        else:
-            try:
-                self._sockets = Sockets(self._feeds, self._context, self._config.hwm, self._curve)
-            except BaseException:
-                if self._curve is not None:  # its ZAP thread
-                    self._curve.close()
-                    self._curve = None
-                raise
+        elif self._sockets is not None:
+            self._sockets.bind()
             self.endpoint = self._sockets.endpoint()
             self.replay_endpoint = self._sockets.replay_endpoint()
             warn_shared(self._feeds, self.endpoint)

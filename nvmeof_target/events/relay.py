@@ -71,9 +71,11 @@ class EventRelay:
         self._context: zmq.Context[Any] = (
             self._curve.context if self._curve is not None else zmq.Context.instance()
         )
+        self._sockets = Sockets(self._feeds, self._context, config.hwm, self._curve)
         try:
-            self._sockets = Sockets(self._feeds, self._context, config.hwm, self._curve)
+            self._sockets.bind()
         except BaseException:
+            self._sockets.close()
             if self._curve is not None:  # its ZAP thread
                 self._curve.close()
             raise
