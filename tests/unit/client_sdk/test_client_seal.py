@@ -2,7 +2,7 @@
 puts; every read path of an embedded store (get, get_into, get_many, get_many_into, async)
 refusing forged, retired, foreign and, when required, unsealed blocks as counted misses.
 Forgeries are written straight into the engine, as a rogue node or target would store them.
-The same checks through a real daemon are in tests/integration/test_seal.py."""
+The same checks through a real daemon are in tests/integration/test_sealed_blocks.py."""
 
 from __future__ import annotations
 
