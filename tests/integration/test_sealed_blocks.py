@@ -1,8 +1,9 @@
-"""The keyed seal through a real `kvoffload serve` (trust issue 27, "blocks a stranger cannot
+"""The keyed seal through real `kvoffload serve`s (trust issue 27, "blocks a stranger cannot
 forge"): a process that reaches the store (here over the NVMe/TCP front, as the issue's
 attacker did, and over `kv://`) writes well-formed blocks under a tenant's keys; a client that
 holds the tenant's seal keys reads each as a counted miss on every read path (get, get_into,
-get_many, get_many_into, the NIXL path), never the forged bytes."""
+get_many, get_many_into, the NIXL path, a `cluster://` with a rogue node), never the forged
+bytes."""
 
 from __future__ import annotations
 
@@ -184,3 +185,23 @@ def test_the_nixl_path_refuses_a_forged_block(
         assert c.get_many_into([genuine, fake], buffers) == [NS.block_bytes, None]
         assert np.array_equal(buffers[0], value(11)) and not buffers[1].any()
         assert c.stats().corrupt_blocks == 2
+
+
+def test_a_rogue_node_of_a_cluster_cannot_serve_forgeries(start_daemon: Start) -> None:
+    honest, rogue = start_daemon(), start_daemon()
+    url = f"cluster://127.0.0.1:{honest.port},127.0.0.1:{rogue.port}?replicas=2"
+    names = [os.urandom(16) for _ in range(40)]
+    keys = SealKeys([(1, K1)])
+    with Client.connect(url, namespace=NS, seal=keys) as c:
+        c.put_many([(k, value(i)) for i, k in enumerate(names)])
+    # The rogue node replaces every block it holds with a well-formed CRC-only one.
+    with raw(rogue.url()) as node:
+        for k in names:
+            node.put(k, [forged(k, b"\x66" * NS.block_bytes, None)], None)
+    with Client.connect(url, namespace=NS) as unsealed:  # what a client without keys reads
+        fooled = sum(unsealed.get(k) == b"\x66" * NS.block_bytes for k in names)
+    assert fooled > 0  # reads reach the rogue node: without the seal they are fooled
+    with Client.connect(url, namespace=NS, seal=keys) as c:
+        got = [c.get(k) for k in names]
+        assert all(g in (None, value(i).tobytes()) for i, g in enumerate(got))
+        assert c.stats().corrupt_blocks == got.count(None) > 0
