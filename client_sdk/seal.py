@@ -14,9 +14,11 @@ Keys never go in a URL. They come from the SDK argument (`SealKeys`), a key file
 
 from __future__ import annotations
 
+import logging
 import os
 import re
-from collections.abc import Mapping
+import stat
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 
@@ -24,6 +26,8 @@ from kvoffload.errors import ConfigError
 from kvoffload.wire.block import MAC_KEY_BYTES
 
 __all__ = ["ENV_FILE", "ENV_KEYS", "ENV_REQUIRED", "SealKeys"]
+
+log = logging.getLogger(__name__)
 
 ENV_FILE = "KVOFFLOAD_SEAL_KEY_FILE"
 ENV_KEYS = "KVOFFLOAD_SEAL_KEYS"
@@ -46,7 +50,7 @@ class SealKeys:
 
     __slots__ = ("_current", "_keys", "required")
 
-    def __init__(self, keys: list[tuple[int, bytes]], *, required: bool = True) -> None:
+    def __init__(self, keys: Sequence[tuple[int, bytes]], *, required: bool = True) -> None:
         if not keys:
             raise ConfigError("seal keys: at least one key is needed")
         table: dict[int, bytes] = {}
@@ -116,8 +120,16 @@ class SealKeys:
         """
         try:
             text = Path(path).read_text()
+            mode = os.stat(path).st_mode
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"seal key file {os.fspath(path)!r}: {exc}") from None
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            # As ssh does for a private key: whoever can read the file can forge blocks.
+            log.warning(
+                "seal key file %r is accessible to group or others (mode %o); chmod 600 it",
+                os.fspath(path),
+                stat.S_IMODE(mode),
+            )
         return cls.parse(text, required=required, source=f"seal key file {os.fspath(path)!r}")
 
     @classmethod

@@ -98,14 +98,14 @@ def _size_rows(
         value = n * size / time_median(loop, rounds) / 1e9
         rows.append(Row(f"{name}/{label}", value, "GB/s", "memcpy", rate[ref], note=note))
     by_case = {row.case: row.value for row in rows}
-    for op in ("client_put", "client_get_into"):
+    for sdk_case in ("client_put", "client_get_into"):
         rows.append(
             Row(
-                f"seal_cost/{op}/{label}",
-                by_case[f"{op}_sealed/{label}"],
+                f"seal_cost/{sdk_case}/{label}",
+                by_case[f"{sdk_case}_sealed/{label}"],
                 "GB/s",
                 "crc32c",
-                by_case[f"{op}/{label}"],
+                by_case[f"{sdk_case}/{label}"],
                 note="sealed rate / the CRC32C path's rate",
             )
         )

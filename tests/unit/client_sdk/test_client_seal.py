@@ -160,6 +160,22 @@ def test_keys_parse_from_a_key_file_and_the_environment(tmp_path: Path) -> None:
     assert SealKeys.from_env({}) is None
 
 
+def test_a_key_file_others_can_read_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "seal.keys"
+    path.write_text(f"1 {K1.hex()}\n")
+    path.chmod(0o600)
+    with caplog.at_level(logging.WARNING):
+        SealKeys.from_file(path)
+    assert "chmod 600" not in caplog.text
+    path.chmod(0o644)
+    with caplog.at_level(logging.WARNING):
+        SealKeys.from_file(path)
+    assert "accessible to group or others (mode 644)" in caplog.text
+    assert K1.hex() not in caplog.text
+
+
 def test_the_environment_reaches_clients_made_without_keys(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
