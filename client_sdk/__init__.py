@@ -11,6 +11,7 @@ from kvoffload.client_sdk.keys import (
     engine_keys,
 )
 from kvoffload.client_sdk.request_layer import ClientStats
+from kvoffload.client_sdk.seal import SealKeys
 from kvoffload.client_sdk.transports.local import LocalTransport
 from kvoffload.wire.blockmeta import BlockMeta
 from kvoffload.wire.tiers import Tier, TierRun
@@ -24,6 +25,7 @@ __all__ = [
     "ClientStats",
     "LocalTransport",
     "Namespace",
+    "SealKeys",
     "Tier",
     "TierRun",
     "block_hashes",

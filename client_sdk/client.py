@@ -23,6 +23,7 @@ from kvoffload.client_sdk.request_layer import (
     resolve_codec,
     to_keys,
 )
+from kvoffload.client_sdk.seal import SealKeys
 from kvoffload.client_sdk.transports import open_async_transport, open_transport
 from kvoffload.client_sdk.transports.base import (
     AsyncTransport,
@@ -47,7 +48,8 @@ class Client:
 
     Keys are 16-byte block keys (or 32-byte chain hashes, which add a full-hash check on
     reads). Values are any contiguous buffer. Every read is verified (header, key, namespace,
-    CRC32C) before a byte reaches the caller; a block that fails is a counted miss.
+    CRC32C, or with seal keys the keyed seal) before a byte reaches the caller; a block that
+    fails is a counted miss.
 
     Values are encoded with the client's codec on put (the namespace's, unless `codec` names
     one; default ``none``) and decoded on get with whatever codec the block's header names, so
@@ -60,19 +62,25 @@ class Client:
         *,
         namespace: Namespace | None = None,
         codec: str | Codec | None = None,
+        seal: SealKeys | None = None,
     ) -> None:
         """
         Args:
             transport: the store connection.
             namespace: the model/layout of the blocks; readers only accept blocks of theirs.
             codec: a codec name or instance (`kvoffload.compression.get_codec`) for puts.
+            seal: keys to seal puts and open reads with (docs/guides/sdk.md); default: the
+                keys `KVOFFLOAD_SEAL_KEYS` / `KVOFFLOAD_SEAL_KEY_FILE` name, else none.
 
         Raises:
             UnsupportedCodecConfigError: unknown codec, or a lossy codec the namespace does
                 not declare.
+            ConfigError: malformed seal keys in the environment.
         """
         self._transport = transport
-        self._requests = RequestLayer(namespace, lambda: transport.max_value_bytes, codec)
+        self._requests = RequestLayer(
+            namespace, lambda: transport.max_value_bytes, codec, _seal_keys(seal)
+        )
 
     @classmethod
     def connect(
@@ -81,15 +89,18 @@ class Client:
         *,
         namespace: Namespace | None = None,
         codec: str | Codec | None = None,
+        seal: SealKeys | None = None,
     ) -> Client:
         """Open a client for `url` (default: an embedded DRAM store, ``local://``).
 
         Raises:
-            ConfigError: unknown scheme or bad URL parameters.
+            ConfigError: unknown scheme, bad URL parameters or seal keys.
             UnsupportedCodecConfigError: see `Client`.
         """
         chosen = resolve_codec(namespace, codec)  # fail before connecting
-        return cls(open_transport(parse_url(url or DEFAULT_URL)), namespace=namespace, codec=chosen)
+        keys = _seal_keys(seal)
+        transport = open_transport(parse_url(url or DEFAULT_URL))
+        return cls(transport, namespace=namespace, codec=chosen, seal=keys)
 
     @property
     def namespace(self) -> Namespace | None:
@@ -277,9 +288,12 @@ class AsyncClient:
         *,
         namespace: Namespace | None = None,
         codec: str | Codec | None = None,
+        seal: SealKeys | None = None,
     ) -> None:
         self._transport = transport
-        self._requests = RequestLayer(namespace, lambda: transport.max_value_bytes, codec)
+        self._requests = RequestLayer(
+            namespace, lambda: transport.max_value_bytes, codec, _seal_keys(seal)
+        )
         self._opened = False
 
     @classmethod
@@ -289,12 +303,14 @@ class AsyncClient:
         *,
         namespace: Namespace | None = None,
         codec: str | Codec | None = None,
+        seal: SealKeys | None = None,
     ) -> AsyncClient:
         """An async client for `url` (default ``local://``); a remote store is connected to on
-        first use."""
+        first use. `seal` as for `Client`."""
         chosen = resolve_codec(namespace, codec)  # fail before connecting
+        keys = _seal_keys(seal)
         transport = open_async_transport(parse_url(url or DEFAULT_URL))
-        return cls(transport, namespace=namespace, codec=chosen)
+        return cls(transport, namespace=namespace, codec=chosen, seal=keys)
 
     async def _open(self) -> None:
         if not self._opened:
@@ -440,3 +456,8 @@ class AsyncClient:
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+
+def _seal_keys(seal: SealKeys | None) -> SealKeys | None:
+    """The caller's keys, else the environment's (so connectors seal without a code change)."""
+    return seal if seal is not None else SealKeys.from_env()

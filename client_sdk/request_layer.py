@@ -14,6 +14,7 @@ import numpy as np
 
 from kvoffload.buffers import Bytes, as_readable, as_writable
 from kvoffload.client_sdk.keys import BlockKey, Namespace, to_key
+from kvoffload.client_sdk.seal import SealKeys
 from kvoffload.client_sdk.transports.base import HeldBlock, PutItem, Received
 from kvoffload.compression import (
     CODEC_NONE,
@@ -34,6 +35,7 @@ from kvoffload.wire import fast as _fast
 from kvoffload.wire.block import (
     HEADER_BYTES,
     BlockHeader,
+    check_payload,
     open_header,
     open_parts,
     peek_codec,
@@ -141,8 +143,12 @@ class RequestLayer:
         namespace: Namespace | None,
         max_value_bytes: Callable[[], int],
         codec: str | Codec | None,
+        seal: SealKeys | None = None,
     ) -> None:
         self.namespace = namespace
+        self.seal = seal
+        self._mac_keys = seal.keys if seal is not None else None
+        self._require_seal = seal is not None and seal.required
         self.codec = resolve_codec(namespace, codec)
         self._fingerprint = namespace.fingerprint if namespace is not None else None
         # Asked on first use: a remote store tells its limit when the connection opens.
@@ -201,6 +207,7 @@ class RequestLayer:
             raw_length=raw.size,
             namespace=self._fingerprint,
             codec_id=codec.codec_id,
+            mac_key=self.seal.current if self.seal is not None else None,
         )
         encoded_meta = meta.encode() if meta is not None else None
         return PreparedPut(block_key, parent_key, header, payload, raw.size, encoded_meta)
@@ -255,11 +262,21 @@ class RequestLayer:
         try:
             if summed:
                 opened = open_parts(
-                    header, payload, key_or_hash=bytes(key), namespace=self._fingerprint
+                    header,
+                    payload,
+                    key_or_hash=bytes(key),
+                    namespace=self._fingerprint,
+                    mac_keys=self._mac_keys,
+                    require_seal=self._require_seal,
                 )
             else:
                 opened = open_header(
-                    header, len(payload), key_or_hash=bytes(key), namespace=self._fingerprint
+                    header,
+                    len(payload),
+                    key_or_hash=bytes(key),
+                    namespace=self._fingerprint,
+                    mac_keys=self._mac_keys,
+                    require_seal=self._require_seal,
                 )
             if opened.raw_length > self.max_payload:
                 raise CorruptBlockError(
@@ -269,6 +286,21 @@ class RequestLayer:
             self._corrupt_miss(key, exc)
             return None
         return opened
+
+    def _intact(self, key: bytes, header: BlockHeader, payload: Bytes) -> bool:
+        """Check a payload against a header `_open` passed unsummed; False is a counted,
+        logged corrupt miss."""
+        if header.key_id is None:
+            if _fast.crc32c(payload) == header.payload_crc:
+                return True
+            self._corrupt_miss(key, "payload checksum mismatch")
+            return False
+        try:
+            check_payload(header, payload.data)
+        except CorruptBlockError as exc:
+            self._corrupt_miss(key, exc)
+            return False
+        return True
 
     def _corrupt_miss(self, key: bytes, why: object) -> None:
         log.warning("block %s failed verification (%s); served as a miss", key.hex(), why)
@@ -342,8 +374,8 @@ class RequestLayer:
         return self._copy_into(key, held, buffer)
 
     def _copy_into(self, key: bytes, held: HeldBlock, buffer: Bytes) -> int | None:
-        """`read_into` of a block held in the store's memory (local://): a raw payload is
-        summed while it is copied (one pass); a mismatch zeroes what was copied."""
+        """`read_into` of a block held in the store's memory (local://): a raw CRC-only payload
+        is summed while it is copied (one pass); a mismatch zeroes what was copied."""
         try:
             data = held.data
             payload = as_readable(data[HEADER_BYTES:])
@@ -351,9 +383,14 @@ class RequestLayer:
             if header is None:
                 return None
             raw = header.raw_length
-            if raw > buffer.size or header.codec_id != CODEC_NONE or raw != payload.size:
-                if _fast.crc32c(payload) != header.payload_crc:
-                    self._corrupt_miss(key, "payload checksum mismatch")
+            # A sealed block is checked in place first: the MAC cannot be summed while copying.
+            if (
+                raw > buffer.size
+                or header.codec_id != CODEC_NONE
+                or raw != payload.size
+                or header.key_id is not None
+            ):
+                if not self._intact(key, header, payload):
                     return None
                 if raw > buffer.size:
                     raise InvalidArgumentError(

@@ -1,5 +1,9 @@
 """`kvoffload bench engine`: DRAM-tier put / get / get_into throughput next to memcpy.
 
+The SDK cases run twice: with the CRC32C header and with the keyed seal (keyed BLAKE3 over
+header and payload, `SealKeys`); `seal_cost/...` rows put the sealed rate next to the CRC32C
+one, so the ratio is what turning the seal on costs.
+
 The reference is a numpy copy (memcpy) with the same access pattern as the engine case, in the
 same run: for put, one source into rotating destinations spread over a region as large as the
 engine's working set; for get_into, rotating sources into one destination. Both regions are
@@ -16,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvoffload.bench.common import BenchResult, Row, time_median
-from kvoffload.client_sdk import Client, LocalTransport
+from kvoffload.client_sdk import Client, LocalTransport, SealKeys
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig
 
 __all__ = ["HELP", "SIZES", "add_arguments", "run", "run_from_args"]
@@ -32,8 +36,15 @@ def _region(nbytes: int) -> np.ndarray:
 
 
 def _size_rows(
-    engine: Engine, client: Client, region: np.ndarray, label: str, size: int, n: int, rounds: int
+    engine: Engine,
+    clients: tuple[Client, Client],
+    region: np.ndarray,
+    label: str,
+    size: int,
+    n: int,
+    rounds: int,
 ) -> list[Row]:
+    client, sealed = clients
     src = np.frombuffer(os.urandom(size), dtype=np.uint8)
     dst = np.zeros(size, dtype=np.uint8)
     keys = [i.to_bytes(16, "little") for i in range(n)]
@@ -62,6 +73,17 @@ def _size_rows(
             ref_gather,
             "SDK: verify header + CRC32C, then copy",
         ),
+        # After the CRC32C cases: these overwrite the same keys with sealed blocks.
+        "client_put_sealed": (
+            lambda k: sealed.put(k, src),
+            ref_scatter,
+            "SDK: header + keyed BLAKE3 seal + copy",
+        ),
+        "client_get_into_sealed": (
+            lambda k: sealed.get_into(k, dst),
+            ref_gather,
+            "SDK: verify header + keyed BLAKE3 seal, then copy",
+        ),
     }
     rate = {}
     for ref in (ref_scatter, ref_gather):
@@ -75,6 +97,18 @@ def _size_rows(
 
         value = n * size / time_median(loop, rounds) / 1e9
         rows.append(Row(f"{name}/{label}", value, "GB/s", "memcpy", rate[ref], note=note))
+    by_case = {row.case: row.value for row in rows}
+    for sdk_case in ("client_put", "client_get_into"):
+        rows.append(
+            Row(
+                f"seal_cost/{sdk_case}/{label}",
+                by_case[f"{sdk_case}_sealed/{label}"],
+                "GB/s",
+                "crc32c",
+                by_case[f"{sdk_case}/{label}"],
+                note="sealed rate / the CRC32C path's rate",
+            )
+        )
     for key in keys:
         engine.delete(key)
     return rows
@@ -127,8 +161,13 @@ def run(
     region = _region(span)
     with Engine(EngineConfig(config)) as engine:
         client = Client(LocalTransport(engine, owned=False))
+        # A fresh random key: the bench measures the cost, not a deployment's key.
+        keys = SealKeys([(1, os.urandom(32))])
+        sealed = Client(LocalTransport(engine, owned=False), seal=keys)
         for label, size in sizes.items():
-            result.rows += _size_rows(engine, client, region, label, size, counts[label], rounds)
+            result.rows += _size_rows(
+                engine, (client, sealed), region, label, size, counts[label], rounds
+            )
     result.rows += _fill_rows(max(working_set, 32 << 20), rounds)
     result.notes.append(
         f"{working_set >> 20} MiB of distinct blocks per size, median of {rounds} rounds; "

@@ -13,15 +13,22 @@ def test_engine_bench_rows_and_json(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data["bench"] == "engine" and data["machine"]["cpus"]
     cases = {row["case"] for row in data["rows"]}
-    for op in ("put", "get", "get_into"):
+    for op in ("put", "get", "get_into", "client_put_sealed", "client_get_into_sealed"):
         for size in engine.SIZES:
             assert f"{op}/{size}" in cases
+    rows = {row["case"]: row for row in data["rows"]}
+    for size in engine.SIZES:
+        for op in ("client_put", "client_get_into"):
+            cost = rows[f"seal_cost/{op}/{size}"]
+            assert cost["ref"] == "crc32c"
+            assert cost["value"] == rows[f"{op}_sealed/{size}"]["value"]
+            assert cost["ref_value"] == rows[f"{op}/{size}"]["value"]
     fill = next(row for row in data["rows"] if row["case"] == "dram_fill/mixed")
     assert fill["value"] >= 0.85 and fill["ref"] == "goal_0.85"
     for row in data["rows"]:
         if row is fill:
             continue
-        assert row["ref"] == "memcpy" and row["unit"] == "GB/s"
+        assert row["ref"] in ("memcpy", "crc32c") and row["unit"] == "GB/s"
         assert row["value"] > 0 and row["ref_value"] > 0
         assert abs(row["ratio"] - row["value"] / row["ref_value"]) < 1e-2
 
