@@ -87,5 +87,13 @@ class ClusterConfig:
             raise InvalidArgumentError(f"{', '.join(twice)} also given in the etcd URL")
         if not keys:
             return endpoint
-        merged: EtcdAccess = replace(access, **keys)
+        merged = EtcdAccess(
+            tls=access.tls,
+            user=self.etcd_user or access.user,
+            password=access.password,
+            password_file=self.etcd_password_file or access.password_file,
+            ca=self.etcd_ca or access.ca,
+            cert=self.etcd_cert or access.cert,
+            key=self.etcd_key or access.key,
+        )
         return replace(endpoint, access=merged)
