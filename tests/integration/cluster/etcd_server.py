@@ -121,6 +121,7 @@ class EtcdServer:
 
     def __init__(self, data_dir: Path, host: str = "127.0.0.1", pki: Pki | None = None) -> None:
         self.pki = pki
+        self.extra_args: list[str] = []  # further flags of the next start()
         binary = shutil.which("etcd")
         if binary is None:
             pytest.fail("etcd is not installed (bash .ci/deps installs Debian's etcd-server)")
@@ -159,6 +160,7 @@ class EtcdServer:
                 "--cert-file", str(self.pki.server_cert), "--key-file", str(self.pki.server_key),
                 "--trusted-ca-file", str(self.pki.ca), "--client-cert-auth",
             ]  # fmt: skip
+        args += self.extra_args
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
