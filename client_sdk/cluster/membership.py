@@ -181,7 +181,8 @@ class StaticMembership:
         """Raises: ConfigError: not a static cluster URL, or a bad one."""
         spec = parse_cluster_url(url)
         if spec.source != "static":
-            raise ConfigError(f"{url!r} is not a static cluster URL (cluster://h1:p1,h2:p2)")
+            shown = redact_url(url)
+            raise ConfigError(f"{shown!r} is not a static cluster URL (cluster://h1:p1,h2:p2)")
         return cls.from_spec(spec)
 
     @classmethod

@@ -72,13 +72,13 @@ def members_of(url: str, *, timeout_s: float = 2.0) -> tuple[ClusterURL, list[Me
     return spec, read_members(host, port, spec.path, timeout_s=timeout_s, access=spec.etcd)
 
 
-def _probe(member: Member, timeout_s: float, token: str) -> NodeStatus:
+def _probe(member: Member, timeout_s: float, token: str, ca: str) -> NodeStatus:
     address = member.fronts.get("native") or member.fronts.get("native+tls", "")
     if not address:
         return NodeStatus(member.node_id, "", member.weight, False, "no native front")
     query = f"timeout={timeout_s}&connect_timeout={timeout_s}&retries=0"
     if "native+tls" in member.fronts and "native" not in member.fronts:
-        query += "&tls=1"
+        query += "&tls=1" + (f"&ca={ca}" if ca else "")
     if token:
         query += f"&token={token}"
     try:
@@ -103,8 +103,10 @@ def _probe(member: Member, timeout_s: float, token: str) -> NodeStatus:
     )
 
 
-def cluster_status(url: str, *, timeout_s: float = 2.0, token: str = "") -> list[NodeStatus]:
-    """Every member's status, in node id order.
+def cluster_status(
+    url: str, *, timeout_s: float = 2.0, token: str = "", ca: str = ""
+) -> list[NodeStatus]:
+    """Every member's status, in node id order (`ca`: the CA of TLS nodes' certificates).
 
     Raises:
         ConfigError: not a cluster URL.
@@ -116,4 +118,4 @@ def cluster_status(url: str, *, timeout_s: float = 2.0, token: str = "") -> list
     if not members:
         return []
     with ThreadPoolExecutor(min(16, len(members))) as pool:
-        return list(pool.map(lambda m: _probe(m, timeout_s, token), members))
+        return list(pool.map(lambda m: _probe(m, timeout_s, token, ca), members))

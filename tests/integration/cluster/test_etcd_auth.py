@@ -141,6 +141,15 @@ def test_a_reader_cannot_register_a_node_and_a_node_can(
     )
     assert len(listing["kvs"]) == 1  # type: ignore[arg-type]
     assert PASSWORDS["node"] not in "\n".join(node.lines) + node.stderr()
+    # `cluster status` with a node's kind of URL, the reader's password in it: the TLS node is up
+    # (checked against --ca), and the password is nowhere in what it prints.
+    password = quote(PASSWORDS["reader"], safe="")
+    url = f"etcds://reader:{password}@{locked_etcd.endpoint}/{CLUSTER}?{_tls_query(pki)}"
+    argv = [sys.executable, "-m", "kvoffload.cli", "cluster", "status", url, "--ca", str(pki.ca)]
+    status = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert "1/1 node(s) up" in " ".join(status.stdout.split())
+    assert PASSWORDS["reader"] not in status.stdout + status.stderr
 
 
 def test_wrong_or_missing_credentials_are_clear_errors(
