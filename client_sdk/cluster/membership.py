@@ -187,10 +187,13 @@ class StaticMembership:
 
     @classmethod
     def from_spec(cls, spec: ClusterURL) -> StaticMembership:
+        # The nodes listed serve TLS when the URL says tls=1: name their fronts as a TLS node's
+        # record does, so that one lookup serves both kinds of membership.
+        front = spec.front + ("+tls" if spec.extra.get("tls") == "1" else "")
         members = []
         for host, port in spec.addresses:
             address = f"{host}:{port}" + (f"/{spec.path}" if spec.front == "nvme" else "")
-            members.append(Member(f"{host}-{port}", {spec.front: address}))
+            members.append(Member(f"{host}-{port}", {front: address}))
         return cls(tuple(members))
 
     def members(self) -> tuple[Member, ...]:

@@ -579,7 +579,9 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
                 raise ConfigError(f"cluster URL: {name}= applies to front={front} only")
             node_params[name] = spec.extra[name]
     scheme, front = ("kv", "native") if spec.front == "native" else ("nvme+tcp", "nvme")
-    tls = node_params.get("tls", "0") not in ("", "0")
+    tls = node_params.get("tls", "0") == "1"
+    if node_params.get("tls", "0") not in ("0", "1"):
+        raise ConfigError(f"cluster URL: tls must be 0 or 1, got {node_params['tls']!r}")
     if tls:
         front += "+tls"  # a TLS node registers its native front so; a client never falls back
     query = urlencode(node_params)

@@ -193,6 +193,14 @@ def test_tls_nodes_serve_a_tls_cluster_client(
     for node in nodes:
         with Client.connect(node.url(tls="1", ca=str(pki.ca))) as direct:
             assert direct.get_many(list(blocks)) == list(blocks.values())
+    # The same nodes as a static cluster://, TLS too.
+    static = ",".join(f"127.0.0.1:{node.port}" for node in nodes)
+    with Client.connect(f"cluster://{static}?replicas=2&tls=1&ca={pki.ca}") as client:
+        assert client.get_many(list(blocks)) == list(blocks.values())
+        client.put_many([(b"s" * 16, b"static" * 700)])
+        assert client.get(b"s" * 16) == b"static" * 700
+    with pytest.raises(ConfigError, match="tls must be 0 or 1"):
+        Client.connect(f"cluster://{static}?tls=yes")
     # The same cluster without tls=1: a clear error, not "no storage node can be reached".
     with Client.connect(_client_url(locked_etcd, pki)) as plain:
         with pytest.raises(ConfigError, match="tls=1"):
