@@ -42,7 +42,8 @@ class EtcdGateway:
     ) -> None:
         """Raises: ConfigError: a CA, certificate or password file cannot be read."""
         self.host, self.port, self.timeout_s = host, port, timeout_s
-        self._credentials = access.credentials()
+        self._access = access
+        self._credentials = access.credentials()  # read now: a bad password file fails at once
         self._context = etcd_ssl_context(access)
         self._who = f"user {access.user!r}" if access.user else "a client without credentials"
         self._token = ""
@@ -72,6 +73,9 @@ class EtcdGateway:
         headers = {"Content-Type": "application/json"}
         if self._credentials is not None:
             if not self._token:
+                # Read again: a password changed in etcd and in its file is used from the
+                # next token on, without a restart.
+                self._credentials = self._access.credentials() or self._credentials
                 self._token = parse_auth(self._post(auth_request(*self._credentials), headers))
             headers["Authorization"] = self._token
         return headers

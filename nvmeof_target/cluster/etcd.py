@@ -31,7 +31,8 @@ class EtcdClient:
         access = endpoint.access
         self.where = f"etcd {endpoint.host}:{endpoint.port}"
         self._host, self._port, self._timeout_s = endpoint.host, endpoint.port, timeout_s
-        self._credentials = access.credentials()
+        self._access = access
+        self._credentials = access.credentials()  # read now: a bad password file fails at once
         self._who = f"user {access.user!r}" if access.user else "a node without credentials"
         self._token = ""
         self._context: ssl.SSLContext | None = None
@@ -54,6 +55,9 @@ class EtcdClient:
             headers = {"Content-Type": "application/json"}
             if self._credentials is not None:
                 if not self._token:
+                    # Read again: a password changed in etcd and in its file is used from the
+                    # next token on, without a restart.
+                    self._credentials = self._access.credentials() or self._credentials
                     self._token = parse_auth(self._post(auth_request(*self._credentials), headers))
                 headers["Authorization"] = self._token
             status, answer, raw = self._post_raw(request, headers)
