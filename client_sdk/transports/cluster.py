@@ -589,14 +589,15 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
     def open_node(member: Member) -> Transport:
         address = member.fronts.get(front)
         if address is None:
-            # The client's configuration, not the node's failure: raised to the caller.
+            # The client's configuration, not the node's failure: raised to the caller, never a
+            # plaintext fallback.
             if "native+tls" in member.fronts and not tls:
                 raise ConfigError(
                     f"node {member.node_id} serves its native front over TLS only: "
                     "connect with tls=1 (and ca=)"
                 )
-            if tls and "native" in member.fronts:
-                raise ConfigError(f"node {member.node_id} serves no TLS front (tls=1)")
+            # A node without TLS is skipped like a down one by a tls=1 client (a cluster
+            # moving to TLS node by node keeps serving from the TLS ones).
             raise TransportError(f"node {member.node_id} has no {front} front")
         return open_transport(parse_url(f"{scheme}://{address}?{query}"))
 

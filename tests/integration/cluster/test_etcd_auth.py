@@ -209,6 +209,16 @@ def test_tls_nodes_serve_a_tls_cluster_client(
             plain.get(next(iter(blocks)))
         with pytest.raises(ConfigError, match="tls=1"):
             plain.put_many([(bytes(16), b"x" * 4096)])
+    # A plaintext node joins: a tls=1 client skips it like a down node and keeps serving.
+    plain = start_daemon("--cluster", _node_url(locked_etcd, pki, tmp_path))
+    more = {bytes([i]) * 16: bytes([i]) * 4096 for i in range(100, 140)}
+    with Client.connect(url) as client:
+        assert len(_nodes(client)) == 3
+        client.put_many(list(more.items()))
+        assert client.get_many(list(more)) == list(more.values())
+        (skipped,) = [n for n in _nodes(client).values() if "native+tls" not in n["fronts"]]  # type: ignore[operator]
+        assert skipped["fronts"]["native"] == f"127.0.0.1:{plain.port}"  # type: ignore[index]
+        assert skipped["up"] is False
     # tls=1 with a CA that did not sign the nodes' certificates: no node is trusted.
     other = make_pki(tmp_path / "other", "another CA")
     with Client.connect(_client_url(locked_etcd, pki, tls="1", ca=str(other.ca))) as stranger:
