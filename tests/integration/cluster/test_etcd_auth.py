@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 CLUSTER = "locked"
 # A password with characters a URL must escape, as real ones have.
-PASSWORDS = {"root": "r00t-pw", "node": "n0de/pw:@x", "reader": "read-pw"}
+PASSWORDS = {"root": "r00t-pw", "node": "n0de/pw:@x", "reader": "re@d/pw:1 %"}
 Start = Callable[..., Any]
 
 
