@@ -10,6 +10,7 @@ from rich.console import Console
 
 from kvoffload.client_sdk.client import Client
 from kvoffload.client_sdk.cluster.status import cluster_status
+from kvoffload.wire.membership import redact_url
 
 __all__ = ["add_commands"]
 
@@ -42,7 +43,7 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _cluster_status(args: argparse.Namespace) -> int:
-    nodes = cluster_status(args.url, timeout_s=args.timeout, token=args.token)
+    nodes = cluster_status(args.url, timeout_s=args.timeout, token=args.token, ca=args.ca)
     if args.json:
         print(json.dumps([n.as_dict() for n in nodes], indent=2))
     else:
@@ -54,7 +55,8 @@ def _print_cluster(url: str, nodes: list[Any]) -> None:
     from rich.table import Table
 
     total = sum(n.weight for n in nodes) or 1.0
-    table = Table(title=f"cluster {url}: {sum(n.up for n in nodes)}/{len(nodes)} node(s) up")
+    shown = redact_url(url)  # a password in the URL stays off the screen
+    table = Table(title=f"cluster {shown}: {sum(n.up for n in nodes)}/{len(nodes)} node(s) up")
     for name in ("node", "address", "share", "health", "used / capacity", "blocks", "hit ratio"):
         table.add_column(name, justify="left" if name in ("node", "address", "health") else "right")
     for n in nodes:
@@ -92,9 +94,11 @@ def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
         "stats. Exit status 0 when every member answers, 1 otherwise.",
     )
     status.add_argument(
-        "url", help="etcd://HOST:PORT/NAME, cluster+etcd://HOST:PORT/NAME or cluster://h1:p1,..."
+        "url",
+        help="etcd[s]://[USER@]HOST:PORT/NAME, cluster+etcd[s]://... or cluster://h1:p1,...",
     )
     status.add_argument("--timeout", type=float, default=2.0, help="seconds per node (default 2)")
     status.add_argument("--token", default="", help="tenant token the nodes require")
+    status.add_argument("--ca", default="", help="CA file of TLS nodes' certificates")
     status.add_argument("--json", action="store_true", help="print raw JSON")
     status.set_defaults(func=_cluster_status)

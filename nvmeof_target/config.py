@@ -534,7 +534,11 @@ def build_flag_parser(
         type=int,
         help="processes serving the node, one shard of the keys each (default 1; 0 = one per core)",
     )
-    add("--cluster", metavar="etcd://HOST:PORT/NAME", help="register in this cluster's etcd")
+    add(
+        "--cluster",
+        metavar="etcd[s]://[USER@]HOST:PORT/NAME",
+        help="register in this cluster's etcd",
+    )
     add("--advertise", metavar="HOST", help="address clients reach this node at (clusters)")
     return parser
 

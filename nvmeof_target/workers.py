@@ -228,8 +228,10 @@ def supervise(config: Config, out: TextIO | None = None) -> int:
             host, port = metrics.serve(config.metrics.host, config.metrics.port)
             say(f"metrics listening on {host}:{port}")
         if config.cluster.etcd and config.native.enabled:
-            # One record for the node: its port; clients find the shards from there.
-            registration = Registration(config, {"native": (node_host, node_port)})
+            # One record for the node: its port; clients find the shards from there. Named as
+            # the single-process daemon names it, so clients know to use TLS.
+            front = "native+tls" if config.native.tls.enabled else "native"
+            registration = Registration(config, {front: (node_host, node_port)})
             registration.open()
             say(f"cluster {registration.cluster} node {registration.node_id}")
         log.info("serving %d shards", count)

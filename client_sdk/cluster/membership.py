@@ -12,17 +12,21 @@ import re
 import threading
 from dataclasses import dataclass, field
 from typing import Protocol
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from kvoffload.client_sdk.cluster.gateway import EtcdGateway
-from kvoffload.errors import ConfigError, InvalidArgumentError, KVOffloadError
+from kvoffload.errors import AuthError, ConfigError, InvalidArgumentError, KVOffloadError
 from kvoffload.wire.membership import (
+    ETCD_PARAMS,
+    NO_ACCESS,
+    EtcdAccess,
     Member,
     decode_member,
     nodes_prefix,
     parse_range,
     parse_watch,
     range_request,
+    redact_url,
     watch_request,
 )
 
@@ -44,6 +48,8 @@ log = logging.getLogger("kvoffload.cluster")
 PARAMS = {
     "replicas": "copies of each block (default 1)",
     "front": "native (default) or nvme",
+    # cluster+etcds:// (etcd over TLS) and etcd credentials; the nodes' TLS is the transport's.
+    **{f"etcd_{name}": f"etcd: {meaning}" for name, meaning in ETCD_PARAMS.items()},
 }
 _HOST = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]{0,252}")
 # Retry pauses while etcd is unreachable: short first (a restart), capped (a long outage).
@@ -75,7 +81,8 @@ class Membership(Protocol):
 @dataclass(frozen=True)
 class ClusterURL:
     """A parsed cluster URL: `cluster://h1:p1,h2:p2[/nqn]?replicas=2` (static) or
-    `cluster+etcd://host:port/NAME?replicas=2` (etcd)."""
+    `cluster+etcd[s]://[user[:pass]@]host:port/NAME?replicas=2` (etcd; `etcd` says how to
+    reach it: TLS, credentials)."""
 
     source: str  # "static" or "etcd"
     replicas: int = 1
@@ -85,6 +92,7 @@ class ClusterURL:
     # static nvme: the subsystem NQN; etcd: the cluster name
     path: str = ""
     extra: dict[str, str] = field(default_factory=dict)
+    etcd: EtcdAccess = NO_ACCESS
 
 
 def _address(text: str, url: str) -> tuple[str, int]:
@@ -106,7 +114,8 @@ def parse_cluster_url(url: str, allowed_extra: dict[str, str] | None = None) -> 
     """
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
-    if scheme not in ("cluster", "cluster+etcd") or not parts.netloc:
+    url = redact_url(url)  # the form every message below shows
+    if scheme not in ("cluster", "cluster+etcd", "cluster+etcds") or not parts.netloc:
         raise ConfigError(
             f"not a cluster URL: {url!r} (expected cluster://h1:7480,h2:7480 or "
             "cluster+etcd://etcd-host:2379/NAME)"
@@ -124,16 +133,27 @@ def parse_cluster_url(url: str, allowed_extra: dict[str, str] | None = None) -> 
     front = params.pop("front", "native")
     if front not in ("native", "nvme"):
         raise ConfigError(f"cluster URL {url!r}: front must be native or nvme, got {front!r}")
-    addresses = tuple(_address(a, url) for a in parts.netloc.split(","))
+    user, at, netloc = parts.netloc.rpartition("@")
+    addresses = tuple(_address(a, url) for a in netloc.split(","))
     path = parts.path.strip("/")
-    if scheme == "cluster+etcd":
+    etcd = {k.removeprefix("etcd_"): params.pop(k) for k in list(params) if k.startswith("etcd_")}
+    if scheme != "cluster":
         if len(addresses) != 1:
             raise ConfigError(f"cluster URL {url!r}: name one etcd endpoint")
+        name, _, password = user.partition(":")
         try:
             nodes_prefix(path)
+            access = EtcdAccess(
+                tls=scheme == "cluster+etcds",
+                user=unquote(name),
+                password=unquote(password),
+                **etcd,
+            )
         except InvalidArgumentError as exc:
             raise ConfigError(f"cluster URL {url!r}: {exc}") from None
-        return ClusterURL("etcd", int(replicas), front, addresses, path, params)
+        return ClusterURL("etcd", int(replicas), front, addresses, path, params, access)
+    if at or etcd:
+        raise ConfigError(f"cluster URL {url!r}: etcd credentials and options need cluster+etcd")
     if len(set(addresses)) != len(addresses):
         raise ConfigError(f"cluster URL {url!r}: a node is listed twice")
     if front == "nvme" and not path.startswith("nqn."):
@@ -145,7 +165,7 @@ def open_membership(spec: ClusterURL, *, timeout_s: float = 2.0) -> Membership:
     """The membership source a parsed URL names (an etcd one is watching when returned)."""
     if spec.source == "etcd":
         ((host, port),) = spec.addresses
-        return EtcdMembership(host, port, spec.path, timeout_s=timeout_s)
+        return EtcdMembership(host, port, spec.path, timeout_s=timeout_s, access=spec.etcd)
     return StaticMembership.from_spec(spec)
 
 
@@ -161,15 +181,19 @@ class StaticMembership:
         """Raises: ConfigError: not a static cluster URL, or a bad one."""
         spec = parse_cluster_url(url)
         if spec.source != "static":
-            raise ConfigError(f"{url!r} is not a static cluster URL (cluster://h1:p1,h2:p2)")
+            shown = redact_url(url)
+            raise ConfigError(f"{shown!r} is not a static cluster URL (cluster://h1:p1,h2:p2)")
         return cls.from_spec(spec)
 
     @classmethod
     def from_spec(cls, spec: ClusterURL) -> StaticMembership:
+        # The nodes listed serve TLS when the URL says tls=1: name their fronts as a TLS node's
+        # record does, so that one lookup serves both kinds of membership.
+        front = spec.front + ("+tls" if spec.extra.get("tls") == "1" else "")
         members = []
         for host, port in spec.addresses:
             address = f"{host}:{port}" + (f"/{spec.path}" if spec.front == "nvme" else "")
-            members.append(Member(f"{host}-{port}", {spec.front: address}))
+            members.append(Member(f"{host}-{port}", {front: address}))
         return cls(tuple(members))
 
     def members(self) -> tuple[Member, ...]:
@@ -189,15 +213,19 @@ class StaticMembership:
         self._closed.set()
 
 
-def read_members(host: str, port: int, cluster: str, *, timeout_s: float = 2.0) -> list[Member]:
+def read_members(
+    host: str, port: int, cluster: str, *, timeout_s: float = 2.0, access: EtcdAccess = NO_ACCESS
+) -> list[Member]:
     """List the members registered in etcd once (no watch), skipping bad records with a log
     line.
 
     Raises:
         TransportError, RemoteProtocolError: etcd cannot be reached or answered nonsense.
+        AuthError: etcd refused the credentials.
     """
     prefix = nodes_prefix(cluster)
-    _, kvs = parse_range(EtcdGateway(host, port, timeout_s).call(range_request(prefix)))
+    gateway = EtcdGateway(host, port, timeout_s, access)
+    _, kvs = parse_range(gateway.call(range_request(prefix)))
     members = []
     for kv in kvs:
         try:
@@ -216,17 +244,27 @@ class EtcdMembership:
     Malformed or foreign records are skipped with one log line each.
     """
 
-    def __init__(self, host: str, port: int, cluster: str, *, timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        cluster: str,
+        *,
+        timeout_s: float = 2.0,
+        access: EtcdAccess = NO_ACCESS,
+    ) -> None:
+        """Raises: ConfigError: a TLS or password file cannot be read; AuthError: etcd refused
+        the credentials (a wrong password is no outage to wait out)."""
         self.cluster = cluster
         self._prefix = nodes_prefix(cluster)
-        self._gateway = EtcdGateway(host, port, timeout_s)
+        self._gateway = EtcdGateway(host, port, timeout_s, access)
         self._records: dict[bytes, Member] = {}
         self._members: tuple[Member, ...] = ()
         self._generation = 0
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self._logged: set[tuple[bytes, int]] = set()
-        self._revision = self._list_or_keep()
+        self._revision = self._list_or_keep(first=True)
         self._thread = threading.Thread(
             target=self._run, name=f"kvoffload-membership-{cluster}", daemon=True
         )
@@ -254,10 +292,17 @@ class EtcdMembership:
 
     # ------------------------------------------------------------------ the watch thread
 
-    def _list_or_keep(self) -> int:
-        """List the prefix; 0 (and the members unchanged) when etcd cannot be reached."""
+    def _list_or_keep(self, first: bool = False) -> int:
+        """List the prefix; 0 (and the members unchanged) when etcd cannot be reached. The
+        `first` listing raises a refusal of the credentials: a wrong password, unlike an
+        outage, does not pass by itself."""
         try:
             revision, kvs = parse_range(self._gateway.call(range_request(self._prefix)))
+        except AuthError:
+            if first:
+                raise
+            log.exception("cluster %s: etcd refused this client", self.cluster)
+            return 0
         except KVOffloadError as exc:
             log.warning(
                 "cluster %s: etcd unreachable (%s); keeping %d known node(s)",

@@ -19,7 +19,8 @@ from kvoffload.client_sdk.cluster.membership import (
     parse_cluster_url,
     read_members,
 )
-from kvoffload.errors import ConfigError, KVOffloadError
+from kvoffload.errors import ConfigError, InvalidArgumentError, KVOffloadError
+from kvoffload.wire.membership import parse_etcd_url
 
 __all__ = ["NodeStatus", "cluster_status", "members_of"]
 
@@ -48,29 +49,36 @@ class NodeStatus:
 
 
 def members_of(url: str, *, timeout_s: float = 2.0) -> tuple[ClusterURL, list[Member]]:
-    """The members a cluster URL names (`etcd://HOST:PORT/NAME` is read as
-    `cluster+etcd://HOST:PORT/NAME`).
+    """The members a cluster URL names (a node's `etcd[s]://...` URL is read as its
+    cluster's `cluster+etcd[s]://...`).
 
     Raises:
         ConfigError: not a cluster URL.
         TransportError: etcd cannot be reached.
+        AuthError: etcd refused the URL's credentials.
     """
-    if url.startswith("etcd://"):
-        url = "cluster+etcd://" + url.removeprefix("etcd://")
-    spec = parse_cluster_url(url)
+    if url.startswith(("etcd://", "etcds://")):
+        try:
+            endpoint = parse_etcd_url(url)
+        except InvalidArgumentError as exc:
+            raise ConfigError(str(exc)) from None
+        address = ((endpoint.host, endpoint.port),)
+        spec = ClusterURL("etcd", addresses=address, path=endpoint.cluster, etcd=endpoint.access)
+    else:
+        spec = parse_cluster_url(url)
     if spec.source == "static":
         return spec, list(StaticMembership.from_spec(spec).members())
     ((host, port),) = spec.addresses
-    return spec, read_members(host, port, spec.path, timeout_s=timeout_s)
+    return spec, read_members(host, port, spec.path, timeout_s=timeout_s, access=spec.etcd)
 
 
-def _probe(member: Member, timeout_s: float, token: str) -> NodeStatus:
+def _probe(member: Member, timeout_s: float, token: str, ca: str) -> NodeStatus:
     address = member.fronts.get("native") or member.fronts.get("native+tls", "")
     if not address:
         return NodeStatus(member.node_id, "", member.weight, False, "no native front")
     query = f"timeout={timeout_s}&connect_timeout={timeout_s}&retries=0"
     if "native+tls" in member.fronts and "native" not in member.fronts:
-        query += "&tls=1"
+        query += "&tls=1" + (f"&ca={ca}" if ca else "")
     if token:
         query += f"&token={token}"
     try:
@@ -95,8 +103,10 @@ def _probe(member: Member, timeout_s: float, token: str) -> NodeStatus:
     )
 
 
-def cluster_status(url: str, *, timeout_s: float = 2.0, token: str = "") -> list[NodeStatus]:
-    """Every member's status, in node id order.
+def cluster_status(
+    url: str, *, timeout_s: float = 2.0, token: str = "", ca: str = ""
+) -> list[NodeStatus]:
+    """Every member's status, in node id order (`ca`: the CA of TLS nodes' certificates).
 
     Raises:
         ConfigError: not a cluster URL.
@@ -108,4 +118,4 @@ def cluster_status(url: str, *, timeout_s: float = 2.0, token: str = "") -> list
     if not members:
         return []
     with ThreadPoolExecutor(min(16, len(members))) as pool:
-        return list(pool.map(lambda m: _probe(m, timeout_s, token), members))
+        return list(pool.map(lambda m: _probe(m, timeout_s, token, ca), members))

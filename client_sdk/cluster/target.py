@@ -21,7 +21,13 @@ import time
 from collections.abc import Callable
 
 from kvoffload.client_sdk.transports.base import Transport
-from kvoffload.errors import CapacityError, InvalidArgumentError, KVOffloadError, TransportError
+from kvoffload.errors import (
+    CapacityError,
+    ConfigError,
+    InvalidArgumentError,
+    KVOffloadError,
+    TransportError,
+)
 from kvoffload.wire.membership import Member
 
 __all__ = ["CALLER_ERRORS", "COUNTERS", "REFUSALS", "Target", "node_failed"]
@@ -41,8 +47,9 @@ COUNTERS = (
     "repairs",  # blocks copied here from a previous owner after a miss
     "probes",  # background requests that tested a failed node
 )
-# The caller's errors: raised to the caller as over kv://, never a failure of the node.
-CALLER_ERRORS: tuple[type[KVOffloadError], ...] = (InvalidArgumentError,)
+# The caller's errors: raised to the caller as over kv://, never a failure of the node (a
+# ConfigError: the client's URL does not fit the node, e.g. no tls=1 for a TLS node).
+CALLER_ERRORS: tuple[type[KVOffloadError], ...] = (InvalidArgumentError, ConfigError)
 # A node's refusal of one request: it works (the breaker stays as it is); try another node.
 REFUSALS: tuple[type[KVOffloadError], ...] = (CapacityError,)
 

@@ -31,6 +31,7 @@ _SCHEMES: dict[str, str] = {
     "nvme+tcp": "kvoffload.client_sdk.transports.nvme:open_nvme",
     "cluster": "kvoffload.client_sdk.transports.cluster:open_cluster",
     "cluster+etcd": "kvoffload.client_sdk.transports.cluster:open_cluster",
+    "cluster+etcds": "kvoffload.client_sdk.transports.cluster:open_cluster",
 }
 # scheme -> "module:function(StoreURL) -> AsyncTransport" for schemes with an asyncio
 # transport; the others are served from their sync transport in a worker thread.
@@ -38,6 +39,7 @@ _ASYNC_SCHEMES: dict[str, str] = {
     "kv": "kvoffload.client_sdk.transports.native.shards:open_sharded_async",
     "cluster": "kvoffload.client_sdk.transports.cluster:open_cluster_async",
     "cluster+etcd": "kvoffload.client_sdk.transports.cluster:open_cluster_async",
+    "cluster+etcds": "kvoffload.client_sdk.transports.cluster:open_cluster_async",
 }
 
 

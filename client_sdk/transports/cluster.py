@@ -65,6 +65,9 @@ _PARAMS = {
     "data": "kv (default) or nixl: how payloads move to native nodes",
     "nixl_cache_bytes": "data=nixl: bytes kept registered per node connection",
     "hostnqn": "this host's NQN on every node (front=nvme; default as for nvme+tcp://)",
+    "tls": "1: reach the nodes' native fronts over TLS (their native+tls fronts)",
+    "ca": "tls=1: CA file that signed the nodes' certificates (default: the system's CAs)",
+    "server_name": "tls=1: certificate name to expect (default: each node's host)",
 }
 # Repairs (copies to a new owner) run in the background; past this many waiting, skip them.
 _MAX_REPAIRS = 64
@@ -73,7 +76,8 @@ _POOL_THREADS = 32
 
 def _store_url(url: StoreURL) -> str:
     """The URL text again (Client.connect parsed it; the cluster parser wants it whole)."""
-    netloc = url.host + (f":{url.port}" if url.port else "")
+    netloc = (f"{url.userinfo}@" if url.userinfo else "") + url.host
+    netloc += f":{url.port}" if url.port else ""
     query = f"?{urlencode(dict(url.params))}" if url.params else ""
     return f"{url.scheme}://{netloc}{url.path}{query}"
 
@@ -542,10 +546,12 @@ class _ThreadedCluster(ThreadedAsyncTransport):
 
 
 def open_cluster(url: StoreURL) -> ClusterTransport:
-    """Open `cluster://h1:p1,h2:p2?replicas=R&timeout=S` or `cluster+etcd://host:port/NAME?...`.
+    """Open `cluster://h1:p1,h2:p2?replicas=R&timeout=S` or
+    `cluster+etcd[s]://[user:pass@]host:port/NAME?...`.
 
     Raises:
         ConfigError: a bad cluster URL.
+        AuthError: etcd refused the URL's credentials.
     """
     spec = parse_cluster_url(_store_url(url), _PARAMS)
     try:
@@ -564,17 +570,34 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
         ("data", "native"),
         ("nixl_cache_bytes", "native"),
         ("hostnqn", "nvme"),
+        ("tls", "native"),
+        ("ca", "native"),
+        ("server_name", "native"),
     ):
         if name in spec.extra:
             if spec.front != front:
                 raise ConfigError(f"cluster URL: {name}= applies to front={front} only")
             node_params[name] = spec.extra[name]
     scheme, front = ("kv", "native") if spec.front == "native" else ("nvme+tcp", "nvme")
+    tls = node_params.get("tls", "0") == "1"
+    if node_params.get("tls", "0") not in ("0", "1"):
+        raise ConfigError(f"cluster URL: tls must be 0 or 1, got {node_params['tls']!r}")
+    if tls:
+        front += "+tls"  # a TLS node registers its native front so; a client never falls back
     query = urlencode(node_params)
 
     def open_node(member: Member) -> Transport:
         address = member.fronts.get(front)
         if address is None:
+            # The client's configuration, not the node's failure: raised to the caller, never a
+            # plaintext fallback.
+            if "native+tls" in member.fronts and not tls:
+                raise ConfigError(
+                    f"node {member.node_id} serves its native front over TLS only: "
+                    "connect with tls=1 (and ca=)"
+                )
+            # A node without TLS is skipped like a down one by a tls=1 client (a cluster
+            # moving to TLS node by node keeps serving from the TLS ones).
             raise TransportError(f"node {member.node_id} has no {front} front")
         return open_transport(parse_url(f"{scheme}://{address}?{query}"))
 

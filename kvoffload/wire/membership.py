@@ -16,21 +16,28 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
-from kvoffload.errors import InvalidArgumentError, RemoteProtocolError
+from kvoffload.errors import AuthError, ConfigError, InvalidArgumentError, RemoteProtocolError
 
 __all__ = [
+    "ETCD_PARAMS",
     "MAX_WEIGHT",
     "MIN_WEIGHT",
+    "NO_ACCESS",
     "RECORD_VERSION",
+    "EtcdAccess",
+    "EtcdEndpoint",
     "KeyValue",
     "Member",
     "Request",
     "WatchEvent",
+    "auth_request",
     "check_name",
     "claim_request",
+    "etcd_refusal",
     "decode_member",
     "encode_member",
     "get_request",
@@ -39,11 +46,13 @@ __all__ = [
     "lease_ttl",
     "nodes_prefix",
     "parse_claim",
+    "parse_auth",
     "parse_etcd_url",
     "parse_grant",
     "parse_range",
     "parse_watch",
     "range_request",
+    "redact_url",
     "revoke_request",
     "watch_request",
 ]
@@ -74,20 +83,117 @@ def check_name(name: str, what: str) -> str:
     return name
 
 
-def parse_etcd_url(url: str) -> tuple[str, int, str]:
-    """``etcd://HOST:PORT/NAME`` -> (host, port, cluster name).
+# Options of an etcd:// URL (name -> meaning); the node's [cluster] etcd_* keys set the same.
+ETCD_PARAMS = {
+    "ca": "CA file that signed etcd's certificate (etcds://; default: the system's CAs)",
+    "cert": "client certificate file, for an etcd that checks client certificates",
+    "key": "private key of cert (if not in the same file)",
+    "password_file": "file holding the password of the URL's user (instead of user:pass@)",
+}
+
+
+@dataclass(frozen=True)
+class EtcdAccess:
+    """How to reach an etcd beyond its address: TLS (etcds://, a CA, a client certificate) and
+    the credentials of a user of etcd's v3 auth. The password never appears in repr or str."""
+
+    tls: bool = False
+    user: str = ""
+    password: str = field(default="", repr=False)
+    password_file: str = ""
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if (self.password or self.password_file) and not self.user:
+            raise InvalidArgumentError("an etcd password needs a user (etcd://USER:PASS@...)")
+        if self.password and self.password_file:
+            raise InvalidArgumentError("give the etcd password in the URL or a file, not both")
+        if (self.ca or self.cert or self.key) and not self.tls:
+            raise InvalidArgumentError("etcd ca/cert/key need TLS: use etcds://")
+        if self.key and not self.cert:
+            raise InvalidArgumentError("an etcd client key needs its certificate (cert)")
+
+    def credentials(self) -> tuple[str, str] | None:
+        """(user, password), or None without a user.
+
+        Raises:
+            ConfigError: the password file cannot be read or is empty.
+        """
+        if not self.user:
+            return None
+        if not self.password_file:
+            return self.user, self.password
+        try:
+            password = Path(self.password_file).read_text().rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"etcd password file {self.password_file!r}: {exc}") from None
+        if not password:
+            raise ConfigError(f"etcd password file {self.password_file!r} is empty")
+        return self.user, password
+
+
+# Plain HTTP, no user: etcd as the tests and a private network run it.
+NO_ACCESS = EtcdAccess()
+
+
+@dataclass(frozen=True)
+class EtcdEndpoint:
+    """A parsed ``etcd[s]://[USER[:PASS]@]HOST:PORT/NAME[?ca=..&cert=..&key=..]``."""
+
+    host: str
+    port: int
+    cluster: str
+    access: EtcdAccess = NO_ACCESS
+
+    def __str__(self) -> str:
+        """The URL as it may be logged: the password is never part of it."""
+        user = f"{self.access.user}@" if self.access.user else ""
+        scheme = "etcds" if self.access.tls else "etcd"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{scheme}://{user}{host}:{self.port}/{self.cluster}"
+
+
+def parse_etcd_url(url: str) -> EtcdEndpoint:
+    """``etcd://HOST:PORT/NAME`` (plain HTTP) or ``etcds://`` (TLS), with an optional
+    ``USER:PASS@`` and the options of ETCD_PARAMS.
 
     Raises:
-        InvalidArgumentError: it is not such a URL.
+        InvalidArgumentError: it is not such a URL, or its options do not fit together. The
+            message never holds the password.
     """
     parts = urlsplit(url)
+    shown = redact_url(url)
     try:
         host, port = parts.hostname, parts.port
     except ValueError:
         host = port = None
-    if parts.scheme != "etcd" or not host or not port or parts.query:
-        raise InvalidArgumentError(f"{url!r} is not etcd://HOST:PORT/NAME")
-    return host, port, check_name(parts.path.strip("/"), "cluster name")
+    if parts.scheme not in ("etcd", "etcds") or not host or not port:
+        raise InvalidArgumentError(f"{shown!r} is not etcd[s]://[USER:PASS@]HOST:PORT/NAME")
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    params = dict(pairs)
+    unknown = sorted(set(params) - set(ETCD_PARAMS))
+    if unknown or len(params) != len(pairs):
+        valid = ", ".join(f"{k} ({v})" for k, v in ETCD_PARAMS.items())
+        raise InvalidArgumentError(f"{shown!r}: unknown or repeated parameter(s); valid: {valid}")
+    access = EtcdAccess(
+        tls=parts.scheme == "etcds",
+        user=unquote(parts.username or ""),
+        password=unquote(parts.password or ""),
+        **params,
+    )
+    return EtcdEndpoint(host, port, check_name(parts.path.strip("/"), "cluster name"), access)
+
+
+def redact_url(url: str) -> str:
+    """`url` with the password of its user part replaced by ``***`` (for messages and logs)."""
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, tail = rest.partition("/")
+    user, at, address = netloc.rpartition("@")
+    if not sep or not at or ":" not in user:
+        return url
+    return f"{scheme}://{user.partition(':')[0]}:***@{address}{slash}{tail}"
 
 
 def nodes_prefix(cluster: str) -> bytes:
@@ -255,6 +361,42 @@ def parse_range(answer: Mapping[str, Any]) -> tuple[int, list[KeyValue]]:
     if not isinstance(kvs, list):
         raise RemoteProtocolError("etcd answer: kvs is not a list")
     return _header_revision(answer), [_kv(item) for item in kvs]
+
+
+def auth_request(user: str, password: str) -> Request:
+    """Ask etcd for a token of `user` (sent in the ``Authorization`` header of later calls)."""
+    return "/v3/auth/authenticate", {"name": user, "password": password}
+
+
+def parse_auth(answer: Mapping[str, Any]) -> str:
+    """The token of an authenticate answer."""
+    token = answer.get("token")
+    if not isinstance(token, str) or not token:
+        raise RemoteProtocolError("etcd answered an authenticate call without a token")
+    return token
+
+
+# gRPC codes the gateway reports in an error answer: the token has lapsed (authenticate again),
+# and the user may not do that.
+_UNAUTHENTICATED, _PERMISSION_DENIED = 16, 7
+
+
+def etcd_refusal(status: int, raw: bytes, who: str) -> AuthError | None:
+    """The AuthError for an answer that refuses `who` (an etcd user, or nobody), or None if the
+    answer is not a refusal; `status` is the HTTP status, `raw` the body."""
+    try:
+        answer = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        answer = None
+    code = answer.get("code") if isinstance(answer, dict) else None
+    reason = str(answer.get("error", ""))[:200] if isinstance(answer, dict) else ""
+    if code == _PERMISSION_DENIED or status == 403:
+        return AuthError(f"etcd refused {who}: {reason or 'permission denied'}")
+    if code == _UNAUTHENTICATED or status == 401 or "authentication failed" in reason:
+        return AuthError(f"etcd refused {who}: {reason or 'not authenticated'}")
+    if "user name is empty" in reason:  # auth is on and no credentials were sent
+        return AuthError(f"etcd requires a user and password ({who} sent none)")
+    return None
 
 
 def grant_request(ttl_s: int) -> Request:

@@ -1,13 +1,15 @@
 """A storage node's membership: its record in etcd, held by a lease this module keeps alive.
 
-`kvoffload serve --cluster etcd://HOST:PORT/NAME` puts ``/kvoffload/NAME/nodes/<node id>`` (the
-node's fronts and weight, `kvoffload.wire.membership`) under a lease of `cluster.lease_ttl_s`, and a
-thread renews it every third of that. The node id is generated once and kept in the data dir,
-with the random nonces of the processes that used it: a record carrying one of those nonces is a
-crashed predecessor's and is replaced at once; any other record under the id belongs to another
-live daemon, and registering is refused (`NodeIdClaimedError`). A file lock on the data dir keeps
-two processes on one dir from both calling themselves the predecessor.
+`kvoffload serve --cluster etcd[s]://[USER@]HOST:PORT/NAME` puts ``/kvoffload/NAME/nodes/<node
+id>`` (the node's fronts and weight, `kvoffload.wire.membership`) under a lease of
+`cluster.lease_ttl_s`, and a thread renews it every third of that. The node id is generated once
+and kept in the data dir, with the random nonces of the processes that used it: a record carrying
+one of those nonces is a crashed predecessor's and is replaced at once; any other record under the
+id belongs to another live daemon, and registering is refused (`NodeIdClaimedError`). A file lock
+on the data dir keeps two processes on one dir from both calling themselves the predecessor.
 
+etcd refusing the node's user (a wrong password, a user without write access to the cluster's
+prefix) stops the node at start: that is a configuration to fix, not an outage to wait out.
 etcd being unreachable never stops the node serving: the first attempt logs a warning, and the
 thread registers again (new lease, same id) as soon as etcd answers; a node whose lease lapsed
 while it was cut off is back within `rejoin_within_s(lease_ttl_s)` of etcd answering again.
@@ -18,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import http.client
 import json
 import logging
 import os
@@ -28,7 +29,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvoffload.errors import ConfigError, KVOffloadError, RemoteProtocolError, TransportError
+from kvoffload.errors import AuthError, ConfigError, KVOffloadError, RemoteProtocolError
+from kvoffload.nvmeof_target.cluster.etcd import EtcdClient
 from kvoffload.nvmeof_target.config import Config
 from kvoffload.wire.membership import (
     MAX_WEIGHT,
@@ -91,7 +93,9 @@ class Registration:
     def __init__(self, config: Config, addresses: Mapping[str, tuple[str, int]]) -> None:
         endpoint = config.cluster.endpoint
         assert endpoint is not None, "Registration needs [cluster] etcd"
-        self._host, self._port, self.cluster = endpoint
+        self.cluster = endpoint.cluster
+        self.etcd_url = str(endpoint)  # no password in it: it goes to logs
+        self._etcd = EtcdClient(endpoint, CALL_TIMEOUT_S)
         self._config = config
         self._ttl = config.cluster.lease_ttl_s
         self._dir = Path(config.data_dir)
@@ -122,12 +126,14 @@ class Registration:
         except (ConfigError, OSError):  # a claimed id, an unusable identity file
             self._unlock()
             raise
+        except AuthError as exc:  # the wrong user or password: no retry will fix it
+            self._unlock()
+            raise ConfigError(f"cluster {self.cluster} ({self.etcd_url}): {exc}") from None
         except KVOffloadError as exc:
             log.warning(
-                "cluster %s: etcd %s:%d unreachable (%s); serving, registering when it answers",
+                "cluster %s: %s unreachable (%s); serving, registering when it answers",
                 self.cluster,
-                self._host,
-                self._port,
+                self.etcd_url,
                 exc,
             )
         self._thread = threading.Thread(target=self._run, name="kvoffload-cluster", daemon=True)
@@ -254,7 +260,7 @@ class Registration:
                     self._lease = 0
                 self._register()
                 pause = _RETRY_FIRST_S
-            except NodeIdClaimedError as exc:
+            except (NodeIdClaimedError, AuthError) as exc:
                 log.error("cluster %s: %s", self.cluster, exc)
             except KVOffloadError as exc:
                 if pause == _RETRY_FIRST_S:  # once per outage
@@ -269,24 +275,7 @@ class Registration:
         return any(kv.lease == self._lease for kv in kvs)
 
     def _call(self, request: Request) -> dict[str, Any]:
-        path, body = request
-        conn = http.client.HTTPConnection(self._host, self._port, timeout=CALL_TIMEOUT_S)
-        try:
-            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            raw = resp.read(1 << 20)
-        except (OSError, http.client.HTTPException) as exc:
-            raise TransportError(f"etcd {self._host}:{self._port}: {exc}") from None
-        finally:
-            conn.close()
-        try:
-            answer = json.loads(raw)
-        except ValueError:
-            answer = None
-        if resp.status != 200 or not isinstance(answer, dict):
-            where = f"etcd {self._host}:{self._port}"
-            raise TransportError(f"{where}: HTTP {resp.status} {raw[:200]!r}")
-        return answer
+        return self._etcd.call(request)
 
 
 def _fronts(config: Config, addresses: Mapping[str, tuple[str, int]]) -> dict[str, str]:

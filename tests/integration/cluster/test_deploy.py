@@ -53,7 +53,7 @@ def _load(toml: str, argv: list[str], tmp_path: Path) -> Any:
     path = tmp_path / "kvoffload.toml"
     path.write_text(toml)
     assert Path(argv[0]).name == "kvoffload" and argv[1] == "serve", argv
-    flags = [str(path) if a == "/etc/kvoffload/kvoffload.toml" else a for a in argv[2:]]
+    flags = [str(path) if a.endswith("/kvoffload.toml") else a for a in argv[2:]]
     build_flag_parser().parse_args(flags)  # every flag exists
     return load_config(None, {}, flags)
 
@@ -68,10 +68,57 @@ def test_the_targets_are_a_statefulset_with_stable_ids_and_volumes(tmp_path: Pat
     assert env["KVOFFLOAD_CLUSTER__NODE_ID"] == "metadata.name"  # the pod name is the node id
     argv = [a.replace("$(POD_IP)", "10.1.2.3") for a in container["command"]]
     config = _load(config_map["data"]["kvoffload.toml"], argv, tmp_path)
-    assert config.cluster.endpoint == ("kvoffload-etcd", 2379, "prod")
+    endpoint = config.cluster.endpoint
+    assert (endpoint.host, endpoint.port, endpoint.cluster) == ("kvoffload-etcd", 2379, "prod")
     assert config.cluster.advertise == "10.1.2.3" and config.data_dir == "/var/lib/kvoffload"
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert mounts["data"] == config.data_dir
+    volumes = {v["name"]: v for v in spec["template"]["spec"]["volumes"]}
+    _assert_locked_down(config)
+    # Every file the config names comes from a Secret mounted where the config looks.
+    files = [
+        config.native.tls.cert_file, config.native.tls.key_file, endpoint.access.ca,
+        endpoint.access.cert, endpoint.access.key, endpoint.access.password_file,
+    ]  # fmt: skip
+    for file in files:
+        (name,) = [n for n, at in mounts.items() if file.startswith(at + "/")]
+        assert "secret" in volumes[name], f"{file} is not from a Secret"
+    (user_volume,) = [v for v in volumes.values() if "secret" in v and v["secret"].get("items")]
+    assert user_volume["secret"]["items"] == [{"key": "node", "path": "password"}]
+
+
+def _assert_locked_down(config: Any) -> None:
+    """A node's config with etcd over TLS as an etcd user whose password is in a file (with a
+    client certificate), and its native front over TLS."""
+    access = config.cluster.endpoint.access
+    assert access.tls and access.ca and access.cert and access.key
+    assert access.user and access.password_file and not access.password
+    assert config.native.tls.enabled
+
+
+def test_etcd_serves_tls_only_with_client_certificates_and_turns_auth_on() -> None:
+    (etcd,) = [d for n, d in DOCS if n == "etcd.yaml:StatefulSet"]
+    (container,) = etcd["spec"]["template"]["spec"]["containers"]
+    flags = dict(a.split("=", 1) if "=" in a else (a, "") for a in container["command"][1:])
+    assert flags["--listen-client-urls"].startswith("https://")
+    assert flags["--advertise-client-urls"].startswith("https://")
+    assert "--client-cert-auth" in flags and flags["--trusted-ca-file"]
+    assert flags["--cert-file"] and flags["--key-file"]
+    # The only plain-HTTP port serves /health and metrics, not the key-value API.
+    assert flags["--listen-metrics-urls"].startswith("http://")
+    assert container["readinessProbe"]["httpGet"]["port"] == 2381
+    (job,) = [d for n, d in DOCS if n == "etcd.yaml:Job"]
+    (setup,) = job["spec"]["template"]["spec"]["containers"]
+    script = setup["command"][-1]
+    assert script.rstrip().endswith("etcdctl auth enable")
+    # The role layout of docs/guides/cluster.md: nodes write the prefix, clients only read it.
+    assert "grant-permission kvoffload-prod-node readwrite --prefix=true /kvoffload/prod/" in script
+    assert "grant-permission kvoffload-prod-client read --prefix=true /kvoffload/prod/" in script
+    assert "user grant-role kvoffload-node kvoffload-prod-node" in script
+    assert "user grant-role kvoffload-client kvoffload-prod-client" in script
+    env = {e["name"]: e for e in setup["env"]}
+    assert env["ETCDCTL_ENDPOINTS"]["value"].startswith("https://")
+    assert all("secretKeyRef" in env[n]["valueFrom"] for n in ("ROOT_PASSWORD", "NODE_PASSWORD"))
 
 
 def test_the_systemd_unit_runs_serve_with_the_example_config(tmp_path: Path) -> None:
@@ -81,5 +128,7 @@ def test_the_systemd_unit_runs_serve_with_the_example_config(tmp_path: Path) -> 
     argv = shlex.split(unit["Service"]["ExecStart"])
     assert unit["Install"]["WantedBy"] == "multi-user.target"
     config = _load((DEPLOY / "systemd" / "kvoffload.toml").read_text(), argv, tmp_path)
-    assert config.cluster.endpoint == ("etcd-1", 2379, "prod")
+    endpoint = config.cluster.endpoint
+    assert (endpoint.host, endpoint.port, endpoint.cluster) == ("etcd-1", 2379, "prod")
     assert config.data_dir == "/var/lib/kvoffload" and config.cluster.advertise == "10.0.0.5"
+    _assert_locked_down(config)

@@ -133,6 +133,53 @@ def test_static_urls() -> None:
     )  # fmt: skip
 
 
+def test_etcd_credentials_and_tls_in_cluster_urls() -> None:
+    spec = parse_cluster_url(
+        "cluster+etcds://reader:p%40ss@etcd.svc:2379/prod?replicas=2&etcd_ca=/ca.pem"
+        "&etcd_cert=/c.pem&etcd_key=/k.pem&tls=1&ca=/nodes.pem",
+        {"tls": "", "ca": ""},
+    )
+    assert (spec.source, spec.addresses, spec.path, spec.replicas) == (
+        "etcd", (("etcd.svc", 2379),), "prod", 2
+    )  # fmt: skip
+    assert spec.etcd == etcd.EtcdAccess(True, "reader", "p@ss", "", "/ca.pem", "/c.pem", "/k.pem")
+    assert spec.extra == {"tls": "1", "ca": "/nodes.pem"}  # the nodes' TLS: the transport's
+    assert "p@ss" not in repr(spec)
+    plain = parse_cluster_url("cluster+etcd://reader@etcd.svc:2379/prod?etcd_password_file=/pw")
+    assert plain.etcd == etcd.EtcdAccess(False, "reader", "", "/pw")
+
+
+def test_a_bad_cluster_url_never_shows_its_password() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_cluster_url("cluster+etcd://reader:hunter2@etcd.svc:2379/prod?color=red")
+    assert "hunter2" not in str(caught.value) and "reader:***@etcd.svc" in str(caught.value)
+    assert etcd.redact_url("etcds://u:pw@h:1/x?ca=a") == "etcds://u:***@h:1/x?ca=a"
+    assert etcd.redact_url("etcd://u@h:1/x") == "etcd://u@h:1/x"
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "says"),
+    [
+        (400, b'{"error":"etcdserver: authentication failed, invalid user ID or password",'
+         b'"code":3}', "authentication failed"),
+        (403, b'{"error":"etcdserver: permission denied","code":7}', "permission denied"),
+        (400, b'{"error":"etcdserver: user name is empty","code":3}', "requires a user"),
+    ],
+)  # fmt: skip
+def test_etcd_refusals_are_auth_errors(status: int, body: bytes, says: str) -> None:
+    refusal = etcd.etcd_refusal(status, body, "user 'reader'")
+    assert refusal is not None and says in str(refusal)
+    assert etcd.etcd_refusal(503, b"busy", "user 'reader'") is None  # an outage, not a refusal
+
+
+def test_authenticate_messages() -> None:
+    path, body = etcd.auth_request("node", "pw")
+    assert path == "/v3/auth/authenticate" and body == {"name": "node", "password": "pw"}
+    assert etcd.parse_auth({"token": "abc.1"}) == "abc.1"
+    with pytest.raises(RemoteProtocolError):
+        etcd.parse_auth({"header": {}})
+
+
 @pytest.mark.parametrize(
     "url",
     [
@@ -149,6 +196,12 @@ def test_static_urls() -> None:
         "cluster+etcd://a:1,b:2/prod",
         "cluster+etcd://a:1/bad name",
         "cluster+etcd://a:1/",
+        "cluster://u:p@a:1",  # credentials are etcd's
+        "cluster://a:1?etcd_ca=c.pem",
+        "cluster+etcd://a:1/prod?etcd_ca=c.pem",  # a CA needs etcd over TLS
+        "cluster+etcd://:p@a:1/prod",  # a password needs a user
+        "cluster+etcds://a:1/prod?etcd_key=k.pem",  # a key needs its certificate
+        "cluster+etcds://a:1/prod?etcd_color=red",
     ],
 )
 def test_bad_cluster_urls_say_what_is_wrong(url: str) -> None:
