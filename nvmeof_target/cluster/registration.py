@@ -8,8 +8,8 @@ one of those nonces is a crashed predecessor's and is replaced at once; any othe
 id belongs to another live daemon, and registering is refused (`NodeIdClaimedError`). A file lock
 on the data dir keeps two processes on one dir from both calling themselves the predecessor.
 
-etcd refusing the node's user (a wrong password, a user without write access to the cluster's
-prefix) stops the node at start: that is a configuration to fix, not an outage to wait out.
+etcd refusing the node's user (a wrong password, a user without write access to the node's
+record key) stops the node at start: that is a configuration to fix, not an outage to wait out.
 etcd being unreachable never stops the node serving: the first attempt logs a warning, and the
 thread registers again (new lease, same id) as soon as etcd answers; a node whose lease lapsed
 while it was cut off is back within `rejoin_within_s(lease_ttl_s)` of etcd answering again.
@@ -128,7 +128,12 @@ class Registration:
             raise
         except AuthError as exc:  # the wrong user or password: no retry will fix it
             self._unlock()
-            raise ConfigError(f"cluster {self.cluster} ({self.etcd_url}): {exc}") from None
+            # With per-node etcd users a role grants one key: say which, so the fix is clear.
+            key = (self._prefix + self.node_id.encode()).decode()
+            raise ConfigError(
+                f"cluster {self.cluster} ({self.etcd_url}): {exc} (node {self.node_id} needs "
+                f"readwrite on key {key})"
+            ) from None
         except KVOffloadError as exc:
             log.warning(
                 "cluster %s: %s unreachable (%s); serving, registering when it answers",

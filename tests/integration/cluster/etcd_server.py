@@ -233,11 +233,24 @@ class EtcdServer:
             answer: dict[str, object] = json.load(resp)
         return answer
 
-    def lock_down(self, cluster: str, passwords: dict[str, str]) -> None:
+    def lock_down(
+        self, cluster: str, passwords: dict[str, str], per_node: dict[str, str] | None = None
+    ) -> None:
         """Turn etcd's auth on with the role layout of docs/guides/cluster.md: `root`; role
         `kvoffload-<cluster>-node` may read and write the cluster's prefix and role
         `kvoffload-<cluster>-client` may only read it; users `node` and `reader` hold them.
-        `passwords` gives each of root, node and reader its password."""
+        `passwords` gives each of root, node and reader its password. `per_node` (node id to
+        password) adds the per-node layout: user `node-<id>` with role
+        `kvoffload-<cluster>-node-<id>`, which may read and write the node's record key only."""
+        for node_id, password in (per_node or {}).items():
+            key = f"/kvoffload/{cluster}/nodes/{node_id}".encode()
+            role, user = f"kvoffload-{cluster}-node-{node_id}", f"node-{node_id}"
+            self.call("/v3/auth/user/add", {"name": user, "password": password})
+            self.call("/v3/auth/role/add", {"name": role})
+            # No range_end: the one key, so node "a" cannot write "ab" either.
+            own = {"permType": "READWRITE", "key": base64.b64encode(key).decode()}
+            self.call("/v3/auth/role/grant", {"name": role, "perm": own})
+            self.call("/v3/auth/user/grant", {"user": user, "role": role})
         prefix = f"/kvoffload/{cluster}/".encode()
         span = {
             "key": base64.b64encode(prefix).decode(),

@@ -5,6 +5,8 @@ of trust issue 27, defect 2, is refused), clients read with read-only credential
 
 from __future__ import annotations
 
+import base64
+import os
 import subprocess
 import sys
 import time
@@ -26,10 +28,12 @@ from kvoffload.wire.membership import (
     Member,
     claim_request,
     encode_member,
+    get_request,
     nodes_prefix,
     parse_etcd_url,
     parse_range,
     range_request,
+    revoke_request,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -99,14 +103,18 @@ def _root_token(etcd: EtcdServer) -> str:
     return str(answer["token"])
 
 
-def _serve(*flags: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+def _serve(
+    *flags: str, tmp_path: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """`kvoffload serve` expected to stop at start: its exit status and output."""
     argv = [
         sys.executable, "-m", "kvoffload.cli", "serve", "--port", "0", "--nvme-port", "0",
         "--metrics-port", "0", "--dram", "64MiB", "--ssd", "0",
         "--data-dir", str(tmp_path / "refused"), *flags,
     ]  # fmt: skip
-    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
+    environ.update(env or {})
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, env=environ)
 
 
 def test_a_reader_cannot_register_a_node_and_a_node_can(
@@ -256,7 +264,7 @@ def test_a_lapsed_token_is_renewed(
     # the daemon as for this client of the same file (a renewal that falls between the two
     # changes fails once, is logged, and the next keepalive succeeds).
     (tmp_path / "node.password").write_text("rotated-pw\n")
-    changed = {"name": "node", "password": "rotated-pw"}
+    changed: dict[str, object] = {"name": "node", "password": "rotated-pw"}
     locked_etcd.call("/v3/auth/user/changepw", changed, _root_token(locked_etcd))
     time.sleep(3)
     assert len(as_node.call(range_request(nodes_prefix(CLUSTER)))["kvs"]) == 1
@@ -273,3 +281,102 @@ def test_a_lapsed_token_is_renewed(
     )
     assert int(str(lease["TTL"])) > 4, lease
     assert node.proc.poll() is None and "rotated-pw" not in node.stderr()
+
+
+# Per-node etcd users (trust issue 27, defect 2): each node's role may write only its own record.
+NODE_PASSWORDS = {"a": "a-pw/1:@", "b": "b-pw/2:@"}
+
+
+@pytest.fixture
+def per_node_etcd(tmp_path: Path, pki: Pki) -> Iterator[EtcdServer]:
+    """As locked_etcd, with the per-node layout for nodes a and b (users node-a, node-b)."""
+    server = EtcdServer(tmp_path / "etcd", pki=pki)
+    server.start()
+    try:
+        server.lock_down(CLUSTER, PASSWORDS, per_node=NODE_PASSWORDS)
+        yield server
+    finally:
+        server.stop()
+
+
+def _per_node_env(pki: Pki, tmp_path: Path, node_id: str, user: str = "") -> dict[str, str]:
+    """A node's identity and etcd user as deploy/kubernetes sets them: environment keys."""
+    secret = tmp_path / f"{node_id}.password"
+    secret.write_text(NODE_PASSWORDS[node_id] + "\n")
+    secret.chmod(0o600)
+    return {
+        "KVOFFLOAD_CLUSTER__NODE_ID": node_id,
+        "KVOFFLOAD_CLUSTER__ETCD_USER": user or f"node-{node_id}",
+        "KVOFFLOAD_CLUSTER__ETCD_PASSWORD_FILE": str(secret),
+        "KVOFFLOAD_CLUSTER__ETCD_CA": str(pki.ca),
+        "KVOFFLOAD_CLUSTER__ETCD_CERT": str(pki.client_cert),
+        "KVOFFLOAD_CLUSTER__ETCD_KEY": str(pki.client_key),
+    }
+
+
+def test_a_nodes_credentials_write_only_its_own_record(
+    per_node_etcd: EtcdServer, pki: Pki, tmp_path: Path, start_daemon: Start
+) -> None:
+    etcd, prefix = per_node_etcd, nodes_prefix(CLUSTER)
+    url = f"etcds://{etcd.endpoint}/{CLUSTER}"
+    tls = ("--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key))
+    nodes = {
+        node_id: start_daemon(*tls, "--cluster", url, env=_per_node_env(pki, tmp_path, node_id))
+        for node_id in ("a", "b")
+    }
+    reader = _access(pki, "reader", PASSWORDS["reader"])
+    members = {m.node_id: m for m in read_members(etcd.host, etcd.port, CLUSTER, access=reader)}
+    assert {k: m.fronts["native+tls"] for k, m in members.items()} == {
+        k: f"127.0.0.1:{node.port}" for k, node in nodes.items()
+    }
+    # Node a's stolen credentials, used as an attacker would: every write that touches b's
+    # record, or makes a record of a new node, is refused by etcd itself.
+    password = quote(NODE_PASSWORDS["a"], safe="")
+    as_a = EtcdClient(
+        parse_etcd_url(f"etcds://node-a:{password}@{etcd.endpoint}/{CLUSTER}?{_tls_query(pki)}"),
+        5.0,
+    )
+    rogue_b = encode_member(Member("b", {"native": "10.9.9.9:7480"}, 1_000_000.0, "x"))
+    b_key = prefix + b"b"
+    (b_record,) = parse_range(etcd.call(*get_request(b_key), _root_token(etcd)))[1]
+    attacks = {
+        "replace b's record": claim_request(b_key, rogue_b, 0, b_record.mod_revision),
+        "put at b's key": ("/v3/kv/put", {"key": _b64(b_key), "value": _b64(rogue_b)}),
+        "delete b's record": ("/v3/kv/deleterange", {"key": _b64(b_key)}),
+        "delete the prefix": (
+            "/v3/kv/deleterange",
+            {"key": _b64(prefix), "range_end": _b64(prefix[:-1] + b"0")},
+        ),
+        "revoke b's lease": revoke_request(b_record.lease),
+        "add a node": claim_request(prefix + b"rogue", encode_member(Member("rogue")), 0),
+        "write node ab (a prefix match)": claim_request(prefix + b"ab", b"{}", 0),
+    }
+    for what, request in attacks.items():
+        with pytest.raises(AuthError, match="permission denied"):
+            as_a.call(request)
+            pytest.fail(f"node a's credentials could {what}")
+    # Its own key a may write, but a record there naming b is not b's: clients ignore it.
+    own = parse_range(as_a.call(get_request(prefix + b"a")))[1][0]
+    as_a.call(claim_request(prefix + b"a", rogue_b, own.lease, own.mod_revision))
+    members = {m.node_id: m for m in read_members(etcd.host, etcd.port, CLUSTER, access=reader)}
+    assert set(members) == {"b"}
+    assert members["b"].fronts["native+tls"] == f"127.0.0.1:{nodes['b'].port}"
+    # b is untouched and serves a TLS client through membership.
+    with Client.connect(_client_url(etcd, pki, tls="1", ca=str(pki.ca))) as client:
+        client.put_many([(bytes([i]) * 16, bytes([i]) * 4096) for i in range(1, 9)])
+        assert client.get(bytes([1]) * 16) == bytes([1]) * 4096
+    # A daemon started as node b with a's user stops at start, naming the key its role lacks.
+    env = _per_node_env(pki, tmp_path, "b", user="node-a")
+    env["KVOFFLOAD_CLUSTER__ETCD_PASSWORD_FILE"] = str(tmp_path / "a.password")
+    refused = _serve("--cluster", url, tmp_path=tmp_path, env=env)
+    assert refused.returncode == 2, refused.stderr
+    assert "permission denied" in refused.stderr
+    assert f"readwrite on key /kvoffload/{CLUSTER}/nodes/b" in refused.stderr
+    assert NODE_PASSWORDS["a"] not in refused.stdout + refused.stderr
+    for node in nodes.values():
+        assert node.proc.poll() is None
+        assert not any(p in node.stderr() for p in NODE_PASSWORDS.values())
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
