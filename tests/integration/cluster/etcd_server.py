@@ -240,11 +240,11 @@ class EtcdServer:
         `kvoffload-<cluster>-node` may read and write the cluster's prefix and role
         `kvoffload-<cluster>-client` may only read it; users `node` and `reader` hold them.
         `passwords` gives each of root, node and reader its password. `per_node` (node id to
-        password) adds the per-node layout: user `node-<id>` with role
-        `kvoffload-<cluster>-node-<id>`, which may read and write the node's record key only."""
+        password) adds the per-node layout: user and role `kvoffload-<cluster>-node-<id>`, which
+        may read and write the node's record key only."""
         for node_id, password in (per_node or {}).items():
             key = f"/kvoffload/{cluster}/nodes/{node_id}".encode()
-            role, user = f"kvoffload-{cluster}-node-{node_id}", f"node-{node_id}"
+            role = user = f"kvoffload-{cluster}-node-{node_id}"
             self.call("/v3/auth/user/add", {"name": user, "password": password})
             self.call("/v3/auth/role/add", {"name": role})
             # No range_end: the one key, so node "a" cannot write "ab" either.

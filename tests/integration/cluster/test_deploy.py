@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import configparser
 import copy
+import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -48,14 +49,27 @@ def test_the_schema_check_rejects_a_broken_manifest() -> None:
         kubernetes_validate.validate(unknown, K8S_VERSION, strict=True)
 
 
-def _load(toml: str, argv: list[str], tmp_path: Path) -> Any:
+def _load(toml: str, argv: list[str], tmp_path: Path, environ: dict[str, str] | None = None) -> Any:
     """load_config as `kvoffload <argv>` runs it, the config file's text being `toml`."""
     path = tmp_path / "kvoffload.toml"
     path.write_text(toml)
     assert Path(argv[0]).name == "kvoffload" and argv[1] == "serve", argv
     flags = [str(path) if a.endswith("/kvoffload.toml") else a for a in argv[2:]]
     build_flag_parser().parse_args(flags)  # every flag exists
-    return load_config(None, {}, flags)
+    return load_config(None, environ or {}, flags)
+
+
+def _pod_env(container: dict[str, Any], fields: dict[str, str]) -> dict[str, str]:
+    """The container's environment as Kubernetes builds it: `fields` gives the downward API's
+    values (metadata.name, status.podIP), and $(NAME) expands an earlier variable."""
+    env: dict[str, str] = {}
+    for item in container["env"]:
+        if "value" in item:
+            value = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], item["value"])
+        else:
+            value = fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
+        env[item["name"]] = value
+    return env
 
 
 def test_the_targets_are_a_statefulset_with_stable_ids_and_volumes(tmp_path: Path) -> None:
@@ -64,11 +78,15 @@ def test_the_targets_are_a_statefulset_with_stable_ids_and_volumes(tmp_path: Pat
     spec = target["spec"]
     assert spec["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
     (container,) = spec["template"]["spec"]["containers"]
-    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
-    assert env["KVOFFLOAD_CLUSTER__NODE_ID"] == "metadata.name"  # the pod name is the node id
-    argv = [a.replace("$(POD_IP)", "10.1.2.3") for a in container["command"]]
-    config = _load(config_map["data"]["kvoffload.toml"], argv, tmp_path)
+    pod = "kvoffload-target-1"
+    env = _pod_env(container, {"metadata.name": pod, "status.podIP": "10.1.2.3"})
+    argv = [a.replace("$(POD_IP)", env["POD_IP"]) for a in container["command"]]
+    config = _load(config_map["data"]["kvoffload.toml"], argv, tmp_path, env)
+    assert config.cluster.node_id == pod  # the pod name is the node id
     endpoint = config.cluster.endpoint
+    # Its own etcd user (the role layout's per-node user) and its own password file.
+    assert endpoint.access.user == f"kvoffload-prod-node-{pod}"
+    assert endpoint.access.password_file == f"/etc/kvoffload/etcd-user/{pod}"
     assert (endpoint.host, endpoint.port, endpoint.cluster) == ("kvoffload-etcd", 2379, "prod")
     assert config.cluster.advertise == "10.1.2.3" and config.data_dir == "/var/lib/kvoffload"
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
@@ -83,8 +101,13 @@ def test_the_targets_are_a_statefulset_with_stable_ids_and_volumes(tmp_path: Pat
     for file in files:
         (name,) = [n for n, at in mounts.items() if file.startswith(at + "/")]
         assert "secret" in volumes[name], f"{file} is not from a Secret"
-    (user_volume,) = [v for v in volumes.values() if "secret" in v and v["secret"].get("items")]
-    assert user_volume["secret"]["items"] == [{"key": "node", "path": "password"}]
+    # The nodes' passwords, keyed by pod name; not the root's or the client's.
+    assert volumes["etcd-user"]["secret"] == {"secretName": "kvoffload-etcd-nodes"}
+    # etcd.yaml's Job makes a user for every pod the StatefulSet runs.
+    (job,) = [d for n, d in DOCS if n == "etcd.yaml:Job"]
+    (setup,) = job["spec"]["template"]["spec"]["containers"]
+    nodes = {e["name"]: e.get("value") for e in setup["env"]}["NODES"]
+    assert nodes.split() == [f"kvoffload-target-{i}" for i in range(spec["replicas"])]
 
 
 def _assert_locked_down(config: Any) -> None:
@@ -111,14 +134,18 @@ def test_etcd_serves_tls_only_with_client_certificates_and_turns_auth_on() -> No
     (setup,) = job["spec"]["template"]["spec"]["containers"]
     script = setup["command"][-1]
     assert script.rstrip().endswith("etcdctl auth enable")
-    # The role layout of docs/guides/cluster.md: nodes write the prefix, clients only read it.
-    assert "grant-permission kvoffload-prod-node readwrite --prefix=true /kvoffload/prod/" in script
+    # The role layout of docs/guides/cluster.md: each node writes its own record key alone (no
+    # --prefix: node a's role does not cover node ab), clients only read the prefix.
+    node_role = '"kvoffload-prod-node-$id"'
+    grant = f'grant-permission {node_role} readwrite "/kvoffload/prod/nodes/$id"\n'
+    assert grant in script
+    assert f"user grant-role {node_role} {node_role}" in script
     assert "grant-permission kvoffload-prod-client read --prefix=true /kvoffload/prod/" in script
-    assert "user grant-role kvoffload-node kvoffload-prod-node" in script
     assert "user grant-role kvoffload-client kvoffload-prod-client" in script
+    assert "kvoffload-prod-node readwrite" not in script  # no shared node role
     env = {e["name"]: e for e in setup["env"]}
     assert env["ETCDCTL_ENDPOINTS"]["value"].startswith("https://")
-    assert all("secretKeyRef" in env[n]["valueFrom"] for n in ("ROOT_PASSWORD", "NODE_PASSWORD"))
+    assert all("secretKeyRef" in env[n]["valueFrom"] for n in ("ROOT_PASSWORD", "CLIENT_PASSWORD"))
 
 
 def test_the_systemd_unit_runs_serve_with_the_example_config(tmp_path: Path) -> None:
@@ -132,3 +159,6 @@ def test_the_systemd_unit_runs_serve_with_the_example_config(tmp_path: Path) -> 
     assert (endpoint.host, endpoint.port, endpoint.cluster) == ("etcd-1", 2379, "prod")
     assert config.data_dir == "/var/lib/kvoffload" and config.cluster.advertise == "10.0.0.5"
     _assert_locked_down(config)
+    # The per-node layout: a fixed id and the user whose role covers that id's key alone.
+    node_id = config.cluster.node_id
+    assert node_id and endpoint.access.user == f"kvoffload-prod-node-{node_id}"

@@ -289,7 +289,7 @@ NODE_PASSWORDS = {"a": "a-pw/1:@", "b": "b-pw/2:@"}
 
 @pytest.fixture
 def per_node_etcd(tmp_path: Path, pki: Pki) -> Iterator[EtcdServer]:
-    """As locked_etcd, with the per-node layout for nodes a and b (users node-a, node-b)."""
+    """As locked_etcd, with the per-node layout for nodes a and b (a user and role each)."""
     server = EtcdServer(tmp_path / "etcd", pki=pki)
     server.start()
     try:
@@ -306,7 +306,7 @@ def _per_node_env(pki: Pki, tmp_path: Path, node_id: str, user: str = "") -> dic
     secret.chmod(0o600)
     return {
         "KVOFFLOAD_CLUSTER__NODE_ID": node_id,
-        "KVOFFLOAD_CLUSTER__ETCD_USER": user or f"node-{node_id}",
+        "KVOFFLOAD_CLUSTER__ETCD_USER": user or f"kvoffload-{CLUSTER}-node-{node_id}",
         "KVOFFLOAD_CLUSTER__ETCD_PASSWORD_FILE": str(secret),
         "KVOFFLOAD_CLUSTER__ETCD_CA": str(pki.ca),
         "KVOFFLOAD_CLUSTER__ETCD_CERT": str(pki.client_cert),
@@ -331,9 +331,9 @@ def test_a_nodes_credentials_write_only_its_own_record(
     }
     # Node a's stolen credentials, used as an attacker would: every write that touches b's
     # record, or makes a record of a new node, is refused by etcd itself.
-    password = quote(NODE_PASSWORDS["a"], safe="")
+    user_a, password = f"kvoffload-{CLUSTER}-node-a", quote(NODE_PASSWORDS["a"], safe="")
     as_a = EtcdClient(
-        parse_etcd_url(f"etcds://node-a:{password}@{etcd.endpoint}/{CLUSTER}?{_tls_query(pki)}"),
+        parse_etcd_url(f"etcds://{user_a}:{password}@{etcd.endpoint}/{CLUSTER}?{_tls_query(pki)}"),
         5.0,
     )
     rogue_b = encode_member(Member("b", {"native": "10.9.9.9:7480"}, 1_000_000.0, "x"))
@@ -366,7 +366,7 @@ def test_a_nodes_credentials_write_only_its_own_record(
         client.put_many([(bytes([i]) * 16, bytes([i]) * 4096) for i in range(1, 9)])
         assert client.get(bytes([1]) * 16) == bytes([1]) * 4096
     # A daemon started as node b with a's user stops at start, naming the key its role lacks.
-    env = _per_node_env(pki, tmp_path, "b", user="node-a")
+    env = _per_node_env(pki, tmp_path, "b", user=user_a)
     env["KVOFFLOAD_CLUSTER__ETCD_PASSWORD_FILE"] = str(tmp_path / "a.password")
     refused = _serve("--cluster", url, tmp_path=tmp_path, env=env)
     assert refused.returncode == 2, refused.stderr
