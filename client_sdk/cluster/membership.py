@@ -21,6 +21,7 @@ from kvoffload.wire.membership import (
     NO_ACCESS,
     EtcdAccess,
     Member,
+    MembersKey,
     decode_member,
     nodes_prefix,
     parse_range,
@@ -48,6 +49,7 @@ log = logging.getLogger("kvoffload.cluster")
 PARAMS = {
     "replicas": "copies of each block (default 1)",
     "front": "native (default) or nvme",
+    "members_key": "file with the cluster's membership key: ignore records not signed with it",
     # cluster+etcds:// (etcd over TLS) and etcd credentials; the nodes' TLS is the transport's.
     **{f"etcd_{name}": f"etcd: {meaning}" for name, meaning in ETCD_PARAMS.items()},
 }
@@ -68,6 +70,12 @@ class Membership(Protocol):
     @property
     def generation(self) -> int:
         """A number that grows each time `members` changes."""
+        ...
+
+    @property
+    def ignored(self) -> int:
+        """Records seen and ignored: malformed, foreign, or (with a membership key) unsigned
+        or badly signed; each version of a record counts once."""
         ...
 
     def wait_changed(self, generation: int, timeout_s: float) -> int:
@@ -93,6 +101,7 @@ class ClusterURL:
     path: str = ""
     extra: dict[str, str] = field(default_factory=dict)
     etcd: EtcdAccess = NO_ACCESS
+    members_key: str = ""  # etcd: a file with the key records must be signed with
 
 
 def _address(text: str, url: str) -> tuple[str, int]:
@@ -137,6 +146,9 @@ def parse_cluster_url(url: str, allowed_extra: dict[str, str] | None = None) -> 
     addresses = tuple(_address(a, url) for a in netloc.split(","))
     path = parts.path.strip("/")
     etcd = {k.removeprefix("etcd_"): params.pop(k) for k in list(params) if k.startswith("etcd_")}
+    members_key = params.pop("members_key", None)
+    if members_key is not None and (scheme == "cluster" or not members_key):
+        raise ConfigError(f"cluster URL {url!r}: members_key needs cluster+etcd and a file")
     if scheme != "cluster":
         if len(addresses) != 1:
             raise ConfigError(f"cluster URL {url!r}: name one etcd endpoint")
@@ -151,7 +163,9 @@ def parse_cluster_url(url: str, allowed_extra: dict[str, str] | None = None) -> 
             )
         except InvalidArgumentError as exc:
             raise ConfigError(f"cluster URL {url!r}: {exc}") from None
-        return ClusterURL("etcd", int(replicas), front, addresses, path, params, access)
+        return ClusterURL(
+            "etcd", int(replicas), front, addresses, path, params, access, members_key or ""
+        )
     if at or etcd:
         raise ConfigError(f"cluster URL {url!r}: etcd credentials and options need cluster+etcd")
     if len(set(addresses)) != len(addresses):
@@ -162,10 +176,16 @@ def parse_cluster_url(url: str, allowed_extra: dict[str, str] | None = None) -> 
 
 
 def open_membership(spec: ClusterURL, *, timeout_s: float = 2.0) -> Membership:
-    """The membership source a parsed URL names (an etcd one is watching when returned)."""
+    """The membership source a parsed URL names (an etcd one is watching when returned).
+
+    Raises: ConfigError: the members_key file cannot be read or holds no key.
+    """
     if spec.source == "etcd":
         ((host, port),) = spec.addresses
-        return EtcdMembership(host, port, spec.path, timeout_s=timeout_s, access=spec.etcd)
+        key = MembersKey.from_file(spec.members_key) if spec.members_key else None
+        return EtcdMembership(
+            host, port, spec.path, timeout_s=timeout_s, access=spec.etcd, members_key=key
+        )
     return StaticMembership.from_spec(spec)
 
 
@@ -203,6 +223,10 @@ class StaticMembership:
     def generation(self) -> int:
         return 0
 
+    @property
+    def ignored(self) -> int:
+        return 0
+
     def wait_changed(self, generation: int, timeout_s: float) -> int:
         # Nothing ever changes: wait the time asked for (or until closed).
         if generation == 0:
@@ -214,10 +238,16 @@ class StaticMembership:
 
 
 def read_members(
-    host: str, port: int, cluster: str, *, timeout_s: float = 2.0, access: EtcdAccess = NO_ACCESS
+    host: str,
+    port: int,
+    cluster: str,
+    *,
+    timeout_s: float = 2.0,
+    access: EtcdAccess = NO_ACCESS,
+    members_key: MembersKey | None = None,
 ) -> list[Member]:
-    """List the members registered in etcd once (no watch), skipping bad records with a log
-    line.
+    """List the members registered in etcd once (no watch), skipping bad records (with
+    `members_key`, unsigned and badly signed ones too) with a log line.
 
     Raises:
         TransportError, RemoteProtocolError: etcd cannot be reached or answered nonsense.
@@ -229,7 +259,7 @@ def read_members(
     members = []
     for kv in kvs:
         try:
-            members.append(decode_member(kv.key, kv.value, prefix))
+            members.append(decode_member(kv.key, kv.value, prefix, members_key, kv.lease))
         except KVOffloadError as exc:
             log.warning("cluster %s: ignoring record %r: %s", cluster, kv.key, exc)
     return sorted(members, key=lambda m: m.node_id)
@@ -252,10 +282,16 @@ class EtcdMembership:
         *,
         timeout_s: float = 2.0,
         access: EtcdAccess = NO_ACCESS,
+        members_key: MembersKey | None = None,
     ) -> None:
-        """Raises: ConfigError: a TLS or password file cannot be read; AuthError: etcd refused
+        """With `members_key`, only records signed with it count (the others are ignored,
+        logged once and counted in `ignored`).
+
+        Raises: ConfigError: a TLS or password file cannot be read; AuthError: etcd refused
         the credentials (a wrong password is no outage to wait out)."""
         self.cluster = cluster
+        self._members_key = members_key
+        self._ignored = 0
         self._prefix = nodes_prefix(cluster)
         self._gateway = EtcdGateway(host, port, timeout_s, access)
         self._records: dict[bytes, Member] = {}
@@ -279,6 +315,10 @@ class EtcdMembership:
     @property
     def generation(self) -> int:
         return self._generation
+
+    @property
+    def ignored(self) -> int:
+        return self._ignored
 
     def wait_changed(self, generation: int, timeout_s: float) -> int:
         with self._changed:
@@ -313,7 +353,7 @@ class EtcdMembership:
             return 0
         records: dict[bytes, Member] = {}
         for kv in kvs:
-            member = self._decode(kv.key, kv.value, kv.mod_revision)
+            member = self._decode(kv.key, kv.value, kv.mod_revision, kv.lease)
             if member is not None:
                 records[kv.key] = member
         self._publish(records)
@@ -346,7 +386,7 @@ class EtcdMembership:
             for event in events:
                 member = None
                 if event.value is not None:
-                    member = self._decode(event.key, event.value, event.revision)
+                    member = self._decode(event.key, event.value, event.revision, event.lease)
                 if member is None:
                     records.pop(event.key, None)
                 else:
@@ -356,14 +396,15 @@ class EtcdMembership:
             if ended:
                 return
 
-    def _decode(self, key: bytes, value: bytes, revision: int) -> Member | None:
+    def _decode(self, key: bytes, value: bytes, revision: int, lease: int) -> Member | None:
         try:
-            return decode_member(key, value, self._prefix)
+            return decode_member(key, value, self._prefix, self._members_key, lease)
         except KVOffloadError as exc:
             if (key, revision) not in self._logged:
                 if len(self._logged) > 10_000:
                     self._logged.clear()
                 self._logged.add((key, revision))
+                self._ignored += 1
                 log.warning("cluster %s: ignoring record %r: %s", self.cluster, key, exc)
             return None
 

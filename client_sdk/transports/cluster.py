@@ -514,6 +514,7 @@ class ClusterTransport:
                 **self.counters,
                 "replicas": self.replicas,
                 "members": len(targets),
+                "records_ignored": self._membership.ignored,
             }
         return merged
 

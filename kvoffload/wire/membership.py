@@ -11,6 +11,7 @@ gateway).
 from __future__ import annotations
 
 import base64
+import hmac
 import json
 import math
 import re
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
+
+import blake3
 
 from kvoffload.errors import AuthError, ConfigError, InvalidArgumentError, RemoteProtocolError
 
@@ -32,6 +35,7 @@ __all__ = [
     "EtcdEndpoint",
     "KeyValue",
     "Member",
+    "MembersKey",
     "Request",
     "WatchEvent",
     "auth_request",
@@ -196,6 +200,52 @@ def redact_url(url: str) -> str:
     return f"{scheme}://{user.partition(':')[0]}:***@{address}{slash}{tail}"
 
 
+# Domain separation: a membership MAC is never valid as any other keyed BLAKE3 of the project.
+_SIG_CONTEXT = b"kvoffload membership record\0"
+
+
+@dataclass(frozen=True)
+class MembersKey:
+    """A cluster's membership key: a 32-byte secret that nodes sign their records with and
+    clients verify them with (keyed BLAKE3). It is shared, so every holder, node or client, can
+    sign a record for any node. The secret is never in repr, str or a message."""
+
+    secret: bytes = field(repr=False)
+    source: str = ""  # where it was read from, for messages
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.secret, bytes) or len(self.secret) != 32:
+            raise InvalidArgumentError("a membership key is 32 bytes")
+
+    @classmethod
+    def from_file(cls, path: str) -> MembersKey:
+        """The key in `path`: its first line, 64 hex digits (``openssl rand -hex 32``).
+
+        Raises:
+            ConfigError: the file cannot be read or holds no such key (the message names the
+                file, never its content).
+        """
+        try:
+            line = Path(path).read_text().split("\n", 1)[0].strip()
+            return cls(bytes.fromhex(line) if len(line) == 64 else b"", path)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"membership key file {path!r}: {exc}") from None
+        except (ValueError, InvalidArgumentError):
+            raise ConfigError(
+                f"membership key file {path!r}: its first line must be 64 hex digits "
+                "(openssl rand -hex 32)"
+            ) from None
+
+    def sign(self, key: bytes, body: bytes) -> str:
+        """The MAC of the record `body` stored at etcd key `key` (which names the cluster and
+        the node), as hex."""
+        mac = blake3.blake3(_SIG_CONTEXT + key + b"\0" + body, key=self.secret)
+        return mac.hexdigest()
+
+    def verify(self, key: bytes, body: bytes, sig: str) -> bool:
+        return hmac.compare_digest(self.sign(key, body), sig)
+
+
 def nodes_prefix(cluster: str) -> bytes:
     """The etcd prefix under which the nodes of `cluster` register."""
     return f"/kvoffload/{check_name(cluster, 'cluster name')}/nodes/".encode()
@@ -236,24 +286,43 @@ class Member:
             raise InvalidArgumentError(f"node {node}: nonce must be a string of <= 64 chars")
 
 
-def encode_member(member: Member) -> bytes:
-    """The record's bytes (JSON: readable with `etcdctl get`)."""
-    record = {
+def _canonical(record: Mapping[str, Any]) -> bytes:
+    return json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+
+
+def encode_member(
+    member: Member, members_key: MembersKey | None = None, *, key: bytes = b"", lease: int = 0
+) -> bytes:
+    """The record's bytes (JSON: readable with `etcdctl get`). With `members_key` the record
+    carries the etcd `lease` it is put under and a MAC (``sig``) over itself and its etcd `key`:
+    a copy put at another key, under another lease or with any field changed does not verify."""
+    record: dict[str, Any] = {
         "v": RECORD_VERSION,
         "node_id": member.node_id,
         "fronts": dict(member.fronts),
         "weight": member.weight,
         "nonce": member.nonce,
     }
-    return json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+    if members_key is not None:
+        record["lease"] = str(lease)
+        record["sig"] = members_key.sign(key, _canonical(record))
+    return _canonical(record)
 
 
-def decode_member(key: bytes, value: bytes, prefix: bytes) -> Member:
-    """Parse the record stored at `key`.
+def decode_member(
+    key: bytes,
+    value: bytes,
+    prefix: bytes,
+    members_key: MembersKey | None = None,
+    lease: int = 0,
+) -> Member:
+    """Parse the record stored at `key` (under etcd lease `lease`); with `members_key`, only a
+    record signed with that key for this key and lease.
 
     Raises:
         RemoteProtocolError: not a record of this cluster (foreign key, bad JSON, unknown version,
-            a node id that is not the key's), or a bad field.
+            a node id that is not the key's), a bad field, or, with `members_key`, a record
+            that is unsigned, badly signed, or signed for another lease (a replay).
     """
     if not key.startswith(prefix):
         raise RemoteProtocolError(f"key {key[:80]!r} is not under {prefix!r}")
@@ -265,6 +334,8 @@ def decode_member(key: bytes, value: bytes, prefix: bytes) -> Member:
         raise RemoteProtocolError(f"record {key[:80]!r} is not JSON") from None
     if not isinstance(record, dict) or record.get("v") != RECORD_VERSION:
         raise RemoteProtocolError(f"record {key[:80]!r} is not a version {RECORD_VERSION} record")
+    if members_key is not None:
+        _check_signature(key, record, members_key, lease)
     node_id = key[len(prefix) :].decode("utf-8", "replace")
     if record.get("node_id") != node_id:
         raise RemoteProtocolError(f"record {key[:80]!r} names node {record.get('node_id')!r}")
@@ -275,6 +346,22 @@ def decode_member(key: bytes, value: bytes, prefix: bytes) -> Member:
         return Member(node_id, fronts, weight, nonce)  # type: ignore[arg-type]
     except (TypeError, InvalidArgumentError) as exc:
         raise RemoteProtocolError(f"record {key[:80]!r}: {exc}") from None
+
+
+def _check_signature(
+    key: bytes, record: dict[str, Any], members_key: MembersKey, lease: int
+) -> None:
+    sig = record.pop("sig", None)
+    if not isinstance(sig, str):
+        raise RemoteProtocolError(f"record {key[:80]!r} is not signed")
+    if not members_key.verify(key, _canonical(record), sig):
+        raise RemoteProtocolError(f"record {key[:80]!r} is not signed with the membership key")
+    # Signed for the lease it sits under: an old record put back under another lease (a
+    # replay after its node left) does not verify.
+    if record.get("lease") != str(lease):
+        raise RemoteProtocolError(
+            f"record {key[:80]!r} was signed for lease {record.get('lease')!r}, not {lease}"
+        )
 
 
 # ---------------------------------------------------------------------------- the gateway
@@ -295,6 +382,7 @@ class WatchEvent:
     key: bytes
     value: bytes | None
     revision: int
+    lease: int = 0
 
 
 Request = tuple[str, dict[str, Any]]
@@ -478,5 +566,5 @@ def parse_watch(line: bytes) -> tuple[list[WatchEvent], bool]:
     for event in result.get("events", []) or []:
         kv = _kv(event.get("kv") if isinstance(event, dict) else None)
         deleted = event.get("type") == "DELETE"
-        events.append(WatchEvent(kv.key, None if deleted else kv.value, kv.mod_revision))
+        events.append(WatchEvent(kv.key, None if deleted else kv.value, kv.mod_revision, kv.lease))
     return events, ended

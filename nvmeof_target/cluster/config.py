@@ -10,6 +10,7 @@ from kvoffload.wire.membership import (
     MIN_WEIGHT,
     EtcdAccess,
     EtcdEndpoint,
+    MembersKey,
     check_name,
     parse_etcd_url,
 )
@@ -42,6 +43,10 @@ class ClusterConfig:
     etcd_ca: str = ""
     etcd_cert: str = ""
     etcd_key: str = ""
+    # A file holding the cluster's membership key (64 hex digits): the node signs its record
+    # with it, so clients that hold the key ignore records nobody with the key wrote. "" =
+    # unsigned records.
+    members_key_file: str = ""
 
     def __post_init__(self) -> None:
         try:
@@ -68,6 +73,14 @@ class ClusterConfig:
             "key": self.etcd_key,
         }
         return {name: value for name, value in keys.items() if value}
+
+    def members_key(self) -> MembersKey | None:
+        """The membership key (read from its file now), or None.
+
+        Raises:
+            ConfigError: the file cannot be read or holds no key.
+        """
+        return MembersKey.from_file(self.members_key_file) if self.members_key_file else None
 
     @property
     def endpoint(self) -> EtcdEndpoint | None:

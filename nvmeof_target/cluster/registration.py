@@ -96,6 +96,7 @@ class Registration:
         self.cluster = endpoint.cluster
         self.etcd_url = str(endpoint)  # no password in it: it goes to logs
         self._etcd = EtcdClient(endpoint, CALL_TIMEOUT_S)
+        self._members_key = config.cluster.members_key()  # read now: a bad file fails at start
         self._config = config
         self._ttl = config.cluster.lease_ttl_s
         self._dir = Path(config.data_dir)
@@ -105,6 +106,7 @@ class Registration:
         self.node_id = config.cluster.node_id  # or, when "", the data dir's (open)
         self._own: set[str] = {self.nonce}
         self._lease = 0
+        self._value = b""  # the record as last put, to tell when someone changed it
         self._lock_fd = -1
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -218,12 +220,13 @@ class Registration:
     def _claim(self, lease: int) -> None:
         """Put the record under `lease` (see _register); revokes the lease when refused."""
         key = self._prefix + self.node_id.encode()
-        value = encode_member(self.member)
+        # Signed for this lease: a new lease (a rejoin) gets a new signature.
+        value = encode_member(self.member, self._members_key, key=key, lease=lease)
         replace, theirs = 0, ""
         for _ in range(4):  # each retry follows a record that changed under us
             done, current = parse_claim(self._call(claim_request(key, value, lease, replace)))
             if done:
-                self._lease = lease
+                self._lease, self._value = lease, value
                 log.info("cluster %s: registered node %s", self.cluster, self.node_id)
                 return
             if current is None:  # it expired between the compare and the read
@@ -257,7 +260,9 @@ class Registration:
                 if self._lease and lease_ttl(self._call(keepalive_request(self._lease))) > 0:
                     pause = _RETRY_FIRST_S
                     if not self._record_is_ours():
-                        log.warning("cluster %s: record gone; putting it back", self.cluster)
+                        log.warning(
+                            "cluster %s: record gone or changed; putting it back", self.cluster
+                        )
                         self._claim(self._lease)
                     continue
                 if self._lease:
@@ -275,9 +280,10 @@ class Registration:
             pause = min(pause * 2, _RETRY_MAX_S)
 
     def _record_is_ours(self) -> bool:
-        """Whether our record is still in etcd (someone may have deleted it by hand)."""
+        """Whether our record is still in etcd as we put it (someone may have deleted it, or
+        rewritten it under our lease: a signature-checking client would drop the node)."""
         _, kvs = parse_range(self._call(get_request(self._prefix + self.node_id.encode())))
-        return any(kv.lease == self._lease for kv in kvs)
+        return any(kv.lease == self._lease and kv.value == self._value for kv in kvs)
 
     def _call(self, request: Request) -> dict[str, Any]:
         return self._etcd.call(request)

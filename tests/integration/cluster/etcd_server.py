@@ -190,8 +190,6 @@ class EtcdServer:
 
     def keys(self, prefix: bytes) -> dict[bytes, bytes]:
         """The keys under `prefix` and their values (a direct read, for assertions)."""
-        import base64
-
         end = prefix[:-1] + bytes([prefix[-1] + 1])
         body = json.dumps(
             {"key": base64.b64encode(prefix).decode(), "range_end": base64.b64encode(end).decode()}
@@ -204,19 +202,17 @@ class EtcdServer:
             for kv in answer.get("kvs", [])
         }
 
-    def put(self, key: bytes, value: bytes) -> None:
-        import base64
-
-        body = json.dumps(
-            {"key": base64.b64encode(key).decode(), "value": base64.b64encode(value).decode()}
-        ).encode()
+    def put(self, key: bytes, value: bytes, lease: int = 0) -> None:
+        """Put `value` at `key` (held by `lease`, if not 0), as an open etcd lets anyone."""
+        fields = {"key": base64.b64encode(key).decode(), "value": base64.b64encode(value).decode()}
+        if lease:
+            fields["lease"] = str(lease)
+        body = json.dumps(fields).encode()
         req = urllib.request.Request(f"http://{self.endpoint}/v3/kv/put", data=body)
         with urllib.request.urlopen(req, timeout=5):
             pass
 
     def delete(self, key: bytes) -> None:
-        import base64
-
         body = json.dumps({"key": base64.b64encode(key).decode()}).encode()
         req = urllib.request.Request(f"http://{self.endpoint}/v3/kv/deleterange", data=body)
         with urllib.request.urlopen(req, timeout=5):

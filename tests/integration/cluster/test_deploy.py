@@ -97,6 +97,7 @@ def test_the_targets_are_a_statefulset_with_stable_ids_and_volumes(tmp_path: Pat
     files = [
         config.native.tls.cert_file, config.native.tls.key_file, endpoint.access.ca,
         endpoint.access.cert, endpoint.access.key, endpoint.access.password_file,
+        config.cluster.members_key_file,
     ]  # fmt: skip
     for file in files:
         (name,) = [n for n, at in mounts.items() if file.startswith(at + "/")]
@@ -117,6 +118,7 @@ def _assert_locked_down(config: Any) -> None:
     assert access.tls and access.ca and access.cert and access.key
     assert access.user and access.password_file and not access.password
     assert config.native.tls.enabled
+    assert config.cluster.members_key_file  # the node signs its record
 
 
 def test_etcd_serves_tls_only_with_client_certificates_and_turns_auth_on() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+from pathlib import Path
 
 import pytest
 
@@ -229,3 +230,73 @@ def test_weights_in_range_are_kept(weight: float) -> None:
     member = _member(weight=weight)
     assert etcd.decode_member(PREFIX + b"kv-1", etcd.encode_member(member), PREFIX) == member
     assert ClusterConfig(weight=weight).weight == weight
+
+
+# ---------------------------------------------------------------------- signed records
+
+
+def _key(tmp_path: Path, text: str, name: str = "members.key") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_signed_record_verifies_only_as_written(tmp_path: Path) -> None:
+    members_key = etcd.MembersKey.from_file(_key(tmp_path, "ab" * 32 + "\n"))
+    member, key = _member(weight=2.0, nonce="n1"), PREFIX + b"kv-1"
+    signed = etcd.encode_member(member, members_key, key=key, lease=77)
+    assert etcd.decode_member(key, signed, PREFIX, members_key, 77) == member
+    # A client without the key reads it as any record.
+    assert etcd.decode_member(key, signed, PREFIX) == member
+    record = json.loads(signed)
+    for field, value in [
+        ("fronts", {"native": "10.6.6.6:7480"}),
+        ("weight", 1_000_000.0),
+        ("nonce", "other"),
+        ("lease", "78"),
+    ]:
+        changed = json.dumps({**record, field: value}).encode()
+        with pytest.raises(RemoteProtocolError, match="not signed with the membership key"):
+            etcd.decode_member(key, changed, PREFIX, members_key, 77)
+    # The same bytes under another lease (put back after the node left) or at another node's key.
+    with pytest.raises(RemoteProtocolError, match="signed for lease '77', not 78"):
+        etcd.decode_member(key, signed, PREFIX, members_key, 78)
+    with pytest.raises(RemoteProtocolError, match="not signed with the membership key"):
+        etcd.decode_member(
+            PREFIX + b"kv-2", signed.replace(b"kv-1", b"kv-2"), PREFIX, members_key, 77
+        )
+    # Unsigned, or signed with another key.
+    with pytest.raises(RemoteProtocolError, match="is not signed"):
+        etcd.decode_member(key, etcd.encode_member(member), PREFIX, members_key, 0)
+    other = etcd.MembersKey(bytes(32))
+    with pytest.raises(RemoteProtocolError, match="not signed with the membership key"):
+        etcd.decode_member(
+            key, etcd.encode_member(member, other, key=key, lease=77), PREFIX, members_key, 77
+        )
+
+
+@pytest.mark.parametrize("text", ["", "ab" * 31, "zz" * 32, "ab" * 33])
+def test_a_bad_membership_key_file_is_a_config_error_without_its_content(
+    tmp_path: Path, text: str
+) -> None:
+    path = _key(tmp_path, text)
+    with pytest.raises(ConfigError, match="64 hex digits") as caught:
+        etcd.MembersKey.from_file(path)
+    assert (text not in str(caught.value)) or not text
+    with pytest.raises(ConfigError, match="membership key file"):
+        etcd.MembersKey.from_file(path + ".missing")
+
+
+def test_the_membership_key_stays_out_of_repr_and_urls(tmp_path: Path) -> None:
+    secret = "5e" * 32
+    path = _key(tmp_path, secret)
+    members_key = etcd.MembersKey.from_file(path)
+    assert secret not in repr(members_key) and members_key.secret.hex() == secret
+    spec = parse_cluster_url(f"cluster+etcd://etcd-1:2379/prod?members_key={path}")
+    assert spec.members_key == path
+    with pytest.raises(ConfigError, match="members_key needs cluster\\+etcd"):
+        parse_cluster_url(f"cluster://h1:7480?members_key={path}")
+    with pytest.raises(ConfigError, match="members_key needs cluster\\+etcd and a file"):
+        parse_cluster_url("cluster+etcd://etcd-1:2379/prod?members_key=")
+    config = ClusterConfig(etcd="etcd://etcd-1:2379/prod", members_key_file=path)
+    assert config.members_key() == members_key and secret not in repr(config)

@@ -312,6 +312,8 @@ def test_a_full_node_sends_puts_to_the_next_node_and_its_breaker_stays_closed(
 class _Records:
     """A membership whose records the test changes (as an etcd watch would deliver them)."""
 
+    ignored = 0
+
     def __init__(self, members: list[Member]) -> None:
         self._members = tuple(members)
         self.generation = 1
