@@ -20,7 +20,7 @@ from kvoffload.client_sdk.cluster.membership import (
     read_members,
 )
 from kvoffload.errors import ConfigError, InvalidArgumentError, KVOffloadError
-from kvoffload.wire.membership import parse_etcd_url
+from kvoffload.wire.membership import MembersKey, parse_etcd_url
 
 __all__ = ["NodeStatus", "cluster_status", "members_of"]
 
@@ -53,7 +53,7 @@ def members_of(url: str, *, timeout_s: float = 2.0) -> tuple[ClusterURL, list[Me
     cluster's `cluster+etcd[s]://...`).
 
     Raises:
-        ConfigError: not a cluster URL.
+        ConfigError: not a cluster URL, or its members_key file holds no key.
         TransportError: etcd cannot be reached.
         AuthError: etcd refused the URL's credentials.
     """
@@ -69,7 +69,11 @@ def members_of(url: str, *, timeout_s: float = 2.0) -> tuple[ClusterURL, list[Me
     if spec.source == "static":
         return spec, list(StaticMembership.from_spec(spec).members())
     ((host, port),) = spec.addresses
-    return spec, read_members(host, port, spec.path, timeout_s=timeout_s, access=spec.etcd)
+    # members_key= in the URL: show only the records signed with it, as a client would use.
+    key = MembersKey.from_file(spec.members_key) if spec.members_key else None
+    return spec, read_members(
+        host, port, spec.path, timeout_s=timeout_s, access=spec.etcd, members_key=key
+    )
 
 
 def _probe(member: Member, timeout_s: float, token: str, ca: str) -> NodeStatus:

@@ -21,6 +21,7 @@ from etcd_server import EtcdServer
 
 from kvoffload.client_sdk import Client
 from kvoffload.client_sdk.cluster import EtcdMembership
+from kvoffload.client_sdk.cluster.status import members_of
 from kvoffload.wire.membership import (
     KeyValue,
     Member,
@@ -150,6 +151,9 @@ def test_a_verifying_client_ignores_rogue_and_replayed_records(
         assert set(stats["nodes"]) == {"a", "b"} and stats["records_ignored"] >= 2
         client.put_many(blocks)
         assert client.get_many([k for k, _ in blocks]) == [v for _, v in blocks]
+    # `kvoffload cluster status` with the same URL lists what that client uses.
+    assert [m.node_id for m in members_of(url)[1]] == ["a", "b"]
+    assert "rogue" in [m.node_id for m in members_of(url.partition("?")[0])[1]]
     with Client.connect(rogue.url()) as direct:
         assert direct.get_many([k for k, _ in blocks]) == [None] * len(blocks)
     # The key is in no log line of the client or of the nodes.
