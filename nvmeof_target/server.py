@@ -98,6 +98,17 @@ class Daemon:
                 with contextlib.suppress(OSError):
                     parent.rmdir()
             raise
+        # A node clients may have known (its id kept in the data dir, or configured) holds no
+        # tombstones of what was deleted while it was down: repairs wait (`Tombstones`).
+        rejoining = bool(config.cluster.etcd) and bool(
+            config.cluster.node_id or (Path(config.data_dir) / cluster.ID_FILE).exists()
+        )
+        if config.cluster.etcd:
+            # A cluster node's blocks from before this start may be older than its replicas'
+            # (a delete or overwrite acknowledged while it was down): none is served again.
+            dropped = await loop.run_in_executor(executor, engine.clear)
+            if dropped:
+                log.info("cluster node: dropped %d block(s) from before this start", dropped)
         tenants = Tenants(config.tenants)
         tenants.apply_quotas(engine)
         metrics = Metrics(lambda: engine.stats().as_dict())
@@ -110,6 +121,8 @@ class Daemon:
             blocking_engine=config.ssd.capacity_bytes > 0 and _has_ssd_tier(engine),
             shard=self._shard,
         )
+        if rejoining:
+            services.tombstones.hold()
         self._services = services
         if config.events.enabled:
             services.events = KVEvents(
@@ -141,8 +154,17 @@ class Daemon:
                 "write every block",
                 config.native.host,
             )
-        self._cluster = await cluster.join(config, self.addresses, self._out)
+        self._cluster = await cluster.join(config, self.addresses, self._out, self._fence)
         print("kvoffload: ready", file=self._out, flush=True)
+
+    def _fence(self) -> None:
+        """Drop every block before registering again after the lease lapsed (clients placed
+        this node's keys elsewhere meanwhile), and refuse repairs for a while (`Tombstones`)."""
+        services = self._services
+        if services is not None:
+            dropped = services.engine.clear()
+            services.tombstones.hold()
+            log.warning("cluster: dropped %d block(s) to rejoin", dropped)
 
     @property
     def engine(self) -> Engine | None:
