@@ -108,7 +108,7 @@ class Daemon:
             # (a delete or overwrite acknowledged while it was down): none is served again.
             dropped = await loop.run_in_executor(executor, engine.clear)
             if dropped:
-                log.info("cluster node: dropped %d block(s) from before this start", dropped)
+                log.warning("cluster node: dropped %d block(s) from before this start", dropped)
         tenants = Tenants(config.tenants)
         tenants.apply_quotas(engine)
         metrics = Metrics(lambda: engine.stats().as_dict())

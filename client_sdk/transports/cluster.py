@@ -91,6 +91,9 @@ class ClusterTransport:
         open_node: opens a member's transport (called on its first use).
         deadline_s: the node transports' deadline; also the breaker's probe window.
         durable_puts: whether the nodes' front can store durably (NVMe/TCP cannot).
+        strict_puts: a put is acknowledged only when every one of each key's R + 1 best
+            members holds the new value or nothing (etcd membership: a member that missed it
+            has a lease that lapses, and drops its blocks when it rejoins).
     """
 
     def __init__(
@@ -100,9 +103,11 @@ class ClusterTransport:
         open_node: Callable[[Member], Transport],
         deadline_s: float = DEFAULT_DEADLINE_S,
         durable_puts: bool = True,
+        strict_puts: bool = False,
     ) -> None:
         self.replicas = replicas
         self._durable_puts = durable_puts
+        self._strict_puts = strict_puts
         self._membership = membership
         self._open_node = open_node
         self._deadline_s = deadline_s
@@ -308,7 +313,8 @@ class ClusterTransport:
             raise InvalidArgumentError("cluster front=nvme has no durable stores (no FUA)")
         keys = [item[0] for item in items]
         stored = [0] * len(items)
-        owners_of: list[set[Target]] = [set() for _ in items]
+        owners_of: list[set[Target]] = [set() for _ in items]  # hold the new value
+        cleared_on: list[set[Target]] = [set() for _ in items]  # hold no copy now
         failed: set[Target] = set()
         refusals = errors = 0  # a full node's refusals, and all errors
         pending = list(range(len(items)))
@@ -350,6 +356,8 @@ class ClusterTransport:
                     if len(put_at) < len(at):
                         self._count("clears_failed", len(at) - len(put_at))
                     continue
+                for i in cleared.intersection(at):
+                    cleared_on[i].add(target)
                 target.count("blocks_put", len(put_at))
                 if attempt:
                     target.count("rerouted_in", len(put_at))
@@ -362,6 +370,36 @@ class ClusterTransport:
             if not attempt:
                 self._count("puts_rerouted", len(pending))
         self._settle_puts(stored, durable, full=0 < refusals == errors)
+        if self._strict_puts:
+            self._acknowledge(keys, owners_of, cleared_on)
+
+    def _acknowledge(
+        self, keys: Sequence[bytes], owners_of: list[set[Target]], cleared_on: list[set[Target]]
+    ) -> None:
+        """Raise unless every key's R + 1 best members (down or not) hold the new value or no
+        copy: one that missed the put may serve the older value once it answers again.
+
+        Raises:
+            TransportError: some key's member did not answer (the put is stored elsewhere).
+        """
+        members = self._current()
+        if not members or not keys:
+            return
+        ranks = self._placement(members).rank_many(keys, self.replicas + 1)
+        missed: set[str] = set()
+        short = 0
+        for i, row in enumerate(ranks):
+            done = owners_of[i] | cleared_on[i]
+            absent = [members[r].node_id for r in row if members[r] not in done]
+            if absent:
+                short += 1
+                missed.update(absent)
+        if short:
+            raise TransportError(
+                f"put not acknowledged for {short} of {len(keys)} block(s): node(s) "
+                f"{', '.join(sorted(missed))} did not answer (stored on the others; a member "
+                "that misses an overwrite could serve the older value); retry"
+            )
 
     @staticmethod
     def _clear(target: Target, keys: list[bytes]) -> None:
@@ -686,7 +724,12 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
 
     membership = open_membership(spec, timeout_s=deadline)
     return ClusterTransport(
-        membership, spec.replicas, open_node, deadline, durable_puts=front == "native"
+        membership,
+        spec.replicas,
+        open_node,
+        deadline,
+        durable_puts=front == "native",
+        strict_puts=spec.source == "etcd",
     )
 
 
