@@ -100,8 +100,9 @@ class Daemon:
             raise
         # A node clients may have known (its id kept in the data dir, or configured) holds no
         # tombstones of what was deleted while it was down: repairs wait (`Tombstones`).
+        node_dir = Path(config.data_dir).parent if self._shard else Path(config.data_dir)
         rejoining = bool(config.cluster.etcd) and bool(
-            config.cluster.node_id or (Path(config.data_dir) / cluster.ID_FILE).exists()
+            config.cluster.node_id or (node_dir / cluster.ID_FILE).exists()
         )
         if config.cluster.etcd:
             # A cluster node's blocks from before this start may be older than its replicas'
@@ -154,7 +155,8 @@ class Daemon:
                 "write every block",
                 config.native.host,
             )
-        self._cluster = await cluster.join(config, self.addresses, self._out, self._fence)
+        if self._shard is None:  # a worker's node registers from its supervisor (workers.py)
+            self._cluster = await cluster.join(config, self.addresses, self._out, self._fence)
         print("kvoffload: ready", file=self._out, flush=True)
 
     def _fence(self) -> None:

@@ -233,3 +233,21 @@ def test_a_repaired_copy_keeps_its_parent_and_metadata(
             assert transport.describe(key) == (True, parent, meta.encode())
         finally:
             transport.close()
+
+
+def test_a_node_with_several_workers_drops_its_blocks_when_it_restarts(
+    start_node: StartNode, cluster_etcd: EtcdServer
+) -> None:
+    """Each worker of a cluster node drops what its shard's SSD kept, as a one-process node
+    does (the supervisor registers; the workers must still know they serve a cluster)."""
+    workers = {"KVOFFLOAD_SERVER__WORKERS": "2"}
+    node = start_node(ssd=SSD, env=workers)
+    keys = _keys(40, seed=81)
+    with _direct(node) as direct:
+        for key in keys:
+            direct.put(key, _value(key), durable=True)
+        assert direct.stats().store["shards"] == 2
+    node.kill()
+    again = start_node(host=node.host, data=node.data_dir, ssd=SSD, env=workers)
+    with _direct(again) as direct:
+        assert direct.get_many(keys) == [None] * len(keys)
