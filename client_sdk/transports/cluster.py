@@ -8,7 +8,14 @@ that needs a second rank sends a second batch only for the keys still missing.
 
 Failures are misses: a node that fails (down, past the deadline, cut off) answers nothing for
 that call and its breaker opens (`cluster.target`); a put meant for it goes to the next node in
-HRW order. A put raises only when some block could be stored on no node at all.
+HRW order. A put raises when some block could be stored on no node at all, and (etcd
+membership) when it is not acknowledged, below.
+
+With etcd membership a put or delete is acknowledged only when every one of each key's R + 1
+best members (down or not) answered: a node that missed a write keeps its record only until the
+lease lapses, and drops its blocks when it rejoins (the daemon), so it cannot serve the older
+value. Read repair only copies forward: the node stores a copy only where the key is absent and
+was not deleted lately (`Repair`, protocol 5), with the source's parent and metadata.
 
 A caller's error (`InvalidArgumentError`: a buffer too small, a value too large) is raised to the
 caller as over `kv://` and is no failure of the node; a full node's `CapacityError` sends the put
