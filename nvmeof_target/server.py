@@ -65,6 +65,7 @@ class Daemon:
         self._fronts: list[Front] = []
         self._services: Services | None = None
         self._cluster: cluster.Registration | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the fence's thread calls into it
         self._stop = asyncio.Event()
         self.addresses: dict[str, tuple[str, int]] = {}
 
@@ -87,7 +88,7 @@ class Daemon:
                 if not parent.exists():
                     parent.mkdir()
                     made.append(parent)
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         executor = ThreadPoolExecutor(config.server.io_threads, thread_name_prefix="kvoffload-io")
         # Opening may replay a journal or prefault the arena: keep the loop responsive.
         try:
@@ -162,11 +163,19 @@ class Daemon:
     def _fence(self) -> None:
         """Drop every block before registering again after the lease lapsed (clients placed
         this node's keys elsewhere meanwhile), and refuse repairs for a while (`Tombstones`)."""
-        services = self._services
-        if services is not None:
-            dropped = services.engine.clear()
-            services.tombstones.hold()
-            log.warning("cluster: dropped %d block(s) to rejoin", dropped)
+        services, loop = self._services, self._loop
+        if services is None or loop is None:
+            return
+        # First the connections: a request sent before the cut (a TCP retransmission after
+        # the link came back) must not be applied after the blocks are gone.
+        asyncio.run_coroutine_threadsafe(self._drop_connections(), loop).result(30)
+        dropped = services.engine.clear()
+        services.tombstones.hold()
+        log.warning("cluster: dropped %d block(s) and every connection to rejoin", dropped)
+
+    async def _drop_connections(self) -> None:
+        for front in self._fronts:
+            front.drop_connections()
 
     @property
     def engine(self) -> Engine | None:

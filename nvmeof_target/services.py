@@ -124,3 +124,8 @@ class Front(Protocol):
     async def stop(self, timeout: float) -> None:
         """Stop accepting, finish in-flight requests (for at most `timeout` s), close."""
         ...
+
+    def drop_connections(self) -> None:
+        """Close every connection now, dropping what it queued (a cluster node rejoining:
+        a write sent before it dropped its blocks must not land after)."""
+        ...
