@@ -278,6 +278,30 @@ class Engine:
             holder = self._m.holder(key)
             return None if holder is None else holder.meta_of(key)
 
+    def describe(self, key: bytes) -> tuple[bool, bytes | None, bytes | None]:
+        """Whether `key` is stored, with the parent key and the metadata it was stored with
+        (what a copy of the block onto another node needs to keep its place in the chain)."""
+        _check_key(key)
+        with self._lock:
+            self._m.check_open()
+            entry = self._m.index.lookup(key)
+            if entry is not None:
+                return True, entry.parent, entry.meta
+            for tier in self._m.lower:
+                if tier.contains(key):
+                    return True, tier.parent_of(key), tier.meta_of(key)
+            return False, None, None
+
+    def clear(self) -> int:
+        """Delete every stored block (DRAM and below); how many keys were deleted. For a
+        cluster node that (re)joins: what it held before may be older than its replicas'."""
+        with self._lock:
+            self._m.check_open()
+            keys = {entry.key for entry in self._m.index.values()}
+            for tier in self._m.lower:
+                keys.update(tier.keys())
+        return sum(self._m.delete(key) for key in keys)
+
     def described_table(self) -> DescribedTable:
         """Every stored block that has metadata, as arrays: key, tenant, metadata, tiers.
 

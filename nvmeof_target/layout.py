@@ -137,7 +137,8 @@ def shard_config(config: Config, index: int, count: int) -> Config:
     return replace(
         config,
         server=replace(config.server, workers=1),
-        cluster=replace(config.cluster, etcd=""),  # the supervisor registers the node
+        # The supervisor registers the node; a worker keeps `etcd` to know it is a cluster
+        # node's shard (it drops its blocks at start: server.py).
         nvme=nvme,
         metrics=replace(config.metrics, enabled=False),
         dram=dram,

@@ -66,6 +66,7 @@ class Daemon:
         self._fronts: list[Front] = []
         self._services: Services | None = None
         self._cluster: cluster.Registration | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the fence's thread calls into it
         self._stop = asyncio.Event()
         self.addresses: dict[str, tuple[str, int]] = {}
 
@@ -88,7 +89,7 @@ class Daemon:
                 if not parent.exists():
                     parent.mkdir()
                     made.append(parent)
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         executor = ThreadPoolExecutor(config.server.io_threads, thread_name_prefix="kvoffload-io")
         # Opening may replay a journal or prefault the arena: keep the loop responsive.
         try:
@@ -99,6 +100,18 @@ class Daemon:
                 with contextlib.suppress(OSError):
                     parent.rmdir()
             raise
+        # A node clients may have known (its id kept in the data dir, or configured) holds no
+        # tombstones of what was deleted while it was down: repairs wait (`Tombstones`).
+        node_dir = Path(config.data_dir).parent if self._shard else Path(config.data_dir)
+        rejoining = bool(config.cluster.etcd) and bool(
+            config.cluster.node_id or (node_dir / cluster.ID_FILE).exists()
+        )
+        if config.cluster.etcd:
+            # A cluster node's blocks from before this start may be older than its replicas'
+            # (a delete or overwrite acknowledged while it was down): none is served again.
+            dropped = await loop.run_in_executor(executor, engine.clear)
+            if dropped:
+                log.warning("cluster node: dropped %d block(s) from before this start", dropped)
         tenants = Tenants(config.tenants)
         tenants.apply_quotas(engine)
         metrics = Metrics(lambda: engine.stats().as_dict(), config.metrics.tenant_labels)
@@ -111,6 +124,8 @@ class Daemon:
             blocking_engine=config.ssd.capacity_bytes > 0 and _has_ssd_tier(engine),
             shard=self._shard,
         )
+        if rejoining:
+            services.tombstones.hold()
         self._services = services
         if config.events.enabled:
             services.events = KVEvents(
@@ -148,8 +163,26 @@ class Daemon:
                 "write every block",
                 config.native.host,
             )
-        self._cluster = await cluster.join(config, self.addresses, self._out)
+        if self._shard is None:  # a worker's node registers from its supervisor (workers.py)
+            self._cluster = await cluster.join(config, self.addresses, self._out, self._fence)
         print("kvoffload: ready", file=self._out, flush=True)
+
+    def _fence(self) -> None:
+        """Drop every block before registering again after the lease lapsed (clients placed
+        this node's keys elsewhere meanwhile), and refuse repairs for a while (`Tombstones`)."""
+        services, loop = self._services, self._loop
+        if services is None or loop is None:
+            return
+        # First the connections: a request sent before the cut (a TCP retransmission after
+        # the link came back) must not be applied after the blocks are gone.
+        asyncio.run_coroutine_threadsafe(self._drop_connections(), loop).result(30)
+        dropped = services.engine.clear()
+        services.tombstones.hold()
+        log.warning("cluster: dropped %d block(s) and every connection to rejoin", dropped)
+
+    async def _drop_connections(self) -> None:
+        for front in self._fronts:
+            front.drop_connections()
 
     @property
     def engine(self) -> Engine | None:

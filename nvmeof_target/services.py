@@ -20,6 +20,7 @@ from kvoffload.nvmeof_target.config import Config
 from kvoffload.nvmeof_target.events.publisher import KVEvents
 from kvoffload.nvmeof_target.metrics import Metrics
 from kvoffload.nvmeof_target.tenants import Tenants
+from kvoffload.nvmeof_target.tombstones import Tombstones
 from kvoffload.wire.shards import shard_of
 
 if TYPE_CHECKING:
@@ -100,6 +101,8 @@ class Services:
     nixl: NixlAgent | None = None
     started: float = field(default_factory=time.monotonic)
     answer_pins: PinBudget = field(init=False)
+    # Keys deleted lately, which a cluster's read repair must not bring back (`Repair`).
+    tombstones: Tombstones = field(default_factory=Tombstones)
 
     def __post_init__(self) -> None:
         share = self.config.native.answer_pin_share
@@ -120,4 +123,9 @@ class Front(Protocol):
 
     async def stop(self, timeout: float) -> None:
         """Stop accepting, finish in-flight requests (for at most `timeout` s), close."""
+        ...
+
+    def drop_connections(self) -> None:
+        """Close every connection now, dropping what it queued (a cluster node rejoining:
+        a write sent before it dropped its blocks must not land after)."""
         ...

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvoffload.wire.tiers import TierRun
 
 __all__ = [
     "AsyncTransport",
+    "Repairing",
     "HeldBlock",
     "IntoBuffer",
     "PutItem",
@@ -187,6 +188,29 @@ class Transport(Protocol):
     def stats(self) -> dict[str, object]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class Repairing(Protocol):
+    """A transport that can copy a block onto a cluster node that missed it without undoing
+    a newer write or a delete (the native front from protocol 5). Each method answers None
+    when the node cannot (an older daemon): the cluster then repairs nothing there."""
+
+    def repair(
+        self, key: bytes, parts: Sequence[object], parent: bytes | None, meta: bytes | None
+    ) -> bool | None:
+        """Store the copy only where `key` is absent and was not deleted lately; whether it
+        was stored."""
+        ...
+
+    def describe(self, key: bytes) -> tuple[bool, bytes | None, bytes | None] | None:
+        """Whether `key` is stored, with the parent and block metadata it was stored with."""
+        ...
+
+    def delete_many(self, keys: Sequence[bytes]) -> list[bool] | None:
+        """Drop `keys`' copies (no tombstones: a cluster put clearing a key's next node);
+        which were stored."""
+        ...
 
 
 class AsyncTransport(Protocol):

@@ -8,7 +8,14 @@ that needs a second rank sends a second batch only for the keys still missing.
 
 Failures are misses: a node that fails (down, past the deadline, cut off) answers nothing for
 that call and its breaker opens (`cluster.target`); a put meant for it goes to the next node in
-HRW order. A put raises only when some block could be stored on no node at all.
+HRW order. A put raises when some block could be stored on no node at all, and (etcd
+membership) when it is not acknowledged, below.
+
+With etcd membership a put or delete is acknowledged only when every one of each key's R + 1
+best members (down or not) answered: a node that missed a write keeps its record only until the
+lease lapses, and drops its blocks when it rejoins (the daemon), so it cannot serve the older
+value. Read repair only copies forward: the node stores a copy only where the key is absent and
+was not deleted lately (`Repair`, protocol 5), with the source's parent and metadata.
 
 A caller's error (`InvalidArgumentError`: a buffer too small, a value too large) is raised to the
 caller as over `kv://` and is no failure of the node; a full node's `CapacityError` sends the put
@@ -20,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from functools import partial
@@ -37,6 +45,7 @@ from kvoffload.client_sdk.transports.base import (
     HeldBlock,
     PutItem,
     Received,
+    Repairing,
     ThreadedAsyncTransport,
     Transport,
 )
@@ -50,6 +59,7 @@ from kvoffload.errors import (
     TransportError,
 )
 from kvoffload.wire.membership import Member
+from kvoffload.wire.native.connection import REPAIR_MAX_AGE_S
 from kvoffload.wire.shards import merge_stats
 from kvoffload.wire.tiers import Tier, TierRun
 
@@ -92,6 +102,9 @@ class ClusterTransport:
         open_node: opens a member's transport (called on its first use).
         deadline_s: the node transports' deadline; also the breaker's probe window.
         durable_puts: whether the nodes' front can store durably (NVMe/TCP cannot).
+        strict_puts: a put is acknowledged only when every one of each key's R + 1 best
+            members holds the new value or nothing (etcd membership: a member that missed it
+            has a lease that lapses, and drops its blocks when it rejoins).
     """
 
     def __init__(
@@ -101,9 +114,11 @@ class ClusterTransport:
         open_node: Callable[[Member], Transport],
         deadline_s: float = DEFAULT_DEADLINE_S,
         durable_puts: bool = True,
+        strict_puts: bool = False,
     ) -> None:
         self.replicas = replicas
         self._durable_puts = durable_puts
+        self._strict_puts = strict_puts
         self._membership = membership
         self._open_node = open_node
         self._deadline_s = deadline_s
@@ -119,7 +134,16 @@ class ClusterTransport:
         self._max_value_bytes: int | None = None
         self._closed = False
         self.counters = dict.fromkeys(
-            ("puts_rerouted", "puts_short", "puts_lost", "repairs", "repairs_skipped"), 0
+            (
+                "puts_rerouted",
+                "puts_short",
+                "puts_lost",
+                "clears_failed",
+                "repairs",
+                "repairs_skipped",
+                "repairs_refused",
+            ),
+            0,
         )
 
     # ------------------------------------------------------------------ members and placement
@@ -158,7 +182,11 @@ class ClusterTransport:
         live = [t for t in self._current() if t not in exclude and t.admit()]
         if not live or not keys:
             return live, np.zeros((len(keys), 0), dtype=np.intp)
-        members = [t.member for t in live]
+        # Placement sorts members by node id, like `live` (`_current` sorts them).
+        return live, self._placement(live).rank_many(keys, width)
+
+    def _placement(self, targets: Sequence[Target]) -> Placement:
+        members = [t.member for t in targets]
         # Keyed by ids and weights: a node whose weight changed is ranked anew.
         ident = tuple((m.node_id, m.weight) for m in members)
         placement = self._placements.get(ident)
@@ -166,8 +194,14 @@ class ClusterTransport:
             if len(self._placements) > 64:
                 self._placements.clear()
             placement = self._placements[ident] = Placement(members)
-        # Placement sorts members by node id, like `live` (`_current` sorts them).
-        return live, placement.rank_many(keys, width)
+        return placement
+
+    def _owners(self, key: bytes, width: int) -> list[Target]:
+        """The key's `width` best members, whether their breaker is open or not."""
+        members = self._current()
+        if not members:
+            return []
+        return [members[n] for n in self._placement(members).rank_many([key], width)[0]]
 
     def _fanout(
         self,
@@ -290,33 +324,55 @@ class ClusterTransport:
             raise InvalidArgumentError("cluster front=nvme has no durable stores (no FUA)")
         keys = [item[0] for item in items]
         stored = [0] * len(items)
-        owners_of: list[set[Target]] = [set() for _ in items]
+        owners_of: list[set[Target]] = [set() for _ in items]  # hold the new value
+        cleared_on: list[set[Target]] = [set() for _ in items]  # hold no copy now
         failed: set[Target] = set()
         refusals = errors = 0  # a full node's refusals, and all errors
         pending = list(range(len(items)))
         for attempt in range(2):
-            live, ranks = self._plan([keys[i] for i in pending], self.replicas, frozenset(failed))
+            # The first round also clears each key off its next node (rank R): a copy put
+            # there while an owner was down must not outlive this put (it would be read
+            # when the owners miss, an older value).
+            width = self.replicas + (attempt == 0)
+            live, ranks = self._plan([keys[i] for i in pending], width, frozenset(failed))
             groups: dict[Target, list[int]] = {}
+            clears: dict[Target, set[int]] = {}
             for row, i in enumerate(pending):
                 for r in range(ranks.shape[1]):
                     target = live[ranks[row, r]]
-                    if target not in owners_of[i]:
+                    if r == self.replicas:
+                        clears.setdefault(target, set()).add(i)
                         groups.setdefault(target, []).append(i)
-            sent = self._fanout(
-                groups, lambda t, at: t.transport.put_many([items[i] for i in at], durable)
-            )
+                    elif target not in owners_of[i]:
+                        groups.setdefault(target, []).append(i)
+
+            def call(t: Target, at: list[int], clears: dict[Target, set[int]] = clears) -> None:
+                cleared = clears.get(t, set())
+                puts = [items[i] for i in at if i not in cleared]
+                if puts:
+                    t.transport.put_many(puts, durable)
+                if cleared:
+                    self._clear(t, [keys[i] for i in at if i in cleared])
+
+            sent = self._fanout(groups, call)
             retry: set[int] = set()
             for target, at, _, exc in sent:
+                cleared = clears.get(target, set())
+                put_at = [i for i in at if i not in cleared]
                 if exc is not None:
                     errors += 1
                     refusals += isinstance(exc, REFUSALS)
                     failed.add(target)
-                    retry.update(at)
+                    retry.update(put_at)
+                    if len(put_at) < len(at):
+                        self._count("clears_failed", len(at) - len(put_at))
                     continue
-                target.count("blocks_put", len(at))
+                for i in cleared.intersection(at):
+                    cleared_on[i].add(target)
+                target.count("blocks_put", len(put_at))
                 if attempt:
-                    target.count("rerouted_in", len(at))
-                for i in at:
+                    target.count("rerouted_in", len(put_at))
+                for i in put_at:
                     stored[i] += 1
                     owners_of[i].add(target)
             pending = sorted(i for i in retry if stored[i] < self.replicas)
@@ -325,6 +381,45 @@ class ClusterTransport:
             if not attempt:
                 self._count("puts_rerouted", len(pending))
         self._settle_puts(stored, durable, full=0 < refusals == errors)
+        if self._strict_puts:
+            self._acknowledge(keys, owners_of, cleared_on)
+
+    def _acknowledge(
+        self, keys: Sequence[bytes], owners_of: list[set[Target]], cleared_on: list[set[Target]]
+    ) -> None:
+        """Raise unless every key's R + 1 best members (down or not) hold the new value or no
+        copy: one that missed the put may serve the older value once it answers again.
+
+        Raises:
+            TransportError: some key's member did not answer (the put is stored elsewhere).
+        """
+        members = self._current()
+        if not members or not keys:
+            return
+        ranks = self._placement(members).rank_many(keys, self.replicas + 1)
+        missed: set[str] = set()
+        short = 0
+        for i, row in enumerate(ranks):
+            done = owners_of[i] | cleared_on[i]
+            absent = [members[r].node_id for r in row if members[r] not in done]
+            if absent:
+                short += 1
+                missed.update(absent)
+        if short:
+            raise TransportError(
+                f"put not acknowledged for {short} of {len(keys)} block(s): node(s) "
+                f"{', '.join(sorted(missed))} did not answer (stored on the others; a member "
+                "that misses an overwrite could serve the older value); retry"
+            )
+
+    @staticmethod
+    def _clear(target: Target, keys: list[bytes]) -> None:
+        """Drop `keys`' copies on `target` (a batch where the node can, else one by one)."""
+        transport = target.transport
+        if isinstance(transport, Repairing) and transport.delete_many(keys) is not None:
+            return
+        for key in keys:
+            transport.delete(key)
 
     def _settle_puts(self, stored: list[int], durable: bool, full: bool = False) -> None:
         lost = sum(1 for n in stored if n == 0)
@@ -371,7 +466,9 @@ class ClusterTransport:
     ) -> list[Got]:
         """Rank by rank: the keys still missing go to their next node (up to R + 1 ranks); a
         block found below an owner that answered "miss" is copied to that owner."""
+        sent_at = time.monotonic()  # a repair's age counts from before the read went out
         out: list[Got] = [None] * len(keys)
+        source: dict[int, Target] = {}
         live, ranks = self._plan(keys, self.replicas + 1)
         missed: dict[int, list[Target]] = {}
         pending = list(range(len(keys)))
@@ -393,6 +490,7 @@ class ClusterTransport:
                                 missed.setdefault(i, []).append(target)
                         else:
                             out[i], hits = block, hits + 1
+                            source[i] = target
                     target.count("hits", hits)
                     target.count("misses", len(at) - hits)
                 # Raised once this rank's blocks are in `out`, so that they are released.
@@ -405,13 +503,26 @@ class ClusterTransport:
             raise
         for i, owners in missed.items():
             if out[i] is not None:
-                self._repair(keys[i], out[i], buffers[i] if buffers is not None else None, owners)
+                buffer = buffers[i] if buffers is not None else None
+                self._repair(keys[i], out[i], buffer, owners, source[i], sent_at)
         return out
 
     def _repair(
-        self, key: bytes, block: Got, buffer: memoryview | None, owners: list[Target]
+        self,
+        key: bytes,
+        block: Got,
+        buffer: memoryview | None,
+        owners: list[Target],
+        source: Target,
+        sent_at: float,
     ) -> None:
-        """Copy a block found on a previous owner to the owners that missed it (background)."""
+        """Copy a block found below its owners to the owners that missed it (background).
+
+        A copy only ever moves forward: it carries the source's parent and metadata, and the
+        owner stores it only where the key is absent and was not deleted lately (`Repair`);
+        it is dropped past `REPAIR_MAX_AGE_S` from the read, and when the source no longer
+        holds the key. Nodes that cannot check (an older daemon, the NVMe/TCP front) get no
+        copy: a read still finds the block below."""
         if not self._repairs.acquire(blocking=False):
             self._count("repairs_skipped")
             return
@@ -421,14 +532,38 @@ class ClusterTransport:
         else:
             value = bytes(block.data) if block is not None else b""
 
+        def fresh() -> bool:
+            if time.monotonic() - sent_at <= REPAIR_MAX_AGE_S:
+                return True
+            self._count("repairs_skipped")
+            return False
+
         def copy() -> None:
             try:
+                origin = source.transport
+                if not fresh() or not isinstance(origin, Repairing):
+                    return
+                try:
+                    described = origin.describe(key)
+                except KVOffloadError as exc:
+                    source.answered(exc)
+                    return
+                if described is None or not described[0]:
+                    return  # gone from the source since (deleted): nothing to copy
+                _, parent, meta = described
                 for target in owners:
+                    into = target.transport
+                    if not fresh() or not isinstance(into, Repairing):
+                        continue
                     try:
-                        target.transport.put(key, [value], None)
-                        target.count("repairs")
+                        stored = into.repair(key, [value], parent, meta)
                     except KVOffloadError as exc:
                         target.answered(exc)
+                        continue
+                    if stored:
+                        target.count("repairs")
+                    elif stored is not None:
+                        self._count("repairs_refused")
             finally:
                 self._repairs.release()
 
@@ -493,9 +628,25 @@ class ClusterTransport:
         return sum(n or 0 for _, _, n, _ in answers)
 
     def delete(self, key: bytes) -> bool:
+        """Delete the key on its R + 1 best nodes. Acknowledged (returns) only when every one
+        of its R + 1 best *members* answered: a member that did not (down while its record
+        lives, cut off) may still serve the key, so the delete raises, and the caller retries
+        (it succeeds once the node answers, or once its record is gone: a node that returns
+        to the membership drops its blocks first).
+
+        Raises:
+            TransportError: some of the key's R + 1 best members did not answer.
+        """
         live, ranks = self._plan([key], self.replicas + 1)
         groups = {live[r]: [0] for r in ranks[0]}
         answers = self._fanout(groups, lambda t, at: t.transport.delete(key))
+        answered = {t for t, _, _, exc in answers if exc is None}
+        missing = [t.node_id for t in self._owners(key, self.replicas + 1) if t not in answered]
+        if missing:
+            raise TransportError(
+                f"delete not acknowledged: node(s) {', '.join(missing)} did not answer "
+                "(a member that misses a delete could serve the key again); retry"
+            )
         return any(found for _, _, found, _ in answers)
 
     def stats(self) -> dict[str, object]:
@@ -604,7 +755,12 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
 
     membership = open_membership(spec, timeout_s=deadline)
     return ClusterTransport(
-        membership, spec.replicas, open_node, deadline, durable_puts=front == "native"
+        membership,
+        spec.replicas,
+        open_node,
+        deadline,
+        durable_puts=front == "native",
+        strict_puts=spec.source == "etcd",
     )
 
 

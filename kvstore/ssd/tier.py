@@ -166,6 +166,14 @@ class SsdTier:
     def meta_of(self, key: bytes) -> bytes | None:
         return self.cat.meta.get(key)
 
+    def parent_of(self, key: bytes) -> bytes | None:
+        row = self.index.find(key)
+        return None if row == EMPTY else self.index.parent_of(row)
+
+    def keys(self) -> list[bytes]:
+        """Every key the tier holds (under the engine's lock)."""
+        return [self.index.key_of(int(row)) for row in self.index.live_rows()]
+
     def length_of(self, key: bytes) -> int | None:
         row = self.index.find(key)
         return None if row == EMPTY else int(self.index.rows["length"][row])

@@ -25,7 +25,7 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -90,7 +90,14 @@ class NodeIdClaimedError(ConfigError):
 class Registration:
     """This node's record in etcd (open → a keepalive thread → close)."""
 
-    def __init__(self, config: Config, addresses: Mapping[str, tuple[str, int]]) -> None:
+    def __init__(
+        self,
+        config: Config,
+        addresses: Mapping[str, tuple[str, int]],
+        fence: Callable[[], object] | None = None,
+    ) -> None:
+        """`fence`: drops the node's blocks before it registers again after its lease lapsed
+        (clients placed its keys elsewhere meanwhile: what it holds may be older)."""
         endpoint = config.cluster.endpoint
         assert endpoint is not None, "Registration needs [cluster] etcd"
         self.cluster = endpoint.cluster
@@ -107,6 +114,8 @@ class Registration:
         self._own: set[str] = {self.nonce}
         self._lease = 0
         self._value = b""  # the record as last put, to tell when someone changed it
+        self._fence = fence
+        self._fenced = True  # the blocks held now are as new as the registration
         self._lock_fd = -1
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -268,6 +277,11 @@ class Registration:
                 if self._lease:
                     log.warning("cluster %s: lease expired; registering again", self.cluster)
                     self._lease = 0
+                    self._fenced = False
+                if not self._fenced and self._fence is not None:
+                    # Before the record is back: no client places a key here meanwhile.
+                    self._fence()
+                    self._fenced = True
                 self._register()
                 pause = _RETRY_FIRST_S
             except (NodeIdClaimedError, AuthError) as exc:
@@ -312,7 +326,10 @@ def _capacity_gib(config: Config) -> float:
 
 
 async def join(
-    config: Config, addresses: Mapping[str, tuple[str, int]], out: TextIO
+    config: Config,
+    addresses: Mapping[str, tuple[str, int]],
+    out: TextIO,
+    fence: Callable[[], object] | None = None,
 ) -> Registration | None:
     """Register this node when `[cluster] etcd` is set (None otherwise); prints its id.
 
@@ -321,7 +338,7 @@ async def join(
     """
     if not config.cluster.etcd:
         return None
-    registration = Registration(config, addresses)
+    registration = Registration(config, addresses, fence)
     await asyncio.get_running_loop().run_in_executor(None, registration.open)
     print(
         f"kvoffload: cluster {registration.cluster} node {registration.node_id}",

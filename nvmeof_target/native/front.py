@@ -160,6 +160,10 @@ class NativeFront:
     def connection_count(self) -> int:
         return len(self._sessions)
 
+    def drop_connections(self) -> None:
+        for session in list(self._sessions):
+            session.abort()
+
     def forget(self, session: NativeSession) -> None:
         self._sessions.pop(session, None)
 

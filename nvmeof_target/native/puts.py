@@ -1,4 +1,5 @@
-"""Native puts (Put, PutMany) on the daemon: payload bytes straight into engine reservations.
+"""Native puts (Put, PutMany, a cluster's Repair) on the daemon: payload bytes straight into
+engine reservations.
 
 A value's slot is reserved only when its bytes are next in the stream; `payload_part` and
 `payload_end` follow the codec's `SinkFull` / `PayloadEnd` events. With an SSD tier,
@@ -21,11 +22,13 @@ from kvoffload.wire.native.connection import (
     PutDone,
     PutMany,
     PutManyDone,
+    Repair,
+    RepairDone,
     SinkFull,
 )
 from kvoffload.wire.shards import shard_of
 
-__all__ = ["on_put", "on_put_many", "payload_end", "payload_part"]
+__all__ = ["on_put", "on_put_many", "on_repair", "payload_end", "payload_part"]
 
 
 def on_put(s: NativeSession, event: Put) -> Awaitable[object] | None:
@@ -48,9 +51,15 @@ def on_put_many(s: NativeSession, event: PutMany) -> Awaitable[object] | None:
     return _begin_put(s, event, items)
 
 
+def on_repair(s: NativeSession, event: Repair) -> Awaitable[object] | None:
+    """A cluster's read-repair copy: a put that is committed only if the key is absent and
+    has no tombstone (`Tombstones.commit_repair`); RepairDone says whether it was stored."""
+    return _begin_put(s, event, [(event.key, event.length, event.parent, event.block_meta)])
+
+
 def _begin_put(
     s: NativeSession,
-    event: Put | PutMany,
+    event: Put | PutMany | Repair,
     items: list[tuple[bytes, int, bytes | None, bytes | None]],
 ) -> Awaitable[object] | None:
     pending = PendingPut(event, items)
@@ -200,9 +209,16 @@ def _commit(s: NativeSession, pending: PendingPut, indices: list[int]) -> None:
         if events is not None:
             events.expect(keys[-1], key, parent, me.name,
                           None if meta is None else BlockMeta.decode(meta))  # fmt: skip
+    repair = isinstance(pending.request, Repair)
     try:
-        for i in indices:
-            pending.reserved.pop(i).commit()
+        for i, engine_key in zip(indices, keys, strict=True):
+            taken = pending.reserved.pop(i)
+            if repair:
+                pending.stored = s.services.tombstones.commit_repair(engine_key, taken)
+                if not pending.stored:
+                    continue
+            else:
+                taken.commit()
             # Counted as each is stored: a batch that fails later keeps (and counts) these.
             s.bytes_in.inc(pending.items[i][1])
     finally:
@@ -228,11 +244,18 @@ def _end_put(s: NativeSession, pending: PendingPut) -> Awaitable[object] | None:
     if pending.error is not None:
         s.fail(rid, pending.error)
         return None
-    answer: Event = PutDone(rid) if isinstance(pending.request, Put) else PutManyDone(rid)
+    request = pending.request
     # What is left: values committed early to make room (`_reserve`) are stored already.
     commit = partial(_commit, s, pending, sorted(pending.reserved))
 
     def done(_: None) -> None:
+        answer: Event = (
+            PutDone(rid)
+            if isinstance(request, Put)
+            else PutManyDone(rid)
+            if isinstance(request, PutMany)
+            else RepairDone(rid, pending.stored)  # known once `_commit` ran
+        )
         s.reply(answer)  # `_commit` counted the bytes in
 
     if pending.request.durable:

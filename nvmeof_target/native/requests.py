@@ -16,12 +16,16 @@ from kvoffload import __version__
 from kvoffload.errors import AuthError, KVOffloadError, RemoteProtocolError
 from kvoffload.kvstore import BlockView
 from kvoffload.nvmeof_target.native.nixl import on_nixl_get, on_nixl_memory, on_nixl_put
-from kvoffload.nvmeof_target.native.puts import on_put, on_put_many
+from kvoffload.nvmeof_target.native.puts import on_put, on_put_many, on_repair
 from kvoffload.nvmeof_target.native.session import NativeSession
 from kvoffload.wire.native.connection import (
     PROTOCOL_VERSIONS,
     Delete,
+    DeleteMany,
+    DeleteManyResult,
     DeleteResult,
+    Describe,
+    Described,
     Event,
     Exists,
     Get,
@@ -37,6 +41,7 @@ from kvoffload.wire.native.connection import (
     PrefetchResult,
     Put,
     PutMany,
+    Repair,
     Stats,
     StatsResult,
     Welcome,
@@ -180,6 +185,7 @@ def on_prefetch(s: NativeSession, event: Prefetch) -> None:
 
 def on_delete(s: NativeSession, event: Delete) -> Awaitable[object] | None:
     engine_key = s.me.key(event.key)
+    s.services.tombstones.deleting(engine_key)  # before the engine: see `Tombstones`
 
     def done(deleted: bool) -> None:
         if deleted and s.services.events is not None:
@@ -188,6 +194,34 @@ def on_delete(s: NativeSession, event: Delete) -> Awaitable[object] | None:
 
     # With an SSD tier a delete wipes the block's slot header: in_order takes it off the loop.
     return s.in_order(partial(s.engine.delete, engine_key), done, partial(s.fail, event.request_id))
+
+
+def on_delete_many(s: NativeSession, event: DeleteMany) -> Awaitable[object] | None:
+    """Version 5: `on_delete` for several keys, in order, in one answer, without tombstones
+    (see `DeleteMany`)."""
+    engine_keys = s.me.keys(event.keys)
+
+    def run() -> list[bool]:
+        return [s.engine.delete(k) for k in engine_keys]
+
+    def done(deleted: list[bool]) -> None:
+        if s.services.events is not None:
+            for engine_key, gone in zip(engine_keys, deleted, strict=True):
+                if gone:
+                    s.services.events.removed(engine_key)
+        s.reply(DeleteManyResult(event.request_id, tuple(deleted)))
+
+    return s.in_order(run, done, partial(s.fail, event.request_id))
+
+
+def on_describe(s: NativeSession, event: Describe) -> None:
+    """Version 5: the block's parent and metadata, for a cluster's read repair. The engine
+    holds a tenant's parent as its engine key, which names no client key: with tenants the
+    parent is left out (the copy then starts a chain, as a put without a parent does)."""
+    found, parent, meta = s.engine.describe(s.me.key(event.key))
+    if s.me.name:
+        parent = None
+    s.reply(Described(event.request_id, found, parent, meta))
 
 
 def on_stats(s: NativeSession, event: Stats) -> None:
@@ -232,5 +266,8 @@ HANDLERS: dict[type[object], Callable[..., Awaitable[object] | None]] = dict(
         _row(NixlMemory, on_nixl_memory),
         _row(NixlGet, on_nixl_get),
         _row(NixlPut, on_nixl_put),
+        _row(Repair, on_repair),
+        _row(Describe, on_describe),
+        _row(DeleteMany, on_delete_many),
     ]
 )

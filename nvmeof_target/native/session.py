@@ -30,6 +30,8 @@ from kvoffload.wire.native.connection import (
     NEED_DATA,
     ConnectionClosed,
     Delete,
+    DeleteMany,
+    Describe,
     ErrorReply,
     Event,
     Exists,
@@ -43,6 +45,7 @@ from kvoffload.wire.native.connection import (
     Prefetch,
     Put,
     PutMany,
+    Repair,
     Role,
     SinkFull,
 )
@@ -57,7 +60,7 @@ T = TypeVar("T")
 _OP_NAMES: dict[type[Event], str] = {}
 # Requests naming keys a worker of a multi-worker daemon must hold (puts check as they reserve).
 _KEYED: frozenset[type[Event]] = frozenset(
-    {Get, Exists, Delete, GetMany, Lookup, Prefetch, NixlGet}
+    {Get, Exists, Delete, GetMany, Lookup, Prefetch, NixlGet, Describe, DeleteMany}
 )
 
 
@@ -70,12 +73,13 @@ class PendingPut:
     more of the arena than one value.
     """
 
-    request: Put | PutMany
+    request: Put | PutMany | Repair
     # (client key, length, client parent, block metadata: the client's, then what is stored)
     items: list[tuple[bytes, int, bytes | None, bytes | None]]
     reserved: dict[int, PutReservation] = dataclasses.field(default_factory=dict)  # index -> slot
     at: int = -1  # the item whose bytes are arriving
     error: KVOffloadError | None = None
+    stored: bool = True  # a Repair's answer: False when the key was held or deleted lately
 
     def next_item(self) -> int:
         """The next item that carries bytes, after the one arriving."""

@@ -226,6 +226,10 @@ class NvmeFront:
 
         return read
 
+    def drop_connections(self) -> None:
+        for queue in list(self._queues):
+            queue.abort()
+
     async def stop(self, timeout: float) -> None:
         for task in self._tasks:
             task.cancel()

@@ -203,6 +203,7 @@ def _kv_delete(q: NvmeQueue, cmd: Command, data_length: int) -> Awaitable[object
     ns, key = _kv_namespace(q, cmd)
     no_data(data_length)
     engine_key = ns.engine_key(key)
+    q.services.tombstones.deleting(engine_key)  # before the engine: see `Tombstones`
 
     def done(deleted: bool) -> None:
         ns.directory.remove(key)

@@ -8,7 +8,8 @@ flagged as never put / corrupt.
 The rules (a cache may always miss, so a miss is never a violation):
 
 * stale: a read R returns version w although an acknowledged write w2 of the same key (a put
-  or a delete) started after w completed and completed before R started;
+  or a delete) started after w completed and completed before R started ("resurrected" when
+  w2 is a delete: a deleted value came back);
 * future: R returns a version whose write started after R completed;
 * never-put / corrupt: R returns bytes no write of that key produced.
 
@@ -100,7 +101,7 @@ class Op:
 
 @dataclass(frozen=True)
 class Violation:
-    kind: str  # stale, future, never-put, corrupt
+    kind: str  # stale, resurrected, future, never-put, corrupt
     read: Op
     detail: str
 
@@ -282,7 +283,7 @@ def _check_key(
         if newer is not None and newer.invoke > until:
             report.violations.append(
                 Violation(
-                    "stale",
+                    "resurrected" if newer.kind == DELETE else "stale",
                     read,
                     f"key {key}: read version {read.value} ({version.write.kind} "
                     f"{version.write.invoke:.6f}-{version.end:.6f}) at {read.invoke:.6f}, but "

@@ -18,7 +18,11 @@ from kvoffload.wire.native.connection import (
     PROTOCOL_VERSION,
     TIER_LOOKUP_VERSION,
     Delete,
+    DeleteMany,
+    DeleteManyResult,
     DeleteResult,
+    Describe,
+    Described,
     Event,
     Exists,
     ExistsResult,
@@ -33,6 +37,8 @@ from kvoffload.wire.native.connection import (
     PrefetchResult,
     Put,
     PutMany,
+    Repair,
+    RepairDone,
     Stats,
     StatsResult,
     Welcome,
@@ -41,6 +47,8 @@ from kvoffload.wire.tiers import Tier, TierRun
 
 __all__ = [
     "delete",
+    "delete_many",
+    "describe",
     "exists",
     "get",
     "get_into",
@@ -55,6 +63,7 @@ __all__ = [
     "put_done",
     "put_many",
     "put_request",
+    "repair",
     "stats",
 ]
 
@@ -331,6 +340,31 @@ def exists(key: bytes) -> Plan[bool]:
 def delete(key: bytes) -> Plan[bool]:
     answer = yield from _ask(Req(partial(_key_event, Delete, key)))
     return cast(DeleteResult, answer).deleted
+
+
+def repair(
+    key: bytes, parts: Sequence[object], parent: bytes | None, meta: bytes | None
+) -> Plan[bool]:
+    """Protocol 5: a cluster's read-repair copy (stored only if absent and not deleted lately)."""
+    length = _nbytes(parts)
+    answer = yield from _ask(Req(lambda rid: Repair(rid, key, length, parent, meta), parts))
+    return cast(RepairDone, answer).stored
+
+
+def delete_many(keys: Sequence[bytes]) -> Plan[list[bool]]:
+    """Protocol 5: delete several keys; which were stored."""
+    out: list[bool] = []
+    for i in range(0, len(keys), _BATCH_KEYS):
+        chunk = tuple(keys[i : i + _BATCH_KEYS])
+        answer = yield from _ask(Req(partial(_keys_event, DeleteMany, chunk)))
+        out.extend(cast(DeleteManyResult, answer).deleted)
+    return out
+
+
+def describe(key: bytes) -> Plan[tuple[bool, bytes | None, bytes | None]]:
+    """Protocol 5: whether `key` is stored, with its parent and block metadata."""
+    answer = cast(Described, (yield from _ask(Req(partial(_key_event, Describe, key)))))
+    return answer.found, answer.parent, answer.block_meta
 
 
 def stats() -> Plan[dict[str, object]]:

@@ -18,6 +18,7 @@ from typing import TypeVar
 from kvoffload.client_sdk.transports.base import (
     HeldBlock,
     PutItem,
+    Repairing,
     ThreadedAsyncTransport,
     Transport,
 )
@@ -93,6 +94,37 @@ class ShardedTransport(ShardRouter):
                 shard.close()
             raise
         return list(shards)
+
+    def repair(
+        self, key: bytes, parts: Sequence[object], parent: bytes | None, meta: bytes | None
+    ) -> bool | None:
+        def run() -> bool | None:
+            shard = self._of(key)
+            return shard.repair(key, parts, parent, meta) if isinstance(shard, Repairing) else None
+
+        return self._again(run)
+
+    def describe(self, key: bytes) -> tuple[bool, bytes | None, bytes | None] | None:
+        def run() -> tuple[bool, bytes | None, bytes | None] | None:
+            shard = self._of(key)
+            return shard.describe(key) if isinstance(shard, Repairing) else None
+
+        return self._again(run)
+
+    def delete_many(self, keys: Sequence[bytes]) -> list[bool] | None:
+        def call(shard: Transport, at: list[int]) -> list[bool] | None:
+            if not isinstance(shard, Repairing):
+                return None
+            return shard.delete_many([keys[i] for i in at])
+
+        groups, answers = self._split(keys, call)
+        out = [False] * len(keys)
+        for at, deleted in zip(groups.values(), answers, strict=True):
+            if deleted is None:
+                return None
+            for i, gone in zip(at, deleted, strict=True):
+                out[i] = gone
+        return out
 
     def _moved(self) -> list[Transport] | None:
         old = self._ports

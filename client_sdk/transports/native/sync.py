@@ -39,7 +39,12 @@ from kvoffload.errors import (
     RemoteProtocolError,
     TransportError,
 )
-from kvoffload.wire.native.connection import META_VERSION, PROTOCOL_VERSION, Welcome
+from kvoffload.wire.native.connection import (
+    META_VERSION,
+    PROTOCOL_VERSION,
+    REPAIR_VERSION,
+    Welcome,
+)
 from kvoffload.wire.native.frames import HEAD_READ
 from kvoffload.wire.tiers import TierRun
 
@@ -386,6 +391,23 @@ class NativeTransport:
 
     def delete(self, key: bytes) -> bool:
         return self._run(lambda: plans.delete(key))
+
+    def repair(
+        self, key: bytes, parts: Sequence[object], parent: bytes | None, meta: bytes | None
+    ) -> bool | None:
+        if self._version_now() < REPAIR_VERSION:
+            return None
+        return self._run(lambda: plans.repair(key, parts, parent, meta))
+
+    def describe(self, key: bytes) -> tuple[bool, bytes | None, bytes | None] | None:
+        if self._version_now() < REPAIR_VERSION:
+            return None
+        return self._run(lambda: plans.describe(key))
+
+    def delete_many(self, keys: Sequence[bytes]) -> list[bool] | None:
+        if self._version_now() < REPAIR_VERSION:
+            return None
+        return self._run(lambda: plans.delete_many(keys))
 
     def stats(self) -> dict[str, object]:
         return self._run(plans.stats)

@@ -21,10 +21,18 @@ __all__ = [
     "NIXL_VERSION",
     "PROTOCOL_VERSION",
     "PROTOCOL_VERSIONS",
+    "REPAIR_HOLD_S",
+    "REPAIR_MAX_AGE_S",
+    "REPAIR_VERSION",
+    "TOMBSTONE_RETENTION_S",
     "TIER_LOOKUP_VERSION",
     "ConnectionClosed",
     "Delete",
+    "DeleteMany",
+    "DeleteManyResult",
     "DeleteResult",
+    "Describe",
+    "Described",
     "ErrorReply",
     "Event",
     "Exists",
@@ -48,6 +56,8 @@ __all__ = [
     "PutDone",
     "PutMany",
     "PutManyDone",
+    "Repair",
+    "RepairDone",
     "Stats",
     "StatsResult",
     "Welcome",
@@ -63,12 +73,25 @@ __all__ = [
 # client asks only once a daemon accepted version 4 (else every hit's tier is UNKNOWN); and
 # NixlGet / NixlPut carry the client's remaining time (`budget_ms`): the daemon posts no
 # transfer once it is spent (sent only to a daemon that accepted version 4).
-PROTOCOL_VERSION = 4
-PROTOCOL_VERSIONS = (1, 2, 3, 4)
+# 5: Repair (a cluster's read-repair copy: stored only where the key is absent and was not
+# deleted lately), Describe (a block's parent and metadata, so that a copy keeps them) and
+# DeleteMany; a cluster client sends them only to a daemon that accepted version 5.
+PROTOCOL_VERSION = 5
+PROTOCOL_VERSIONS = (1, 2, 3, 4, 5)
 NIXL_VERSION = 3
 META_VERSION = 3
 TIER_LOOKUP_VERSION = 4
 NIXL_DEADLINE_VERSION = 4
+REPAIR_VERSION = 5
+# Read repair against deletes and restarts, on each machine's own monotonic clock (only
+# durations are compared, never one machine's time with another's): a client sends a repair
+# only within REPAIR_MAX_AGE_S of the moment it sent the read the copy comes from; a daemon
+# keeps a deleted key's tombstone for TOMBSTONE_RETENTION_S and refuses every repair for
+# REPAIR_HOLD_S after it starts or drops its blocks to rejoin a cluster. The margins cover
+# a repair's time in flight (a node's deadline, seconds).
+REPAIR_MAX_AGE_S = 10.0
+TOMBSTONE_RETENTION_S = 60.0
+REPAIR_HOLD_S = 30.0
 NEED_DATA = Need.DATA
 # ---------------------------------------------------------------------------- events
 
@@ -501,6 +524,76 @@ class NixlPutDone(Event):
     request_id: int
 
 
+@dataclass(frozen=True, slots=True)
+class Repair(Event):
+    """Version 5: store `length` payload bytes under `key` only if no tier holds the key and
+    it was not deleted within the daemon's tombstone retention (a read repair never lands over
+    a newer value or after a delete)."""
+
+    OP: ClassVar[int] = 14
+    request_id: int
+    key: bytes
+    length: int
+    parent: bytes | None = None
+    block_meta: bytes | None = None
+
+    durable: ClassVar[bool] = False  # a repair is a copy of what a replica holds, never durable
+
+    @property
+    def payload_length(self) -> int:
+        return self.length
+
+
+@dataclass(frozen=True, slots=True)
+class RepairDone(Event):
+    """`stored`: the copy was stored (False: the key is held, or was deleted lately)."""
+
+    OP: ClassVar[int] = 14
+    RESPONSE: ClassVar[bool] = True
+    CHECKS: ClassVar[dict[str, str]] = {"stored": "flag"}
+    request_id: int
+    stored: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Describe(Event):
+    """Version 5: whether `key` is stored, with its parent key and block metadata."""
+
+    OP: ClassVar[int] = 15
+    request_id: int
+    key: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Described(Event):
+    OP: ClassVar[int] = 15
+    RESPONSE: ClassVar[bool] = True
+    request_id: int
+    found: bool
+    parent: bytes | None = None
+    block_meta: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteMany(Event):
+    """Version 5: drop several keys' copies (a cluster put clears older copies off a key's
+    next node). Unlike Delete it leaves no tombstones: it is not a delete a caller asked for,
+    and a put's clears must not crowd the deletes' tombstones out."""
+
+    OP: ClassVar[int] = 16
+    request_id: int
+    keys: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteManyResult(Event):
+    OP: ClassVar[int] = 16
+    RESPONSE: ClassVar[bool] = True
+    CHECKS: ClassVar[dict[str, str]] = {"deleted": "flags"}
+    request_id: int
+    deleted: tuple[bool, ...]
+
+
 def _without_budget(event: NixlGet | NixlPut) -> dict[str, object]:
     meta = Event.meta(event)
     if event.budget_ms is None:  # absent, so that a version 3 daemon accepts the frame
@@ -528,6 +621,9 @@ _ANSWER: dict[type[Event], type[Event]] = {
     NixlMemory: NixlMemoryDone,
     NixlGet: NixlGetResult,
     NixlPut: NixlPutDone,
+    Repair: RepairDone,
+    Describe: Described,
+    DeleteMany: DeleteManyResult,
 }
 # (frame type, is response) -> event class: the parser's dispatch table.
 _ALL: tuple[type[Event], ...] = (*_ANSWER, *_ANSWER.values(), ErrorReply)

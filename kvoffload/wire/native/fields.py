@@ -119,5 +119,6 @@ VALIDATORS: dict[str, Callable[[object], object]] = {
     "block_meta": _opt_meta,
     "block_metas": _seq(_opt_meta),
     "flag": _flag,
+    "flags": _seq(_flag),
     "tier_pairs": check_pairs,
 }

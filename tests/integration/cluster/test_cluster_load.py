@@ -3,6 +3,7 @@ its data dir and while etcd is down for 10 s, and the NVMe/TCP fronts through th
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -114,14 +115,17 @@ def _until(check: Callable[[], bool], timeout_s: float = 60) -> bool:
     return True
 
 
-def test_a_node_restarted_under_load_rejoins_and_its_blocks_hit_again(
+def test_a_node_restarted_under_load_rejoins_empty_and_its_keys_hit_throughout(
     start_node: StartNode, cluster_etcd: EtcdServer
 ) -> None:
+    """A node restarted on its data dir drops the blocks its SSD kept (they may be older than
+    what was written or deleted while it was down: docs/guides/cluster.md); with two replicas
+    its keys hit before, during and after, and nothing read is ever wrong."""
     nodes = [start_node(ssd="64MiB") for _ in range(3)]
     keys = _keys(300, seed=21)
-    with Client.connect(_url(cluster_etcd, timeout="1")) as client:
+    with Client.connect(_url(cluster_etcd, timeout="1", replicas="2")) as client:
         members = _wait_members(client, 3)
-        for key in keys:  # on the SSD before the kill: a SIGKILL keeps what was durable
+        for key in keys:  # on the SSD before the kill: what a restart used to serve again
             client.put(key, _value(key), durable=True)
         placement = Placement(members)
         owners = placement.rank_many(keys)[:, 0]
@@ -130,29 +134,31 @@ def test_a_node_restarted_under_load_rejoins_and_its_blocks_hit_again(
         its_keys = [k for k, o in zip(keys, owners, strict=True) if o == dead]
         assert its_keys
 
-        def victims_blocks_hit() -> bool:
+        def victims_keys_hit() -> bool:
             return bool(client.get_many(its_keys) == [_value(k) for k in its_keys])
 
         with Load(client, keys) as load:
             load.wait_reads(500)
             victim.kill()
-            # With one replica the victim's blocks miss while it is gone ...
-            assert _until(lambda: not victims_blocks_hit(), 30)
+            assert victims_keys_hit()  # from their other replica
             load.wait_reads(500)
             again = start_node(host=victim.host, data=victim.data_dir, ssd="64MiB")
             assert again.node_id == victim.node_id
-            # ... and hit again once it is back on its data dir, read from its SSD.
-            assert _until(victims_blocks_hit)
+            assert _until(lambda: victim.node_id in {m.node_id for m in _members(client)})
+            assert victims_keys_hit()
             load.wait_reads(500)
         print(f"restart under load: {load.hits}/{load.asked} hits, {len(load.written)} puts")
-        assert load.errors == []
+        # A put while the dead node's record lives is stored on the others but not
+        # acknowledged (docs/guides/cluster.md): that is all a caller may see.
+        assert [e for e in load.errors if "not acknowledged" not in e] == []
         assert client.get_many(keys) == [_value(k) for k in keys]
-        assert victim.node_id in {m.node_id for m in _members(client)}
         # Blocks written during the restart: never wrong; most are there (a non-durable put
         # acknowledged by the victim just before the kill is lost with it).
         got = client.get_many(load.written)
         assert all(g in (None, _value(k)) for k, g in zip(load.written, got, strict=True))
         assert sum(g is not None for g in got) >= 0.9 * len(load.written)
+    again.stop()
+    assert re.search(r"dropped [1-9]\d* block\(s\) from before this start", again.stderr())
 
 
 def test_ten_seconds_without_etcd_under_load_and_membership_follows_again_after(
