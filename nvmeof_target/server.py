@@ -98,7 +98,7 @@ class Daemon:
                 with contextlib.suppress(OSError):
                     parent.rmdir()
             raise
-        tenants = Tenants(config.tenants)
+        tenants = Tenants(config.tenants, config.cluster.node_id)
         tenants.apply_quotas(engine)
         metrics = Metrics(lambda: engine.stats().as_dict())
         services = Services(

@@ -61,7 +61,9 @@ T = TypeVar("T")
 DEFAULT_DEADLINE_S = 2.0
 _PARAMS = {
     "timeout": f"seconds per call to a node (default {DEFAULT_DEADLINE_S:g})",
-    "token": "the tenant's token on every node (front=native)",
+    "token": "the tenant's secret on every node (front=native; never sent, see kv://)",
+    "tenant": "the tenant's name (front=native; optional)",
+    "legacy_token": "1: send the token itself to nodes older than protocol 5 (front=native)",
     "data": "kv (default) or nixl: how payloads move to native nodes",
     "nixl_cache_bytes": "data=nixl: bytes kept registered per node connection",
     "hostnqn": "this host's NQN on every node (front=nvme; default as for nvme+tcp://)",
@@ -557,10 +559,12 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
             f"cluster URL: timeout must be seconds > 0, got {spec.extra['timeout']!r}"
         )
     node_params = {"timeout": f"{deadline:g}", "connect_timeout": f"{deadline:g}"}
-    # Each front authenticates its own way: a token (native), the host's NQN (NVMe/TCP); data=
-    # chooses how payloads move to native nodes.
+    # Each front authenticates its own way: a tenant's secret (native), the host's NQN
+    # (NVMe/TCP); data= chooses how payloads move to native nodes.
     for name, front in (
         ("token", "native"),
+        ("tenant", "native"),
+        ("legacy_token", "native"),
         ("data", "native"),
         ("nixl_cache_bytes", "native"),
         ("hostnqn", "nvme"),

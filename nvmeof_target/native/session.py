@@ -25,7 +25,7 @@ from kvoffload.nvmeof_target.config import NativeConfig
 from kvoffload.nvmeof_target.native.agent import NixlPeer
 from kvoffload.nvmeof_target.services import Services
 from kvoffload.nvmeof_target.session import Instruments, Session
-from kvoffload.nvmeof_target.tenants import Tenant
+from kvoffload.nvmeof_target.tenants import HelloChallenge, Tenant
 from kvoffload.wire.native.connection import (
     NEED_DATA,
     ConnectionClosed,
@@ -124,6 +124,7 @@ class NativeSession(Session):
         self.config = front.config
         self.conn = NativeConnection(Role.SERVER, front.hello_limits)
         self.tenant: Tenant | None = None
+        self.challenge: HelloChallenge | None = None  # sent, its Auth not yet received
         self.puts: dict[int, PendingPut] = {}  # request id -> its payload on the way
         self.shard = front.services.shard
         self.version = 0  # the protocol version of the accepted Hello

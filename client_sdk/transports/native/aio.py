@@ -110,7 +110,7 @@ class _AsyncConnection(AsyncRunner[Req, Call]):
         sock = protocol.transport.get_extra_info("socket") if protocol.transport else None
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.welcome = await self.run(plans.hello(self.options.token, self.version), deadline)
+        self.welcome = await self.run(plans.hello(self.options, self.version), deadline)
 
     @property
     def healthy(self) -> bool:

@@ -86,7 +86,7 @@ class _SyncConnection(SyncRunner[Req, Call]):
         self._timeout = -1.0
         self._slack = min(0.05 * options.timeout, 0.5)
         try:
-            self.welcome: Welcome = self.run(plans.hello(options.token, version), deadline)
+            self.welcome: Welcome = self.run(plans.hello(options, version), deadline)
         except BaseException:
             sock.close()  # refused Hello (bad token, version): do not wait for the collector
             raise

@@ -14,6 +14,7 @@ from kvoffload.wire.native.fields import KEY_BYTES, VALIDATORS, fail
 from kvoffload.wire.native.frames import FLAG_RESPONSE, MAX_REQUEST_ID, Frame, Need
 
 __all__ = [
+    "AUTH_VERSION",
     "KEY_BYTES",
     "META_VERSION",
     "NEED_DATA",
@@ -22,6 +23,8 @@ __all__ = [
     "PROTOCOL_VERSION",
     "PROTOCOL_VERSIONS",
     "TIER_LOOKUP_VERSION",
+    "Auth",
+    "Challenge",
     "ConnectionClosed",
     "Delete",
     "DeleteResult",
@@ -63,8 +66,12 @@ __all__ = [
 # client asks only once a daemon accepted version 4 (else every hit's tier is UNKNOWN); and
 # NixlGet / NixlPut carry the client's remaining time (`budget_ms`): the daemon posts no
 # transfer once it is spent (sent only to a daemon that accepted version 4).
-PROTOCOL_VERSION = 4
-PROTOCOL_VERSIONS = (1, 2, 3, 4)
+# 5: challenge–response at Hello (`wire.hello_auth`): a Hello with a `nonce` (and maybe a
+# `tenant`) carries no token and is answered by a Challenge; the client's Auth is answered by
+# a Welcome with the node's `proof`. A Hello without a nonce is answered as before.
+PROTOCOL_VERSION = 5
+PROTOCOL_VERSIONS = (1, 2, 3, 4, 5)
+AUTH_VERSION = 5
 NIXL_VERSION = 3
 META_VERSION = 3
 TIER_LOOKUP_VERSION = 4
@@ -128,13 +135,58 @@ def _checks(cls: type[Event]) -> tuple[tuple[str, Callable[[object], object]], .
 
 @dataclass(frozen=True, slots=True)
 class Hello(Event):
-    """First request on a connection: protocol version and the tenant's token."""
+    """First request on a connection: protocol version, and either the tenant's token (the
+    old, replayable form) or, from version 5, a fresh `nonce` that asks for a Challenge
+    (`tenant`: the tenant's name, or "" to let the node find it by the proof)."""
 
     OP: ClassVar[int] = 1
+    CHECKS: ClassVar[dict[str, str]] = {"nonce": "opt_nonce"}
     request_id: int
     version: int = PROTOCOL_VERSION
     token: str = ""
     client: str = ""
+    tenant: str = ""
+    nonce: bytes | None = None
+
+    def __post_init__(self) -> None:
+        Event.__post_init__(self)
+        if self.nonce is None and self.tenant:
+            raise LocalProtocolError("a Hello names its tenant only with a nonce")
+        if self.nonce is not None and (self.token or self.version < AUTH_VERSION):
+            raise LocalProtocolError(
+                f"a Hello with a nonce carries no token and needs version >= {AUTH_VERSION}"
+            )
+
+    @property
+    def challenges(self) -> bool:
+        """It asks for a Challenge (and Auth must follow it)."""
+        return self.nonce is not None
+
+    def meta(self) -> dict[str, object]:
+        meta = Event.meta(self)
+        if self.nonce is None:  # absent, so that a version 4 daemon accepts the frame
+            del meta["tenant"], meta["nonce"]
+        return meta
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge(Event):
+    """Version 5: the answer to a Hello with a nonce: who the node is, and its fresh nonce."""
+
+    OP: ClassVar[int] = 14
+    RESPONSE: ClassVar[bool] = True
+    request_id: int
+    node: str
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Auth(Event):
+    """Version 5: the client's proof (`hello_auth.client_proof`), answered by a Welcome."""
+
+    OP: ClassVar[int] = 14
+    request_id: int
+    proof: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +195,7 @@ class Welcome(Event):
 
     OP: ClassVar[int] = 1
     RESPONSE: ClassVar[bool] = True
+    CHECKS: ClassVar[dict[str, str]] = {"proof": "opt_proof"}
     request_id: int
     version: int
     tenant: str
@@ -153,11 +206,15 @@ class Welcome(Event):
     # order (empty: one process serves every key).
     shard: int = 0
     shard_ports: tuple[int, ...] = ()
+    # Version 5, answering an Auth: the node's proof that it holds its key for the tenant.
+    proof: bytes | None = None
 
     def meta(self) -> dict[str, object]:
         meta = Event.meta(self)
         if self.version < 2:  # a version 1 peer rejects fields it does not know
             del meta["shard"], meta["shard_ports"]
+        if self.proof is None:  # absent, so that a version 4 client accepts the frame
+            del meta["proof"]
         return meta
 
 
@@ -513,9 +570,10 @@ class ConnectionClosed:
     """The peer closed its side at a frame boundary."""
 
 
-# Request class -> the answer it admits besides ErrorReply.
+# Request class -> the answer it admits besides ErrorReply (and `_ALSO`).
 _ANSWER: dict[type[Event], type[Event]] = {
     Hello: Welcome,
+    Auth: Welcome,
     Put: PutDone,
     Get: GetResult,
     Exists: ExistsResult,
@@ -529,8 +587,10 @@ _ANSWER: dict[type[Event], type[Event]] = {
     NixlGet: NixlGetResult,
     NixlPut: NixlPutDone,
 }
+# Request class -> another answer it admits: a Hello with a nonce is answered by a Challenge.
+_ALSO: dict[type[Event], type[Event]] = {Hello: Challenge}
 # (frame type, is response) -> event class: the parser's dispatch table.
-_ALL: tuple[type[Event], ...] = (*_ANSWER, *_ANSWER.values(), ErrorReply)
+_ALL: tuple[type[Event], ...] = (*_ANSWER, *_ANSWER.values(), *_ALSO.values(), ErrorReply)
 _BY_FRAME: dict[tuple[int, bool], type[Event]] = {(c.OP, c.RESPONSE): c for c in _ALL}
 
 

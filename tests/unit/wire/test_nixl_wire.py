@@ -90,7 +90,7 @@ def test_a_malformed_message_from_the_peer_breaks_the_connection() -> None:
 
 
 def test_older_peers_are_still_spoken_to() -> None:
-    assert PROTOCOL_VERSIONS == (1, 2, 3, 4) and NIXL_VERSION == 3
+    assert PROTOCOL_VERSIONS == (1, 2, 3, 4, 5) and NIXL_VERSION == 3
     assert NIXL_DEADLINE_VERSION == 4
     # A version 2 Welcome still carries the shard fields; version 1 still lacks them.
     assert "shard" in Welcome(1, 2, "", 1, 1).meta()
