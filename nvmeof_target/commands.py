@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvoffload.errors import InvalidArgumentError, KVOffloadError
+from kvoffload.nvmeof_target.cluster.registration import with_node_id
 from kvoffload.nvmeof_target.config import Config, build_flag_parser, load_config
 from kvoffload.nvmeof_target.server import serve_one
 from kvoffload.nvmeof_target.workers import supervise
@@ -33,6 +34,7 @@ def serve(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
 
 def run(config: Config) -> int:
     """Serve until SIGTERM/SIGINT, in this process or as `server.workers` shard processes."""
+    config = with_node_id(config)
     if config.server.workers != 1:
         return supervise(config)
     return serve_one(config)

@@ -576,11 +576,17 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
     scheme, front = ("kv", "native") if spec.front == "native" else ("nvme+tcp", "nvme")
     query = urlencode(node_params)
 
+    # Nodes found in etcd must prove at Hello that they are the node of their record: a
+    # rogue member cannot relay another node's challenge to a client (static URLs name
+    # addresses, not node ids).
+    pin = spec.source == "etcd" and "token" in node_params
+
     def open_node(member: Member) -> Transport:
         address = member.fronts.get(front)
         if address is None:
             raise TransportError(f"node {member.node_id} has no {front} front")
-        return open_transport(parse_url(f"{scheme}://{address}?{query}"))
+        pinned = f"&{urlencode({'node': member.node_id})}" if pin else ""
+        return open_transport(parse_url(f"{scheme}://{address}?{query}{pinned}"))
 
     membership = open_membership(spec, timeout_s=deadline)
     return ClusterTransport(
