@@ -19,6 +19,7 @@ __all__ = [
     "META_VERSION",
     "NEED_DATA",
     "NIXL_DEADLINE_VERSION",
+    "NIXL_PROOF_PREFIX",
     "NIXL_VERSION",
     "PROTOCOL_VERSION",
     "PROTOCOL_VERSIONS",
@@ -68,10 +69,13 @@ __all__ = [
 # transfer once it is spent (sent only to a daemon that accepted version 4).
 # 5: challenge–response at Hello (`wire.hello_auth`): a Hello with a `nonce` (and maybe a
 # `tenant`) carries no token and is answered by a Challenge; the client's Auth is answered by
-# a Welcome with the node's `proof`. A Hello without a nonce is answered as before.
+# a Welcome with the node's `proof`. A Hello without a nonce is answered as before. And the
+# NIXL data path needs version 5: NixlMemory's `echo` proves the declared worker is the client's.
 PROTOCOL_VERSION = 5
 PROTOCOL_VERSIONS = (1, 2, 3, 4, 5)
 AUTH_VERSION = 5
+# The NIXL notification that carries the daemon's nonce to the client's agent (version 5).
+NIXL_PROOF_PREFIX = b"kvoffload nixl proof v1\0"
 NIXL_VERSION = 3
 META_VERSION = 3
 TIER_LOOKUP_VERSION = 4
@@ -453,19 +457,33 @@ class ErrorReply(Event):
 @dataclass(frozen=True, slots=True)
 class NixlMemory(Event):
     """Version 3: NIXL agent metadata (whole, then partial for new regions) and the flat
-    (address, length) pairs this connection may name from now on (`regions`) or no more."""
+    (address, length) pairs this connection may name from now on (`regions`) or no more.
+    Version 5: after each metadata the daemon sends a nonce as a NIXL notification
+    (`NIXL_PROOF_PREFIX` + nonce) to the agent it names, and serves no transfer until the
+    client echoes it here (`echo`): proof that the declared worker is the client's."""
 
     OP: ClassVar[int] = 11
-    CHECKS: ClassVar[dict[str, str]] = {"regions": "uints", "revoke": "uints"}
+    CHECKS: ClassVar[dict[str, str]] = {
+        "regions": "uints",
+        "revoke": "uints",
+        "echo": "opt_nonce",
+    }
     request_id: int
     agent: bytes = b""
     regions: tuple[int, ...] = ()
     revoke: tuple[int, ...] = ()
+    echo: bytes | None = None
 
     def __post_init__(self) -> None:
         Event.__post_init__(self)
         if len(self.regions) % 2 or len(self.revoke) % 2:
             raise LocalProtocolError("NIXL regions come in (address, length) pairs")
+
+    def meta(self) -> dict[str, object]:
+        meta = Event.meta(self)
+        if self.echo is None:  # absent, so that a version 4 daemon accepts the frame
+            del meta["echo"]
+        return meta
 
 
 @dataclass(frozen=True, slots=True)
