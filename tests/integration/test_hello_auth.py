@@ -5,6 +5,7 @@ refused; the token itself travels only where explicitly allowed."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvoffload.client_sdk import Client
+from kvoffload.client_sdk import AsyncClient, Client
 from kvoffload.errors import AuthError
 from kvoffload.wire.hello_auth import client_proof, new_nonce, node_key, server_proof
 from kvoffload.wire.native.connection import (
@@ -269,3 +270,21 @@ def test_a_node_that_cannot_prove_its_key_is_refused(start_daemon: Start) -> Non
     daemon = start_daemon(config=_tenants("n1", alice=ALICE))
     with Client.connect(daemon.url(token=ALICE, node="n1")) as alice:
         assert alice.stats().store["server"]["tenant"] == "alice"  # type: ignore[index]
+
+
+def test_the_async_client_proves_its_secret_too(start_daemon: Start) -> None:
+    daemon = start_daemon(config=_tenants("n1", alice=ALICE))
+
+    async def main() -> bytes | None:
+        async with AsyncClient.connect(daemon.url(token=ALICE, tenant="alice")) as alice:
+            await alice.put(bytes(16), b"async")
+            return await alice.get(bytes(16))
+
+    assert asyncio.run(main()) == b"async"
+
+    async def wrong() -> None:
+        async with AsyncClient.connect(daemon.url(token="wrong", retries="0")) as client:
+            await client.stats()
+
+    with pytest.raises(AuthError, match="invalid credentials"):
+        asyncio.run(wrong())
