@@ -133,8 +133,11 @@ class Tenants:
             raise AuthError("this store has no tenants configured; connect without a token")
         return HelloChallenge(tenant, client_nonce, new_nonce(), version)
 
-    def answer(self, pending: HelloChallenge, proof: bytes) -> tuple[Tenant, bytes]:
-        """The tenant whose key made `proof`, and this node's proof for its Welcome.
+    def answer(
+        self, pending: HelloChallenge, proof: bytes, binding: bytes = b""
+    ) -> tuple[Tenant, bytes]:
+        """The tenant whose key made `proof`, and this node's proof for its Welcome;
+        `binding`: `tls_binding` of this node's certificate on a TLS connection, else b"".
 
         Raises:
             AuthError: no tenant's key made it (a wrong secret, another node's key, a proof
@@ -144,14 +147,14 @@ class Tenants:
         # Every key, each compared in constant time, so timing reveals nothing.
         for name, key in self._keys.items():
             expected = client_proof(
-                key, pending.tenant, self.node, pending.client_nonce, pending.node_nonce
+                key, pending.tenant, self.node, pending.client_nonce, pending.node_nonce, binding
             )
             if hmac.compare_digest(expected, proof) and pending.tenant in ("", name):
                 found = name
         if not found:
             raise AuthError("invalid credentials: the proof matches no tenant's key on this node")
         mine = server_proof(
-            self._keys[found], found, self.node, pending.client_nonce, pending.node_nonce
+            self._keys[found], found, self.node, pending.client_nonce, pending.node_nonce, binding
         )
         return self._tenants[found], mine
 

@@ -93,7 +93,7 @@ def on_auth(s: NativeSession, event: Auth) -> None:
         _refuse(s, event.request_id, AuthError("Auth without a Challenge"))
         return
     try:
-        tenant, proof = s.services.tenants.answer(pending, event.proof)
+        tenant, proof = s.services.tenants.answer(pending, event.proof, s.tls_binding)
     except AuthError as exc:
         _refuse(s, event.request_id, exc)
         return

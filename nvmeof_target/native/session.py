@@ -102,6 +102,7 @@ class Host(Protocol):
     instruments: Instruments
     limits: Limits
     hello_limits: Limits
+    tls_binding: bytes  # `hello_auth.tls_binding` of the front's certificate (b"": no TLS)
     # request type (and PayloadEnd, SinkFull) -> its handler
     handlers: Mapping[type[object], Handler]
 
@@ -297,6 +298,11 @@ class NativeSession(Session):
     ) -> None:
         """Run an engine read inline, or on the I/O threads when it may wait on a device."""
         self.read(work, then, partial(self.fail, request_id))
+
+    @property
+    def tls_binding(self) -> bytes:
+        """What a Hello proof on this connection is bound to (b"" without TLS)."""
+        return self.front.tls_binding if isinstance(self.channel, TlsChannel) else b""
 
     @property
     def me(self) -> Tenant:

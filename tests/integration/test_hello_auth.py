@@ -7,17 +7,27 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvoffload.client_sdk import AsyncClient, Client
 from kvoffload.errors import AuthError
-from kvoffload.wire.hello_auth import client_proof, new_nonce, node_key, server_proof
+from kvoffload.wire.hello_auth import (
+    client_proof,
+    new_nonce,
+    node_key,
+    server_proof,
+    tls_binding,
+    tls_binding_of_pem,
+)
 from kvoffload.wire.native.connection import (
     NEED_DATA,
     Auth,
@@ -31,6 +41,7 @@ from kvoffload.wire.native.connection import (
     Welcome,
 )
 from kvoffload.wire.status import Status
+from tests.integration.test_daemon import _self_signed
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 Start = Callable[..., Any]
@@ -50,8 +61,10 @@ def _tenants(node: str, **keys: str) -> str:
 class Raw:
     """One hand-driven native connection: send an event, take the next answer."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, tls: ssl.SSLContext | None = None) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        if tls is not None:
+            self.sock = tls.wrap_socket(self.sock, server_hostname="localhost")
         self.conn = NativeConnection(Role.CLIENT)
         self.rid = 0
 
@@ -288,3 +301,34 @@ def test_the_async_client_proves_its_secret_too(start_daemon: Start) -> None:
 
     with pytest.raises(AuthError, match="invalid credentials"):
         asyncio.run(wrong())
+
+
+def test_over_tls_the_proof_is_bound_to_the_nodes_certificate(
+    start_daemon: Start, tmp_path: Path
+) -> None:
+    cert, key = _self_signed(tmp_path)
+    daemon = start_daemon(
+        "--tls-cert", str(cert), "--tls-key", str(key), config=_tenants("n1", alice=ALICE)
+    )
+    params = {"tls": "1", "ca": str(cert), "server_name": "localhost", "token": ALICE}
+    with Client.connect(daemon.url(**params)) as alice:
+        alice.put(bytes(16), b"over tls")
+        assert alice.get(bytes(16)) == b"over tls"
+
+    async def main() -> bytes | None:
+        async with AsyncClient.connect(daemon.url(**params)) as client:
+            return await client.get(bytes(16))
+
+    assert asyncio.run(main()) == b"over tls"
+    # A proof made for another endpoint (what a relay that terminates TLS itself, or a plain
+    # connection, would hand on) fails; the one for this certificate passes.
+    others = (b"", tls_binding(b"another certificate"))
+    for bound in (*others, tls_binding_of_pem(cert.read_text())):
+        r = Raw(daemon.port, ssl.create_default_context(cafile=str(cert)))
+        try:
+            nonce, challenge = _challenge(r)
+            proof = client_proof(node_key(ALICE, "n1"), "", "n1", nonce, challenge.nonce, bound)
+            answer = r.ask(partial(Auth, proof=proof))
+            assert _refused(answer) if bound in others else isinstance(answer, Welcome), answer
+        finally:
+            r.close()

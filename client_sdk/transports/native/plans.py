@@ -75,9 +75,12 @@ def _ask(req: Req) -> Generator[list[Req], list[Call], Event]:
     return call.result()
 
 
-def hello(options: NativeOptions, version: int = PROTOCOL_VERSION) -> Plan[Welcome]:
+def hello(
+    options: NativeOptions, version: int = PROTOCOL_VERSION, binding: bytes = b""
+) -> Plan[Welcome]:
     """Say Hello; with a token, prove it by challenge–response (`wire.hello_auth`) and check
-    the node's proof. The token itself goes only to a daemon older than `AUTH_VERSION`, and
+    the node's proof; `binding`: `hello_auth.tls_binding` of the daemon's certificate over
+    TLS, else b"". The token itself goes only to a daemon older than `AUTH_VERSION`, and
     only with `legacy_token`.
 
     Raises:
@@ -110,9 +113,9 @@ def hello(options: NativeOptions, version: int = PROTOCOL_VERSION) -> Plan[Welco
     if options.node and node != options.node:
         raise AuthError(f"{options.url} is node {node[:80]!r}, not {options.node!r}")
     key = node_key(token, node)
-    proof = client_proof(key, options.tenant, node, nonce, challenge.nonce)
+    proof = client_proof(key, options.tenant, node, nonce, challenge.nonce, binding)
     welcome = cast(Welcome, (yield from _ask(Req(lambda rid: Auth(rid, proof)))))
-    expected = server_proof(key, welcome.tenant, node, nonce, challenge.nonce)
+    expected = server_proof(key, welcome.tenant, node, nonce, challenge.nonce, binding)
     if welcome.proof is None or not hmac.compare_digest(welcome.proof, expected):
         raise AuthError(f"{options.url} could not prove it holds node {node[:80]!r}'s key")
     return welcome
