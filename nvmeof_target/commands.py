@@ -1,4 +1,4 @@
-"""`kvoffload serve`: the daemon package's command."""
+"""`kvoffload serve` and `kvoffload node-key`: the daemon package's commands."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvoffload.errors import KVOffloadError
+from kvoffload.errors import InvalidArgumentError, KVOffloadError
+from kvoffload.nvmeof_target.cluster.registration import with_node_id
 from kvoffload.nvmeof_target.config import Config, build_flag_parser, load_config
 from kvoffload.nvmeof_target.server import serve_one
 from kvoffload.nvmeof_target.workers import supervise
+from kvoffload.wire.hello_auth import node_key
 
-__all__ = ["add_commands", "run", "serve"]
+__all__ = ["add_commands", "node_key_command", "run", "serve"]
 
 
 def serve(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
@@ -32,6 +34,7 @@ def serve(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
 
 def run(config: Config) -> int:
     """Serve until SIGTERM/SIGINT, in this process or as `server.workers` shard processes."""
+    config = with_node_id(config)
     if config.server.workers != 1:
         return supervise(config)
     return serve_one(config)
@@ -47,3 +50,27 @@ def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
         "metrics on :9480)",
         description=build_flag_parser().description,
     )
+    keys = sub.add_parser(
+        "node-key",
+        help="derive a node's key for a tenant from the tenant's secret (read from stdin)",
+        description="Print the key node --node holds for a tenant ([tenants.NAME] node_key), "
+        "derived from the tenant's secret (the clients' token), read from standard input (one "
+        "line; never an argument, which other users could read). A node configured with its "
+        "key alone can authenticate the tenant's clients but cannot pose as them to any "
+        "other node.",
+    )
+    keys.add_argument("--node", required=True, help="the node's id ([cluster] node_id)")
+    keys.set_defaults(func=node_key_command)
+
+
+def node_key_command(args: argparse.Namespace) -> int:
+    """Print `args.node`'s key for the secret on stdin.
+
+    Raises:
+        InvalidArgumentError: no secret on stdin.
+    """
+    secret = sys.stdin.readline().rstrip("\r\n")
+    if not secret:
+        raise InvalidArgumentError("node-key reads the tenant's secret from stdin; got none")
+    print(node_key(secret, args.node).hex())
+    return 0

@@ -18,10 +18,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, cast
 
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigError, InvalidArgumentError
 from kvoffload.kvstore import DramConfig, EngineConfig, parse_size
 from kvoffload.kvstore.config import SsdConfig
 from kvoffload.nvmeof_target.cluster.config import ClusterConfig
+from kvoffload.wire.hello_auth import parse_node_key
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -134,6 +135,10 @@ class NativeConfig:
     nixl_backend: str = "UCX"
     # NIXL transfers bypass TLS: a TLS daemon refuses them unless this allows it.
     nixl_over_tls: bool = False
+    # Compatibility: also accept the old Hello that carries a tenant's token itself (protocol
+    # 1-4 clients, and clients with legacy_token=1). Off: only challenge–response, so this node
+    # never receives a secret it could replay (docs/guides/daemon.md#tenants).
+    token_hello: bool = False
     # Share of the DRAM tier that get_many answers still on their way may hold pinned, all
     # connections together: past it an answer is cut short (the client asks again for the
     # rest; at least one value an answer), so a slow reader cannot starve writers of the tier.
@@ -364,10 +369,15 @@ class TenantEventsConfig:
 
 @dataclass(frozen=True)
 class TenantConfig:
-    """One tenant: the token that authenticates it and its capacity quota."""
+    """One tenant: what authenticates it (its secret, or only this node's key derived from
+    it) and its capacity quota."""
 
     name: str
-    token: str
+    # The tenant's secret (clients' `token`): this node derives its own key from it.
+    token: str = ""
+    # This node's key for the tenant, hex (`kvoffload node-key`), instead of the secret: the
+    # node then holds nothing that authenticates the tenant to another node.
+    node_key: str = ""
     # Bytes of DRAM the tenant may hold; 0 = no quota.
     quota_bytes: int = 0
     # Bytes of SSD slots the tenant may hold (needs an SSD tier); 0 = no quota.
@@ -375,8 +385,16 @@ class TenantConfig:
     events: TenantEventsConfig = TenantEventsConfig()
 
     def __post_init__(self) -> None:
-        if not self.name or not self.token:
-            raise ConfigError(f"tenant {self.name!r} needs a name and a non-empty token")
+        if not self.name or bool(self.token) == bool(self.node_key):
+            raise ConfigError(
+                f"tenant {self.name!r} needs a name and exactly one of token (the tenant's "
+                "secret) and node_key (this node's key, from `kvoffload node-key`)"
+            )
+        if self.node_key:
+            try:
+                parse_node_key(self.node_key)
+            except InvalidArgumentError as exc:
+                raise ConfigError(f"tenants.{self.name}.node_key: {exc}") from None
         for key in ("quota_bytes", "ssd_quota_bytes"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"tenants.{self.name}.{key} must not be negative")
@@ -416,9 +434,15 @@ class Config:
         names = [t.name for t in self.tenants]
         if len(set(names)) != len(names):
             raise ConfigError(f"duplicate tenant names in {names}")
-        tokens = [t.token for t in self.tenants]
-        if len(set(tokens)) != len(tokens):
-            raise ConfigError("two tenants share a token")
+        tokens = [t.token for t in self.tenants if t.token]
+        keys = [t.node_key.strip().lower() for t in self.tenants if t.node_key]
+        if len(set(tokens)) != len(tokens) or len(set(keys)) != len(keys):
+            raise ConfigError("two tenants share a token (or a node key)")
+        if keys and not self.cluster.node_id:
+            raise ConfigError(
+                "tenants with a node_key need [cluster] node_id: the key is derived for one "
+                "node id, which clients must be told (`kvoffload node-key --node ID`)"
+            )
         EngineConfig(dram=self.dram, ssd=self.ssd, data_dir=self.data_dir)  # validates them
         if self.tenants and self.nvme.explicit:
             raise ConfigError(

@@ -112,7 +112,7 @@ class Daemon:
             dropped = await loop.run_in_executor(executor, engine.clear)
             if dropped:
                 log.warning("cluster node: dropped %d block(s) from before this start", dropped)
-        tenants = Tenants(config.tenants)
+        tenants = Tenants(config.tenants, config.cluster.node_id)
         tenants.apply_quotas(engine)
         metrics = Metrics(lambda: engine.stats().as_dict(), config.metrics.tenant_labels)
         services = Services(

@@ -71,7 +71,9 @@ T = TypeVar("T")
 DEFAULT_DEADLINE_S = 2.0
 _PARAMS = {
     "timeout": f"seconds per call to a node (default {DEFAULT_DEADLINE_S:g})",
-    "token": "the tenant's token on every node (front=native)",
+    "token": "the tenant's secret on every node (front=native; never sent, see kv://)",
+    "tenant": "the tenant's name (front=native; optional)",
+    "legacy_token": "1: send the token itself to nodes older than protocol 5 (front=native)",
     "data": "kv (default) or nixl: how payloads move to native nodes",
     "nixl_cache_bytes": "data=nixl: bytes kept registered per node connection",
     "hostnqn": "this host's NQN on every node (front=nvme; default as for nvme+tcp://)",
@@ -715,10 +717,12 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
             f"cluster URL: timeout must be seconds > 0, got {spec.extra['timeout']!r}"
         )
     node_params = {"timeout": f"{deadline:g}", "connect_timeout": f"{deadline:g}"}
-    # Each front authenticates its own way: a token (native), the host's NQN (NVMe/TCP); data=
-    # chooses how payloads move to native nodes.
+    # Each front authenticates its own way: a tenant's secret (native), the host's NQN
+    # (NVMe/TCP); data= chooses how payloads move to native nodes.
     for name, front in (
         ("token", "native"),
+        ("tenant", "native"),
+        ("legacy_token", "native"),
         ("data", "native"),
         ("nixl_cache_bytes", "native"),
         ("hostnqn", "nvme"),
@@ -738,6 +742,11 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
         front += "+tls"  # a TLS node registers its native front so; a client never falls back
     query = urlencode(node_params)
 
+    # Nodes found in etcd must prove at Hello that they are the node of their record: a
+    # rogue member cannot relay another node's challenge to a client (static URLs name
+    # addresses, not node ids).
+    pin = spec.source == "etcd" and "token" in node_params
+
     def open_node(member: Member) -> Transport:
         address = member.fronts.get(front)
         if address is None:
@@ -751,7 +760,8 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
             # A node without TLS is skipped like a down one by a tls=1 client (a cluster
             # moving to TLS node by node keeps serving from the TLS ones).
             raise TransportError(f"node {member.node_id} has no {front} front")
-        return open_transport(parse_url(f"{scheme}://{address}?{query}"))
+        pinned = f"&{urlencode({'node': member.node_id})}" if pin else ""
+        return open_transport(parse_url(f"{scheme}://{address}?{query}{pinned}"))
 
     membership = open_membership(spec, timeout_s=deadline)
     return ClusterTransport(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
 import json
 import logging
@@ -58,6 +59,7 @@ __all__ = [
     "join",
     "leave",
     "rejoin_within_s",
+    "with_node_id",
 ]
 
 log = logging.getLogger("kvoffload.cluster")
@@ -81,6 +83,29 @@ def rejoin_within_s(lease_ttl_s: float) -> float:
     a call in flight when the link came back timing out, one failed retry's pause, and the
     renewal, grant and claim calls."""
     return lease_ttl_s / 3 + _RETRY_MAX_S + 4 * CALL_TIMEOUT_S
+
+
+def with_node_id(config: Config) -> Config:
+    """`config` with the node id a cluster node will register under filled in (the one kept
+    in its data dir, else a new one), so that every worker proves the same id at Hello as
+    clients find in etcd. Unchanged for a standalone node or a configured id.
+
+    Raises:
+        ConfigError: an unreadable identity file.
+    """
+    if not config.cluster.etcd or config.cluster.node_id:
+        return config
+    path = Path(config.data_dir) / ID_FILE
+    kept: object = {}
+    try:
+        kept = json.loads(path.read_text())
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path} is unreadable ({exc}); remove it to make a new id") from None
+    node_id = str(kept.get("node_id") or "") if isinstance(kept, dict) else ""
+    node_id = node_id or f"kv-{secrets.token_hex(6)}"  # kept once the node registers
+    return dataclasses.replace(config, cluster=dataclasses.replace(config.cluster, node_id=node_id))
 
 
 class NodeIdClaimedError(ConfigError):

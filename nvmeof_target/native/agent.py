@@ -231,6 +231,35 @@ class NixlAgent:
             self.forget(name)
             raise InvalidArgumentError(f"NIXL agent metadata names {name!r}, not {expected!r}")
 
+    def notify(self, name: str, message: bytes) -> None:
+        """Send `message` as a NIXL notification to agent `name`, at the worker its metadata
+        declares (only that worker's process can echo it).
+
+        Raises:
+            TransportError: NIXL could not send it.
+        """
+        try:
+            self._agent.send_notif(name, message)
+        except self.errors as exc:
+            raise TransportError(f"NIXL notification to the client's agent failed: {exc}") from None
+
+    async def deliver(self, peer: NixlPeer, until: float) -> None:
+        """Drive NIXL's progress (no progress thread) until `peer` has echoed its nonce, the
+        connection dropped it, or `until` (monotonic): a notification on TCP needs it."""
+        nap = _NAP_S
+        peer.driving = True
+        try:
+            while peer.nonce and not peer.proven and time.monotonic() < until:
+                try:
+                    self._agent.get_new_notifs()  # progress; this agent expects no notifications
+                except self.errors as exc:
+                    log.debug("NIXL progress for %s: %s", peer.name, exc)
+                    return
+                await asyncio.sleep(nap)
+                nap = min(nap * 2, _MAX_NAP_S)
+        finally:
+            peer.driving = False
+
     def forget(self, name: str) -> None:
         self.names.discard(name)
         try:
@@ -308,6 +337,11 @@ class NixlPeer:
 
     name: str
     regions: set[tuple[int, int]] = field(default_factory=set)
+    # The nonce last sent to the agent's worker (b"": none outstanding), and whether the
+    # client has echoed it since its last metadata: no transfer is served until it has.
+    nonce: bytes = b""
+    proven: bool = False
+    driving: bool = False  # a task drives progress until the nonce is echoed (one at a time)
 
     def change(self, add: tuple[int, ...], revoke: tuple[int, ...]) -> None:
         for i in range(0, len(revoke), 2):

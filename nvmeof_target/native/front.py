@@ -31,6 +31,7 @@ from kvoffload.nvmeof_target.native.requests import HANDLERS
 from kvoffload.nvmeof_target.native.session import FRONT, Handler, NativeSession
 from kvoffload.nvmeof_target.services import Services
 from kvoffload.nvmeof_target.session import Instruments, RoomLimits, make_room, stop_sessions
+from kvoffload.wire.hello_auth import tls_binding_of_pem
 from kvoffload.wire.native.connection import (
     ErrorReply,
     Limits,
@@ -70,6 +71,7 @@ class NativeFront:
         self._watchdog: asyncio.Task[None] | None = None
         self._sessions: dict[NativeSession, asyncio.Task[None]] = {}
         self._tls: ssl.SSLContext | None = None
+        self.tls_binding = b""
         self.instruments = Instruments(services.metrics, FRONT)
         self._budget = RoomLimits(
             config.max_connections,
@@ -97,6 +99,8 @@ class NativeFront:
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             context.load_cert_chain(self.config.tls.cert_file, self.config.tls.key_file or None)
             self._tls = context
+            with open(self.config.tls.cert_file) as fh:  # loaded above: readable PEM
+                self.tls_binding = tls_binding_of_pem(fh.read())
         shard = self.services.shard
         if shard is not None:  # the worker's supervisor bound them
             listeners = shard.listeners

@@ -12,7 +12,10 @@ The NIXL package is optional: nothing here imports it until a client asks for th
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -37,8 +40,9 @@ from kvoffload.nvmeof_target.native.session import NativeSession
 from kvoffload.wire.block import HEADER_BYTES
 from kvoffload.wire.blockmeta import BlockMeta
 from kvoffload.wire.native.connection import (
+    AUTH_VERSION,
     NIXL_DEADLINE_VERSION,
-    NIXL_VERSION,
+    NIXL_PROOF_PREFIX,
     NixlGet,
     NixlGetResult,
     NixlMemory,
@@ -52,6 +56,10 @@ __all__ = ["on_nixl_get", "on_nixl_memory", "on_nixl_put"]
 
 log = logging.getLogger("kvoffload.nixl")
 T = TypeVar("T")
+# How long the daemon drives progress for a proof notification the client has not echoed.
+_DELIVER_S = 10.0
+# Tasks delivering a proof notification (kept referenced until done).
+_DELIVERING: set[asyncio.Task[None]] = set()
 
 
 async def _agent(s: NativeSession) -> NixlAgent:
@@ -90,11 +98,15 @@ def _run(
 
     async def run() -> None:
         try:
-            if s.version < NIXL_VERSION:
-                raise InvalidArgumentError("NIXL requests need protocol version 3")
+            _check_version(s)
             agent = await _agent(s)
             if s.nixl is None:
                 raise InvalidArgumentError("NixlMemory must name the client's agent first")
+            if not s.nixl.proven:
+                raise AuthError(
+                    "the connection's NIXL agent has not echoed the daemon's notification: "
+                    "its worker is not proven to be this client's"
+                )
             await work(agent, s.nixl)
         except StuckError as exc:
             # No answer and no close the client can see (`_keep_open`): it keeps its buffer.
@@ -113,23 +125,63 @@ def _run(
     return run()
 
 
+def _check_version(s: NativeSession) -> None:
+    """Raises: ConfigError: a client before protocol 5, which cannot prove its worker."""
+    if s.version < AUTH_VERSION:
+        raise ConfigError(
+            f"the NIXL data path needs protocol {AUTH_VERSION} (the client proves that the "
+            "worker its metadata declares is its own); upgrade kvoffload on the client"
+        )
+
+
 def on_nixl_memory(s: NativeSession, event: NixlMemory) -> Awaitable[None]:
     async def run() -> None:
         try:
-            if s.version < NIXL_VERSION:
-                raise InvalidArgumentError("NIXL requests need protocol version 3")
+            _check_version(s)
             agent = await _agent(s)
+            if event.echo is not None:
+                _proven(s, event.echo)
             if event.agent:
                 _own(s, agent, event.agent)
             if s.nixl is None:
                 raise InvalidArgumentError("the first NixlMemory must carry the agent's metadata")
             s.nixl.change(event.regions, event.revoke)
+            if event.agent:
+                _challenge(s, agent, s.nixl)
         except KVOffloadError as exc:
             _refuse(s, event.request_id, exc)
             return
         s.reply(NixlMemoryDone(event.request_id))
 
     return run()
+
+
+def _challenge(s: NativeSession, agent: NixlAgent, peer: NixlPeer) -> None:
+    """After each metadata (which may declare another worker): a fresh nonce to the worker it
+    declares; the client must echo it before the next transfer.
+
+    Raises:
+        TransportError: NIXL could not send it.
+    """
+    peer.nonce, peer.proven = secrets.token_bytes(32), False
+    agent.notify(peer.name, NIXL_PROOF_PREFIX + peer.nonce)
+    if peer.driving:
+        return
+    until = time.monotonic() + _DELIVER_S
+    task = asyncio.ensure_future(agent.deliver(peer, until))
+    _DELIVERING.add(task)
+    task.add_done_callback(_DELIVERING.discard)
+
+
+def _proven(s: NativeSession, echo: bytes) -> None:
+    """Raises: AuthError: `echo` is not the nonce this connection's agent was sent."""
+    peer = s.nixl
+    if peer is None or not peer.nonce or not hmac.compare_digest(echo, peer.nonce):
+        raise AuthError(
+            "the NIXL echo is not the nonce the daemon sent to this connection's agent: the "
+            "worker its metadata declares is not this client's"
+        )
+    peer.nonce, peer.proven = b"", True
 
 
 def _own(s: NativeSession, agent: NixlAgent, metadata: bytes) -> None:

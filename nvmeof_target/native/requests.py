@@ -18,8 +18,11 @@ from kvoffload.kvstore import BlockView
 from kvoffload.nvmeof_target.native.nixl import on_nixl_get, on_nixl_memory, on_nixl_put
 from kvoffload.nvmeof_target.native.puts import on_put, on_put_many, on_repair
 from kvoffload.nvmeof_target.native.session import NativeSession
+from kvoffload.nvmeof_target.tenants import Tenant
 from kvoffload.wire.native.connection import (
     PROTOCOL_VERSIONS,
+    Auth,
+    Challenge,
     Delete,
     DeleteMany,
     DeleteManyResult,
@@ -71,26 +74,62 @@ def on_hello(s: NativeSession, event: Hello) -> None:
         s.fail(event.request_id, RemoteProtocolError(refusal))
         s.end_after_answers()
         return
+    tenants = s.services.tenants
     try:
-        s.tenant = s.services.tenants.authenticate(event.token)
+        if event.nonce is not None:  # challenge–response: Auth follows our Challenge
+            s.challenge = tenants.challenge(event.tenant, event.nonce, event.version)
+            s.reply(Challenge(event.request_id, tenants.node, s.challenge.node_nonce))
+            return
+        if event.token and not s.config.token_hello:
+            raise AuthError(
+                "this node does not take tokens in a Hello (native.token_hello is off): "
+                "use a client that speaks protocol 5 or later (challenge–response)"
+            )
+        tenant = tenants.authenticate(event.token)
     except AuthError as exc:
-        s.services.metrics.auth_failures.labels(s.front_name).inc()
-        log.info("refused %s: %s", s.peer, exc)
-        s.fail(event.request_id, exc)
-        s.end_after_answers()  # nothing pipelined behind a refused Hello is served
+        _refuse(s, event.request_id, exc)
         return
+    _welcome(s, event.request_id, event.version, tenant, None)
+
+
+def on_auth(s: NativeSession, event: Auth) -> None:
+    pending, s.challenge = s.challenge, None
+    if pending is None:  # the codec admits Auth only after a Hello that asked for a Challenge
+        _refuse(s, event.request_id, AuthError("Auth without a Challenge"))
+        return
+    try:
+        tenant, proof = s.services.tenants.answer(pending, event.proof, s.tls_binding)
+    except AuthError as exc:
+        _refuse(s, event.request_id, exc)
+        return
+    _welcome(s, event.request_id, pending.version, tenant, proof)
+
+
+def _refuse(s: NativeSession, request_id: int, exc: AuthError) -> None:
+    s.services.metrics.auth_failures.labels(s.front_name).inc()
+    log.info("refused %s: %s", s.peer, exc)
+    s.fail(request_id, exc)
+    s.end_after_answers()  # nothing pipelined behind a refused Hello is served
+
+
+def _welcome(
+    s: NativeSession, request_id: int, version: int, tenant: Tenant, proof: bytes | None
+) -> None:
+    shard = s.services.shard
+    s.tenant = tenant
     s.conn.set_limits(s.front.limits)
-    s.version = event.version
+    s.version = version
     s.reply(
         Welcome(
-            event.request_id,
-            event.version,
-            s.tenant.name,
+            request_id,
+            version,
+            tenant.name,
             s.engine.max_value_bytes,
             s.config.max_payload_bytes,
             server=f"kvoffload {__version__}",
             shard=shard.index if shard else 0,
             shard_ports=tuple(shard.ports) if shard else (),
+            proof=proof,
         )
     )
 
@@ -254,6 +293,7 @@ def _row(
 HANDLERS: dict[type[object], Callable[..., Awaitable[object] | None]] = dict(
     [
         _row(Hello, on_hello),
+        _row(Auth, on_auth),
         _row(Put, on_put),
         _row(PutMany, on_put_many),
         _row(Get, on_get),

@@ -25,7 +25,7 @@ from kvoffload.nvmeof_target.config import NativeConfig
 from kvoffload.nvmeof_target.native.agent import NixlPeer
 from kvoffload.nvmeof_target.services import Services
 from kvoffload.nvmeof_target.session import Instruments, Session
-from kvoffload.nvmeof_target.tenants import Tenant
+from kvoffload.nvmeof_target.tenants import HelloChallenge, Tenant
 from kvoffload.wire.native.connection import (
     NEED_DATA,
     ConnectionClosed,
@@ -106,6 +106,7 @@ class Host(Protocol):
     instruments: Instruments
     limits: Limits
     hello_limits: Limits
+    tls_binding: bytes  # `hello_auth.tls_binding` of the front's certificate (b"": no TLS)
     # request type (and PayloadEnd, SinkFull) -> its handler
     handlers: Mapping[type[object], Handler]
 
@@ -128,6 +129,7 @@ class NativeSession(Session):
         self.config = front.config
         self.conn = NativeConnection(Role.SERVER, front.hello_limits)
         self.tenant: Tenant | None = None
+        self.challenge: HelloChallenge | None = None  # sent, its Auth not yet received
         self.puts: dict[int, PendingPut] = {}  # request id -> its payload on the way
         self.shard = front.services.shard
         self.version = 0  # the protocol version of the accepted Hello
@@ -300,6 +302,11 @@ class NativeSession(Session):
     ) -> None:
         """Run an engine read inline, or on the I/O threads when it may wait on a device."""
         self.read(work, then, partial(self.fail, request_id))
+
+    @property
+    def tls_binding(self) -> bytes:
+        """What a Hello proof on this connection is bound to (b"" without TLS)."""
+        return self.front.tls_binding if isinstance(self.channel, TlsChannel) else b""
 
     @property
     def me(self) -> Tenant:

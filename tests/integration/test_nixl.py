@@ -32,6 +32,7 @@ from kvoffload.client_sdk.transports.native.options import NativeOptions
 from kvoffload.client_sdk.url import parse_url
 from kvoffload.errors import ConfigError, DeadlineExceededError, InvalidArgumentError
 from kvoffload.wire.native.connection import (
+    NIXL_DEADLINE_VERSION,
     NIXL_VERSION,
     ConnectionClosed,
     ErrorReply,
@@ -369,7 +370,20 @@ class _Raw:
         first = self.memory.metadata() if len(self.memory.regions) == 1 else partial
         answer = self.ask(NixlMemoryEvent(next(self.ids), first, region))
         assert isinstance(answer, NixlMemoryDone), answer
+        self.prove()
         return region
+
+    def prove(self) -> None:
+        """Echo the nonce the daemon sent our agent (as the SDK does after each metadata)."""
+        for _ in range(20_000):
+            self.memory.progress()
+            nonce = self.memory.take_proof()
+            if nonce is not None:
+                answer = self.ask(NixlMemoryEvent(next(self.ids), echo=nonce))
+                assert isinstance(answer, NixlMemoryDone), answer
+                return
+            time.sleep(0.001)
+        raise AssertionError("no proof notification from the daemon")
 
     def close(self) -> None:
         self.sock.close()
@@ -492,19 +506,21 @@ def test_no_transfer_once_the_clients_budget_is_spent(raw: tuple[Daemon, _Raw]) 
     _intact(daemon, key, value)
 
 
-def test_a_protocol_3_client_is_served_without_a_budget(raw: tuple[Daemon, _Raw]) -> None:
+@pytest.mark.parametrize("version", [NIXL_VERSION, NIXL_DEADLINE_VERSION])
+def test_a_client_before_protocol_5_is_refused_the_data_path(
+    raw: tuple[Daemon, _Raw], version: int
+) -> None:
+    # It cannot prove that the worker its metadata declares is its own (NixlMemory's echo).
     daemon, _ = raw
-    key, value = b"3" * 16, np.full(4096, 8, np.uint8)
-    with Client.connect(daemon.url()) as plain:
-        plain.put(key, value)
-    old = _Raw(daemon.port, version=NIXL_VERSION)
+    old = _Raw(daemon.port, version=version)
     try:
         buffer = np.zeros(4096, np.uint8)
-        addr, size = old.register(buffer)
-        got = old.ask(NixlGet(next(old.ids), (key,), (addr,), (size,)))
-        assert isinstance(got, NixlGetResult) and np.array_equal(buffer, value)
+        region, _ = old.memory.register(memoryview(buffer))
+        answer = old.ask(NixlMemoryEvent(next(old.ids), old.memory.metadata(), region))
+        assert isinstance(answer, ErrorReply) and "needs protocol 5" in answer.message
     finally:
         old.close()
+    assert daemon.proc.poll() is None
 
 
 def test_a_protocol_3_daemon_gets_no_budget(ucx: dict[str, str]) -> None:

@@ -15,12 +15,14 @@ import ctypes
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from kvoffload.client_sdk import Client
+from kvoffload.client_sdk.transports.native.nixl_memory import NixlMemory
 from kvoffload.errors import ConfigError, KVOffloadError
 from kvoffload.nvmeof_target.native.agent import daemon_tls
 from kvoffload.wire.block import HEADER_BYTES, seal
@@ -217,4 +219,69 @@ def test_a_daemon_left_no_transport_says_so(start_daemon: Start) -> None:
         assert isinstance(refusal, ErrorReply) and "UCX_TLS" in refusal.message, refusal
     finally:
         tenant.close()
+    assert daemon.proc.poll() is None
+
+
+def test_a_client_that_declares_another_agents_worker_is_refused(
+    start_daemon: Start, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 27 (2): an attacker declares a victim NIXL process's whole metadata (its worker's
+    TCP address) with the victim's registered buffer; the daemon sends its nonce to that
+    worker, which the attacker cannot read, so no transfer touches the victim's memory."""
+    ucx = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+    for name, setting in ucx.items():  # read when this process's agents are made
+        monkeypatch.setenv(name, setting)
+    daemon: Daemon = start_daemon("--dram", "128MiB", env=ucx)
+    victim = NixlMemory()  # another UCX process's agent: no connection to the daemon
+    secret = np.frombuffer(os.urandom(PAGE), np.uint8).copy()
+    original = secret.copy()
+    region, _ = victim.register(memoryview(secret))
+    attacker = _Raw(daemon.port)
+    try:
+        declared = attacker.ask(NixlMemoryEvent(next(attacker.ids), victim.metadata(), region))
+        assert isinstance(declared, NixlMemoryDone), declared  # a claim the daemon must test
+        # The nonce went to the victim's worker, not to the attacker's.
+        for _ in range(20_000):
+            victim.progress()
+            attacker.memory.progress()
+            if victim.proofs:
+                break
+            time.sleep(0.001)
+        assert victim.proofs and not attacker.memory.proofs
+        # A put that would read the victim's buffer into a block: refused, nothing stored.
+        key = b"v" * 16
+        head = seal(key_or_hash=key, payload=secret.tobytes(), stored_length=PAGE, raw_length=PAGE)
+        put = attacker.ask(NixlPut(next(attacker.ids), (key,), (head,), (region[0],), (PAGE,)))
+        assert isinstance(put, ErrorReply) and "not proven" in put.message, put
+        with Client.connect(daemon.url()) as plain:
+            assert plain.get(key) is None
+    finally:
+        attacker.close()
+    # A guessed echo is refused too, and a get into the victim's buffer never runs.
+    guesser = _Raw(daemon.port)
+    try:
+        assert isinstance(
+            guesser.ask(NixlMemoryEvent(next(guesser.ids), victim.metadata(), region)),
+            NixlMemoryDone,
+        )
+        guess = guesser.ask(NixlMemoryEvent(next(guesser.ids), echo=bytes(32)))
+        assert isinstance(guess, ErrorReply) and "not this client's" in guess.message, guess
+    finally:
+        guesser.close()
+    with Client.connect(daemon.url()) as plain:
+        plain.put(b"w" * 16, np.full(PAGE - HEADER_BYTES, 0x57, np.uint8))
+    wrote = _Raw(daemon.port)
+    try:
+        wrote.ask(NixlMemoryEvent(next(wrote.ids), victim.metadata(), region))
+        got = wrote.ask(NixlGet(next(wrote.ids), (b"w" * 16,), (region[0],), (PAGE,)))
+        assert isinstance(got, ErrorReply), got
+    finally:
+        wrote.close()
+    assert np.array_equal(secret, original), "the daemon wrote into the victim's memory"
+    victim.close()
+    # The honest path still works: the SDK proves its own worker.
+    with Client.connect(daemon.url(data="nixl")) as client:
+        client.put(b"h" * 16, np.full(PAGE, 7, np.uint8))
+        out = np.zeros(PAGE, np.uint8)
+        assert client.get_into(b"h" * 16, out) == PAGE and (out == 7).all()
     assert daemon.proc.poll() is None

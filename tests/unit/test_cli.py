@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import pytest
 
 import kvoffload
 from kvoffload.cli import main
+from kvoffload.wire.hello_auth import node_key
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -19,7 +21,8 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.parametrize(
-    "argv", [[], ["demo"], ["bench"], ["bench", "engine"], ["bench", "codecs"], ["stats"]]
+    "argv",
+    [[], ["demo"], ["bench"], ["bench", "engine"], ["bench", "codecs"], ["stats"], ["node-key"]],
 )
 def test_help_on_every_command(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
@@ -49,3 +52,14 @@ def test_console_script_is_installed(tmp_path: Path) -> None:
         timeout=60,
     )
     assert proc.returncode == 0 and kvoffload.__version__ in proc.stdout
+
+
+def test_node_key_reads_the_secret_from_stdin(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("s3cret\n"))
+    assert main(["node-key", "--node", "n1"]) == 0
+    assert capsys.readouterr().out.strip() == node_key("s3cret", "n1").hex()
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert main(["node-key", "--node", "n1"]) == 2
+    assert "reads the tenant's secret from stdin" in capsys.readouterr().err

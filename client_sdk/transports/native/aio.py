@@ -23,6 +23,7 @@ from kvoffload.client_sdk.transports.native.options import NativeOptions
 from kvoffload.client_sdk.transports.native.session import Call, Plan, Req, Session
 from kvoffload.client_sdk.url import StoreURL
 from kvoffload.errors import DeadlineExceededError, KVOffloadError, TransportError
+from kvoffload.wire.hello_auth import tls_binding
 from kvoffload.wire.native.connection import META_VERSION, PROTOCOL_VERSION, Welcome
 from kvoffload.wire.tiers import TierRun
 
@@ -110,7 +111,10 @@ class _AsyncConnection(AsyncRunner[Req, Call]):
         sock = protocol.transport.get_extra_info("socket") if protocol.transport else None
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.welcome = await self.run(plans.hello(self.options.token, self.version), deadline)
+        tls = protocol.transport.get_extra_info("ssl_object") if protocol.transport else None
+        # The proof holds for this TLS endpoint only.
+        binding = tls_binding(tls.getpeercert(binary_form=True) or b"") if tls else b""
+        self.welcome = await self.run(plans.hello(self.options, self.version, binding), deadline)
 
     @property
     def healthy(self) -> bool:

@@ -54,8 +54,10 @@ from kvoffload.errors import (
 )
 from kvoffload.wire.block import HEADER_BYTES
 from kvoffload.wire.native.connection import (
+    AUTH_VERSION,
     NIXL_DEADLINE_VERSION,
     NIXL_VERSION,
+    PROTOCOL_VERSION,
     Event,
     NixlGet,
     NixlGetResult,
@@ -124,6 +126,7 @@ class _Lane:
             # busy host, so the first exchange may take longer than a request.
             first = max(self.timeout, _SETUP_S)
             self.ask(lambda rid: NixlMemoryEvent(rid, agent=self.memory.metadata()), first)
+            self.prove()
         except BaseException:
             self.conn.close()
             raise
@@ -148,6 +151,22 @@ class _Lane:
             if spins % 256 == 0:
                 left(deadline)  # raises past the deadline
         return call.result()
+
+    def prove(self) -> None:
+        """Echo the nonce the daemon sent our agent after our last metadata (a NIXL
+        notification, which only our own worker receives): no transfer is served before.
+
+        Raises:
+            DeadlineExceededError: it did not arrive within the URL's timeout.
+        """
+        if self.conn.welcome.version < AUTH_VERSION:
+            return  # an older daemon sends none (and asks for none)
+        deadline = time.monotonic() + self.timeout
+        while (nonce := self.memory.take_proof()) is None:
+            self.memory.progress()
+            if left(deadline) > _NAP_S:  # raises past the deadline
+                time.sleep(_NAP_S)
+        self.ask(lambda rid: NixlMemoryEvent(rid, echo=nonce))
 
     def transfer(self, make: Callable[..., Event]) -> Event:
         """`ask` for a request that makes the daemon move bytes (NixlGet, NixlPut), which
@@ -227,6 +246,7 @@ class _Lane:
             if region is None:
                 region, meta = self.memory.register(buffer)
                 self.ask(partial(NixlMemoryEvent, agent=meta, regions=region))
+                self.prove()
             used.add(region)
             addrs.append(addr)
         old = self.memory.surplus(protect=used)
@@ -281,7 +301,7 @@ class NixlTransport(NativeTransport):
         self._lanes_open = 0
         self._lane_cond = threading.Condition()
         self._refused = ""
-        self._lane_version = NIXL_DEADLINE_VERSION  # lowered once a daemon refuses it
+        self._lane_version = PROTOCOL_VERSION  # lowered once a daemon refuses it
         self._busy: set[_Lane] = set()  # lanes in use: a revoke reaches them when given back
         super().__init__(options)
 
@@ -315,7 +335,7 @@ class NixlTransport(NativeTransport):
                 try:
                     lane = _Lane(self.options, self.options.ssl_context(), self._lane_version)
                 except _Older:
-                    self._lane_version = NIXL_VERSION
+                    self._lane_version -= 1
                     continue
                 with self._lane_cond:
                     self._busy.add(lane)

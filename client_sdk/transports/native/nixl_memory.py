@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvoffload.errors import ConfigError, InvalidArgumentError
+from kvoffload.wire.native.connection import NIXL_PROOF_PREFIX
 
 __all__ = ["MAX_BYTES", "MAX_REGIONS", "NixlMemory", "Region", "address_of"]
 
@@ -82,6 +83,7 @@ class NixlMemory:
         self.name = name
         self.max_bytes = max_bytes
         self.nbytes = 0  # registered now
+        self.proofs: list[bytes] = []  # nonces the daemon sent as notifications, not yet echoed
         # region -> (the buffer kept alive, NIXL's registration), least recently used first
         self._regions: OrderedDict[Region, tuple[memoryview, object]] = OrderedDict()
 
@@ -145,8 +147,21 @@ class NixlMemory:
         return list(self._regions)
 
     def progress(self) -> None:
-        """Drive NIXL's progress once (a waiting request calls it: no progress thread)."""
-        self._agent.get_new_notifs()
+        """Drive NIXL's progress once (a waiting request calls it: no progress thread), and
+        keep the daemon's proof nonces among the notifications (the latest few)."""
+        notifs = self._agent.get_new_notifs()
+        for messages in notifs.values() if isinstance(notifs, dict) else ():
+            for message in messages:
+                data = bytes(message)
+                if data.startswith(NIXL_PROOF_PREFIX):
+                    self.proofs = [*self.proofs[-7:], data[len(NIXL_PROOF_PREFIX) :]]
+
+    def take_proof(self) -> bytes | None:
+        """The latest nonce the daemon sent (dropping older ones), if one has arrived."""
+        if not self.proofs:
+            return None
+        latest, self.proofs = self.proofs[-1], []
+        return latest
 
     def close(self) -> None:
         """Deregister everything and drop the agent (its endpoints and worker with it): past

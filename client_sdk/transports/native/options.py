@@ -14,7 +14,10 @@ __all__ = ["DEFAULT_PORT", "NativeOptions"]
 
 DEFAULT_PORT = 7480
 _PARAMS = {
-    "token": "the tenant's token",
+    "token": "the tenant's secret: proven by challenge-response, never sent",
+    "tenant": "the tenant's name (optional: the daemon finds it by the proof)",
+    "node": "the node id the daemon must prove it is (optional)",
+    "legacy_token": "1: send the token itself to a daemon older than protocol 5",
     **RETRY_PARAMS,
     "pool": "connections of a sync client (default 4)",
     "tls": "1 to connect with TLS",
@@ -33,6 +36,10 @@ class NativeOptions:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     token: str = ""
+    tenant: str = ""
+    node: str = ""
+    # Send the token itself (replayable) to a daemon that does not speak challenge–response.
+    legacy_token: bool = False
     timeout: float = 30.0
     connect_timeout: float = 5.0
     retries: int = 3
@@ -55,9 +62,9 @@ class NativeOptions:
             params,
             floats=("timeout", "connect_timeout", "backoff"),
             ints={"retries": "retries", "pool": "pool", "nixl_cache_bytes": "nixl_cache_bytes"},
-            flags=("tls",),
+            flags=("tls", "legacy_token"),
         )
-        for name in ("token", "ca", "server_name", "data"):
+        for name in ("token", "tenant", "node", "ca", "server_name", "data"):
             if name in params:
                 kwargs[name] = params[name]
         options = cls(**kwargs)

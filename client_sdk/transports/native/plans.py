@@ -3,6 +3,7 @@ asyncio drivers run the same plans."""
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Callable, Generator, Sequence
 from functools import partial
 from typing import TypeVar, cast
@@ -10,13 +11,18 @@ from typing import TypeVar, cast
 from kvoffload import __version__
 from kvoffload.client_sdk.transports.base import HeldBlock, IntoBuffer, PutItem, Received
 from kvoffload.client_sdk.transports.core import Held, one, too_small
+from kvoffload.client_sdk.transports.native.options import NativeOptions
 from kvoffload.client_sdk.transports.native.session import Call, Plan, Req, Sink
-from kvoffload.errors import KVOffloadError, RemoteProtocolError
+from kvoffload.errors import AuthError, KVOffloadError, RemoteProtocolError
 from kvoffload.wire.block import HEADER_BYTES
+from kvoffload.wire.hello_auth import client_proof, new_nonce, node_key, server_proof
 from kvoffload.wire.native.connection import (
+    AUTH_VERSION,
     META_VERSION,
     PROTOCOL_VERSION,
     TIER_LOOKUP_VERSION,
+    Auth,
+    Challenge,
     Delete,
     DeleteMany,
     DeleteManyResult,
@@ -78,11 +84,50 @@ def _ask(req: Req) -> Generator[list[Req], list[Call], Event]:
     return call.result()
 
 
-def hello(token: str, version: int = PROTOCOL_VERSION) -> Plan[Welcome]:
-    answer = yield from _ask(
-        Req(lambda rid: Hello(rid, version=version, token=token, client=_CLIENT))
+def hello(
+    options: NativeOptions, version: int = PROTOCOL_VERSION, binding: bytes = b""
+) -> Plan[Welcome]:
+    """Say Hello; with a token, prove it by challenge–response (`wire.hello_auth`) and check
+    the node's proof; `binding`: `hello_auth.tls_binding` of the daemon's certificate over
+    TLS, else b"". The token itself goes only to a daemon older than `AUTH_VERSION`, and
+    only with `legacy_token`.
+
+    Raises:
+        AuthError: refused, or the daemon is not the node it must be (see `options.node`), or
+            could not prove it holds its key for the tenant.
+    """
+    token = options.token
+    if not token or version < AUTH_VERSION:
+        if token and not options.legacy_token:
+            raise AuthError(
+                f"{options.url} speaks protocol {version}, before challenge–response: it would "
+                "need the token itself, which it could replay; upgrade it, or allow that "
+                "with legacy_token=1"
+            )
+        answer = yield from _ask(
+            Req(lambda rid: Hello(rid, version=version, token=token, client=_CLIENT))
+        )
+        return cast(Welcome, answer)
+    nonce = new_nonce()
+    challenge = yield from _ask(
+        Req(
+            lambda rid: Hello(
+                rid, version=version, client=_CLIENT, tenant=options.tenant, nonce=nonce
+            )
+        )
     )
-    return cast(Welcome, answer)
+    if not isinstance(challenge, Challenge):
+        raise AuthError(f"{options.url} answered a Hello that asked for a Challenge without one")
+    node = challenge.node
+    if options.node and node != options.node:
+        raise AuthError(f"{options.url} is node {node[:80]!r}, not {options.node!r}")
+    key = node_key(token, node)
+    proof = client_proof(key, options.tenant, node, nonce, challenge.nonce, binding)
+    welcome = cast(Welcome, (yield from _ask(Req(lambda rid: Auth(rid, proof)))))
+    expected = server_proof(key, welcome.tenant, node, nonce, challenge.nonce, binding)
+    if welcome.proof is None or not hmac.compare_digest(welcome.proof, expected):
+        raise AuthError(f"{options.url} could not prove it holds node {node[:80]!r}'s key")
+    return welcome
 
 
 def older_version(exc: KVOffloadError, version: int) -> int | None:

@@ -39,6 +39,7 @@ from kvoffload.errors import (
     RemoteProtocolError,
     TransportError,
 )
+from kvoffload.wire.hello_auth import tls_binding
 from kvoffload.wire.native.connection import (
     META_VERSION,
     PROTOCOL_VERSION,
@@ -91,7 +92,10 @@ class _SyncConnection(SyncRunner[Req, Call]):
         self._timeout = -1.0
         self._slack = min(0.05 * options.timeout, 0.5)
         try:
-            self.welcome: Welcome = self.run(plans.hello(options.token, version), deadline)
+            binding = b""
+            if isinstance(sock, ssl.SSLSocket):  # the proof holds for this TLS endpoint only
+                binding = tls_binding(sock.getpeercert(binary_form=True) or b"")
+            self.welcome: Welcome = self.run(plans.hello(options, version, binding), deadline)
         except BaseException:
             sock.close()  # refused Hello (bad token, version): do not wait for the collector
             raise

@@ -14,9 +14,10 @@ event asks for the next piece's memory). Byte-at-a-time feeding yields exactly t
 
 Operations (request -> answer): Hello -> Welcome, Put -> PutDone, Get -> GetResult,
 Exists -> ExistsResult, Delete -> DeleteResult, PutMany -> PutManyDone, GetMany -> GetManyResult,
-Lookup -> LookupResult, Prefetch -> PrefetchResult, Stats -> StatsResult, and from version 3
-NixlMemory -> NixlMemoryDone, NixlGet -> NixlGetResult, NixlPut -> NixlPutDone, from version 5
-Repair -> RepairDone, Describe -> Described, DeleteMany -> DeleteManyResult; any request may be
+Lookup -> LookupResult, Prefetch -> PrefetchResult, Stats -> StatsResult, from version 3
+NixlMemory -> NixlMemoryDone, NixlGet -> NixlGetResult, NixlPut -> NixlPutDone, and from version 5
+Repair -> RepairDone, Describe -> Described, DeleteMany -> DeleteManyResult, and a Hello with a
+nonce -> Challenge, then Auth -> Welcome (`wire.hello_auth`); any request may be
 answered with ErrorReply instead. ErrorReply with request id 0 concerns the whole connection
 (the sender closes it next).
 """
@@ -29,11 +30,14 @@ from collections.abc import Sequence
 from kvoffload.errors import LocalProtocolError, RemoteProtocolError
 from kvoffload.wire import fast as _fast
 from kvoffload.wire.native.events import (
+    _ALSO,
     _ANSWER,
+    AUTH_VERSION,
     KEY_BYTES,
     META_VERSION,
     NEED_DATA,
     NIXL_DEADLINE_VERSION,
+    NIXL_PROOF_PREFIX,
     NIXL_VERSION,
     PROTOCOL_VERSION,
     PROTOCOL_VERSIONS,
@@ -42,6 +46,8 @@ from kvoffload.wire.native.events import (
     REPAIR_VERSION,
     TIER_LOOKUP_VERSION,
     TOMBSTONE_RETENTION_S,
+    Auth,
+    Challenge,
     ConnectionClosed,
     Delete,
     DeleteMany,
@@ -92,10 +98,12 @@ from kvoffload.wire.native.frames import (
 )
 
 __all__ = [
+    "AUTH_VERSION",
     "KEY_BYTES",
     "META_VERSION",
     "NEED_DATA",
     "NIXL_DEADLINE_VERSION",
+    "NIXL_PROOF_PREFIX",
     "NIXL_VERSION",
     "PROTOCOL_VERSION",
     "PROTOCOL_VERSIONS",
@@ -104,6 +112,8 @@ __all__ = [
     "REPAIR_VERSION",
     "TOMBSTONE_RETENTION_S",
     "TIER_LOOKUP_VERSION",
+    "Auth",
+    "Challenge",
     "ConnectionClosed",
     "Delete",
     "DeleteMany",
@@ -159,6 +169,7 @@ class Role(enum.Enum):
 
 class _Phase(enum.Enum):
     AWAIT_HELLO = "await hello"
+    AWAIT_AUTH = "await auth"  # a Hello asked for a Challenge: only Auth may follow
     READY = "ready"
     BROKEN = "broken"
 
@@ -265,12 +276,28 @@ class NativeConnection:
         if event.RESPONSE:
             self._settle(event)
             return
-        if self._phase_in is _Phase.AWAIT_HELLO and not isinstance(event, Hello):
-            raise LocalProtocolError(f"{type(event).__name__} before Hello")
-        if self._phase_in is _Phase.READY and isinstance(event, Hello):
-            raise LocalProtocolError("second Hello on one connection")
+        self._phase_in = self._next_phase(self._phase_in, event)
         self._open(event)
-        self._phase_in = _Phase.READY
+
+    @staticmethod
+    def _next_phase(phase: _Phase, request: Event) -> _Phase:
+        """The phase after `request` (sent or received) in `phase`.
+
+        Raises:
+            LocalProtocolError: `request` is not allowed in `phase`.
+        """
+        name = type(request).__name__
+        if phase is _Phase.AWAIT_HELLO and not isinstance(request, Hello):
+            raise LocalProtocolError(f"{name} before Hello (the first request must be Hello)")
+        if phase is _Phase.AWAIT_AUTH and not isinstance(request, Auth):
+            raise LocalProtocolError(f"{name} before Auth (the Hello asked for a Challenge)")
+        if phase is _Phase.READY and isinstance(request, Hello):
+            raise LocalProtocolError("second Hello on one connection")
+        if phase is not _Phase.AWAIT_AUTH and isinstance(request, Auth):
+            raise LocalProtocolError("Auth without a Challenge to answer")
+        if isinstance(request, Hello) and request.challenges:
+            return _Phase.AWAIT_AUTH
+        return _Phase.READY
 
     def _open(self, request: Event) -> None:
         if request.request_id in self._pending:
@@ -287,7 +314,7 @@ class NativeConnection:
         request = self._pending.get(answer.request_id)
         if request is None:
             raise LocalProtocolError(f"answer to unknown request id {answer.request_id}")
-        if not isinstance(answer, (ErrorReply, _ANSWER[request])):
+        if not isinstance(answer, (ErrorReply, _ANSWER[request], _ALSO.get(request, ErrorReply))):
             raise LocalProtocolError(
                 f"{type(answer).__name__} answers a {request.__name__} request"
             )
@@ -323,10 +350,9 @@ class NativeConnection:
         if event.RESPONSE:
             self._settle(event)
         else:
-            if self._phase_out is _Phase.AWAIT_HELLO and not isinstance(event, Hello):
-                raise LocalProtocolError("the first request must be Hello")
+            phase = self._next_phase(self._phase_out, event)
             self._open(event)
-            self._phase_out = _Phase.READY
+            self._phase_out = phase
         return parts
 
     def send_get_result(

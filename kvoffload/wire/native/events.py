@@ -14,10 +14,12 @@ from kvoffload.wire.native.fields import KEY_BYTES, VALIDATORS, fail
 from kvoffload.wire.native.frames import FLAG_RESPONSE, MAX_REQUEST_ID, Frame, Need
 
 __all__ = [
+    "AUTH_VERSION",
     "KEY_BYTES",
     "META_VERSION",
     "NEED_DATA",
     "NIXL_DEADLINE_VERSION",
+    "NIXL_PROOF_PREFIX",
     "NIXL_VERSION",
     "PROTOCOL_VERSION",
     "PROTOCOL_VERSIONS",
@@ -26,6 +28,8 @@ __all__ = [
     "REPAIR_VERSION",
     "TOMBSTONE_RETENTION_S",
     "TIER_LOOKUP_VERSION",
+    "Auth",
+    "Challenge",
     "ConnectionClosed",
     "Delete",
     "DeleteMany",
@@ -75,9 +79,16 @@ __all__ = [
 # transfer once it is spent (sent only to a daemon that accepted version 4).
 # 5: Repair (a cluster's read-repair copy: stored only where the key is absent and was not
 # deleted lately), Describe (a block's parent and metadata, so that a copy keeps them) and
-# DeleteMany; a cluster client sends them only to a daemon that accepted version 5.
+# DeleteMany; a cluster client sends them only to a daemon that accepted version 5. And
+# challenge–response at Hello (`wire.hello_auth`): a Hello with a `nonce` (and maybe a
+# `tenant`) carries no token and is answered by a Challenge; the client's Auth is answered by
+# a Welcome with the node's `proof`. A Hello without a nonce is answered as before. And the
+# NIXL data path needs version 5: NixlMemory's `echo` proves the declared worker is the client's.
 PROTOCOL_VERSION = 5
 PROTOCOL_VERSIONS = (1, 2, 3, 4, 5)
+AUTH_VERSION = 5
+# The NIXL notification that carries the daemon's nonce to the client's agent (version 5).
+NIXL_PROOF_PREFIX = b"kvoffload nixl proof v1\0"
 NIXL_VERSION = 3
 META_VERSION = 3
 TIER_LOOKUP_VERSION = 4
@@ -151,13 +162,58 @@ def _checks(cls: type[Event]) -> tuple[tuple[str, Callable[[object], object]], .
 
 @dataclass(frozen=True, slots=True)
 class Hello(Event):
-    """First request on a connection: protocol version and the tenant's token."""
+    """First request on a connection: protocol version, and either the tenant's token (the
+    old, replayable form) or, from version 5, a fresh `nonce` that asks for a Challenge
+    (`tenant`: the tenant's name, or "" to let the node find it by the proof)."""
 
     OP: ClassVar[int] = 1
+    CHECKS: ClassVar[dict[str, str]] = {"nonce": "opt_nonce"}
     request_id: int
     version: int = PROTOCOL_VERSION
     token: str = ""
     client: str = ""
+    tenant: str = ""
+    nonce: bytes | None = None
+
+    def __post_init__(self) -> None:
+        Event.__post_init__(self)
+        if self.nonce is None and self.tenant:
+            raise LocalProtocolError("a Hello names its tenant only with a nonce")
+        if self.nonce is not None and (self.token or self.version < AUTH_VERSION):
+            raise LocalProtocolError(
+                f"a Hello with a nonce carries no token and needs version >= {AUTH_VERSION}"
+            )
+
+    @property
+    def challenges(self) -> bool:
+        """It asks for a Challenge (and Auth must follow it)."""
+        return self.nonce is not None
+
+    def meta(self) -> dict[str, object]:
+        meta = Event.meta(self)
+        if self.nonce is None:  # absent, so that a version 4 daemon accepts the frame
+            del meta["tenant"], meta["nonce"]
+        return meta
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge(Event):
+    """Version 5: the answer to a Hello with a nonce: who the node is, and its fresh nonce."""
+
+    OP: ClassVar[int] = 14
+    RESPONSE: ClassVar[bool] = True
+    request_id: int
+    node: str
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Auth(Event):
+    """Version 5: the client's proof (`hello_auth.client_proof`), answered by a Welcome."""
+
+    OP: ClassVar[int] = 14
+    request_id: int
+    proof: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +222,7 @@ class Welcome(Event):
 
     OP: ClassVar[int] = 1
     RESPONSE: ClassVar[bool] = True
+    CHECKS: ClassVar[dict[str, str]] = {"proof": "opt_proof"}
     request_id: int
     version: int
     tenant: str
@@ -176,11 +233,15 @@ class Welcome(Event):
     # order (empty: one process serves every key).
     shard: int = 0
     shard_ports: tuple[int, ...] = ()
+    # Version 5, answering an Auth: the node's proof that it holds its key for the tenant.
+    proof: bytes | None = None
 
     def meta(self) -> dict[str, object]:
         meta = Event.meta(self)
         if self.version < 2:  # a version 1 peer rejects fields it does not know
             del meta["shard"], meta["shard_ports"]
+        if self.proof is None:  # absent, so that a version 4 client accepts the frame
+            del meta["proof"]
         return meta
 
 
@@ -419,19 +480,33 @@ class ErrorReply(Event):
 @dataclass(frozen=True, slots=True)
 class NixlMemory(Event):
     """Version 3: NIXL agent metadata (whole, then partial for new regions) and the flat
-    (address, length) pairs this connection may name from now on (`regions`) or no more."""
+    (address, length) pairs this connection may name from now on (`regions`) or no more.
+    Version 5: after each metadata the daemon sends a nonce as a NIXL notification
+    (`NIXL_PROOF_PREFIX` + nonce) to the agent it names, and serves no transfer until the
+    client echoes it here (`echo`): proof that the declared worker is the client's."""
 
     OP: ClassVar[int] = 11
-    CHECKS: ClassVar[dict[str, str]] = {"regions": "uints", "revoke": "uints"}
+    CHECKS: ClassVar[dict[str, str]] = {
+        "regions": "uints",
+        "revoke": "uints",
+        "echo": "opt_nonce",
+    }
     request_id: int
     agent: bytes = b""
     regions: tuple[int, ...] = ()
     revoke: tuple[int, ...] = ()
+    echo: bytes | None = None
 
     def __post_init__(self) -> None:
         Event.__post_init__(self)
         if len(self.regions) % 2 or len(self.revoke) % 2:
             raise LocalProtocolError("NIXL regions come in (address, length) pairs")
+
+    def meta(self) -> dict[str, object]:
+        meta = Event.meta(self)
+        if self.echo is None:  # absent, so that a version 4 daemon accepts the frame
+            del meta["echo"]
+        return meta
 
 
 @dataclass(frozen=True, slots=True)
@@ -606,9 +681,10 @@ class ConnectionClosed:
     """The peer closed its side at a frame boundary."""
 
 
-# Request class -> the answer it admits besides ErrorReply.
+# Request class -> the answer it admits besides ErrorReply (and `_ALSO`).
 _ANSWER: dict[type[Event], type[Event]] = {
     Hello: Welcome,
+    Auth: Welcome,
     Put: PutDone,
     Get: GetResult,
     Exists: ExistsResult,
@@ -625,8 +701,10 @@ _ANSWER: dict[type[Event], type[Event]] = {
     Describe: Described,
     DeleteMany: DeleteManyResult,
 }
+# Request class -> another answer it admits: a Hello with a nonce is answered by a Challenge.
+_ALSO: dict[type[Event], type[Event]] = {Hello: Challenge}
 # (frame type, is response) -> event class: the parser's dispatch table.
-_ALL: tuple[type[Event], ...] = (*_ANSWER, *_ANSWER.values(), ErrorReply)
+_ALL: tuple[type[Event], ...] = (*_ANSWER, *_ANSWER.values(), *_ALSO.values(), ErrorReply)
 _BY_FRAME: dict[tuple[int, bool], type[Event]] = {(c.OP, c.RESPONSE): c for c in _ALL}
 
 

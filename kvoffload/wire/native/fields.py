@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from kvoffload.errors import LocalProtocolError
 from kvoffload.wire.blockmeta import check_meta
+from kvoffload.wire.hello_auth import NONCE_BYTES, PROOF_BYTES
 from kvoffload.wire.tiers import check_pairs
 
 __all__ = ["KEY_BYTES", "VALIDATORS", "fail"]
@@ -77,6 +78,17 @@ def _blob(value: object) -> bytes:
     return value
 
 
+def _exact(size: int, what: str, optional: bool) -> Callable[[object], bytes | None]:
+    def check(value: object) -> bytes | None:
+        if value is None and optional:
+            return None
+        if not isinstance(value, bytes) or len(value) != size:
+            raise fail(f"{size}-byte {what}", value)
+        return value
+
+    return check
+
+
 def _opt_meta(value: object) -> bytes | None:
     return None if value is None else check_meta(value)
 
@@ -121,4 +133,9 @@ VALIDATORS: dict[str, Callable[[object], object]] = {
     "flag": _flag,
     "flags": _seq(_flag),
     "tier_pairs": check_pairs,
+    "node": _text,
+    "nonce": _exact(NONCE_BYTES, "nonce", optional=False),
+    "opt_nonce": _exact(NONCE_BYTES, "nonce", optional=True),
+    "proof": _exact(PROOF_BYTES, "proof", optional=False),
+    "opt_proof": _exact(PROOF_BYTES, "proof", optional=True),
 }

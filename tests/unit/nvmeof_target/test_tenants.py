@@ -8,6 +8,7 @@ from kvoffload.errors import AuthError, ConfigError
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
 from kvoffload.nvmeof_target.config import TenantConfig
 from kvoffload.nvmeof_target.tenants import ANONYMOUS, Tenants
+from kvoffload.wire.hello_auth import client_proof, new_nonce, node_key, server_proof
 
 
 def test_open_store_takes_no_token() -> None:
@@ -53,3 +54,34 @@ def test_ssd_quotas_are_applied_and_need_an_ssd_tier(tmp_path: Path) -> None:
         for i in range(12):  # 12 x 200 KB durable puts against a 1 MiB SSD quota
             engine.put(a.key(i.to_bytes(16, "little")), bytes(200_000), tenant="a", durable=True)
         assert 0 < engine.stats().ssd_tenant_bytes["a"] <= 1 << 20
+
+
+def test_challenge_response_without_the_secret_on_the_node() -> None:
+    secret = "alice-secret"
+    key = node_key(secret, "n1").hex()
+    tenants = Tenants(
+        [TenantConfig("alice", node_key=key), TenantConfig("bob", "bob-secret")], "n1"
+    )
+    client_nonce = new_nonce()
+    pending = tenants.challenge("", client_nonce, 5)
+    proof = client_proof(node_key(secret, "n1"), "", "n1", client_nonce, pending.node_nonce)
+    tenant, mine = tenants.answer(pending, proof)
+    assert tenant.name == "alice"
+    assert mine == server_proof(
+        node_key(secret, "n1"), "alice", "n1", client_nonce, pending.node_nonce
+    )
+    # Another connection's challenge, another node's key, or bob's name: refused.
+    with pytest.raises(AuthError):
+        tenants.answer(tenants.challenge("", client_nonce, 5), proof)
+    other = client_proof(node_key(secret, "n2"), "", "n1", client_nonce, pending.node_nonce)
+    with pytest.raises(AuthError):
+        tenants.answer(pending, other)
+    as_bob = tenants.challenge("bob", client_nonce, 5)
+    claim = client_proof(node_key(secret, "n1"), "bob", "n1", client_nonce, as_bob.node_nonce)
+    with pytest.raises(AuthError):
+        tenants.answer(as_bob, claim)
+    # The token Hello cannot reach a tenant configured with its node key alone.
+    with pytest.raises(AuthError):
+        tenants.authenticate(secret)
+    with pytest.raises(AuthError, match="no tenants"):
+        Tenants([]).challenge("", client_nonce, 5)

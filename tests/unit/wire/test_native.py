@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import msgpack
 import pytest
@@ -14,6 +14,8 @@ from kvoffload.wire import fast
 from kvoffload.wire.blockmeta import BlockMeta
 from kvoffload.wire.native.connection import (
     NEED_DATA,
+    Auth,
+    Challenge,
     ConnectionClosed,
     Delete,
     DeleteResult,
@@ -44,6 +46,7 @@ from kvoffload.wire.native.connection import (
 from kvoffload.wire.native.frames import FRAME, MAGIC, Limits
 
 K1, K2, K3 = bytes(16), bytes(range(16)), b"\xff" * 16
+N32 = bytes(range(32))
 
 
 @pytest.fixture(autouse=True, params=fast.available())
@@ -243,6 +246,9 @@ def test_clean_eof_and_eof_mid_frame() -> None:
     [
         ([Get(1, K1)], "before Hello"),
         ([Hello(1), Hello(2)], "second Hello"),
+        ([Auth(1, N32)], "before Hello"),
+        ([Hello(1), Auth(2, N32)], "without a Challenge"),
+        ([Hello(1, nonce=N32), Get(2, K1)], "before Auth"),
         ([Hello(1), Get(2, K1), Get(2, K2)], "already outstanding"),
     ],
 )
@@ -497,3 +503,42 @@ def test_the_fast_exists_answer_is_the_same_bytes() -> None:
         fast.send_exists_result(4, True)
     with pytest.raises(LocalProtocolError, match="unknown request id 2"):
         fast.send_exists_result(2, True)
+
+
+def test_challenge_response_hello_round_trip() -> None:
+    client, server = NativeConnection(Role.CLIENT), NativeConnection(Role.SERVER)
+    hello = Hello(1, tenant="alice", nonce=N32)
+    server.receive_data(client.send(hello))
+    assert server.next_event() == hello
+    client.receive_data(server.send(Challenge(1, "n1", N32[::-1])))
+    assert client.next_event() == Challenge(1, "n1", N32[::-1])
+    with pytest.raises(LocalProtocolError, match="before Auth"):
+        client.send(Get(2, K1))
+    server.receive_data(client.send(Auth(2, N32)))
+    assert server.next_event() == Auth(2, N32)
+    welcome = Welcome(2, 5, "alice", 1, 1, proof=N32)
+    client.receive_data(server.send(welcome))
+    assert client.next_event() == welcome
+    server.receive_data(client.send(Get(3, K1)))
+    assert server.next_event() == Get(3, K1)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Hello(1, token="t", nonce=N32),  # the token and a nonce: never both
+        lambda: Hello(1, version=4, nonce=N32),
+        lambda: Hello(1, tenant="alice"),  # a name without a nonce
+        lambda: Hello(1, nonce=b"short"),
+        lambda: Auth(1, b"short"),
+    ],
+)
+def test_bad_challenge_hellos_are_refused(make: Callable[[], Event]) -> None:
+    with pytest.raises(LocalProtocolError):
+        make()
+
+
+def test_a_plain_hello_has_no_challenge_fields() -> None:
+    # A version 4 daemon refuses fields it does not know.
+    assert b"nonce" not in NativeConnection(Role.CLIENT).send(Hello(1, version=4, token="t"))
+    assert "proof" not in Welcome(1, 4, "", 1, 1).meta()

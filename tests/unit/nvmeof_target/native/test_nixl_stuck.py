@@ -50,8 +50,8 @@ def test_a_stuck_transfer_is_neither_answered_nor_closed(monkeypatch: pytest.Mon
         ours.close()
 
     session = types.SimpleNamespace(
-        version=daemon_nixl.NIXL_VERSION,
-        nixl=object(),
+        version=daemon_nixl.AUTH_VERSION,
+        nixl=types.SimpleNamespace(proven=True),  # its worker proven (issue 27)
         peer="client",
         fail=lambda request, exc: answers.append(("answer", request, str(exc))),
         end_after_answers=lambda: answers.append("end"),
