@@ -200,7 +200,7 @@ class Hello(Event):
 class Challenge(Event):
     """Version 5: the answer to a Hello with a nonce: who the node is, and its fresh nonce."""
 
-    OP: ClassVar[int] = 14
+    OP: ClassVar[int] = 17
     RESPONSE: ClassVar[bool] = True
     request_id: int
     node: str
@@ -211,7 +211,7 @@ class Challenge(Event):
 class Auth(Event):
     """Version 5: the client's proof (`hello_auth.client_proof`), answered by a Welcome."""
 
-    OP: ClassVar[int] = 14
+    OP: ClassVar[int] = 17
     request_id: int
     proof: bytes
 

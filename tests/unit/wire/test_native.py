@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kvoffload.errors import LocalProtocolError, RemoteProtocolError
 from kvoffload.wire import fast
 from kvoffload.wire.blockmeta import BlockMeta
+from kvoffload.wire.native import events as native_events
 from kvoffload.wire.native.connection import (
     NEED_DATA,
     Auth,
@@ -136,6 +137,17 @@ def _expected(items: Sequence[tuple[Event, list[bytes]]]) -> list[object]:
         if event.payload_length:
             out.append((event.request_id, b"".join(payload)))
     return out
+
+
+def test_every_event_has_a_frame_type_of_its_own() -> None:
+    # Two events of one direction on one frame type: the parser would take one for the other.
+    # (Repair and Auth were both given 14 by work done side by side.)
+    seen: dict[tuple[int, bool], str] = {}
+    for cls in set(native_events._ALL):  # an answer may serve two requests (Welcome)
+        frame = (cls.OP, cls.RESPONSE)
+        assert frame not in seen, f"{cls.__name__} and {seen[frame]} share frame type {frame}"
+        seen[frame] = cls.__name__
+    assert {"Repair", "Auth", "Challenge", "Hello", "ErrorReply"} <= set(seen.values())
 
 
 def test_a_whole_session_round_trips() -> None:
