@@ -100,12 +100,11 @@ class Daemon:
                 with contextlib.suppress(OSError):
                     parent.rmdir()
             raise
-        # A node clients may have known (its id kept in the data dir, or configured) holds no
-        # tombstones of what was deleted while it was down: repairs wait (`Tombstones`).
+        # A node clients may have known (it registered from this data dir before, which kept
+        # its id) holds no tombstones of what was deleted lately: repairs wait (`Tombstones`).
+        # Not the id alone: every cluster node has one by now (`with_node_id`), new ones too.
         node_dir = Path(config.data_dir).parent if self._shard else Path(config.data_dir)
-        rejoining = bool(config.cluster.etcd) and bool(
-            config.cluster.node_id or (node_dir / cluster.ID_FILE).exists()
-        )
+        rejoining = bool(config.cluster.etcd) and (node_dir / cluster.ID_FILE).exists()
         if config.cluster.etcd:
             # A cluster node's blocks from before this start may be older than its replicas'
             # (a delete or overwrite acknowledged while it was down): none is served again.
