@@ -70,7 +70,7 @@ class NativeFront:
         self._watchdog: asyncio.Task[None] | None = None
         self._sessions: dict[NativeSession, asyncio.Task[None]] = {}
         self._tls: ssl.SSLContext | None = None
-        self.instruments = Instruments(services.metrics, FRONT)
+        self.instruments = Instruments(services.metrics, FRONT, log)
         self._budget = RoomLimits(
             config.max_connections,
             config.max_unauthenticated,
@@ -129,7 +129,13 @@ class NativeFront:
                 continue
             metrics.connections_total.labels(FRONT).inc()
             if not make_room(
-                self._sessions, _admitted, str(peer[0]), self._budget, self.services.metrics, FRONT
+                self._sessions,
+                _admitted,
+                str(peer[0]),
+                self._budget,
+                self.services.metrics,
+                FRONT,
+                self.instruments.peer_log,
             ):
                 metrics.refused.labels(FRONT, "too many connections").inc()
                 _refuse(sock, "too many connections")
@@ -152,7 +158,7 @@ class NativeFront:
                 reason = session.overdue(now)
                 if reason:
                     self.services.metrics.refused.labels(FRONT, reason).inc()
-                    log.info("closing %s: %s", session.peer, reason)
+                    session.peer_log.info("closing %s: %s", session.peer, reason)
                     session.say_goodbye(Status.DEADLINE, reason)
                     session.abort()
 

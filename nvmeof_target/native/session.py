@@ -146,6 +146,7 @@ class NativeSession(Session):
             most = self.conn.read_size()
             n = await self.channel.recv_into(buffer[:most] if most else buffer)
             self._last_rx = time.monotonic()
+            await self._next_step()  # a payload streaming in counts too
             if n:
                 self.conn.buffer_updated(n)
             else:
@@ -176,6 +177,7 @@ class NativeSession(Session):
                 waiting = self._dispatch(event)
             if waiting is not None:
                 await waiting  # engine work on the I/O threads that later requests must follow
+            await self._next_step()
         return False
 
     def _dispatch(self, event: Event) -> Awaitable[object] | None:
@@ -212,7 +214,7 @@ class NativeSession(Session):
         return ""
 
     def _protocol_error(self, exc: RemoteProtocolError) -> None:
-        log.info("protocol error from %s: %s", self.peer, exc)
+        self.peer_log.info("protocol error from %s: %s", self.peer, exc)
         self.say_goodbye(Status.PROTOCOL, str(exc))
 
     def _internal_error(self) -> None:
