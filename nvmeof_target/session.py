@@ -88,6 +88,11 @@ class Instruments:
         self._found: dict[tuple[str, str], tuple[Any, Any]] = {}
         self.bytes_in = metrics.bytes_in.labels(front)
         self.bytes_out = metrics.bytes_out.labels(front)
+        # Touched once or twice per connection: a crowd of short connections (a fuzzing peer)
+        # must not cost a label lookup each time.
+        self.connections = metrics.connections.labels(front)
+        self.connections_total = metrics.connections_total.labels(front)
+        self.protocol_errors = metrics.protocol_errors.labels(front)
 
     def __call__(self, op: str, status: str) -> tuple[Any, Any]:
         found = self._found.get((op, status))
@@ -142,15 +147,14 @@ class Session:
         self.peer_log = instruments.peer_log
 
     async def run(self) -> None:
-        metrics = self.services.metrics
-        metrics.connections.labels(self.front_name).inc()
+        self._instruments.connections.inc()
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
         try:
             await self._reader
         except asyncio.CancelledError:
             pass  # stop_reading() or abort(): finish what was already received
         except RemoteProtocolError as exc:
-            metrics.protocol_errors.labels(self.front_name).inc()
+            self._instruments.protocol_errors.inc()
             self._protocol_error(exc)
         except TransportError:
             pass  # the peer went away
@@ -160,7 +164,7 @@ class Session:
         finally:
             self._reader = None
             await self._finish()
-            metrics.connections.labels(self.front_name).dec()
+            self._instruments.connections.dec()
             self._forget()
 
     async def _read_loop(self) -> None:

@@ -127,7 +127,7 @@ class NativeFront:
                 log.warning("accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            metrics.connections_total.labels(FRONT).inc()
+            self.instruments.connections_total.inc()
             if not make_room(
                 self._sessions,
                 _admitted,
