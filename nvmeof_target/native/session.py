@@ -146,11 +146,11 @@ class NativeSession(Session):
             most = self.conn.read_size()
             n = await self.channel.recv_into(buffer[:most] if most else buffer)
             self._last_rx = time.monotonic()
-            await self._next_step()  # a payload streaming in counts too
             if n:
                 self.conn.buffer_updated(n)
             else:
                 self.conn.receive_eof()
+            await self._next_step()  # a payload streaming in counts too
 
     async def _drain_events(self) -> bool:
         """Handle buffered events; False once the connection is done with reading."""

@@ -163,11 +163,11 @@ class NvmeQueue(Session):
                 None if self.conn.at_boundary else self._frame_since or time.monotonic()
             )
             n = await self.channel.recv_into(self.conn.get_buffer())
-            await self._next_step()  # a payload streaming in counts too
             if n:
                 self.conn.buffer_updated(n)
             else:
                 self.conn.receive_eof()
+            await self._next_step()  # a payload streaming in counts too
 
     async def _drain_events(self) -> bool:
         while self._reading:
