@@ -33,9 +33,9 @@ __all__ = [
 log = logging.getLogger("kvoffload.serve")
 T = TypeVar("T")
 S = TypeVar("S", bound="Session")
-# Requests (or socket reads) one connection handles before its reader lets the event loop serve
-# the other connections: a peer that pipelines hundreds of frames (valid or garbage) must not
-# make every other client's request wait behind all of them.
+# Requests (or socket reads) one connection handles in one turn of the event loop before its
+# reader lets the loop serve the other connections: a peer that pipelines hundreds of frames
+# (valid or garbage) must not make every other client's request wait behind all of them.
 TURN_STEPS = 8
 
 
@@ -144,6 +144,7 @@ class Session:
         self._reading = True  # False once the connection should take no more requests
         self._reader: asyncio.Task[None] | None = None
         self._steps = 0  # requests and reads since the reader last let the loop go round
+        self._waits = 0  # the channel's `waits` when `_steps` was last counted
         self.peer_log = instruments.peer_log
 
     async def run(self) -> None:
@@ -241,8 +242,13 @@ class Session:
         """Something finished: flow control may let the reader go on (subclasses decide)."""
 
     async def _next_step(self) -> None:
-        """Count one request or read; every `TURN_STEPS` the reader lets the loop serve the
-        other connections' ready requests before it goes on (they are queued ahead of it)."""
+        """Count one request or read; after `TURN_STEPS` of them in one turn of the loop (no
+        read found the socket empty meanwhile: the peer keeps sending) the reader lets the loop
+        serve the other connections' ready requests before it goes on. A request/reply client
+        drains its socket and waits each time, so it is never made to yield mid-request."""
+        if self.channel.waits != self._waits:  # the loop went round while it waited for data
+            self._waits = self.channel.waits
+            self._steps = 0
         self._steps += 1
         if self._steps >= TURN_STEPS:
             self._steps = 0
