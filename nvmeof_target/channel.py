@@ -55,6 +55,7 @@ class Channel:
         self._drained: asyncio.Future[None] | None = None
         self._waiter: asyncio.Future[None] | None = None  # a reader waiting for data
         self._reading = False  # the fd is registered with the loop for reading
+        self.waits = 0  # reads that found the socket empty and waited (the loop went round)
         self.error: BaseException | None = None
         self.closed = False
 
@@ -80,6 +81,7 @@ class Channel:
         # every read, and registering and unregistering it each time costs epoll_ctl calls and
         # a loop wake-up per request. `_on_readable` unregisters it only when it fires with
         # nobody waiting (so unread data cannot make a level-triggered loop spin) and `close`.
+        self.waits += 1
         if not self._reading:
             self._reading = True
             self._loop.add_reader(self._fd, self._on_readable)

@@ -20,23 +20,79 @@ from kvoffload.nvmeof_target.channel import Channel
 from kvoffload.nvmeof_target.metrics import Metrics
 from kvoffload.nvmeof_target.services import Services
 
-__all__ = ["Instruments", "RoomLimits", "Session", "make_room", "stop_sessions"]
+__all__ = [
+    "TURN_STEPS",
+    "Instruments",
+    "PeerLog",
+    "RoomLimits",
+    "Session",
+    "make_room",
+    "stop_sessions",
+]
 
 log = logging.getLogger("kvoffload.serve")
 T = TypeVar("T")
 S = TypeVar("S", bound="Session")
+# Requests (or socket reads) one connection handles in one turn of the event loop before its
+# reader lets the loop serve the other connections: a peer that pipelines hundreds of frames
+# (valid or garbage) must not make every other client's request wait behind all of them.
+TURN_STEPS = 8
+
+
+class PeerLog:
+    """A front's per-connection log lines (a peer's protocol errors, connections closed for a
+    timeout or a budget), at most `burst` per `window_s`: a peer that sends garbage on
+    connection after connection must not make the daemon's one loop format and write a line
+    for each. The lines held back are counted and said with the next line of a later window
+    (the metrics count every one of them anyway)."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        burst: int = 20,
+        window_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._log = logger
+        self._burst = burst
+        self._window_s = window_s
+        self._clock = clock
+        self._since = clock()
+        self._said = 0
+        self.held = 0  # lines not logged in the current window
+
+    def info(self, msg: str, *args: object) -> None:
+        now = self._clock()
+        if now - self._since >= self._window_s:
+            if self.held:
+                self._log.info(
+                    "%d more connection log lines held back in %.0f s", self.held, now - self._since
+                )
+            self._since, self._said, self.held = now, 0, 0
+        if self._said < self._burst:
+            self._said += 1
+            self._log.info(msg, *args)
+        else:
+            self.held += 1
 
 
 class Instruments:
     """The request counter and latency histogram of each (op, status) of one front, and its
-    payload byte counters, looked up once (label lookups cost more than the increments)."""
+    payload byte counters, looked up once (label lookups cost more than the increments); and
+    its rate-limited per-connection log (`peer_log`)."""
 
-    def __init__(self, metrics: Metrics, front: str) -> None:
+    def __init__(self, metrics: Metrics, front: str, logger: logging.Logger) -> None:
         self._metrics = metrics
         self._front = front
+        self.peer_log = PeerLog(logger)
         self._found: dict[tuple[str, str], tuple[Any, Any]] = {}
         self.bytes_in = metrics.bytes_in.labels(front)
         self.bytes_out = metrics.bytes_out.labels(front)
+        # Touched once or twice per connection: a crowd of short connections (a fuzzing peer)
+        # must not cost a label lookup each time.
+        self.connections = metrics.connections.labels(front)
+        self.connections_total = metrics.connections_total.labels(front)
+        self.protocol_errors = metrics.protocol_errors.labels(front)
 
     def __call__(self, op: str, status: str) -> tuple[Any, Any]:
         found = self._found.get((op, status))
@@ -87,17 +143,19 @@ class Session:
         self._room.set()
         self._reading = True  # False once the connection should take no more requests
         self._reader: asyncio.Task[None] | None = None
+        self._steps = 0  # requests and reads since the reader last let the loop go round
+        self._waits = 0  # the channel's `waits` when `_steps` was last counted
+        self.peer_log = instruments.peer_log
 
     async def run(self) -> None:
-        metrics = self.services.metrics
-        metrics.connections.labels(self.front_name).inc()
+        self._instruments.connections.inc()
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
         try:
             await self._reader
         except asyncio.CancelledError:
             pass  # stop_reading() or abort(): finish what was already received
         except RemoteProtocolError as exc:
-            metrics.protocol_errors.labels(self.front_name).inc()
+            self._instruments.protocol_errors.inc()
             self._protocol_error(exc)
         except TransportError:
             pass  # the peer went away
@@ -107,7 +165,7 @@ class Session:
         finally:
             self._reader = None
             await self._finish()
-            metrics.connections.labels(self.front_name).dec()
+            self._instruments.connections.dec()
             self._forget()
 
     async def _read_loop(self) -> None:
@@ -116,7 +174,7 @@ class Session:
 
     def _protocol_error(self, exc: RemoteProtocolError) -> None:
         """The peer broke the protocol; tell it if the protocol can (reading has stopped)."""
-        log.info("protocol error from %s: %s", self.peer, exc)
+        self.peer_log.info("protocol error from %s: %s", self.peer, exc)
 
     def _internal_error(self) -> None:
         """A bug ended the connection; tell the peer if the protocol can."""
@@ -141,7 +199,9 @@ class Session:
             left = channel.progress_at + self.send_timeout_s - time.monotonic()
             if left <= 0:
                 self.services.metrics.refused.labels(self.front_name, "send timeout").inc()
-                log.info("closing %s: send timeout (%d B unsent)", self.peer, channel.buffered)
+                self.peer_log.info(
+                    "closing %s: send timeout (%d B unsent)", self.peer, channel.buffered
+                )
                 return
             try:
                 await asyncio.wait_for(channel.drain(), left)
@@ -180,6 +240,19 @@ class Session:
 
     def _wake(self) -> None:
         """Something finished: flow control may let the reader go on (subclasses decide)."""
+
+    async def _next_step(self) -> None:
+        """Count one request or read; after `TURN_STEPS` of them in one turn of the loop (no
+        read found the socket empty meanwhile: the peer keeps sending) the reader lets the loop
+        serve the other connections' ready requests before it goes on. A request/reply client
+        drains its socket and waits each time, so it is never made to yield mid-request."""
+        if self.channel.waits != self._waits:  # the loop went round while it waited for data
+            self._waits = self.channel.waits
+            self._steps = 0
+        self._steps += 1
+        if self._steps >= TURN_STEPS:
+            self._steps = 0
+            await asyncio.sleep(0)
 
     def _started_now(self, request: int, op: str) -> None:
         self._started[request] = (op, time.perf_counter())
@@ -346,6 +419,7 @@ def make_room(
     limits: RoomLimits,
     metrics: Metrics,
     front: str,
+    peer_log: PeerLog,
 ) -> bool:
     """Room for a new connection from `address`: beyond the budgets of connections not yet
     admitted (per peer, in all) or the connection limit, the oldest such connection (of this
@@ -360,6 +434,6 @@ def make_room(
     else:
         return len(sessions) < limits.connections
     metrics.refused.labels(front, reason).inc()
-    log.info("closing %s: %s connections over budget", victim.peer, reason)
+    peer_log.info("closing %s: %s connections over budget", victim.peer, reason)
     victim.drop_for_room()
     return True

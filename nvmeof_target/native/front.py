@@ -72,7 +72,7 @@ class NativeFront:
         self._sessions: dict[NativeSession, asyncio.Task[None]] = {}
         self._tls: ssl.SSLContext | None = None
         self.tls_binding = b""
-        self.instruments = Instruments(services.metrics, FRONT)
+        self.instruments = Instruments(services.metrics, FRONT, log)
         self._budget = RoomLimits(
             config.max_connections,
             config.max_unauthenticated,
@@ -131,9 +131,15 @@ class NativeFront:
                 log.warning("accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            metrics.connections_total.labels(FRONT).inc()
+            self.instruments.connections_total.inc()
             if not make_room(
-                self._sessions, _admitted, str(peer[0]), self._budget, self.services.metrics, FRONT
+                self._sessions,
+                _admitted,
+                str(peer[0]),
+                self._budget,
+                self.services.metrics,
+                FRONT,
+                self.instruments.peer_log,
             ):
                 metrics.refused.labels(FRONT, "too many connections").inc()
                 _refuse(sock, "too many connections")
@@ -156,7 +162,7 @@ class NativeFront:
                 reason = session.overdue(now)
                 if reason:
                     self.services.metrics.refused.labels(FRONT, reason).inc()
-                    log.info("closing %s: %s", session.peer, reason)
+                    session.peer_log.info("closing %s: %s", session.peer, reason)
                     session.say_goodbye(Status.DEADLINE, reason)
                     session.abort()
 

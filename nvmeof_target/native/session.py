@@ -156,6 +156,7 @@ class NativeSession(Session):
                 self.conn.buffer_updated(n)
             else:
                 self.conn.receive_eof()
+            await self._next_step()  # a payload streaming in counts too
 
     async def _drain_events(self) -> bool:
         """Handle buffered events; False once the connection is done with reading."""
@@ -182,6 +183,7 @@ class NativeSession(Session):
                 waiting = self._dispatch(event)
             if waiting is not None:
                 await waiting  # engine work on the I/O threads that later requests must follow
+            await self._next_step()
         return False
 
     def _dispatch(self, event: Event) -> Awaitable[object] | None:
@@ -218,7 +220,7 @@ class NativeSession(Session):
         return ""
 
     def _protocol_error(self, exc: RemoteProtocolError) -> None:
-        log.info("protocol error from %s: %s", self.peer, exc)
+        self.peer_log.info("protocol error from %s: %s", self.peer, exc)
         self.say_goodbye(Status.PROTOCOL, str(exc))
 
     def _internal_error(self) -> None:

@@ -74,7 +74,7 @@ class NvmeFront:
         self._listener: socket.socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._sweeping = False
-        self.instruments = Instruments(services.metrics, FRONT)
+        self.instruments = Instruments(services.metrics, FRONT, log)
         self._budget = RoomLimits(
             config.max_connections,
             config.max_unconnected,
@@ -111,9 +111,15 @@ class NvmeFront:
                 log.warning("accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            metrics.connections_total.labels(FRONT).inc()
+            self.instruments.connections_total.inc()
             if not make_room(
-                self._queues, _admitted, str(peer[0]), self._budget, self.services.metrics, FRONT
+                self._queues,
+                _admitted,
+                str(peer[0]),
+                self._budget,
+                self.services.metrics,
+                FRONT,
+                self.instruments.peer_log,
             ):
                 metrics.refused.labels(FRONT, "too many connections").inc()
                 sock.close()  # NVMe/TCP has no PDU to refuse with before ICReq
@@ -141,7 +147,7 @@ class NvmeFront:
                 reason = queue.overdue(now)
                 if reason:
                     self.services.metrics.refused.labels(FRONT, reason).inc()
-                    log.info("closing %s: %s", queue.peer, reason)
+                    queue.peer_log.info("closing %s: %s", queue.peer, reason)
                     queue.abort()
             if not self._sweeping:
                 self._sweep()

@@ -167,6 +167,7 @@ class NvmeQueue(Session):
                 self.conn.buffer_updated(n)
             else:
                 self.conn.receive_eof()
+            await self._next_step()  # a payload streaming in counts too
 
     async def _drain_events(self) -> bool:
         while self._reading:
@@ -183,6 +184,7 @@ class NvmeQueue(Session):
             waiting = _EVENTS[type(event)](self, event)
             if waiting is not None:
                 await waiting  # engine work on the I/O threads that later commands follow
+            await self._next_step()
         return False
 
     def overdue(self, now: float) -> str:
@@ -196,10 +198,10 @@ class NvmeQueue(Session):
 
     def _protocol_error(self, exc: RemoteProtocolError) -> None:
         if isinstance(exc, PduError):
-            log.info("protocol error from %s (FES %#x): %s", self.peer, exc.fes, exc)
+            self.peer_log.info("protocol error from %s (FES %#x): %s", self.peer, exc.fes, exc)
             self._terminate(exc.fes, exc.fei, exc.pdu)
         else:  # closed in the middle of a PDU: nobody left to tell
-            log.info("protocol error from %s: %s", self.peer, exc)
+            self.peer_log.info("protocol error from %s: %s", self.peer, exc)
 
     def _abandon(self) -> None:
         for incoming in self._incoming.values():  # a partial Store never becomes visible
@@ -222,7 +224,9 @@ class NvmeQueue(Session):
         self.channel.write(self.conn.send_parts(answer))
 
     def _on_termreq(self, event: H2CTermReq) -> None:
-        log.info("%s terminated the connection (FES %#x, FEI %d)", self.peer, event.fes, event.fei)
+        self.peer_log.info(
+            "%s terminated the connection (FES %#x, FEI %d)", self.peer, event.fes, event.fei
+        )
         self._reading = False
 
     def _on_h2c(self, event: H2CData) -> None:

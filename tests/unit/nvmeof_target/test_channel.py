@@ -203,3 +203,24 @@ def test_a_failed_write_runs_its_on_done(
         assert len(done) == 3 and channel.error is not None and channel.closed
 
     _run(new_loop, test)
+
+
+@LOOPS
+def test_waits_counts_only_reads_that_found_the_socket_empty(
+    new_loop: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    """A session's turn (`Session._next_step`) ends when a read had to wait: a peer that keeps
+    its socket full reads without waiting (no new turn: it yields after its share), a
+    request/reply client waits each time (a new turn: never made to yield mid-request)."""
+
+    async def test(loop: asyncio.AbstractEventLoop, channel: Channel, peer: socket.socket) -> None:
+        buffer = memoryview(bytearray(4))
+        peer.sendall(b"x" * 12)
+        for _ in range(3):  # data already there: no wait
+            assert await channel.recv_into(buffer) == 4
+        assert channel.waits == 0
+        loop.call_later(0.01, peer.sendall, b"y")  # empty now: the read waits for this
+        assert await channel.recv_into(buffer) == 1
+        assert channel.waits == 1
+
+    _run(new_loop, test)
