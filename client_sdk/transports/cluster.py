@@ -177,11 +177,16 @@ class ClusterTransport:
         return self._members
 
     def _plan(
-        self, keys: Sequence[bytes], width: int, exclude: frozenset[Target] = frozenset()
+        self,
+        keys: Sequence[bytes],
+        width: int,
+        exclude: frozenset[Target] = frozenset(),
+        members: tuple[Target, ...] | None = None,
     ) -> tuple[list[Target], npt.NDArray[np.intp]]:
-        """The nodes that may be used now and, per key, the indexes of its `width` best among
-        them (HRW over the admitted nodes = HRW over all with the others skipped)."""
-        live = [t for t in self._current() if t not in exclude and t.admit()]
+        """The nodes of `members` (default: the current ones) that may be used now and, per
+        key, the indexes of its `width` best among them (HRW over the admitted nodes = HRW over
+        all with the others skipped)."""
+        live = [t for t in members or self._current() if t not in exclude and t.admit()]
         if not live or not keys:
             return live, np.zeros((len(keys), 0), dtype=np.intp)
         # Placement sorts members by node id, like `live` (`_current` sorts them).
@@ -198,9 +203,11 @@ class ClusterTransport:
             placement = self._placements[ident] = Placement(members)
         return placement
 
-    def _owners(self, key: bytes, width: int) -> list[Target]:
+    def _owners(
+        self, key: bytes, width: int, members: tuple[Target, ...] | None = None
+    ) -> list[Target]:
         """The key's `width` best members, whether their breaker is open or not."""
-        members = self._current()
+        members = members or self._current()
         if not members:
             return []
         return [members[n] for n in self._placement(members).rank_many([key], width)[0]]
@@ -325,6 +332,9 @@ class ClusterTransport:
             # Refused here: sent on, every node would refuse it and look down to the breaker.
             raise InvalidArgumentError("cluster front=nvme has no durable stores (no FUA)")
         keys = [item[0] for item in items]
+        # One membership for the plan and the acknowledgement: a node that joins meanwhile
+        # was sent nothing, and holds no copy either (a node drops its blocks to join).
+        members = self._current()
         stored = [0] * len(items)
         owners_of: list[set[Target]] = [set() for _ in items]  # hold the new value
         cleared_on: list[set[Target]] = [set() for _ in items]  # hold no copy now
@@ -336,7 +346,7 @@ class ClusterTransport:
             # there while an owner was down must not outlive this put (it would be read
             # when the owners miss, an older value).
             width = self.replicas + (attempt == 0)
-            live, ranks = self._plan([keys[i] for i in pending], width, frozenset(failed))
+            live, ranks = self._plan([keys[i] for i in pending], width, frozenset(failed), members)
             groups: dict[Target, list[int]] = {}
             clears: dict[Target, set[int]] = {}
             for row, i in enumerate(pending):
@@ -384,10 +394,14 @@ class ClusterTransport:
                 self._count("puts_rerouted", len(pending))
         self._settle_puts(stored, durable, full=0 < refusals == errors)
         if self._strict_puts:
-            self._acknowledge(keys, owners_of, cleared_on)
+            self._acknowledge(keys, owners_of, cleared_on, members)
 
     def _acknowledge(
-        self, keys: Sequence[bytes], owners_of: list[set[Target]], cleared_on: list[set[Target]]
+        self,
+        keys: Sequence[bytes],
+        owners_of: list[set[Target]],
+        cleared_on: list[set[Target]],
+        members: tuple[Target, ...],
     ) -> None:
         """Raise unless every key's R + 1 best members (down or not) hold the new value or no
         copy: one that missed the put may serve the older value once it answers again.
@@ -395,7 +409,6 @@ class ClusterTransport:
         Raises:
             TransportError: some key's member did not answer (the put is stored elsewhere).
         """
-        members = self._current()
         if not members or not keys:
             return
         ranks = self._placement(members).rank_many(keys, self.replicas + 1)
@@ -639,11 +652,13 @@ class ClusterTransport:
         Raises:
             TransportError: some of the key's R + 1 best members did not answer.
         """
-        live, ranks = self._plan([key], self.replicas + 1)
+        members = self._current()  # one membership for the plan and the acknowledgement
+        live, ranks = self._plan([key], self.replicas + 1, members=members)
         groups = {live[r]: [0] for r in ranks[0]}
         answers = self._fanout(groups, lambda t, at: t.transport.delete(key))
         answered = {t for t, _, _, exc in answers if exc is None}
-        missing = [t.node_id for t in self._owners(key, self.replicas + 1) if t not in answered]
+        owners = self._owners(key, self.replicas + 1, members)
+        missing = [t.node_id for t in owners if t not in answered]
         if missing:
             raise TransportError(
                 f"delete not acknowledged: node(s) {', '.join(missing)} did not answer "
