@@ -404,8 +404,8 @@ class EtcdMembership:
                 if len(self._logged) > 10_000:
                     self._logged.clear()
                 self._logged.add((key, revision))
-                self._ignored += 1
                 log.warning("cluster %s: ignoring record %r: %s", self.cluster, key, exc)
+                self._ignored += 1  # after the line: whoever sees the count finds the line
             return None
 
     def _publish(self, records: dict[bytes, Member]) -> None:

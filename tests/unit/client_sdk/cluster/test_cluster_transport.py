@@ -376,8 +376,8 @@ def _owners_of(members: list[Member], keys: list[bytes], width: int = 1) -> list
 
 
 class _Joining:
-    """A real node's transport that, on its first write, makes a fourth node join the
-    membership: a join landing while a put or delete is on its way."""
+    """A real node's transport that, on its first put, makes a fourth node join the
+    membership: a join landing while a put is on its way."""
 
     def __init__(self, inner: Transport, join: Callable[[], None]) -> None:
         self._inner, self._join = inner, join
@@ -389,15 +389,12 @@ class _Joining:
         self._join()
         self._inner.put_many(items, durable)  # type: ignore[arg-type]
 
-    def delete(self, key: bytes) -> bool:
-        self._join()
-        return self._inner.delete(key)
 
-
-def test_a_node_that_joins_during_a_strict_write_does_not_fail_it(start_daemon: Start) -> None:
-    # A put or delete is acknowledged by the members it was planned with: the node that joined
-    # meanwhile was sent nothing, and holds no copy (a node drops its blocks to join). CI saw
-    # puts raise "not acknowledged" naming a node that joined during them.
+def test_a_node_that_joins_during_a_strict_put_does_not_fail_it(start_daemon: Start) -> None:
+    # A put is acknowledged by the members it was planned with: the node that joined meanwhile
+    # was sent nothing, and holds no copy (a node drops its blocks to join). CI saw puts raise
+    # "not acknowledged" naming a node that joined during them. (Deletes plan and acknowledge
+    # the same way; a node here cannot drop its blocks to rejoin, so only the put is shown.)
     four = _members([start_daemon() for _ in range(4)])
     records = _Records(four[:3])
 
@@ -415,9 +412,5 @@ def test_a_node_that_joins_during_a_strict_write_does_not_fail_it(start_daemon: 
         assert len(cluster._current()) == 4  # it did join during the put
         got = cluster.get_many(keys)
         assert sum(g is not None for g in got) >= len(keys) // 2  # the new owner may miss
-        records.set(four[:3])
-        assert cluster.delete(keys[0])
-        assert len(cluster._current()) == 4
-        assert cluster.get(keys[0]) is None
     finally:
         cluster.close()
