@@ -19,6 +19,7 @@ import os
 import select
 import socket
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,10 @@ _MAX_NAME = 256
 # rocm_ipc handles), a System V segment id (sysv), or this very process (self). The aliases
 # that name any of them (sm, shm, mm) go too. TCP and RDMA stay: there the peer's own worker or
 # NIC serves each access, so a client reaches only its own process's memory.
+# Prepared one-descriptor lists kept per connection (`_Lists`): the client's side (its buffers:
+# few, reused) and the arena's side (one per slot a block moved from or into).
+_MAX_REMOTE_LISTS = 64
+_MAX_LOCAL_LISTS = 256
 _PID_ADDRESSED = ("sm", "shm", "mm", "cma", "knem", "xpmem", "posix", "sysv", "self")
 _REFUSED_TLS = (*_PID_ADDRESSED, "cuda_ipc", "rocm_ipc")
 
@@ -157,6 +162,7 @@ class NixlAgent:
         self.arena = (0, 0)  # the registered arena: [start, end) addresses
         self.errors: tuple[type[Exception], ...] = (RuntimeError, ValueError)
         self.names: set[str] = set()  # remote agents loaded, one per connection
+        self._lists: dict[str, _Lists] = {}  # prepared descriptor lists, by remote agent
         # Views and reservations of transfers that could not be cancelled: the client's NIXL
         # may still touch their memory, so they are never given back (logged, counted).
         self.quarantine: list[object] = []
@@ -222,6 +228,11 @@ class NixlAgent:
         Raises:
             InvalidArgumentError: NIXL does not accept it.
         """
+        # New metadata may register a buffer anew (at an address used before: new keys), so
+        # the client's side of every prepared list is made again from what is loaded now.
+        lists = self._lists.get(expected)
+        if lists is not None:
+            lists.drop_remote()
         try:
             name = self._agent.add_remote_agent(metadata)
         except self.errors as exc:
@@ -260,8 +271,24 @@ class NixlAgent:
         finally:
             peer.driving = False
 
+    def revoke(self, name: str, revoke: tuple[int, ...]) -> None:
+        """Drop agent `name`'s prepared lists inside the regions it revoked (flat address,
+        length pairs): none is ever used for them again."""
+        lists = self._lists.get(name)
+        if lists is not None:
+            for i in range(0, len(revoke), 2):
+                lists.drop_remote(revoke[i], revoke[i + 1])
+
+    def prepared(self, name: str) -> list[tuple[int, int]]:
+        """The descriptors in agent `name`'s memory that have a prepared list now."""
+        lists = self._lists.get(name)
+        return [] if lists is None else list(lists.remote_lists)
+
     def forget(self, name: str) -> None:
         self.names.discard(name)
+        lists = self._lists.pop(name, None)
+        if lists is not None:
+            lists.close()  # before the agent's metadata they were prepared from goes
         try:
             self._agent.remove_remote_agent(name)
         except self.errors as exc:
@@ -291,13 +318,23 @@ class NixlAgent:
         if not local:
             return
         agent = self._agent
+        used: tuple[object, ...] = ()
         try:
-            handle = agent.initialize_xfer(
-                op,
-                agent.get_xfer_descs([(a, n, 0) for a, n in local], "DRAM"),
-                agent.get_xfer_descs([(a, n, 0) for a, n in remote], "DRAM"),
-                peer,
-            )
+            if len(local) == 1:
+                # One block (a get_into, a put): the lists prepared for this slot and this
+                # buffer, by index; the caller has checked the buffer's region just now.
+                lists = self._lists.get(peer)
+                if lists is None:
+                    lists = self._lists[peer] = _Lists(agent, self.errors)
+                used = (lists.local(local[0]), lists.remote(peer, remote[0]))
+                handle = agent.make_prepped_xfer(op, used[0], [0], used[1], [0])
+            else:
+                handle = agent.initialize_xfer(
+                    op,
+                    agent.get_xfer_descs([(a, n, 0) for a, n in local], "DRAM"),
+                    agent.get_xfer_descs([(a, n, 0) for a, n in remote], "DRAM"),
+                    peer,
+                )
         except self.errors as exc:
             raise InvalidArgumentError(f"NIXL refused the transfer: {exc}") from None
         state, stuck, polls, nap = "ERR", False, 0, _NAP_S
@@ -322,13 +359,77 @@ class NixlAgent:
                 # The client frees its buffer once this connection answers or closes, so
                 # neither may happen while the transfer can still land there: a duplicate of
                 # the socket keeps the connection open (no FIN) for as long as `held` lives.
-                self.quarantine.append((held, _keep_open(sock)))
+                # The lists it was made from stay prepared too (`_Lists.stuck`).
+                self.quarantine.append(((held, used), _keep_open(sock)))
+                if peer in self._lists:
+                    self._lists[peer].stuck = True
                 log.error("NIXL %s with %s not cancelled (%s): memory stays held", op, peer, exc)
                 stuck = True
             if stuck:
                 raise StuckError(f"NIXL {op} did not finish")  # noqa: B012
         if state != "DONE":
             raise TransportError(f"NIXL {op} with the client failed: {state}")
+
+
+class _Lists:
+    """One connection's prepared one-descriptor lists (NIXL's `prep_xfer_dlist`): the client's
+    side by (address, length) in its buffers, the arena's side by (slot address, length).
+
+    A transfer of one block then costs `make_prepped_xfer` by index instead of two descriptor
+    lists and `initialize_xfer`, whose checks and look-ups (the remote agent's registrations,
+    the backend's) it would repeat per request. Safe because a list is used only after the
+    region check of the same request (`NixlPeer.check`), and because the client's side is
+    dropped when its region is revoked and whenever the client's metadata is loaded again (a
+    buffer registered anew, even at the same address, gets lists made from its new
+    registration). Bounded (least recently used dropped first); one connection's requests run
+    one at a time, so a list dropped here is in no transfer in flight.
+    """
+
+    def __init__(self, agent: Any, errors: tuple[type[Exception], ...]) -> None:
+        self._agent, self._errors = agent, errors
+        self._local: OrderedDict[tuple[int, int], Any] = OrderedDict()
+        self.remote_lists: OrderedDict[tuple[int, int], Any] = OrderedDict()
+        # A transfer made from these lists could not be cancelled: never release them (the
+        # quarantine keeps the ones it used).
+        self.stuck = False
+
+    def local(self, desc: tuple[int, int]) -> Any:
+        return self._get(self._local, desc, "NIXL_INIT_AGENT", _MAX_LOCAL_LISTS)
+
+    def remote(self, peer: str, desc: tuple[int, int]) -> Any:
+        return self._get(self.remote_lists, desc, peer, _MAX_REMOTE_LISTS)
+
+    def _get(
+        self, lists: OrderedDict[tuple[int, int], Any], desc: tuple[int, int], who: str, most: int
+    ) -> Any:
+        handle = lists.get(desc)
+        if handle is not None:
+            lists.move_to_end(desc)
+            return handle
+        handle = self._agent.prep_xfer_dlist(who, [(*desc, 0)], "DRAM")
+        lists[desc] = handle
+        while len(lists) > most:
+            self._release(lists.popitem(last=False)[1])
+        return handle
+
+    def drop_remote(self, start: int = 0, size: int = -1) -> None:
+        """Drop the client-side lists inside [start, start+size) (all by default)."""
+        for addr, n in list(self.remote_lists):
+            if size < 0 or (start <= addr and addr + n <= start + size):
+                self._release(self.remote_lists.pop((addr, n)))
+
+    def close(self) -> None:
+        for lists in (self._local, self.remote_lists):
+            while lists:
+                self._release(lists.popitem()[1])
+
+    def _release(self, handle: Any) -> None:
+        if self.stuck:
+            return  # dropped, not released (the quarantine holds the ones in use)
+        try:
+            handle.release()
+        except self._errors as exc:
+            log.debug("releasing a prepared NIXL list: %s", exc)
 
 
 @dataclass

@@ -146,6 +146,7 @@ def on_nixl_memory(s: NativeSession, event: NixlMemory) -> Awaitable[None]:
             if s.nixl is None:
                 raise InvalidArgumentError("the first NixlMemory must carry the agent's metadata")
             s.nixl.change(event.regions, event.revoke)
+            agent.revoke(s.nixl.name, event.revoke)  # and the lists prepared inside them
             if event.agent:
                 _challenge(s, agent, s.nixl)
         except KVOffloadError as exc:

@@ -31,6 +31,7 @@ from kvoffload.client_sdk.transports.native.nixl_memory import MAX_REGIONS, Nixl
 from kvoffload.client_sdk.transports.native.options import NativeOptions
 from kvoffload.client_sdk.url import parse_url
 from kvoffload.errors import ConfigError, DeadlineExceededError, InvalidArgumentError
+from kvoffload.wire.block import HEADER_BYTES
 from kvoffload.wire.native.connection import (
     NIXL_DEADLINE_VERSION,
     NIXL_VERSION,
@@ -441,6 +442,51 @@ def test_a_revoked_registration(raw: tuple[Daemon, _Raw]) -> None:
     _refused(client, NixlGet(next(client.ids), (key,), (addr,), (size,)), "outside")
     assert not buffer.any()
     _intact(daemon, key, value)
+
+
+def test_a_revoked_registration_is_not_reached_through_its_prepared_lists(
+    raw: tuple[Daemon, _Raw],
+) -> None:
+    """A get into the buffer first, so that the daemon has lists prepared for it (issue 29):
+    after the revoke the same descriptor is refused all the same."""
+    daemon, client = raw
+    key, value = b"p" * 16, np.full(MiB, 4, np.uint8)
+    with Client.connect(daemon.url()) as plain:
+        plain.put(key, value)
+    buffer = np.zeros(MiB, np.uint8)
+    addr, size = client.register(buffer)
+    got = client.ask(NixlGet(next(client.ids), (key,), (addr,), (size,)))
+    assert isinstance(got, NixlGetResult) and got.lengths == (HEADER_BYTES + MiB,)
+    assert np.array_equal(buffer, value)
+    buffer[:] = 0
+    revoked = client.ask(NixlMemoryEvent(next(client.ids), revoke=(addr, size)))
+    assert isinstance(revoked, NixlMemoryDone)
+    _refused(client, NixlGet(next(client.ids), (key,), (addr,), (size,)), "outside")
+    assert not buffer.any()
+    _intact(daemon, key, value)
+
+
+def test_a_buffer_registered_again_gets_its_blocks(
+    start_daemon: Start, ucx: dict[str, str]
+) -> None:
+    """Revoked and registered again at the same address (new registration, new metadata): the
+    daemon's lists prepared for it before are not used (issue 29)."""
+    daemon = start_daemon(env=ucx)
+    keys, values = _values(3, MiB, seed=29)
+    url = daemon.url(data="nixl", pool="1")
+    transport = nixl_transport.open_nixl(NativeOptions.from_url(parse_url(url)))
+    with Client.connect(daemon.url()) as plain:
+        plain.put_many(list(zip(keys, values, strict=True)))
+    try:
+        out = np.zeros(MiB, np.uint8)
+        for key, value in zip(keys, values, strict=True):
+            out[:] = 0
+            assert transport.get_into(key, memoryview(out)) is not None
+            assert np.array_equal(out, value)
+            assert transport.revoke(memoryview(out)) == 1  # the next get registers it anew
+    finally:
+        transport.close()
+    _intact(daemon, keys[0], values[0])
 
 
 def test_another_connections_agent_is_refused(raw: tuple[Daemon, _Raw]) -> None:

@@ -21,11 +21,29 @@ class _StuckHandle:
         raise RuntimeError("cannot cancel")
 
 
+class _List:
+    """A prepared descriptor list; counts its releases."""
+
+    released = 0
+
+    def release(self) -> None:
+        _List.released += 1
+
+
 class _StuckAgent:
     """A NIXL agent whose transfer stays in progress and cannot be released."""
 
     def initialize_xfer(self, *_: Any) -> _StuckHandle:
         return _StuckHandle()
+
+    def prep_xfer_dlist(self, *_: Any) -> _List:
+        return _List()
+
+    def make_prepped_xfer(self, *_: Any) -> _StuckHandle:
+        return _StuckHandle()
+
+    def remove_remote_agent(self, _: str) -> None:
+        return None
 
     def get_xfer_descs(self, *_: Any) -> None:
         return None
@@ -42,6 +60,8 @@ def test_a_stuck_transfer_is_neither_answered_nor_closed(monkeypatch: pytest.Mon
     agent._agent = _StuckAgent()  # type: ignore[assignment]
     agent.errors = (RuntimeError,)
     agent.quarantine = []
+    agent._lists = {}
+    agent.names = {"client"}
     ours, client = socket.socketpair()
     answers: list[object] = []
 
@@ -71,6 +91,10 @@ def test_a_stuck_transfer_is_neither_answered_nor_closed(monkeypatch: pytest.Mon
         asyncio.run(daemon_nixl._run(session, 7, work))  # type: ignore[arg-type]
         assert answers == ["abort"]  # no answer sent
         assert len(agent.quarantine) == 1  # the arena memory stays held
+        # ... and the prepared lists the transfer was made from: never released, not even
+        # when the connection forgets the client's agent.
+        agent.forget("client")
+        assert _List.released == 0
         # The daemon's own descriptor is closed, yet the client sees no close: nothing to read.
         assert ours.fileno() == -1
         assert select.select([client], [], [], 0.2)[0] == []
