@@ -56,6 +56,10 @@ _MAX_NAP_S = 0.002
 # NIXL's serialised agent metadata starts with the agent's name: read before anything loads.
 _SERDES = b"nixlSerDes|Agent"
 _MAX_NAME = 256
+# Prepared one-descriptor lists kept per connection (`_Lists`): the client's side (its buffers:
+# few, reused) and the arena's side (one per slot a block moved from or into).
+_MAX_REMOTE_LISTS = 64
+_MAX_LOCAL_LISTS = 256
 # UCX transports the daemon's agent never uses (docs/guides/nixl.md, "What the daemon trusts
 # about a NIXL peer"): with each, the daemon's own process (or its kernel) reaches the peer's
 # memory by an identifier the peer's metadata declares and nothing binds to the connection —
@@ -63,10 +67,6 @@ _MAX_NAME = 256
 # rocm_ipc handles), a System V segment id (sysv), or this very process (self). The aliases
 # that name any of them (sm, shm, mm) go too. TCP and RDMA stay: there the peer's own worker or
 # NIC serves each access, so a client reaches only its own process's memory.
-# Prepared one-descriptor lists kept per connection (`_Lists`): the client's side (its buffers:
-# few, reused) and the arena's side (one per slot a block moved from or into).
-_MAX_REMOTE_LISTS = 64
-_MAX_LOCAL_LISTS = 256
 _PID_ADDRESSED = ("sm", "shm", "mm", "cma", "knem", "xpmem", "posix", "sysv", "self")
 _REFUSED_TLS = (*_PID_ADDRESSED, "cuda_ipc", "rocm_ipc")
 

@@ -18,6 +18,7 @@ import pytest
 
 from kvoffload.client_sdk.transports.native.nixl_memory import NixlMemory
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
+from kvoffload.nvmeof_target.native import agent as agent_module
 from kvoffload.nvmeof_target.native.agent import NixlAgent, NixlPeer, address_of
 
 pytestmark = pytest.mark.skipif(
@@ -152,3 +153,14 @@ def test_forgetting_the_agent_drops_its_lists(pair: _Pair) -> None:
     pair.write(b"f" * 16, addr)
     pair.agent.forget(pair.name)
     assert pair.agent.prepared(pair.name) == []
+
+
+def test_the_lists_are_bounded(pair: _Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(agent_module, "_MAX_REMOTE_LISTS", 2)
+    buffers = [np.zeros(SIZE, np.uint8) for _ in range(3)]
+    addrs = [pair.register(b)[0] for b in buffers]
+    value = _put(pair.engine, b"l" * 16, 6)
+    for addr in (*addrs, addrs[0]):  # the first one again, after it fell out
+        pair.write(b"l" * 16, addr)
+    assert pair.agent.prepared(pair.name) == [(addrs[2], SIZE), (addrs[0], SIZE)]
+    assert all(np.array_equal(b, value) for b in buffers)
