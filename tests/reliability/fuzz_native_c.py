@@ -203,6 +203,27 @@ def fuzz_crc32c_copy(data: bytes) -> None:
         raise AssertionError("crc32c disagrees with crc32c_copy")
 
 
+class _FrameStream:
+    """`parse_frame` as a receive loop drives it: bytes arrive in chunks, whole frames are
+    taken from the front; a frame it leaves to Python (None) is skipped by its declared size."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def feed(self, chunk: bytes) -> None:
+        self.buf += chunk
+        parse = _ext(SPEEDUPS).parse_frame
+        while len(self.buf) >= 24:
+            got = parse(self.buf, 0, len(self.buf), LIMITS.max_header_bytes, 1 << 20)
+            if got is None:
+                hlen = int.from_bytes(self.buf[12:16], "little")
+                if hlen + 24 > len(self.buf):
+                    return  # a partial frame, or one the Python codec would refuse
+                del self.buf[: 24 + hlen]
+            else:
+                del self.buf[: got[1]]
+
+
 def _scalar_seeds() -> list[bytes]:
     return [bytes(range(n)) * 4 for n in (8, 40, 200)] + [b"\xff" * 64, b"\x00" * 64]
 
@@ -251,6 +272,14 @@ TARGETS: dict[str, Target] = {
     "parse-frame": Target(fuzz_parse_frame, lambda: native_seeds(nw.Role.SERVER), SPEEDUPS, 0.25),
     "frame-head": Target(fuzz_frame_head, _scalar_seeds, SPEEDUPS, 0.1),
     "crc32c-copy": Target(fuzz_crc32c_copy, _scalar_seeds, SPEEDUPS, 0.15),
+    "frame-stream": stream_target(
+        _FrameStream,
+        _FrameStream.feed,
+        module=SPEEDUPS,
+        seeds=lambda: native_seeds(nw.Role.SERVER),
+        errors=(),
+        share=0.1,
+    ),
     "native-server-c": Target(
         lambda d: fuzz_native_differential(d, nw.Role.SERVER),
         lambda: native_seeds(nw.Role.SERVER),
