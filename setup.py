@@ -43,7 +43,8 @@ EXTENSIONS = [SPEEDUPS]
 if os.environ.get("KVOFFLOAD_SANITIZE") == "1":
     _SAN = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
     for _ext in EXTENSIONS:
-        _ext.extra_compile_args += [*_SAN, "-fno-omit-frame-pointer", "-g", "-O1"]
+        # -fno-wrapv undoes Python's -fwrapv, under which UBSan ignores signed overflow.
+        _ext.extra_compile_args += [*_SAN, "-fno-wrapv", "-fno-omit-frame-pointer", "-g", "-O1"]
         _ext.extra_link_args += _SAN
         _ext.optional = False
 
