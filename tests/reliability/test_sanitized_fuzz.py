@@ -9,6 +9,7 @@ libasan the tests skip, except as root or under CI, where that is a failure.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -37,10 +38,19 @@ def test_every_extension_is_built_sanitized(sanitized_lib: Path) -> None:
     built = sorted(sanitized_lib.rglob("*.so"))
     assert built, "setup.py built no extension"
     for path in built:
-        needed = subprocess.run(
-            ["readelf", "-d", str(path)], capture_output=True, text=True, check=True
-        ).stdout
-        assert "libasan" in needed and "libubsan" in needed, f"{path.name} is not sanitized"
+        assert not unsanitized(path), f"{path.name}: {unsanitized(path)}"
+
+
+def unsanitized(path: Path) -> str:
+    """What is missing from `path`'s sanitizing: either runtime, or UBSan's signed-overflow
+    checks (Python's -fwrapv drops them unless the build says -fno-wrapv)."""
+    needed = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True).stdout
+    if "libasan" not in needed or "libubsan" not in needed:
+        return "not linked with libasan and libubsan"
+    symbols = subprocess.run(["nm", "-D", str(path)], capture_output=True, text=True).stdout
+    if not re.search(r"__ubsan_handle_(add|sub|mul)_overflow", symbols):
+        return "no signed-overflow checks (built with -fwrapv?)"
+    return ""
 
 
 @pytest.mark.parametrize("target", sorted(targets()))
