@@ -5,8 +5,9 @@
 Each target runs in two stages over one corpus, from real frames:
 1. explore: the normal build, where atheris's coverage of the Python around the C calls guides
    libFuzzer and grows the corpus;
-2. sanitized: the same harness against the sanitized build, with GCC's libasan preloaded into
-   Python (and PYTHONMALLOC=malloc, so Python's own buffers are ASan's too): libFuzzer replays
+2. sanitized: the same harness against the sanitized build, with GCC's libasan (then libstdc++)
+   preloaded into Python, PYTHONMALLOC=malloc (Python's own buffers are ASan's too) and UBSan
+   halting on its first report: libFuzzer replays
    and mutates the corpus. libasan's no-op coverage hooks shadow libFuzzer's in that process,
    which is why the coverage-guided search is the first stage's job.
 A sanitizer report, a harness assertion or an undocumented exception fails the target with
