@@ -113,6 +113,7 @@ def run_target(
     corpus = work / name / "corpus"
     base = dict(os.environ, KVOFFLOAD_SANITIZED_BUILD=str(lib))
     base.pop("LD_PRELOAD", None)
+    base.pop("KVOFFLOAD_PURE_PYTHON", None)  # the C is under test, also in the pure-Python run
     n = max(1, int(runs * share))
     outcomes = []
     sanitized = dict(
