@@ -1,5 +1,7 @@
 """Maps the top-level folders onto the `kvoffload` namespace; metadata lives in pyproject."""
 
+import os
+
 from setuptools import Extension, setup
 
 SUBPACKAGES = ["kvstore", "client_sdk", "nvmeof_target", "connectors", "compression", "bench"]
@@ -12,8 +14,6 @@ def _package_dir() -> dict[str, str]:
 
 
 def _packages() -> list[str]:
-    import os
-
     found = []
     for name in ["kvoffload", *SUBPACKAGES]:
         for root, dirs, files in os.walk(name):
@@ -35,9 +35,21 @@ SPEEDUPS = Extension(
     optional=True,
 )
 
+EXTENSIONS = [SPEEDUPS]
+
+# KVOFFLOAD_SANITIZE=1: every extension with AddressSanitizer + UBSan, for the sanitized fuzz run
+# (tests/reliability/sanitized.sh); one loop, so an extension added above gets it too. Not
+# optional there: a sanitized build that silently fell back to Python would test nothing.
+if os.environ.get("KVOFFLOAD_SANITIZE") == "1":
+    _SAN = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
+    for _ext in EXTENSIONS:
+        # -fno-wrapv undoes Python's -fwrapv, under which UBSan ignores signed overflow.
+        _ext.extra_compile_args += [*_SAN, "-fno-wrapv", "-fno-omit-frame-pointer", "-g", "-O1"]
+        _ext.extra_link_args += _SAN
+        _ext.optional = False
 
 setup(
-    ext_modules=[SPEEDUPS],
+    ext_modules=EXTENSIONS,
     package_dir=_package_dir(),
     packages=_packages(),
     package_data={"kvoffload": ["py.typed"], "kvoffload.bench": ["data/*"]},

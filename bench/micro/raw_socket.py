@@ -61,6 +61,7 @@ class RawClient:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.buf = memoryview(bytearray(max_size))
         self.ack = memoryview(bytearray(max_depth))
+        self.server_pid: int | None = None  # set by raw_reference: the server's CPU is a row
 
     def _send(self, parts: list[memoryview | bytes]) -> None:
         views = [memoryview(p).cast("B") for p in parts]
@@ -94,6 +95,7 @@ def raw_reference(max_size: int, max_depth: int) -> Iterator[RawClient]:
     server = ctx.Process(target=_raw_server, args=(listener, max_size), daemon=True)
     server.start()
     client = RawClient(listener.getsockname()[1], max_size, max_depth)
+    client.server_pid = server.pid
     listener.close()
     try:
         yield client

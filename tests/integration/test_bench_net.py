@@ -34,16 +34,20 @@ def test_rows_cover_every_case_and_reference() -> None:
         else:
             assert redis.ref_value is None and "not installed" in redis.note
         lmcache = rows[(f"{op}/64KiB", "lmcache")]
+        # Issue 29's goals against lm://: 1.5× at get/64KiB, 1.0× elsewhere.
+        assert lmcache.note.endswith("goal ≥ 1.5×" if op == "get" else "goal ≥ 1.0×")
         if importlib.util.find_spec("lmcache") is None:  # measured in the engines suite
             assert lmcache.ref_value is None and "lmcache not installed" in lmcache.note
         else:
             assert lmcache.ref_value and lmcache.note.startswith("LMCache")
     lookup = rows[("lookup/1000keys", "goal_p50")]
-    assert lookup.unit == "ms" and lookup.value > 0 and lookup.ref_value == 2.0
-    cpu = rows[("daemon_cpu_us/get/64KiB", "goal")]
-    # A daemon spends at least some µs of CPU per request; a wrong pid or field reads 0 or tiny.
-    assert cpu.unit == "us" and 1 < cpu.value < 100_000 and cpu.ref_value == 20.0
-    assert "2,000 gets" in cpu.note
+    assert lookup.unit == "ms" and lookup.value > 0 and lookup.ref_value == 0.3
+    cpu = rows[("daemon_cpu_us/get/64KiB", "raw_socket")]
+    # A process spends at least some µs of CPU per request; a wrong pid or field reads 0 or tiny
+    # (the raw server's 64 KiB send alone is a kernel copy of several µs).
+    assert cpu.unit == "us" and 1 < cpu.value < 100_000
+    assert cpu.ref_value is not None and 1 < cpu.ref_value < 100_000
+    assert "2,000 gets" in cpu.note and "goal ≤ 1.5×" in cpu.note
     # 8 client processes against every worker, next to a forking raw server under them.
     mc = rows[("get_mc8/2MiB", "raw_socket_mp")]
     assert mc.unit == "GB/s" and mc.value > 0 and mc.ref_value and mc.ref_value > 0
