@@ -33,6 +33,7 @@ SPEEDUPS = Extension(
         "kvoffload/wire/_speedups.c",
         "kvoffload/wire/_speedups_frames.c",
         "kvoffload/wire/_speedups_crc.c",
+        "kvoffload/wire/_speedups_net.c",
     ],
     depends=["kvoffload/wire/_speedups.h"],
     extra_compile_args=["-O2", "-std=c11"],

@@ -3,7 +3,9 @@
  * - crc32c / crc32c_copy: CRC32C (Castagnoli, the `crc32c` package's checksum), the second one
  *   copying while it sums, so a verified get reads its bytes once (_speedups_crc.c).
  * - parse_frame: a native-protocol frame header and the msgpack map of the commonest frames
- *   (crc_frames.c); anything else is left to the Python codec, which stays the reference.
+ *   (_speedups_frames.c); anything else is left to the Python codec, which stays the reference.
+ * - net_get_into / net_put: the sync `kv://` client's get_into and put as one call each
+ *   (_speedups_net.c), handing anything unexpected back to the Python codec.
  *
  * fast.py picks this module or its pure-Python twin; the twin defines what is right.
  */
@@ -101,6 +103,8 @@ static PyMethodDef methods[] = {
     {"parse_frame", speedups_parse_frame, METH_VARARGS, speedups_parse_frame_doc},
     {"register", speedups_register, METH_VARARGS, speedups_register_doc},
     {"frame_head", speedups_frame_head, METH_VARARGS, speedups_frame_head_doc},
+    {"net_get_into", speedups_net_get_into, METH_VARARGS, speedups_net_get_into_doc},
+    {"net_put", speedups_net_put, METH_VARARGS, speedups_net_put_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -10,6 +10,11 @@ PyObject *speedups_frame_head(PyObject *self, PyObject *args);
 extern const char speedups_parse_frame_doc[];
 extern const char speedups_register_doc[];
 extern const char speedups_frame_head_doc[];
+PyObject *speedups_net_get_into(PyObject *self, PyObject *args);
+PyObject *speedups_net_put(PyObject *self, PyObject *args);
+extern const char speedups_net_get_into_doc[];
+extern const char speedups_net_put_doc[];
+
 #include <stddef.h>
 #include <stdint.h>
 

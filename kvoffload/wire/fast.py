@@ -13,12 +13,15 @@ an ImportError (CI sets it to prove the extension built). `use()` switches at ru
   and raises its usual errors). The Python form is always None: the general path.
 - `frame_head(op, request_id, name, value, payload_length)`: an answer's frame header and its
   map of one entry (`name` None: empty), as `frames.encode_frame` builds them.
+- `net_get_into`, `net_put`: the sync `kv://` client's get_into and put as one call each
+  (send, receive, sum the payload as it lands; `_speedups_net.c`). C only: None under Python,
+  whose codec is the reference the client then runs (the C calls hand it anything unexpected).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from types import ModuleType
 
@@ -35,6 +38,8 @@ __all__ = [
     "crc32c",
     "crc32c_copy",
     "frame_head",
+    "net_get_into",
+    "net_put",
     "parse_frame",
     "use",
 ]
@@ -68,6 +73,9 @@ def _load() -> ModuleType | None:
 
 
 _EXT = _load()
+
+# A one-call exchange's answer: (status, length, crc, eof, bytes); see _speedups_net.c.
+NetAnswer = tuple[int, int, int, int, bytes]
 
 
 def py_crc32c(data: object, crc: int = 0) -> int:
@@ -108,6 +116,11 @@ crc32c: Callable[..., int] = py_crc32c
 crc32c_copy: Callable[..., int] = py_crc32c_copy
 frame_head: Callable[[int, int, str | None, object, int], bytes] = py_frame_head
 parse_frame: ParseFrame | None = None
+# (fd, frame, request_id, header, buffer, timeout) -> (status, length, crc, eof, bytes read)
+net_get_into: Callable[[int, object, int, object, object, float], NetAnswer] | None = None
+# (fd, parts, request_id, timeout) -> the same tuple
+net_put: Callable[[int, Sequence[object], int, float], NetAnswer] | None = None
+NET_DONE, NET_FALLBACK, NET_CUT = 0, 1, 2
 IMPLEMENTATION = "python"
 
 
@@ -118,7 +131,7 @@ def available() -> tuple[str, ...]:
 
 def use(name: str) -> str:
     """Switch every function here to `name` ("c" or "python"); returns the previous one."""
-    global crc32c, crc32c_copy, frame_head, parse_frame, IMPLEMENTATION
+    global crc32c, crc32c_copy, frame_head, parse_frame, net_get_into, net_put, IMPLEMENTATION
     if name not in available():
         raise ValueError(f"implementation {name!r} is not available here ({available()})")
     previous = IMPLEMENTATION
@@ -126,7 +139,9 @@ def use(name: str) -> str:
         assert _EXT is not None
         crc32c, crc32c_copy = _EXT.crc32c, _EXT.crc32c_copy
         frame_head, parse_frame = _EXT.frame_head, _EXT.parse_frame
+        net_get_into, net_put = _EXT.net_get_into, _EXT.net_put
     else:
+        net_get_into = net_put = None
         crc32c, crc32c_copy, frame_head, parse_frame = (
             py_crc32c,
             py_crc32c_copy,

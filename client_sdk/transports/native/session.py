@@ -25,6 +25,7 @@ from kvoffload.wire.native.connection import (
     PayloadEnd,
     Role,
 )
+from kvoffload.wire.native.frames import encode_frame
 from kvoffload.wire.status import error_for
 
 __all__ = ["Call", "Plan", "Req", "Session", "Sink"]
@@ -88,6 +89,39 @@ class Session:
         call = Call(event, req.sink)
         self.calls[event.request_id] = call
         return call, parts
+
+    @property
+    def ready(self) -> bool:
+        """Nothing outstanding, buffered or ended: a driver may exchange one request on the
+        socket itself (`frame`, then `adopt` if the codec must see the answer)."""
+        conn = self.conn
+        return self.broken is None and not self.calls and conn.idle and not conn.peer_closed
+
+    def frame(self, req: Req) -> tuple[Event, list[bytes | memoryview]]:
+        """The next request id's event for `req` and the buffers that carry it, without the
+        codec knowing (the bytes `start` would send)."""
+        self._next_id = self._next_id % 0xFFFF_FFFF + 1
+        event = req.make(self._next_id)
+        return event, encode_frame(event.OP, 0, event.request_id, event.meta(), req.payload)  # type: ignore[arg-type]
+
+    def adopt(self, req: Req, event: Event, received: bytes, eof: bool) -> Call:
+        """Take over a request a driver sent itself (`frame`) whose answer it left to the
+        codec: registered as if `start` had sent it, then fed what the driver read."""
+        self.conn.send_parts(event, req.payload)  # the bytes went out already
+        call = Call(event, req.sink)
+        self.calls[event.request_id] = call
+        if received:
+            self.conn.receive_data(received)
+        if eof:
+            self.conn.receive_eof()
+        self.feed()
+        return call
+
+    def took(self, received: bytes) -> None:
+        """A driver took an answer whole: what it read past that frame goes to the codec."""
+        if received:
+            self.conn.receive_data(received)
+            self.feed()
 
     def feed(self) -> None:
         """Match buffered answers to their calls (marking them done)."""

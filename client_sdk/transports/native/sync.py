@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from kvoffload.client_sdk.transports.base import (
     HeldBlock,
@@ -39,6 +39,8 @@ from kvoffload.errors import (
     RemoteProtocolError,
     TransportError,
 )
+from kvoffload.wire import fast as _fast
+from kvoffload.wire.block import HEADER_BYTES
 from kvoffload.wire.hello_auth import tls_binding
 from kvoffload.wire.native.connection import (
     META_VERSION,
@@ -127,6 +129,52 @@ class _SyncConnection(SyncRunner[Req, Call]):
         except OSError as exc:
             raise self._lost(exc) from None
         return call
+
+    def exchange_one(
+        self, req: Req, deadline: float, into: IntoBuffer | None
+    ) -> tuple[Call | None, Received | None]:
+        """Send `req` (a get_into's when `into` is given, else a put's) and take its answer:
+        (None, result) when the C exchange took it whole (a hit's `Received`, summed, or None),
+        else (call, None) with the call answered or receiving through the Python codec: the
+        reference path, and the whole path over TLS or without the extension."""
+        native = _fast.net_put if into is None else _fast.net_get_into
+        session = self.session
+        if native is None or self.tls or not session.ready:
+            call = self.start(req, deadline)
+            # A get_into's first read takes the answer's header, the block's header and a
+            # little of the value: the rest then lands in the caller's buffer uncopied, where
+            # a full-size read would take most of it into the receive buffer and copy it out
+            # (both cost two reads for a value of 64 KiB or more).
+            self.pump(deadline, 0 if req.sink is None else HEAD_READ)
+            return call, None
+        event, parts = session.frame(req)
+        header = bytearray(HEADER_BYTES) if into is not None else None
+        try:
+            timeout = left(deadline) + self._slack
+            if into is None:
+                status, length, crc, eof, data = _fast.net_put(  # type: ignore[misc]
+                    self.sock.fileno(), parts, event.request_id, timeout
+                )
+            else:
+                status, length, crc, eof, data = _fast.net_get_into(  # type: ignore[misc]
+                    self.sock.fileno(), parts[0], event.request_id, header, into.buffer, timeout
+                )
+        except OSError as exc:  # the C call zeroed whatever had landed
+            raise self._lost(exc) from None
+        self._timeout = -1.0  # C polled with its own deadline; the socket's is as it was
+        if status == _fast.NET_FALLBACK:
+            return session.adopt(req, event, data, bool(eof)), None
+        if status == _fast.NET_CUT:  # what had landed is zeroed
+            error = TransportError("the daemon closed the connection in the middle of an answer")
+            session.conn.receive_eof()
+            session.fail(error)
+            raise error
+        session.took(data)
+        if into is None or length < 0:
+            return None, None
+        into.region(0, length)
+        assert header is not None
+        return None, Received(memoryview(header), length, crc)
 
     def pump(self, deadline: float, most: int = 0) -> None:
         """Receive once (at most `most` bytes, if not 0) and match what came to the calls."""
@@ -245,9 +293,16 @@ class NativeTransport:
         """Run a fresh plan, retrying on a lost connection (every operation is idempotent)."""
         return retrying(self.options, self._attempt, plan)
 
-    def _single(self, req: Req, finish: Callable[[Call], T], plan: Callable[[], Plan[T]]) -> T:
+    def _single(
+        self,
+        req: Req,
+        finish: Callable[[Call], T],
+        plan: Callable[[], Plan[T]],
+        into: IntoBuffer | None = None,
+    ) -> T:
         """One request on a pooled connection without the plan and retry machinery (the
-        common `get_into` and `put`); only when that attempt fails does `plan` run the
+        common `get_into`, whose buffer is `into`, and `put`), one C call on a plain socket
+        (`_SyncConnection.exchange_one`); only when that attempt fails does `plan` run the
         general way, the failed attempt counting as the first of the retries."""
         deadline = time.monotonic() + self.options.timeout
         with self._cond:
@@ -258,15 +313,13 @@ class NativeTransport:
             return retrying(self.options, self._attempt, plan, deadline)
         conn.reused = True
         try:
-            call = conn.start(req, deadline)
-            # A get_into's first read takes the answer's header, the block's header and a
-            # little of the value: the rest then lands in the caller's buffer uncopied, where
-            # a full-size read would take most of it into the receive buffer and copy it out
-            # (both cost two reads for a value of 64 KiB or more).
-            conn.pump(deadline, 0 if req.sink is None else HEAD_READ)
-            while not call.done:
-                conn.pump(deadline)
-            result = finish(call)
+            call, took = conn.exchange_one(req, deadline, into)
+            if call is None:
+                result = cast(T, took)
+            else:
+                while not call.done:
+                    conn.pump(deadline)
+                result = finish(call)
         except TransportError as exc:
             self._release(conn, False)
             # A pooled connection the daemon had closed costs no retry (as in `_attempt`).
@@ -368,7 +421,7 @@ class NativeTransport:
         into = IntoBuffer(buffer)
         req, finish = plans.get_into_request(key, into)
         plan = partial(plans.get_into, key, into)
-        return received_into(into, partial(self._single, req, finish, plan))
+        return received_into(into, partial(self._single, req, finish, plan, into))
 
     def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]:
         return self._run(lambda: plans.get_many(keys))

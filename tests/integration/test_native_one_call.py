@@ -1,0 +1,199 @@
+"""The sync `kv://` client's one-call exchanges (`_speedups_net.c`) against the Python codec,
+the reference, through real daemons: the same sequence of puts and gets on both paths gives the
+same answers (hits, misses, partial batches, buffers of other sizes, damaged and refused
+blocks, tenants, sealed and forged blocks, errors) and leaves the same bytes in the caller's
+buffers; and the C path is the one taken where it applies."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvoffload.client_sdk import Client, Namespace, SealKeys
+from kvoffload.client_sdk.transports import open_transport
+from kvoffload.client_sdk.url import parse_url
+from kvoffload.wire import fast
+from kvoffload.wire.block import seal
+from tests.conftest import Daemon
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.timeout(180),
+    pytest.mark.skipif("c" not in fast.available(), reason="the C extension is not built"),
+]
+
+Start = Callable[..., Daemon]
+NS = Namespace("org/model", block_tokens=4, num_layers=2, num_kv_heads=2, head_size=8)
+SIZES = [1, 95, 600, 4096, (64 << 10) + 1, (2 << 20) + 3]
+ALICE, BOB = "alice-secret-0123456789", "bob-secret-9876543210"
+K1, STRANGER = bytes([11]) * 32, bytes([13]) * 32
+
+
+@contextmanager
+def implementation(name: str) -> Iterator[dict[str, int]]:
+    """Run the client's codec functions in C or Python; counts the one-call exchanges made."""
+    calls = {"get_into": 0, "put": 0}
+    previous = fast.use(name)
+    real_get, real_put = fast.net_get_into, fast.net_put
+
+    def get_into(*args: Any) -> Any:
+        calls["get_into"] += 1
+        return real_get(*args)  # type: ignore[misc]
+
+    def put(*args: Any) -> Any:
+        calls["put"] += 1
+        return real_put(*args)  # type: ignore[misc]
+
+    if real_get is not None:
+        fast.net_get_into, fast.net_put = get_into, put
+    try:
+        yield calls
+    finally:
+        fast.use(previous)
+
+
+def value(size: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def outcome(call: Callable[[], object]) -> object:
+    try:
+        return ("ok", call())
+    except Exception as exc:  # the answer to compare, whatever it is
+        return ("raised", type(exc).__name__, str(exc))
+
+
+def _put_damaged(client: Client, key: bytes, data: bytes, at: int) -> None:
+    """`data` under `key` with a header made for it, then byte `at` flipped."""
+    sealed = client._requests.prepare_put(key, data, None, None)
+    damaged = bytearray(data)
+    damaged[at] ^= 0x01
+    client._transport.put(sealed.key, (sealed.header, damaged), None)
+
+
+def session(client: Client, tag: int) -> list[object]:
+    """A sequence of operations; every answer and every buffer's bytes, in order."""
+    seen: list[object] = []
+    key = lambda i: bytes([tag, i]) * 8  # noqa: E731 - the run's own keys
+    for i, size in enumerate(SIZES):
+        data = value(size, i)
+        seen.append(outcome(lambda: client.put(key(i), data)))  # noqa: B023
+        for room in (size, size + 100, max(size - 1, 0)):
+            out = bytearray(b"\x55" * room)
+            seen.append((size, room, outcome(lambda: client.get_into(key(i), out))))  # noqa: B023
+            seen.append(bytes(out) == data[:room] or bytes(out).hex()[:64])
+            seen.append(bytes(out[size:]) == b"\x55" * max(room - size, 0))
+        out = bytearray(b"\x55" * size)
+        seen.append(outcome(lambda: client.get_into(key(200 + i), out)))  # noqa: B023 - a miss
+        seen.append(bytes(out) == b"\x55" * size)
+        if size > 1:
+            for n, at in enumerate((0, size // 2, size - 1)):
+                _put_damaged(client, key(100 + 3 * i + n), data, at)
+                out = bytearray(b"\x55" * size)
+                seen.append(outcome(lambda: client.get_into(key(100 + 3 * i + n), out)))  # noqa: B023
+                seen.append(bytes(out) == bytes(size))
+    # A batch with hits, misses and a damaged block, into buffers.
+    keys = [key(0), key(250), key(3), key(101), key(5)]
+    buffers = [bytearray(b"\x55" * ((2 << 20) + 8)) for _ in keys]
+    seen.append(outcome(lambda: client.get_many_into(keys, buffers)))
+    seen.append([bytes(b[:64]).hex() for b in buffers])
+    seen.append(outcome(lambda: client.put_many([(key(40), value(3000, 40))])))
+    seen.append(outcome(lambda: client.get(key(40))))
+    seen.append(outcome(lambda: client.put(key(41), value(200 << 20, 41))))  # over the limit
+    stats = client.stats()
+    seen.append((stats.hits, stats.misses, stats.corrupt_blocks, stats.puts))
+    return seen
+
+
+def test_both_paths_answer_alike_through_a_daemon(start_daemon: Start) -> None:
+    daemon = start_daemon("--dram", "256MiB")
+    answers = {}
+    for tag, name in enumerate(("python", "c")):
+        with implementation(name) as calls, Client.connect(daemon.url()) as client:
+            answers[name] = session(client, tag)
+        if name == "c":  # every get_into and put went through the one-call exchange
+            assert calls["get_into"] >= 4 * len(SIZES) and calls["put"] >= len(SIZES)
+    assert answers["c"] == answers["python"]
+
+
+def test_tenants_see_only_their_own_blocks_on_both_paths(start_daemon: Start) -> None:
+    config = f'[cluster]\nnode_id = "n1"\n[tenants.alice]\ntoken = "{ALICE}"\n'
+    config += f'[tenants.bob]\ntoken = "{BOB}"\n'
+    daemon = start_daemon(config=config)
+    answers = {}
+    for name in ("python", "c"):
+        seen: list[object] = []
+        with (
+            implementation(name) as calls,
+            Client.connect(daemon.url(token=ALICE)) as alice,
+            Client.connect(daemon.url(token=BOB)) as bob,
+        ):
+            data = value(70000, 1)
+            alice.put(b"t" * 16, data)
+            for client in (alice, bob):
+                out = bytearray(len(data))
+                seen.append(outcome(lambda: client.get_into(b"t" * 16, out)))  # noqa: B023
+                seen.append(bytes(out) == data)
+        answers[name] = seen
+        if name == "c":
+            assert calls["get_into"] == 2
+    assert answers["c"] == answers["python"] == [("ok", 70000), True, ("ok", None), False]
+
+
+def test_sealed_and_forged_blocks_alike_on_both_paths(start_daemon: Start) -> None:
+    daemon = start_daemon()
+    answers = {}
+    for tag, name in enumerate(("python", "c")):
+        genuine, forged = bytes([tag, 1]) * 8, bytes([tag, 2]) * 8
+        payload = value(NS.block_bytes, tag)
+        seen: list[object] = []
+        with (
+            implementation(name),
+            Client.connect(daemon.url(), namespace=NS, seal=SealKeys([(1, K1)])) as client,
+        ):
+            client.put(genuine, payload)
+            raw = open_transport(parse_url(daemon.url()))
+            try:
+                header = seal(
+                    key_or_hash=forged,
+                    payload=payload,
+                    stored_length=len(payload),
+                    raw_length=len(payload),
+                    namespace=NS.fingerprint,
+                    mac_key=(1, STRANGER),
+                )
+                raw.put(forged, (header, payload), None)
+            finally:
+                raw.close()
+            for key in (genuine, forged):
+                out = bytearray(len(payload))
+                seen.append(outcome(lambda: client.get_into(key, out)))  # noqa: B023
+                seen.append(bytes(out) == payload)
+                seen.append(not any(out))
+            seen.append(client.stats().corrupt_blocks)
+        answers[name] = seen
+    size = NS.block_bytes
+    assert (
+        answers["c"]
+        == answers["python"]
+        == [("ok", size), True, False, ("ok", None), False, True, 1]
+    )
+
+
+def test_a_stored_value_too_short_for_a_header_goes_to_python_alike(start_daemon: Start) -> None:
+    # Not a block of ours (shorter than its header): the C exchange hands the answer back and
+    # the Python reader counts a corrupt miss, as it does on its own.
+    daemon = start_daemon()
+    answers = {}
+    for name in ("python", "c"):
+        with implementation(name), Client.connect(daemon.url()) as client:
+            client._transport.put(b"s" * 16, (os.urandom(40),), None)
+            out = bytearray(b"\x55" * 64)
+            got = outcome(lambda: client.get_into(b"s" * 16, out))  # noqa: B023
+            answers[name] = (got, bytes(out) == b"\x55" * 64, client.stats().corrupt_blocks)
+    assert answers["c"] == answers["python"] == (("ok", None), True, 1)
