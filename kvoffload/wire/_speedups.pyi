@@ -15,5 +15,5 @@ def net_get_into(
     fd: int, frame: object, request_id: int, header: object, buffer: object, timeout: float, /
 ) -> tuple[int, int, int, int, bytes]: ...
 def net_put(
-    fd: int, parts: object, request_id: int, timeout: float, /
+    fd: int, parts: object, request_id: int, op: int, timeout: float, /
 ) -> tuple[int, int, int, int, bytes]: ...

@@ -177,7 +177,8 @@ static PyObject *io_error(Io *io, int code) {
     return NULL;
 }
 
-/* The frame parts as an iovec (buffers held in views until released). */
+/* The frame parts as an iovec: views[] and iov[] hold `most` entries; more parts than that
+ * are refused (the caller sends those through Python). */
 static int gather(PyObject *parts, Py_buffer *views, struct iovec *iov, int most) {
     PyObject *seq = PySequence_Fast(parts, "parts must be a sequence of buffers");
     if (!seq) return -1;
@@ -205,22 +206,28 @@ static void release(Py_buffer *views, int n) {
     for (int i = 0; i < n; i++) PyBuffer_Release(&views[i]);
 }
 
-#define PARTS_MAX 64
+#define PARTS_MAX 1024 /* a put_many of up to 511 blocks */
 
 const char speedups_net_put_doc[] =
-    "net_put(fd, parts, request_id, timeout) -> (status, 0, 0, eof, bytes): send a Put "
-    "frame's parts, read its PutDone (status 0), or hand back what was read (1).";
+    "net_put(fd, parts, request_id, op, timeout) -> (status, 0, 0, eof, bytes): send a Put or "
+    "PutMany frame's parts (at most 1024), read its answer of type `op` with an empty map "
+    "(status 0), or hand back what was read (1).";
 
 PyObject *speedups_net_put(PyObject *self, PyObject *args) {
-    int fd;
+    int fd, op;
     PyObject *parts;
     unsigned long long rid;
     double timeout;
-    if (!PyArg_ParseTuple(args, "iOKd:net_put", &fd, &parts, &rid, &timeout)) return NULL;
-    Py_buffer views[PARTS_MAX];
-    struct iovec iov[PARTS_MAX];
-    int n = gather(parts, views, iov, PARTS_MAX);
-    if (n < 0) return NULL;
+    if (!PyArg_ParseTuple(args, "iOKid:net_put", &fd, &parts, &rid, &op, &timeout)) return NULL;
+    Py_buffer *views = PyMem_Malloc(PARTS_MAX * sizeof *views);
+    struct iovec *iov = PyMem_Malloc(PARTS_MAX * sizeof *iov);
+    int n = views && iov ? gather(parts, views, iov, PARTS_MAX) : -1;
+    if (n < 0) {
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+        PyMem_Free(views);
+        PyMem_Free(iov);
+        return NULL;
+    }
     Io io = {fd, now() + timeout, 0};
     uint8_t head[HEAD_READ];
     size_t have = 0;
@@ -230,9 +237,11 @@ PyObject *speedups_net_put(PyObject *self, PyObject *args) {
     if (code == IO_OK) code = read_head(&io, head, &have, &eof);
     Py_END_ALLOW_THREADS
     release(views, n);
+    PyMem_Free(views);
+    PyMem_Free(iov);
     if (code < 0) return io_error(&io, code);
     int status = FALLBACK;
-    if (code == IO_OK && have == HEAD + 1 && head_is(head, 2, rid) && le(head + 12, 4) == 1 &&
+    if (code == IO_OK && have == HEAD + 1 && head_is(head, op, rid) && le(head + 12, 4) == 1 &&
         le(head + 16, 8) == 0 && head[HEAD] == 0x80)
         status = DONE;
     return Py_BuildValue("(iiIiy#)", status, 0, 0u, eof, (const char *)head,

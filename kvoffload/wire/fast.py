@@ -118,8 +118,9 @@ frame_head: Callable[[int, int, str | None, object, int], bytes] = py_frame_head
 parse_frame: ParseFrame | None = None
 # (fd, frame, request_id, header, buffer, timeout) -> (status, length, crc, eof, bytes read)
 net_get_into: Callable[[int, object, int, object, object, float], NetAnswer] | None = None
-# (fd, parts, request_id, timeout) -> the same tuple
-net_put: Callable[[int, Sequence[object], int, float], NetAnswer] | None = None
+# (fd, parts, request_id, answer op, timeout) -> the same tuple (a Put's or a PutMany's)
+net_put: Callable[[int, Sequence[object], int, int, float], NetAnswer] | None = None
+NET_MAX_PARTS = 1024
 NET_DONE, NET_FALLBACK, NET_CUT = 0, 1, 2
 IMPLEMENTATION = "python"
 

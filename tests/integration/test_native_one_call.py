@@ -197,3 +197,27 @@ def test_a_stored_value_too_short_for_a_header_goes_to_python_alike(start_daemon
             got = outcome(lambda: client.get_into(b"s" * 16, out))  # noqa: B023
             answers[name] = (got, bytes(out) == b"\x55" * 64, client.stats().corrupt_blocks)
     assert answers["c"] == answers["python"] == (("ok", None), True, 1)
+
+
+def test_put_many_alike_on_both_paths_and_one_call_per_frame(start_daemon: Start) -> None:
+    daemon = start_daemon("--dram", "256MiB")
+    answers = {}
+    for tag, name in enumerate(("python", "c")):
+        keys = [bytes([tag, 60 + i]) * 8 for i in range(6)]
+        items = [(k, value(1000 * (i + 1) ** 3, i)) for i, k in enumerate(keys)]
+        seen: list[object] = []
+        with implementation(name) as calls, Client.connect(daemon.url()) as client:
+            seen.append(outcome(lambda: client.put_many(items)))  # noqa: B023
+            if name == "c":
+                assert calls["put"] == 1  # the whole batch: one frame, one call
+            # A batch over the daemon's per-frame budget goes out in several frames (Python).
+            big = [(bytes([tag, 90 + i]) * 8, value(7 << 20, i)) for i in range(3)]
+            seen.append(outcome(lambda: client.put_many(big)))  # noqa: B023
+            for key, data in [*items, *big]:
+                out = bytearray(len(data))
+                seen.append((outcome(lambda: client.get_into(key, out)), bytes(out) == data))  # noqa: B023
+        answers[name] = seen
+    assert answers["c"] == answers["python"]
+    sizes = [1000 * (i + 1) ** 3 for i in range(6)] + [7 << 20] * 3
+    assert answers["c"][:2] == [("ok", None), ("ok", None)]
+    assert answers["c"][2:] == [(("ok", n), True) for n in sizes]

@@ -68,6 +68,7 @@ __all__ = [
     "put",
     "put_done",
     "put_many",
+    "put_many_requests",
     "put_request",
     "repair",
     "stats",
@@ -210,6 +211,13 @@ def _key_event(cls: Callable[[int, bytes], Event], key: bytes, rid: int) -> Even
 
 
 def put_many(items: Sequence[PutItem], durable: bool, budget: int) -> Plan[None]:
+    calls = yield put_many_requests(items, durable, budget)
+    for call in calls:  # the first failure in order is the one to report
+        call.result()
+
+
+def put_many_requests(items: Sequence[PutItem], durable: bool, budget: int) -> list[Req]:
+    """`put_many`'s requests, one per frame (a driver may send a lone one itself)."""
     reqs: list[Req] = []
     for chunk in _chunks(items, budget):
         keys = tuple(item[0] for item in chunk)
@@ -219,9 +227,7 @@ def put_many(items: Sequence[PutItem], durable: bool, budget: int) -> Plan[None]
         payload = [p for item in chunk for p in item[1]]
         event = partial(_put_many_event, keys, lengths, parents, durable, metas)
         reqs.append(Req(event, payload))
-    calls = yield reqs
-    for call in calls:  # the first failure in order is the one to report
-        call.result()
+    return reqs
 
 
 def _chunks(items: Sequence[PutItem], budget: int) -> list[list[PutItem]]:

@@ -133,13 +133,19 @@ class _SyncConnection(SyncRunner[Req, Call]):
     def exchange_one(
         self, req: Req, deadline: float, into: IntoBuffer | None
     ) -> tuple[Call | None, Received | None]:
-        """Send `req` (a get_into's when `into` is given, else a put's) and take its answer:
+        """Send `req` (a get_into's when `into` is given, else a put's or a put_many's) and
+        take its answer:
         (None, result) when the C exchange took it whole (a hit's `Received`, summed, or None),
         else (call, None) with the call answered or receiving through the Python codec: the
         reference path, and the whole path over TLS or without the extension."""
         native = _fast.net_put if into is None else _fast.net_get_into
         session = self.session
-        if native is None or self.tls or not session.ready:
+        if (
+            native is None
+            or self.tls
+            or not session.ready
+            or len(req.payload) >= _fast.NET_MAX_PARTS  # a put's parts and its frame head
+        ):
             call = self.start(req, deadline)
             # A get_into's first read takes the answer's header, the block's header and a
             # little of the value: the rest then lands in the caller's buffer uncopied, where
@@ -153,7 +159,7 @@ class _SyncConnection(SyncRunner[Req, Call]):
             timeout = left(deadline) + self._slack
             if into is None:
                 status, length, crc, eof, data = _fast.net_put(  # type: ignore[misc]
-                    self.sock.fileno(), parts, event.request_id, timeout
+                    self.sock.fileno(), parts, event.request_id, event.OP, timeout
                 )
             else:
                 status, length, crc, eof, data = _fast.net_get_into(  # type: ignore[misc]
@@ -406,7 +412,12 @@ class NativeTransport:
     def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None:
         budget = self._budget()
         items = plans.metadata_for(self._version_now(), items)
-        self._run(lambda: plans.put_many(items, durable, budget))
+        reqs = plans.put_many_requests(items, durable, budget)
+        plan = partial(plans.put_many, items, durable, budget)
+        if len(reqs) == 1:  # one frame: one call, as a put
+            self._single(reqs[0], plans.put_done, plan)
+        else:
+            self._run(plan)
 
     def _version_now(self) -> int:
         """The protocol version the daemon accepted (connecting if needed)."""
