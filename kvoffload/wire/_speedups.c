@@ -4,7 +4,8 @@
  *   copying while it sums, so a verified get reads its bytes once (_speedups_crc.c).
  * - parse_frame: a native-protocol frame header and the msgpack map of the commonest frames
  *   (_speedups_frames.c); anything else is left to the Python codec, which stays the reference.
- * - net_get_into / net_put: the sync `kv://` client's get_into and put as one call each
+ * - net_get_into / net_get_many_into / net_put: the sync `kv://` client's get_into,
+ *   get_many_into, put and put_many as one call each
  *   (_speedups_net.c), handing anything unexpected back to the Python codec.
  *
  * fast.py picks this module or its pure-Python twin; the twin defines what is right.
@@ -105,6 +106,8 @@ static PyMethodDef methods[] = {
     {"frame_head", speedups_frame_head, METH_VARARGS, speedups_frame_head_doc},
     {"net_get_into", speedups_net_get_into, METH_VARARGS, speedups_net_get_into_doc},
     {"net_put", speedups_net_put, METH_VARARGS, speedups_net_put_doc},
+    {"net_get_many_into", speedups_net_get_many_into, METH_VARARGS,
+     speedups_net_get_many_into_doc},
     {NULL, NULL, 0, NULL},
 };
 

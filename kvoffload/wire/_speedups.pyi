@@ -17,3 +17,12 @@ def net_get_into(
 def net_put(
     fd: int, parts: object, request_id: int, op: int, timeout: float, /
 ) -> tuple[int, int, int, int, bytes]: ...
+def net_get_many_into(
+    fd: int,
+    frame: object,
+    request_id: int,
+    headers: list[object],
+    buffers: list[object],
+    timeout: float,
+    /,
+) -> tuple[int, list[int] | None, list[int] | None, int, bytes]: ...

@@ -344,3 +344,172 @@ out:
     PyBuffer_Release(&buffer);
     return result;
 }
+
+/* ------------------------------------------------------------------ get_many_into */
+
+/* Where an answer's bytes come from: first what the head read took past the map, then the
+ * socket. */
+typedef struct {
+    const uint8_t *buf;
+    size_t pos, have;
+} Src;
+
+/* n bytes into dst (summed into *reg unless reg is NULL), in CHUNK-sized reads; *landed
+ * counts what arrived. IO_OK, IO_EOF or an error code. */
+static int take(Io *io, Src *src, uint8_t *dst, size_t n, uint32_t *reg, size_t *landed) {
+    size_t from_head = src->have - src->pos < n ? src->have - src->pos : n;
+    if (reg) *reg = crc_update(*reg, dst, src->buf + src->pos, from_head);
+    else memcpy(dst, src->buf + src->pos, from_head);
+    src->pos += from_head;
+    *landed = from_head;
+    while (*landed < n) {
+        size_t ask = n - *landed < CHUNK ? n - *landed : CHUNK;
+        Py_ssize_t got = recv_some(io, dst + *landed, ask);
+        if (got < 0) return (int)got;
+        if (reg) *reg = crc_update(*reg, NULL, dst + *landed, (size_t)got);
+        *landed += (size_t)got;
+    }
+    return IO_OK;
+}
+
+/* The canonical GetManyResult map {"lengths": [nil or uint, ...]} of exactly `count` entries
+ * into lengths[] (-1 for nil); its sum in *total. 0, or -1 for anything else. */
+static int many_lengths(const uint8_t *p, size_t n, long long *lengths, size_t count,
+                        uint64_t *total) {
+    static const uint8_t name[] = {0x81, 0xa7, 'l', 'e', 'n', 'g', 't', 'h', 's'};
+    const uint8_t *e = p + n;
+    if (n < sizeof name + 1 || memcmp(p, name, sizeof name)) return -1;
+    p += sizeof name;
+    size_t items;
+    if ((*p & 0xf0) == 0x90) items = *p++ & 0x0f;
+    else if (*p == 0xdc && e - p >= 3) { items = (size_t)((p[1] << 8) | p[2]); p += 3; }
+    else return -1; /* array 32 cannot fit a head read */
+    if (items != count) return -1;
+    *total = 0;
+    for (size_t i = 0; i < count; i++) {
+        if (p >= e) return -1;
+        uint64_t v;
+        if (*p == 0xc0) { lengths[i] = -1; p++; continue; }
+        if (*p < 0x80) { v = *p++; }
+        else if (*p >= 0xcc && *p <= 0xcf) {
+            size_t w = 1u << (*p - 0xcc);
+            if ((size_t)(e - p) < 1 + w) return -1;
+            v = 0;
+            for (size_t k = 1; k <= w; k++) v = (v << 8) | p[k];
+            p += 1 + w;
+        } else return -1;
+        if (v > MAX_PLEN) return -1;
+        lengths[i] = (long long)v;
+        *total += v;
+    }
+    return p == e ? 0 : -1;
+}
+
+#define MANY_MAX 256 /* keys per call: a lengths map of more could not fit a head read */
+
+const char speedups_net_get_many_into_doc[] =
+    "net_get_many_into(fd, frame, request_id, headers, buffers, timeout) -> (status, lengths, "
+    "crcs, eof, bytes): send a GetMany frame; when every key is answered, each hit's block "
+    "header lands in headers[i] (96 bytes) and its payload at the start of buffers[i]: (0, "
+    "payload lengths (-1: a miss), their CRC32Cs, 0, bytes read past the frame); else as "
+    "net_get_into. A failure part-way zeroes what landed.";
+
+PyObject *speedups_net_get_many_into(PyObject *self, PyObject *args) {
+    int fd;
+    PyObject *frame, *hdrs, *bufs;
+    unsigned long long rid;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "iOKO!O!d:net_get_many_into", &fd, &frame, &rid, &PyList_Type,
+                          &hdrs, &PyList_Type, &bufs, &timeout))
+        return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(bufs);
+    if (count < 1 || count > MANY_MAX || PyList_GET_SIZE(hdrs) != count) {
+        PyErr_SetString(PyExc_ValueError, "net_get_many_into: 1 to 256 headers and buffers");
+        return NULL;
+    }
+    Py_buffer views[2 * MANY_MAX + 1];
+    int held = 0;
+    PyObject *result = NULL;
+    for (Py_ssize_t i = 0; i < 2 * count; i++, held++) {
+        PyObject *o = i < count ? PyList_GET_ITEM(hdrs, i) : PyList_GET_ITEM(bufs, i - count);
+        if (PyObject_GetBuffer(o, &views[i], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto out;
+        if (i < count && views[i].len < BLOCK_HEADER) {
+            held++;
+            PyErr_SetString(PyExc_ValueError, "net_get_many_into: headers of 96 bytes");
+            goto out;
+        }
+    }
+    struct iovec iov[1];
+    PyObject *one = PyTuple_Pack(1, frame);
+    if (!one) goto out;
+    int n = gather(one, &views[held], iov, 1);
+    Py_DECREF(one);
+    if (n < 0) goto out;
+    held += n;
+    Io io = {fd, now() + timeout, 0};
+    uint8_t head[HEAD_READ];
+    long long lengths[MANY_MAX];
+    uint32_t crcs[MANY_MAX];
+    size_t have = 0, at = 0, landed = 0;
+    int eof = 0, code, status = FALLBACK;
+    Src src = {head, 0, 0};
+    Py_BEGIN_ALLOW_THREADS
+    code = send_all(&io, iov, n);
+    if (code == IO_OK) code = read_head(&io, head, &have, &eof);
+    uint64_t total = 0;
+    if (code == IO_OK && head_is(head, 7, rid)) {
+        size_t end = HEAD + (size_t)le(head + 12, 4);
+        int fits = !many_lengths(head + HEAD, end - HEAD, lengths, (size_t)count, &total) &&
+                   total == le(head + 16, 8);
+        for (Py_ssize_t i = 0; fits && i < count; i++)
+            fits = lengths[i] < 0 || (lengths[i] >= BLOCK_HEADER &&
+                                      lengths[i] - BLOCK_HEADER <= views[count + i].len);
+        if (fits) {
+            /* Committed: from here on, bytes go to the caller's buffers. */
+            status = DONE;
+            src.pos = end;
+            src.have = have;
+            for (at = 0; code == IO_OK && at < (size_t)count; at++) {
+                crcs[at] = 0;
+                if (lengths[at] < 0) continue;
+                code = take(&io, &src, views[at].buf, BLOCK_HEADER, NULL, &landed);
+                uint32_t reg = 0xffffffffu;
+                if (code == IO_OK)
+                    code = take(&io, &src, views[count + at].buf,
+                                (size_t)lengths[at] - BLOCK_HEADER, &reg, &landed);
+                else landed = 0;
+                crcs[at] = ~reg;
+            }
+            if (code == IO_EOF) { status = CUT; code = IO_OK; }
+            if (code != IO_OK || status == CUT) {
+                /* No byte of any block stays: the ones done, and the one cut off. */
+                for (size_t i = 0; i + 1 < at; i++)
+                    if (lengths[i] >= BLOCK_HEADER)
+                        memset(views[count + i].buf, 0, (size_t)lengths[i] - BLOCK_HEADER);
+                if (at) memset(views[count + at - 1].buf, 0, landed);
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (code < 0) { io_error(&io, code); goto out; }
+    if (status == CUT) {
+        result = Py_BuildValue("(iOOiy#)", CUT, Py_None, Py_None, 1, "", (Py_ssize_t)0);
+    } else if (status == DONE) {
+        PyObject *ls = PyList_New(count), *cs = PyList_New(count);
+        for (Py_ssize_t i = 0; ls && cs && i < count; i++) {
+            PyList_SET_ITEM(ls, i, PyLong_FromLongLong(lengths[i] < 0 ? -1 : lengths[i] - BLOCK_HEADER));
+            PyList_SET_ITEM(cs, i, PyLong_FromUnsignedLong(crcs[i]));
+        }
+        if (ls && cs && !PyErr_Occurred())
+            result = Py_BuildValue("(iOOiy#)", DONE, ls, cs, 0, (const char *)head + src.pos,
+                                   (Py_ssize_t)(src.have - src.pos));
+        Py_XDECREF(ls);
+        Py_XDECREF(cs);
+    } else {
+        result = Py_BuildValue("(iOOiy#)", FALLBACK, Py_None, Py_None, eof, (const char *)head,
+                               (Py_ssize_t)have);
+    }
+out:
+    for (int i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    return result;
+}

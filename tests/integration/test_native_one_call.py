@@ -17,9 +17,12 @@ import pytest
 from kvoffload.client_sdk import Client, Namespace, SealKeys
 from kvoffload.client_sdk.transports import open_transport
 from kvoffload.client_sdk.url import parse_url
+from kvoffload.errors import KVOffloadError, TransportError
 from kvoffload.wire import fast
-from kvoffload.wire.block import seal
+from kvoffload.wire.block import HEADER_BYTES, seal
+from kvoffload.wire.native.connection import Event, GetMany, GetManyResult, NativeConnection
 from tests.conftest import Daemon
+from tests.integration.test_client_bad_answers import Answer, peer
 
 pytestmark = [
     pytest.mark.integration,
@@ -37,9 +40,9 @@ K1, STRANGER = bytes([11]) * 32, bytes([13]) * 32
 @contextmanager
 def implementation(name: str) -> Iterator[dict[str, int]]:
     """Run the client's codec functions in C or Python; counts the one-call exchanges made."""
-    calls = {"get_into": 0, "put": 0}
+    calls = {"get_into": 0, "put": 0, "get_many_into": 0}
     previous = fast.use(name)
-    real_get, real_put = fast.net_get_into, fast.net_put
+    real_get, real_put, real_many = fast.net_get_into, fast.net_put, fast.net_get_many_into
 
     def get_into(*args: Any) -> Any:
         calls["get_into"] += 1
@@ -49,8 +52,12 @@ def implementation(name: str) -> Iterator[dict[str, int]]:
         calls["put"] += 1
         return real_put(*args)  # type: ignore[misc]
 
+    def get_many_into(*args: Any) -> Any:
+        calls["get_many_into"] += 1
+        return real_many(*args)  # type: ignore[misc]
+
     if real_get is not None:
-        fast.net_get_into, fast.net_put = get_into, put
+        fast.net_get_into, fast.net_put, fast.net_get_many_into = get_into, put, get_many_into
     try:
         yield calls
     finally:
@@ -118,6 +125,7 @@ def test_both_paths_answer_alike_through_a_daemon(start_daemon: Start) -> None:
             answers[name] = session(client, tag)
         if name == "c":  # every get_into and put went through the one-call exchange
             assert calls["get_into"] >= 4 * len(SIZES) and calls["put"] >= len(SIZES)
+            assert calls["get_many_into"] == 1
     assert answers["c"] == answers["python"]
 
 
@@ -221,3 +229,37 @@ def test_put_many_alike_on_both_paths_and_one_call_per_frame(start_daemon: Start
     sizes = [1000 * (i + 1) ** 3 for i in range(6)] + [7 << 20] * 3
     assert answers["c"][:2] == [("ok", None), ("ok", None)]
     assert answers["c"][2:] == [(("ok", n), True) for n in sizes]
+
+
+def _two_blocks_then_half(close: bool) -> Answer:
+    """Answer a GetMany of three keys: two whole blocks (0xAA), then half of a third."""
+
+    def answer(conn: NativeConnection, event: Event) -> tuple[bytes, bool]:
+        assert isinstance(event, GetMany) and len(event.keys) == 3
+        length = HEADER_BYTES + BLOCK
+        frame = b"".join(
+            bytes(p)
+            for p in conn.send_parts(
+                GetManyResult(event.request_id, (length,) * 3), [b"\xaa" * length] * 3
+            )
+        )
+        return frame[: len(frame) - BLOCK // 2], close
+
+    return answer
+
+
+BLOCK = 1 << 20
+
+
+@pytest.mark.parametrize("close", [True, False], ids=["closed", "stalled"])
+def test_a_get_many_into_that_fails_part_way_leaves_no_partial_block(close: bool) -> None:
+    with implementation("c") as calls, peer(_two_blocks_then_half(close)) as port:
+        url = f"kv://127.0.0.1:{port}?retries=0&timeout=2"
+        buffers = [bytearray(b"\x55" * (2 * BLOCK)) for _ in range(3)]
+        expected = TransportError if close else KVOffloadError
+        with Client.connect(url) as client, pytest.raises(expected):
+            client.get_many_into([os.urandom(16) for _ in range(3)], buffers)
+        assert calls["get_many_into"] == 1
+        for buffer in buffers:
+            assert b"\xaa" not in buffer  # the whole blocks too: the batch failed
+            assert buffer[-1] == 0x55  # and what no byte reached is left alone

@@ -61,6 +61,7 @@ __all__ = [
     "get_into_request",
     "get_many",
     "get_many_into",
+    "get_many_into_request",
     "hello",
     "lookup",
     "lookup_tiers",
@@ -351,6 +352,26 @@ def get_many_into(
         return partial(_many_sink, buffers, answered, first)
 
     return (yield from _get_batches(keys, sink, take))
+
+
+def get_many_into_request(
+    keys: Sequence[bytes], buffers: Sequence[IntoBuffer]
+) -> tuple[Req, Callable[[Call], list[Received | None]]]:
+    """The one GetMany of up to _BATCH_KEYS keys, and how its answered call becomes the
+    results of the keys it answered: a prefix, for which the caller asks again (a driver may
+    send it without running the plan)."""
+    answered: dict[int, list[Received | None]] = {}
+
+    def finish(call: Call) -> list[Received | None]:
+        answer = cast(GetManyResult, call.result())
+        if not 1 <= len(answer.lengths) <= len(keys):
+            raise RemoteProtocolError(
+                f"the daemon answered {len(answer.lengths)} keys of {len(keys)} asked for"
+            )
+        return answered.pop(0, [None] * len(answer.lengths))
+
+    event = partial(_keys_event, GetMany, tuple(keys))
+    return Req(event, sink=partial(_many_sink, buffers, answered, 0)), finish
 
 
 def _many_sink(

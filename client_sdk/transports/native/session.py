@@ -80,11 +80,13 @@ class Session:
         # no request after that, so the driver retries on a fresh connection.
         self.peer_closed = False
 
-    def start(self, req: Req) -> tuple[Call, list[bytes | memoryview]]:
+    def start(self, req: Req, event: Event | None = None) -> tuple[Call, list[bytes | memoryview]]:
+        """`req` registered and encoded (`event`: its event, numbered by `frame` already)."""
         if self.broken is not None:  # e.g. the daemon said goodbye: the driver reconnects
             raise self.broken
-        self._next_id = self._next_id % 0xFFFF_FFFF + 1
-        event = req.make(self._next_id)
+        if event is None:
+            self._next_id = self._next_id % 0xFFFF_FFFF + 1
+            event = req.make(self._next_id)
         parts = self.conn.send_parts(event, req.payload)
         call = Call(event, req.sink)
         self.calls[event.request_id] = call

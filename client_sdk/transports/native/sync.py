@@ -46,6 +46,7 @@ from kvoffload.wire.native.connection import (
     META_VERSION,
     PROTOCOL_VERSION,
     REPAIR_VERSION,
+    Event,
     Welcome,
 )
 from kvoffload.wire.native.frames import HEAD_READ
@@ -117,8 +118,8 @@ class _SyncConnection(SyncRunner[Req, Call]):
             self._timeout = remaining + self._slack
             self.sock.settimeout(self._timeout)
 
-    def start(self, request: Req, deadline: float) -> Call:
-        call, parts = self.session.start(request)
+    def start(self, request: Req, deadline: float, event: Event | None = None) -> Call:
+        call, parts = self.session.start(request, event)
         try:
             self._arm(deadline)
             if self.tls:  # an SSL socket has no sendmsg
@@ -131,40 +132,47 @@ class _SyncConnection(SyncRunner[Req, Call]):
         return call
 
     def exchange_one(
-        self, req: Req, deadline: float, into: IntoBuffer | None
-    ) -> tuple[Call | None, Received | None]:
-        """Send `req` (a get_into's when `into` is given, else a put's or a put_many's) and
-        take its answer:
-        (None, result) when the C exchange took it whole (a hit's `Received`, summed, or None),
-        else (call, None) with the call answered or receiving through the Python codec: the
-        reference path, and the whole path over TLS or without the extension."""
-        native = _fast.net_put if into is None else _fast.net_get_into
+        self, req: Req, deadline: float, into: IntoBuffer | list[IntoBuffer] | None
+    ) -> tuple[Call | None, object]:
+        """Send `req` (a get_into's when `into` is a buffer, a get_many_into's when a list, else
+        a put's or a put_many's) and take its answer: (None, result) when the C exchange took
+        it whole (`Received` blocks, summed, or None), else (call, None) with the call answered
+        or receiving through the Python codec: the reference path, and the whole path over TLS
+        or without the extension."""
         session = self.session
-        if (
-            native is None
-            or self.tls
-            or not session.ready
-            or len(req.payload) >= _fast.NET_MAX_PARTS  # a put's parts and its frame head
-        ):
-            call = self.start(req, deadline)
-            # A get_into's first read takes the answer's header, the block's header and a
-            # little of the value: the rest then lands in the caller's buffer uncopied, where
-            # a full-size read would take most of it into the receive buffer and copy it out
-            # (both cost two reads for a value of 64 KiB or more).
-            self.pump(deadline, 0 if req.sink is None else HEAD_READ)
-            return call, None
+        if self.tls or not session.ready or len(req.payload) >= _fast.NET_MAX_PARTS:
+            return self._through_codec(req, deadline), None
         event, parts = session.frame(req)
-        header = bytearray(HEADER_BYTES) if into is not None else None
+        fd, rid = self.sock.fileno(), event.request_id
+        timeout = left(deadline) + self._slack
+        headers: list[object] = (
+            [bytearray(HEADER_BYTES) for _ in into] if isinstance(into, list) else []
+        )
+        header = bytearray(HEADER_BYTES)
         try:
-            timeout = left(deadline) + self._slack
-            if into is None:
-                status, length, crc, eof, data = _fast.net_put(  # type: ignore[misc]
-                    self.sock.fileno(), parts, event.request_id, event.OP, timeout
+            if into is None and _fast.net_put is not None:
+                status, _, _, eof, data = _fast.net_put(fd, parts, rid, event.OP, timeout)
+                lengths: list[int] | None = None
+                crcs: list[int] | None = None
+            elif isinstance(into, IntoBuffer) and _fast.net_get_into is not None:
+                status, length, crc, eof, data = _fast.net_get_into(
+                    fd, parts[0], rid, header, into.buffer, timeout
+                )
+                headers, lengths, crcs = [header], [length], [crc]
+            elif isinstance(into, list) and _fast.net_get_many_into is not None:
+                buffers: list[object] = [b.buffer for b in into]
+                status, lengths, crcs, eof, data = _fast.net_get_many_into(
+                    fd,
+                    parts[0],
+                    rid,
+                    headers,
+                    buffers,
+                    timeout,
                 )
             else:
-                status, length, crc, eof, data = _fast.net_get_into(  # type: ignore[misc]
-                    self.sock.fileno(), parts[0], event.request_id, header, into.buffer, timeout
-                )
+                return self._through_codec(req, deadline, event), None
+        except (BufferError, TypeError, ValueError):  # a buffer C cannot take: nothing was sent
+            return self._through_codec(req, deadline, event), None
         except OSError as exc:  # the C call zeroed whatever had landed
             raise self._lost(exc) from None
         self._timeout = -1.0  # C polled with its own deadline; the socket's is as it was
@@ -176,11 +184,30 @@ class _SyncConnection(SyncRunner[Req, Call]):
             session.fail(error)
             raise error
         session.took(data)
-        if into is None or length < 0:
+        if into is None:
             return None, None
-        into.region(0, length)
-        assert header is not None
-        return None, Received(memoryview(header), length, crc)
+        assert lengths is not None and crcs is not None
+        got: list[Received | None] = []
+        for buffer, head, n, crc in zip(
+            into if isinstance(into, list) else [into], headers, lengths, crcs, strict=True
+        ):
+            if n < 0:
+                got.append(None)
+            else:
+                buffer.region(0, n)
+                got.append(Received(memoryview(head), n, crc))  # type: ignore[arg-type]
+        return None, got if isinstance(into, list) else got[0]
+
+    def _through_codec(self, req: Req, deadline: float, event: Event | None = None) -> Call:
+        """`req` sent and its answer's first bytes read the Python way (`event`: its event,
+        already numbered by `Session.frame`)."""
+        call = self.start(req, deadline, event)
+        # A get_into's first read takes the answer's header, the block's header and a little
+        # of the value: the rest then lands in the caller's buffer uncopied, where a full-size
+        # read would take most of it into the receive buffer and copy it out (both cost two
+        # reads for a value of 64 KiB or more).
+        self.pump(deadline, 0 if req.sink is None else HEAD_READ)
+        return call
 
     def pump(self, deadline: float, most: int = 0) -> None:
         """Receive once (at most `most` bytes, if not 0) and match what came to the calls."""
@@ -304,7 +331,7 @@ class NativeTransport:
         req: Req,
         finish: Callable[[Call], T],
         plan: Callable[[], Plan[T]],
-        into: IntoBuffer | None = None,
+        into: IntoBuffer | list[IntoBuffer] | None = None,
     ) -> T:
         """One request on a pooled connection without the plan and retry machinery (the
         common `get_into`, whose buffer is `into`, and `put`), one C call on a plain socket
@@ -441,8 +468,20 @@ class NativeTransport:
         self, keys: Sequence[bytes], buffers: Sequence[memoryview]
     ) -> list[HeldBlock | Received | None]:
         into = [IntoBuffer(b) for b in buffers]
-        got = received_many_into(into, lambda: self._run(lambda: plans.get_many_into(keys, into)))
-        return list(got)
+        return list(received_many_into(into, partial(self._many_into, keys, into)))
+
+    def _many_into(self, keys: Sequence[bytes], into: list[IntoBuffer]) -> list[Received | None]:
+        """A batch of up to `NET_MAX_KEYS` keys in one request (one C call on a plain socket);
+        a larger one, and what the daemon left of a batch it answered in part, the general
+        way."""
+        if not keys or len(keys) > _fast.NET_MAX_KEYS:
+            return self._run(lambda: plans.get_many_into(keys, into))
+        req, finish = plans.get_many_into_request(keys, into)
+        got = self._single(req, finish, lambda: plans.get_many_into(keys, into), into)
+        if len(got) < len(keys):  # a prefix: ask again from there, as the plan does
+            rest = keys[len(got) :], into[len(got) :]
+            got += self._run(lambda: plans.get_many_into(*rest))
+        return got
 
     def exists(self, key: bytes) -> bool:
         return self._run(lambda: plans.exists(key))
