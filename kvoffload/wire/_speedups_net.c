@@ -250,7 +250,7 @@ PyObject *speedups_net_put(PyObject *self, PyObject *args) {
 
 const char speedups_net_get_into_doc[] =
     "net_get_into(fd, frame, request_id, header, buffer, timeout) -> (status, length, crc, "
-    "eof, bytes): send a Get frame; a hit lands its block header in `header` (96 bytes) and "
+    "eof, bytes): send a Get frame (or build it: `frame` 16 bytes is the key); a hit lands its block header in `header` (96 bytes) and "
     "its payload at the start of `buffer`: (0, payload length, its CRC32C, 0, bytes read past "
     "the frame); a miss (0, -1, 0, 0, bytes past the frame); (1, 0, 0, eof, bytes read) for the "
     "Python codec; (2, 0, 0, 1, b'') when the daemon closed the connection mid-payload. A get "
@@ -268,15 +268,36 @@ PyObject *speedups_net_get_into(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     Py_buffer view;
     struct iovec iov[1];
-    if (header.len < BLOCK_HEADER || !PyBuffer_IsContiguous(&buffer, 'C')) {
-        PyErr_SetString(PyExc_ValueError, "net_get_into: a 96-byte header and a flat buffer");
+    if (header.len < BLOCK_HEADER || !PyBuffer_IsContiguous(&buffer, 'C') || rid == 0 ||
+        rid > 0xffffffffull) {
+        PyErr_SetString(PyExc_ValueError,
+                        "net_get_into: a 96-byte header, a flat buffer, a 32-bit request id");
         goto out;
     }
-    PyObject *one = PyTuple_Pack(1, frame);
-    if (!one) goto out;
-    int n = gather(one, &view, iov, 1);
-    Py_DECREF(one);
-    if (n < 0) goto out;
+    /* A 16-byte `frame` is the key: the Get frame is built here, as msgpack.packb would. */
+    uint8_t get[HEAD + 23];
+    int n = 0;
+    if (PyBytes_Check(frame) && PyBytes_GET_SIZE(frame) == 16) {
+        static const uint8_t map[] = {0x81, 0xa3, 'k', 'e', 'y', 0xc4, 0x10};
+        memset(get, 0, HEAD);
+        memcpy(get, "KVNP", 4);
+        get[4] = 1;
+        get[5] = 3;
+        for (int i = 0; i < 4; i++) get[8 + i] = (uint8_t)(rid >> (8 * i));
+        get[12] = 23;
+        memcpy(get + HEAD, map, sizeof map);
+        memcpy(get + HEAD + sizeof map, PyBytes_AS_STRING(frame), 16);
+        iov[0].iov_base = get;
+        iov[0].iov_len = sizeof get;
+        n = 1;
+    } else {
+        PyObject *one = PyTuple_Pack(1, frame);
+        if (!one) goto out;
+        n = gather(one, &view, iov, 1);
+        Py_DECREF(one);
+        if (n < 0) goto out;
+    }
+    int views_held = PyBytes_Check(frame) && PyBytes_GET_SIZE(frame) == 16 ? 0 : n;
     Io io = {fd, now() + timeout, 0};
     uint8_t head[HEAD_READ];
     size_t have = 0, past = 0;
@@ -328,7 +349,7 @@ PyObject *speedups_net_get_into(PyObject *self, PyObject *args) {
         }
     }
     Py_END_ALLOW_THREADS
-    release(&view, n);
+    release(&view, views_held);
     if (code < 0) { io_error(&io, code); goto out; }
     if (status == CUT)
         result = Py_BuildValue("(iiIiy#)", CUT, 0, 0u, 1, "", (Py_ssize_t)0);

@@ -280,7 +280,7 @@ def get_into_request(
             return Received(memoryview(bytearray(HEADER_BYTES)), 0)
         return got
 
-    return Req(partial(_key_event, Get, key), sink=sink), finish
+    return Req(partial(_key_event, Get, key), sink=sink, key=key), finish
 
 
 def _land(into: IntoBuffer, length: int, parts: list[memoryview], index: int = -1) -> Received:

@@ -46,6 +46,8 @@ class Req:
     # Where the answer's payload goes (None: let the codec allocate; the callable may return
     # None to drop it, or raise InvalidArgumentError to fail the request after dropping it).
     sink: Sink | None = None
+    # The one key of a Get, which the C exchange frames itself (no event built unless needed).
+    key: bytes | None = None
 
 
 @dataclass
@@ -99,12 +101,16 @@ class Session:
         conn = self.conn
         return self.broken is None and not self.calls and conn.idle and not conn.peer_closed
 
-    def frame(self, req: Req) -> tuple[Event, list[bytes | memoryview]]:
-        """The next request id's event for `req` and the buffers that carry it, without the
-        codec knowing (the bytes `start` would send)."""
+    def number(self) -> int:
+        """The next request id, for a request a driver frames and sends itself (`frame`, or
+        the C exchange from `Req.key`); `adopt` hands it to the codec if need be."""
         self._next_id = self._next_id % 0xFFFF_FFFF + 1
-        event = req.make(self._next_id)
-        return event, encode_frame(event.OP, 0, event.request_id, event.meta(), req.payload)  # type: ignore[arg-type]
+        return self._next_id
+
+    @staticmethod
+    def frame(event: Event, payload: Sequence[object]) -> list[bytes | memoryview]:
+        """The buffers that carry `event`, without the codec knowing (what `start` sends)."""
+        return encode_frame(event.OP, 0, event.request_id, event.meta(), payload)  # type: ignore[arg-type]
 
     def adopt(self, req: Req, event: Event, received: bytes, eof: bool) -> Call:
         """Take over a request a driver sent itself (`frame`) whose answer it left to the

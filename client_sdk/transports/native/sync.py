@@ -142,15 +142,18 @@ class _SyncConnection(SyncRunner[Req, Call]):
         session = self.session
         if self.tls or not session.ready or len(req.payload) >= _fast.NET_MAX_PARTS:
             return self._through_codec(req, deadline), None
-        event, parts = session.frame(req)
-        fd, rid = self.sock.fileno(), event.request_id
+        rid = session.number()
+        # A get_into's frame is built by C from its key; the event only if Python takes over.
+        event = None if isinstance(into, IntoBuffer) and req.key else req.make(rid)
+        parts = [req.key] if event is None else session.frame(event, req.payload)
+        fd = self.sock.fileno()
         timeout = left(deadline) + self._slack
         headers: list[object] = (
             [bytearray(HEADER_BYTES) for _ in into] if isinstance(into, list) else []
         )
         header = bytearray(HEADER_BYTES)
         try:
-            if into is None and _fast.net_put is not None:
+            if into is None and _fast.net_put is not None and event is not None:
                 status, _, _, eof, data = _fast.net_put(fd, parts, rid, event.OP, timeout)
                 lengths: list[int] | None = None
                 crcs: list[int] | None = None
@@ -172,12 +175,12 @@ class _SyncConnection(SyncRunner[Req, Call]):
             else:
                 return self._through_codec(req, deadline, event), None
         except (BufferError, TypeError, ValueError):  # a buffer C cannot take: nothing was sent
-            return self._through_codec(req, deadline, event), None
+            return self._through_codec(req, deadline, event or req.make(rid)), None
         except OSError as exc:  # the C call zeroed whatever had landed
             raise self._lost(exc) from None
         self._timeout = -1.0  # C polled with its own deadline; the socket's is as it was
         if status == _fast.NET_FALLBACK:
-            return session.adopt(req, event, data, bool(eof)), None
+            return session.adopt(req, event or req.make(rid), data, bool(eof)), None
         if status == _fast.NET_CUT:  # what had landed is zeroed
             error = TransportError("the daemon closed the connection in the middle of an answer")
             session.conn.receive_eof()

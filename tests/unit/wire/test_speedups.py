@@ -4,6 +4,7 @@ same checksums, the same events from the same bytes, the same errors, the same a
 from __future__ import annotations
 
 import os
+import socket
 import struct
 from collections.abc import Iterator
 
@@ -332,3 +333,55 @@ def test_answer_heads_refuse_what_does_not_fit(impl: str, rid: int, plen: int) -
     # Both implementations refuse, rather than wrap, a request id or length out of range.
     with pytest.raises((OverflowError, ValueError, struct.error)):
         fast.frame_head(3, rid, "length", 1, plen)
+
+
+# ---------------------------------------------------------------------------- one-call exchanges
+
+
+@pytest.mark.skipif("c" not in IMPLS, reason="the C extension is not built here")
+@pytest.mark.parametrize("rid", [1, 300, 0xFFFF_FFFF])
+def test_the_get_frame_c_builds_is_the_python_codecs(rid: int) -> None:
+    from kvoffload.wire import _speedups
+
+    key = bytes(range(16))
+    client, daemon = socket.socketpair()
+    with client, daemon:
+        # The answer waits in the socket: a miss for `rid`, then a byte of the next frame.
+        answer = b"".join(encode_frame(3, FLAG_RESPONSE, rid, {"length": None})) + b"K"
+        daemon.sendall(answer)
+        got = _speedups.net_get_into(client.fileno(), key, rid, bytearray(96), bytearray(8), 5.0)
+        sent = daemon.recv(1024)
+    assert sent == b"".join(encode_frame(3, 0, rid, Get(rid, key).meta()))
+    assert got == (fast.NET_DONE, -1, 0xFFFF_FFFF ^ 0xFFFF_FFFF, 0, b"K")
+
+
+@pytest.mark.skipif("c" not in IMPLS, reason="the C extension is not built here")
+def test_an_answer_c_does_not_take_comes_back_whole() -> None:
+    from kvoffload.wire import _speedups
+
+    client, daemon = socket.socketpair()
+    with client, daemon:
+        answer = b"".join(encode_frame(3, FLAG_RESPONSE, 9, {"length": 5, "x": 1}, [b"abcde"]))
+        daemon.sendall(answer)
+        daemon.shutdown(socket.SHUT_WR)
+        got = _speedups.net_get_into(
+            client.fileno(), b"k" * 16, 9, bytearray(96), bytearray(8), 5.0
+        )
+    status, _, _, eof, data = got
+    assert status == fast.NET_FALLBACK and answer.startswith(data) and len(data) >= 24
+
+
+@pytest.mark.skipif("c" not in IMPLS, reason="the C extension is not built here")
+def test_bad_request_ids_are_refused_before_anything_is_sent() -> None:
+    from kvoffload.wire import _speedups
+
+    client, daemon = socket.socketpair()
+    with client, daemon:
+        for rid in (0, 1 << 32):
+            with pytest.raises(ValueError, match="request id"):
+                _speedups.net_get_into(
+                    client.fileno(), b"k" * 16, rid, bytearray(96), bytearray(), 1.0
+                )
+        daemon.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            daemon.recv(1)  # nothing went out
