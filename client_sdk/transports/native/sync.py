@@ -148,6 +148,7 @@ class _SyncConnection(SyncRunner[Req, Call]):
         parts = [req.key] if event is None else session.frame(event, req.payload)
         fd = self.sock.fileno()
         timeout = left(deadline) + self._slack
+        self._arm(deadline)  # a socket with a timeout is non-blocking: C then polls it
         headers: list[object] = (
             [bytearray(HEADER_BYTES) for _ in into] if isinstance(into, list) else []
         )
@@ -178,7 +179,6 @@ class _SyncConnection(SyncRunner[Req, Call]):
             return self._through_codec(req, deadline, event or req.make(rid)), None
         except OSError as exc:  # the C call zeroed whatever had landed
             raise self._lost(exc) from None
-        self._timeout = -1.0  # C polled with its own deadline; the socket's is as it was
         if status == _fast.NET_FALLBACK:
             return session.adopt(req, event or req.make(rid), data, bool(eof)), None
         if status == _fast.NET_CUT:  # what had landed is zeroed
