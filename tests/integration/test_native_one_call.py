@@ -263,3 +263,27 @@ def test_a_get_many_into_that_fails_part_way_leaves_no_partial_block(close: bool
         for buffer in buffers:
             assert b"\xaa" not in buffer  # the whole blocks too: the batch failed
             assert buffer[-1] == 0x55  # and what no byte reached is left alone
+
+
+def test_a_batch_the_daemon_answers_in_part_is_finished_alike(start_daemon: Start) -> None:
+    # 40 blocks of 1 MiB on a 64 MiB tier: one answer may pin a quarter of it
+    # (native.answer_pin_share), so the daemon answers a prefix and the client asks again.
+    daemon = start_daemon("--dram", "64MiB")
+    answers = {}
+    for tag, name in enumerate(("python", "c")):
+        keys = [bytes([tag, i]) * 8 for i in range(40)]
+        with implementation(name) as calls, Client.connect(daemon.url()) as client:
+            for i, key in enumerate(keys):
+                client.put(key, bytes([i]) * (1 << 20))
+            buffers = [bytearray(1 << 20) for _ in keys]
+            got = outcome(lambda: client.get_many_into(keys, buffers))  # noqa: B023
+            answers[name] = (
+                got,
+                [bytes(b) == bytes([i]) * (1 << 20) for i, b in enumerate(buffers)],
+            )
+            for key in keys:
+                client.delete(key)
+        if name == "c":
+            assert calls["get_many_into"] == 1  # the first request; the rest the general way
+    assert answers["c"] == answers["python"]
+    assert answers["c"] == (("ok", [1 << 20] * 40), [True] * 40)
