@@ -2,13 +2,14 @@
 the reference, through real daemons: the same sequence of puts and gets on both paths gives the
 same answers (hits, misses, partial batches, buffers of other sizes, damaged and refused
 blocks, tenants, sealed and forged blocks, errors) and leaves the same bytes in the caller's
-buffers; and the C path is the one taken where it applies."""
+buffers; and the C path is the one taken where it applies (never over TLS)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from kvoffload.wire.block import HEADER_BYTES, seal
 from kvoffload.wire.native.connection import Event, GetMany, GetManyResult, NativeConnection
 from tests.conftest import Daemon
 from tests.integration.test_client_bad_answers import Answer, peer
+from tests.integration.test_daemon import _self_signed
 
 pytestmark = [
     pytest.mark.integration,
@@ -287,3 +289,19 @@ def test_a_batch_the_daemon_answers_in_part_is_finished_alike(start_daemon: Star
             assert calls["get_many_into"] == 1  # the first request; the rest the general way
     assert answers["c"] == answers["python"]
     assert answers["c"] == (("ok", [1 << 20] * 40), [True] * 40)
+
+
+def test_tls_connections_stay_on_the_python_path(start_daemon: Start, tmp_path: Path) -> None:
+    cert, key = _self_signed(tmp_path)
+    daemon = start_daemon("--tls-cert", str(cert), "--tls-key", str(key))
+    url = daemon.url(tls="1", ca=str(cert), server_name="localhost")
+    data = value(70000, 3)
+    with implementation("c") as calls, Client.connect(url) as client:
+        client.put(b"t" * 16, data)
+        client.put_many([(b"u" * 16, data)])
+        out = bytearray(len(data))
+        assert client.get_into(b"t" * 16, out) == len(data) and out == data
+        outs = [bytearray(len(data)) for _ in range(2)]
+        assert client.get_many_into([b"t" * 16, b"u" * 16], outs) == [len(data)] * 2
+        assert outs == [data, data]
+    assert calls == {"get_into": 0, "put": 0, "get_many_into": 0}
