@@ -29,7 +29,12 @@ def _packages() -> list[str]:
 # to prove it built.
 SPEEDUPS = Extension(
     "kvoffload.wire._speedups",
-    sources=["kvoffload/wire/_speedups.c", "kvoffload/wire/_speedups_frames.c"],
+    sources=[
+        "kvoffload/wire/_speedups.c",
+        "kvoffload/wire/_speedups_frames.c",
+        "kvoffload/wire/_speedups_crc.c",
+        "kvoffload/wire/_speedups_net.c",
+    ],
     depends=["kvoffload/wire/_speedups.h"],
     extra_compile_args=["-O2", "-std=c11"],
     optional=True,

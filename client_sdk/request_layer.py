@@ -287,11 +287,13 @@ class RequestLayer:
             return None
         return opened
 
-    def _intact(self, key: bytes, header: BlockHeader, payload: Bytes) -> bool:
-        """Check a payload against a header `_open` passed unsummed; False is a counted,
-        logged corrupt miss."""
+    def _intact(
+        self, key: bytes, header: BlockHeader, payload: Bytes, crc: int | None = None
+    ) -> bool:
+        """Check a payload against a header `_open` passed unsummed (`crc`: its CRC32C, if a
+        transport summed it already); False is a counted, logged corrupt miss."""
         if header.key_id is None:
-            if _fast.crc32c(payload) == header.payload_crc:
+            if (_fast.crc32c(payload) if crc is None else crc) == header.payload_crc:
                 return True
             self._corrupt_miss(key, "payload checksum mismatch")
             return False
@@ -431,8 +433,9 @@ class RequestLayer:
         corrupt one is zeroed there, so that no byte of it is left for a caller who ignores the
         miss."""
         payload = buffer[: got.length]
-        header = self._open(key, got.header, payload.data)
-        if header is None:
+        summed = got.crc is None
+        header = self._open(key, got.header, payload.data, summed=summed)
+        if header is None or not (summed or self._intact(key, header, payload, got.crc)):
             payload[:] = 0
             return None
         if header.codec_id == CODEC_NONE and header.raw_length == got.length:

@@ -39,11 +39,14 @@ class Received:
     """A block whose payload a transport received straight into the caller's buffer.
 
     `header` holds the stored value's header (normally `HEADER_BYTES`), `length` the payload
-    bytes now at the start of the caller's buffer. Nothing is verified yet.
+    bytes now at the start of the caller's buffer. Nothing is verified yet; `crc`, when not
+    None, is the payload's CRC32C as the transport summed it while it landed (the reader then
+    compares it with the header's instead of reading the payload again).
     """
 
     header: memoryview
     length: int
+    crc: int | None = None
 
 
 class IntoBuffer:

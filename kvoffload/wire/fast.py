@@ -13,12 +13,16 @@ an ImportError (CI sets it to prove the extension built). `use()` switches at ru
   and raises its usual errors). The Python form is always None: the general path.
 - `frame_head(op, request_id, name, value, payload_length)`: an answer's frame header and its
   map of one entry (`name` None: empty), as `frames.encode_frame` builds them.
+- `net_get_into`, `net_get_many_into`, `net_put`: the sync `kv://` client's get_into,
+  get_many_into (up to `NET_MAX_KEYS` keys), put and put_many (one frame) as one call each
+  (send, receive, sum the payload as it lands; `_speedups_net.c`). C only: None under Python,
+  whose codec is the reference the client then runs (the C calls hand it anything unexpected).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from types import ModuleType
 
@@ -35,6 +39,9 @@ __all__ = [
     "crc32c",
     "crc32c_copy",
     "frame_head",
+    "net_get_into",
+    "net_get_many_into",
+    "net_put",
     "parse_frame",
     "use",
 ]
@@ -68,6 +75,10 @@ def _load() -> ModuleType | None:
 
 
 _EXT = _load()
+
+# A one-call exchange's answer: (status, length, crc, eof, bytes); see _speedups_net.c.
+NetAnswer = tuple[int, int, int, int, bytes]
+NetMany = tuple[int, "list[int] | None", "list[int] | None", int, bytes]
 
 
 def py_crc32c(data: object, crc: int = 0) -> int:
@@ -108,6 +119,16 @@ crc32c: Callable[..., int] = py_crc32c
 crc32c_copy: Callable[..., int] = py_crc32c_copy
 frame_head: Callable[[int, int, str | None, object, int], bytes] = py_frame_head
 parse_frame: ParseFrame | None = None
+# (fd, frame, request_id, header, buffer, timeout) -> (status, length, crc, eof, bytes read)
+net_get_into: Callable[[int, object, int, object, object, float], NetAnswer] | None = None
+# (fd, parts, request_id, answer op, timeout) -> the same tuple (a Put's or a PutMany's)
+net_put: Callable[[int, Sequence[object], int, int, float], NetAnswer] | None = None
+NET_MAX_PARTS = 1024
+# (fd, frame, request_id, headers, buffers, timeout) -> (status, lengths, crcs, eof, bytes)
+net_get_many_into: Callable[[int, object, int, list[object], list[object], float], NetMany] | None
+net_get_many_into = None
+NET_MAX_KEYS = 256
+NET_DONE, NET_FALLBACK, NET_CUT = 0, 1, 2
 IMPLEMENTATION = "python"
 
 
@@ -119,6 +140,7 @@ def available() -> tuple[str, ...]:
 def use(name: str) -> str:
     """Switch every function here to `name` ("c" or "python"); returns the previous one."""
     global crc32c, crc32c_copy, frame_head, parse_frame, IMPLEMENTATION
+    global net_get_into, net_get_many_into, net_put
     if name not in available():
         raise ValueError(f"implementation {name!r} is not available here ({available()})")
     previous = IMPLEMENTATION
@@ -126,7 +148,10 @@ def use(name: str) -> str:
         assert _EXT is not None
         crc32c, crc32c_copy = _EXT.crc32c, _EXT.crc32c_copy
         frame_head, parse_frame = _EXT.frame_head, _EXT.parse_frame
+        net_get_into, net_put = _EXT.net_get_into, _EXT.net_put
+        net_get_many_into = _EXT.net_get_many_into
     else:
+        net_get_into = net_get_many_into = net_put = None
         crc32c, crc32c_copy, frame_head, parse_frame = (
             py_crc32c,
             py_crc32c_copy,

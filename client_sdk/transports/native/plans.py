@@ -61,6 +61,7 @@ __all__ = [
     "get_into_request",
     "get_many",
     "get_many_into",
+    "get_many_into_request",
     "hello",
     "lookup",
     "lookup_tiers",
@@ -68,6 +69,7 @@ __all__ = [
     "put",
     "put_done",
     "put_many",
+    "put_many_requests",
     "put_request",
     "repair",
     "stats",
@@ -210,6 +212,13 @@ def _key_event(cls: Callable[[int, bytes], Event], key: bytes, rid: int) -> Even
 
 
 def put_many(items: Sequence[PutItem], durable: bool, budget: int) -> Plan[None]:
+    calls = yield put_many_requests(items, durable, budget)
+    for call in calls:  # the first failure in order is the one to report
+        call.result()
+
+
+def put_many_requests(items: Sequence[PutItem], durable: bool, budget: int) -> list[Req]:
+    """`put_many`'s requests, one per frame (a driver may send a lone one itself)."""
     reqs: list[Req] = []
     for chunk in _chunks(items, budget):
         keys = tuple(item[0] for item in chunk)
@@ -219,9 +228,7 @@ def put_many(items: Sequence[PutItem], durable: bool, budget: int) -> Plan[None]
         payload = [p for item in chunk for p in item[1]]
         event = partial(_put_many_event, keys, lengths, parents, durable, metas)
         reqs.append(Req(event, payload))
-    calls = yield reqs
-    for call in calls:  # the first failure in order is the one to report
-        call.result()
+    return reqs
 
 
 def _chunks(items: Sequence[PutItem], budget: int) -> list[list[PutItem]]:
@@ -273,7 +280,7 @@ def get_into_request(
             return Received(memoryview(bytearray(HEADER_BYTES)), 0)
         return got
 
-    return Req(partial(_key_event, Get, key), sink=sink), finish
+    return Req(partial(_key_event, Get, key), sink=sink, key=key), finish
 
 
 def _land(into: IntoBuffer, length: int, parts: list[memoryview], index: int = -1) -> Received:
@@ -345,6 +352,26 @@ def get_many_into(
         return partial(_many_sink, buffers, answered, first)
 
     return (yield from _get_batches(keys, sink, take))
+
+
+def get_many_into_request(
+    keys: Sequence[bytes], buffers: Sequence[IntoBuffer]
+) -> tuple[Req, Callable[[Call], list[Received | None]]]:
+    """The one GetMany of up to _BATCH_KEYS keys, and how its answered call becomes the
+    results of the keys it answered: a prefix, for which the caller asks again (a driver may
+    send it without running the plan)."""
+    answered: dict[int, list[Received | None]] = {}
+
+    def finish(call: Call) -> list[Received | None]:
+        answer = cast(GetManyResult, call.result())
+        if not 1 <= len(answer.lengths) <= len(keys):
+            raise RemoteProtocolError(
+                f"the daemon answered {len(answer.lengths)} keys of {len(keys)} asked for"
+            )
+        return answered.pop(0, [None] * len(answer.lengths))
+
+    event = partial(_keys_event, GetMany, tuple(keys))
+    return Req(event, sink=partial(_many_sink, buffers, answered, 0)), finish
 
 
 def _many_sink(

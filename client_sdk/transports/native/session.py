@@ -25,6 +25,7 @@ from kvoffload.wire.native.connection import (
     PayloadEnd,
     Role,
 )
+from kvoffload.wire.native.frames import encode_frame
 from kvoffload.wire.status import error_for
 
 __all__ = ["Call", "Plan", "Req", "Session", "Sink"]
@@ -45,6 +46,8 @@ class Req:
     # Where the answer's payload goes (None: let the codec allocate; the callable may return
     # None to drop it, or raise InvalidArgumentError to fail the request after dropping it).
     sink: Sink | None = None
+    # The one key of a Get, which the C exchange frames itself (no event built unless needed).
+    key: bytes | None = None
 
 
 @dataclass
@@ -79,15 +82,54 @@ class Session:
         # no request after that, so the driver retries on a fresh connection.
         self.peer_closed = False
 
-    def start(self, req: Req) -> tuple[Call, list[bytes | memoryview]]:
+    def start(self, req: Req, event: Event | None = None) -> tuple[Call, list[bytes | memoryview]]:
+        """`req` registered and encoded (`event`: its event, numbered by `frame` already)."""
         if self.broken is not None:  # e.g. the daemon said goodbye: the driver reconnects
             raise self.broken
-        self._next_id = self._next_id % 0xFFFF_FFFF + 1
-        event = req.make(self._next_id)
+        if event is None:
+            self._next_id = self._next_id % 0xFFFF_FFFF + 1
+            event = req.make(self._next_id)
         parts = self.conn.send_parts(event, req.payload)
         call = Call(event, req.sink)
         self.calls[event.request_id] = call
         return call, parts
+
+    @property
+    def ready(self) -> bool:
+        """Nothing outstanding, buffered or ended: a driver may exchange one request on the
+        socket itself (`frame`, then `adopt` if the codec must see the answer)."""
+        conn = self.conn
+        return self.broken is None and not self.calls and conn.idle and not conn.peer_closed
+
+    def number(self) -> int:
+        """The next request id, for a request a driver frames and sends itself (`frame`, or
+        the C exchange from `Req.key`); `adopt` hands it to the codec if need be."""
+        self._next_id = self._next_id % 0xFFFF_FFFF + 1
+        return self._next_id
+
+    @staticmethod
+    def frame(event: Event, payload: Sequence[object]) -> list[bytes | memoryview]:
+        """The buffers that carry `event`, without the codec knowing (what `start` sends)."""
+        return encode_frame(event.OP, 0, event.request_id, event.meta(), payload)  # type: ignore[arg-type]
+
+    def adopt(self, req: Req, event: Event, received: bytes, eof: bool) -> Call:
+        """Take over a request a driver sent itself (`frame`) whose answer it left to the
+        codec: registered as if `start` had sent it, then fed what the driver read."""
+        self.conn.send_parts(event, req.payload)  # the bytes went out already
+        call = Call(event, req.sink)
+        self.calls[event.request_id] = call
+        if received:
+            self.conn.receive_data(received)
+        if eof:
+            self.conn.receive_eof()
+        self.feed()
+        return call
+
+    def took(self, received: bytes) -> None:
+        """A driver took an answer whole: what it read past that frame goes to the codec."""
+        if received:
+            self.conn.receive_data(received)
+            self.feed()
 
     def feed(self) -> None:
         """Match buffered answers to their calls (marking them done)."""

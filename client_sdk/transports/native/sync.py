@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from kvoffload.client_sdk.transports.base import (
     HeldBlock,
@@ -39,11 +39,14 @@ from kvoffload.errors import (
     RemoteProtocolError,
     TransportError,
 )
+from kvoffload.wire import fast as _fast
+from kvoffload.wire.block import HEADER_BYTES
 from kvoffload.wire.hello_auth import tls_binding
 from kvoffload.wire.native.connection import (
     META_VERSION,
     PROTOCOL_VERSION,
     REPAIR_VERSION,
+    Event,
     Welcome,
 )
 from kvoffload.wire.native.frames import HEAD_READ
@@ -115,8 +118,8 @@ class _SyncConnection(SyncRunner[Req, Call]):
             self._timeout = remaining + self._slack
             self.sock.settimeout(self._timeout)
 
-    def start(self, request: Req, deadline: float) -> Call:
-        call, parts = self.session.start(request)
+    def start(self, request: Req, deadline: float, event: Event | None = None) -> Call:
+        call, parts = self.session.start(request, event)
         try:
             self._arm(deadline)
             if self.tls:  # an SSL socket has no sendmsg
@@ -126,6 +129,87 @@ class _SyncConnection(SyncRunner[Req, Call]):
                 send_all(self.sock, parts)
         except OSError as exc:
             raise self._lost(exc) from None
+        return call
+
+    def exchange_one(
+        self, req: Req, deadline: float, into: IntoBuffer | list[IntoBuffer] | None
+    ) -> tuple[Call | None, object]:
+        """Send `req` (a get_into's when `into` is a buffer, a get_many_into's when a list, else
+        a put's or a put_many's) and take its answer: (None, result) when the C exchange took
+        it whole (`Received` blocks, summed, or None), else (call, None) with the call answered
+        or receiving through the Python codec: the reference path, and the whole path over TLS
+        or without the extension."""
+        session = self.session
+        if self.tls or not session.ready or len(req.payload) >= _fast.NET_MAX_PARTS:
+            return self._through_codec(req, deadline), None
+        rid = session.number()
+        # A get_into's frame is built by C from its key; the event only if Python takes over.
+        event = None if isinstance(into, IntoBuffer) and req.key else req.make(rid)
+        parts = [req.key] if event is None else session.frame(event, req.payload)
+        fd = self.sock.fileno()
+        timeout = left(deadline) + self._slack
+        self._arm(deadline)  # a socket with a timeout is non-blocking: C then polls it
+        headers: list[object] = (
+            [bytearray(HEADER_BYTES) for _ in into] if isinstance(into, list) else []
+        )
+        header = bytearray(HEADER_BYTES)
+        try:
+            if into is None and _fast.net_put is not None and event is not None:
+                status, _, _, eof, data = _fast.net_put(fd, parts, rid, event.OP, timeout)
+                lengths: list[int] | None = None
+                crcs: list[int] | None = None
+            elif isinstance(into, IntoBuffer) and _fast.net_get_into is not None:
+                status, length, crc, eof, data = _fast.net_get_into(
+                    fd, parts[0], rid, header, into.buffer, timeout
+                )
+                headers, lengths, crcs = [header], [length], [crc]
+            elif isinstance(into, list) and _fast.net_get_many_into is not None:
+                buffers: list[object] = [b.buffer for b in into]
+                status, lengths, crcs, eof, data = _fast.net_get_many_into(
+                    fd,
+                    parts[0],
+                    rid,
+                    headers,
+                    buffers,
+                    timeout,
+                )
+            else:
+                return self._through_codec(req, deadline, event), None
+        except (BufferError, TypeError, ValueError):  # a buffer C cannot take: nothing was sent
+            return self._through_codec(req, deadline, event or req.make(rid)), None
+        except OSError as exc:  # the C call zeroed whatever had landed
+            raise self._lost(exc) from None
+        if status == _fast.NET_FALLBACK:
+            return session.adopt(req, event or req.make(rid), data, bool(eof)), None
+        if status == _fast.NET_CUT:  # what had landed is zeroed
+            error = TransportError("the daemon closed the connection in the middle of an answer")
+            session.conn.receive_eof()
+            session.fail(error)
+            raise error
+        session.took(data)
+        if into is None:
+            return None, None
+        assert lengths is not None and crcs is not None
+        got: list[Received | None] = []
+        for buffer, head, n, crc in zip(
+            into if isinstance(into, list) else [into], headers, lengths, crcs, strict=True
+        ):
+            if n < 0:
+                got.append(None)
+            else:
+                buffer.region(0, n)
+                got.append(Received(memoryview(head), n, crc))  # type: ignore[arg-type]
+        return None, got if isinstance(into, list) else got[0]
+
+    def _through_codec(self, req: Req, deadline: float, event: Event | None = None) -> Call:
+        """`req` sent and its answer's first bytes read the Python way (`event`: its event,
+        already numbered by `Session.frame`)."""
+        call = self.start(req, deadline, event)
+        # A get_into's first read takes the answer's header, the block's header and a little
+        # of the value: the rest then lands in the caller's buffer uncopied, where a full-size
+        # read would take most of it into the receive buffer and copy it out (both cost two
+        # reads for a value of 64 KiB or more).
+        self.pump(deadline, 0 if req.sink is None else HEAD_READ)
         return call
 
     def pump(self, deadline: float, most: int = 0) -> None:
@@ -245,9 +329,16 @@ class NativeTransport:
         """Run a fresh plan, retrying on a lost connection (every operation is idempotent)."""
         return retrying(self.options, self._attempt, plan)
 
-    def _single(self, req: Req, finish: Callable[[Call], T], plan: Callable[[], Plan[T]]) -> T:
+    def _single(
+        self,
+        req: Req,
+        finish: Callable[[Call], T],
+        plan: Callable[[], Plan[T]],
+        into: IntoBuffer | list[IntoBuffer] | None = None,
+    ) -> T:
         """One request on a pooled connection without the plan and retry machinery (the
-        common `get_into` and `put`); only when that attempt fails does `plan` run the
+        common `get_into`, whose buffer is `into`, and `put`), one C call on a plain socket
+        (`_SyncConnection.exchange_one`); only when that attempt fails does `plan` run the
         general way, the failed attempt counting as the first of the retries."""
         deadline = time.monotonic() + self.options.timeout
         with self._cond:
@@ -258,15 +349,13 @@ class NativeTransport:
             return retrying(self.options, self._attempt, plan, deadline)
         conn.reused = True
         try:
-            call = conn.start(req, deadline)
-            # A get_into's first read takes the answer's header, the block's header and a
-            # little of the value: the rest then lands in the caller's buffer uncopied, where
-            # a full-size read would take most of it into the receive buffer and copy it out
-            # (both cost two reads for a value of 64 KiB or more).
-            conn.pump(deadline, 0 if req.sink is None else HEAD_READ)
-            while not call.done:
-                conn.pump(deadline)
-            result = finish(call)
+            call, took = conn.exchange_one(req, deadline, into)
+            if call is None:
+                result = cast(T, took)
+            else:
+                while not call.done:
+                    conn.pump(deadline)
+                result = finish(call)
         except TransportError as exc:
             self._release(conn, False)
             # A pooled connection the daemon had closed costs no retry (as in `_attempt`).
@@ -353,7 +442,12 @@ class NativeTransport:
     def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None:
         budget = self._budget()
         items = plans.metadata_for(self._version_now(), items)
-        self._run(lambda: plans.put_many(items, durable, budget))
+        reqs = plans.put_many_requests(items, durable, budget)
+        plan = partial(plans.put_many, items, durable, budget)
+        if len(reqs) == 1:  # one frame: one call, as a put
+            self._single(reqs[0], plans.put_done, plan)
+        else:
+            self._run(plan)
 
     def _version_now(self) -> int:
         """The protocol version the daemon accepted (connecting if needed)."""
@@ -368,7 +462,7 @@ class NativeTransport:
         into = IntoBuffer(buffer)
         req, finish = plans.get_into_request(key, into)
         plan = partial(plans.get_into, key, into)
-        return received_into(into, partial(self._single, req, finish, plan))
+        return received_into(into, partial(self._single, req, finish, plan, into))
 
     def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]:
         return self._run(lambda: plans.get_many(keys))
@@ -377,8 +471,20 @@ class NativeTransport:
         self, keys: Sequence[bytes], buffers: Sequence[memoryview]
     ) -> list[HeldBlock | Received | None]:
         into = [IntoBuffer(b) for b in buffers]
-        got = received_many_into(into, lambda: self._run(lambda: plans.get_many_into(keys, into)))
-        return list(got)
+        return list(received_many_into(into, partial(self._many_into, keys, into)))
+
+    def _many_into(self, keys: Sequence[bytes], into: list[IntoBuffer]) -> list[Received | None]:
+        """A batch of up to `NET_MAX_KEYS` keys in one request (one C call on a plain socket);
+        a larger one, and what the daemon left of a batch it answered in part, the general
+        way."""
+        if not keys or len(keys) > _fast.NET_MAX_KEYS:
+            return self._run(lambda: plans.get_many_into(keys, into))
+        req, finish = plans.get_many_into_request(keys, into)
+        got = self._single(req, finish, lambda: plans.get_many_into(keys, into), into)
+        if len(got) < len(keys):  # a prefix: ask again from there, as the plan does
+            rest = keys[len(got) :], into[len(got) :]
+            got += self._run(lambda: plans.get_many_into(*rest))
+        return got
 
     def exists(self, key: bytes) -> bool:
         return self._run(lambda: plans.exists(key))

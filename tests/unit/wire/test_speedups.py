@@ -4,6 +4,7 @@ same checksums, the same events from the same bytes, the same errors, the same a
 from __future__ import annotations
 
 import os
+import socket
 import struct
 from collections.abc import Iterator
 
@@ -70,9 +71,59 @@ def test_crc32c_matches_the_crc32c_package(data: bytes, offset: int, seed: int) 
         assert not any(dst[:offset]) and not any(target[len(view) :])
 
 
+# Every loop the extension has (table, SSE4.2 `crc32`, VPCLMULQDQ folding with `crc32` streams),
+# across the sizes where it switches: 256 (folding starts), 8704 (a hybrid block) and more.
+LOOPS = (0, 1, 2)
+_BLOCK = 8704
+
+
+@pytest.fixture(scope="module")
+def ext_loops() -> Iterator[object]:
+    if "c" not in IMPLS:
+        pytest.skip("the C extension is not built here")
+    from kvoffload.wire import _speedups
+
+    yield _speedups
+    _speedups.crc_level(2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    size=st.one_of(
+        st.integers(0, 600),
+        st.integers(_BLOCK - 300, _BLOCK + 300),
+        st.integers(2 * _BLOCK - 130, 2 * _BLOCK + 130),
+        st.integers(0, 3 * _BLOCK + 4096),
+    ),
+    src_offset=st.integers(0, 63),
+    dst_offset=st.integers(0, 63),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_every_crc_loop_matches_the_crc32c_package(
+    ext_loops: object, size: int, src_offset: int, dst_offset: int, seed: int
+) -> None:
+    ext = ext_loops
+    data = memoryview(os.urandom(size + src_offset))[src_offset:]
+    want = reference.crc32c(data, seed)
+    for level in LOOPS:
+        ext.crc_level(level)  # type: ignore[attr-defined]
+        assert ext.crc32c(data, seed) == want, level  # type: ignore[attr-defined]
+        dst = bytearray(size + dst_offset + 5)
+        target = memoryview(dst)[dst_offset:]
+        assert ext.crc32c_copy(target, data, seed) == want, level  # type: ignore[attr-defined]
+        assert bytes(target[:size]) == bytes(data)
+        assert not any(dst[:dst_offset]) and not any(target[size:])
+
+
+def test_the_crc_loops_are_named(ext_loops: object) -> None:
+    names = [ext_loops.crc_level(level) for level in LOOPS]  # type: ignore[attr-defined]
+    assert names[0] == "table" and names[1] in ("table", "sse4.2")
+    assert names[2] in ("table", "sse4.2", "vpclmulqdq")
+
+
 def test_crc32c_every_length_to_4096_and_large(impl: str) -> None:
     data = os.urandom((3 << 20) + 123)
-    lengths = [*range(4097), 3 * 1024 * 7 + 5, 1 << 20, (2 << 20) + 1, len(data)]
+    lengths = [*range(4097), 3 * 1024 * 7 + 5, 8704 * 3 + 255, 1 << 20, (2 << 20) + 1, len(data)]
     for n in lengths:
         assert fast.crc32c(data[:n]) == reference.crc32c(data[:n]), n
     for n in (0, 1, 3071, 3072, 3073, 9216 + 7, len(data)):
@@ -282,3 +333,55 @@ def test_answer_heads_refuse_what_does_not_fit(impl: str, rid: int, plen: int) -
     # Both implementations refuse, rather than wrap, a request id or length out of range.
     with pytest.raises((OverflowError, ValueError, struct.error)):
         fast.frame_head(3, rid, "length", 1, plen)
+
+
+# ---------------------------------------------------------------------------- one-call exchanges
+
+
+@pytest.mark.skipif("c" not in IMPLS, reason="the C extension is not built here")
+@pytest.mark.parametrize("rid", [1, 300, 0xFFFF_FFFF])
+def test_the_get_frame_c_builds_is_the_python_codecs(rid: int) -> None:
+    from kvoffload.wire import _speedups
+
+    key = bytes(range(16))
+    client, daemon = socket.socketpair()
+    with client, daemon:
+        # The answer waits in the socket: a miss for `rid`, then a byte of the next frame.
+        answer = b"".join(encode_frame(3, FLAG_RESPONSE, rid, {"length": None})) + b"K"
+        daemon.sendall(answer)
+        got = _speedups.net_get_into(client.fileno(), key, rid, bytearray(96), bytearray(8), 5.0)
+        sent = daemon.recv(1024)
+    assert sent == b"".join(encode_frame(3, 0, rid, Get(rid, key).meta()))
+    assert got == (fast.NET_DONE, -1, 0xFFFF_FFFF ^ 0xFFFF_FFFF, 0, b"K")
+
+
+@pytest.mark.skipif("c" not in IMPLS, reason="the C extension is not built here")
+def test_an_answer_c_does_not_take_comes_back_whole() -> None:
+    from kvoffload.wire import _speedups
+
+    client, daemon = socket.socketpair()
+    with client, daemon:
+        answer = b"".join(encode_frame(3, FLAG_RESPONSE, 9, {"length": 5, "x": 1}, [b"abcde"]))
+        daemon.sendall(answer)
+        daemon.shutdown(socket.SHUT_WR)
+        got = _speedups.net_get_into(
+            client.fileno(), b"k" * 16, 9, bytearray(96), bytearray(8), 5.0
+        )
+    status, _, _, eof, data = got
+    assert status == fast.NET_FALLBACK and answer.startswith(data) and len(data) >= 24
+
+
+@pytest.mark.skipif("c" not in IMPLS, reason="the C extension is not built here")
+def test_bad_request_ids_are_refused_before_anything_is_sent() -> None:
+    from kvoffload.wire import _speedups
+
+    client, daemon = socket.socketpair()
+    with client, daemon:
+        for rid in (0, 1 << 32):
+            with pytest.raises(ValueError, match="request id"):
+                _speedups.net_get_into(
+                    client.fileno(), b"k" * 16, rid, bytearray(96), bytearray(), 1.0
+                )
+        daemon.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            daemon.recv(1)  # nothing went out
