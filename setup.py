@@ -35,9 +35,19 @@ SPEEDUPS = Extension(
     optional=True,
 )
 
+# The daemon's C core (kvoffload/core/__init__.py falls back to Python without it): optional
+# the same way.
+CORE = Extension(
+    "kvoffload.core._core",
+    sources=["kvoffload/core/_core.c", "kvoffload/core/index.c"],
+    depends=["kvoffload/core/core.h"],
+    extra_compile_args=["-O2", "-std=c11"],
+    optional=True,
+)
+
 
 setup(
-    ext_modules=[SPEEDUPS],
+    ext_modules=[SPEEDUPS, CORE],
     package_dir=_package_dir(),
     packages=_packages(),
     package_data={"kvoffload": ["py.typed"], "kvoffload.bench": ["data/*"]},
