@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from kvoffload import __version__
+from kvoffload import __version__, core
 from kvoffload.errors import WrongShardError
 from kvoffload.kvstore import Engine
 from kvoffload.nvmeof_target.config import Config
@@ -109,7 +109,12 @@ class Services:
         self.answer_pins = PinBudget(int(self.config.dram.capacity_bytes * share))
 
     def server_info(self) -> dict[str, object]:
-        return {"version": __version__, "uptime_s": round(time.monotonic() - self.started, 3)}
+        return {
+            "version": __version__,
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            # "c" or "python" (KVOFFLOAD_PURE_PYTHON=1): which core this daemon runs
+            "core": core.IMPLEMENTATION,
+        }
 
 
 class Front(Protocol):
