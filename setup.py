@@ -39,7 +39,7 @@ SPEEDUPS = Extension(
 # the same way.
 CORE = Extension(
     "kvoffload.core._core",
-    sources=["kvoffload/core/_core.c", "kvoffload/core/index.c"],
+    sources=["kvoffload/core/_core.c", "kvoffload/core/index.c", "kvoffload/core/hot.c"],
     depends=["kvoffload/core/core.h"],
     extra_compile_args=["-O2", "-std=c11"],
     optional=True,

@@ -96,6 +96,7 @@ class Services:
     # True when engine calls that move blocks may wait on a device (SSD tier): fronts run
     # reads, reservations (which may evict to the SSD), commits and deletes in `executor`.
     blocking_engine: bool = False
+    hot_gets: int = 0  # gets the native front answered in C (`NativeSession.start_hot`)
     shard: ShardRole | None = None
     # This process's NIXL agent, made when a client first asks for the NIXL data path.
     nixl: NixlAgent | None = None
@@ -114,6 +115,7 @@ class Services:
             "uptime_s": round(time.monotonic() - self.started, 3),
             # "c" or "python" (KVOFFLOAD_PURE_PYTHON=1): which core this daemon runs
             "core": core.IMPLEMENTATION,
+            "hot_gets": self.hot_gets,
         }
 
 

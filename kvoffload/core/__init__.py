@@ -1,7 +1,9 @@
 """The daemon's C core (`_core`, built by setup.py) and the switch to its Python reference.
 
 `_core` holds what the engine and the daemon run in C: `DramIndex`, the twin of
-`kvoffload.kvstore.dram.DramIndex`. The Python forms stay the reference: tests run both.
+`kvoffload.kvstore.dram.DramIndex`, and `HotGets`, a connection's DRAM Get hits answered
+without the Python session (`kvoffload/core/hot.c`). The Python forms stay the reference: tests
+run both.
 `KVOFFLOAD_PURE_PYTHON=1` forces Python; `KVOFFLOAD_REQUIRE_EXT=1` makes a missing extension an
 ImportError (CI sets it to prove the extension built). `use()` switches at run time (tests);
 what it picks applies to objects made afterwards.
@@ -14,7 +16,14 @@ from types import ModuleType
 
 from kvoffload.errors import KVOffloadError
 
-__all__ = ["IMPLEMENTATION", "ExtensionMissingError", "available", "dram_index_type", "use"]
+__all__ = [
+    "IMPLEMENTATION",
+    "ExtensionMissingError",
+    "available",
+    "dram_index_type",
+    "hot_gets_type",
+    "use",
+]
 
 
 class ExtensionMissingError(KVOffloadError, ImportError):
@@ -57,3 +66,11 @@ def dram_index_type() -> type | None:
         return None
     index_type: type = _EXT.DramIndex
     return index_type
+
+
+def hot_gets_type() -> type | None:
+    """The C `HotGets` when the C core is in use; None: every request takes the Python path."""
+    if IMPLEMENTATION != "c" or _EXT is None:
+        return None
+    hot_type: type = _EXT.HotGets
+    return hot_type

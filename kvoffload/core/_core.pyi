@@ -15,3 +15,23 @@ class DramIndex:
     def drain_touches(self) -> list[object]: ...
     def values(self) -> Iterator[object]: ...
     def retire(self) -> None: ...
+
+class HotGets:
+    def __init__(
+        self,
+        lock: object,
+        index: DramIndex,
+        counters: dict[str, int],
+        manager: object,
+        apply_touches: object,
+        free: object,
+        arena: memoryview,
+        prefix: object,
+        frame_head: object,
+        head_state: object,
+        touch_ring: int,
+    ) -> None: ...
+    def serve(
+        self, reader: object, inflight: int, max_inflight: int, /
+    ) -> tuple[list[object], list[memoryview], list[object], int, int, int] | None: ...
+    def release(self, views: list[memoryview], entries: list[object], /) -> None: ...

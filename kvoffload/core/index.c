@@ -14,7 +14,8 @@
 
 #include <structmember.h>
 
-PyObject *core_str_pins, *core_str_live, *core_str_tick, *core_str_key, *core_str_staging;
+PyObject *core_str_pins, *core_str_live, *core_str_tick, *core_str_key, *core_str_staging,
+    *core_str_offset, *core_str_length;
 
 int core_index_init_strings(void) {
     core_str_pins = PyUnicode_InternFromString("pins");
@@ -22,19 +23,13 @@ int core_index_init_strings(void) {
     core_str_tick = PyUnicode_InternFromString("tick");
     core_str_key = PyUnicode_InternFromString("key");
     core_str_staging = PyUnicode_InternFromString("staging");
-    return (core_str_pins && core_str_live && core_str_tick && core_str_key && core_str_staging)
+    core_str_offset = PyUnicode_InternFromString("offset");
+    core_str_length = PyUnicode_InternFromString("length");
+    return (core_str_pins && core_str_live && core_str_tick && core_str_key && core_str_staging &&
+            core_str_offset && core_str_length)
                ? 0
                : -1;
 }
-
-typedef struct {
-    PyObject_HEAD
-    PyObject *entries; /* dict: key -> live entry */
-    PyObject *pinned;  /* set: keys of live entries that readers pin */
-    PyObject **ring;   /* hits since the last drain, oldest first (owned references) */
-    Py_ssize_t ring_len, ring_cap;
-    long long tick; /* the recency clock */
-} DramIndex;
 
 /* entry.<name> += delta; the new count, or -1 with an error set. */
 static int add_pins(PyObject *entry, long long delta, long long *out) {
@@ -110,7 +105,7 @@ static void index_dealloc(DramIndex *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyObject *index_lookup(DramIndex *self, PyObject *key) {
+PyObject *index_lookup(DramIndex *self, PyObject *key) {
     PyObject *entry = PyDict_GetItemWithError(self->entries, key);
     if (entry == NULL) {
         if (PyErr_Occurred()) return NULL;
@@ -124,7 +119,7 @@ static PyObject *index_next_tick(DramIndex *self, PyObject *unused) {
     return PyLong_FromLongLong(++self->tick);
 }
 
-static PyObject *index_pin(DramIndex *self, PyObject *entry) {
+PyObject *index_pin(DramIndex *self, PyObject *entry) {
     long long pins;
     if (add_pins(entry, +1, &pins) < 0) return NULL;
     PyObject *staging = PyObject_GetAttr(entry, core_str_staging);
@@ -153,7 +148,7 @@ static PyObject *index_pin(DramIndex *self, PyObject *entry) {
     return PyLong_FromSsize_t(self->ring_len);
 }
 
-static PyObject *index_unpin(DramIndex *self, PyObject *entry) {
+PyObject *index_unpin(DramIndex *self, PyObject *entry) {
     long long pins;
     if (add_pins(entry, -1, &pins) < 0) return NULL;
     if (pins) Py_RETURN_FALSE;

@@ -11,8 +11,10 @@ a few hundred operations per daemon pair.
 from __future__ import annotations
 
 import random
+import re
 import socket
 import threading
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -70,8 +72,22 @@ def _pair(start: Start, config: str = "") -> tuple[Any, Any]:
     return c, py
 
 
-def _core(client: Client) -> object:
-    return client.stats().store["server"]["core"]  # type: ignore[index]
+def _server(client: Client) -> dict[str, object]:
+    server: dict[str, object] = client.stats().store["server"]  # type: ignore[assignment]
+    return server
+
+
+# Metric samples that count requests and bytes (not times), by their label sets.
+COUNTED = re.compile(
+    r"^(kvoffload_requests_total|kvoffload_request_seconds_count|kvoffload_payload_bytes_\w+_total)"
+    r"\{[^}]*\} \S+$",
+    re.M,
+)
+
+
+def _counted(daemon: Any) -> list[str]:
+    text = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
+    return sorted(COUNTED.findall(text) and [m.group(0) for m in COUNTED.finditer(text)])
 
 
 def _value(rng: random.Random) -> bytes:
@@ -132,10 +148,14 @@ def test_random_sequences_answer_the_same_on_both_paths(start_daemon: Start, ten
                 with Client.connect(daemon.url(**params)) as client:
                     answers.append(_run(client, _sequence(seed * 10 + i, 120)))
         with Client.connect(daemon.url(**users[0])) as client:
-            assert _core(client) == core
-            finals.append((answers, _store(client)))
+            server = _server(client)
+            finals.append((answers, _store(client), _counted(daemon)))
+        assert server["core"] == core
+        # the C daemon answered gets in C; the Python one never does
+        assert (server["hot_gets"] > 0) == (core == "c"), server  # type: ignore[operator]
     assert finals[0][0] == finals[1][0]
     assert finals[0][1] == finals[1][1]
+    assert finals[0][2] == finals[1][2] and finals[0][2]
     assert finals[0][1]["evictions"], "the arena was meant to be small enough to evict"
 
 
