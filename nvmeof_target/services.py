@@ -97,6 +97,7 @@ class Services:
     # reads, reservations (which may evict to the SSD), commits and deletes in `executor`.
     blocking_engine: bool = False
     hot_gets: int = 0  # gets the native front answered in C (`NativeSession.start_hot`)
+    hot_exists: int = 0  # and exists requests
     shard: ShardRole | None = None
     # This process's NIXL agent, made when a client first asks for the NIXL data path.
     nixl: NixlAgent | None = None
@@ -116,6 +117,7 @@ class Services:
             # "c" or "python" (KVOFFLOAD_PURE_PYTHON=1): which core this daemon runs
             "core": core.IMPLEMENTATION,
             "hot_gets": self.hot_gets,
+            "hot_exists": self.hot_exists,
         }
 
 

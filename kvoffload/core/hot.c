@@ -1,9 +1,10 @@
-/* HotGets: the daemon's DRAM hit path for Get requests, in C (issue 29, the first step).
+/* HotGets: the daemon's DRAM hit path for Get and Exists requests, in C (issue 29, the first
+ * step).
  *
  * One per authenticated plain-TCP connection of a DRAM-only engine (the native session makes
  * it after Hello; nvmeof_target/native/hot.py). `serve(reader, inflight, max_inflight)` is
  * called once per wake-up while the connection has no request outstanding: it takes every
- * whole Get frame at the front of the receive buffer (`FrameReader`'s bytes, in the canonical
+ * whole Get (and Exists, answered as Engine.contains does) frame at the front of the buffer (`FrameReader`'s bytes, in the canonical
  * encoding the Python client sends), derives the tenant's engine key, looks the key up and pins
  * its entry under the engine's lock exactly as `Reads.acquire` does (the same counters, the
  * same touches), and builds each answer's header with `fast.frame_head`. It stops at the
@@ -18,6 +19,7 @@
 #define HEAD 24
 #define GET_MAP 23 /* {"key": bin8 of 16 bytes}: fixmap 1, fixstr 3, "key", bin8, 16, key */
 #define OP_GET 3
+#define OP_EXISTS 4 /* the same request map as a Get's; the answer carries no payload */
 
 typedef struct {
     PyObject_HEAD
@@ -36,7 +38,7 @@ typedef struct {
 
 static PyObject *s_acquire, *s_release, *s_closing, *s_closed, *s_buf, *s_start, *s_end,
     *s_state, *s_head, *s_gets, *s_hits, *s_misses, *s_bytes_out, *s_copy, *s_update, *s_digest,
-    *s_length_name;
+    *s_length_name, *s_found_name;
 
 static int intern_all(void) {
     struct { PyObject **at; const char *name; } names[] = {
@@ -45,6 +47,7 @@ static int intern_all(void) {
         {&s_state, "_state"}, {&s_head, "_head"}, {&s_gets, "gets"}, {&s_hits, "hits"},
         {&s_misses, "misses"}, {&s_bytes_out, "bytes_out"}, {&s_copy, "copy"},
         {&s_update, "update"}, {&s_digest, "digest"}, {&s_length_name, "length"},
+        {&s_found_name, "found"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if ((*names[i].at = PyUnicode_InternFromString(names[i].name)) == NULL) return -1;
@@ -86,12 +89,13 @@ static uint32_t le32(const unsigned char *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
-/* The client key of the canonical Get frame at p (n bytes buffered), or 0 when it is not one;
- * *rid gets its request id. */
-static int canonical_get(const unsigned char *p, Py_ssize_t n, uint32_t *rid) {
+/* Whether p (n bytes buffered) starts with a whole canonical Get or Exists frame; *rid gets
+ * its request id, *op its type. */
+static int canonical_get(const unsigned char *p, Py_ssize_t n, uint32_t *rid, int *op) {
     static const unsigned char map[] = {0x81, 0xa3, 'k', 'e', 'y', 0xc4, 16};
-    if (n < HEAD + GET_MAP || memcmp(p, "KVNP", 4) != 0 || p[4] != 1 || p[5] != OP_GET)
-        return 0;
+    if (n < HEAD + GET_MAP || memcmp(p, "KVNP", 4) != 0 || p[4] != 1) return 0;
+    if (p[5] != OP_GET && p[5] != OP_EXISTS) return 0;
+    *op = p[5];
     if (p[6] != 0 || p[7] != 0) return 0; /* flags: a request carries none */
     *rid = le32(p + 8);
     if (*rid == 0 || le32(p + 12) != GET_MAP) return 0;
@@ -199,6 +203,39 @@ static int unpin_locked(HotGets *self, PyObject *entry) {
     return rc;
 }
 
+/* Serve one Exists already checked canonical at p, as Engine.contains does for a DRAM-only
+ * engine (no counters); 1 served, 0 left to Python, -1 error. */
+static int serve_exists(HotGets *self, const unsigned char *p, uint32_t rid, PyObject *parts,
+                        long long *answer) {
+    PyObject *client = PyBytes_FromStringAndSize((const char *)p + HEAD + 7, 16);
+    PyObject *key = client ? engine_key(self, client) : NULL;
+    Py_XDECREF(client);
+    if (key == NULL) return -1;
+    PyObject *r = PyObject_CallMethodNoArgs(self->lock, s_acquire);
+    if (r == NULL) {
+        Py_DECREF(key);
+        return -1;
+    }
+    Py_DECREF(r);
+    int closing = flag(self->manager, s_closing);
+    int closed = closing == 0 ? flag(self->manager, s_closed) : closing;
+    int got = closing < 0 || closed < 0 ? -1 : (closing || closed) ? 0 : 1;
+    int found = got == 1 ? PyDict_Contains(self->index->entries, key) : 0;
+    if (found < 0) got = -1;
+    Py_DECREF(key);
+    r = PyObject_CallMethodNoArgs(self->lock, s_release);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    if (got <= 0) return got;
+    PyObject *header = PyObject_CallFunction(self->frame_head, "iIOOi", OP_EXISTS, rid,
+                                             s_found_name, found ? Py_True : Py_False, 0);
+    if (header == NULL) return -1;
+    int rc = PyList_Append(parts, header);
+    *answer += PyBytes_GET_SIZE(header);
+    Py_DECREF(header);
+    return rc < 0 ? -1 : 1;
+}
+
 /* Serve one Get already checked canonical at p; appends to parts/views/entries. 1 served,
  * 0 left to Python, -1 error. */
 static int serve_one(HotGets *self, const unsigned char *p, uint32_t rid, PyObject *parts,
@@ -277,29 +314,35 @@ static PyObject *hot_serve(HotGets *self, PyObject *args) {
         return NULL;
     }
     PyObject *parts = PyList_New(0), *views = PyList_New(0), *entries = PyList_New(0);
-    long long out_bytes = 0, answer = 0, served = 0;
+    long long out_bytes = 0, answer = 0, served = 0, exists = 0;
     uint32_t rid = 0, last_rid = 0;
+    int op = 0, last_op = 0;
     int rc = parts && views && entries ? 1 : -1;
     while (rc == 1 && inflight + answer < max_inflight) {
         /* Re-read the base each time: nothing here resizes the buffer, but cheap to be sure. */
         const unsigned char *p = (const unsigned char *)PyByteArray_AS_STRING(buf) + start;
         if (start > PyByteArray_GET_SIZE(buf) || end > PyByteArray_GET_SIZE(buf) ||
-            !canonical_get(p, (Py_ssize_t)(end - start), &rid))
+            !canonical_get(p, (Py_ssize_t)(end - start), &rid, &op))
             break;
         unsigned char frame[HEAD + GET_MAP];
         memcpy(frame, p, sizeof frame); /* calls below run other code: work on a copy */
-        rc = serve_one(self, frame, rid, parts, views, entries, &out_bytes, &answer);
+        if (op == OP_EXISTS)
+            rc = serve_exists(self, frame, rid, parts, &answer);
+        else
+            rc = serve_one(self, frame, rid, parts, views, entries, &out_bytes, &answer);
         if (rc == 1) {
             start += HEAD + GET_MAP;
             served++;
+            exists += op == OP_EXISTS;
             last_rid = rid;
+            last_op = op;
         }
     }
     Py_DECREF(buf);
     PyObject *result = NULL;
     if (served) { /* move the reader past what was served, even if a later frame failed */
         PyObject *at = PyLong_FromLongLong(start);
-        PyObject *head = Py_BuildValue("(iiIii)", OP_GET, 0, last_rid, GET_MAP, 0);
+        PyObject *head = Py_BuildValue("(iiIii)", last_op, 0, last_rid, GET_MAP, 0);
         if (at == NULL || head == NULL || PyObject_SetAttr(reader, s_start, at) < 0 ||
             PyObject_SetAttr(reader, s_head, head) < 0)
             rc = -1;
@@ -307,7 +350,8 @@ static PyObject *hot_serve(HotGets *self, PyObject *args) {
         Py_XDECREF(head);
     }
     if (rc >= 0 && served)
-        result = Py_BuildValue("(OOOLLL)", parts, views, entries, served, out_bytes, answer);
+        result = Py_BuildValue("(OOOLLLL)", parts, views, entries, served - exists, exists,
+                               out_bytes, answer);
     else if (rc >= 0)
         result = Py_NewRef(Py_None);
     if (result == NULL && entries != NULL && served) {
@@ -419,8 +463,9 @@ static void hot_dealloc(HotGets *self) {
 
 static PyMethodDef hot_methods[] = {
     {"serve", (PyCFunction)hot_serve, METH_VARARGS,
-     "serve(reader, inflight, max_inflight) -> (parts, views, entries, gets, bytes_out, "
-     "answer_bytes) or None: answer the whole canonical Gets at the front of the buffer."},
+     "serve(reader, inflight, max_inflight) -> (parts, views, entries, gets, exists, "
+     "bytes_out, answer_bytes) or None: answer the whole canonical Gets and Exists at the "
+     "front of the buffer."},
     {"release", (PyCFunction)hot_release, METH_VARARGS,
      "release(views, entries): unpin what served answers held (idempotent)."},
     {NULL, NULL, 0, NULL},

@@ -226,12 +226,13 @@ class NativeSession(Session):
                              handles.touch_ring)  # fmt: skip
 
     def _serve_hot(self) -> bool:
-        """Answer the whole Get frames at the front of the buffer in C; False if none was."""
+        """Answer the whole Get and Exists frames at the front of the buffer in C; False if
+        none was."""
         hot, t0 = self._hot, time.perf_counter()
         got = hot.serve(self.conn._reader, self._inflight_bytes, self.config.max_inflight_bytes)
         if got is None:
             return False
-        parts, views, entries, gets, out_bytes, size = got
+        parts, views, entries, gets, exists, out_bytes, size = got
         self._inflight_bytes += size
         self.bytes_out.inc(out_bytes)
 
@@ -241,12 +242,15 @@ class NativeSession(Session):
             self._wake()
 
         self.services.hot_gets += gets
-        counter, histogram = self._instruments("get", "ok")
-        counter.inc(gets)
+        self.services.hot_exists += exists
         self.channel.write(parts, done)
-        elapsed = time.perf_counter() - t0  # the batch's time, as each of its gets' latency
-        for _ in range(gets):
-            histogram.observe(elapsed)
+        elapsed = time.perf_counter() - t0  # the batch's time, as each request's latency
+        for op, count in (("get", gets), ("exists", exists)):
+            if count:
+                counter, histogram = self._instruments(op, "ok")
+                counter.inc(count)
+                for _ in range(count):
+                    histogram.observe(elapsed)
         return True
 
     def _wake(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable
+from importlib.util import find_spec
 from typing import Any
 
 import pytest
@@ -18,7 +19,11 @@ from probes import eventually, pinned, settled, small_window
 from kvoffload.client_sdk import Client
 from kvoffload.wire.native.connection import Get, Hello, NativeConnection, Role
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(find_spec("kvoffload.core._core") is None, reason="the C core is not built"),
+]
 Start = Callable[..., Any]
 MIB = 1 << 20
 KEYS = [i.to_bytes(16, "big") for i in range(1, 9)]

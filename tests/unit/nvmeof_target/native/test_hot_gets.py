@@ -16,7 +16,7 @@ from kvoffload import core
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig
 from kvoffload.nvmeof_target.tenants import Tenant
 from kvoffload.wire import fast
-from kvoffload.wire.native.connection import Get, Hello, NativeConnection, Put, Role
+from kvoffload.wire.native.connection import Exists, Get, Hello, NativeConnection, Put, Role
 from kvoffload.wire.native.frames import FRAME, MAGIC, FrameReader, _State
 
 pytestmark = pytest.mark.skipif(
@@ -74,8 +74,8 @@ def test_a_whole_get_is_answered_as_the_python_codec_answers_it(engine: Engine) 
     reader = _reader(_get(7) + _get(8, bytes(16)))
     got = hot.serve(reader, 0, 1 << 30)  # type: ignore[attr-defined]
     assert got is not None
-    parts, views, entries, gets, out_bytes, size = got
-    assert gets == 2 and out_bytes == len(VALUE) and len(entries) == 1
+    parts, views, entries, gets, exists, out_bytes, size = got
+    assert (gets, exists) == (2, 0) and out_bytes == len(VALUE) and len(entries) == 1
     assert bytes(parts[0]) == _python_answer(7, len(VALUE)) and bytes(parts[1]) == VALUE
     assert bytes(parts[2]) == _python_answer(8, None)  # a miss
     assert size == sum(len(p) for p in parts) and reader.at_boundary
@@ -85,6 +85,22 @@ def test_a_whole_get_is_answered_as_the_python_codec_answers_it(engine: Engine) 
     hot.release(views, entries)  # type: ignore[attr-defined]
     hot.release(views, entries)  # type: ignore[attr-defined]  # idempotent
     assert engine.stats().as_dict()["tiers"][0]["pinned"] == 0  # type: ignore[index]
+
+
+def test_exists_is_answered_as_the_python_codec_answers_it(engine: Engine) -> None:
+    client, server = NativeConnection(Role.CLIENT), NativeConnection(Role.SERVER)
+    frames = client.send(Hello(HELLO_ID)) + client.send(Exists(4, KEY))
+    frames += client.send(Exists(5, bytes(16)))
+    server.receive_data(frames)
+    for _ in range(3):
+        server.next_event()
+    python = [bytes(server.send_exists_result(4, True)[0]),
+              bytes(server.send_exists_result(5, False)[0])]  # fmt: skip
+    reader = _reader(frames[frames.index(b"KVNP", 4) :])
+    got = _hot(engine).serve(reader, 0, 1 << 30)  # type: ignore[attr-defined]
+    assert got is not None and got[3:5] == (0, 2) and not got[2]
+    assert [bytes(p) for p in got[0]] == python
+    assert engine.stats().as_dict()["gets"] == 0  # an exists is no get
 
 
 def test_tenant_keys_are_derived_as_the_tenant_derives_them(engine: Engine) -> None:
@@ -99,7 +115,7 @@ def _variants() -> list[bytes]:
     good = _get(5)
     head = bytearray(good[: FRAME.size])
     out = []
-    for offset, value in ((4, 2), (5, 4), (6, 1), (7, 0x80)):  # version, op, flags
+    for offset, value in ((4, 2), (5, 7), (6, 1), (7, 0x80)):  # version, op, flags
         bad = bytearray(good)
         bad[offset] = value
         out.append(bytes(bad))
