@@ -98,6 +98,7 @@ class Services:
     blocking_engine: bool = False
     hot_gets: int = 0  # gets the native front answered in C (`NativeSession.start_hot`)
     hot_exists: int = 0  # and exists requests
+    hot_lookups: int = 0  # and lookups
     shard: ShardRole | None = None
     # This process's NIXL agent, made when a client first asks for the NIXL data path.
     nixl: NixlAgent | None = None
@@ -118,6 +119,7 @@ class Services:
             "core": core.IMPLEMENTATION,
             "hot_gets": self.hot_gets,
             "hot_exists": self.hot_exists,
+            "hot_lookups": self.hot_lookups,
         }
 
 

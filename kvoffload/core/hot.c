@@ -1,10 +1,11 @@
-/* HotGets: the daemon's DRAM hit path for Get and Exists requests, in C (issue 29, the first
- * step).
+/* HotGets: the daemon's DRAM hit path for Get, Exists and Lookup requests, in C (issue 29,
+ * the first step).
  *
  * One per authenticated plain-TCP connection of a DRAM-only engine (the native session makes
  * it after Hello; nvmeof_target/native/hot.py). `serve(reader, inflight, max_inflight)` is
  * called once per wake-up while the connection has no request outstanding: it takes every
- * whole Get (and Exists, answered as Engine.contains does) frame at the front of the buffer (`FrameReader`'s bytes, in the canonical
+ * whole Get (and Exists and Lookup, answered as Engine.contains and Engine.lookup do) frame at
+ * the front of the buffer (`FrameReader`'s bytes, in the canonical
  * encoding the Python client sends), derives the tenant's engine key, looks the key up and pins
  * its entry under the engine's lock exactly as `Reads.acquire` does (the same counters, the
  * same touches), and builds each answer's header with `fast.frame_head`. It stops at the
@@ -20,6 +21,7 @@
 #define GET_MAP 23 /* {"key": bin8 of 16 bytes}: fixmap 1, fixstr 3, "key", bin8, 16, key */
 #define OP_GET 3
 #define OP_EXISTS 4 /* the same request map as a Get's; the answer carries no payload */
+#define OP_LOOKUP 8
 
 typedef struct {
     PyObject_HEAD
@@ -38,7 +40,7 @@ typedef struct {
 
 static PyObject *s_acquire, *s_release, *s_closing, *s_closed, *s_buf, *s_start, *s_end,
     *s_state, *s_head, *s_gets, *s_hits, *s_misses, *s_bytes_out, *s_copy, *s_update, *s_digest,
-    *s_length_name, *s_found_name;
+    *s_length_name, *s_found_name, *s_count_name, *s_limits, *s_max_header;
 
 static int intern_all(void) {
     struct { PyObject **at; const char *name; } names[] = {
@@ -47,7 +49,8 @@ static int intern_all(void) {
         {&s_state, "_state"}, {&s_head, "_head"}, {&s_gets, "gets"}, {&s_hits, "hits"},
         {&s_misses, "misses"}, {&s_bytes_out, "bytes_out"}, {&s_copy, "copy"},
         {&s_update, "update"}, {&s_digest, "digest"}, {&s_length_name, "length"},
-        {&s_found_name, "found"},
+        {&s_found_name, "found"}, {&s_count_name, "count"}, {&s_limits, "limits"},
+        {&s_max_header, "max_header_bytes"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if ((*names[i].at = PyUnicode_InternFromString(names[i].name)) == NULL) return -1;
@@ -102,6 +105,41 @@ static int canonical_get(const unsigned char *p, Py_ssize_t n, uint32_t *rid, in
     for (int i = 16; i < 24; i++)
         if (p[i] != 0) return 0; /* no payload */
     return memcmp(p + HEAD, map, sizeof map) == 0;
+}
+
+static uint32_t be32(const unsigned char *p) {
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | (uint32_t)p[3];
+}
+
+/* Whether p (n bytes buffered) starts with a whole Lookup frame whose map is {"keys": [...]}
+ * of bin8 16-byte keys and nothing else (`tiers` asked: Python's), within `max_header`:
+ * *keys points at the first key (the others 18 bytes apart), *count says how many. */
+static int canonical_lookup(const unsigned char *p, Py_ssize_t n, long long max_header,
+                            uint32_t *rid, uint32_t *hlen, const unsigned char **keys,
+                            uint32_t *count) {
+    static const unsigned char map[] = {0x81, 0xa4, 'k', 'e', 'y', 's'};
+    if (n < HEAD || memcmp(p, "KVNP", 4) != 0 || p[4] != 1 || p[5] != OP_LOOKUP) return 0;
+    if (p[6] != 0 || p[7] != 0) return 0;
+    for (int i = 16; i < 24; i++)
+        if (p[i] != 0) return 0; /* no payload */
+    *rid = le32(p + 8);
+    *hlen = le32(p + 12);
+    /* every length checked against what was received before anything is read */
+    if (*rid == 0 || *hlen < sizeof map + 1 || *hlen > max_header || n - HEAD < *hlen) return 0;
+    const unsigned char *m = p + HEAD, *a = m + sizeof map;
+    if (memcmp(m, map, sizeof map) != 0) return 0;
+    uint64_t c, head;
+    if ((a[0] & 0xf0) == 0x90) c = a[0] & 0x0f, head = 1;
+    else if (a[0] == 0xdc && *hlen >= sizeof map + 3) c = (uint64_t)a[1] << 8 | a[2], head = 3;
+    else if (a[0] == 0xdd && *hlen >= sizeof map + 5) c = be32(a + 1), head = 5;
+    else return 0;
+    if (sizeof map + head + 18 * c != *hlen) return 0;
+    const unsigned char *k = a + head;
+    for (uint64_t i = 0; i < c; i++)
+        if (k[18 * i] != 0xc4 || k[18 * i + 1] != 16) return 0;
+    *keys = k + 2;
+    *count = (uint32_t)c;
+    return 1;
 }
 
 /* The engine key of a client key: as Tenant.key does it. */
@@ -201,6 +239,53 @@ static int unpin_locked(HotGets *self, PyObject *entry) {
     }
     Py_DECREF(last);
     return rc;
+}
+
+/* Serve one Lookup already checked canonical (its `count` keys at `keys`), as Engine.lookup
+ * does for a DRAM-only engine: every key derived first, then the leading run counted under the
+ * lock. 1 served, 0 left to Python, -1 error. */
+static int serve_lookup(HotGets *self, const unsigned char *keys, uint32_t count, uint32_t rid,
+                        PyObject *parts, long long *answer) {
+    PyObject *engine_keys = PyList_New(count);
+    if (engine_keys == NULL) return -1;
+    for (uint32_t i = 0; i < count; i++) {
+        PyObject *client = PyBytes_FromStringAndSize((const char *)keys + 18 * (size_t)i, 16);
+        PyObject *key = client ? engine_key(self, client) : NULL;
+        Py_XDECREF(client);
+        if (key == NULL) {
+            Py_DECREF(engine_keys);
+            return -1;
+        }
+        PyList_SET_ITEM(engine_keys, i, key);
+    }
+    PyObject *r = PyObject_CallMethodNoArgs(self->lock, s_acquire);
+    if (r == NULL) {
+        Py_DECREF(engine_keys);
+        return -1;
+    }
+    Py_DECREF(r);
+    int closing = flag(self->manager, s_closing);
+    int closed = closing == 0 ? flag(self->manager, s_closed) : closing;
+    int got = closing < 0 || closed < 0 ? -1 : (closing || closed) ? 0 : 1;
+    long long found = 0;
+    for (uint32_t i = 0; got == 1 && i < count; i++) {
+        int in = PyDict_Contains(self->index->entries, PyList_GET_ITEM(engine_keys, i));
+        if (in < 0) got = -1;
+        if (in <= 0) break;
+        found++;
+    }
+    Py_DECREF(engine_keys);
+    r = PyObject_CallMethodNoArgs(self->lock, s_release);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    if (got <= 0) return got;
+    PyObject *header =
+        PyObject_CallFunction(self->frame_head, "iIOLi", OP_LOOKUP, rid, s_count_name, found, 0);
+    if (header == NULL) return -1;
+    int rc = PyList_Append(parts, header);
+    *answer += PyBytes_GET_SIZE(header);
+    Py_DECREF(header);
+    return rc < 0 ? -1 : 1;
 }
 
 /* Serve one Exists already checked canonical at p, as Engine.contains does for a DRAM-only
@@ -313,36 +398,53 @@ static PyObject *hot_serve(HotGets *self, PyObject *args) {
         Py_DECREF(buf);
         return NULL;
     }
+    PyObject *limits = PyObject_GetAttr(reader, s_limits);
+    long long max_header = limits ? long_attr(limits, s_max_header) : -1;
+    Py_XDECREF(limits);
+    if (PyErr_Occurred()) {
+        Py_DECREF(buf);
+        return NULL;
+    }
     PyObject *parts = PyList_New(0), *views = PyList_New(0), *entries = PyList_New(0);
-    long long out_bytes = 0, answer = 0, served = 0, exists = 0;
-    uint32_t rid = 0, last_rid = 0;
+    long long out_bytes = 0, answer = 0, served = 0, counts[3] = {0, 0, 0};
+    uint32_t rid = 0, last_rid = 0, hlen = 0, last_hlen = 0, nkeys = 0;
     int op = 0, last_op = 0;
+    const unsigned char *keys = NULL;
     int rc = parts && views && entries ? 1 : -1;
     while (rc == 1 && inflight + answer < max_inflight) {
-        /* Re-read the base each time: nothing here resizes the buffer, but cheap to be sure. */
+        /* Nothing resizes the buffer while this runs (only this connection's reader does, on
+         * this thread); the bounds are checked all the same. */
+        if (start > end || end > PyByteArray_GET_SIZE(buf)) break;
         const unsigned char *p = (const unsigned char *)PyByteArray_AS_STRING(buf) + start;
-        if (start > PyByteArray_GET_SIZE(buf) || end > PyByteArray_GET_SIZE(buf) ||
-            !canonical_get(p, (Py_ssize_t)(end - start), &rid, &op))
+        Py_ssize_t n = (Py_ssize_t)(end - start);
+        if (canonical_get(p, n, &rid, &op)) {
+            unsigned char frame[HEAD + GET_MAP];
+            memcpy(frame, p, sizeof frame); /* calls below run other code: work on a copy */
+            hlen = GET_MAP;
+            if (op == OP_EXISTS)
+                rc = serve_exists(self, frame, rid, parts, &answer);
+            else
+                rc = serve_one(self, frame, rid, parts, views, entries, &out_bytes, &answer);
+        } else if (canonical_lookup(p, n, max_header, &rid, &hlen, &keys, &nkeys)) {
+            op = OP_LOOKUP; /* serve_lookup copies the keys before it calls anything */
+            rc = serve_lookup(self, keys, nkeys, rid, parts, &answer);
+        } else {
             break;
-        unsigned char frame[HEAD + GET_MAP];
-        memcpy(frame, p, sizeof frame); /* calls below run other code: work on a copy */
-        if (op == OP_EXISTS)
-            rc = serve_exists(self, frame, rid, parts, &answer);
-        else
-            rc = serve_one(self, frame, rid, parts, views, entries, &out_bytes, &answer);
+        }
         if (rc == 1) {
-            start += HEAD + GET_MAP;
+            start += HEAD + hlen;
             served++;
-            exists += op == OP_EXISTS;
+            counts[op == OP_GET ? 0 : op == OP_EXISTS ? 1 : 2]++;
             last_rid = rid;
             last_op = op;
+            last_hlen = hlen;
         }
     }
     Py_DECREF(buf);
     PyObject *result = NULL;
     if (served) { /* move the reader past what was served, even if a later frame failed */
         PyObject *at = PyLong_FromLongLong(start);
-        PyObject *head = Py_BuildValue("(iiIii)", last_op, 0, last_rid, GET_MAP, 0);
+        PyObject *head = Py_BuildValue("(iiIIi)", last_op, 0, last_rid, last_hlen, 0);
         if (at == NULL || head == NULL || PyObject_SetAttr(reader, s_start, at) < 0 ||
             PyObject_SetAttr(reader, s_head, head) < 0)
             rc = -1;
@@ -350,8 +452,8 @@ static PyObject *hot_serve(HotGets *self, PyObject *args) {
         Py_XDECREF(head);
     }
     if (rc >= 0 && served)
-        result = Py_BuildValue("(OOOLLLL)", parts, views, entries, served - exists, exists,
-                               out_bytes, answer);
+        result = Py_BuildValue("(OOO(LLL)LL)", parts, views, entries, counts[0], counts[1],
+                               counts[2], out_bytes, answer);
     else if (rc >= 0)
         result = Py_NewRef(Py_None);
     if (result == NULL && entries != NULL && served) {
@@ -463,9 +565,9 @@ static void hot_dealloc(HotGets *self) {
 
 static PyMethodDef hot_methods[] = {
     {"serve", (PyCFunction)hot_serve, METH_VARARGS,
-     "serve(reader, inflight, max_inflight) -> (parts, views, entries, gets, exists, "
-     "bytes_out, answer_bytes) or None: answer the whole canonical Gets and Exists at the "
-     "front of the buffer."},
+     "serve(reader, inflight, max_inflight) -> (parts, views, entries, (gets, exists, "
+     "lookups), bytes_out, answer_bytes) or None: answer the whole canonical Gets, Exists and "
+     "Lookups at the front of the buffer."},
     {"release", (PyCFunction)hot_release, METH_VARARGS,
      "release(views, entries): unpin what served answers held (idempotent)."},
     {NULL, NULL, 0, NULL},

@@ -226,13 +226,13 @@ class NativeSession(Session):
                              handles.touch_ring)  # fmt: skip
 
     def _serve_hot(self) -> bool:
-        """Answer the whole Get and Exists frames at the front of the buffer in C; False if
-        none was."""
+        """Answer the whole Get, Exists and Lookup frames at the front of the buffer in C;
+        False if none was."""
         hot, t0 = self._hot, time.perf_counter()
         got = hot.serve(self.conn._reader, self._inflight_bytes, self.config.max_inflight_bytes)
         if got is None:
             return False
-        parts, views, entries, gets, exists, out_bytes, size = got
+        parts, views, entries, (gets, exists, lookups), out_bytes, size = got
         self._inflight_bytes += size
         self.bytes_out.inc(out_bytes)
 
@@ -243,9 +243,10 @@ class NativeSession(Session):
 
         self.services.hot_gets += gets
         self.services.hot_exists += exists
+        self.services.hot_lookups += lookups
         self.channel.write(parts, done)
         elapsed = time.perf_counter() - t0  # the batch's time, as each request's latency
-        for op, count in (("get", gets), ("exists", exists)):
+        for op, count in (("get", gets), ("exists", exists), ("lookup", lookups)):
             if count:
                 counter, histogram = self._instruments(op, "ok")
                 counter.inc(count)

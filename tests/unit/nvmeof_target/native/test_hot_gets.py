@@ -16,7 +16,17 @@ from kvoffload import core
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig
 from kvoffload.nvmeof_target.tenants import Tenant
 from kvoffload.wire import fast
-from kvoffload.wire.native.connection import Exists, Get, Hello, NativeConnection, Put, Role
+from kvoffload.wire.native.connection import (
+    Exists,
+    Get,
+    Hello,
+    Limits,
+    Lookup,
+    LookupResult,
+    NativeConnection,
+    Put,
+    Role,
+)
 from kvoffload.wire.native.frames import FRAME, MAGIC, FrameReader, _State
 
 pytestmark = pytest.mark.skipif(
@@ -74,8 +84,8 @@ def test_a_whole_get_is_answered_as_the_python_codec_answers_it(engine: Engine) 
     reader = _reader(_get(7) + _get(8, bytes(16)))
     got = hot.serve(reader, 0, 1 << 30)  # type: ignore[attr-defined]
     assert got is not None
-    parts, views, entries, gets, exists, out_bytes, size = got
-    assert (gets, exists) == (2, 0) and out_bytes == len(VALUE) and len(entries) == 1
+    parts, views, entries, counts, out_bytes, size = got
+    assert counts == (2, 0, 0) and out_bytes == len(VALUE) and len(entries) == 1
     assert bytes(parts[0]) == _python_answer(7, len(VALUE)) and bytes(parts[1]) == VALUE
     assert bytes(parts[2]) == _python_answer(8, None)  # a miss
     assert size == sum(len(p) for p in parts) and reader.at_boundary
@@ -98,9 +108,41 @@ def test_exists_is_answered_as_the_python_codec_answers_it(engine: Engine) -> No
               bytes(server.send_exists_result(5, False)[0])]  # fmt: skip
     reader = _reader(frames[frames.index(b"KVNP", 4) :])
     got = _hot(engine).serve(reader, 0, 1 << 30)  # type: ignore[attr-defined]
-    assert got is not None and got[3:5] == (0, 2) and not got[2]
+    assert got is not None and got[3] == (0, 2, 0) and not got[2]
     assert [bytes(p) for p in got[0]] == python
     assert engine.stats().as_dict()["gets"] == 0  # an exists is no get
+
+
+@pytest.mark.parametrize("count", [0, 1, 3, 20, 70_000])
+def test_lookup_is_answered_as_the_python_codec_answers_it(engine: Engine, count: int) -> None:
+    keys = [KEY if i % 7 else bytes(16) for i in range(count)]  # a miss at 0: then count 0
+    keys = [KEY] * (count // 2) + keys[count // 2 :]
+    client = NativeConnection(Role.CLIENT)
+    client.send(Hello(HELLO_ID))
+    frame = client.send(Lookup(6, tuple(keys)))
+    expected = next((i for i, k in enumerate(keys) if k != KEY), len(keys))
+    server = NativeConnection(Role.SERVER)
+    server.receive_data(NativeConnection(Role.CLIENT).send(Hello(HELLO_ID)))
+    server.next_event()
+    server.receive_data(frame)
+    server.next_event()
+    python = b"".join(bytes(p) for p in server.send_parts(LookupResult(6, expected)))
+    got = _hot(engine).serve(_reader(frame), 0, 1 << 30)  # type: ignore[attr-defined]
+    assert got is not None and got[3] == (0, 0, 1) and bytes(got[0][0]) == python
+
+
+def test_a_lookup_asking_for_tiers_or_over_the_header_limit_is_python_s(engine: Engine) -> None:
+    client = NativeConnection(Role.CLIENT)
+    client.send(Hello(HELLO_ID))
+    hot = _hot(engine)
+    tiers = _reader(client.send(Lookup(6, (KEY,), tiers=True)))
+    assert hot.serve(tiers, 0, 1 << 30) is None  # type: ignore[attr-defined]
+    big = client.send(Lookup(7, (KEY,) * 10))
+    reader = FrameReader(Limits(max_header_bytes=100))  # the 10 keys' map is 189 bytes
+    reader.receive_data(big)
+    assert hot.serve(reader, 0, 1 << 30) is None  # type: ignore[attr-defined]
+    reader = _reader(big[:-1])  # not whole yet
+    assert hot.serve(reader, 0, 1 << 30) is None  # type: ignore[attr-defined]
 
 
 def test_tenant_keys_are_derived_as_the_tenant_derives_them(engine: Engine) -> None:
@@ -144,7 +186,7 @@ def test_it_stops_at_the_first_frame_it_does_not_take(engine: Engine) -> None:
     put = client.send(Put(9, KEY, 3), [b"abc"])
     reader = _reader(_get(1) + _get(2) + put + _get(3))
     got = _hot(engine).serve(reader, 0, 1 << 30)  # type: ignore[attr-defined]
-    assert got is not None and got[3] == 2
+    assert got is not None and got[3] == (2, 0, 0)
     assert bytes(reader._buf[reader._start : reader._end]) == put + _get(3)
 
 
@@ -153,7 +195,7 @@ def test_flow_control_and_a_closing_engine_leave_gets_to_python(engine: Engine) 
     reader = _reader(_get(1) + _get(2))
     assert hot.serve(reader, 10, 10) is None  # type: ignore[attr-defined]
     got = hot.serve(reader, 0, 1)  # type: ignore[attr-defined]  # the first answer crosses it
-    assert got is not None and got[3] == 1
+    assert got is not None and got[3] == (1, 0, 0)
     hot.release(got[1], got[2])  # type: ignore[attr-defined]
     engine.close()
     assert hot.serve(reader, 0, 1 << 30) is None  # type: ignore[attr-defined]
