@@ -32,7 +32,7 @@ class HotGets:
         touch_ring: int,
     ) -> None: ...
     def serve(
-        self, reader: object, inflight: int, max_inflight: int, /
+        self, reader: object, inflight: int, max_inflight: int, most: int, /
     ) -> (
         tuple[list[object], list[memoryview], list[object], tuple[int, int, int], int, int] | None
     ): ...

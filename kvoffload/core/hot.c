@@ -2,13 +2,14 @@
  * the first step).
  *
  * One per authenticated plain-TCP connection of a DRAM-only engine (the native session makes
- * it after Hello; nvmeof_target/native/hot.py). `serve(reader, inflight, max_inflight)` is
- * called once per wake-up while the connection has no request outstanding: it takes every
- * whole Get (and Exists and Lookup, answered as Engine.contains and Engine.lookup do) frame at
- * the front of the buffer (`FrameReader`'s bytes, in the canonical
- * encoding the Python client sends), derives the tenant's engine key, looks the key up and pins
- * its entry under the engine's lock exactly as `Reads.acquire` does (the same counters, the
- * same touches), and builds each answer's header with `fast.frame_head`. It stops at the
+ * it after Hello; NativeSession.start_hot). `serve(reader, inflight, max_inflight, most)` is
+ * called once per wake-up while the connection has no request outstanding. It takes the whole
+ * Get, Exists and Lookup frames at the front of the buffer (`FrameReader`'s bytes, in the
+ * canonical encoding the Python client sends), at most `most` of them (what is left of the
+ * connection's turn of the loop: a pipelining peer still yields to the others), derives the
+ * tenant's engine keys, and answers each under the engine's lock exactly as `Reads.acquire`,
+ * `Engine.contains` and `Engine.lookup` do (the same counters, the same touches and pins),
+ * building each answer's header with `fast.frame_head`. It stops at the
  * first frame it does not take whole (any other request, a non-canonical or bad frame, an
  * engine closing), which the Python session then reads and answers as always: the answers
  * leave in request order. `release(views, entries)` unpins once the kernel took the bytes.
@@ -380,8 +381,9 @@ static int serve_one(HotGets *self, const unsigned char *p, uint32_t rid, PyObje
 
 static PyObject *hot_serve(HotGets *self, PyObject *args) {
     PyObject *reader;
-    long long inflight, max_inflight;
-    if (!PyArg_ParseTuple(args, "OLL:serve", &reader, &inflight, &max_inflight)) return NULL;
+    long long inflight, max_inflight, most;
+    if (!PyArg_ParseTuple(args, "OLLL:serve", &reader, &inflight, &max_inflight, &most))
+        return NULL;
     PyObject *state = PyObject_GetAttr(reader, s_state);
     if (state == NULL) return NULL;
     Py_DECREF(state);
@@ -411,7 +413,7 @@ static PyObject *hot_serve(HotGets *self, PyObject *args) {
     int op = 0, last_op = 0;
     const unsigned char *keys = NULL;
     int rc = parts && views && entries ? 1 : -1;
-    while (rc == 1 && inflight + answer < max_inflight) {
+    while (rc == 1 && served < most && inflight + answer < max_inflight) {
         /* Nothing resizes the buffer while this runs (only this connection's reader does, on
          * this thread); the bounds are checked all the same. */
         if (start > end || end > PyByteArray_GET_SIZE(buf)) break;
@@ -565,7 +567,7 @@ static void hot_dealloc(HotGets *self) {
 
 static PyMethodDef hot_methods[] = {
     {"serve", (PyCFunction)hot_serve, METH_VARARGS,
-     "serve(reader, inflight, max_inflight) -> (parts, views, entries, (gets, exists, "
+     "serve(reader, inflight, max_inflight, most) -> (parts, views, entries, (gets, exists, "
      "lookups), bytes_out, answer_bytes) or None: answer the whole canonical Gets, Exists and "
      "Lookups at the front of the buffer."},
     {"release", (PyCFunction)hot_release, METH_VARARGS,

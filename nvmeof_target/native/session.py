@@ -175,8 +175,11 @@ class NativeSession(Session):
                 continue
             # Whole Get frames at the front answered in C (only with nothing outstanding, so
             # answers keep request order); then the flow control again before the next frame.
-            if self._hot is not None and not conn.pending and self._serve_hot():
-                continue
+            if self._hot is not None and not conn.pending:
+                served = self._serve_hot(max(1, self._turn_left()))
+                if served:
+                    await self._next_step(served)  # each counts: a pipeliner still yields
+                    continue
             event = conn.next_event()
             if event is NEED_DATA:
                 return True
@@ -225,13 +228,14 @@ class NativeSession(Session):
                              self.me.hasher, fast.frame_head, _State.HEAD,
                              handles.touch_ring)  # fmt: skip
 
-    def _serve_hot(self) -> bool:
-        """Answer the whole Get, Exists and Lookup frames at the front of the buffer in C;
-        False if none was."""
+    def _serve_hot(self, most: int) -> int:
+        """Answer up to `most` whole Get, Exists and Lookup frames at the front of the buffer in
+        C; how many it answered."""
         hot, t0 = self._hot, time.perf_counter()
-        got = hot.serve(self.conn._reader, self._inflight_bytes, self.config.max_inflight_bytes)
+        reader, limit = self.conn._reader, self.config.max_inflight_bytes
+        got = hot.serve(reader, self._inflight_bytes, limit, most)
         if got is None:
-            return False
+            return 0
         parts, views, entries, (gets, exists, lookups), out_bytes, size = got
         self._inflight_bytes += size
         self.bytes_out.inc(out_bytes)
@@ -252,7 +256,7 @@ class NativeSession(Session):
                 counter.inc(count)
                 for _ in range(count):
                     histogram.observe(elapsed)
-        return True
+        return gets + exists + lookups
 
     def _wake(self) -> None:
         if (  # room again (as `_drain_events` checks it); inline: this runs twice per answer

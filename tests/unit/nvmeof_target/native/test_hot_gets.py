@@ -82,7 +82,7 @@ def _python_answer(rid: int, length: int | None) -> bytes:
 def test_a_whole_get_is_answered_as_the_python_codec_answers_it(engine: Engine) -> None:
     hot = _hot(engine)
     reader = _reader(_get(7) + _get(8, bytes(16)))
-    got = hot.serve(reader, 0, 1 << 30)  # type: ignore[attr-defined]
+    got = hot.serve(reader, 0, 1 << 30, 1 << 30)  # type: ignore[attr-defined]
     assert got is not None
     parts, views, entries, counts, out_bytes, size = got
     assert counts == (2, 0, 0) and out_bytes == len(VALUE) and len(entries) == 1
@@ -107,7 +107,7 @@ def test_exists_is_answered_as_the_python_codec_answers_it(engine: Engine) -> No
     python = [bytes(server.send_exists_result(4, True)[0]),
               bytes(server.send_exists_result(5, False)[0])]  # fmt: skip
     reader = _reader(frames[frames.index(b"KVNP", 4) :])
-    got = _hot(engine).serve(reader, 0, 1 << 30)  # type: ignore[attr-defined]
+    got = _hot(engine).serve(reader, 0, 1 << 30, 1 << 30)  # type: ignore[attr-defined]
     assert got is not None and got[3] == (0, 2, 0) and not got[2]
     assert [bytes(p) for p in got[0]] == python
     assert engine.stats().as_dict()["gets"] == 0  # an exists is no get
@@ -127,7 +127,7 @@ def test_lookup_is_answered_as_the_python_codec_answers_it(engine: Engine, count
     server.receive_data(frame)
     server.next_event()
     python = b"".join(bytes(p) for p in server.send_parts(LookupResult(6, expected)))
-    got = _hot(engine).serve(_reader(frame), 0, 1 << 30)  # type: ignore[attr-defined]
+    got = _hot(engine).serve(_reader(frame), 0, 1 << 30, 1 << 30)  # type: ignore[attr-defined]
     assert got is not None and got[3] == (0, 0, 1) and bytes(got[0][0]) == python
 
 
@@ -136,19 +136,19 @@ def test_a_lookup_asking_for_tiers_or_over_the_header_limit_is_python_s(engine: 
     client.send(Hello(HELLO_ID))
     hot = _hot(engine)
     tiers = _reader(client.send(Lookup(6, (KEY,), tiers=True)))
-    assert hot.serve(tiers, 0, 1 << 30) is None  # type: ignore[attr-defined]
+    assert hot.serve(tiers, 0, 1 << 30, 1 << 30) is None  # type: ignore[attr-defined]
     big = client.send(Lookup(7, (KEY,) * 10))
     reader = FrameReader(Limits(max_header_bytes=100))  # the 10 keys' map is 189 bytes
     reader.receive_data(big)
-    assert hot.serve(reader, 0, 1 << 30) is None  # type: ignore[attr-defined]
+    assert hot.serve(reader, 0, 1 << 30, 1 << 30) is None  # type: ignore[attr-defined]
     reader = _reader(big[:-1])  # not whole yet
-    assert hot.serve(reader, 0, 1 << 30) is None  # type: ignore[attr-defined]
+    assert hot.serve(reader, 0, 1 << 30, 1 << 30) is None  # type: ignore[attr-defined]
 
 
 def test_tenant_keys_are_derived_as_the_tenant_derives_them(engine: Engine) -> None:
     alice = Tenant.named("alice")
     engine.put(alice.key(bytes(16)), b"alice's")
-    got = _hot(engine, alice).serve(_reader(_get(3, bytes(16))), 0, 1 << 30)  # type: ignore[attr-defined]
+    got = _hot(engine, alice).serve(_reader(_get(3, bytes(16))), 0, 1 << 30, 1 << 30)  # type: ignore[attr-defined]
     assert got is not None and bytes(got[0][1]) == b"alice's"
 
 
@@ -176,7 +176,7 @@ def _variants() -> list[bytes]:
 @pytest.mark.parametrize("data", _variants(), ids=lambda d: d[:8].hex())
 def test_anything_else_is_left_untouched(engine: Engine, data: bytes) -> None:
     reader = _reader(data)
-    assert _hot(engine).serve(reader, 0, 1 << 30) is None  # type: ignore[attr-defined]
+    assert _hot(engine).serve(reader, 0, 1 << 30, 1 << 30) is None  # type: ignore[attr-defined]
     assert reader._start == 0 and engine.stats().as_dict()["gets"] == 0
 
 
@@ -185,20 +185,27 @@ def test_it_stops_at_the_first_frame_it_does_not_take(engine: Engine) -> None:
     client.send(Hello(HELLO_ID))
     put = client.send(Put(9, KEY, 3), [b"abc"])
     reader = _reader(_get(1) + _get(2) + put + _get(3))
-    got = _hot(engine).serve(reader, 0, 1 << 30)  # type: ignore[attr-defined]
+    got = _hot(engine).serve(reader, 0, 1 << 30, 1 << 30)  # type: ignore[attr-defined]
     assert got is not None and got[3] == (2, 0, 0)
     assert bytes(reader._buf[reader._start : reader._end]) == put + _get(3)
+
+
+def test_it_takes_no_more_than_the_turn_allows(engine: Engine) -> None:
+    reader = _reader(_get(1) + _get(2) + _get(3))
+    got = _hot(engine).serve(reader, 0, 1 << 30, 2)  # type: ignore[attr-defined]
+    assert got is not None and got[3] == (2, 0, 0)
+    assert bytes(reader._buf[reader._start : reader._end]) == _get(3)
 
 
 def test_flow_control_and_a_closing_engine_leave_gets_to_python(engine: Engine) -> None:
     hot = _hot(engine)
     reader = _reader(_get(1) + _get(2))
-    assert hot.serve(reader, 10, 10) is None  # type: ignore[attr-defined]
-    got = hot.serve(reader, 0, 1)  # type: ignore[attr-defined]  # the first answer crosses it
+    assert hot.serve(reader, 10, 10, 9) is None  # type: ignore[attr-defined]
+    got = hot.serve(reader, 0, 1, 9)  # type: ignore[attr-defined]  # the first answer crosses it
     assert got is not None and got[3] == (1, 0, 0)
     hot.release(got[1], got[2])  # type: ignore[attr-defined]
     engine.close()
-    assert hot.serve(reader, 0, 1 << 30) is None  # type: ignore[attr-defined]
+    assert hot.serve(reader, 0, 1 << 30, 1 << 30) is None  # type: ignore[attr-defined]
 
 
 @given(st.binary(max_size=200))
@@ -206,7 +213,7 @@ def test_random_bytes_are_never_taken_for_gets(data: bytes) -> None:
     engine = Engine(EngineConfig(dram=DramConfig(capacity_bytes=1 << 20, prefault=False)))
     try:
         reader = _reader(data)
-        got = _hot(engine).serve(reader, 0, 1 << 30)  # type: ignore[attr-defined]
+        got = _hot(engine).serve(reader, 0, 1 << 30, 1 << 30)  # type: ignore[attr-defined]
         taken = reader._start
         assert got is None or data[:taken] == b"".join(
             data[i : i + 47] for i in range(0, taken, 47)
