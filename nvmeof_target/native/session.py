@@ -248,14 +248,19 @@ class NativeSession(Session):
         self.services.hot_gets += gets
         self.services.hot_exists += exists
         self.services.hot_lookups += lookups
-        self.channel.write(parts, done)
-        elapsed = time.perf_counter() - t0  # the batch's time, as each request's latency
+        # Counted before the write, as `_answer` does: a client that scrapes the metrics once
+        # it has its answer must find its request there.
+        histograms = []
         for op, count in (("get", gets), ("exists", exists), ("lookup", lookups)):
             if count:
                 counter, histogram = self._instruments(op, "ok")
                 counter.inc(count)
-                for _ in range(count):
-                    histogram.observe(elapsed)
+                histograms.append((histogram, count))
+        self.channel.write(parts, done)
+        elapsed = time.perf_counter() - t0  # the batch's time, as each request's latency
+        for histogram, count in histograms:
+            for _ in range(count):
+                histogram.observe(elapsed)
         return gets + exists + lookups
 
     def _wake(self) -> None:
