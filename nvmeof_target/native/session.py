@@ -261,7 +261,7 @@ class NativeSession(Session):
         for histogram, count in histograms:
             for _ in range(count):
                 histogram.observe(elapsed)
-        return gets + exists + lookups
+        return int(gets + exists + lookups)
 
     def _wake(self) -> None:
         if (  # room again (as `_drain_events` checks it); inline: this runs twice per answer
