@@ -40,7 +40,18 @@ SPEEDUPS = Extension(
     optional=True,
 )
 
-EXTENSIONS = [SPEEDUPS]
+# The daemon's C core (kvoffload/core/__init__.py falls back to Python without it): optional
+# the same way.
+CORE = Extension(
+    "kvoffload.core._core",
+    sources=["kvoffload/core/_core.c", "kvoffload/core/index.c", "kvoffload/core/hot.c"],
+    depends=["kvoffload/core/core.h"],
+    extra_compile_args=["-O2", "-std=c11"],
+    optional=True,
+)
+
+
+EXTENSIONS = [SPEEDUPS, CORE]
 
 # KVOFFLOAD_SANITIZE=1: every extension with AddressSanitizer + UBSan, for the sanitized fuzz run
 # (tests/reliability/sanitized.sh); one loop, so an extension added above gets it too. Not

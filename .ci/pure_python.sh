@@ -37,5 +37,8 @@ exec .venv/bin/python -m pytest -p no:cacheprovider -q \
     tests/integration/test_kv_events_workers.py tests/integration/test_tiering_scale.py \
     tests/integration/test_nvme.py tests/integration/test_nvme_bad_input.py \
     tests/integration/test_nvme_interop.py tests/integration/test_nixl_trust.py \
+    tests/unit/kvstore/test_engine.py tests/unit/kvstore/test_engine_batch.py \
+    tests/integration/test_hotpath.py tests/integration/test_hotpath_differential.py \
+    tests/integration/test_native_one_call.py \
     "${nixl[@]/#/tests/integration/test_nixl.py::}" \
     "${differential[@]}"

@@ -13,7 +13,9 @@ import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import cast
 
+from kvoffload.core import dram_index_type
 from kvoffload.errors import CapacityError, ConfigError, KVOffloadError
 from kvoffload.kvstore.arena import AlignedBuffer, Arena
 from kvoffload.kvstore.config import PAGE, DramConfig
@@ -21,7 +23,7 @@ from kvoffload.kvstore.eviction import Rank, make_policy
 from kvoffload.kvstore.extents import ExtentAllocator
 from kvoffload.kvstore.tier import TierStats
 
-__all__ = ["TOUCH_RING", "DramEntry", "DramIndex", "DramTier"]
+__all__ = ["TOUCH_RING", "DramEntry", "DramIndex", "DramTier", "new_index"]
 
 # Hits queued in the index's touch ring before the tier hands them to the eviction policy
 # (it does so sooner whenever the policy is asked anything).
@@ -60,9 +62,12 @@ class DramIndex:
 
     The hot path of a get needs only this narrow interface: `lookup`, `pin`, `unpin`, and on
     the write side `insert` and `remove`; the eviction policy learns of hits from the ordered
-    ring of touched entries (`drain_touches`), not on the get's own path. That is the seam a
-    C index can take over (read by a C hot path from other threads); this is the Python
-    reference. Every method expects the engine's lock held.
+    ring of touched entries (`drain_touches`), not on the get's own path. That is the seam the
+    C index (`kvoffload.core._core.DramIndex`, `new_index`) takes over; this is the Python
+    reference, which defines what is right.
+
+    Concurrency: every method expects the engine's lock held, both forms, and runs under the
+    GIL from start to end (the C one never releases it), so the lock alone orders the changes.
     """
 
     __slots__ = ("_entries", "_touched", "lookup", "pinned", "tick")
@@ -142,6 +147,13 @@ class DramIndex:
         self._touched = []
 
 
+def new_index() -> DramIndex:
+    """The C index when the C core is in use (`kvoffload.core`), else the Python reference."""
+    index_type = dram_index_type()
+    # The C twin has DramIndex's interface exactly (tests/unit/kvstore/test_dram_index.py).
+    return DramIndex() if index_type is None else cast(DramIndex, index_type())
+
+
 class DramTier:
     """The arena, its extent allocator, the index, the DRAM eviction policy and per-tenant
     recency (a `kvstore.tier.Tier`).
@@ -155,7 +167,7 @@ class DramTier:
 
     def __init__(self, config: DramConfig) -> None:
         self.alloc = ExtentAllocator(config.capacity_bytes)
-        self.index = DramIndex()
+        self.index = new_index()
         self._policy = make_policy(config.policy)
         self.pinned = self.index.pinned
         # Per-tenant recency, to evict a tenant's own coldest blocks when it hits its quota.

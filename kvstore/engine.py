@@ -34,7 +34,7 @@ from kvoffload.kvstore.described import DescribedBlock, DescribedTable, Listing,
 from kvoffload.kvstore.dram import DramEntry, DramTier
 from kvoffload.kvstore.manager import EngineStats, Manager, TierListener
 from kvoffload.kvstore.mover import Mover
-from kvoffload.kvstore.reads import Reads
+from kvoffload.kvstore.reads import HotHandles, Reads
 from kvoffload.kvstore.ssd.recovery import Recovery
 from kvoffload.kvstore.ssd.store import META_NAME
 from kvoffload.kvstore.ssd.tier import SsdTier
@@ -47,6 +47,7 @@ __all__ = [
     "TierListener",
     "BlockView",
     "DescribedBlock",
+    "HotHandles",
     "DescribedTable",
     "Engine",
     "EngineStats",
@@ -516,6 +517,11 @@ class Engine:
                 return None
             data = self._dram.value(entry).toreadonly()
         return BlockView(self._m, entry, data)
+
+    def hot_handles(self) -> HotHandles | None:
+        """What the daemon's C get path needs to serve DRAM hits as `get` does; None when it
+        cannot (see `Reads.hot_handles`)."""
+        return self._reads.hot_handles()
 
     def contains(self, key: bytes) -> bool:
         """Whether any tier holds `key`."""

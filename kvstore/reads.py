@@ -17,12 +17,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from queue import SimpleQueue
 
+from kvoffload.core import dram_index_type
 from kvoffload.errors import KVOffloadError
 from kvoffload.kvstore.dram import TOUCH_RING, DramEntry
 from kvoffload.kvstore.manager import Manager
 from kvoffload.kvstore.mover import Mover, ReadPlan
 
-__all__ = ["Reads", "side_buffers"]
+__all__ = ["HotHandles", "Reads", "side_buffers"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,23 @@ class _Batch:
     )
 
 
+@dataclass(frozen=True)
+class HotHandles:
+    """What a get served in C (`kvoffload.core._core.HotGets`) touches to do exactly what
+    `Reads.acquire` and `Manager.unpin` do for a DRAM-only engine: the lock, the C index, the
+    counters, the manager's `closing`/`closed` flags, the tier's touch hand-off and slot
+    release, and the arena the answers are sliced from."""
+
+    lock: object
+    index: object
+    counters: dict[str, int]
+    manager: Manager
+    apply_touches: Callable[[], None]
+    free: Callable[[DramEntry], None]
+    arena: memoryview
+    touch_ring: int
+
+
 class Reads:
     """Gets and prefetches over the manager's books and the mover's I/O."""
 
@@ -59,6 +77,19 @@ class Reads:
         self._index = manager.index
         self._dram = manager.dram
         self._queued: set[bytes] = set()  # prefetches submitted, not finished
+
+    def hot_handles(self) -> HotHandles | None:
+        """The handles a C get path needs, when it can do what `acquire` does: the C index in
+        use, DRAM the only tier (a miss is a miss: nothing to read back), no admission sketch
+        to feed. None otherwise (gets stay on this path)."""
+        m, index_type = self._m, dram_index_type()
+        if index_type is None or not isinstance(self._index, index_type):
+            return None
+        if m.lower or m.sketch is not None:
+            return None
+        dram = self._dram
+        return HotHandles(self._lock, self._index, self._n, m, dram.apply_touches, dram.free,
+                          dram.arena.view, TOUCH_RING)  # fmt: skip
 
     def acquire(self, key: bytes, fetched: DramEntry | None = None) -> DramEntry | None:
         """Pin and return the DRAM entry of `key`, reading it back up from a tier below if

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from kvoffload import __version__
+from kvoffload import __version__, core
 from kvoffload.errors import WrongShardError
 from kvoffload.kvstore import Engine
 from kvoffload.nvmeof_target.config import Config
@@ -96,6 +96,9 @@ class Services:
     # True when engine calls that move blocks may wait on a device (SSD tier): fronts run
     # reads, reservations (which may evict to the SSD), commits and deletes in `executor`.
     blocking_engine: bool = False
+    hot_gets: int = 0  # gets the native front answered in C (`NativeSession.start_hot`)
+    hot_exists: int = 0  # and exists requests
+    hot_lookups: int = 0  # and lookups
     shard: ShardRole | None = None
     # This process's NIXL agent, made when a client first asks for the NIXL data path.
     nixl: NixlAgent | None = None
@@ -109,7 +112,15 @@ class Services:
         self.answer_pins = PinBudget(int(self.config.dram.capacity_bytes * share))
 
     def server_info(self) -> dict[str, object]:
-        return {"version": __version__, "uptime_s": round(time.monotonic() - self.started, 3)}
+        return {
+            "version": __version__,
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            # "c" or "python" (KVOFFLOAD_PURE_PYTHON=1): which core this daemon runs
+            "core": core.IMPLEMENTATION,
+            "hot_gets": self.hot_gets,
+            "hot_exists": self.hot_exists,
+            "hot_lookups": self.hot_lookups,
+        }
 
 
 class Front(Protocol):

@@ -241,15 +241,21 @@ class Session:
     def _wake(self) -> None:
         """Something finished: flow control may let the reader go on (subclasses decide)."""
 
-    async def _next_step(self) -> None:
-        """Count one request or read; after `TURN_STEPS` of them in one turn of the loop (no
-        read found the socket empty meanwhile: the peer keeps sending) the reader lets the loop
-        serve the other connections' ready requests before it goes on. A request/reply client
-        drains its socket and waits each time, so it is never made to yield mid-request."""
+    def _turn_left(self) -> int:
+        """Requests this connection may still take in this turn of the loop (`_next_step`)."""
         if self.channel.waits != self._waits:  # the loop went round while it waited for data
             self._waits = self.channel.waits
             self._steps = 0
-        self._steps += 1
+        return TURN_STEPS - self._steps
+
+    async def _next_step(self, count: int = 1) -> None:
+        """Count `count` requests or reads; after `TURN_STEPS` of them in one turn of the loop
+        (no read found the socket empty meanwhile: the peer keeps sending) the reader lets the
+        loop serve the other connections' ready requests before it goes on. A request/reply
+        client drains its socket and waits each time, so it is never made to yield
+        mid-request."""
+        self._turn_left()
+        self._steps += count
         if self._steps >= TURN_STEPS:
             self._steps = 0
             await asyncio.sleep(0)

@@ -55,6 +55,12 @@ class Tenant:
         digest: bytes = hasher.digest(length=16)
         return digest
 
+    @property
+    def hasher(self) -> blake3 | None:
+        """The keyed hasher `key` copies (None: keys pass unchanged), for a C key derivation
+        that must give the same keys (`kvoffload/core/hot.c`)."""
+        return self._prefix
+
     def keys(self, keys: Sequence[bytes]) -> list[bytes]:
         return [self.key(k) for k in keys] if self._prefix is not None else list(keys)
 

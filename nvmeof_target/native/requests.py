@@ -119,6 +119,7 @@ def _welcome(
     s.tenant = tenant
     s.conn.set_limits(s.front.limits)
     s.version = version
+    s.start_hot()
     s.reply(
         Welcome(
             request_id,

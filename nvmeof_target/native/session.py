@@ -16,8 +16,9 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
+from kvoffload.core import hot_gets_type
 from kvoffload.errors import KVOffloadError, LocalProtocolError, RemoteProtocolError
 from kvoffload.kvstore import BlockView, PutReservation
 from kvoffload.nvmeof_target.channel import Channel, TlsChannel
@@ -26,6 +27,7 @@ from kvoffload.nvmeof_target.native.agent import NixlPeer
 from kvoffload.nvmeof_target.services import Services
 from kvoffload.nvmeof_target.session import Instruments, Session
 from kvoffload.nvmeof_target.tenants import HelloChallenge, Tenant
+from kvoffload.wire import fast
 from kvoffload.wire.native.connection import (
     NEED_DATA,
     ConnectionClosed,
@@ -49,6 +51,7 @@ from kvoffload.wire.native.connection import (
     Role,
     SinkFull,
 )
+from kvoffload.wire.native.frames import _State
 from kvoffload.wire.status import Status, status_of
 
 __all__ = ["FRONT", "Handler", "Host", "NativeSession", "PendingPut"]
@@ -136,6 +139,7 @@ class NativeSession(Session):
         self.nixl: NixlPeer | None = None  # the client's NIXL agent (protocol 3)
         self._created = self._last_rx = time.monotonic()
         self._frame_since: float | None = None
+        self._hot: Any = None  # the C Get path (`start_hot`), once it may serve
 
     # ------------------------------------------------------------------ the loop
 
@@ -169,6 +173,13 @@ class NativeSession(Session):
                 self._room.clear()
                 await self._room.wait()
                 continue
+            # Whole Get frames at the front answered in C (only with nothing outstanding, so
+            # answers keep request order); then the flow control again before the next frame.
+            if self._hot is not None and not conn.pending:
+                served = self._serve_hot(max(1, self._turn_left()))
+                if served:
+                    await self._next_step(served)  # each counts: a pipeliner still yields
+                    continue
             event = conn.next_event()
             if event is NEED_DATA:
                 return True
@@ -198,6 +209,59 @@ class NativeSession(Session):
         except KVOffloadError as exc:  # e.g. the engine closing under a stopping daemon
             self.fail(event.request_id, exc)
             return None
+
+    def start_hot(self) -> None:
+        """Hello accepted: serve this connection's Gets of DRAM blocks in C from now on when
+        that does exactly what the Python path does: the C core loaded, plain TCP (TLS
+        decrypts in Python), a DRAM-only engine (a miss reads nothing back), one worker (no
+        shard check)."""
+        hot_type = hot_gets_type()
+        if hot_type is None or isinstance(self.channel, TlsChannel):
+            return
+        if self.services.blocking_engine or self.shard is not None:
+            return
+        handles = self.engine.hot_handles()
+        if handles is None:
+            return
+        self._hot = hot_type(handles.lock, handles.index, handles.counters, handles.manager,
+                             handles.apply_touches, handles.free, handles.arena,
+                             self.me.hasher, fast.frame_head, _State.HEAD,
+                             handles.touch_ring)  # fmt: skip
+
+    def _serve_hot(self, most: int) -> int:
+        """Answer up to `most` whole Get, Exists and Lookup frames at the front of the buffer in
+        C; how many it answered."""
+        hot, t0 = self._hot, time.perf_counter()
+        reader, limit = self.conn._reader, self.config.max_inflight_bytes
+        got = hot.serve(reader, self._inflight_bytes, limit, most)
+        if got is None:
+            return 0
+        parts, views, entries, (gets, exists, lookups), out_bytes, size = got
+        self._inflight_bytes += size
+        self.bytes_out.inc(out_bytes)
+
+        def done() -> None:
+            self._inflight_bytes -= size
+            hot.release(views, entries)
+            self._wake()
+
+        self.services.hot_gets += gets
+        self.services.hot_exists += exists
+        self.services.hot_lookups += lookups
+        # Counted before the write, as `_answer` does: a client that scrapes the metrics once
+        # it has its answer must find its request there.
+        histograms = []
+        for op, count in (("get", gets), ("exists", exists), ("lookup", lookups)):
+            if count:
+                counter, histogram = self._instruments(op, "ok")
+                counter.inc(count)
+                histograms.append((histogram, count))
+        self.channel.write(parts, done)
+        elapsed = time.perf_counter() - t0  # the batch's time, as each request's latency
+        for histogram, count in histograms:
+            for _ in range(count):
+                histogram.observe(elapsed)
+        return int(gets + exists + lookups)
 
     def _wake(self) -> None:
         if (  # room again (as `_drain_events` checks it); inline: this runs twice per answer

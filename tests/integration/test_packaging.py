@@ -29,6 +29,8 @@ with Client.connect("local://?dram=8MiB&prefault=0", codec="split-zstd") as c:
     assert c.get(bytes(16)) == bytes(4096) and c.stats().bytes_stored < 4096
 from kvoffload.wire import fast  # KVOFFLOAD_REQUIRE_EXT: the C part built
 assert fast.IMPLEMENTATION == "c" and fast.crc32c(b"123456789") == 0xE3069283
+from kvoffload import core  # and the daemon's C core, which the engine above ran on
+assert core.IMPLEMENTATION == "c" and core.dram_index_type() is not None
 print("imports ok")
 """
 

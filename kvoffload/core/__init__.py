@@ -1,0 +1,76 @@
+"""The daemon's C core (`_core`, built by setup.py) and the switch to its Python reference.
+
+`_core` holds what the engine and the daemon run in C: `DramIndex`, the twin of
+`kvoffload.kvstore.dram.DramIndex`, and `HotGets`, a connection's DRAM Get hits answered
+without the Python session (`kvoffload/core/hot.c`). The Python forms stay the reference: tests
+run both.
+`KVOFFLOAD_PURE_PYTHON=1` forces Python; `KVOFFLOAD_REQUIRE_EXT=1` makes a missing extension an
+ImportError (CI sets it to prove the extension built). `use()` switches at run time (tests);
+what it picks applies to objects made afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+from kvoffload.errors import KVOffloadError
+
+__all__ = [
+    "IMPLEMENTATION",
+    "ExtensionMissingError",
+    "available",
+    "dram_index_type",
+    "hot_gets_type",
+    "use",
+]
+
+
+class ExtensionMissingError(KVOffloadError, ImportError):
+    """KVOFFLOAD_REQUIRE_EXT is set and the C core did not build or load."""
+
+
+def _load() -> ModuleType | None:
+    if os.environ.get("KVOFFLOAD_PURE_PYTHON") == "1":
+        return None
+    try:
+        from kvoffload.core import _core
+    except ImportError as exc:
+        if os.environ.get("KVOFFLOAD_REQUIRE_EXT") == "1":
+            raise ExtensionMissingError(f"the C core is required and missing: {exc}") from exc
+        return None
+    return _core
+
+
+_EXT = _load()
+IMPLEMENTATION = "c" if _EXT is not None else "python"
+
+
+def available() -> tuple[str, ...]:
+    """The implementations this process can use."""
+    return ("python", "c") if _EXT is not None else ("python",)
+
+
+def use(name: str) -> str:
+    """Make objects made from now on `name` ("c" or "python"); returns the previous one."""
+    global IMPLEMENTATION
+    if name not in available():
+        raise ValueError(f"implementation {name!r} is not available here ({available()})")
+    previous, IMPLEMENTATION = IMPLEMENTATION, name
+    return previous
+
+
+def dram_index_type() -> type | None:
+    """The C `DramIndex` when the C core is in use; None: use the Python reference."""
+    if IMPLEMENTATION != "c" or _EXT is None:
+        return None
+    index_type: type = _EXT.DramIndex
+    return index_type
+
+
+def hot_gets_type() -> type | None:
+    """The C `HotGets` when the C core is in use; None: every request takes the Python path."""
+    if IMPLEMENTATION != "c" or _EXT is None:
+        return None
+    hot_type: type = _EXT.HotGets
+    return hot_type

@@ -1,0 +1,591 @@
+/* HotGets: the daemon's DRAM hit path for Get, Exists and Lookup requests, in C (issue 29,
+ * the first step).
+ *
+ * One per authenticated plain-TCP connection of a DRAM-only engine (the native session makes
+ * it after Hello; NativeSession.start_hot). `serve(reader, inflight, max_inflight, most)` is
+ * called once per wake-up while the connection has no request outstanding. It takes the whole
+ * Get, Exists and Lookup frames at the front of the buffer (`FrameReader`'s bytes, in the
+ * canonical encoding the Python client sends), at most `most` of them (what is left of the
+ * connection's turn of the loop: a pipelining peer still yields to the others), derives the
+ * tenant's engine keys, and answers each under the engine's lock exactly as `Reads.acquire`,
+ * `Engine.contains` and `Engine.lookup` do (the same counters, the same touches and pins),
+ * building each answer's header with `fast.frame_head`. It stops at the
+ * first frame it does not take whole (any other request, a non-canonical or bad frame, an
+ * engine closing), which the Python session then reads and answers as always: the answers
+ * leave in request order. `release(views, entries)` unpins once the kernel took the bytes.
+ */
+#include <string.h>
+
+#include "core.h"
+
+#define HEAD 24
+#define GET_MAP 23 /* {"key": bin8 of 16 bytes}: fixmap 1, fixstr 3, "key", bin8, 16, key */
+#define OP_GET 3
+#define OP_EXISTS 4 /* the same request map as a Get's; the answer carries no payload */
+#define OP_LOOKUP 8
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *lock;          /* the engine's threading.Lock */
+    DramIndex *index;        /* the engine's C DramIndex */
+    PyObject *counters;      /* the manager's counters (dict) */
+    PyObject *manager;       /* for its `closing` / `closed` flags */
+    PyObject *apply_touches; /* DramTier.apply_touches */
+    PyObject *free;          /* DramTier.free */
+    PyObject *arena;         /* memoryview of the whole arena */
+    PyObject *prefix;        /* the tenant's keyed BLAKE3 hasher, or None */
+    PyObject *frame_head;    /* kvoffload.wire.fast.frame_head */
+    PyObject *head_state;    /* frames._State.HEAD */
+    Py_ssize_t touch_ring;   /* hits queued before the policy is told (dram.TOUCH_RING) */
+} HotGets;
+
+static PyObject *s_acquire, *s_release, *s_closing, *s_closed, *s_buf, *s_start, *s_end,
+    *s_state, *s_head, *s_gets, *s_hits, *s_misses, *s_bytes_out, *s_copy, *s_update, *s_digest,
+    *s_length_name, *s_found_name, *s_count_name, *s_limits, *s_max_header;
+
+static int intern_all(void) {
+    struct { PyObject **at; const char *name; } names[] = {
+        {&s_acquire, "acquire"}, {&s_release, "release"}, {&s_closing, "closing"},
+        {&s_closed, "closed"}, {&s_buf, "_buf"}, {&s_start, "_start"}, {&s_end, "_end"},
+        {&s_state, "_state"}, {&s_head, "_head"}, {&s_gets, "gets"}, {&s_hits, "hits"},
+        {&s_misses, "misses"}, {&s_bytes_out, "bytes_out"}, {&s_copy, "copy"},
+        {&s_update, "update"}, {&s_digest, "digest"}, {&s_length_name, "length"},
+        {&s_found_name, "found"}, {&s_count_name, "count"}, {&s_limits, "limits"},
+        {&s_max_header, "max_header_bytes"},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if ((*names[i].at = PyUnicode_InternFromString(names[i].name)) == NULL) return -1;
+    return 0;
+}
+
+static int bump(PyObject *counters, PyObject *name, long long delta) {
+    PyObject *old = PyDict_GetItemWithError(counters, name);
+    if (old == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, name);
+        return -1;
+    }
+    long long value = PyLong_AsLongLong(old);
+    if (value == -1 && PyErr_Occurred()) return -1;
+    PyObject *updated = PyLong_FromLongLong(value + delta);
+    if (updated == NULL) return -1;
+    int rc = PyDict_SetItem(counters, name, updated);
+    Py_DECREF(updated);
+    return rc;
+}
+
+static int flag(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) return -1;
+    int truth = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return truth;
+}
+
+static long long long_attr(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) return -1;
+    long long out = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return out;
+}
+
+static uint32_t le32(const unsigned char *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* Whether p (n bytes buffered) starts with a whole canonical Get or Exists frame; *rid gets
+ * its request id, *op its type. */
+static int canonical_get(const unsigned char *p, Py_ssize_t n, uint32_t *rid, int *op) {
+    static const unsigned char map[] = {0x81, 0xa3, 'k', 'e', 'y', 0xc4, 16};
+    if (n < HEAD + GET_MAP || memcmp(p, "KVNP", 4) != 0 || p[4] != 1) return 0;
+    if (p[5] != OP_GET && p[5] != OP_EXISTS) return 0;
+    *op = p[5];
+    if (p[6] != 0 || p[7] != 0) return 0; /* flags: a request carries none */
+    *rid = le32(p + 8);
+    if (*rid == 0 || le32(p + 12) != GET_MAP) return 0;
+    for (int i = 16; i < 24; i++)
+        if (p[i] != 0) return 0; /* no payload */
+    return memcmp(p + HEAD, map, sizeof map) == 0;
+}
+
+static uint32_t be32(const unsigned char *p) {
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | (uint32_t)p[3];
+}
+
+/* Whether p (n bytes buffered) starts with a whole Lookup frame whose map is {"keys": [...]}
+ * of bin8 16-byte keys and nothing else (`tiers` asked: Python's), within `max_header`:
+ * *keys points at the first key (the others 18 bytes apart), *count says how many. */
+static int canonical_lookup(const unsigned char *p, Py_ssize_t n, long long max_header,
+                            uint32_t *rid, uint32_t *hlen, const unsigned char **keys,
+                            uint32_t *count) {
+    static const unsigned char map[] = {0x81, 0xa4, 'k', 'e', 'y', 's'};
+    if (n < HEAD || memcmp(p, "KVNP", 4) != 0 || p[4] != 1 || p[5] != OP_LOOKUP) return 0;
+    if (p[6] != 0 || p[7] != 0) return 0;
+    for (int i = 16; i < 24; i++)
+        if (p[i] != 0) return 0; /* no payload */
+    *rid = le32(p + 8);
+    *hlen = le32(p + 12);
+    /* every length checked against what was received before anything is read */
+    if (*rid == 0 || *hlen < sizeof map + 1 || *hlen > max_header || n - HEAD < *hlen) return 0;
+    const unsigned char *m = p + HEAD, *a = m + sizeof map;
+    if (memcmp(m, map, sizeof map) != 0) return 0;
+    uint64_t c, head;
+    if ((a[0] & 0xf0) == 0x90) c = a[0] & 0x0f, head = 1;
+    else if (a[0] == 0xdc && *hlen >= sizeof map + 3) c = (uint64_t)a[1] << 8 | a[2], head = 3;
+    else if (a[0] == 0xdd && *hlen >= sizeof map + 5) c = be32(a + 1), head = 5;
+    else return 0;
+    if (sizeof map + head + 18 * c != *hlen) return 0;
+    const unsigned char *k = a + head;
+    for (uint64_t i = 0; i < c; i++)
+        if (k[18 * i] != 0xc4 || k[18 * i + 1] != 16) return 0;
+    *keys = k + 2;
+    *count = (uint32_t)c;
+    return 1;
+}
+
+/* The engine key of a client key: as Tenant.key does it. */
+static PyObject *engine_key(HotGets *self, PyObject *key) {
+    if (self->prefix == Py_None) {
+        Py_INCREF(key);
+        return key;
+    }
+    PyObject *hasher = PyObject_CallMethodNoArgs(self->prefix, s_copy);
+    if (hasher == NULL) return NULL;
+    PyObject *done = PyObject_CallMethodOneArg(hasher, s_update, key);
+    PyObject *digest = NULL;
+    if (done != NULL) {
+        Py_DECREF(done);
+        PyObject *kw = Py_BuildValue("{s:i}", "length", 16);
+        PyObject *method = kw ? PyObject_GetAttr(hasher, s_digest) : NULL;
+        PyObject *noargs = method ? PyTuple_New(0) : NULL;
+        digest = noargs ? PyObject_Call(method, noargs, kw) : NULL;
+        Py_XDECREF(noargs);
+        Py_XDECREF(method);
+        Py_XDECREF(kw);
+    }
+    Py_DECREF(hasher);
+    return digest;
+}
+
+/* Look `key` up and pin its entry, as Reads.acquire does for a DRAM-only engine; the lock is
+ * held by the caller. 1: served (*entry the pinned entry or NULL for a miss), 0: leave the
+ * request to Python (the engine is closing), -1: error. */
+static int acquire(HotGets *self, PyObject *key, PyObject **entry) {
+    int closing = flag(self->manager, s_closing);
+    int closed = closing == 0 ? flag(self->manager, s_closed) : closing;
+    if (closing < 0 || closed < 0) return -1;
+    if (closing || closed) return 0;
+    if (bump(self->counters, s_gets, 1) < 0) return -1;
+    PyObject *found = index_lookup(self->index, key);
+    if (found == NULL) return -1;
+    if (found == Py_None) {
+        Py_DECREF(found);
+        *entry = NULL;
+        return bump(self->counters, s_misses, 1) < 0 ? -1 : 1;
+    }
+    long long length = long_attr(found, core_str_length);
+    if ((length < 0 && PyErr_Occurred()) || bump(self->counters, s_hits, 1) < 0 ||
+        bump(self->counters, s_bytes_out, length) < 0) {
+        Py_DECREF(found);
+        return -1;
+    }
+    PyObject *queued = index_pin(self->index, found);
+    if (queued == NULL) {
+        Py_DECREF(found);
+        return -1;
+    }
+    Py_ssize_t n = PyLong_AsSsize_t(queued);
+    Py_DECREF(queued);
+    if (n >= self->touch_ring) {
+        PyObject *r = PyObject_CallNoArgs(self->apply_touches);
+        if (r == NULL) {
+            /* the pin stays: the caller gives it back with the entry */
+            *entry = found;
+            return -1;
+        }
+        Py_DECREF(r);
+    }
+    *entry = found;
+    return 1;
+}
+
+/* The value of a pinned entry: a slice of the arena. */
+static PyObject *value_of(HotGets *self, PyObject *entry, long long *length) {
+    long long offset = long_attr(entry, core_str_offset);
+    if (offset < 0 && PyErr_Occurred()) return NULL;
+    *length = long_attr(entry, core_str_length);
+    if (*length < 0 && PyErr_Occurred()) return NULL;
+    PyObject *lo = PyLong_FromLongLong(offset), *hi = PyLong_FromLongLong(offset + *length);
+    PyObject *slice = (lo && hi) ? PySlice_New(lo, hi, NULL) : NULL;
+    Py_XDECREF(lo);
+    Py_XDECREF(hi);
+    if (slice == NULL) return NULL;
+    PyObject *view = PyObject_GetItem(self->arena, slice);
+    Py_DECREF(slice);
+    return view;
+}
+
+static int unpin_locked(HotGets *self, PyObject *entry) {
+    PyObject *last = index_unpin(self->index, entry);
+    if (last == NULL) return -1;
+    int rc = 0;
+    if (last == Py_True) {
+        int closed = flag(self->manager, s_closed);
+        if (closed < 0) rc = -1;
+        else if (!closed) {
+            PyObject *r = PyObject_CallOneArg(self->free, entry);
+            if (r == NULL) rc = -1;
+            Py_XDECREF(r);
+        }
+    }
+    Py_DECREF(last);
+    return rc;
+}
+
+/* Serve one Lookup already checked canonical (its `count` keys at `keys`), as Engine.lookup
+ * does for a DRAM-only engine: every key derived first, then the leading run counted under the
+ * lock. 1 served, 0 left to Python, -1 error. */
+static int serve_lookup(HotGets *self, const unsigned char *keys, uint32_t count, uint32_t rid,
+                        PyObject *parts, long long *answer) {
+    PyObject *engine_keys = PyList_New(count);
+    if (engine_keys == NULL) return -1;
+    for (uint32_t i = 0; i < count; i++) {
+        PyObject *client = PyBytes_FromStringAndSize((const char *)keys + 18 * (size_t)i, 16);
+        PyObject *key = client ? engine_key(self, client) : NULL;
+        Py_XDECREF(client);
+        if (key == NULL) {
+            Py_DECREF(engine_keys);
+            return -1;
+        }
+        PyList_SET_ITEM(engine_keys, i, key);
+    }
+    PyObject *r = PyObject_CallMethodNoArgs(self->lock, s_acquire);
+    if (r == NULL) {
+        Py_DECREF(engine_keys);
+        return -1;
+    }
+    Py_DECREF(r);
+    int closing = flag(self->manager, s_closing);
+    int closed = closing == 0 ? flag(self->manager, s_closed) : closing;
+    int got = closing < 0 || closed < 0 ? -1 : (closing || closed) ? 0 : 1;
+    long long found = 0;
+    for (uint32_t i = 0; got == 1 && i < count; i++) {
+        int in = PyDict_Contains(self->index->entries, PyList_GET_ITEM(engine_keys, i));
+        if (in < 0) got = -1;
+        if (in <= 0) break;
+        found++;
+    }
+    Py_DECREF(engine_keys);
+    r = PyObject_CallMethodNoArgs(self->lock, s_release);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    if (got <= 0) return got;
+    PyObject *header =
+        PyObject_CallFunction(self->frame_head, "iIOLi", OP_LOOKUP, rid, s_count_name, found, 0);
+    if (header == NULL) return -1;
+    int rc = PyList_Append(parts, header);
+    *answer += PyBytes_GET_SIZE(header);
+    Py_DECREF(header);
+    return rc < 0 ? -1 : 1;
+}
+
+/* Serve one Exists already checked canonical at p, as Engine.contains does for a DRAM-only
+ * engine (no counters); 1 served, 0 left to Python, -1 error. */
+static int serve_exists(HotGets *self, const unsigned char *p, uint32_t rid, PyObject *parts,
+                        long long *answer) {
+    PyObject *client = PyBytes_FromStringAndSize((const char *)p + HEAD + 7, 16);
+    PyObject *key = client ? engine_key(self, client) : NULL;
+    Py_XDECREF(client);
+    if (key == NULL) return -1;
+    PyObject *r = PyObject_CallMethodNoArgs(self->lock, s_acquire);
+    if (r == NULL) {
+        Py_DECREF(key);
+        return -1;
+    }
+    Py_DECREF(r);
+    int closing = flag(self->manager, s_closing);
+    int closed = closing == 0 ? flag(self->manager, s_closed) : closing;
+    int got = closing < 0 || closed < 0 ? -1 : (closing || closed) ? 0 : 1;
+    int found = got == 1 ? PyDict_Contains(self->index->entries, key) : 0;
+    if (found < 0) got = -1;
+    Py_DECREF(key);
+    r = PyObject_CallMethodNoArgs(self->lock, s_release);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    if (got <= 0) return got;
+    PyObject *header = PyObject_CallFunction(self->frame_head, "iIOOi", OP_EXISTS, rid,
+                                             s_found_name, found ? Py_True : Py_False, 0);
+    if (header == NULL) return -1;
+    int rc = PyList_Append(parts, header);
+    *answer += PyBytes_GET_SIZE(header);
+    Py_DECREF(header);
+    return rc < 0 ? -1 : 1;
+}
+
+/* Serve one Get already checked canonical at p; appends to parts/views/entries. 1 served,
+ * 0 left to Python, -1 error. */
+static int serve_one(HotGets *self, const unsigned char *p, uint32_t rid, PyObject *parts,
+                     PyObject *views, PyObject *entries, long long *out_bytes,
+                     long long *answer) {
+    PyObject *client = PyBytes_FromStringAndSize((const char *)p + HEAD + 7, 16);
+    PyObject *key = client ? engine_key(self, client) : NULL;
+    Py_XDECREF(client);
+    if (key == NULL) return -1;
+    PyObject *r = PyObject_CallMethodNoArgs(self->lock, s_acquire);
+    if (r == NULL) {
+        Py_DECREF(key);
+        return -1;
+    }
+    Py_DECREF(r);
+    PyObject *entry = NULL, *view = NULL;
+    long long length = 0;
+    int got = acquire(self, key, &entry);
+    Py_DECREF(key);
+    if (got == 1 && entry != NULL) {
+        view = value_of(self, entry, &length);
+        if (view == NULL) got = -1;
+    }
+    if (got < 0 && entry != NULL) { /* give back what this request took */
+        PyObject *et, *ev, *etb;
+        PyErr_Fetch(&et, &ev, &etb);
+        if (unpin_locked(self, entry) < 0) PyErr_Clear();
+        PyErr_Restore(et, ev, etb);
+    }
+    r = PyObject_CallMethodNoArgs(self->lock, s_release);
+    if (r == NULL) got = -1;
+    Py_XDECREF(r);
+    if (got <= 0) {
+        Py_XDECREF(entry);
+        Py_XDECREF(view);
+        return got;
+    }
+    PyObject *length_obj = entry ? PyLong_FromLongLong(length) : Py_NewRef(Py_None);
+    PyObject *header = length_obj ? PyObject_CallFunction(self->frame_head, "iIOOL", OP_GET,
+                                                          rid, s_length_name, length_obj,
+                                                          length)
+                                  : NULL;
+    Py_XDECREF(length_obj);
+    int rc = header ? PyList_Append(parts, header) : -1;
+    if (rc == 0) *answer += PyBytes_GET_SIZE(header);
+    Py_XDECREF(header);
+    if (rc == 0 && entry != NULL) {
+        rc = PyList_Append(parts, view) | PyList_Append(views, view) |
+             PyList_Append(entries, entry);
+        *out_bytes += length;
+        *answer += length;
+    }
+    Py_XDECREF(entry);
+    Py_XDECREF(view);
+    return rc < 0 ? -1 : 1;
+}
+
+static PyObject *hot_serve(HotGets *self, PyObject *args) {
+    PyObject *reader;
+    long long inflight, max_inflight, most;
+    if (!PyArg_ParseTuple(args, "OLLL:serve", &reader, &inflight, &max_inflight, &most))
+        return NULL;
+    PyObject *state = PyObject_GetAttr(reader, s_state);
+    if (state == NULL) return NULL;
+    Py_DECREF(state);
+    if (state != self->head_state) Py_RETURN_NONE; /* inside a frame: Python's */
+    PyObject *buf = PyObject_GetAttr(reader, s_buf);
+    if (buf == NULL) return NULL;
+    if (!PyByteArray_Check(buf)) {
+        Py_DECREF(buf);
+        PyErr_SetString(PyExc_TypeError, "the reader's buffer is not a bytearray");
+        return NULL;
+    }
+    long long start = long_attr(reader, s_start), end = long_attr(reader, s_end);
+    if (PyErr_Occurred()) {
+        Py_DECREF(buf);
+        return NULL;
+    }
+    PyObject *limits = PyObject_GetAttr(reader, s_limits);
+    long long max_header = limits ? long_attr(limits, s_max_header) : -1;
+    Py_XDECREF(limits);
+    if (PyErr_Occurred()) {
+        Py_DECREF(buf);
+        return NULL;
+    }
+    PyObject *parts = PyList_New(0), *views = PyList_New(0), *entries = PyList_New(0);
+    long long out_bytes = 0, answer = 0, served = 0, counts[3] = {0, 0, 0};
+    uint32_t rid = 0, last_rid = 0, hlen = 0, last_hlen = 0, nkeys = 0;
+    int op = 0, last_op = 0;
+    const unsigned char *keys = NULL;
+    int rc = parts && views && entries ? 1 : -1;
+    while (rc == 1 && served < most && inflight + answer < max_inflight) {
+        /* Nothing resizes the buffer while this runs (only this connection's reader does, on
+         * this thread); the bounds are checked all the same. */
+        if (start > end || end > PyByteArray_GET_SIZE(buf)) break;
+        const unsigned char *p = (const unsigned char *)PyByteArray_AS_STRING(buf) + start;
+        Py_ssize_t n = (Py_ssize_t)(end - start);
+        if (canonical_get(p, n, &rid, &op)) {
+            unsigned char frame[HEAD + GET_MAP];
+            memcpy(frame, p, sizeof frame); /* calls below run other code: work on a copy */
+            hlen = GET_MAP;
+            if (op == OP_EXISTS)
+                rc = serve_exists(self, frame, rid, parts, &answer);
+            else
+                rc = serve_one(self, frame, rid, parts, views, entries, &out_bytes, &answer);
+        } else if (canonical_lookup(p, n, max_header, &rid, &hlen, &keys, &nkeys)) {
+            op = OP_LOOKUP; /* serve_lookup copies the keys before it calls anything */
+            rc = serve_lookup(self, keys, nkeys, rid, parts, &answer);
+        } else {
+            break;
+        }
+        if (rc == 1) {
+            start += HEAD + hlen;
+            served++;
+            counts[op == OP_GET ? 0 : op == OP_EXISTS ? 1 : 2]++;
+            last_rid = rid;
+            last_op = op;
+            last_hlen = hlen;
+        }
+    }
+    Py_DECREF(buf);
+    PyObject *result = NULL;
+    if (served) { /* move the reader past what was served, even if a later frame failed */
+        PyObject *at = PyLong_FromLongLong(start);
+        PyObject *head = Py_BuildValue("(iiIIi)", last_op, 0, last_rid, last_hlen, 0);
+        if (at == NULL || head == NULL || PyObject_SetAttr(reader, s_start, at) < 0 ||
+            PyObject_SetAttr(reader, s_head, head) < 0)
+            rc = -1;
+        Py_XDECREF(at);
+        Py_XDECREF(head);
+    }
+    if (rc >= 0 && served)
+        result = Py_BuildValue("(OOO(LLL)LL)", parts, views, entries, counts[0], counts[1],
+                               counts[2], out_bytes, answer);
+    else if (rc >= 0)
+        result = Py_NewRef(Py_None);
+    if (result == NULL && entries != NULL && served) {
+        /* an error after some were served: they are answered by nobody; give their pins back */
+        PyObject *et, *ev, *etb;
+        PyErr_Fetch(&et, &ev, &etb);
+        PyObject *r = PyObject_CallMethod((PyObject *)self, "release", "OO", views, entries);
+        if (r == NULL) PyErr_Clear();
+        Py_XDECREF(r);
+        PyErr_Restore(et, ev, etb);
+    }
+    Py_XDECREF(parts);
+    Py_XDECREF(views);
+    Py_XDECREF(entries);
+    return result;
+}
+
+static PyObject *hot_release(HotGets *self, PyObject *args) {
+    PyObject *views, *entries;
+    if (!PyArg_ParseTuple(args, "O!O!:release", &PyList_Type, &views, &PyList_Type, &entries))
+        return NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(views); i++) {
+        PyObject *r = PyObject_CallMethodNoArgs(PyList_GET_ITEM(views, i), s_release);
+        if (r == NULL) return NULL;
+        Py_DECREF(r);
+    }
+    PyObject *r = PyObject_CallMethodNoArgs(self->lock, s_acquire);
+    if (r == NULL) return NULL;
+    Py_DECREF(r);
+    int rc = 0;
+    PyObject *et = NULL, *ev = NULL, *etb = NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(entries); i++)
+        if (unpin_locked(self, PyList_GET_ITEM(entries, i)) < 0) {
+            if (rc == 0) PyErr_Fetch(&et, &ev, &etb); /* unpin the rest all the same */
+            else PyErr_Clear();
+            rc = -1;
+        }
+    r = PyObject_CallMethodNoArgs(self->lock, s_release);
+    if (r == NULL) {
+        Py_XDECREF(et);
+        Py_XDECREF(ev);
+        Py_XDECREF(etb);
+        return NULL;
+    }
+    Py_DECREF(r);
+    /* idempotent: a second call finds nothing left */
+    if (PyList_SetSlice(views, 0, PyList_GET_SIZE(views), NULL) < 0 ||
+        PyList_SetSlice(entries, 0, PyList_GET_SIZE(entries), NULL) < 0)
+        return NULL;
+    if (rc < 0) {
+        PyErr_Restore(et, ev, etb);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *hot_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"lock", "index", "counters", "manager", "apply_touches", "free",
+                            "arena", "prefix", "frame_head", "head_state", "touch_ring", NULL};
+    PyObject *o[10];
+    Py_ssize_t touch_ring;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O!OOOOOOOn:HotGets", names, &o[0],
+                                     &DramIndexType, &o[1], &PyDict_Type, &o[2], &o[3], &o[4],
+                                     &o[5], &o[6], &o[7], &o[8], &o[9], &touch_ring))
+        return NULL;
+    HotGets *self = (HotGets *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    PyObject **fields[] = {&self->lock, (PyObject **)&self->index, &self->counters,
+                           &self->manager, &self->apply_touches, &self->free, &self->arena,
+                           &self->prefix, &self->frame_head, &self->head_state};
+    for (int i = 0; i < 10; i++) *fields[i] = Py_NewRef(o[i]);
+    self->touch_ring = touch_ring;
+    return (PyObject *)self;
+}
+
+static int hot_traverse(HotGets *self, visitproc visit, void *arg) {
+    Py_VISIT(self->lock);
+    Py_VISIT(self->index);
+    Py_VISIT(self->counters);
+    Py_VISIT(self->manager);
+    Py_VISIT(self->apply_touches);
+    Py_VISIT(self->free);
+    Py_VISIT(self->arena);
+    Py_VISIT(self->prefix);
+    Py_VISIT(self->frame_head);
+    Py_VISIT(self->head_state);
+    return 0;
+}
+
+static int hot_clear(HotGets *self) {
+    Py_CLEAR(self->lock);
+    Py_CLEAR(self->index);
+    Py_CLEAR(self->counters);
+    Py_CLEAR(self->manager);
+    Py_CLEAR(self->apply_touches);
+    Py_CLEAR(self->free);
+    Py_CLEAR(self->arena);
+    Py_CLEAR(self->prefix);
+    Py_CLEAR(self->frame_head);
+    Py_CLEAR(self->head_state);
+    return 0;
+}
+
+static void hot_dealloc(HotGets *self) {
+    PyObject_GC_UnTrack(self);
+    hot_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef hot_methods[] = {
+    {"serve", (PyCFunction)hot_serve, METH_VARARGS,
+     "serve(reader, inflight, max_inflight, most) -> (parts, views, entries, (gets, exists, "
+     "lookups), bytes_out, answer_bytes) or None: answer the whole canonical Gets, Exists and "
+     "Lookups at the front of the buffer."},
+    {"release", (PyCFunction)hot_release, METH_VARARGS,
+     "release(views, entries): unpin what served answers held (idempotent)."},
+    {NULL, NULL, 0, NULL},
+};
+
+PyTypeObject HotGetsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvoffload.core._core.HotGets",
+    .tp_basicsize = sizeof(HotGets),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A connection's DRAM Get hits served in C (see hot.c).",
+    .tp_new = hot_new,
+    .tp_dealloc = (destructor)hot_dealloc,
+    .tp_traverse = (traverseproc)hot_traverse,
+    .tp_clear = (inquiry)hot_clear,
+    .tp_methods = hot_methods,
+};
+
+int core_hot_init(void) { return intern_all(); }

@@ -1,0 +1,223 @@
+"""`HotGets` (kvoffload/core/hot.c) on a real DRAM-only engine and the codec's own reader:
+what it takes (whole canonical Gets, answered byte for byte as the Python codec answers them),
+what it leaves to the Python codec untouched (everything else, partial frames, random bytes),
+and the pins it gives back."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvoffload import core
+from kvoffload.kvstore import DramConfig, Engine, EngineConfig
+from kvoffload.nvmeof_target.tenants import Tenant
+from kvoffload.wire import fast
+from kvoffload.wire.native.connection import (
+    Exists,
+    Get,
+    Hello,
+    Limits,
+    Lookup,
+    LookupResult,
+    NativeConnection,
+    Put,
+    Role,
+)
+from kvoffload.wire.native.frames import FRAME, MAGIC, FrameReader, _State
+
+pytestmark = pytest.mark.skipif(
+    core.hot_gets_type() is None, reason="the C core is not built (KVOFFLOAD_PURE_PYTHON run)"
+)
+KEY, VALUE = bytes(range(16)), b"v" * 5000
+
+
+@pytest.fixture
+def engine() -> Iterator[Engine]:
+    engine = Engine(EngineConfig(dram=DramConfig(capacity_bytes=4 << 20, prefault=False)))
+    engine.put(KEY, VALUE)
+    yield engine
+    engine.close()
+
+
+def _hot(engine: Engine, tenant: Tenant | None = None) -> object:
+    handles = engine.hot_handles()
+    assert handles is not None
+    hot_type = core.hot_gets_type()
+    assert hot_type is not None
+    return hot_type(handles.lock, handles.index, handles.counters, handles.manager,
+                    handles.apply_touches, handles.free, handles.arena,
+                    tenant.hasher if tenant else None, fast.frame_head, _State.HEAD,
+                    handles.touch_ring)  # fmt: skip
+
+
+def _reader(data: bytes) -> FrameReader:
+    reader = FrameReader()
+    reader.receive_data(data)
+    return reader
+
+
+HELLO_ID = 1 << 30  # the Hello's id: apart from the gets'
+
+
+def _get(rid: int, key: bytes = KEY) -> bytes:
+    client = NativeConnection(Role.CLIENT)
+    client.send(Hello(HELLO_ID))
+    return client.send(Get(rid, key))
+
+
+def _python_answer(rid: int, length: int | None) -> bytes:
+    """What the Python codec sends for the same Get (the server's `send_get_result`)."""
+    server, client = NativeConnection(Role.SERVER), NativeConnection(Role.CLIENT)
+    server.receive_data(client.send(Hello(HELLO_ID)) + client.send(Get(rid, KEY)))
+    server.next_event()
+    server.next_event()
+    parts = server.send_get_result(rid, length, (memoryview(VALUE),) if length else ())
+    return bytes(parts[0])
+
+
+def test_a_whole_get_is_answered_as_the_python_codec_answers_it(engine: Engine) -> None:
+    hot = _hot(engine)
+    reader = _reader(_get(7) + _get(8, bytes(16)))
+    got = hot.serve(reader, 0, 1 << 30, 1 << 30)  # type: ignore[attr-defined]
+    assert got is not None
+    parts, views, entries, counts, out_bytes, size = got
+    assert counts == (2, 0, 0) and out_bytes == len(VALUE) and len(entries) == 1
+    assert bytes(parts[0]) == _python_answer(7, len(VALUE)) and bytes(parts[1]) == VALUE
+    assert bytes(parts[2]) == _python_answer(8, None)  # a miss
+    assert size == sum(len(p) for p in parts) and reader.at_boundary
+    stats = engine.stats().as_dict()
+    assert (stats["gets"], stats["hits"], stats["misses"]) == (2, 1, 1)
+    assert stats["tiers"][0]["pinned"] == 1  # type: ignore[index]
+    hot.release(views, entries)  # type: ignore[attr-defined]
+    hot.release(views, entries)  # type: ignore[attr-defined]  # idempotent
+    assert engine.stats().as_dict()["tiers"][0]["pinned"] == 0  # type: ignore[index]
+
+
+def test_exists_is_answered_as_the_python_codec_answers_it(engine: Engine) -> None:
+    client, server = NativeConnection(Role.CLIENT), NativeConnection(Role.SERVER)
+    frames = client.send(Hello(HELLO_ID)) + client.send(Exists(4, KEY))
+    frames += client.send(Exists(5, bytes(16)))
+    server.receive_data(frames)
+    for _ in range(3):
+        server.next_event()
+    python = [bytes(server.send_exists_result(4, True)[0]),
+              bytes(server.send_exists_result(5, False)[0])]  # fmt: skip
+    reader = _reader(frames[frames.index(b"KVNP", 4) :])
+    got = _hot(engine).serve(reader, 0, 1 << 30, 1 << 30)  # type: ignore[attr-defined]
+    assert got is not None and got[3] == (0, 2, 0) and not got[2]
+    assert [bytes(p) for p in got[0]] == python
+    assert engine.stats().as_dict()["gets"] == 0  # an exists is no get
+
+
+@pytest.mark.parametrize("count", [0, 1, 3, 20, 70_000])
+def test_lookup_is_answered_as_the_python_codec_answers_it(engine: Engine, count: int) -> None:
+    keys = [KEY if i % 7 else bytes(16) for i in range(count)]  # a miss at 0: then count 0
+    keys = [KEY] * (count // 2) + keys[count // 2 :]
+    client = NativeConnection(Role.CLIENT)
+    client.send(Hello(HELLO_ID))
+    frame = client.send(Lookup(6, tuple(keys)))
+    expected = next((i for i, k in enumerate(keys) if k != KEY), len(keys))
+    server = NativeConnection(Role.SERVER)
+    server.receive_data(NativeConnection(Role.CLIENT).send(Hello(HELLO_ID)))
+    server.next_event()
+    server.receive_data(frame)
+    server.next_event()
+    python = b"".join(bytes(p) for p in server.send_parts(LookupResult(6, expected)))
+    got = _hot(engine).serve(_reader(frame), 0, 1 << 30, 1 << 30)  # type: ignore[attr-defined]
+    assert got is not None and got[3] == (0, 0, 1) and bytes(got[0][0]) == python
+
+
+def test_a_lookup_asking_for_tiers_or_over_the_header_limit_is_python_s(engine: Engine) -> None:
+    client = NativeConnection(Role.CLIENT)
+    client.send(Hello(HELLO_ID))
+    hot = _hot(engine)
+    tiers = _reader(client.send(Lookup(6, (KEY,), tiers=True)))
+    assert hot.serve(tiers, 0, 1 << 30, 1 << 30) is None  # type: ignore[attr-defined]
+    big = client.send(Lookup(7, (KEY,) * 10))
+    reader = FrameReader(Limits(max_header_bytes=100))  # the 10 keys' map is 189 bytes
+    reader.receive_data(big)
+    assert hot.serve(reader, 0, 1 << 30, 1 << 30) is None  # type: ignore[attr-defined]
+    reader = _reader(big[:-1])  # not whole yet
+    assert hot.serve(reader, 0, 1 << 30, 1 << 30) is None  # type: ignore[attr-defined]
+
+
+def test_tenant_keys_are_derived_as_the_tenant_derives_them(engine: Engine) -> None:
+    alice = Tenant.named("alice")
+    engine.put(alice.key(bytes(16)), b"alice's")
+    got = _hot(engine, alice).serve(_reader(_get(3, bytes(16))), 0, 1 << 30, 1 << 30)  # type: ignore[attr-defined]
+    assert got is not None and bytes(got[0][1]) == b"alice's"
+
+
+def _variants() -> list[bytes]:
+    """Frames HotGets must leave to the Python codec, each with the reader's bytes intact."""
+    good = _get(5)
+    head = bytearray(good[: FRAME.size])
+    out = []
+    for offset, value in ((4, 2), (5, 7), (6, 1), (7, 0x80)):  # version, op, flags
+        bad = bytearray(good)
+        bad[offset] = value
+        out.append(bytes(bad))
+    out.append(bytes(head[:8]) + struct.pack("<I", 0) + good[12:])  # request id 0
+    out.append(good[:16] + struct.pack("<Q", 1) + good[24:] + b"x")  # a payload
+    out.append(b"XXXX" + good[4:])  # magic
+    longer = FRAME.pack(MAGIC, 1, 3, 0, 5, 24, 0) + b"\x81\xd9\x03key\xc4\x10" + KEY
+    out.append(longer)  # str8 where the SDK writes fixstr: valid, but Python's to parse
+    client = NativeConnection(Role.CLIENT)
+    client.send(Hello(HELLO_ID))
+    out.append(client.send(Put(5, KEY, 3), [b"abc"]))
+    out.append(good[:-1])  # not whole yet
+    return out
+
+
+@pytest.mark.parametrize("data", _variants(), ids=lambda d: d[:8].hex())
+def test_anything_else_is_left_untouched(engine: Engine, data: bytes) -> None:
+    reader = _reader(data)
+    assert _hot(engine).serve(reader, 0, 1 << 30, 1 << 30) is None  # type: ignore[attr-defined]
+    assert reader._start == 0 and engine.stats().as_dict()["gets"] == 0
+
+
+def test_it_stops_at_the_first_frame_it_does_not_take(engine: Engine) -> None:
+    client = NativeConnection(Role.CLIENT)
+    client.send(Hello(HELLO_ID))
+    put = client.send(Put(9, KEY, 3), [b"abc"])
+    reader = _reader(_get(1) + _get(2) + put + _get(3))
+    got = _hot(engine).serve(reader, 0, 1 << 30, 1 << 30)  # type: ignore[attr-defined]
+    assert got is not None and got[3] == (2, 0, 0)
+    assert bytes(reader._buf[reader._start : reader._end]) == put + _get(3)
+
+
+def test_it_takes_no_more_than_the_turn_allows(engine: Engine) -> None:
+    reader = _reader(_get(1) + _get(2) + _get(3))
+    got = _hot(engine).serve(reader, 0, 1 << 30, 2)  # type: ignore[attr-defined]
+    assert got is not None and got[3] == (2, 0, 0)
+    assert bytes(reader._buf[reader._start : reader._end]) == _get(3)
+
+
+def test_flow_control_and_a_closing_engine_leave_gets_to_python(engine: Engine) -> None:
+    hot = _hot(engine)
+    reader = _reader(_get(1) + _get(2))
+    assert hot.serve(reader, 10, 10, 9) is None  # type: ignore[attr-defined]
+    got = hot.serve(reader, 0, 1, 9)  # type: ignore[attr-defined]  # the first answer crosses it
+    assert got is not None and got[3] == (1, 0, 0)
+    hot.release(got[1], got[2])  # type: ignore[attr-defined]
+    engine.close()
+    assert hot.serve(reader, 0, 1 << 30, 1 << 30) is None  # type: ignore[attr-defined]
+
+
+@given(st.binary(max_size=200))
+def test_random_bytes_are_never_taken_for_gets(data: bytes) -> None:
+    engine = Engine(EngineConfig(dram=DramConfig(capacity_bytes=1 << 20, prefault=False)))
+    try:
+        reader = _reader(data)
+        got = _hot(engine).serve(reader, 0, 1 << 30, 1 << 30)  # type: ignore[attr-defined]
+        taken = reader._start
+        assert got is None or data[:taken] == b"".join(
+            data[i : i + 47] for i in range(0, taken, 47)
+        )
+        assert got is None or all(data[i : i + 8] == _get(1)[:8] for i in range(0, taken, 47))
+    finally:
+        engine.close()
