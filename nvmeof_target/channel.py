@@ -151,6 +151,14 @@ class Channel:
         if not self._writing:
             self._flush()
 
+    def direct_fd(self) -> int:
+        """The socket's fd while a caller may send on it directly (nothing queued, no write
+        pending, open), else -1. Bytes sent that way bypass `_sent`: with nothing queued no
+        `on_done` waits on that count."""
+        if self._out or self._writing or self.closed or self.error is not None:
+            return -1
+        return self._fd
+
     def _flush(self) -> None:
         while self._out:
             try:

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["Metrics", "NodeMetrics"]
+__all__ = ["LATENCY_BUCKETS", "Metrics", "NodeMetrics"]
 
 # Per-tier fields of `EngineStats.tiers` that only grow; every other numeric field is a gauge.
 # Fields the engine adds later (demotions, promotions, corrupt blocks...) are exported without
@@ -34,6 +34,7 @@ _TIER_COUNTERS = {
 _ENGINE_COUNTERS = {"puts", "gets", "hits", "misses", "deletes", "evictions", "neighbour_evictions"}
 # Latency buckets from 50 µs (a lookup on loopback) to 10 s (an 8 MiB durable put on a busy disk).
 _BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1, 2.5, 10)
+LATENCY_BUCKETS = _BUCKETS  # the request histogram's bounds (the C hot path counts in them too)
 
 
 class _EngineCollector(Collector):
@@ -85,6 +86,19 @@ def _labelled(name: str, field: str, label: str) -> CounterMetricFamily | GaugeM
     return GaugeMetricFamily(name, doc, labels=[label])
 
 
+class _BeforeCollect(Collector):
+    """Registered first, so it runs before the request metrics are read: folds in what was
+    counted outside prometheus (the C hot path's per-connection counts)."""
+
+    def __init__(self) -> None:
+        self.hooks: list[Callable[[], None]] = []
+
+    def collect(self) -> Iterator[Metric]:
+        for hook in list(self.hooks):
+            hook()
+        return iter(())
+
+
 class _Endpoint:
     """A registry served over HTTP (`/metrics`) from a background thread."""
 
@@ -117,6 +131,8 @@ class Metrics(_Endpoint):
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self._before = _BeforeCollect()
+        r.register(self._before)
         self.requests = Counter(
             "kvoffload_requests", "Requests answered", ["front", "op", "status"], registry=r
         )
@@ -159,6 +175,10 @@ class Metrics(_Endpoint):
             "kvoffload_auth_failures", "Refused authentications", ["front"], registry=r
         )
         r.register(_EngineCollector(engine_stats, tenant_labels))
+
+    def before_collect(self, hook: Callable[[], None]) -> None:
+        """Run `hook` (on the scraping thread) before every collection of the registry."""
+        self._before.hooks.append(hook)
 
 
 class NodeMetrics(_Endpoint):

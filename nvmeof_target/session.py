@@ -76,6 +76,9 @@ class PeerLog:
             self.held += 1
 
 
+OPS = ("get", "exists", "lookup")  # the ops `HotGets.take_metrics` counts, in its order
+
+
 class Instruments:
     """The request counter and latency histogram of each (op, status) of one front, and its
     payload byte counters, looked up once (label lookups cost more than the increments); and
@@ -93,6 +96,31 @@ class Instruments:
         self.connections = metrics.connections.labels(front)
         self.connections_total = metrics.connections_total.labels(front)
         self.protocol_errors = metrics.protocol_errors.labels(front)
+        # Connections whose C hot path counts its requests itself (`HotGets.take_metrics`),
+        # folded in before every scrape: no prometheus call per answered batch.
+        self.hot: set[Any] = set()
+        metrics.before_collect(self.fold_all)
+
+    def fold_all(self) -> None:
+        for hot in list(self.hot):  # a copy: the loop thread adds and drops connections
+            self.fold(hot)
+
+    def fold(self, hot: Any) -> None:
+        """Add what `hot` counted since it was last taken to the request metrics."""
+        counts, out_bytes, buckets, sums = hot.take_metrics()
+        if out_bytes:
+            self.bytes_out.inc(out_bytes)
+        for op, count, row, total in zip(OPS, counts, buckets, sums, strict=True):
+            if not count:
+                continue
+            counter, histogram = self(op, "ok")
+            counter.inc(count)
+            # The histogram's own values (prometheus_client has no bulk observe): its buckets
+            # are stored as C counts them, not cumulative, +Inf last.
+            for value, n in zip(histogram._buckets, row, strict=True):
+                if n:
+                    value.inc(n)
+            histogram._sum.inc(total)
 
     def __call__(self, op: str, status: str) -> tuple[Any, Any]:
         found = self._found.get((op, status))

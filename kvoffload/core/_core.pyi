@@ -1,5 +1,5 @@
 # Stubs of the C core (_core.c, index.c); kvoffload.kvstore.dram.DramIndex documents them.
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 class DramIndex:
     pinned: set[bytes]
@@ -30,10 +30,16 @@ class HotGets:
         frame_head: object,
         head_state: object,
         touch_ring: int,
+        buckets: Sequence[float] | None = None,
     ) -> None: ...
     def serve(
-        self, reader: object, inflight: int, max_inflight: int, most: int, /
+        self, reader: object, inflight: int, max_inflight: int, most: int, fd: int = -1, /
     ) -> (
         tuple[list[object], list[memoryview], list[object], tuple[int, int, int], int, int] | None
     ): ...
+    def take_metrics(
+        self,
+    ) -> tuple[
+        tuple[int, int, int], int, tuple[tuple[int, ...], ...], tuple[float, float, float]
+    ]: ...
     def release(self, views: list[memoryview], entries: list[object], /) -> None: ...

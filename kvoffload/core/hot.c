@@ -14,15 +14,20 @@
  * engine closing), which the Python session then reads and answers as always: the answers
  * leave in request order. `release(views, entries)` unpins once the kernel took the bytes.
  */
-#include <string.h>
+#include "core.h" /* Python.h first: it sets the POSIX feature macros (clock_gettime) */
 
-#include "core.h"
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
 
 #define HEAD 24
 #define GET_MAP 23 /* {"key": bin8 of 16 bytes}: fixmap 1, fixstr 3, "key", bin8, 16, key */
 #define OP_GET 3
 #define OP_EXISTS 4 /* the same request map as a Get's; the answer carries no payload */
 #define OP_LOOKUP 8
+#define MAX_BOUNDS 32 /* latency buckets counted in C (metrics._BUCKETS has 15) */
+#define IOV_BATCH 512 /* buffers per sendmsg: Linux refuses more than IOV_MAX (1024) */
 
 typedef struct {
     PyObject_HEAD
@@ -37,6 +42,13 @@ typedef struct {
     PyObject *frame_head;    /* kvoffload.wire.fast.frame_head */
     PyObject *head_state;    /* frames._State.HEAD */
     Py_ssize_t touch_ring;   /* hits queued before the policy is told (dram.TOUCH_RING) */
+    /* With `buckets` given, serve(..., fd) sends and counts in C: requests, bytes out and
+     * latencies by op (get, exists, lookup), taken by `take_metrics` before every scrape. */
+    Py_ssize_t nbounds;                       /* 0: no metrics in C (serve needs fd -1) */
+    double bounds[MAX_BOUNDS];                /* the histogram's upper bounds, ascending */
+    long long m_counts[3], m_bytes_out;
+    long long m_buckets[3][MAX_BOUNDS + 1];   /* not cumulative; the last is +Inf */
+    double m_sums[3];
 } HotGets;
 
 static PyObject *s_acquire, *s_release, *s_closing, *s_closed, *s_buf, *s_start, *s_end,
@@ -379,11 +391,119 @@ static int serve_one(HotGets *self, const unsigned char *p, uint32_t rid, PyObje
     return rc < 0 ? -1 : 1;
 }
 
+static PyObject *hot_release(HotGets *self, PyObject *args);
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Send `parts` (bytes and arena views) on the non-blocking socket `fd` until the kernel takes
+ * no more; how many bytes it took. An error or a full socket just stops: the session's Channel
+ * sends the rest and meets the error itself. */
+static long long send_parts(int fd, PyObject *parts) {
+    Py_ssize_t n = PyList_GET_SIZE(parts), at = 0;
+    long long sent = 0;
+    size_t skip = 0; /* bytes of parts[at] already sent */
+    while (at < n) {
+        struct iovec iov[IOV_BATCH];
+        Py_buffer bufs[IOV_BATCH];
+        int count = 0;
+        for (Py_ssize_t i = at; i < n && count < IOV_BATCH; i++) {
+            if (PyObject_GetBuffer(PyList_GET_ITEM(parts, i), &bufs[count], PyBUF_SIMPLE) < 0) {
+                PyErr_Clear(); /* cannot happen for bytes and arena views; Python sends it */
+                break;
+            }
+            size_t off = i == at ? skip : 0;
+            iov[count].iov_base = (char *)bufs[count].buf + off;
+            iov[count].iov_len = (size_t)bufs[count].len - off;
+            count++;
+        }
+        ssize_t got = -1;
+        if (count) {
+            struct msghdr msg;
+            memset(&msg, 0, sizeof msg);
+            msg.msg_iov = iov;
+            msg.msg_iovlen = (size_t)count;
+            got = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+        }
+        for (int i = 0; i < count; i++) PyBuffer_Release(&bufs[i]);
+        if (got <= 0) break;
+        sent += got;
+        size_t left = (size_t)got;
+        int i = 0;
+        while (i < count && left >= iov[i].iov_len) left -= iov[i++].iov_len;
+        skip = (i == 0 ? skip : 0) + left;
+        at += i;
+        if (i < count) break; /* the kernel took less than offered: the socket is full */
+    }
+    return sent;
+}
+
+/* What of `parts` the kernel did not take once `sent` bytes went: a new list (the part cut
+ * in two continues as a memoryview slice). */
+static PyObject *unsent(PyObject *parts, long long sent) {
+    PyObject *rest = PyList_New(0);
+    if (rest == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(parts); i++) {
+        PyObject *part = PyList_GET_ITEM(parts, i);
+        Py_ssize_t len = PyObject_Length(part);
+        if (len < 0) goto fail;
+        if (sent >= len) {
+            sent -= len;
+            continue;
+        }
+        PyObject *tail;
+        if (sent > 0) {
+            PyObject *view = PyMemoryView_FromObject(part);
+            PyObject *lo = PyLong_FromLongLong(sent);
+            PyObject *slice = lo ? PySlice_New(lo, NULL, NULL) : NULL;
+            tail = view && slice ? PyObject_GetItem(view, slice) : NULL;
+            Py_XDECREF(view);
+            Py_XDECREF(lo);
+            Py_XDECREF(slice);
+            sent = 0;
+        } else {
+            tail = Py_NewRef(part);
+        }
+        if (tail == NULL || PyList_Append(rest, tail) < 0) {
+            Py_XDECREF(tail);
+            goto fail;
+        }
+        Py_DECREF(tail);
+    }
+    return rest;
+fail:
+    Py_DECREF(rest);
+    return NULL;
+}
+
+/* Count one served batch: `counts` requests by op, each with the batch's time as latency. */
+static void count_batch(HotGets *self, const long long counts[3], long long out_bytes,
+                        double elapsed) {
+    Py_ssize_t b = 0;
+    while (b < self->nbounds && elapsed > self->bounds[b]) b++; /* le: the first bound >= */
+    for (int op = 0; op < 3; op++) {
+        if (!counts[op]) continue;
+        self->m_counts[op] += counts[op];
+        self->m_buckets[op][b] += counts[op];
+        for (long long i = 0; i < counts[op]; i++) self->m_sums[op] += elapsed; /* as observe */
+    }
+    self->m_bytes_out += out_bytes;
+}
+
 static PyObject *hot_serve(HotGets *self, PyObject *args) {
     PyObject *reader;
     long long inflight, max_inflight, most;
-    if (!PyArg_ParseTuple(args, "OLLL:serve", &reader, &inflight, &max_inflight, &most))
+    int fd = -1;
+    if (!PyArg_ParseTuple(args, "OLLL|i:serve", &reader, &inflight, &max_inflight, &most, &fd))
         return NULL;
+    if (fd >= 0 && self->nbounds == 0) {
+        PyErr_SetString(PyExc_ValueError, "serve(..., fd) needs HotGets(..., buckets=...)");
+        return NULL;
+    }
+    double t0 = fd >= 0 ? now_s() : 0.0;
     PyObject *state = PyObject_GetAttr(reader, s_state);
     if (state == NULL) return NULL;
     Py_DECREF(state);
@@ -453,6 +573,26 @@ static PyObject *hot_serve(HotGets *self, PyObject *args) {
         Py_XDECREF(at);
         Py_XDECREF(head);
     }
+    if (rc >= 0 && served && fd >= 0) {
+        /* Sent here while the kernel takes it all: the pins go back at once, and only what a
+         * full socket leaves goes through the session's Channel (`parts` becomes that rest). */
+        long long sent = send_parts(fd, parts);
+        PyObject *rest = unsent(parts, sent);
+        if (rest == NULL) {
+            rc = -1;
+        } else {
+            Py_SETREF(parts, rest);
+            if (PyList_GET_SIZE(parts) == 0) {
+                PyObject *pair = PyTuple_Pack(2, views, entries);
+                PyObject *r = pair ? hot_release(self, pair) : NULL;
+                Py_XDECREF(pair);
+                if (r == NULL) rc = -1; /* the pins are given back all the same */
+                Py_XDECREF(r);
+            }
+            count_batch(self, counts, out_bytes, now_s() - t0);
+        }
+        if (rc < 0) served = 0; /* the reader moved on: these requests are lost with the error */
+    }
     if (rc >= 0 && served)
         result = Py_BuildValue("(OOO(LLL)LL)", parts, views, entries, counts[0], counts[1],
                                counts[2], out_bytes, answer);
@@ -512,17 +652,73 @@ static PyObject *hot_release(HotGets *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *hot_take_metrics(HotGets *self, PyObject *Py_UNUSED(ignored)) {
+    PyObject *buckets = PyTuple_New(3);
+    if (buckets == NULL) return NULL;
+    for (int op = 0; op < 3; op++) {
+        PyObject *row = PyTuple_New(self->nbounds + 1);
+        if (row == NULL) {
+            Py_DECREF(buckets);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(buckets, op, row);
+        for (Py_ssize_t b = 0; b <= self->nbounds; b++) {
+            PyObject *v = PyLong_FromLongLong(self->m_buckets[op][b]);
+            if (v == NULL) {
+                Py_DECREF(buckets);
+                return NULL;
+            }
+            PyTuple_SET_ITEM(row, b, v);
+        }
+    }
+    PyObject *out = Py_BuildValue("((LLL)LN(ddd))", self->m_counts[0], self->m_counts[1],
+                                  self->m_counts[2], self->m_bytes_out, buckets,
+                                  self->m_sums[0], self->m_sums[1], self->m_sums[2]);
+    if (out == NULL) return NULL;
+    /* taken and zeroed in one call: nothing runs between (the GIL is held), so a scrape on
+     * another thread never loses or doubles a count */
+    memset(self->m_counts, 0, sizeof self->m_counts);
+    memset(self->m_buckets, 0, sizeof self->m_buckets);
+    memset(self->m_sums, 0, sizeof self->m_sums);
+    self->m_bytes_out = 0;
+    return out;
+}
+
 static PyObject *hot_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *names[] = {"lock", "index", "counters", "manager", "apply_touches", "free",
-                            "arena", "prefix", "frame_head", "head_state", "touch_ring", NULL};
-    PyObject *o[10];
+                            "arena", "prefix", "frame_head", "head_state", "touch_ring",
+                            "buckets", NULL};
+    PyObject *o[10], *buckets = Py_None;
     Py_ssize_t touch_ring;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O!OOOOOOOn:HotGets", names, &o[0],
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O!OOOOOOOn|O:HotGets", names, &o[0],
                                      &DramIndexType, &o[1], &PyDict_Type, &o[2], &o[3], &o[4],
-                                     &o[5], &o[6], &o[7], &o[8], &o[9], &touch_ring))
+                                     &o[5], &o[6], &o[7], &o[8], &o[9], &touch_ring, &buckets))
         return NULL;
+    double bounds[MAX_BOUNDS];
+    Py_ssize_t nbounds = 0;
+    if (buckets != Py_None) { /* the latency histogram's finite upper bounds, ascending */
+        PyObject *seq = PySequence_Fast(buckets, "buckets must be a sequence of numbers");
+        if (seq == NULL) return NULL;
+        nbounds = PySequence_Fast_GET_SIZE(seq);
+        for (Py_ssize_t i = 0; i < nbounds && i < MAX_BOUNDS; i++) {
+            bounds[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(seq, i));
+            if (bounds[i] == -1.0 && PyErr_Occurred()) break;
+            if (i > 0 && !(bounds[i] > bounds[i - 1])) {
+                PyErr_SetString(PyExc_ValueError, "buckets must be ascending");
+                break;
+            }
+        }
+        Py_DECREF(seq);
+        if (PyErr_Occurred()) return NULL;
+        if (nbounds < 1 || nbounds > MAX_BOUNDS) {
+            PyErr_Format(PyExc_ValueError, "buckets: 1 to %d bounds", MAX_BOUNDS);
+            return NULL;
+        }
+    }
     HotGets *self = (HotGets *)type->tp_alloc(type, 0);
     if (self == NULL) return NULL;
+    self->nbounds = nbounds; /* tp_alloc zeroed the counts */
+    memcpy(self->bounds, bounds, sizeof(double) * (size_t)nbounds);
     PyObject **fields[] = {&self->lock, (PyObject **)&self->index, &self->counters,
                            &self->manager, &self->apply_touches, &self->free, &self->arena,
                            &self->prefix, &self->frame_head, &self->head_state};
@@ -567,9 +763,15 @@ static void hot_dealloc(HotGets *self) {
 
 static PyMethodDef hot_methods[] = {
     {"serve", (PyCFunction)hot_serve, METH_VARARGS,
-     "serve(reader, inflight, max_inflight, most) -> (parts, views, entries, (gets, exists, "
-     "lookups), bytes_out, answer_bytes) or None: answer the whole canonical Gets, Exists and "
-     "Lookups at the front of the buffer."},
+     "serve(reader, inflight, max_inflight, most, fd=-1) -> (parts, views, entries, (gets, "
+     "exists, lookups), bytes_out, answer_bytes) or None: answer the whole canonical Gets, "
+     "Exists and Lookups at the front of the buffer. With fd (a socket with nothing queued) "
+     "the answers are sent and counted here; parts is then what the kernel did not take (its "
+     "views and entries released once it is sent) or empty (already released)."},
+    {"take_metrics", (PyCFunction)hot_take_metrics, METH_NOARGS,
+     "take_metrics() -> ((gets, exists, lookups), bytes_out, (buckets per op), (latency sums "
+     "per op)): what serve(..., fd) counted since the last call (then zeroed); each op's "
+     "buckets are not cumulative, the last is +Inf."},
     {"release", (PyCFunction)hot_release, METH_VARARGS,
      "release(views, entries): unpin what served answers held (idempotent)."},
     {NULL, NULL, 0, NULL},

@@ -23,6 +23,7 @@ from kvoffload.errors import KVOffloadError, LocalProtocolError, RemoteProtocolE
 from kvoffload.kvstore import BlockView, PutReservation
 from kvoffload.nvmeof_target.channel import Channel, TlsChannel
 from kvoffload.nvmeof_target.config import NativeConfig
+from kvoffload.nvmeof_target.metrics import LATENCY_BUCKETS
 from kvoffload.nvmeof_target.native.agent import NixlPeer
 from kvoffload.nvmeof_target.services import Services
 from kvoffload.nvmeof_target.session import Instruments, Session
@@ -165,6 +166,7 @@ class NativeSession(Session):
     async def _drain_events(self) -> bool:
         """Handle buffered events; False once the connection is done with reading."""
         conn, config = self.conn, self.config
+        limit = config.max_inflight_bytes
         while self._reading:
             if not (  # room for another request (flow control), checked before each event
                 conn.pending < config.max_pending
@@ -179,6 +181,13 @@ class NativeSession(Session):
                 served = self._serve_hot(max(1, self._turn_left()))
                 if served:
                     await self._next_step(served)  # each counts: a pipeliner still yields
+                    reader = conn._reader
+                    if (
+                        reader._start == reader._end
+                        and self._inflight_bytes < limit
+                        and not conn._eof
+                    ):
+                        return self._reading  # all served, room left: straight to the read
                     continue
             event = conn.next_event()
             if event is NEED_DATA:
@@ -226,17 +235,41 @@ class NativeSession(Session):
         self._hot = hot_type(handles.lock, handles.index, handles.counters, handles.manager,
                              handles.apply_touches, handles.free, handles.arena,
                              self.me.hasher, fast.frame_head, _State.HEAD,
-                             handles.touch_ring)  # fmt: skip
+                             handles.touch_ring, buckets=LATENCY_BUCKETS)  # fmt: skip
+        self._instruments.hot.add(self._hot)
+
+    def _forget(self) -> None:
+        if self._hot is not None:  # its last counts, then no more scrapes of it
+            self._instruments.fold(self._hot)
+            self._instruments.hot.discard(self._hot)
+        self.front.forget(self)
 
     def _serve_hot(self, most: int) -> int:
         """Answer up to `most` whole Get, Exists and Lookup frames at the front of the buffer in
-        C; how many it answered."""
+        C; how many it answered. With nothing queued on the socket C also sends the answers
+        and counts them (folded into the metrics at scrape time), and unpins at once: only what
+        the kernel does not take goes through the Channel."""
         hot, t0 = self._hot, time.perf_counter()
         reader, limit = self.conn._reader, self.config.max_inflight_bytes
-        got = hot.serve(reader, self._inflight_bytes, limit, most)
+        fd = self.channel.direct_fd()
+        got = hot.serve(reader, self._inflight_bytes, limit, most, fd)
         if got is None:
             return 0
         parts, views, entries, (gets, exists, lookups), out_bytes, size = got
+        self.services.hot_gets += gets
+        self.services.hot_exists += exists
+        self.services.hot_lookups += lookups
+        if fd >= 0:
+            if parts:  # a full socket: the rest waits in the Channel, pinned until sent
+                self._inflight_bytes += size
+
+                def sent() -> None:
+                    self._inflight_bytes -= size
+                    hot.release(views, entries)
+                    self._wake()
+
+                self.channel.write(parts, sent)
+            return int(gets + exists + lookups)
         self._inflight_bytes += size
         self.bytes_out.inc(out_bytes)
 
@@ -245,9 +278,6 @@ class NativeSession(Session):
             hot.release(views, entries)
             self._wake()
 
-        self.services.hot_gets += gets
-        self.services.hot_exists += exists
-        self.services.hot_lookups += lookups
         # Counted before the write, as `_answer` does: a client that scrapes the metrics once
         # it has its answer must find its request there.
         histograms = []
@@ -297,9 +327,6 @@ class NativeSession(Session):
         if self.nixl is not None and self.services.nixl is not None:
             self.services.nixl.forget(self.nixl.name)  # its client's memory is out of reach
         self.nixl = None
-
-    def _forget(self) -> None:
-        self.front.forget(self)
 
     def drop_for_room(self) -> None:
         self.say_goodbye(Status.UNAVAILABLE, "too many connections without Hello")

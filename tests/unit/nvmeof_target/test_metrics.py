@@ -37,3 +37,21 @@ def test_tenant_labels_can_be_dropped() -> None:
     assert "kvoffload_engine_puts_total 3.0" in text
     text = generate_latest(Metrics(lambda: stats).registry).decode()
     assert 'kvoffload_tenant_ssd_bytes{tenant="alice"} 8192.0' in text
+
+
+def test_hooks_fold_their_counts_in_before_every_scrape() -> None:
+    metrics = Metrics(lambda: {})
+    folded: list[int] = []
+
+    def fold() -> None:  # as the C hot path's counts are folded in: only when scraped
+        folded.append(1)
+        metrics.requests.labels("native", "get", "ok").inc(2)
+        metrics.latency.labels("native", "get").observe(1e-4)
+
+    metrics.before_collect(fold)
+    assert not folded
+    text = generate_latest(metrics.registry).decode()
+    assert 'kvoffload_requests_total{front="native",op="get",status="ok"} 2.0' in text
+    assert 'kvoffload_request_seconds_count{front="native",op="get"} 1.0' in text
+    generate_latest(metrics.registry)
+    assert len(folded) == 2

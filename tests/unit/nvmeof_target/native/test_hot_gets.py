@@ -5,7 +5,9 @@ and the pins it gives back."""
 
 from __future__ import annotations
 
+import socket
 import struct
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -221,3 +223,95 @@ def test_random_bytes_are_never_taken_for_gets(data: bytes) -> None:
         assert got is None or all(data[i : i + 8] == _get(1)[:8] for i in range(0, taken, 47))
     finally:
         engine.close()
+
+
+BUCKETS = (1e-3, 1.0)
+
+
+def _hot_sending(engine: Engine) -> object:
+    handles = engine.hot_handles()
+    assert handles is not None
+    hot_type = core.hot_gets_type()
+    assert hot_type is not None
+    return hot_type(handles.lock, handles.index, handles.counters, handles.manager,
+                    handles.apply_touches, handles.free, handles.arena, None, fast.frame_head,
+                    _State.HEAD, handles.touch_ring, buckets=BUCKETS)  # fmt: skip
+
+
+def _pinned(engine: Engine) -> int:
+    return int(engine.stats().as_dict()["tiers"][0]["pinned"])  # type: ignore[index]
+
+
+def test_with_a_socket_it_sends_counts_and_unpins_at_once(engine: Engine) -> None:
+    hot = _hot_sending(engine)
+    near, far = socket.socketpair()
+    with near, far:
+        near.setblocking(False)
+        frames = _get(7) + _get(8, bytes(16))
+        got = hot.serve(_reader(frames), 0, 1 << 30, 1 << 30, near.fileno())  # type: ignore[attr-defined]
+        assert got is not None
+        parts, views, entries, counts, out_bytes, size = got
+        assert parts == [] and views == [] and entries == [] and counts == (2, 0, 0)
+        expected = _python_answer(7, len(VALUE)) + VALUE + _python_answer(8, None)
+        assert size == len(expected) and _recv_exactly(far, size) == expected
+        assert _pinned(engine) == 0  # released in the call: no completion callback
+        (gets, exists, lookups), sent, buckets, sums = hot.take_metrics()  # type: ignore[attr-defined]
+        assert (gets, exists, lookups, sent) == (2, 0, 0, len(VALUE))
+        assert sum(buckets[0]) == 2 and len(buckets[0]) == len(BUCKETS) + 1
+        assert buckets[1] == buckets[2] == (0, 0, 0) and sums[0] > 0 and sums[1] == 0
+        assert hot.take_metrics()[:2] == ((0, 0, 0), 0)  # type: ignore[attr-defined]  # taken
+
+
+def test_what_a_full_socket_leaves_stays_pinned_for_the_channel(engine: Engine) -> None:
+    big = b"b" * (1 << 20)
+    engine.put(KEY, big)
+    hot = _hot_sending(engine)
+    near, far = socket.socketpair()
+    with near, far:
+        near.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        near.setblocking(False)
+        got = hot.serve(_reader(_get(7)), 0, 1 << 30, 1 << 30, near.fileno())  # type: ignore[attr-defined]
+        assert got is not None
+        rest, views, entries, counts, _, size = got
+        left = sum(len(p) for p in rest)
+        assert 0 < left < size and len(entries) == 1 and _pinned(engine) == 1
+        near.setblocking(True)
+        sender = threading.Thread(target=lambda: [near.sendall(p) for p in rest])
+        sender.start()  # what the Channel would send, while the peer reads
+        received = _recv_exactly(far, size)
+        sender.join()
+        assert received == _answer_head(7, len(big)) + big
+        hot.release(views, entries)  # type: ignore[attr-defined]
+        assert _pinned(engine) == 0
+
+
+def test_a_socket_needs_the_buckets_and_the_buckets_must_be_sane(engine: Engine) -> None:
+    near, far = socket.socketpair()
+    with near, far, pytest.raises(ValueError, match="buckets"):
+        _hot(engine).serve(_reader(_get(7)), 0, 1 << 30, 1 << 30, near.fileno())  # type: ignore[attr-defined]
+    handles = engine.hot_handles()
+    assert handles is not None
+    hot_type = core.hot_gets_type()
+    assert hot_type is not None
+    for bad in ((), (1.0, 0.5), tuple(range(1, 40))):
+        with pytest.raises(ValueError, match="buckets"):
+            hot_type(handles.lock, handles.index, handles.counters, handles.manager,
+                     handles.apply_touches, handles.free, handles.arena, None, fast.frame_head,
+                     _State.HEAD, handles.touch_ring, buckets=bad)  # fmt: skip
+
+
+def _answer_head(rid: int, length: int) -> bytes:
+    server, client = NativeConnection(Role.SERVER), NativeConnection(Role.CLIENT)
+    server.receive_data(client.send(Hello(HELLO_ID)) + client.send(Get(rid, KEY)))
+    server.next_event()
+    server.next_event()
+    return bytes(server.send_get_result(rid, length, (memoryview(b"x" * length),))[0])
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        assert chunk
+        out += chunk
+    return bytes(out)
