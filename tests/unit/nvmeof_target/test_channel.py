@@ -224,3 +224,24 @@ def test_waits_counts_only_reads_that_found_the_socket_empty(
         assert channel.waits == 1
 
     _run(new_loop, test)
+
+
+@LOOPS
+def test_the_fd_is_offered_for_direct_sends_only_while_nothing_is_queued(
+    new_loop: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    async def test(loop: asyncio.AbstractEventLoop, channel: Channel, peer: socket.socket) -> None:
+        assert channel.direct_fd() == channel.sock.fileno()
+        channel.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        peer.setblocking(False)
+        channel.write([bytes(1 << 20)])  # more than the socket takes: the rest is queued
+        assert channel.buffered and channel.direct_fd() == -1  # a direct send would reorder
+        got = 0
+        while got < 1 << 20:
+            got += len(await loop.sock_recv(peer, 1 << 20))
+        await channel.drain()
+        assert channel.direct_fd() == channel.sock.fileno()
+        channel.close()
+        assert channel.direct_fd() == -1
+
+    _run(new_loop, test)
