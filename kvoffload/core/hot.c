@@ -591,7 +591,6 @@ static PyObject *hot_serve(HotGets *self, PyObject *args) {
             }
             count_batch(self, counts, out_bytes, now_s() - t0);
         }
-        if (rc < 0) served = 0; /* the reader moved on: these requests are lost with the error */
     }
     if (rc >= 0 && served)
         result = Py_BuildValue("(OOO(LLL)LL)", parts, views, entries, counts[0], counts[1],
