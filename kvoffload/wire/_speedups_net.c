@@ -208,6 +208,17 @@ static void release(Py_buffer *views, int n) {
 
 #define PARTS_MAX 1024 /* a put_many of up to 511 blocks */
 
+/* The arguments every exchange checks before it sends: a request id the codec could have
+ * numbered (0 is the connection's own, whose ErrorReply is a goodbye: an answer "for" it must
+ * not be taken) and a deadline poll() can honour (NaN would wait forever). */
+static int bad_call(const char *name, unsigned long long rid, double timeout) {
+    if (rid == 0 || rid > 0xffffffffull || timeout != timeout) {
+        PyErr_Format(PyExc_ValueError, "%s: a 32-bit request id (not 0) and a timeout", name);
+        return 1;
+    }
+    return 0;
+}
+
 const char speedups_net_put_doc[] =
     "net_put(fd, parts, request_id, op, timeout) -> (status, 0, 0, eof, bytes): send a Put or "
     "PutMany frame's parts (at most 1024), read its answer of type `op` with an empty map "
@@ -219,6 +230,7 @@ PyObject *speedups_net_put(PyObject *self, PyObject *args) {
     unsigned long long rid;
     double timeout;
     if (!PyArg_ParseTuple(args, "iOKid:net_put", &fd, &parts, &rid, &op, &timeout)) return NULL;
+    if (bad_call("net_put", rid, timeout)) return NULL;
     Py_buffer *views = PyMem_Malloc(PARTS_MAX * sizeof *views);
     struct iovec *iov = PyMem_Malloc(PARTS_MAX * sizeof *iov);
     int n = views && iov ? gather(parts, views, iov, PARTS_MAX) : -1;
@@ -268,10 +280,9 @@ PyObject *speedups_net_get_into(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     Py_buffer view;
     struct iovec iov[1];
-    if (header.len < BLOCK_HEADER || !PyBuffer_IsContiguous(&buffer, 'C') || rid == 0 ||
-        rid > 0xffffffffull) {
-        PyErr_SetString(PyExc_ValueError,
-                        "net_get_into: a 96-byte header, a flat buffer, a 32-bit request id");
+    if (bad_call("net_get_into", rid, timeout)) goto out;
+    if (header.len < BLOCK_HEADER || !PyBuffer_IsContiguous(&buffer, 'C')) {
+        PyErr_SetString(PyExc_ValueError, "net_get_into: a 96-byte header, a flat buffer");
         goto out;
     }
     /* A 16-byte `frame` is the key: the Get frame is built here, as msgpack.packb would. */
@@ -443,6 +454,7 @@ PyObject *speedups_net_get_many_into(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iOKO!O!d:net_get_many_into", &fd, &frame, &rid, &PyList_Type,
                           &hdrs, &PyList_Type, &bufs, &timeout))
         return NULL;
+    if (bad_call("net_get_many_into", rid, timeout)) return NULL;
     Py_ssize_t count = PyList_GET_SIZE(bufs);
     if (count < 1 || count > MANY_MAX || PyList_GET_SIZE(hdrs) != count) {
         PyErr_SetString(PyExc_ValueError, "net_get_many_into: 1 to 256 headers and buffers");
