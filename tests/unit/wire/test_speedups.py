@@ -451,3 +451,37 @@ def test_a_nan_timeout_is_refused_before_anything_is_sent(call: str) -> None:
         daemon.setblocking(False)
         with pytest.raises(BlockingIOError):
             daemon.recv(1)  # nothing went out
+
+
+@pytest.mark.skipif("c" not in IMPLS, reason="the C extension is not built here")
+@pytest.mark.parametrize("call", ["get_into", "get_many_into", "put"])
+@pytest.mark.parametrize("rid", [(1 << 64) + 5, -(1 << 64) + 5, -5])
+def test_a_request_id_out_of_range_is_refused_not_wrapped(call: str, rid: int) -> None:
+    # Found by the net-* fuzz targets: the request id was parsed modulo 2**64, so 2**64 + 5
+    # sent (or matched) request 5 and took its answer, which waits here.
+    from kvoffload.wire import _speedups
+
+    key = b"k" * 16
+    answers = {
+        "get_into": encode_frame(GetResult.OP, FLAG_RESPONSE, 5, {"length": None}),
+        "get_many_into": encode_frame(GetMany.OP, FLAG_RESPONSE, 5, {"lengths": [None]}),
+        "put": encode_frame(PutDone.OP, FLAG_RESPONSE, 5, {}),
+    }
+    client, daemon = socket.socketpair()
+    with client, daemon:
+        client.setblocking(False)
+        daemon.sendall(b"".join(answers[call]))
+        with pytest.raises(OverflowError):
+            if call == "get_into":
+                _speedups.net_get_into(client.fileno(), key, rid, bytearray(96), bytearray(8), 5.0)
+            elif call == "get_many_into":
+                frame = b"".join(encode_frame(GetMany.OP, 0, 5, GetMany(5, (key,)).meta()))
+                _speedups.net_get_many_into(
+                    client.fileno(), frame, rid, [bytearray(96)], [bytearray(8)], 5.0
+                )
+            else:
+                parts = encode_frame(Put.OP, 0, 5, Put(5, key, 1).meta(), [b"x"])
+                _speedups.net_put(client.fileno(), parts, rid, PutDone.OP, 5.0)
+        daemon.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            daemon.recv(1)  # nothing went out
