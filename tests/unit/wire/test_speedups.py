@@ -391,9 +391,10 @@ def test_bad_request_ids_are_refused_before_anything_is_sent() -> None:
 
 @pytest.mark.skipif("c" not in IMPLS, reason="the C extension is not built here")
 def test_no_exchange_takes_an_answer_for_request_id_zero() -> None:
-    # Found by the net-put and net-get-many-into fuzz targets: request id 0 is the
-    # connection's own (its ErrorReply is a goodbye) and the codec refuses any other answer
-    # for it, but net_put and net_get_many_into took a PutDone / GetManyResult numbered 0.
+    # Found by an input of the net-put and net-get-many-into fuzz targets (now a seed of
+    # each): request id 0 is the connection's own (its ErrorReply is a goodbye) and the codec
+    # refuses any other answer for it, but net_put and net_get_many_into took a PutDone /
+    # GetManyResult numbered 0.
     from kvoffload.wire import _speedups
 
     answers = {
@@ -457,8 +458,9 @@ def test_a_nan_timeout_is_refused_before_anything_is_sent(call: str) -> None:
 @pytest.mark.parametrize("call", ["get_into", "get_many_into", "put"])
 @pytest.mark.parametrize("rid", [(1 << 64) + 5, -(1 << 64) + 5, -5])
 def test_a_request_id_out_of_range_is_refused_not_wrapped(call: str, rid: int) -> None:
-    # Found by the net-* fuzz targets: the request id was parsed modulo 2**64, so 2**64 + 5
-    # sent (or matched) request 5 and took its answer, which waits here.
+    # Found while writing the net-* fuzz targets (their ids now wrap so): the request id was
+    # parsed modulo 2**64, so 2**64 + 5 sent (or matched) request 5 and took its answer,
+    # which waits here.
     from kvoffload.wire import _speedups
 
     key = b"k" * 16
