@@ -18,9 +18,11 @@ function does not document, and where the Python reference exists, on any answer
 from it. GCC has no libFuzzer coverage for C, so the mutations are guided by the Python code
 around the C calls and start from real frames; the sanitizers check every byte the C touches.
 
-Adding a target (the daemon's C hot path, the C index): write `fuzz(data: bytes) -> None` and a
-seed list, or for a C object that consumes a byte stream use `stream_target`, and add the
-`Target` to TARGETS; `sanitized.py` and its test pick every entry up (`share` of the runs).
+The C core's targets (`hot-gets`, `dram-index`) read their input as choices, not as one byte
+stream: which frames or operations, which limits, which chunking. Adding a target (GetMany or
+puts in C, the C reader callback): write `fuzz(data: bytes) -> None` and a seed list, or for
+a C object that consumes a byte stream use `stream_target`, and add the `Target` to TARGETS;
+`sanitized.py` and its test pick every entry up (`share` of the runs).
 """
 
 from __future__ import annotations
