@@ -499,6 +499,10 @@ static PyObject *hot_serve(HotGets *self, PyObject *args) {
     int fd = -1;
     if (!PyArg_ParseTuple(args, "OLLL|i:serve", &reader, &inflight, &max_inflight, &most, &fd))
         return NULL;
+    if (inflight < 0 || max_inflight < 0) { /* so max_inflight - inflight cannot overflow */
+        PyErr_SetString(PyExc_ValueError, "serve: negative bytes in flight or limit");
+        return NULL;
+    }
     if (fd >= 0 && self->nbounds == 0) {
         PyErr_SetString(PyExc_ValueError, "serve(..., fd) needs HotGets(..., buckets=...)");
         return NULL;
@@ -533,7 +537,7 @@ static PyObject *hot_serve(HotGets *self, PyObject *args) {
     int op = 0, last_op = 0;
     const unsigned char *keys = NULL;
     int rc = parts && views && entries ? 1 : -1;
-    while (rc == 1 && served < most && inflight + answer < max_inflight) {
+    while (rc == 1 && served < most && answer < max_inflight - inflight) {
         /* Nothing resizes the buffer while this runs (only this connection's reader does, on
          * this thread); the bounds are checked all the same. */
         if (start > end || end > PyByteArray_GET_SIZE(buf)) break;

@@ -12,6 +12,7 @@
  */
 #include "core.h"
 
+#include <limits.h>
 #include <structmember.h>
 
 PyObject *core_str_pins, *core_str_live, *core_str_tick, *core_str_key, *core_str_staging,
@@ -31,6 +32,12 @@ int core_index_init_strings(void) {
                : -1;
 }
 
+/* Python's ints do not wrap; the C counts refuse to (OverflowError, nothing changed). */
+static int too_far(const char *what) {
+    PyErr_Format(PyExc_OverflowError, "the %s would pass 64 bits", what);
+    return -1;
+}
+
 /* entry.<name> += delta; the new count, or -1 with an error set. */
 static int add_pins(PyObject *entry, long long delta, long long *out) {
     PyObject *pins = PyObject_GetAttr(entry, core_str_pins);
@@ -38,6 +45,8 @@ static int add_pins(PyObject *entry, long long delta, long long *out) {
     long long value = PyLong_AsLongLong(pins);
     Py_DECREF(pins);
     if (value == -1 && PyErr_Occurred()) return -1;
+    if (delta > 0 ? value > LLONG_MAX - delta : value < LLONG_MIN - delta)
+        return too_far("pin count"); /* a wrapped count would free a pinned slot */
     PyObject *updated = PyLong_FromLongLong(value + delta);
     if (updated == NULL) return -1;
     int rc = PyObject_SetAttr(entry, core_str_pins, updated);
@@ -116,18 +125,27 @@ PyObject *index_lookup(DramIndex *self, PyObject *key) {
 }
 
 static PyObject *index_next_tick(DramIndex *self, PyObject *unused) {
+    if (self->tick == LLONG_MAX) {
+        too_far("recency clock");
+        return NULL;
+    }
     return PyLong_FromLongLong(++self->tick);
 }
 
 PyObject *index_pin(DramIndex *self, PyObject *entry) {
     long long pins;
-    if (add_pins(entry, +1, &pins) < 0) return NULL;
+    /* read before the count changes: a pin that cannot tick changes nothing */
     PyObject *staging = PyObject_GetAttr(entry, core_str_staging);
     if (staging == NULL) return NULL;
     int staged = staging != Py_None;
     Py_DECREF(staging);
     int live = staged ? 0 : attr_true(entry, core_str_live);
     if (live < 0) return NULL;
+    if (live && self->tick == LLONG_MAX) {
+        too_far("recency clock");
+        return NULL;
+    }
+    if (add_pins(entry, +1, &pins) < 0) return NULL;
     if (!live) return PyLong_FromLong(0); /* not (or no longer) in the books: no touch */
     if (self->ring_len == self->ring_cap) {
         Py_ssize_t cap = self->ring_cap ? 2 * self->ring_cap : 256;

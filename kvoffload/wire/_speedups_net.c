@@ -208,6 +208,30 @@ static void release(Py_buffer *views, int n) {
 
 #define PARTS_MAX 1024 /* a put_many of up to 511 blocks */
 
+/* The arguments every exchange checks before it sends: a request id the codec could have
+ * numbered (0 is the connection's own, whose ErrorReply is a goodbye: an answer "for" it must
+ * not be taken) and a deadline poll() can honour (NaN would wait forever). */
+/* An "O&" converter: a request id as an int in [0, 2**64), where "K" would take any int modulo
+ * 2**64 (2**64 + 5 as request 5). */
+static int rid_arg(PyObject *o, void *out) {
+    if (!PyLong_Check(o)) {
+        PyErr_SetString(PyExc_TypeError, "a request id is an int");
+        return 0;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(o); /* OverflowError outside the range */
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return 0;
+    *(unsigned long long *)out = v;
+    return 1;
+}
+
+static int bad_call(const char *name, unsigned long long rid, double timeout) {
+    if (rid == 0 || rid > 0xffffffffull || timeout != timeout) {
+        PyErr_Format(PyExc_ValueError, "%s: a 32-bit request id (not 0) and a timeout", name);
+        return 1;
+    }
+    return 0;
+}
+
 const char speedups_net_put_doc[] =
     "net_put(fd, parts, request_id, op, timeout) -> (status, 0, 0, eof, bytes): send a Put or "
     "PutMany frame's parts (at most 1024), read its answer of type `op` with an empty map "
@@ -218,7 +242,9 @@ PyObject *speedups_net_put(PyObject *self, PyObject *args) {
     PyObject *parts;
     unsigned long long rid;
     double timeout;
-    if (!PyArg_ParseTuple(args, "iOKid:net_put", &fd, &parts, &rid, &op, &timeout)) return NULL;
+    if (!PyArg_ParseTuple(args, "iOO&id:net_put", &fd, &parts, rid_arg, &rid, &op, &timeout))
+        return NULL;
+    if (bad_call("net_put", rid, timeout)) return NULL;
     Py_buffer *views = PyMem_Malloc(PARTS_MAX * sizeof *views);
     struct iovec *iov = PyMem_Malloc(PARTS_MAX * sizeof *iov);
     int n = views && iov ? gather(parts, views, iov, PARTS_MAX) : -1;
@@ -262,16 +288,15 @@ PyObject *speedups_net_get_into(PyObject *self, PyObject *args) {
     unsigned long long rid;
     Py_buffer header, buffer;
     double timeout;
-    if (!PyArg_ParseTuple(args, "iOKw*w*d:net_get_into", &fd, &frame, &rid, &header, &buffer,
-                          &timeout))
+    if (!PyArg_ParseTuple(args, "iOO&w*w*d:net_get_into", &fd, &frame, rid_arg, &rid, &header,
+                          &buffer, &timeout))
         return NULL;
     PyObject *result = NULL;
     Py_buffer view;
     struct iovec iov[1];
-    if (header.len < BLOCK_HEADER || !PyBuffer_IsContiguous(&buffer, 'C') || rid == 0 ||
-        rid > 0xffffffffull) {
-        PyErr_SetString(PyExc_ValueError,
-                        "net_get_into: a 96-byte header, a flat buffer, a 32-bit request id");
+    if (bad_call("net_get_into", rid, timeout)) goto out;
+    if (header.len < BLOCK_HEADER || !PyBuffer_IsContiguous(&buffer, 'C')) {
+        PyErr_SetString(PyExc_ValueError, "net_get_into: a 96-byte header, a flat buffer");
         goto out;
     }
     /* A 16-byte `frame` is the key: the Get frame is built here, as msgpack.packb would. */
@@ -440,9 +465,10 @@ PyObject *speedups_net_get_many_into(PyObject *self, PyObject *args) {
     PyObject *frame, *hdrs, *bufs;
     unsigned long long rid;
     double timeout;
-    if (!PyArg_ParseTuple(args, "iOKO!O!d:net_get_many_into", &fd, &frame, &rid, &PyList_Type,
-                          &hdrs, &PyList_Type, &bufs, &timeout))
+    if (!PyArg_ParseTuple(args, "iOO&O!O!d:net_get_many_into", &fd, &frame, rid_arg, &rid,
+                          &PyList_Type, &hdrs, &PyList_Type, &bufs, &timeout))
         return NULL;
+    if (bad_call("net_get_many_into", rid, timeout)) return NULL;
     Py_ssize_t count = PyList_GET_SIZE(bufs);
     if (count < 1 || count > MANY_MAX || PyList_GET_SIZE(hdrs) != count) {
         PyErr_SetString(PyExc_ValueError, "net_get_many_into: 1 to 256 headers and buffers");

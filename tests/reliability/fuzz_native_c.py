@@ -18,21 +18,30 @@ function does not document, and where the Python reference exists, on any answer
 from it. GCC has no libFuzzer coverage for C, so the mutations are guided by the Python code
 around the C calls and start from real frames; the sanitizers check every byte the C touches.
 
-Adding a target (the daemon's C hot path, the C index): write `fuzz(data: bytes) -> None` and a
-seed list, or for a C object that consumes a byte stream use `stream_target`, and add the
-`Target` to TARGETS; `sanitized.py` and its test pick every entry up (`share` of the runs).
+The C core's targets (`hot-gets`, `dram-index`) read their input as choices, not as one byte
+stream: which frames or operations, which limits, which chunking. Adding a target (GetMany or
+puts in C, the C reader callback): write `fuzz(data: bytes) -> None` and a seed list, or for
+a C object that consumes a byte stream use `stream_target`, and add the `Target` to TARGETS;
+`sanitized.py` and its test pick every entry up (`share` of the runs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import importlib
 import importlib.machinery
 import importlib.util
+import math
 import os
+import socket
+import struct
 import sys
+import termios
+import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -74,12 +83,41 @@ EXPLORE = os.environ.get("KVOFFLOAD_FUZZ_EXPLORE") == "1"
 # Before any project import: the project must bind the sanitized modules.
 SANITIZED = _load()
 
+import msgpack  # noqa: E402
+
 # fuzz_codecs imports the project under atheris's instrumentation; these names are its.
 from fuzz_codecs import _CLIENT_REQUESTS, LIMITS, _chunks, native_seeds  # noqa: E402
 
-from kvoffload.errors import KVOffloadError, RemoteProtocolError  # noqa: E402
+from kvoffload import core  # noqa: E402
+from kvoffload.errors import KVOffloadError, LocalProtocolError, RemoteProtocolError  # noqa: E402
+from kvoffload.kvstore import DramConfig, Engine, EngineConfig  # noqa: E402
+from kvoffload.kvstore.arena import AlignedBuffer  # noqa: E402
+from kvoffload.kvstore.dram import DramEntry, DramIndex  # noqa: E402
+from kvoffload.nvmeof_target.tenants import Tenant  # noqa: E402
 from kvoffload.wire import fast  # noqa: E402
 from kvoffload.wire.native import connection as nw  # noqa: E402
+from kvoffload.wire.native.connection import (  # noqa: E402
+    NEED_DATA,
+    Exists,
+    Get,
+    Hello,
+    Limits,
+    Lookup,
+    LookupResult,
+    NativeConnection,
+    Role,
+    Welcome,
+)
+from kvoffload.wire.native.frames import (  # noqa: E402
+    FRAME,
+    MAGIC,
+    Frame,
+    FrameReader,
+    Need,
+    _State,
+    encode_frame,  # noqa: E402
+)
+from kvoffload.wire.status import Status  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -267,6 +305,751 @@ def _native_trace(data: bytes, role: nw.Role) -> list[object]:
     return trace
 
 
+# ------------------------------------------ _speedups_net: one exchange with a hostile daemon
+# Each input: _NET_PARAMS bytes of the near end's choices, then what the daemon answers. The
+# far end of a socketpair writes the answer in the chosen chunk sizes (each one read before
+# the next is written, so C sees those boundaries), then closes or stalls; the C call runs
+# on the near end, non-blocking as sync.py leaves it. Its outcome must be exactly what the
+# Python codec derives from the same bytes, or a hand-back as _speedups_net.c documents it.
+_NET_PARAMS = 12  # mode, request id (4), buffer size (2), size mask, chunk codes (4)
+_NET_CHUNKS = (1, 2, 3, 7, 23, 24, 25, 97, 120, 487, 512, 513, 4096, 1 << 20)
+_SENTINEL = 0xA5  # what the caller's buffers hold before the call
+_HANG = 10.0  # a deadline an exchange that ends in EOF never reaches
+_STALL = 0.02  # the deadline when the daemon stalls
+# The client's limits (session.py's): what the C calls accept, the codec must too.
+_CLIENT_LIMITS = nw.Limits(
+    max_header_bytes=64 << 20, max_payload_bytes=4 << 30, max_pending=1 << 16
+)
+_NET_KEYS = [i.to_bytes(2, "little") * 8 for i in range(1, 258)]
+# A batch's size by the mode's high nibble: 1 to 14 keys, then fast.NET_MAX_KEYS and one more.
+_COUNTS = (*range(1, 15), 256, 257)
+
+
+@dataclass(frozen=True)
+class _NetInput:
+    stall: bool  # no EOF after the answer: the deadline ends the call
+    prebuilt: bool  # get_into: the Get frame from Python, not built by C from the key
+    header: int  # the header buffers' size (96 is right)
+    count: int  # keys of a get_many_into (_COUNTS), of a put_many (at most 14)
+    rid: int  # the request id passed (_wrap_rid: the high bits of the last two chunk codes)
+    size: int  # payload buffer size
+    mask: int  # get_many_into: buffer i is half-size when bit i % 7 is set; put: PutMany
+    nan: bool  # a NaN timeout (mask's bit 7), which must be refused
+    chunks: list[bytes]
+    stream: bytes
+
+
+def _net_input(data: bytes) -> _NetInput:
+    p = data[:_NET_PARAMS].ljust(_NET_PARAMS, b"\0")
+    stream = data[_NET_PARAMS:]
+    chunks, at = [], 0
+    for code in p[8:12]:
+        size = _NET_CHUNKS[(code & 0x7F) % len(_NET_CHUNKS)]
+        chunks.append(stream[at : at + size])
+        at += size
+    chunks.append(stream[at:])
+    return _NetInput(
+        stall=bool(p[0] & 1),
+        prebuilt=bool(p[0] & 2),
+        header=(96, 96, 200, 95)[(p[0] >> 2) & 3],
+        count=_COUNTS[p[0] >> 4],
+        rid=_wrap_rid(int.from_bytes(p[1:5], "little"), p[10] >> 7 | p[11] >> 7 << 1),
+        size=int.from_bytes(p[5:7], "little"),
+        mask=p[7] & 0x7F,
+        nan=bool(p[7] & 0x80),
+        chunks=[c for c in chunks if c],
+        stream=stream,
+    )
+
+
+def _wrap_rid(rid: int, how: int) -> int:
+    """The request id as the caller passes it: mostly as is, else past 32 or 64 bits or
+    negative (each must be refused, not wrapped onto a real id)."""
+    return (rid, rid + (1 << 32), rid + (1 << 64), -rid)[how]
+
+
+def _net_params(
+    rid: int,
+    *,
+    stall: bool = False,
+    prebuilt: bool = False,
+    count: int = 1,
+    size: int = 4096,
+    mask: int = 0,
+    chunks: bytes = b"\x0d\x0d\x0d\x0d",
+) -> bytes:
+    mode = int(stall) | int(prebuilt) << 1 | _COUNTS.index(count) << 4
+    return (
+        bytes([mode])
+        + rid.to_bytes(4, "little")
+        + size.to_bytes(2, "little")
+        + bytes([mask])
+        + chunks
+    )
+
+
+def _serve(far: socket.socket, near: socket.socket, inp: _NetInput, done: threading.Event) -> None:
+    """The hostile daemon: each chunk once the near end has read the one before (FIONREAD
+    0) or the call has returned, then EOF unless it stalls."""
+    for chunk in inp.chunks:
+        far.sendall(chunk)  # inputs are far below a socketpair's buffer: never blocks
+        while _unread(near) and not done.wait(0.0002):
+            pass
+    if not inp.stall:
+        far.shutdown(socket.SHUT_WR)
+
+
+def _unread(sock: socket.socket) -> int:
+    return int.from_bytes(fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(4)), "little")
+
+
+def _exchange(inp: _NetInput, call: Callable[[int, float], Any]) -> tuple[Any, bytes]:
+    """`call(fd, timeout)` against the hostile daemon: its result (or its exception) and the
+    bytes it sent."""
+    near, far = socket.socketpair()
+    with near, far:
+        near.setblocking(False)
+        done = threading.Event()
+        writer = threading.Thread(target=_serve, args=(far, near, inp, done))
+        writer.start()
+        timeout = math.nan if inp.nan else _STALL if inp.stall else _HANG
+        try:
+            result: Any = call(near.fileno(), timeout)
+        except (*_ARG_ERRORS, TimeoutError, OSError) as exc:
+            result = exc
+        finally:
+            done.set()
+            writer.join()
+        far.setblocking(False)
+        sent = b""
+        with contextlib.suppress(BlockingIOError):
+            while got := far.recv(1 << 16):
+                sent += got
+    if isinstance(result, TimeoutError) and not inp.stall:
+        raise AssertionError("the call timed out though the daemon closed the connection")
+    if isinstance(result, OSError) and not isinstance(result, TimeoutError):
+        raise AssertionError(f"an OSError on a healthy socketpair: {result!r}")
+    return result, sent
+
+
+@dataclass
+class _Reference:
+    """What the Python codec makes of the stream after sending `request` (its first answer
+    for it, the payload, or why there is none: "answer", "short", "error" or "other")."""
+
+    kind: str
+    event: object = None
+    payload: bytes = b""
+
+
+def _reference(request: nw.Event, payload: list[bytes], inp: _NetInput) -> _Reference:
+    previous = fast.use("python")
+    try:
+        conn = nw.NativeConnection(nw.Role.CLIENT, _CLIENT_LIMITS)
+        conn.send(nw.Hello(1 if request.request_id != 1 else 2), [])
+        conn.send(request, payload)
+        conn.receive_data(inp.stream)
+        if not inp.stall:
+            conn.receive_eof()
+        try:
+            event = conn.next_event()
+            if event is nw.NEED_DATA:
+                return _Reference("short")
+            if not isinstance(event, nw.Event) or event.request_id != request.request_id:
+                return _Reference("other", event)
+            if isinstance(event, nw.ErrorReply):
+                return _Reference("other", event)
+            sink = bytearray(event.payload_length)
+            if sink:
+                conn.set_payload_sink([memoryview(sink)])
+                end = conn.next_event()
+                if end is nw.NEED_DATA:
+                    return _Reference("short", event)
+            return _Reference("answer", event, bytes(sink))
+        except RemoteProtocolError:
+            return _Reference("error")
+    finally:
+        fast.use(previous)
+
+
+def _buffer(size: int) -> np.ndarray:
+    """An exact heap block (ASan sees a byte past it) holding the sentinel."""
+    return np.full(size, _SENTINEL, np.uint8)
+
+
+def _untouched(buf: np.ndarray, start: int = 0) -> bool:
+    return bool((buf[start:] == _SENTINEL).all())
+
+
+def _zeroed_or_untouched(buf: np.ndarray) -> bool:
+    """After a failure: the bytes that landed zeroed (a prefix), the rest as they were."""
+    nonzero = np.flatnonzero(buf)
+    return _untouched(buf, int(nonzero[0])) if len(nonzero) else True
+
+
+def _refused(got: object, sent: bytes, bad: bool) -> bool:
+    """Whether the call refused its arguments: exactly the bad ones (a request id the codec
+    could not have numbered, a short header, a NaN timeout), and before sending anything."""
+    if isinstance(got, _ARG_ERRORS):
+        if not bad or sent:
+            raise AssertionError(f"refused good arguments, or after sending: {got!r}")
+        return True
+    if bad:
+        raise AssertionError(f"bad arguments were not refused: {got!r}")
+    return False
+
+
+def _check_handed_back(answer: tuple[Any, ...], inp: _NetInput) -> None:
+    """FALLBACK: at most a head read's bytes, a prefix of the stream; eof only after all."""
+    _status, _, _, eof, data = answer
+    if len(data) > 512 or not inp.stream.startswith(data):
+        raise AssertionError(f"handed back {len(data)} bytes that are not the stream's start")
+    if eof and (inp.stall or data != inp.stream):
+        raise AssertionError("eof handed back before the daemon closed")
+
+
+def _check_leftover(data: bytes, inp: _NetInput) -> None:
+    """DONE: what came back is what follows the answer's frame in the stream."""
+    hlen, plen = struct.unpack_from("<IQ", inp.stream, 12)
+    end = 24 + hlen + plen
+    if inp.stream[end : end + len(data)] != data:
+        raise AssertionError("the bytes past the answer are not the stream's")
+
+
+def fuzz_net_get_into(data: bytes) -> None:
+    """`net_get_into` against a hostile daemon: the block the Python codec reads from the same
+    bytes (header, payload, length, CRC, what follows), a miss, a hand-back, or a cut with
+    the landed bytes zeroed; a buffer outside the payload's is never written."""
+    inp = _net_input(data)
+    key = _NET_KEYS[inp.count - 1]
+    header, buffer = _buffer(inp.header), _buffer(inp.size)
+    request = nw.Get(inp.rid, key) if 0 < inp.rid < 1 << 32 else None
+    frame: object = key
+    if inp.prebuilt and request is not None:
+        frame = b"".join(encode_frame(nw.Get.OP, 0, inp.rid, request.meta()))
+    net = _ext(SPEEDUPS).net_get_into
+    got, sent = _exchange(inp, lambda fd, t: net(fd, frame, inp.rid, header, buffer, t))
+    if _refused(got, sent, request is None or inp.header < 96 or inp.nan):
+        return
+    assert request is not None
+    if sent != b"".join(encode_frame(nw.Get.OP, 0, inp.rid, request.meta())):
+        raise AssertionError(f"sent {sent!r}, not the Get frame")
+    if isinstance(got, TimeoutError):
+        if not _zeroed_or_untouched(buffer):
+            raise AssertionError("a timed-out get left bytes in the buffer")
+        return
+    status, length, crc, eof, rest = got
+    if status == fast.NET_FALLBACK:
+        _check_handed_back(got, inp)
+        if not (_untouched(buffer) and _untouched(header)):
+            raise AssertionError("a hand-back wrote the caller's buffers")
+        return
+    ref = _reference(request, [], inp)
+    if status == fast.NET_CUT:
+        if got != (fast.NET_CUT, 0, 0, 1, b"") or ref.kind != "error" or inp.stall:
+            raise AssertionError(f"cut {got!r} where the codec says {ref}")
+        if not _zeroed_or_untouched(buffer):
+            raise AssertionError("a cut get left bytes in the buffer")
+        return
+    if status != fast.NET_DONE or eof or ref.kind != "answer":
+        raise AssertionError(f"{got[:4]} where the codec says {ref}")
+    _check_leftover(rest, inp)
+    if length == -1:
+        if ref.event != nw.GetResult(inp.rid, None) or crc != 0 or not _untouched(buffer):
+            raise AssertionError(f"a miss where the codec says {ref.event}")
+        return
+    block = ref.payload
+    if ref.event != nw.GetResult(inp.rid, length + 96) or len(block) != length + 96:
+        raise AssertionError(f"length {length} where the codec says {ref.event}")
+    if bytes(header[:96]) != block[:96] or not _untouched(header, 96):
+        raise AssertionError("the block header differs from the codec's")
+    if bytes(buffer[:length]) != block[96:] or not _untouched(buffer, length):
+        raise AssertionError("the payload differs from the codec's")
+    if crc != fast.py_crc32c(block[96:]):
+        raise AssertionError(f"crc {crc:#x} is not the payload's")
+
+
+def _many_buffers(inp: _NetInput) -> list[np.ndarray]:
+    return [
+        _buffer(inp.size // 2 if inp.mask >> (i % 7) & 1 else inp.size) for i in range(inp.count)
+    ]
+
+
+def fuzz_net_get_many_into(data: bytes) -> None:
+    """`net_get_many_into` against a hostile daemon: every hit and miss as the Python codec
+    reads the same bytes, a hand-back, or a cut with every landed payload zeroed."""
+    inp = _net_input(data)
+    keys = tuple(_NET_KEYS[: inp.count])
+    if inp.count > 16:  # 256 buffers of up to 64 KiB each would make every input slow
+        inp = replace(inp, size=inp.size % 4096)
+    headers = [_buffer(inp.header) for _ in keys]
+    buffers = _many_buffers(inp)
+    request = nw.GetMany(inp.rid, keys) if 0 < inp.rid < 1 << 32 else None
+    rid = inp.rid if request is not None else 1  # the frame needs a valid id to be built
+    frame = b"".join(encode_frame(nw.GetMany.OP, 0, rid, nw.GetMany(rid, keys).meta()))
+    net = _ext(SPEEDUPS).net_get_many_into
+    got, sent = _exchange(
+        inp, lambda fd, t: net(fd, frame, inp.rid, list(headers), list(buffers), t)
+    )
+    bad = request is None or inp.header < 96 or inp.nan or inp.count > fast.NET_MAX_KEYS
+    if _refused(got, sent, bad):
+        return
+    assert request is not None
+    if sent != frame:
+        raise AssertionError("sent something else than the GetMany frame")
+    if isinstance(got, TimeoutError):
+        if not all(_zeroed_or_untouched(b) for b in buffers):
+            raise AssertionError("a timed-out get_many left bytes in a buffer")
+        return
+    status, lengths, crcs, eof, rest = got
+    if status == fast.NET_FALLBACK:
+        _check_handed_back(got, inp)
+        if not all(_untouched(b) for b in buffers + headers):
+            raise AssertionError("a hand-back wrote the caller's buffers")
+        return
+    ref = _reference(request, [], inp)
+    if status == fast.NET_CUT:
+        if got != (fast.NET_CUT, None, None, 1, b"") or ref.kind != "error" or inp.stall:
+            raise AssertionError(f"cut {got!r} where the codec says {ref}")
+        if not all(_zeroed_or_untouched(b) for b in buffers):
+            raise AssertionError("a cut get_many left bytes in a buffer")
+        return
+    if status != fast.NET_DONE or eof or ref.kind != "answer" or lengths is None or crcs is None:
+        raise AssertionError(f"{got[:4]} where the codec says {ref}")
+    _check_leftover(rest, inp)
+    want = tuple(None if n < 0 else n + 96 for n in lengths)
+    if ref.event != nw.GetManyResult(inp.rid, want):
+        raise AssertionError(f"lengths {lengths} where the codec says {ref.event}")
+    at = 0
+    for n, crc, head, buf in zip(lengths, crcs, headers, buffers, strict=True):
+        if n < 0:
+            if crc != 0 or not (_untouched(head) and _untouched(buf)):
+                raise AssertionError("a miss wrote its buffers")
+            continue
+        block = ref.payload[at : at + n + 96]
+        at += n + 96
+        if bytes(head[:96]) != block[:96] or not _untouched(head, 96):
+            raise AssertionError("a block header differs from the codec's")
+        if bytes(buf[:n]) != block[96:] or not _untouched(buf, n):
+            raise AssertionError("a payload differs from the codec's")
+        if crc != fast.py_crc32c(block[96:]):
+            raise AssertionError(f"crc {crc:#x} is not the payload's")
+
+
+def _put_request(inp: _NetInput, rid: int) -> tuple[nw.Event, list[bytes]]:
+    value = bytes(range(256)) * (1 + inp.size % 8)
+    if inp.mask & 1:
+        # A frame the socket takes whole: the daemon does not read before the call returns.
+        keys = tuple(_NET_KEYS[: min(inp.count, 14)])
+        return nw.PutMany(rid, keys, (len(value),) * len(keys)), [value] * len(keys)
+    return nw.Put(rid, _NET_KEYS[0], len(value)), [value]
+
+
+def fuzz_net_put(data: bytes) -> None:
+    """`net_put` (a Put or a PutMany) against a hostile daemon: done exactly when the Python
+    codec reads the expected answer from the same bytes, else a hand-back of what was read."""
+    inp = _net_input(data)
+    rid = inp.rid if 0 < inp.rid < 1 << 32 else 1
+    request, payload = _put_request(inp, rid)
+    parts = encode_frame(request.OP, 0, rid, request.meta(), payload)
+    net = _ext(SPEEDUPS).net_put
+    got, sent = _exchange(inp, lambda fd, t: net(fd, parts, inp.rid, request.OP, t))
+    if _refused(got, sent, rid != inp.rid or inp.nan):
+        return
+    if sent != b"".join(bytes(p) for p in parts):
+        raise AssertionError("sent something else than the frame's parts")
+    if isinstance(got, TimeoutError):
+        return
+    status, _, _, eof, rest = got
+    if status == fast.NET_FALLBACK:
+        _check_handed_back(got, inp)
+        return
+    ref = _reference(request, payload, inp)
+    answer = nw.PutManyDone(rid) if isinstance(request, nw.PutMany) else nw.PutDone(rid)
+    if got != (fast.NET_DONE, 0, 0, 0, b"") or ref.event != answer:
+        raise AssertionError(f"{got!r} where the codec says {ref}")
+
+
+def _seed_request(kind: str, inp: _NetInput, rid: int) -> tuple[nw.Event, list[bytes]]:
+    if kind == "get":
+        return nw.Get(rid, _NET_KEYS[inp.count - 1]), []
+    if kind == "many":
+        return nw.GetMany(rid, tuple(_NET_KEYS[: inp.count])), []
+    return _put_request(inp, rid)
+
+
+def _net_seeds(kind: str) -> list[bytes]:
+    """Real daemon answers, as the daemon's codec writes them for the request sent: hits,
+    misses, an ErrorReply, a goodbye, an answer and then a goodbye, one numbered 0; each
+    whole, in chunks, stalled, into a short buffer, cut in half, with a NaN timeout, with the
+    request id plus 2**64."""
+    rid, block = 7, bytes(range(256)) * 2
+    cases: list[tuple[bytes, nw.Event, list[bytes]]] = []  # (params, answer, its payload)
+    for count, mask in {"get": [(3, 1)], "many": [(3, 1), (256, 0)], "put": [(3, 0), (3, 1)]}[kind]:
+        params = _net_params(rid, count=count, mask=mask)
+        nils: tuple[None, ...] = (None,) * (count - 1)
+        by_kind: dict[str, list[tuple[nw.Event, list[bytes]]]] = {
+            "get": [(nw.GetResult(rid, len(block)), [block]), (nw.GetResult(rid, None), [])],
+            "many": [
+                (nw.GetManyResult(rid, (len(block), *nils)), [block]),
+                (nw.GetManyResult(rid, (None, *nils)), []),
+            ],
+            "put": [(nw.PutManyDone(rid) if mask else nw.PutDone(rid), [])],
+        }
+        if kind == "many" and count == 3:
+            by_kind["many"].append(
+                (nw.GetManyResult(rid, (len(block), None, 96)), [block, block[:96]])
+            )
+        for event, parts in by_kind[kind] + [
+            (nw.ErrorReply(rid, Status.CORRUPT, "checksum"), []),
+            (nw.ErrorReply(0, Status.UNAVAILABLE, "shutting down"), []),  # a goodbye
+        ]:
+            cases.append((params, event, parts))
+    seeds = []
+    for params, event, parts in cases:
+        inp = _net_input(params)
+        request, payload = _seed_request(kind, inp, rid)
+        # The daemon's codec answers only what it received: the request the exchange sends.
+        server = nw.NativeConnection(nw.Role.SERVER, _CLIENT_LIMITS)
+        client = nw.NativeConnection(nw.Role.CLIENT, _CLIENT_LIMITS)
+        server.receive_data(client.send(nw.Hello(1), []) + client.send(request, payload))
+        while server.next_event() is not nw.NEED_DATA:
+            pass
+        stream = server.send(event, [memoryview(p) for p in parts])
+        goodbye = server.send(nw.ErrorReply(0, Status.UNAVAILABLE, "idle"), [])
+        for chunks in (b"\x0d\x0d\x0d\x0d", b"\x05\x04\x07\x00", b"\x01\x08\x02\x09"):
+            seeds.append(params[:8] + chunks + stream)
+        seeds.append(bytes([params[0] | 1]) + params[1:] + stream)  # then a stall
+        seeds.append(params[:5] + (100).to_bytes(2, "little") + params[7:] + stream)
+        seeds.append(params + stream[: len(stream) // 2])
+        seeds.append(params + stream + goodbye)
+        # The answer numbered 0, the connection's own id, as the id asked; a NaN timeout.
+        seeds.append(params[:1] + bytes(4) + params[5:] + stream[:8] + bytes(4) + stream[12:])
+        seeds.append(params[:7] + bytes([params[7] | 0x80]) + params[8:] + stream)
+        seeds.append(params[:11] + bytes([params[11] | 0x80]) + stream)  # the id + 2**64
+    return seeds
+
+
+# ------------------------------------- _core.HotGets: the daemon's C hot path against Python
+CORE = "kvoffload.core._core"
+HOT_HELLO = 0xFFFFFFFF  # the reference connection's Hello id
+_HOT_KEYS = [bytes([i]) * 16 for i in range(1, 9)]  # the first 5 stored plainly, 3 under alice
+_HOT_VALUES = [b"", b"a", bytes(range(256)) * 20, b"v" * 4096, b"w" * 70_001]
+_TENANTS = (None, Tenant.named("alice"), Tenant.named("bob"))  # bob: a prefix, no blocks
+_GET_MAP = b"\x81\xa3key\xc4\x10"
+_OP_GET, _OP_EXISTS, _OP_LOOKUP = Get.OP, Exists.OP, Lookup.OP
+_hot_engine: list[Engine] = []
+
+
+def _engine() -> Engine:
+    """One small DRAM-only engine for the whole run (its state only grows counters and
+    touches: gets neither add nor evict)."""
+    if not _hot_engine:
+        engine = Engine(EngineConfig(dram=DramConfig(capacity_bytes=1 << 20, prefault=False)))
+        for key, value in zip(_HOT_KEYS, _HOT_VALUES, strict=False):
+            engine.put(key, value)
+        alice = _TENANTS[1]
+        assert alice is not None
+        for key, value in zip(_HOT_KEYS[:3], (b"alice's", b"", b"x" * 300), strict=True):
+            engine.put(alice.key(key), value)
+        _hot_engine.append(engine)
+    return _hot_engine[0]
+
+
+def _head(op: int, rid: int, hlen: int, plen: int = 0, flags: int = 0) -> bytes:
+    return FRAME.pack(MAGIC, 1, op, flags, rid, hlen, plen)
+
+
+def _lookup_frame(rid: int, keys: Sequence[bytes]) -> bytes:
+    n = len(keys)
+    array = bytes([0x90 | n]) if n < 16 else (b"\xdc" + n.to_bytes(2, "big") if n < 65536
+                                              else b"\xdd" + n.to_bytes(4, "big"))  # fmt: skip
+    body = b"\x81\xa4keys" + array + b"".join(b"\xc4\x10" + k for k in keys)
+    return _head(_OP_LOOKUP, rid, len(body)) + body
+
+
+@atheris.instrument_func  # coverage of the choices: GCC gives none of the C
+def _hot_frame(fdp: atheris.FuzzedDataProvider) -> bytes:
+    """One frame of a hostile stream: mostly canonical Gets, Exists and Lookups (what C
+    takes), and the near misses it must leave to Python."""
+    rid = int(fdp.PickValueInList([0, 1, 2, 2, 3, 2**31, 2**32 - 2]))
+    key = _HOT_KEYS[fdp.ConsumeIntInRange(0, len(_HOT_KEYS) - 1)]
+    kind = fdp.ConsumeIntInRange(0, 11)
+    get = _head(_OP_GET if fdp.ConsumeBool() else _OP_EXISTS, rid, 23) + _GET_MAP + key
+    if kind <= 2:
+        return get
+    if kind == 3:
+        keys = [_HOT_KEYS[fdp.ConsumeIntInRange(0, 7)] for _ in range(fdp.ConsumeIntInRange(0, 20))]
+        return _lookup_frame(rid, keys)
+    if kind == 4 and fdp.ConsumeIntInRange(0, 15) == 0:  # rare: each costs ~0.1 s
+        count, miss = fdp.ConsumeIntInRange(0, 70_000), fdp.ConsumeIntInRange(0, 70_001)
+        return _lookup_frame(rid, [_HOT_KEYS[0 if i != miss else 7] for i in range(count)])
+    if kind == 5:  # a field of the head or an early map byte set to a hostile value
+        frame = bytearray(get if fdp.ConsumeBool() else _lookup_frame(rid, [key, key]))
+        at = fdp.ConsumeIntInRange(4, min(len(frame), 40) - 1)
+        if at in (8, 12, 16, 20) and fdp.ConsumeBool():  # id, header or payload length
+            frame[at : at + 4] = int(fdp.PickValueInList([0, 1, 22, 24, 2**31, 2**32 - 1])
+                                     ).to_bytes(4, "little")  # fmt: skip
+        else:
+            frame[at] = fdp.ConsumeIntInRange(0, 255)
+        return bytes(frame)
+    if kind == 6:  # truncated
+        return get[: fdp.ConsumeIntInRange(0, len(get) - 1)]
+    if kind == 7:  # a valid map C does not take: odd key types, tiers, extra fields
+        odd = fdp.PickValueInList([None, 7, -1, "k" * 16, b"", b"k" * 15, b"k" * 17, [key]])
+        op = int(fdp.PickValueInList([_OP_GET, _OP_EXISTS, _OP_LOOKUP]))
+        meta: dict[str, object] = {"keys" if op == _OP_LOOKUP else "key": odd}
+        if fdp.ConsumeBool():
+            meta = {"keys": [key], "tiers": True} if op == _OP_LOOKUP else {"key": key, "x": 1}
+        body = msgpack.packb(meta)
+        return _head(op, rid, len(body)) + body
+    if kind == 8:  # a lookup whose array count disagrees with its length
+        frame = bytearray(_lookup_frame(rid, [key] * fdp.ConsumeIntInRange(0, 17)))
+        frame[30] = fdp.ConsumeIntInRange(0, 255)
+        return bytes(frame)
+    if kind == 9:  # a request the hot path never takes, with a payload
+        body = msgpack.packb({"key": key})
+        return _head(1, rid, len(body), 3) + body + b"abc"
+    return fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 64))
+
+
+@atheris.instrument_func  # coverage of the choices: GCC gives none of the C
+def _python_answers(ref: NativeConnection, engine: Engine, tenant: Tenant | None,
+                    taken: bytes) -> tuple[list[bytes], list[int], int, int]:  # fmt: skip
+    """What the Python path answers to the frames C took: the codec reads them, the engine's
+    own calls answer them. Returns each answer's bytes, (gets, exists, lookups), hits, bytes."""
+    ref.receive_data(taken)
+    out: list[bytes] = []
+    counts, hits, size = [0, 0, 0], 0, 0
+    derive = tenant.key if tenant is not None else (lambda k: k)
+    while (event := ref.next_event()) is not NEED_DATA:
+        if isinstance(event, Get):
+            view = engine.get(derive(event.key))
+            length = None if view is None else len(view)
+            parts = ref.send_get_result(event.request_id, length,
+                                        (view.data,) if view is not None else ())  # fmt: skip
+            out.append(b"".join(bytes(p) for p in parts))
+            if view is not None:
+                hits, size = hits + 1, size + len(view)
+                view.release()
+            counts[0] += 1
+        elif isinstance(event, Exists):
+            found = engine.contains(derive(event.key))
+            out.append(b"".join(bytes(p) for p in ref.send_exists_result(event.request_id, found)))
+            counts[1] += 1
+        elif isinstance(event, Lookup) and not event.tiers:
+            n = engine.lookup([derive(k) for k in event.keys])
+            out.append(
+                b"".join(bytes(p) for p in ref.send_parts(LookupResult(event.request_id, n)))
+            )
+            counts[2] += 1
+        else:
+            raise AssertionError(f"C took a frame Python reads as {event!r}")
+    return out, counts, hits, size
+
+
+def fuzz_hot_gets(data: bytes) -> None:
+    """A hostile stream in fuzzed chunks through `HotGets.serve`, with fuzzed limits, turns and
+    flow control, Python taking each frame C leaves: what C takes Python reads as the same
+    requests and answers with the same bytes and counters, what it leaves is untouched, and no
+    pin is left once its answers are released."""
+    fdp = atheris.FuzzedDataProvider(data)
+    engine, tenant = _engine(), _TENANTS[fdp.ConsumeIntInRange(0, 2)]
+    limits = Limits(max_header_bytes=int(fdp.PickValueInList([64, 100, 200, 4096, 4 << 20])),
+                    max_payload_bytes=int(fdp.PickValueInList([0, 2, 3, 1 << 20])))  # fmt: skip
+    chunk = int(fdp.PickValueInList([1, 7, 24, 47, 100, 4096, 1 << 30]))
+    stream = b"".join(_hot_frame(fdp) for _ in range(fdp.ConsumeIntInRange(0, 12)))
+    stream += fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 64))
+    chunk = max(chunk, len(stream) >> 6)  # a 70,000-key lookup byte by byte: minutes an input
+    handles = engine.hot_handles()
+    hot_type = core.hot_gets_type()
+    assert handles is not None and hot_type is not None
+    hot = hot_type(handles.lock, handles.index, handles.counters, handles.manager,
+                   handles.apply_touches, handles.free, handles.arena,
+                   tenant.hasher if tenant else None, fast.frame_head, _State.HEAD,
+                   handles.touch_ring)  # fmt: skip
+    reader, ref = FrameReader(limits), NativeConnection(Role.SERVER, limits)
+    ref.receive_data(NativeConnection(Role.CLIENT).send(Hello(HOT_HELLO)))
+    ref.next_event()  # answered, as the session does before it serves in C
+    ref.send_parts(Welcome(HOT_HELLO, 1, "", 1 << 20, 1 << 20))
+    held: list[tuple[list[object], list[object]]] = []
+    received = 0
+    try:
+        for at in range(0, len(stream), chunk):
+            reader.receive_data(stream[at : at + chunk])
+            received = min(len(stream), at + chunk)
+            if not _serve_all(fdp, hot, reader, ref, engine, tenant, stream, received, held):
+                return
+    finally:
+        for views, entries in held:
+            hot.release(views, entries)
+        left = [e for e in handles.index.values() if e.pins]
+        if left or len(handles.index.pinned):
+            raise AssertionError(f"pins left after release: {left}")
+
+
+def _flow(fdp: atheris.FuzzedDataProvider) -> tuple[int, int, int]:
+    """serve's (bytes in flight, their limit, turn): mostly roomy; or each hostile; or in
+    flight just under a hostile limit (2**63 - 1 among them), with a short turn."""
+    mode = fdp.ConsumeIntInRange(0, 5)
+    if mode == 0:
+        return _hostile_int(fdp), _hostile_int(fdp), _hostile_int(fdp)
+    if mode == 1:
+        limit = (
+            int(fdp.PickValueInList([2**63 - 1, 100])) if fdp.ConsumeBool() else _hostile_int(fdp)
+        )
+        return limit - fdp.ConsumeIntInRange(0, 200), limit, fdp.ConsumeIntInRange(0, 3)
+    return 0, 1 << 30, 1 << 30
+
+
+@atheris.instrument_func  # coverage of the choices: GCC gives none of the C
+def _serve_all(fdp: atheris.FuzzedDataProvider, hot: Any, reader: FrameReader,
+               ref: NativeConnection, engine: Engine, tenant: Tenant | None, stream: bytes,
+               received: int, held: list[tuple[list[object], list[object]]]) -> bool:  # fmt: skip
+    """Serve what is buffered, C first, Python for each frame C leaves; False once Python
+    refuses the stream (the session would close)."""
+    handles = engine.hot_handles()
+    assert handles is not None
+    counters = handles.counters
+    while True:
+        inflight, max_inflight, most = _flow(fdp)
+        pos = received - (reader._end - reader._start)
+        before = dict(counters)
+        try:
+            got = hot.serve(reader, inflight, max_inflight, most)
+        except (OverflowError, ValueError):
+            if all(0 <= v < 2**63 for v in (inflight, max_inflight, most)):
+                raise
+            got = None
+        after = received - (reader._end - reader._start)
+        if bytes(reader._buf[reader._start : reader._end]) != stream[after:received]:
+            raise AssertionError("HotGets changed the bytes it left")
+        if got is not None:
+            parts, views, entries, counts, out_bytes, size = got
+            held.append((views, entries))
+            answer = b"".join(bytes(p) for p in parts)
+            if not (after > pos and reader._state is _State.HEAD and size == len(answer)):
+                raise AssertionError(f"served {counts} from {pos} to {after}, {size} bytes")
+            changed = {k: counters[k] - before[k] for k in ("gets", "hits", "misses", "bytes_out")}
+            want, want_counts, hits, hit_bytes = _python_answers(ref, engine, tenant,
+                                                                 stream[pos:after])  # fmt: skip
+            # flow control: every answer but the last began under the limit, and the turn
+            if sum(map(len, want[:-1])) >= max_inflight - inflight or len(want) > most:
+                raise AssertionError(
+                    f"{len(want)} answers past ({inflight}, {max_inflight}, {most})"
+                )
+            if answer != b"".join(want) or list(counts) != want_counts or out_bytes != hit_bytes:
+                raise AssertionError(f"C answered {answer[:200]!r} {counts}, Python "
+                                     f"{b''.join(want)[:200]!r} {want_counts}")  # fmt: skip
+            expect = {"gets": want_counts[0], "hits": hits, "misses": want_counts[0] - hits,
+                      "bytes_out": hit_bytes}  # fmt: skip
+            if changed != expect:
+                raise AssertionError(f"counters moved by {changed}, Python's by {expect}")
+            if fdp.ConsumeBool():  # sometimes at once, sometimes at the end
+                hot.release(views, entries)
+            continue
+        if after != pos:
+            raise AssertionError("HotGets moved the reader and answered nothing")
+        try:  # Python takes the next frame, as the session would
+            event = reader.next_frame()
+        except LocalProtocolError:
+            return False
+        if event is Need.DATA:
+            return True
+        if isinstance(event, Frame) and event.payload_length:
+            reader.discard()
+
+
+# ------------------------------------------------ _core.DramIndex against kvstore.dram.DramIndex
+_INDEX_KEYS = [bytes([i]) * 16 for i in range(5)]
+_INDEX_OPS = ("make", "insert", "remove", "lookup", "pin", "unpin", "drain_touches",
+              "next_tick", "set_tick", "set_pins", "retire", "contains")  # fmt: skip
+_INT64 = range(-(2**63), 2**63)
+
+
+class _IndexWorld:
+    """One index and the entries made for it (numbered in order: the worlds' entries differ)."""
+
+    def __init__(self, index: Any) -> None:
+        self.index, self.entries = index, list[DramEntry]()
+
+    def number(self, answer: object) -> object:
+        if isinstance(answer, DramEntry):
+            return ("entry", next(i for i, e in enumerate(self.entries) if e is answer))
+        if isinstance(answer, list):
+            return [self.number(a) for a in answer]
+        return answer
+
+    def state(self) -> object:
+        return ([(e.pins, e.live, e.tick) for e in self.entries], sorted(self.index.pinned),
+                self.index.tick, len(self.index), sorted(map(str, map(self.number,
+                self.index.values()))), [k in self.index for k in _INDEX_KEYS])  # fmt: skip
+
+    @atheris.instrument_func
+    def run(self, op: str, key: int, which: int, value: int) -> object:
+        index = self.index
+        try:
+            if op == "make":
+                staging = AlignedBuffer(4096) if value == 1 else None
+                self.entries.append(DramEntry(_INDEX_KEYS[key], key * 4096, 100, 4096, None,
+                                              index.next_tick(), pins=value % 3,
+                                              staging=staging))  # fmt: skip
+                return None
+            if op in ("lookup", "remove"):
+                return self.number(getattr(index, op)(_INDEX_KEYS[key]))
+            if op == "contains":
+                return _INDEX_KEYS[key] in index
+            if op in ("drain_touches", "retire", "next_tick"):
+                return self.number(getattr(index, op)())
+            if op == "set_tick":
+                index.tick = value
+                return None
+            if not self.entries:
+                return "no entry"
+            entry = self.entries[which % len(self.entries)]
+            if op == "set_pins":  # what the engine may leave: any count, even a negative one
+                entry.pins = value
+                return None
+            return self.number(getattr(index, op)(entry))  # pin, unpin (twice too), insert
+        except Exception as exc:  # both must raise the same
+            return (type(exc).__name__, str(exc))
+
+
+@atheris.instrument_func  # coverage of the choices: GCC gives none of the C
+def fuzz_dram_index(data: bytes) -> None:
+    """The same operation sequence through the C index and the Python one: every answer, error
+    and piece of state equal; where a count leaves 64 bits, C refuses with OverflowError."""
+    fdp = atheris.FuzzedDataProvider(data)
+    c = _IndexWorld(_ext(CORE).DramIndex())
+    python = _IndexWorld(DramIndex())
+    while fdp.remaining_bytes():
+        op = _INDEX_OPS[fdp.ConsumeIntInRange(0, len(_INDEX_OPS) - 1)]
+        key, which = fdp.ConsumeIntInRange(0, 4), fdp.ConsumeIntInRange(0, 15)
+        value = _hostile_int(fdp) if op.startswith("set") else fdp.ConsumeIntInRange(0, 2)
+        if op == "set_tick" and value not in _INT64:
+            continue  # a C long long: assigning more is refused (TypeError/OverflowError)
+        before = python.state()
+        want, got = python.run(op, key, which, value), c.run(op, key, which, value)
+        if got != want:
+            # C's counts are 64-bit: past them it refuses, with nothing changed
+            if isinstance(got, tuple) and got[0] == "OverflowError" and _overflowed(python):
+                if c.state() != before:
+                    raise AssertionError(f"{op}: C refused but changed its state")
+                return
+            raise AssertionError(f"{op}({key}, {which}, {value}): C {got!r}, Python {want!r}")
+        if c.state() != python.state():
+            raise AssertionError(f"{op}: C {c.state()}, Python {python.state()}")
+
+
+def _overflowed(world: _IndexWorld) -> bool:
+    return world.index.tick not in _INT64 or any(e.pins not in _INT64 for e in world.entries)
+
+
+def _core_seeds() -> list[bytes]:
+    """Both C core targets read their input as choices (FuzzedDataProvider): any bytes do."""
+    return [bytes(range(n)) * 4 for n in (8, 40, 200, 256)] + [b"\x00" * 64, b"\x01" * 300]
+
+
 # ---------------------------------------------------------------------------- the table
 TARGETS: dict[str, Target] = {
     "parse-frame": Target(fuzz_parse_frame, lambda: native_seeds(nw.Role.SERVER), SPEEDUPS, 0.25),
@@ -292,6 +1075,12 @@ TARGETS: dict[str, Target] = {
         SPEEDUPS,
         0.2,
     ),
+    "net-get-into": Target(fuzz_net_get_into, lambda: _net_seeds("get"), SPEEDUPS, 0.1),
+    "net-get-many-into": Target(fuzz_net_get_many_into, lambda: _net_seeds("many"), SPEEDUPS, 0.1),
+    "net-put": Target(fuzz_net_put, lambda: _net_seeds("put"), SPEEDUPS, 0.05),
+    # The C core (kvoffload/core): the daemon's hot path and the index it reads.
+    "hot-gets": Target(fuzz_hot_gets, _core_seeds, CORE, 0.25),
+    "dram-index": Target(fuzz_dram_index, _core_seeds, CORE, 0.1),
 }
 
 
@@ -321,6 +1110,8 @@ def check_build(target: Target) -> None:
         raise SystemExit(f"{target.module} is not in the sanitized build {sorted(SANITIZED)}")
     if target.module == SPEEDUPS and fast._EXT is not _ext(SPEEDUPS):
         raise SystemExit("kvoffload.wire.fast did not bind the _speedups under test")
+    if target.module == CORE and core._EXT is not _ext(CORE):
+        raise SystemExit("kvoffload.core did not bind the _core under test")
 
 
 def write_seeds(name: str, directory: Path) -> int:

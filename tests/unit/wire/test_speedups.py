@@ -21,6 +21,8 @@ from kvoffload.wire.native.connection import (
     Exists,
     ExistsResult,
     Get,
+    GetMany,
+    GetManyResult,
     GetResult,
     Hello,
     Limits,
@@ -382,6 +384,106 @@ def test_bad_request_ids_are_refused_before_anything_is_sent() -> None:
                 _speedups.net_get_into(
                     client.fileno(), b"k" * 16, rid, bytearray(96), bytearray(), 1.0
                 )
+        daemon.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            daemon.recv(1)  # nothing went out
+
+
+@pytest.mark.skipif("c" not in IMPLS, reason="the C extension is not built here")
+def test_no_exchange_takes_an_answer_for_request_id_zero() -> None:
+    # Found by an input of the net-put and net-get-many-into fuzz targets (now a seed of
+    # each): request id 0 is the connection's own (its ErrorReply is a goodbye) and the codec
+    # refuses any other answer for it, but net_put and net_get_many_into took a PutDone /
+    # GetManyResult numbered 0.
+    from kvoffload.wire import _speedups
+
+    answers = {
+        "put": b"".join(encode_frame(PutDone.OP, FLAG_RESPONSE, 0, {})),
+        "many": b"".join(encode_frame(GetManyResult.OP, FLAG_RESPONSE, 0, {"lengths": [None]})),
+    }
+    for kind, answer in answers.items():
+        client, daemon = socket.socketpair()
+        with client, daemon:
+            daemon.sendall(answer)
+            client.setblocking(False)
+            with pytest.raises(ValueError, match="request id"):
+                if kind == "put":
+                    frame = encode_frame(Put.OP, 0, 0, Put(1, b"k" * 16, 1).meta(), [b"x"])
+                    _speedups.net_put(client.fileno(), frame, 0, PutDone.OP, 5.0)
+                else:
+                    frame = encode_frame(GetMany.OP, 0, 0, GetMany(1, (b"k" * 16,)).meta())
+                    _speedups.net_get_many_into(
+                        client.fileno(), b"".join(frame), 0, [bytearray(96)], [bytearray(8)], 5.0
+                    )
+            daemon.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                daemon.recv(1)  # nothing went out
+
+
+@pytest.mark.skipif("c" not in IMPLS, reason="the C extension is not built here")
+@pytest.mark.parametrize("call", ["get_into", "get_many_into", "put"])
+def test_a_nan_timeout_is_refused_before_anything_is_sent(call: str) -> None:
+    # A NaN deadline never compares as passed and turns into a negative poll() timeout: a
+    # stalled daemon would hold the call forever. Here the answer is already waiting, so the
+    # unchecked call returns it instead of refusing.
+    from kvoffload.wire import _speedups
+
+    key = b"k" * 16
+    client, daemon = socket.socketpair()
+    with client, daemon:
+        client.setblocking(False)
+        nan = float("nan")
+        with pytest.raises(ValueError, match="timeout"):
+            if call == "get_into":
+                daemon.sendall(b"".join(encode_frame(3, FLAG_RESPONSE, 5, {"length": None})))
+                _speedups.net_get_into(client.fileno(), key, 5, bytearray(96), bytearray(8), nan)
+            elif call == "get_many_into":
+                daemon.sendall(
+                    b"".join(encode_frame(GetMany.OP, FLAG_RESPONSE, 5, {"lengths": [None]}))
+                )
+                frame = b"".join(encode_frame(GetMany.OP, 0, 5, GetMany(5, (key,)).meta()))
+                _speedups.net_get_many_into(
+                    client.fileno(), frame, 5, [bytearray(96)], [bytearray(8)], nan
+                )
+            else:
+                daemon.sendall(b"".join(encode_frame(PutDone.OP, FLAG_RESPONSE, 5, {})))
+                parts = encode_frame(Put.OP, 0, 5, Put(5, key, 1).meta(), [b"x"])
+                _speedups.net_put(client.fileno(), parts, 5, PutDone.OP, nan)
+        daemon.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            daemon.recv(1)  # nothing went out
+
+
+@pytest.mark.skipif("c" not in IMPLS, reason="the C extension is not built here")
+@pytest.mark.parametrize("call", ["get_into", "get_many_into", "put"])
+@pytest.mark.parametrize("rid", [(1 << 64) + 5, -(1 << 64) + 5, -5])
+def test_a_request_id_out_of_range_is_refused_not_wrapped(call: str, rid: int) -> None:
+    # Found while writing the net-* fuzz targets (their ids now wrap so): the request id was
+    # parsed modulo 2**64, so 2**64 + 5 sent (or matched) request 5 and took its answer,
+    # which waits here.
+    from kvoffload.wire import _speedups
+
+    key = b"k" * 16
+    answers = {
+        "get_into": encode_frame(GetResult.OP, FLAG_RESPONSE, 5, {"length": None}),
+        "get_many_into": encode_frame(GetMany.OP, FLAG_RESPONSE, 5, {"lengths": [None]}),
+        "put": encode_frame(PutDone.OP, FLAG_RESPONSE, 5, {}),
+    }
+    client, daemon = socket.socketpair()
+    with client, daemon:
+        client.setblocking(False)
+        daemon.sendall(b"".join(answers[call]))
+        with pytest.raises(OverflowError):
+            if call == "get_into":
+                _speedups.net_get_into(client.fileno(), key, rid, bytearray(96), bytearray(8), 5.0)
+            elif call == "get_many_into":
+                frame = b"".join(encode_frame(GetMany.OP, 0, 5, GetMany(5, (key,)).meta()))
+                _speedups.net_get_many_into(
+                    client.fileno(), frame, rid, [bytearray(96)], [bytearray(8)], 5.0
+                )
+            else:
+                parts = encode_frame(Put.OP, 0, 5, Put(5, key, 1).meta(), [b"x"])
+                _speedups.net_put(client.fileno(), parts, rid, PutDone.OP, 5.0)
         daemon.setblocking(False)
         with pytest.raises(BlockingIOError):
             daemon.recv(1)  # nothing went out
