@@ -12,6 +12,7 @@ what it picks applies to objects made afterwards.
 from __future__ import annotations
 
 import os
+import warnings
 from types import ModuleType
 
 from kvoffload.errors import KVOffloadError
@@ -35,9 +36,19 @@ def _load() -> ModuleType | None:
         return None
     try:
         from kvoffload.core import _core
+
+        # A build older than this code (an editable install keeps the .so it built before a
+        # `git pull`): a clear ImportError, not an AttributeError at first use.
+        if not hasattr(getattr(_core, "HotGets", None), "take_metrics"):
+            raise ImportError(
+                f"{_core.__file__} is older than its Python code: rebuild it with "
+                "`pip install -e .` or `python setup.py build_ext --inplace`"
+            )
     except ImportError as exc:
         if os.environ.get("KVOFFLOAD_REQUIRE_EXT") == "1":
             raise ExtensionMissingError(f"the C core is required and missing: {exc}") from exc
+        if exc.name is None:  # there but stale: say so (a build that is absent is no news)
+            warnings.warn(f"kvoffload runs its pure-Python core: {exc}", stacklevel=2)
         return None
     return _core
 

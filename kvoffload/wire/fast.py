@@ -22,6 +22,7 @@ an ImportError (CI sets it to prove the extension built). `use()` switches at ru
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 from types import ModuleType
@@ -67,13 +68,39 @@ def _load() -> ModuleType | None:
         return None
     try:
         from kvoffload.wire import _speedups
+
+        stale(_speedups, _NAMES)
     except ImportError as exc:
         if os.environ.get("KVOFFLOAD_REQUIRE_EXT") == "1":
             raise ExtensionMissingError(f"the C extension is required and missing: {exc}") from exc
+        if exc.name is None:  # there but stale: say so (a build that is absent is no news)
+            warnings.warn(f"kvoffload runs its pure-Python path: {exc}", stacklevel=2)
         return None
     return _speedups
 
 
+def stale(module: ModuleType, names: Sequence[str]) -> None:
+    """Refuse a build older than its Python side (an editable install keeps the .so it built
+    before a `git pull`): a clear ImportError, not an AttributeError at first use."""
+    missing = [name for name in names if not hasattr(module, name)]
+    if missing:
+        raise ImportError(
+            f"{module.__file__} is older than its Python code (it lacks {', '.join(missing)}): "
+            "rebuild it with `pip install -e .` or `python setup.py build_ext --inplace`"
+        )
+
+
+# What `use("c")` and `register` take from the extension.
+_NAMES = (
+    "crc32c",
+    "crc32c_copy",
+    "frame_head",
+    "parse_frame",
+    "net_get_into",
+    "net_put",
+    "net_get_many_into",
+    "register",
+)
 _EXT = _load()
 
 # A one-call exchange's answer: (status, length, crc, eof, bytes); see _speedups_net.c.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import types
 from collections.abc import Iterator
 
 import crc32c as reference
@@ -487,3 +488,20 @@ def test_a_request_id_out_of_range_is_refused_not_wrapped(call: str, rid: int) -
         daemon.setblocking(False)
         with pytest.raises(BlockingIOError):
             daemon.recv(1)  # nothing went out
+
+
+def test_a_build_older_than_its_python_code_is_refused_by_name() -> None:
+    """An editable install keeps the .so it built before a `git pull`: its loader must say
+    that it is stale (an ImportError without a module name), not fail at first use."""
+    old = types.ModuleType("kvoffload.wire._speedups")
+    old.__file__ = "/old/_speedups.so"
+    old.crc32c = fast.py_crc32c  # type: ignore[attr-defined]
+    with pytest.raises(ImportError, match=r"lacks crc32c_copy, .*rebuild") as caught:
+        fast.stale(old, fast._NAMES)
+    assert caught.value.name is None
+
+
+@pytest.mark.skipif(fast._EXT is None, reason="the C extension did not build")
+def test_the_built_extension_has_every_name_its_python_side_takes() -> None:
+    assert fast._EXT is not None
+    fast.stale(fast._EXT, fast._NAMES)  # raises if this build were stale
