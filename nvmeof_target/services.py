@@ -99,6 +99,7 @@ class Services:
     hot_gets: int = 0  # gets the native front answered in C (`NativeSession.start_hot`)
     hot_exists: int = 0  # and exists requests
     hot_lookups: int = 0  # and lookups
+    hot_get_manys: int = 0  # and batch gets
     shard: ShardRole | None = None
     # This process's NIXL agent, made when a client first asks for the NIXL data path.
     nixl: NixlAgent | None = None
@@ -120,6 +121,7 @@ class Services:
             "hot_gets": self.hot_gets,
             "hot_exists": self.hot_exists,
             "hot_lookups": self.hot_lookups,
+            "hot_get_manys": self.hot_get_manys,
         }
 
 

@@ -76,7 +76,9 @@ class PeerLog:
             self.held += 1
 
 
-OPS = ("get", "exists", "lookup")  # the ops `HotGets.take_metrics` counts, in its order
+# The ops `HotGets.take_metrics` counts, in its order (a GetMany is "getmany" here as in
+# `NativeSession._dispatch`).
+OPS = ("get", "exists", "lookup", "getmany")
 
 
 class Instruments:

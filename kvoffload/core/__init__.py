@@ -31,6 +31,9 @@ class ExtensionMissingError(KVOffloadError, ImportError):
     """KVOFFLOAD_REQUIRE_EXT is set and the C core did not build or load."""
 
 
+HOT_OPS = 4  # what HotGets serves and counts; a build that says otherwise is stale
+
+
 def _load() -> ModuleType | None:
     if os.environ.get("KVOFFLOAD_PURE_PYTHON") == "1":
         return None
@@ -39,7 +42,7 @@ def _load() -> ModuleType | None:
 
         # A build older than this code (an editable install keeps the .so it built before a
         # `git pull`): a clear ImportError, not an AttributeError at first use.
-        if not hasattr(getattr(_core, "HotGets", None), "take_metrics"):
+        if getattr(_core, "HOT_OPS", 0) != HOT_OPS:
             raise ImportError(
                 f"{_core.__file__} is older than its Python code: rebuild it with "
                 "`pip install -e .` or `python setup.py build_ext --inplace`"

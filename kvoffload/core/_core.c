@@ -27,5 +27,9 @@ PyMODINIT_FUNC PyInit__core(void) {
         Py_DECREF(m);
         return NULL;
     }
+    if (PyModule_AddIntConstant(m, "HOT_OPS", CORE_HOT_OPS) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     return m;
 }

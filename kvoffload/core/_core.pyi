@@ -31,15 +31,27 @@ class HotGets:
         head_state: object,
         touch_ring: int,
         buckets: Sequence[float] | None = None,
+        *,
+        pins: object = None,
+        max_payload: int = 0,
+        step: int = 0,
     ) -> None: ...
     def serve(
         self, reader: object, inflight: int, max_inflight: int, most: int, fd: int = -1, /
     ) -> (
-        tuple[list[object], list[memoryview], list[object], tuple[int, int, int], int, int] | None
+        tuple[
+            list[object], list[memoryview], list[object], tuple[int, int, int, int], int, int, int
+        ]
+        | None
     ): ...
     def take_metrics(
         self,
     ) -> tuple[
-        tuple[int, int, int], int, tuple[tuple[int, ...], ...], tuple[float, float, float]
+        tuple[int, int, int, int],
+        int,
+        tuple[tuple[int, ...], ...],
+        tuple[float, float, float, float],
     ]: ...
-    def release(self, views: list[memoryview], entries: list[object], /) -> None: ...
+    def release(
+        self, views: list[memoryview], entries: list[object], taken: int = 0, /
+    ) -> None: ...

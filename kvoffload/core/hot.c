@@ -1,18 +1,21 @@
-/* HotGets: the daemon's DRAM hit path for Get, Exists and Lookup requests, in C (issue 29,
- * the first step).
+/* HotGets: the daemon's DRAM hit path for Get, GetMany, Exists and Lookup requests, in C
+ * (issue 29).
  *
  * One per authenticated plain-TCP connection of a DRAM-only engine (the native session makes
  * it after Hello; NativeSession.start_hot). `serve(reader, inflight, max_inflight, most)` is
  * called once per wake-up while the connection has no request outstanding. It takes the whole
- * Get, Exists and Lookup frames at the front of the buffer (`FrameReader`'s bytes, in the
+ * Get, GetMany, Exists and Lookup frames at the front of the buffer (`FrameReader`'s bytes, in the
  * canonical encoding the Python client sends), at most `most` of them (what is left of the
  * connection's turn of the loop: a pipelining peer still yields to the others), derives the
  * tenant's engine keys, and answers each under the engine's lock exactly as `Reads.acquire`,
- * `Engine.contains` and `Engine.lookup` do (the same counters, the same touches and pins),
+ * `Engine.contains` and `Engine.lookup` do (the same counters, the same touches and pins; a
+ * GetMany as `requests.on_get_many` does: chunks of `step` keys, the answer cut short where the
+ * frame's payload limit or the daemon's answer pin budget says so),
  * building each answer's header with `fast.frame_head`. It stops at the
  * first frame it does not take whole (any other request, a non-canonical or bad frame, an
  * engine closing), which the Python session then reads and answers as always: the answers
- * leave in request order. `release(views, entries)` unpins once the kernel took the bytes.
+ * leave in request order. `release(views, entries, taken)` unpins once the kernel took the
+ * bytes and gives `taken` back to the pin budget.
  */
 #include "core.h" /* Python.h first: it sets the POSIX feature macros (clock_gettime) */
 
@@ -25,7 +28,9 @@
 #define GET_MAP 23 /* {"key": bin8 of 16 bytes}: fixmap 1, fixstr 3, "key", bin8, 16, key */
 #define OP_GET 3
 #define OP_EXISTS 4 /* the same request map as a Get's; the answer carries no payload */
+#define OP_GET_MANY 7 /* {"keys": [...]} as a Lookup's; the answer {"lengths": [...]} */
 #define OP_LOOKUP 8
+#define NOPS CORE_HOT_OPS /* in take_metrics' order: get, exists, lookup, get_many */
 #define MAX_BOUNDS 32 /* latency buckets counted in C (metrics._BUCKETS has 15) */
 #define IOV_BATCH 512 /* buffers per sendmsg: Linux refuses more than IOV_MAX (1024) */
 
@@ -42,18 +47,24 @@ typedef struct {
     PyObject *frame_head;    /* kvoffload.wire.fast.frame_head */
     PyObject *head_state;    /* frames._State.HEAD */
     Py_ssize_t touch_ring;   /* hits queued before the policy is told (dram.TOUCH_RING) */
+    /* GetMany, served only with `pins` given: the daemon's PinBudget (answers' pinned bytes
+     * across connections), the frame's payload limit, and the engine's chunk (read_depth). */
+    PyObject *pins;
+    long long max_payload;
+    Py_ssize_t step;
     /* With `buckets` given, serve(..., fd) sends and counts in C: requests, bytes out and
      * latencies by op (get, exists, lookup), taken by `take_metrics` before every scrape. */
     Py_ssize_t nbounds;                       /* 0: no metrics in C (serve needs fd -1) */
     double bounds[MAX_BOUNDS];                /* the histogram's upper bounds, ascending */
-    long long m_counts[3], m_bytes_out;
-    long long m_buckets[3][MAX_BOUNDS + 1];   /* not cumulative; the last is +Inf */
-    double m_sums[3];
+    long long m_counts[NOPS], m_bytes_out;
+    long long m_buckets[NOPS][MAX_BOUNDS + 1]; /* not cumulative; the last is +Inf */
+    double m_sums[NOPS];
 } HotGets;
 
 static PyObject *s_acquire, *s_release, *s_closing, *s_closed, *s_buf, *s_start, *s_end,
     *s_state, *s_head, *s_gets, *s_hits, *s_misses, *s_bytes_out, *s_copy, *s_update, *s_digest,
-    *s_length_name, *s_found_name, *s_count_name, *s_limits, *s_max_header;
+    *s_length_name, *s_found_name, *s_count_name, *s_limits, *s_max_header, *s_take,
+    *s_give_back;
 
 static int intern_all(void) {
     struct { PyObject **at; const char *name; } names[] = {
@@ -63,7 +74,7 @@ static int intern_all(void) {
         {&s_misses, "misses"}, {&s_bytes_out, "bytes_out"}, {&s_copy, "copy"},
         {&s_update, "update"}, {&s_digest, "digest"}, {&s_length_name, "length"},
         {&s_found_name, "found"}, {&s_count_name, "count"}, {&s_limits, "limits"},
-        {&s_max_header, "max_header_bytes"},
+        {&s_max_header, "max_header_bytes"}, {&s_take, "take"}, {&s_give_back, "give_back"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if ((*names[i].at = PyUnicode_InternFromString(names[i].name)) == NULL) return -1;
@@ -124,14 +135,17 @@ static uint32_t be32(const unsigned char *p) {
     return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | (uint32_t)p[3];
 }
 
-/* Whether p (n bytes buffered) starts with a whole Lookup frame whose map is {"keys": [...]}
- * of bin8 16-byte keys and nothing else (`tiers` asked: Python's), within `max_header`:
- * *keys points at the first key (the others 18 bytes apart), *count says how many. */
-static int canonical_lookup(const unsigned char *p, Py_ssize_t n, long long max_header,
-                            uint32_t *rid, uint32_t *hlen, const unsigned char **keys,
-                            uint32_t *count) {
+/* Whether p (n bytes buffered) starts with a whole Lookup or GetMany frame whose map is
+ * {"keys": [...]} of bin8 16-byte keys and nothing else (a Lookup with `tiers`: Python's),
+ * within `max_header`: *op is its type, *keys points at the first key (the others 18 bytes
+ * apart), *count says how many. GetMany only when `many`. */
+static int canonical_keys(const unsigned char *p, Py_ssize_t n, long long max_header, int many,
+                          int *op, uint32_t *rid, uint32_t *hlen, const unsigned char **keys,
+                          uint32_t *count) {
     static const unsigned char map[] = {0x81, 0xa4, 'k', 'e', 'y', 's'};
-    if (n < HEAD || memcmp(p, "KVNP", 4) != 0 || p[4] != 1 || p[5] != OP_LOOKUP) return 0;
+    if (n < HEAD || memcmp(p, "KVNP", 4) != 0 || p[4] != 1) return 0;
+    if (p[5] != OP_LOOKUP && !(many && p[5] == OP_GET_MANY)) return 0;
+    *op = p[5];
     if (p[6] != 0 || p[7] != 0) return 0;
     for (int i = 16; i < 24; i++)
         if (p[i] != 0) return 0; /* no payload */
@@ -257,20 +271,53 @@ static int unpin_locked(HotGets *self, PyObject *entry) {
 /* Serve one Lookup already checked canonical (its `count` keys at `keys`), as Engine.lookup
  * does for a DRAM-only engine: every key derived first, then the leading run counted under the
  * lock. 1 served, 0 left to Python, -1 error. */
-static int serve_lookup(HotGets *self, const unsigned char *keys, uint32_t count, uint32_t rid,
-                        PyObject *parts, long long *answer) {
+/* The engine keys of `count` client keys 18 bytes apart at `keys` (in the reader's buffer):
+ * all copied out before any Python code runs. */
+static PyObject *derive_keys(HotGets *self, const unsigned char *keys, uint32_t count) {
     PyObject *engine_keys = PyList_New(count);
-    if (engine_keys == NULL) return -1;
+    if (engine_keys == NULL) return NULL;
     for (uint32_t i = 0; i < count; i++) {
         PyObject *client = PyBytes_FromStringAndSize((const char *)keys + 18 * (size_t)i, 16);
-        PyObject *key = client ? engine_key(self, client) : NULL;
-        Py_XDECREF(client);
+        if (client == NULL) {
+            Py_DECREF(engine_keys);
+            return NULL;
+        }
+        PyList_SET_ITEM(engine_keys, i, client);
+    }
+    for (uint32_t i = 0; i < count; i++) {
+        PyObject *key = engine_key(self, PyList_GET_ITEM(engine_keys, i));
         if (key == NULL) {
             Py_DECREF(engine_keys);
-            return -1;
+            return NULL;
         }
-        PyList_SET_ITEM(engine_keys, i, key);
+        PyList_SetItem(engine_keys, i, key); /* drops the client key */
     }
+    return engine_keys;
+}
+
+static int lock_engine(HotGets *self) {
+    PyObject *r = PyObject_CallMethodNoArgs(self->lock, s_acquire);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+static int unlock_engine(HotGets *self) {
+    PyObject *r = PyObject_CallMethodNoArgs(self->lock, s_release);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+/* 1 open, 0 closing or closed (the request is left to Python), -1 error; the lock is held. */
+static int engine_open(HotGets *self) {
+    int closing = flag(self->manager, s_closing);
+    int closed = closing == 0 ? flag(self->manager, s_closed) : closing;
+    return closing < 0 || closed < 0 ? -1 : (closing || closed) ? 0 : 1;
+}
+
+static int serve_lookup(HotGets *self, const unsigned char *keys, uint32_t count, uint32_t rid,
+                        PyObject *parts, long long *answer) {
+    PyObject *engine_keys = derive_keys(self, keys, count);
+    if (engine_keys == NULL) return -1;
     PyObject *r = PyObject_CallMethodNoArgs(self->lock, s_acquire);
     if (r == NULL) {
         Py_DECREF(engine_keys);
@@ -391,6 +438,201 @@ static int serve_one(HotGets *self, const unsigned char *p, uint32_t rid, PyObje
     return rc < 0 ? -1 : 1;
 }
 
+/* A GetManyResult's frame header: {"lengths": [...]}, each length an unsigned int in its
+ * smallest form or nil (-1), as msgpack.packb writes it; `payload` bytes follow. */
+static PyObject *many_header(uint32_t rid, const long long *lengths, uint32_t n,
+                             long long payload) {
+    size_t most = HEAD + 1 + 8 + 5 + 9 * (size_t)n;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)most);
+    if (out == NULL) return NULL;
+    unsigned char *o = (unsigned char *)PyBytes_AS_STRING(out), *p = o + HEAD;
+    *p++ = 0x81;
+    *p++ = 0xa7;
+    memcpy(p, "lengths", 7);
+    p += 7;
+    if (n < 16) *p++ = (unsigned char)(0x90 | n);
+    else if (n <= 0xffff) *p++ = 0xdc, *p++ = (unsigned char)(n >> 8), *p++ = (unsigned char)n;
+    else {
+        *p++ = 0xdd;
+        for (int i = 3; i >= 0; i--) *p++ = (unsigned char)(n >> (8 * i));
+    }
+    for (uint32_t k = 0; k < n; k++) {
+        if (lengths[k] < 0) {
+            *p++ = 0xc0;
+            continue;
+        }
+        unsigned long long x = (unsigned long long)lengths[k];
+        int b = x < 0x80 ? 0 : x <= 0xff ? 1 : x <= 0xffff ? 2 : x <= 0xffffffffull ? 4 : 8;
+        if (b == 0) {
+            *p++ = (unsigned char)x;
+            continue;
+        }
+        *p++ = b == 1 ? 0xcc : b == 2 ? 0xcd : b == 4 ? 0xce : 0xcf;
+        for (int i = b - 1; i >= 0; i--) *p++ = (unsigned char)(x >> (8 * i));
+    }
+    uint64_t hlen = (uint64_t)(p - o - HEAD), plen = (uint64_t)payload;
+    memcpy(o, "KVNP", 4);
+    o[4] = 1;
+    o[5] = OP_GET_MANY;
+    o[6] = 1; /* FLAG_RESPONSE */
+    o[7] = 0;
+    for (int i = 0; i < 4; i++) o[8 + i] = (unsigned char)(rid >> (8 * i));
+    for (int i = 0; i < 4; i++) o[12 + i] = (unsigned char)(hlen >> (8 * i));
+    for (int i = 0; i < 8; i++) o[16 + i] = (unsigned char)(plen >> (8 * i));
+    if (_PyBytes_Resize(&out, p - o) < 0) return NULL;
+    return out;
+}
+
+/* Unpin `n` entries (NULL: a miss) under the lock, keeping an error already set. */
+static void unpin_all(HotGets *self, PyObject **held, Py_ssize_t n) {
+    PyObject *et, *ev, *etb;
+    PyErr_Fetch(&et, &ev, &etb);
+    if (lock_engine(self) == 0) {
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (held[i] != NULL && unpin_locked(self, held[i]) < 0) PyErr_Clear();
+        if (unlock_engine(self) < 0) PyErr_Clear();
+    } else {
+        PyErr_Clear();
+    }
+    PyErr_Restore(et, ev, etb);
+}
+
+/* Give `n` bytes back to the pin budget. */
+static int give_back(HotGets *self, long long n) {
+    if (n == 0 || self->pins == Py_None) return 0;
+    PyObject *amount = PyLong_FromLongLong(n);
+    PyObject *r = amount ? PyObject_CallMethodOneArg(self->pins, s_give_back, amount) : NULL;
+    Py_XDECREF(amount);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+/* Whether the pin budget lets this answer hold `n` more bytes (the first value always fits). */
+static int take_pins(HotGets *self, long long n, int first) {
+    PyObject *r = PyObject_CallMethod(self->pins, "take", "LO", n, first ? Py_True : Py_False);
+    if (r == NULL) return -1;
+    int truth = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return truth;
+}
+
+/* Serve one GetMany already checked canonical (its `count` keys at `keys`) as on_get_many
+ * does on a DRAM-only engine: chunks of `step` keys acquired under the lock (every key of a
+ * chunk counted), then the answer cut short before the first hit that would pass the frame's
+ * payload limit or the pin budget (the rest of that chunk unpinned). Appends the header and
+ * the hits' views to parts (views, entries: what `release` gives back; *taken: the budget's
+ * bytes). 1 served, 0 left to Python, -1 error. */
+static int serve_many(HotGets *self, const unsigned char *keys, uint32_t count, uint32_t rid,
+                      PyObject *parts, PyObject *views, PyObject *entries, long long *out_bytes,
+                      long long *answer, long long *taken_out) {
+    PyObject *engine_keys = derive_keys(self, keys, count);
+    if (engine_keys == NULL) return -1;
+    Py_ssize_t step = self->step;
+    long long *lengths = PyMem_Malloc(sizeof(long long) * (count ? count : 1));
+    PyObject **chunk = PyMem_Malloc(sizeof(PyObject *) * (size_t)step);
+    PyObject *held = PyList_New(0), *hviews = PyList_New(0);
+    int rc = lengths && chunk && held && hviews ? 1 : -1;
+    if (rc < 0 && !PyErr_Occurred()) PyErr_NoMemory();
+    uint32_t answered = 0;
+    long long taken = 0;
+    int stop = 0;
+    for (uint32_t at = 0; rc == 1 && !stop && at < count; at += (uint32_t)step) {
+        Py_ssize_t m = (Py_ssize_t)(count - at) < step ? (Py_ssize_t)(count - at) : step, got = 0;
+        if (lock_engine(self) < 0) {
+            rc = -1;
+            break;
+        }
+        rc = engine_open(self);
+        while (rc == 1 && got < m) {
+            PyObject *entry = NULL;
+            int a = acquire(self, PyList_GET_ITEM(engine_keys, at + got), &entry);
+            if (a <= 0) { /* 0 cannot happen: the lock is held since engine_open */
+                if (entry != NULL) chunk[got++] = entry; /* pinned: given back below */
+                rc = -1;
+                break;
+            }
+            chunk[got++] = entry;
+        }
+        if (unlock_engine(self) < 0) rc = -1;
+        Py_ssize_t i = 0;
+        for (; rc == 1 && i < m; i++) {
+            PyObject *entry = chunk[i];
+            if (entry == NULL) {
+                lengths[answered++] = -1;
+                continue;
+            }
+            long long length = long_attr(entry, core_str_length);
+            if (length < 0) {
+                rc = -1;
+                break;
+            }
+            int fits = !(answered > 0 && taken + length > self->max_payload);
+            if (fits) fits = take_pins(self, length, taken == 0);
+            if (fits < 0) rc = -1;
+            if (fits <= 0) {
+                stop = 1;
+                break;
+            }
+            taken += length; /* held by the budget from here: given back with the answer */
+            long long ignored;
+            PyObject *view = value_of(self, entry, &ignored);
+            if (view == NULL || PyList_Append(hviews, view) < 0 || PyList_Append(held, entry) < 0) {
+                Py_XDECREF(view);
+                rc = -1;
+                break;
+            }
+            Py_DECREF(view);
+            Py_DECREF(entry); /* `held` has it now */
+            chunk[i] = NULL;
+            lengths[answered++] = length;
+        }
+        unpin_all(self, chunk + i, got - i); /* the rest of the chunk, when cut short */
+        for (Py_ssize_t j = 0; j < got; j++) Py_XDECREF(chunk[j]);
+    }
+    Py_DECREF(engine_keys);
+    if (rc == 1) { /* views and entries take the whole answer's, or none of it */
+        Py_ssize_t nv = PyList_GET_SIZE(views), ne = PyList_GET_SIZE(entries);
+        if (PyList_SetSlice(views, nv, nv, hviews) < 0) {
+            rc = -1;
+        } else if (PyList_SetSlice(entries, ne, ne, held) < 0) {
+            if (PyList_SetSlice(views, nv, PyList_GET_SIZE(views), NULL) < 0) PyErr_Clear();
+            rc = -1;
+        }
+    }
+    if (rc == 1) {
+        /* from here hot_serve releases the views, the entries and `taken`, even on error */
+        *taken_out += taken;
+        PyObject *header = many_header(rid, lengths, answered, taken);
+        if (header == NULL || PyList_Append(parts, header) < 0) rc = -1;
+        else *answer += PyBytes_GET_SIZE(header);
+        Py_XDECREF(header);
+        for (Py_ssize_t j = 0; rc == 1 && j < PyList_GET_SIZE(hviews); j++)
+            if (PyList_Append(parts, PyList_GET_ITEM(hviews, j)) < 0) rc = -1;
+        if (rc == 1) {
+            *out_bytes += taken;
+            *answer += taken;
+        }
+    } else if (held != NULL && hviews != NULL) {
+        /* nothing of this request went out: its pins and budget bytes go back (a request left
+         * to Python at a later chunk was counted once here already: a closing engine only) */
+        PyObject *et, *ev, *etb;
+        PyErr_Fetch(&et, &ev, &etb);
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(hviews); j++) {
+            PyObject *r = PyObject_CallMethodNoArgs(PyList_GET_ITEM(hviews, j), s_release);
+            if (r == NULL) PyErr_Clear();
+            Py_XDECREF(r);
+        }
+        if (PyList_GET_SIZE(held)) unpin_all(self, &PyList_GET_ITEM(held, 0), PyList_GET_SIZE(held));
+        if (give_back(self, taken) < 0) PyErr_Clear();
+        PyErr_Restore(et, ev, etb);
+    }
+    Py_XDECREF(held);
+    Py_XDECREF(hviews);
+    PyMem_Free(lengths);
+    PyMem_Free(chunk);
+    return rc;
+}
+
 static PyObject *hot_release(HotGets *self, PyObject *args);
 
 static double now_s(void) {
@@ -480,11 +722,11 @@ fail:
 }
 
 /* Count one served batch: `counts` requests by op, each with the batch's time as latency. */
-static void count_batch(HotGets *self, const long long counts[3], long long out_bytes,
+static void count_batch(HotGets *self, const long long counts[NOPS], long long out_bytes,
                         double elapsed) {
     Py_ssize_t b = 0;
     while (b < self->nbounds && elapsed > self->bounds[b]) b++; /* le: the first bound >= */
-    for (int op = 0; op < 3; op++) {
+    for (int op = 0; op < NOPS; op++) {
         if (!counts[op]) continue;
         self->m_counts[op] += counts[op];
         self->m_buckets[op][b] += counts[op];
@@ -532,7 +774,8 @@ static PyObject *hot_serve(HotGets *self, PyObject *args) {
         return NULL;
     }
     PyObject *parts = PyList_New(0), *views = PyList_New(0), *entries = PyList_New(0);
-    long long out_bytes = 0, answer = 0, served = 0, counts[3] = {0, 0, 0};
+    long long out_bytes = 0, answer = 0, served = 0, taken = 0, counts[NOPS] = {0, 0, 0, 0};
+    int many = self->pins != Py_None && self->step > 0;
     uint32_t rid = 0, last_rid = 0, hlen = 0, last_hlen = 0, nkeys = 0;
     int op = 0, last_op = 0;
     const unsigned char *keys = NULL;
@@ -551,16 +794,20 @@ static PyObject *hot_serve(HotGets *self, PyObject *args) {
                 rc = serve_exists(self, frame, rid, parts, &answer);
             else
                 rc = serve_one(self, frame, rid, parts, views, entries, &out_bytes, &answer);
-        } else if (canonical_lookup(p, n, max_header, &rid, &hlen, &keys, &nkeys)) {
-            op = OP_LOOKUP; /* serve_lookup copies the keys before it calls anything */
-            rc = serve_lookup(self, keys, nkeys, rid, parts, &answer);
+        } else if (canonical_keys(p, n, max_header, many, &op, &rid, &hlen, &keys, &nkeys)) {
+            /* both copy the keys out before they call anything */
+            if (op == OP_LOOKUP)
+                rc = serve_lookup(self, keys, nkeys, rid, parts, &answer);
+            else
+                rc = serve_many(self, keys, nkeys, rid, parts, views, entries, &out_bytes,
+                                &answer, &taken);
         } else {
             break;
         }
         if (rc == 1) {
             start += HEAD + hlen;
             served++;
-            counts[op == OP_GET ? 0 : op == OP_EXISTS ? 1 : 2]++;
+            counts[op == OP_GET ? 0 : op == OP_EXISTS ? 1 : op == OP_LOOKUP ? 2 : 3]++;
             last_rid = rid;
             last_op = op;
             last_hlen = hlen;
@@ -587,7 +834,9 @@ static PyObject *hot_serve(HotGets *self, PyObject *args) {
         } else {
             Py_SETREF(parts, rest);
             if (PyList_GET_SIZE(parts) == 0) {
-                PyObject *pair = PyTuple_Pack(2, views, entries);
+                PyObject *amount = PyLong_FromLongLong(taken);
+                PyObject *pair = amount ? PyTuple_Pack(3, views, entries, amount) : NULL;
+                Py_XDECREF(amount);
                 PyObject *r = pair ? hot_release(self, pair) : NULL;
                 Py_XDECREF(pair);
                 if (r == NULL) rc = -1; /* the pins are given back all the same */
@@ -597,15 +846,17 @@ static PyObject *hot_serve(HotGets *self, PyObject *args) {
         }
     }
     if (rc >= 0 && served)
-        result = Py_BuildValue("(OOO(LLL)LL)", parts, views, entries, counts[0], counts[1],
-                               counts[2], out_bytes, answer);
+        result = Py_BuildValue("(OOO(LLLL)LLL)", parts, views, entries, counts[0], counts[1],
+                               counts[2], counts[3], out_bytes, answer, taken);
     else if (rc >= 0)
         result = Py_NewRef(Py_None);
-    if (result == NULL && entries != NULL && served) {
-        /* an error after some were served: they are answered by nobody; give their pins back */
+    if (result == NULL && entries != NULL) {
+        /* an error after some were served (or a GetMany part-way): they are answered by
+         * nobody; give their pins and budget bytes back */
         PyObject *et, *ev, *etb;
         PyErr_Fetch(&et, &ev, &etb);
-        PyObject *r = PyObject_CallMethod((PyObject *)self, "release", "OO", views, entries);
+        PyObject *r = PyObject_CallMethod((PyObject *)self, "release", "OOL", views, entries,
+                                          taken);
         if (r == NULL) PyErr_Clear();
         Py_XDECREF(r);
         PyErr_Restore(et, ev, etb);
@@ -618,8 +869,16 @@ static PyObject *hot_serve(HotGets *self, PyObject *args) {
 
 static PyObject *hot_release(HotGets *self, PyObject *args) {
     PyObject *views, *entries;
-    if (!PyArg_ParseTuple(args, "O!O!:release", &PyList_Type, &views, &PyList_Type, &entries))
+    long long taken = 0;
+    if (!PyArg_ParseTuple(args, "O!O!|L:release", &PyList_Type, &views, &PyList_Type, &entries,
+                          &taken))
         return NULL;
+    if (taken < 0) {
+        PyErr_SetString(PyExc_ValueError, "release: negative bytes taken");
+        return NULL;
+    }
+    /* idempotent: the bytes go back with the entries, the first time only */
+    if (PyList_GET_SIZE(entries) == 0) taken = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(views); i++) {
         PyObject *r = PyObject_CallMethodNoArgs(PyList_GET_ITEM(views, i), s_release);
         if (r == NULL) return NULL;
@@ -644,6 +903,11 @@ static PyObject *hot_release(HotGets *self, PyObject *args) {
         return NULL;
     }
     Py_DECREF(r);
+    if (give_back(self, taken) < 0) {
+        if (rc == 0) PyErr_Fetch(&et, &ev, &etb);
+        else PyErr_Clear();
+        rc = -1;
+    }
     /* idempotent: a second call finds nothing left */
     if (PyList_SetSlice(views, 0, PyList_GET_SIZE(views), NULL) < 0 ||
         PyList_SetSlice(entries, 0, PyList_GET_SIZE(entries), NULL) < 0)
@@ -656,9 +920,9 @@ static PyObject *hot_release(HotGets *self, PyObject *args) {
 }
 
 static PyObject *hot_take_metrics(HotGets *self, PyObject *Py_UNUSED(ignored)) {
-    PyObject *buckets = PyTuple_New(3);
+    PyObject *buckets = PyTuple_New(NOPS);
     if (buckets == NULL) return NULL;
-    for (int op = 0; op < 3; op++) {
+    for (int op = 0; op < NOPS; op++) {
         PyObject *row = PyTuple_New(self->nbounds + 1);
         if (row == NULL) {
             Py_DECREF(buckets);
@@ -674,9 +938,10 @@ static PyObject *hot_take_metrics(HotGets *self, PyObject *Py_UNUSED(ignored)) {
             PyTuple_SET_ITEM(row, b, v);
         }
     }
-    PyObject *out = Py_BuildValue("((LLL)LN(ddd))", self->m_counts[0], self->m_counts[1],
-                                  self->m_counts[2], self->m_bytes_out, buckets,
-                                  self->m_sums[0], self->m_sums[1], self->m_sums[2]);
+    PyObject *out = Py_BuildValue("((LLLL)LN(dddd))", self->m_counts[0], self->m_counts[1],
+                                  self->m_counts[2], self->m_counts[3], self->m_bytes_out,
+                                  buckets, self->m_sums[0], self->m_sums[1], self->m_sums[2],
+                                  self->m_sums[3]);
     if (out == NULL) return NULL;
     /* taken and zeroed in one call: nothing runs between (the GIL is held), so a scrape on
      * another thread never loses or doubles a count */
@@ -690,13 +955,19 @@ static PyObject *hot_take_metrics(HotGets *self, PyObject *Py_UNUSED(ignored)) {
 static PyObject *hot_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *names[] = {"lock", "index", "counters", "manager", "apply_touches", "free",
                             "arena", "prefix", "frame_head", "head_state", "touch_ring",
-                            "buckets", NULL};
-    PyObject *o[10], *buckets = Py_None;
-    Py_ssize_t touch_ring;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O!OOOOOOOn|O:HotGets", names, &o[0],
+                            "buckets", "pins", "max_payload", "step", NULL};
+    PyObject *o[10], *buckets = Py_None, *pins = Py_None;
+    Py_ssize_t touch_ring, step = 0;
+    long long max_payload = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O!OOOOOOOn|O$OLn:HotGets", names, &o[0],
                                      &DramIndexType, &o[1], &PyDict_Type, &o[2], &o[3], &o[4],
-                                     &o[5], &o[6], &o[7], &o[8], &o[9], &touch_ring, &buckets))
+                                     &o[5], &o[6], &o[7], &o[8], &o[9], &touch_ring, &buckets,
+                                     &pins, &max_payload, &step))
         return NULL;
+    if (pins != Py_None && (step < 1 || step > 65536 || max_payload < 1)) {
+        PyErr_SetString(PyExc_ValueError, "HotGets: pins needs 1 <= step <= 65536 and max_payload >= 1");
+        return NULL;
+    }
     double bounds[MAX_BOUNDS];
     Py_ssize_t nbounds = 0;
     if (buckets != Py_None) { /* the latency histogram's finite upper bounds, ascending */
@@ -727,6 +998,9 @@ static PyObject *hot_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
                            &self->prefix, &self->frame_head, &self->head_state};
     for (int i = 0; i < 10; i++) *fields[i] = Py_NewRef(o[i]);
     self->touch_ring = touch_ring;
+    self->pins = Py_NewRef(pins);
+    self->max_payload = max_payload;
+    self->step = pins != Py_None ? step : 0;
     return (PyObject *)self;
 }
 
@@ -741,6 +1015,7 @@ static int hot_traverse(HotGets *self, visitproc visit, void *arg) {
     Py_VISIT(self->prefix);
     Py_VISIT(self->frame_head);
     Py_VISIT(self->head_state);
+    Py_VISIT(self->pins);
     return 0;
 }
 
@@ -755,6 +1030,7 @@ static int hot_clear(HotGets *self) {
     Py_CLEAR(self->prefix);
     Py_CLEAR(self->frame_head);
     Py_CLEAR(self->head_state);
+    Py_CLEAR(self->pins);
     return 0;
 }
 
@@ -767,16 +1043,18 @@ static void hot_dealloc(HotGets *self) {
 static PyMethodDef hot_methods[] = {
     {"serve", (PyCFunction)hot_serve, METH_VARARGS,
      "serve(reader, inflight, max_inflight, most, fd=-1) -> (parts, views, entries, (gets, "
-     "exists, lookups), bytes_out, answer_bytes) or None: answer the whole canonical Gets, "
-     "Exists and Lookups at the front of the buffer. With fd (a socket with nothing queued) "
+     "exists, lookups, get_manys), bytes_out, answer_bytes, taken) or None: answer the whole "
+     "canonical Gets, Exists, Lookups and (with pins) GetManys at the front of the buffer; "
+     "taken: the pin budget's bytes the answers hold. With fd (a socket with nothing queued) "
      "the answers are sent and counted here; parts is then what the kernel did not take (its "
      "views and entries released once it is sent) or empty (already released)."},
     {"take_metrics", (PyCFunction)hot_take_metrics, METH_NOARGS,
-     "take_metrics() -> ((gets, exists, lookups), bytes_out, (buckets per op), (latency sums "
+     "take_metrics() -> ((gets, exists, lookups, get_manys), bytes_out, (buckets per op), (latency sums "
      "per op)): what serve(..., fd) counted since the last call (then zeroed); each op's "
      "buckets are not cumulative, the last is +Inf."},
     {"release", (PyCFunction)hot_release, METH_VARARGS,
-     "release(views, entries): unpin what served answers held (idempotent)."},
+     "release(views, entries, taken=0): unpin what served answers held and give `taken` back "
+     "to the pin budget (idempotent)."},
     {NULL, NULL, 0, NULL},
 };
 

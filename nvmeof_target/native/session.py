@@ -26,7 +26,7 @@ from kvoffload.nvmeof_target.config import NativeConfig
 from kvoffload.nvmeof_target.metrics import LATENCY_BUCKETS
 from kvoffload.nvmeof_target.native.agent import NixlPeer
 from kvoffload.nvmeof_target.services import Services
-from kvoffload.nvmeof_target.session import Instruments, Session
+from kvoffload.nvmeof_target.session import OPS, Instruments, Session
 from kvoffload.nvmeof_target.tenants import HelloChallenge, Tenant
 from kvoffload.wire import fast
 from kvoffload.wire.native.connection import (
@@ -220,7 +220,7 @@ class NativeSession(Session):
             return None
 
     def start_hot(self) -> None:
-        """Hello accepted: serve this connection's Gets of DRAM blocks in C from now on when
+        """Hello accepted: serve this connection's reads of DRAM blocks in C from now on when
         that does exactly what the Python path does: the C core loaded, plain TCP (TLS
         decrypts in Python), a DRAM-only engine (a miss reads nothing back), one worker (no
         shard check)."""
@@ -235,7 +235,10 @@ class NativeSession(Session):
         self._hot = hot_type(handles.lock, handles.index, handles.counters, handles.manager,
                              handles.apply_touches, handles.free, handles.arena,
                              self.me.hasher, fast.frame_head, _State.HEAD,
-                             handles.touch_ring, buckets=LATENCY_BUCKETS)  # fmt: skip
+                             handles.touch_ring, buckets=LATENCY_BUCKETS,
+                             pins=self.services.answer_pins,
+                             max_payload=self.config.max_payload_bytes,
+                             step=self.engine.config.ssd.read_depth)  # fmt: skip
         self._instruments.hot.add(self._hot)
 
     def _forget(self) -> None:
@@ -245,43 +248,44 @@ class NativeSession(Session):
         self.front.forget(self)
 
     def _serve_hot(self, most: int) -> int:
-        """Answer up to `most` whole Get, Exists and Lookup frames at the front of the buffer in
-        C; how many it answered. With nothing queued on the socket C also sends the answers
-        and counts them (folded into the metrics at scrape time), and unpins at once: only what
-        the kernel does not take goes through the Channel."""
+        """Answer up to `most` whole Get, GetMany, Exists and Lookup frames at the front of the
+        buffer in C; how many it answered. With nothing queued on the socket C also sends the
+        answers and counts them (folded into the metrics at scrape time), and unpins at once:
+        only what the kernel does not take goes through the Channel."""
         hot, t0 = self._hot, time.perf_counter()
         reader, limit = self.conn._reader, self.config.max_inflight_bytes
         fd = self.channel.direct_fd()
         got = hot.serve(reader, self._inflight_bytes, limit, most, fd)
         if got is None:
             return 0
-        parts, views, entries, (gets, exists, lookups), out_bytes, size = got
+        parts, views, entries, (gets, exists, lookups, many), out_bytes, size, taken = got
         self.services.hot_gets += gets
         self.services.hot_exists += exists
         self.services.hot_lookups += lookups
+        self.services.hot_get_manys += many
         if fd >= 0:
             if parts:  # a full socket: the rest waits in the Channel, pinned until sent
                 self._inflight_bytes += size
 
                 def sent() -> None:
                     self._inflight_bytes -= size
-                    hot.release(views, entries)
+                    hot.release(views, entries, taken)
                     self._wake()
 
                 self.channel.write(parts, sent)
-            return int(gets + exists + lookups)
+            return int(gets + exists + lookups + many)
         self._inflight_bytes += size
         self.bytes_out.inc(out_bytes)
 
         def done() -> None:
             self._inflight_bytes -= size
-            hot.release(views, entries)
+            hot.release(views, entries, taken)
             self._wake()
 
         # Counted before the write, as `_answer` does: a client that scrapes the metrics once
         # it has its answer must find its request there.
         histograms = []
-        for op, count in (("get", gets), ("exists", exists), ("lookup", lookups)):
+        for op, count in zip(OPS, (gets, exists, lookups, many), strict=True):
             if count:
                 counter, histogram = self._instruments(op, "ok")
                 counter.inc(count)
@@ -291,7 +295,7 @@ class NativeSession(Session):
         for histogram, count in histograms:
             for _ in range(count):
                 histogram.observe(elapsed)
-        return int(gets + exists + lookups)
+        return int(gets + exists + lookups + many)
 
     def _wake(self) -> None:
         if (  # room again (as `_drain_events` checks it); inline: this runs twice per answer

@@ -86,8 +86,8 @@ def test_a_whole_get_is_answered_as_the_python_codec_answers_it(engine: Engine) 
     reader = _reader(_get(7) + _get(8, bytes(16)))
     got = hot.serve(reader, 0, 1 << 30, 1 << 30)  # type: ignore[attr-defined]
     assert got is not None
-    parts, views, entries, counts, out_bytes, size = got
-    assert counts == (2, 0, 0) and out_bytes == len(VALUE) and len(entries) == 1
+    parts, views, entries, counts, out_bytes, size, taken = got
+    assert counts == (2, 0, 0, 0) and out_bytes == len(VALUE) and len(entries) == 1
     assert bytes(parts[0]) == _python_answer(7, len(VALUE)) and bytes(parts[1]) == VALUE
     assert bytes(parts[2]) == _python_answer(8, None)  # a miss
     assert size == sum(len(p) for p in parts) and reader.at_boundary
@@ -110,7 +110,7 @@ def test_exists_is_answered_as_the_python_codec_answers_it(engine: Engine) -> No
               bytes(server.send_exists_result(5, False)[0])]  # fmt: skip
     reader = _reader(frames[frames.index(b"KVNP", 4) :])
     got = _hot(engine).serve(reader, 0, 1 << 30, 1 << 30)  # type: ignore[attr-defined]
-    assert got is not None and got[3] == (0, 2, 0) and not got[2]
+    assert got is not None and got[3] == (0, 2, 0, 0) and not got[2]
     assert [bytes(p) for p in got[0]] == python
     assert engine.stats().as_dict()["gets"] == 0  # an exists is no get
 
@@ -130,7 +130,7 @@ def test_lookup_is_answered_as_the_python_codec_answers_it(engine: Engine, count
     server.next_event()
     python = b"".join(bytes(p) for p in server.send_parts(LookupResult(6, expected)))
     got = _hot(engine).serve(_reader(frame), 0, 1 << 30, 1 << 30)  # type: ignore[attr-defined]
-    assert got is not None and got[3] == (0, 0, 1) and bytes(got[0][0]) == python
+    assert got is not None and got[3] == (0, 0, 1, 0) and bytes(got[0][0]) == python
 
 
 def test_a_lookup_asking_for_tiers_or_over_the_header_limit_is_python_s(engine: Engine) -> None:
@@ -188,14 +188,14 @@ def test_it_stops_at_the_first_frame_it_does_not_take(engine: Engine) -> None:
     put = client.send(Put(9, KEY, 3), [b"abc"])
     reader = _reader(_get(1) + _get(2) + put + _get(3))
     got = _hot(engine).serve(reader, 0, 1 << 30, 1 << 30)  # type: ignore[attr-defined]
-    assert got is not None and got[3] == (2, 0, 0)
+    assert got is not None and got[3] == (2, 0, 0, 0)
     assert bytes(reader._buf[reader._start : reader._end]) == put + _get(3)
 
 
 def test_it_takes_no_more_than_the_turn_allows(engine: Engine) -> None:
     reader = _reader(_get(1) + _get(2) + _get(3))
     got = _hot(engine).serve(reader, 0, 1 << 30, 2)  # type: ignore[attr-defined]
-    assert got is not None and got[3] == (2, 0, 0)
+    assert got is not None and got[3] == (2, 0, 0, 0)
     assert bytes(reader._buf[reader._start : reader._end]) == _get(3)
 
 
@@ -204,7 +204,7 @@ def test_flow_control_and_a_closing_engine_leave_gets_to_python(engine: Engine) 
     reader = _reader(_get(1) + _get(2))
     assert hot.serve(reader, 10, 10, 9) is None  # type: ignore[attr-defined]
     got = hot.serve(reader, 0, 1, 9)  # type: ignore[attr-defined]  # the first answer crosses it
-    assert got is not None and got[3] == (1, 0, 0)
+    assert got is not None and got[3] == (1, 0, 0, 0)
     hot.release(got[1], got[2])  # type: ignore[attr-defined]
     engine.close()
     assert hot.serve(reader, 0, 1 << 30, 1 << 30) is None  # type: ignore[attr-defined]
@@ -250,16 +250,16 @@ def test_with_a_socket_it_sends_counts_and_unpins_at_once(engine: Engine) -> Non
         frames = _get(7) + _get(8, bytes(16))
         got = hot.serve(_reader(frames), 0, 1 << 30, 1 << 30, near.fileno())  # type: ignore[attr-defined]
         assert got is not None
-        parts, views, entries, counts, out_bytes, size = got
-        assert parts == [] and views == [] and entries == [] and counts == (2, 0, 0)
+        parts, views, entries, counts, out_bytes, size, taken = got
+        assert parts == [] and views == [] and entries == [] and counts == (2, 0, 0, 0)
         expected = _python_answer(7, len(VALUE)) + VALUE + _python_answer(8, None)
         assert size == len(expected) and _recv_exactly(far, size) == expected
         assert _pinned(engine) == 0  # released in the call: no completion callback
-        (gets, exists, lookups), sent, buckets, sums = hot.take_metrics()  # type: ignore[attr-defined]
+        (gets, exists, lookups, many), sent, buckets, sums = hot.take_metrics()  # type: ignore[attr-defined]
         assert (gets, exists, lookups, sent) == (2, 0, 0, len(VALUE))
         assert sum(buckets[0]) == 2 and len(buckets[0]) == len(BUCKETS) + 1
         assert buckets[1] == buckets[2] == (0, 0, 0) and sums[0] > 0 and sums[1] == 0
-        assert hot.take_metrics()[:2] == ((0, 0, 0), 0)  # type: ignore[attr-defined]  # taken
+        assert hot.take_metrics()[:2] == ((0, 0, 0, 0), 0)  # type: ignore[attr-defined]  # taken
 
 
 def test_what_a_full_socket_leaves_stays_pinned_for_the_channel(engine: Engine) -> None:
@@ -272,7 +272,7 @@ def test_what_a_full_socket_leaves_stays_pinned_for_the_channel(engine: Engine) 
         near.setblocking(False)
         got = hot.serve(_reader(_get(7)), 0, 1 << 30, 1 << 30, near.fileno())  # type: ignore[attr-defined]
         assert got is not None
-        rest, views, entries, counts, _, size = got
+        rest, views, entries, counts, _, size, _taken = got
         left = sum(len(p) for p in rest)
         assert 0 < left < size and len(entries) == 1 and _pinned(engine) == 1
         near.setblocking(True)

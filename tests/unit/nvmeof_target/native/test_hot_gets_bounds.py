@@ -48,7 +48,7 @@ def _serve(engine: Engine, inflight: int, max_inflight: int) -> tuple[object, Fr
 
 def test_bytes_in_flight_near_the_top_stop_after_one_answer(engine: Engine) -> None:
     got, reader = _serve(engine, TOP - 1, TOP)
-    assert got is not None and got[3] == (1, 0, 0)  # type: ignore[index]
+    assert got is not None and got[3] == (1, 0, 0, 0)  # type: ignore[index]
     assert engine.stats().as_dict()["gets"] == 1 and not reader.at_boundary
 
 
