@@ -96,7 +96,8 @@ static PyObject *py_crc_level(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"crc_level", py_crc_level, METH_VARARGS,
-     "crc_level(n) -> str: use the best CRC32C loop up to n (0 table, 1 sse4.2, 2 vpclmulqdq) "
+     "crc_level(n) -> str: use the best CRC32C loop up to n (0 table, 1 sse4.2, 2 vpclmulqdq, "
+     "3 vpclmulqdq-512) "
      "that this CPU has; its name (tests compare all of them)."},
     {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data, crc=0) -> int: CRC32C of data."},
     {"crc32c_copy", py_crc32c_copy, METH_VARARGS,
@@ -115,7 +116,7 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_speedups", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__speedups(void) {
-    crc_init(2);
+    crc_init(3);
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "hardware", crc_update != crc_portable) < 0) {
         Py_DECREF(m);

@@ -25,5 +25,6 @@ typedef uint32_t (*crc_fn)(uint32_t reg, uint8_t *dst, const uint8_t *src, size_
 extern crc_fn crc_update;
 extern crc_fn crc_portable;
 extern const char *crc_kind;
-void crc_init(int level); /* 0: the table; 1: SSE4.2 if present; 2: VPCLMULQDQ if present */
+/* 0: the table; 1: SSE4.2 if present; 2: VPCLMULQDQ (AVX2 width) if present; 3: at AVX-512 width */
+void crc_init(int level);
 #endif

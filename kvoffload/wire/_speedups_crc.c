@@ -1,6 +1,11 @@
 /* CRC32C (Castagnoli, reflected polynomial 0x82F63B78), summing and optionally copying in one
- * pass. Three implementations, picked once at import by what the CPU has:
+ * pass. Four implementations, picked once at import by what the CPU has:
  *
+ * - fold512: VPCLMULQDQ at AVX-512 width, four 64-byte registers (sixteen 16-byte lanes) each
+ *   folded 2048 bits forward per 256-byte step, copying from the registers as `fold` does.
+ *   Measured on this project's AMD EPYC (Zen 4) VM at 2 MiB: ~54 GB/s summing, ~47 GB/s
+ *   summing while copying, where memcpy was ~46 GB/s and `fold` ~25 GB/s: a verified copy of a
+ *   cache-resident block costs what the copy alone costs.
  * - fold: VPCLMULQDQ (AVX2 width) carry-less folding of 128-byte blocks, copying each block
  *   from the registers it was loaded into, so the data is read once; the SSE4.2 `crc32`
  *   instruction reduces the folded 16 bytes. ~2x the `crc32` instruction's 8 bytes a cycle,
@@ -120,7 +125,7 @@ __attribute__((target("sse4.2"))) static uint32_t hw_copy(uint32_t reg, uint8_t 
 }
 
 /* Fold constants: {x^(F+63), x^(F-1)} mod P, each placed as the header comment says. */
-static uint64_t k128[2], k1024[2];
+static uint64_t k128[2], k1024[2], k2048[2];
 
 static void fold_constants(uint64_t k[2], unsigned bits) {
     k[0] = (uint64_t)xpow(bits + 63) << 32;
@@ -283,6 +288,65 @@ FOLD_TARGET static uint32_t fold_copy(uint32_t reg, uint8_t *dst, const uint8_t 
     if (n < FOLD_MIN) return hw_copy(reg, dst, src, n);
     return dst ? hybrid_loop(reg, dst, src, n, 1) : hybrid_loop(reg, NULL, src, n, 0);
 }
+
+#define FOLD512_TARGET \
+    __attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2,avx2")))
+
+/* a*k's two 64x64 products XORed with y, in one ternary-logic op (0x96: a ^ b ^ c) */
+FOLD512_TARGET static inline __m512i fold64(__m512i a, __m512i k, __m512i y) {
+    return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(a, k, 0x00),
+                                     _mm512_clmulepi64_epi128(a, k, 0x11), y, 0x96);
+}
+
+/* n >= FOLD_MIN (256): the first 256 bytes in four registers, each later 256 bytes folded in,
+ * then the sixteen lanes into one as `fold_loop` does, then 16-byte steps, then `crc32`. */
+FOLD512_TARGET __attribute__((always_inline)) static inline uint32_t
+fold512_loop(uint32_t reg, uint8_t *dst, const uint8_t *src, size_t n, const int copy) {
+    const __m512i k16 =
+        _mm512_broadcast_i32x4(_mm_set_epi64x((long long)k2048[1], (long long)k2048[0]));
+    const __m128i k1 = _mm_set_epi64x((long long)k128[1], (long long)k128[0]);
+    __m512i x[4];
+    _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++) x[q] = _mm512_loadu_si512(src + 64 * q);
+    if (copy) {
+        _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++) _mm512_storeu_si512(dst + 64 * q, x[q]);
+        dst += 256;
+    }
+    x[0] = _mm512_xor_si512(x[0], _mm512_castsi128_si512(_mm_cvtsi32_si128((int)reg)));
+    src += 256;
+    n -= 256;
+    while (n >= 256) {
+        __m512i y[4];
+        _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++) y[q] = _mm512_loadu_si512(src + 64 * q);
+        if (copy) {
+            _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++) _mm512_storeu_si512(dst + 64 * q, y[q]);
+            dst += 256;
+        }
+        _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++) x[q] = fold64(x[q], k16, y[q]);
+        src += 256;
+        n -= 256;
+    }
+    __m128i acc = _mm512_castsi512_si128(x[0]);
+    for (int q = 0; q < 4; q++) {
+        __m128i lanes[4] = {_mm512_castsi512_si128(x[q]), _mm512_extracti32x4_epi32(x[q], 1),
+                            _mm512_extracti32x4_epi32(x[q], 2),
+                            _mm512_extracti32x4_epi32(x[q], 3)};
+        for (int l = q == 0; l < 4; l++) acc = _mm_xor_si128(fold16(acc, k1), lanes[l]);
+    }
+    for (; n >= 16; n -= 16, src += 16) {
+        __m128i y = _mm_loadu_si128((const __m128i *)src);
+        if (copy) { _mm_storeu_si128((__m128i *)dst, y); dst += 16; }
+        acc = _mm_xor_si128(fold16(acc, k1), y);
+    }
+    uint64_t r = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(acc));
+    r = _mm_crc32_u64(r, (uint64_t)_mm_extract_epi64(acc, 1));
+    return hw_loop((uint32_t)r, dst, src, n, copy);
+}
+
+FOLD512_TARGET static uint32_t fold512_copy(uint32_t reg, uint8_t *dst, const uint8_t *src,
+                                            size_t n) {
+    if (n < FOLD_MIN) return hw_copy(reg, dst, src, n);
+    return dst ? fold512_loop(reg, dst, src, n, 1) : fold512_loop(reg, NULL, src, n, 0);
+}
 #else
 #define HAVE_X86 0
 #endif
@@ -298,6 +362,7 @@ void crc_init(int allow) {
 #if HAVE_X86
     fold_constants(k128, 128);
     fold_constants(k1024, 1024);
+    fold_constants(k2048, 2048);
     __builtin_cpu_init();
     if (allow >= 1 && __builtin_cpu_supports("sse4.2")) {
         crc_update = hw_copy;
@@ -306,6 +371,11 @@ void crc_init(int allow) {
             __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("pclmul")) {
             crc_update = fold_copy;
             crc_kind = "vpclmulqdq";
+            if (allow >= 3 && __builtin_cpu_supports("avx512f") &&
+                __builtin_cpu_supports("avx512vl")) {
+                crc_update = fold512_copy;
+                crc_kind = "vpclmulqdq-512";
+            }
         }
     }
 #else

@@ -74,9 +74,10 @@ def test_crc32c_matches_the_crc32c_package(data: bytes, offset: int, seed: int) 
         assert not any(dst[:offset]) and not any(target[len(view) :])
 
 
-# Every loop the extension has (table, SSE4.2 `crc32`, VPCLMULQDQ folding with `crc32` streams),
+# Every loop the extension has (table, SSE4.2 `crc32`, VPCLMULQDQ folding with `crc32` streams,
+# VPCLMULQDQ at AVX-512 width),
 # across the sizes where it switches: 256 (folding starts), 8704 (a hybrid block) and more.
-LOOPS = (0, 1, 2)
+LOOPS = (0, 1, 2, 3)
 _BLOCK = 8704
 
 
@@ -87,7 +88,7 @@ def ext_loops() -> Iterator[object]:
     from kvoffload.wire import _speedups
 
     yield _speedups
-    _speedups.crc_level(2)
+    _speedups.crc_level(3)
 
 
 @settings(max_examples=200, deadline=None)
@@ -122,6 +123,7 @@ def test_the_crc_loops_are_named(ext_loops: object) -> None:
     names = [ext_loops.crc_level(level) for level in LOOPS]  # type: ignore[attr-defined]
     assert names[0] == "table" and names[1] in ("table", "sse4.2")
     assert names[2] in ("table", "sse4.2", "vpclmulqdq")
+    assert names[3] in (names[2], "vpclmulqdq-512")
 
 
 def test_crc32c_every_length_to_4096_and_large(impl: str) -> None:
