@@ -28,6 +28,7 @@ __all__ = [
     "groups_of",
     "leading_run",
     "merge_tier_runs",
+    "pick",
     "release",
     "scrub",
     "settle",
@@ -38,8 +39,16 @@ G = TypeVar("G")
 Got: TypeAlias = HeldBlock | Received | None
 
 
+def pick(items: Sequence[T], at: list[int]) -> Sequence[T]:
+    """`items` at the positions `at` (increasing, as `groups_of` gives them): all of them, the
+    one-shard case, without a per-item copy."""
+    return items if len(at) == len(items) else [items[i] for i in at]
+
+
 def groups_of(keys: Sequence[bytes], count: int) -> dict[int, list[int]]:
     """Shard -> positions in `keys`, in order."""
+    if count == 1:
+        return {0: list(range(len(keys)))} if len(keys) else {}
     groups: dict[int, list[int]] = {}
     for i, key in enumerate(keys):
         groups.setdefault(shard_of(key, count), []).append(i)
@@ -223,7 +232,7 @@ class ShardRouter:
     def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None:
         self._split(
             [item[0] for item in items],
-            lambda s, at: s.put_many([items[i] for i in at], durable),
+            lambda s, at: s.put_many(pick(items, at), durable),
         )
 
     def get(self, key: bytes) -> HeldBlock | None:
@@ -233,13 +242,13 @@ class ShardRouter:
         return self._again(lambda: self._of(key).get_into(key, buffer))
 
     def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]:
-        groups, parts = self._split(keys, lambda s, at: s.get_many([keys[i] for i in at]), release)
+        groups, parts = self._split(keys, lambda s, at: s.get_many(pick(keys, at)), release)
         return gather(len(keys), groups, parts)
 
     def get_many_into(self, keys: Sequence[bytes], buffers: Sequence[memoryview]) -> list[Got]:
         groups, parts = self._split(
             keys,
-            lambda s, at: s.get_many_into([keys[i] for i in at], [buffers[i] for i in at]),
+            lambda s, at: s.get_many_into(pick(keys, at), pick(buffers, at)),
             scrub(buffers),
         )
         return gather(len(keys), groups, parts)
@@ -248,15 +257,15 @@ class ShardRouter:
         return self._again(lambda: self._of(key).exists(key))
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        groups, runs = self._split(keys, lambda s, at: s.lookup([keys[i] for i in at]))
+        groups, runs = self._split(keys, lambda s, at: s.lookup(pick(keys, at)))
         return leading_run(len(keys), groups, runs)
 
     def lookup_tiers(self, keys: Sequence[bytes]) -> TierRun:
-        groups, runs = self._split(keys, lambda s, at: s.lookup_tiers([keys[i] for i in at]))
+        groups, runs = self._split(keys, lambda s, at: s.lookup_tiers(pick(keys, at)))
         return merge_tier_runs(len(keys), groups, runs)
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
-        _, counts = self._split(keys, lambda s, at: s.prefetch([keys[i] for i in at]))
+        _, counts = self._split(keys, lambda s, at: s.prefetch(pick(keys, at)))
         return sum(counts)
 
     def delete(self, key: bytes) -> bool:

@@ -33,6 +33,7 @@ from kvoffload.client_sdk.transports.sharding import (
     groups_of,
     leading_run,
     merge_tier_runs,
+    pick,
     release,
     scrub,
     settle,
@@ -115,7 +116,7 @@ class ShardedTransport(ShardRouter):
         def call(shard: Transport, at: list[int]) -> list[bool] | None:
             if not isinstance(shard, Repairing):
                 return None
-            return shard.delete_many([keys[i] for i in at])
+            return shard.delete_many(pick(keys, at))
 
         groups, answers = self._split(keys, call)
         out = [False] * len(keys)
@@ -258,7 +259,7 @@ class AsyncShardedTransport:
     async def put_many(self, items: Sequence[PutItem], durable: bool = False) -> None:
         await self._split(
             [item[0] for item in items],
-            lambda s, at: s.put_many([items[i] for i in at], durable),
+            lambda s, at: s.put_many(pick(items, at), durable),
         )
 
     async def get(self, key: bytes) -> HeldBlock | None:
@@ -268,9 +269,7 @@ class AsyncShardedTransport:
         return await self._keyed(key, lambda t: t.get_into(key, buffer))
 
     async def get_many(self, keys: Sequence[bytes]) -> list[HeldBlock | None]:
-        groups, parts = await self._split(
-            keys, lambda s, at: s.get_many([keys[i] for i in at]), release
-        )
+        groups, parts = await self._split(keys, lambda s, at: s.get_many(pick(keys, at)), release)
         return gather(len(keys), groups, parts)
 
     async def get_many_into(
@@ -278,7 +277,7 @@ class AsyncShardedTransport:
     ) -> list[Got]:
         groups, parts = await self._split(
             keys,
-            lambda s, at: s.get_many_into([keys[i] for i in at], [buffers[i] for i in at]),
+            lambda s, at: s.get_many_into(pick(keys, at), pick(buffers, at)),
             scrub(buffers),
         )
         return gather(len(keys), groups, parts)
@@ -287,15 +286,15 @@ class AsyncShardedTransport:
         return await self._keyed(key, lambda t: t.exists(key))
 
     async def lookup(self, keys: Sequence[bytes]) -> int:
-        groups, runs = await self._split(keys, lambda s, at: s.lookup([keys[i] for i in at]))
+        groups, runs = await self._split(keys, lambda s, at: s.lookup(pick(keys, at)))
         return leading_run(len(keys), groups, runs)
 
     async def lookup_tiers(self, keys: Sequence[bytes]) -> TierRun:
-        groups, runs = await self._split(keys, lambda s, at: s.lookup_tiers([keys[i] for i in at]))
+        groups, runs = await self._split(keys, lambda s, at: s.lookup_tiers(pick(keys, at)))
         return merge_tier_runs(len(keys), groups, runs)
 
     async def prefetch(self, keys: Sequence[bytes]) -> int:
-        _, counts = await self._split(keys, lambda s, at: s.prefetch([keys[i] for i in at]))
+        _, counts = await self._split(keys, lambda s, at: s.prefetch(pick(keys, at)))
         return sum(counts)
 
     async def delete(self, key: bytes) -> bool:

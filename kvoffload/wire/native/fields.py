@@ -72,6 +72,20 @@ def _seq(item: Callable[[object], object]) -> Callable[[object], tuple[object, .
     return check
 
 
+def _keys(value: object) -> tuple[object, ...]:
+    """`_seq(_key)`, with the common case (every item a `bytes` of KEY_BYTES) checked by two
+    passes that run in C: a 1,000-key lookup spent ~0.1 ms in per-key calls."""
+    if not isinstance(value, (list, tuple)):
+        raise fail("list", value)
+    if set(map(type, value)) <= _ONLY_BYTES and set(map(len, value)) <= _ONLY_KEY_LENGTH:
+        return tuple(value)
+    return tuple(_key(v) for v in value)
+
+
+_ONLY_BYTES = frozenset({bytes})
+_ONLY_KEY_LENGTH = frozenset({KEY_BYTES})
+
+
 def _blob(value: object) -> bytes:
     if not isinstance(value, bytes) or len(value) > _MAX_BLOB:
         raise fail(f"byte string of at most {_MAX_BLOB} bytes", value)
@@ -118,7 +132,7 @@ VALIDATORS: dict[str, Callable[[object], object]] = {
     "max_value_bytes": _uint,
     "max_payload_bytes": _uint,
     "status": _uint,
-    "keys": _seq(_key),
+    "keys": _keys,
     "parents": _seq(_opt_key),
     "lengths": _seq(_uint),
     "opt_lengths": _seq(_opt_uint),

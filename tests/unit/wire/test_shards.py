@@ -3,10 +3,16 @@ shards' stats add up (kvoffload/wire/shards.py, transports/native/shards.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvoffload.client_sdk.transports.sharding import gather, groups_of, leading_run
+from kvoffload.client_sdk.keys import to_key
+from kvoffload.client_sdk.request_layer import to_keys
+from kvoffload.client_sdk.transports.sharding import gather, groups_of, leading_run, pick
+from kvoffload.errors import KVOffloadError
+from kvoffload.wire.native import fields
 from kvoffload.wire.shards import merge_stats, shard_of
 
 
@@ -93,3 +99,38 @@ def test_nvme_urls_name_a_multi_worker_daemons_subsystems() -> None:
     for bad in ("?shards=x", "?ports=1,70000", "?shards=0"):
         with pytest.raises(ConfigError, match="shard"):
             NvmeOptions.from_url(parse_url(base + bad))
+
+
+_KEYISH = st.one_of(
+    st.binary(min_size=16, max_size=16),
+    st.binary(min_size=0, max_size=40),
+    st.binary(min_size=16, max_size=16).map(bytearray),
+    st.integers(0, 3),
+    st.text(max_size=3),
+)
+
+
+def _outcome(f: Callable[[], object]) -> object:
+    try:
+        return ("ok", f())
+    except KVOffloadError as exc:
+        return ("error", type(exc), str(exc))
+
+
+@given(st.lists(_KEYISH, max_size=12), st.booleans())
+def test_the_fast_key_checks_answer_as_the_per_key_ones(keys: list[object], as_tuple: bool) -> None:
+    """The client's and the codec's checks of a key list take a shortcut when every key is a
+    16-byte `bytes`: same result (or the same error) as checking key by key."""
+    seq = tuple(keys) if as_tuple else keys
+    assert _outcome(lambda: fields._keys(seq)) == _outcome(lambda: fields._seq(fields._key)(seq))
+    assert _outcome(lambda: to_keys(seq)) == _outcome(lambda: [to_key(k) for k in seq])  # type: ignore[arg-type]
+
+
+@given(st.lists(st.binary(min_size=16, max_size=16), max_size=40), st.integers(1, 5))
+def test_one_shard_groups_every_key_and_passes_the_keys_through(keys: list[bytes], n: int) -> None:
+    groups = groups_of(keys, n)
+    assert sorted(i for at in groups.values() for i in at) == list(range(len(keys)))
+    for at in groups.values():
+        assert list(pick(keys, at)) == [keys[i] for i in at]
+    if n == 1 and keys:
+        assert groups == {0: list(range(len(keys)))} and pick(keys, groups[0]) is keys
