@@ -93,6 +93,7 @@ from kvoffload.errors import KVOffloadError, LocalProtocolError, RemoteProtocolE
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig  # noqa: E402
 from kvoffload.kvstore.arena import AlignedBuffer  # noqa: E402
 from kvoffload.kvstore.dram import DramEntry, DramIndex  # noqa: E402
+from kvoffload.nvmeof_target.services import PinBudget  # noqa: E402
 from kvoffload.nvmeof_target.tenants import Tenant  # noqa: E402
 from kvoffload.wire import fast  # noqa: E402
 from kvoffload.wire.native import connection as nw  # noqa: E402
@@ -100,6 +101,8 @@ from kvoffload.wire.native.connection import (  # noqa: E402
     NEED_DATA,
     Exists,
     Get,
+    GetMany,
+    GetManyResult,
     Hello,
     Limits,
     Lookup,
@@ -737,7 +740,7 @@ _HOT_KEYS = [bytes([i]) * 16 for i in range(1, 9)]  # the first 5 stored plainly
 _HOT_VALUES = [b"", b"a", bytes(range(256)) * 20, b"v" * 4096, b"w" * 70_001]
 _TENANTS = (None, Tenant.named("alice"), Tenant.named("bob"))  # bob: a prefix, no blocks
 _GET_MAP = b"\x81\xa3key\xc4\x10"
-_OP_GET, _OP_EXISTS, _OP_LOOKUP = Get.OP, Exists.OP, Lookup.OP
+_OP_GET, _OP_EXISTS, _OP_LOOKUP, _OP_GET_MANY = Get.OP, Exists.OP, Lookup.OP, GetMany.OP
 _hot_engine: list[Engine] = []
 
 
@@ -760,18 +763,19 @@ def _head(op: int, rid: int, hlen: int, plen: int = 0, flags: int = 0) -> bytes:
     return FRAME.pack(MAGIC, 1, op, flags, rid, hlen, plen)
 
 
-def _lookup_frame(rid: int, keys: Sequence[bytes]) -> bytes:
+def _lookup_frame(rid: int, keys: Sequence[bytes], op: int = _OP_LOOKUP) -> bytes:
+    """A Lookup (or, with `op`, a GetMany: the same map) in the canonical encoding."""
     n = len(keys)
     array = bytes([0x90 | n]) if n < 16 else (b"\xdc" + n.to_bytes(2, "big") if n < 65536
                                               else b"\xdd" + n.to_bytes(4, "big"))  # fmt: skip
     body = b"\x81\xa4keys" + array + b"".join(b"\xc4\x10" + k for k in keys)
-    return _head(_OP_LOOKUP, rid, len(body)) + body
+    return _head(op, rid, len(body)) + body
 
 
 @atheris.instrument_func  # coverage of the choices: GCC gives none of the C
 def _hot_frame(fdp: atheris.FuzzedDataProvider) -> bytes:
-    """One frame of a hostile stream: mostly canonical Gets, Exists and Lookups (what C
-    takes), and the near misses it must leave to Python."""
+    """One frame of a hostile stream: mostly canonical Gets, Exists, Lookups and GetManys
+    (what C takes), and the near misses it must leave to Python."""
     rid = int(fdp.PickValueInList([0, 1, 2, 2, 3, 2**31, 2**32 - 2]))
     key = _HOT_KEYS[fdp.ConsumeIntInRange(0, len(_HOT_KEYS) - 1)]
     kind = fdp.ConsumeIntInRange(0, 11)
@@ -780,12 +784,13 @@ def _hot_frame(fdp: atheris.FuzzedDataProvider) -> bytes:
         return get
     if kind == 3:
         keys = [_HOT_KEYS[fdp.ConsumeIntInRange(0, 7)] for _ in range(fdp.ConsumeIntInRange(0, 20))]
-        return _lookup_frame(rid, keys)
+        return _lookup_frame(rid, keys, _OP_GET_MANY if fdp.ConsumeBool() else _OP_LOOKUP)
     if kind == 4 and fdp.ConsumeIntInRange(0, 15) == 0:  # rare: each costs ~0.1 s
         count, miss = fdp.ConsumeIntInRange(0, 70_000), fdp.ConsumeIntInRange(0, 70_001)
         return _lookup_frame(rid, [_HOT_KEYS[0 if i != miss else 7] for i in range(count)])
     if kind == 5:  # a field of the head or an early map byte set to a hostile value
-        frame = bytearray(get if fdp.ConsumeBool() else _lookup_frame(rid, [key, key]))
+        many = _OP_GET_MANY if fdp.ConsumeBool() else _OP_LOOKUP
+        frame = bytearray(get if fdp.ConsumeBool() else _lookup_frame(rid, [key, key], many))
         at = fdp.ConsumeIntInRange(4, min(len(frame), 40) - 1)
         if at in (8, 12, 16, 20) and fdp.ConsumeBool():  # id, header or payload length
             frame[at : at + 4] = int(fdp.PickValueInList([0, 1, 22, 24, 2**31, 2**32 - 1])
@@ -797,14 +802,15 @@ def _hot_frame(fdp: atheris.FuzzedDataProvider) -> bytes:
         return get[: fdp.ConsumeIntInRange(0, len(get) - 1)]
     if kind == 7:  # a valid map C does not take: odd key types, tiers, extra fields
         odd = fdp.PickValueInList([None, 7, -1, "k" * 16, b"", b"k" * 15, b"k" * 17, [key]])
-        op = int(fdp.PickValueInList([_OP_GET, _OP_EXISTS, _OP_LOOKUP]))
-        meta: dict[str, object] = {"keys" if op == _OP_LOOKUP else "key": odd}
+        op = int(fdp.PickValueInList([_OP_GET, _OP_EXISTS, _OP_LOOKUP, _OP_GET_MANY]))
+        meta: dict[str, object] = {"keys" if op in (_OP_LOOKUP, _OP_GET_MANY) else "key": odd}
         if fdp.ConsumeBool():
             meta = {"keys": [key], "tiers": True} if op == _OP_LOOKUP else {"key": key, "x": 1}
         body = msgpack.packb(meta)
         return _head(op, rid, len(body)) + body
     if kind == 8:  # a lookup whose array count disagrees with its length
-        frame = bytearray(_lookup_frame(rid, [key] * fdp.ConsumeIntInRange(0, 17)))
+        many = _OP_GET_MANY if fdp.ConsumeBool() else _OP_LOOKUP
+        frame = bytearray(_lookup_frame(rid, [key] * fdp.ConsumeIntInRange(0, 17), many))
         frame[30] = fdp.ConsumeIntInRange(0, 255)
         return bytes(frame)
     if kind == 9:  # a request the hot path never takes, with a payload
@@ -813,14 +819,72 @@ def _hot_frame(fdp: atheris.FuzzedDataProvider) -> bytes:
     return fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 64))
 
 
+@dataclass
+class _Budget:
+    """What a GetMany answered in C may hold: the daemon's pin budget (the real one C takes
+    from), the frame's payload limit and the engine's chunk of keys."""
+
+    pins: PinBudget
+    max_payload: int
+    step: int
+
+
+@dataclass
+class _Reference:
+    """The Python path's answers to the frames C took, and what they did to the engine."""
+
+    answers: list[bytes]
+    counts: list[int]  # gets, exists, lookups, get_manys
+    gets: int  # the engine's counters: every key a get or a GetMany's chunk asked for
+    hits: int
+    hit_bytes: int
+    answer_bytes: int  # the hits' bytes the answers carry (a cut-short GetMany carries fewer)
+    taken: int  # pin budget bytes the answers hold
+
+
+def _python_get_many(ref: NativeConnection, engine: Engine, keys: list[bytes], rid: int,
+                     budget: _Budget, pins: PinBudget, out: _Reference) -> None:  # fmt: skip
+    """`requests.on_get_many` on a DRAM-only engine, its pin budget played on `pins`."""
+    views: list[Any] = []
+    taken, stop = 0, False
+    for at in range(0, len(keys), budget.step):
+        chunk = engine.get_many(keys[at : at + budget.step])
+        out.gets += len(chunk)
+        out.hits += sum(v is not None for v in chunk)
+        out.hit_bytes += sum(len(v) for v in chunk if v is not None)
+        for i, view in enumerate(chunk):
+            size = len(view) if view is not None else 0
+            if view is not None and (
+                (views and taken + size > budget.max_payload) or not pins.take(size, taken == 0)
+            ):
+                for rest in chunk[i:]:
+                    if rest is not None:
+                        rest.release()
+                stop = True
+                break
+            taken += size
+            views.append(view)
+        if stop:
+            break
+    hits = [v for v in views if v is not None]
+    lengths = tuple(None if v is None else len(v) for v in views)
+    parts = ref.send_parts(GetManyResult(rid, lengths), [v.data for v in hits])
+    out.answers.append(b"".join(bytes(p) for p in parts))
+    out.answer_bytes += taken
+    out.taken += taken
+    for view in hits:
+        view.release()
+
+
 @atheris.instrument_func  # coverage of the choices: GCC gives none of the C
 def _python_answers(ref: NativeConnection, engine: Engine, tenant: Tenant | None,
-                    taken: bytes) -> tuple[list[bytes], list[int], int, int]:  # fmt: skip
+                    taken: bytes, budget: _Budget, held_before: int) -> _Reference:  # fmt: skip
     """What the Python path answers to the frames C took: the codec reads them, the engine's
-    own calls answer them. Returns each answer's bytes, (gets, exists, lookups), hits, bytes."""
+    own calls answer them (GetMany's pin budget on a copy that starts where C's did)."""
     ref.receive_data(taken)
-    out: list[bytes] = []
-    counts, hits, size = [0, 0, 0], 0, 0
+    out = _Reference([], [0, 0, 0, 0], 0, 0, 0, 0, 0)
+    pins = PinBudget(budget.pins.limit)
+    pins.held = held_before
     derive = tenant.key if tenant is not None else (lambda k: k)
     while (event := ref.next_event()) is not NEED_DATA:
         if isinstance(event, Get):
@@ -828,24 +892,32 @@ def _python_answers(ref: NativeConnection, engine: Engine, tenant: Tenant | None
             length = None if view is None else len(view)
             parts = ref.send_get_result(event.request_id, length,
                                         (view.data,) if view is not None else ())  # fmt: skip
-            out.append(b"".join(bytes(p) for p in parts))
+            out.answers.append(b"".join(bytes(p) for p in parts))
+            out.gets += 1
             if view is not None:
-                hits, size = hits + 1, size + len(view)
+                out.hits, out.hit_bytes = out.hits + 1, out.hit_bytes + len(view)
+                out.answer_bytes += len(view)
                 view.release()
-            counts[0] += 1
+            out.counts[0] += 1
         elif isinstance(event, Exists):
             found = engine.contains(derive(event.key))
-            out.append(b"".join(bytes(p) for p in ref.send_exists_result(event.request_id, found)))
-            counts[1] += 1
+            out.answers.append(
+                b"".join(bytes(p) for p in ref.send_exists_result(event.request_id, found))
+            )
+            out.counts[1] += 1
         elif isinstance(event, Lookup) and not event.tiers:
             n = engine.lookup([derive(k) for k in event.keys])
-            out.append(
+            out.answers.append(
                 b"".join(bytes(p) for p in ref.send_parts(LookupResult(event.request_id, n)))
             )
-            counts[2] += 1
+            out.counts[2] += 1
+        elif isinstance(event, GetMany):
+            keys = [derive(k) for k in event.keys]
+            _python_get_many(ref, engine, keys, event.request_id, budget, pins, out)
+            out.counts[3] += 1
         else:
             raise AssertionError(f"C took a frame Python reads as {event!r}")
-    return out, counts, hits, size
+    return out
 
 
 def fuzz_hot_gets(data: bytes) -> None:
@@ -864,28 +936,36 @@ def fuzz_hot_gets(data: bytes) -> None:
     handles = engine.hot_handles()
     hot_type = core.hot_gets_type()
     assert handles is not None and hot_type is not None
+    limit = int(fdp.PickValueInList([0, 100, 5000, 1 << 30]))
+    budget = _Budget(PinBudget(limit), int(fdp.PickValueInList([1, 4096, 70_001, 1 << 20])),
+                     int(fdp.PickValueInList([1, 2, 3, 64])))  # fmt: skip
+    budget.pins.held = start = fdp.ConsumeIntInRange(0, limit)
     hot = hot_type(handles.lock, handles.index, handles.counters, handles.manager,
                    handles.apply_touches, handles.free, handles.arena,
                    tenant.hasher if tenant else None, fast.frame_head, _State.HEAD,
-                   handles.touch_ring)  # fmt: skip
+                   handles.touch_ring, pins=budget.pins, max_payload=budget.max_payload,
+                   step=budget.step)  # fmt: skip
     reader, ref = FrameReader(limits), NativeConnection(Role.SERVER, limits)
     ref.receive_data(NativeConnection(Role.CLIENT).send(Hello(HOT_HELLO)))
     ref.next_event()  # answered, as the session does before it serves in C
     ref.send_parts(Welcome(HOT_HELLO, 1, "", 1 << 20, 1 << 20))
-    held: list[tuple[list[object], list[object]]] = []
+    held: list[tuple[list[object], list[object], int]] = []
     received = 0
     try:
         for at in range(0, len(stream), chunk):
             reader.receive_data(stream[at : at + chunk])
             received = min(len(stream), at + chunk)
-            if not _serve_all(fdp, hot, reader, ref, engine, tenant, stream, received, held):
+            if not _serve_all(fdp, hot, reader, ref, engine, tenant, stream, received, held,
+                              budget):  # fmt: skip
                 return
     finally:
-        for views, entries in held:
-            hot.release(views, entries)
+        for views, entries, taken in held:
+            hot.release(views, entries, taken)
         left = [e for e in handles.index.values() if e.pins]
         if left or len(handles.index.pinned):
             raise AssertionError(f"pins left after release: {left}")
+        if budget.pins.held != start:
+            raise AssertionError(f"pin budget at {budget.pins.held} after release, not {start}")
 
 
 def _flow(fdp: atheris.FuzzedDataProvider) -> tuple[int, int, int]:
@@ -905,7 +985,8 @@ def _flow(fdp: atheris.FuzzedDataProvider) -> tuple[int, int, int]:
 @atheris.instrument_func  # coverage of the choices: GCC gives none of the C
 def _serve_all(fdp: atheris.FuzzedDataProvider, hot: Any, reader: FrameReader,
                ref: NativeConnection, engine: Engine, tenant: Tenant | None, stream: bytes,
-               received: int, held: list[tuple[list[object], list[object]]]) -> bool:  # fmt: skip
+               received: int, held: list[tuple[list[object], list[object], int]],
+               budget: _Budget) -> bool:  # fmt: skip
     """Serve what is buffered, C first, Python for each frame C leaves; False once Python
     refuses the stream (the session would close)."""
     handles = engine.hot_handles()
@@ -914,7 +995,7 @@ def _serve_all(fdp: atheris.FuzzedDataProvider, hot: Any, reader: FrameReader,
     while True:
         inflight, max_inflight, most = _flow(fdp)
         pos = received - (reader._end - reader._start)
-        before = dict(counters)
+        before, held_before = dict(counters), budget.pins.held
         try:
             got = hot.serve(reader, inflight, max_inflight, most)
         except (OverflowError, ValueError):
@@ -925,29 +1006,34 @@ def _serve_all(fdp: atheris.FuzzedDataProvider, hot: Any, reader: FrameReader,
         if bytes(reader._buf[reader._start : reader._end]) != stream[after:received]:
             raise AssertionError("HotGets changed the bytes it left")
         if got is not None:
-            parts, views, entries, counts, out_bytes, size, _taken = got
-            held.append((views, entries))
+            parts, views, entries, counts, out_bytes, size, taken = got
+            held.append((views, entries, taken))
             answer = b"".join(bytes(p) for p in parts)
             if not (after > pos and reader._state is _State.HEAD and size == len(answer)):
                 raise AssertionError(f"served {counts} from {pos} to {after}, {size} bytes")
             changed = {k: counters[k] - before[k] for k in ("gets", "hits", "misses", "bytes_out")}
-            want, want_counts, hits, hit_bytes = _python_answers(ref, engine, tenant,
-                                                                 stream[pos:after])  # fmt: skip
+            pinned = budget.pins.held - held_before
+            want = _python_answers(ref, engine, tenant, stream[pos:after], budget, held_before)
             # flow control: every answer but the last began under the limit, and the turn
-            if sum(map(len, want[:-1])) >= max_inflight - inflight or len(want) > most:
+            if (
+                sum(map(len, want.answers[:-1])) >= max_inflight - inflight
+                or len(want.answers) > most
+            ):
                 raise AssertionError(
-                    f"{len(want)} answers past ({inflight}, {max_inflight}, {most})"
+                    f"{len(want.answers)} answers past ({inflight}, {max_inflight}, {most})"
                 )
-            wrong = list(counts) != [*want_counts, 0] or out_bytes != hit_bytes
-            if answer != b"".join(want) or wrong:
+            wrong = list(counts) != want.counts or out_bytes != want.answer_bytes
+            if answer != b"".join(want.answers) or wrong:
                 raise AssertionError(f"C answered {answer[:200]!r} {counts}, Python "
-                                     f"{b''.join(want)[:200]!r} {want_counts}")  # fmt: skip
-            expect = {"gets": want_counts[0], "hits": hits, "misses": want_counts[0] - hits,
-                      "bytes_out": hit_bytes}  # fmt: skip
+                                     f"{b''.join(want.answers)[:200]!r} {want.counts}")  # fmt: skip
+            if not taken == pinned == want.taken:
+                raise AssertionError(f"C holds {taken} ({pinned} taken), Python {want.taken}")
+            expect = {"gets": want.gets, "hits": want.hits, "misses": want.gets - want.hits,
+                      "bytes_out": want.hit_bytes}  # fmt: skip
             if changed != expect:
                 raise AssertionError(f"counters moved by {changed}, Python's by {expect}")
             if fdp.ConsumeBool():  # sometimes at once, sometimes at the end
-                hot.release(views, entries)
+                hot.release(views, entries, taken)
             continue
         if after != pos:
             raise AssertionError("HotGets moved the reader and answered nothing")
