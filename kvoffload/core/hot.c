@@ -136,13 +136,14 @@ static uint32_t be32(const unsigned char *p) {
 }
 
 /* Whether p (n bytes buffered) starts with a whole Lookup or GetMany frame whose map is
- * {"keys": [...]} of bin8 16-byte keys and nothing else (a Lookup with `tiers`: Python's),
- * within `max_header`: *op is its type, *keys points at the first key (the others 18 bytes
- * apart), *count says how many. GetMany only when `many`. */
+ * {"keys": [...]} of bin8 16-byte keys and nothing else, or a Lookup's {"keys": [...],
+ * "tiers": true} (*tiers set), within `max_header`: *op is its type, *keys points at the first
+ * key (the others 18 bytes apart), *count says how many. GetMany only when `many`. */
 static int canonical_keys(const unsigned char *p, Py_ssize_t n, long long max_header, int many,
                           int *op, uint32_t *rid, uint32_t *hlen, const unsigned char **keys,
-                          uint32_t *count) {
+                          uint32_t *count, int *tiers) {
     static const unsigned char map[] = {0x81, 0xa4, 'k', 'e', 'y', 's'};
+    static const unsigned char tail[] = {0xa5, 't', 'i', 'e', 'r', 's', 0xc3};
     if (n < HEAD || memcmp(p, "KVNP", 4) != 0 || p[4] != 1) return 0;
     if (p[5] != OP_LOOKUP && !(many && p[5] == OP_GET_MANY)) return 0;
     *op = p[5];
@@ -154,14 +155,18 @@ static int canonical_keys(const unsigned char *p, Py_ssize_t n, long long max_he
     /* every length checked against what was received before anything is read */
     if (*rid == 0 || *hlen < sizeof map + 1 || *hlen > max_header || n - HEAD < *hlen) return 0;
     const unsigned char *m = p + HEAD, *a = m + sizeof map;
-    if (memcmp(m, map, sizeof map) != 0) return 0;
+    /* {"keys": ...} or, a Lookup only, {"keys": ..., "tiers": true} (the client's order) */
+    *tiers = *op == OP_LOOKUP && m[0] == 0x82;
+    if ((m[0] != 0x81 && !*tiers) || memcmp(m + 1, map + 1, sizeof map - 1) != 0) return 0;
+    size_t extra = *tiers ? sizeof tail : 0;
     uint64_t c, head;
     if ((a[0] & 0xf0) == 0x90) c = a[0] & 0x0f, head = 1;
     else if (a[0] == 0xdc && *hlen >= sizeof map + 3) c = (uint64_t)a[1] << 8 | a[2], head = 3;
     else if (a[0] == 0xdd && *hlen >= sizeof map + 5) c = be32(a + 1), head = 5;
     else return 0;
-    if (sizeof map + head + 18 * c != *hlen) return 0;
+    if (sizeof map + head + 18 * c + extra != *hlen) return 0;
     const unsigned char *k = a + head;
+    if (extra && memcmp(k + 18 * c, tail, sizeof tail) != 0) return 0;
     for (uint64_t i = 0; i < c; i++)
         if (k[18 * i] != 0xc4 || k[18 * i + 1] != 16) return 0;
     *keys = k + 2;
@@ -271,6 +276,53 @@ static int unpin_locked(HotGets *self, PyObject *entry) {
 /* Serve one Lookup already checked canonical (its `count` keys at `keys`), as Engine.lookup
  * does for a DRAM-only engine: every key derived first, then the leading run counted under the
  * lock. 1 served, 0 left to Python, -1 error. */
+/* x as msgpack's smallest unsigned form, as msgpack.packb writes it; the byte after it. */
+static unsigned char *put_uint(unsigned char *p, unsigned long long x) {
+    int b = x < 0x80 ? 0 : x <= 0xff ? 1 : x <= 0xffff ? 2 : x <= 0xffffffffull ? 4 : 8;
+    if (b == 0) {
+        *p++ = (unsigned char)x;
+        return p;
+    }
+    *p++ = b == 1 ? 0xcc : b == 2 ? 0xcd : b == 4 ? 0xce : 0xcf;
+    for (int i = b - 1; i >= 0; i--) *p++ = (unsigned char)(x >> (8 * i));
+    return p;
+}
+
+/* An answer's 24-byte frame header before its map at o + HEAD, which ends at `end`. */
+static void answer_head(unsigned char *o, int op, uint32_t rid, const unsigned char *end,
+                        long long payload) {
+    uint64_t hlen = (uint64_t)(end - o - HEAD), plen = (uint64_t)payload;
+    memcpy(o, "KVNP", 4);
+    o[4] = 1;
+    o[5] = (unsigned char)op;
+    o[6] = 1; /* FLAG_RESPONSE */
+    o[7] = 0;
+    for (int i = 0; i < 4; i++) o[8 + i] = (unsigned char)(rid >> (8 * i));
+    for (int i = 0; i < 4; i++) o[12 + i] = (unsigned char)(hlen >> (8 * i));
+    for (int i = 0; i < 8; i++) o[16 + i] = (unsigned char)(plen >> (8 * i));
+}
+
+/* A LookupResult with tiers, as `wire_pairs` gives them for a DRAM-only engine: {"count": n,
+ * "tiers": [1 (Tier.DRAM), n]}, or [] for none. */
+static PyObject *tiers_header(uint32_t rid, long long found) {
+    unsigned char o[HEAD + 40], *p = o + HEAD;
+    static const unsigned char count[] = {0x82, 0xa5, 'c', 'o', 'u', 'n', 't'};
+    static const unsigned char tiers[] = {0xa5, 't', 'i', 'e', 'r', 's'};
+    memcpy(p, count, sizeof count);
+    p = put_uint(p + sizeof count, (unsigned long long)found);
+    memcpy(p, tiers, sizeof tiers);
+    p += sizeof tiers;
+    if (found) {
+        *p++ = 0x92;
+        *p++ = 1;
+        p = put_uint(p, (unsigned long long)found);
+    } else {
+        *p++ = 0x90;
+    }
+    answer_head(o, OP_LOOKUP, rid, p, 0);
+    return PyBytes_FromStringAndSize((const char *)o, p - o);
+}
+
 /* The engine keys of `count` client keys 18 bytes apart at `keys` (in the reader's buffer):
  * all copied out before any Python code runs. */
 static PyObject *derive_keys(HotGets *self, const unsigned char *keys, uint32_t count) {
@@ -315,7 +367,7 @@ static int engine_open(HotGets *self) {
 }
 
 static int serve_lookup(HotGets *self, const unsigned char *keys, uint32_t count, uint32_t rid,
-                        PyObject *parts, long long *answer) {
+                        int tiers, PyObject *parts, long long *answer) {
     PyObject *engine_keys = derive_keys(self, keys, count);
     if (engine_keys == NULL) return -1;
     PyObject *r = PyObject_CallMethodNoArgs(self->lock, s_acquire);
@@ -339,8 +391,9 @@ static int serve_lookup(HotGets *self, const unsigned char *keys, uint32_t count
     if (r == NULL) return -1;
     Py_DECREF(r);
     if (got <= 0) return got;
-    PyObject *header =
-        PyObject_CallFunction(self->frame_head, "iIOLi", OP_LOOKUP, rid, s_count_name, found, 0);
+    PyObject *header = tiers ? tiers_header(rid, found)
+                             : PyObject_CallFunction(self->frame_head, "iIOLi", OP_LOOKUP, rid,
+                                                     s_count_name, found, 0);
     if (header == NULL) return -1;
     int rc = PyList_Append(parts, header);
     *answer += PyBytes_GET_SIZE(header);
@@ -456,29 +509,9 @@ static PyObject *many_header(uint32_t rid, const long long *lengths, uint32_t n,
         *p++ = 0xdd;
         for (int i = 3; i >= 0; i--) *p++ = (unsigned char)(n >> (8 * i));
     }
-    for (uint32_t k = 0; k < n; k++) {
-        if (lengths[k] < 0) {
-            *p++ = 0xc0;
-            continue;
-        }
-        unsigned long long x = (unsigned long long)lengths[k];
-        int b = x < 0x80 ? 0 : x <= 0xff ? 1 : x <= 0xffff ? 2 : x <= 0xffffffffull ? 4 : 8;
-        if (b == 0) {
-            *p++ = (unsigned char)x;
-            continue;
-        }
-        *p++ = b == 1 ? 0xcc : b == 2 ? 0xcd : b == 4 ? 0xce : 0xcf;
-        for (int i = b - 1; i >= 0; i--) *p++ = (unsigned char)(x >> (8 * i));
-    }
-    uint64_t hlen = (uint64_t)(p - o - HEAD), plen = (uint64_t)payload;
-    memcpy(o, "KVNP", 4);
-    o[4] = 1;
-    o[5] = OP_GET_MANY;
-    o[6] = 1; /* FLAG_RESPONSE */
-    o[7] = 0;
-    for (int i = 0; i < 4; i++) o[8 + i] = (unsigned char)(rid >> (8 * i));
-    for (int i = 0; i < 4; i++) o[12 + i] = (unsigned char)(hlen >> (8 * i));
-    for (int i = 0; i < 8; i++) o[16 + i] = (unsigned char)(plen >> (8 * i));
+    for (uint32_t k = 0; k < n; k++)
+        p = lengths[k] < 0 ? (*p = 0xc0, p + 1) : put_uint(p, (unsigned long long)lengths[k]);
+    answer_head(o, OP_GET_MANY, rid, p, payload);
     if (_PyBytes_Resize(&out, p - o) < 0) return NULL;
     return out;
 }
@@ -777,7 +810,7 @@ static PyObject *hot_serve(HotGets *self, PyObject *args) {
     long long out_bytes = 0, answer = 0, served = 0, taken = 0, counts[NOPS] = {0, 0, 0, 0};
     int many = self->pins != Py_None && self->step > 0;
     uint32_t rid = 0, last_rid = 0, hlen = 0, last_hlen = 0, nkeys = 0;
-    int op = 0, last_op = 0;
+    int op = 0, last_op = 0, tiers = 0;
     const unsigned char *keys = NULL;
     int rc = parts && views && entries ? 1 : -1;
     while (rc == 1 && served < most && answer < max_inflight - inflight) {
@@ -794,10 +827,11 @@ static PyObject *hot_serve(HotGets *self, PyObject *args) {
                 rc = serve_exists(self, frame, rid, parts, &answer);
             else
                 rc = serve_one(self, frame, rid, parts, views, entries, &out_bytes, &answer);
-        } else if (canonical_keys(p, n, max_header, many, &op, &rid, &hlen, &keys, &nkeys)) {
+        } else if (canonical_keys(p, n, max_header, many, &op, &rid, &hlen, &keys, &nkeys,
+                                  &tiers)) {
             /* both copy the keys out before they call anything */
             if (op == OP_LOOKUP)
-                rc = serve_lookup(self, keys, nkeys, rid, parts, &answer);
+                rc = serve_lookup(self, keys, nkeys, rid, tiers, parts, &answer);
             else
                 rc = serve_many(self, keys, nkeys, rid, parts, views, entries, &out_bytes,
                                 &answer, &taken);

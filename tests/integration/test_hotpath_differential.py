@@ -107,13 +107,13 @@ def _sequence(seed: int, n: int) -> list[tuple[str, Any]]:
     ops: list[tuple[str, Any]] = []
     for _ in range(n):
         kind = rng.choice(["put", "put", "put_many", "get", "get", "get_many", "exists",
-                           "lookup", "delete"])  # fmt: skip
+                           "lookup", "lookup_tiers", "delete"])  # fmt: skip
         if kind == "put":
             ops.append((kind, (rng.choice(KEYS), _value(rng))))
         elif kind == "put_many":
             keys = rng.sample(KEYS, rng.randint(1, 3))
             ops.append((kind, [(k, rng.randbytes(rng.choice(SIZES[:4]))) for k in keys]))
-        elif kind in ("get_many", "lookup"):
+        elif kind in ("get_many", "lookup", "lookup_tiers"):
             ops.append((kind, rng.sample(KEYS, rng.randint(1, 6))))
         else:
             ops.append((kind, rng.choice(KEYS)))
@@ -128,6 +128,8 @@ def _run(client: Client, ops: list[tuple[str, Any]]) -> list[object]:
                 answers.append(client.put(*args))
             elif kind == "put_many":
                 answers.append(client.put_many(args))
+            elif kind == "lookup_tiers":
+                answers.append(client.lookup(args, tiers=True))
             else:
                 answers.append(getattr(client, kind)(args))
         except Exception as exc:  # both daemons must refuse the same way

@@ -121,6 +121,7 @@ from kvoffload.wire.native.frames import (  # noqa: E402
     encode_frame,  # noqa: E402
 )
 from kvoffload.wire.status import Status  # noqa: E402
+from kvoffload.wire.tiers import wire_pairs  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -763,12 +764,16 @@ def _head(op: int, rid: int, hlen: int, plen: int = 0, flags: int = 0) -> bytes:
     return FRAME.pack(MAGIC, 1, op, flags, rid, hlen, plen)
 
 
-def _lookup_frame(rid: int, keys: Sequence[bytes], op: int = _OP_LOOKUP) -> bytes:
-    """A Lookup (or, with `op`, a GetMany: the same map) in the canonical encoding."""
+def _lookup_frame(
+    rid: int, keys: Sequence[bytes], op: int = _OP_LOOKUP, tiers: bool = False
+) -> bytes:
+    """A Lookup (or, with `op`, a GetMany: the same map; or a Lookup asking for `tiers`) in
+    the canonical encoding."""
     n = len(keys)
     array = bytes([0x90 | n]) if n < 16 else (b"\xdc" + n.to_bytes(2, "big") if n < 65536
                                               else b"\xdd" + n.to_bytes(4, "big"))  # fmt: skip
-    body = b"\x81\xa4keys" + array + b"".join(b"\xc4\x10" + k for k in keys)
+    body = (b"\x82" if tiers else b"\x81") + b"\xa4keys" + array
+    body += b"".join(b"\xc4\x10" + k for k in keys) + (b"\xa5tiers\xc3" if tiers else b"")
     return _head(op, rid, len(body)) + body
 
 
@@ -784,7 +789,8 @@ def _hot_frame(fdp: atheris.FuzzedDataProvider) -> bytes:
         return get
     if kind == 3:
         keys = [_HOT_KEYS[fdp.ConsumeIntInRange(0, 7)] for _ in range(fdp.ConsumeIntInRange(0, 20))]
-        return _lookup_frame(rid, keys, _OP_GET_MANY if fdp.ConsumeBool() else _OP_LOOKUP)
+        which = fdp.ConsumeIntInRange(0, 2)
+        return _lookup_frame(rid, keys, _OP_GET_MANY if which == 1 else _OP_LOOKUP, which == 2)
     if kind == 4 and fdp.ConsumeIntInRange(0, 15) == 0:  # rare: each costs ~0.1 s
         count, miss = fdp.ConsumeIntInRange(0, 70_000), fdp.ConsumeIntInRange(0, 70_001)
         return _lookup_frame(rid, [_HOT_KEYS[0 if i != miss else 7] for i in range(count)])
@@ -805,7 +811,13 @@ def _hot_frame(fdp: atheris.FuzzedDataProvider) -> bytes:
         op = int(fdp.PickValueInList([_OP_GET, _OP_EXISTS, _OP_LOOKUP, _OP_GET_MANY]))
         meta: dict[str, object] = {"keys" if op in (_OP_LOOKUP, _OP_GET_MANY) else "key": odd}
         if fdp.ConsumeBool():
-            meta = {"keys": [key], "tiers": True} if op == _OP_LOOKUP else {"key": key, "x": 1}
+            # tiers false or first: valid, not the client's encoding
+            tiers = (
+                {"keys": [key], "tiers": False}
+                if fdp.ConsumeBool()
+                else {"tiers": True, "keys": [key]}
+            )
+            meta = tiers if op == _OP_LOOKUP else {"key": key, "x": 1}
         body = msgpack.packb(meta)
         return _head(op, rid, len(body)) + body
     if kind == 8:  # a lookup whose array count disagrees with its length
@@ -905,11 +917,11 @@ def _python_answers(ref: NativeConnection, engine: Engine, tenant: Tenant | None
                 b"".join(bytes(p) for p in ref.send_exists_result(event.request_id, found))
             )
             out.counts[1] += 1
-        elif isinstance(event, Lookup) and not event.tiers:
-            n = engine.lookup([derive(k) for k in event.keys])
-            out.answers.append(
-                b"".join(bytes(p) for p in ref.send_parts(LookupResult(event.request_id, n)))
-            )
+        elif isinstance(event, Lookup):
+            where: list[str] | None = [] if event.tiers else None
+            n = engine.lookup([derive(k) for k in event.keys], where)
+            result = LookupResult(event.request_id, n, None if where is None else wire_pairs(where))
+            out.answers.append(b"".join(bytes(p) for p in ref.send_parts(result)))
             out.counts[2] += 1
         elif isinstance(event, GetMany):
             keys = [derive(k) for k in event.keys]

@@ -30,6 +30,7 @@ from kvoffload.wire.native.connection import (
     Role,
 )
 from kvoffload.wire.native.frames import FRAME, MAGIC, FrameReader, _State
+from kvoffload.wire.tiers import wire_pairs
 
 pytestmark = pytest.mark.skipif(
     core.hot_gets_type() is None, reason="the C core is not built (KVOFFLOAD_PURE_PYTHON run)"
@@ -133,12 +134,31 @@ def test_lookup_is_answered_as_the_python_codec_answers_it(engine: Engine, count
     assert got is not None and got[3] == (0, 0, 1, 0) and bytes(got[0][0]) == python
 
 
-def test_a_lookup_asking_for_tiers_or_over_the_header_limit_is_python_s(engine: Engine) -> None:
+@pytest.mark.parametrize("count", [0, 1, 3, 20, 300])
+def test_a_lookup_with_tiers_is_answered_as_the_python_codec_answers_it(
+    engine: Engine, count: int
+) -> None:
+    keys = tuple(KEY if i != count // 2 + 1 else bytes(16) for i in range(count))
+    client = NativeConnection(Role.CLIENT)
+    client.send(Hello(HELLO_ID))
+    frame = client.send(Lookup(6, keys, tiers=True))
+    server = NativeConnection(Role.SERVER)
+    server.receive_data(NativeConnection(Role.CLIENT).send(Hello(HELLO_ID)))
+    server.next_event()
+    server.receive_data(frame)
+    server.next_event()
+    where: list[str] = []
+    found = engine.lookup(list(keys), where)
+    answer = LookupResult(6, found, wire_pairs(where))
+    python = b"".join(bytes(p) for p in server.send_parts(answer))
+    got = _hot(engine).serve(_reader(frame), 0, 1 << 30, 1 << 30)  # type: ignore[attr-defined]
+    assert got is not None and got[3] == (0, 0, 1, 0) and bytes(got[0][0]) == python
+
+
+def test_a_lookup_over_the_header_limit_or_not_whole_is_python_s(engine: Engine) -> None:
     client = NativeConnection(Role.CLIENT)
     client.send(Hello(HELLO_ID))
     hot = _hot(engine)
-    tiers = _reader(client.send(Lookup(6, (KEY,), tiers=True)))
-    assert hot.serve(tiers, 0, 1 << 30, 1 << 30) is None  # type: ignore[attr-defined]
     big = client.send(Lookup(7, (KEY,) * 10))
     reader = FrameReader(Limits(max_header_bytes=100))  # the 10 keys' map is 189 bytes
     reader.receive_data(big)
