@@ -341,6 +341,31 @@ def test_flat_states_other_policies_and_ranks() -> None:
     engine.backend.close()
 
 
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["v1", "generic"])
+def test_kv_pages_handed_to_v2_use_the_kv_keys(zero_copy: bool) -> None:
+    kv = HostPool("page_first")
+    backend = _backend(_config("local://", zero_copy=zero_copy), kv)
+    hashes = _hashes(6, 2)
+    for page in range(2):
+        kv.fill(page * PAGE, seed=30 + page)
+    put = PoolTransfer(PoolName.KV, host_indices=_indices(0, 2), keys=hashes)
+    assert backend.batch_set_v2([put]) == {"kv": [True, True]}
+    assert backend.batch_exists(hashes) == 2  # the same pages v1 / generic would have stored
+    get = PoolTransfer(PoolName.KV, host_indices=_indices(4, 2), keys=hashes)
+    assert backend.batch_get_v2([get]) == {"kv": [True, True]}
+    for page in range(2):
+        for c in (0, 1):
+            assert torch.equal(kv.read((4 + page) * PAGE, c).view(torch.int16),
+                               kv.read(page * PAGE, c).view(torch.int16))  # fmt: skip
+    # Host indices that do not cover the pages are refused, nothing is stored.
+    mamba = mamba_pool()
+    backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    short = PoolTransfer(PoolName.MAMBA, host_indices=_one(1)[:0], keys=hashes[1:])
+    assert backend.batch_set_v2([short]) == {"mamba": [False]}
+    assert backend.batch_get_v2([short]) == {"mamba": [False]}
+    backend.close()
+
+
 def test_mamba_state_is_per_rank_even_for_mla(start_daemon: Any) -> None:
     daemon = start_daemon()
     hashes = _hashes(5, 2)
