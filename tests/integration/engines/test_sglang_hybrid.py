@@ -374,7 +374,8 @@ def test_mamba_state_is_per_rank_even_for_mla(start_daemon: Any) -> None:
     engines = []
     for rank in (0, 1):
         kv, mamba, swa = _pools()
-        backend = _backend(_config(daemon.url(), tp_rank=rank, mla=True), kv)
+        url = daemon.url(retries="1", timeout="5")
+        backend = _backend(_config(url, tp_rank=rank, mla=True), kv)
         engines.append(Engine(backend, kv, mamba, swa))
         fill_state(mamba, 1, seed=20 + rank)
     rank0, rank1 = engines
@@ -384,6 +385,11 @@ def test_mamba_state_is_per_rank_even_for_mla(start_daemon: Any) -> None:
     one = [PoolTransfer(PoolName.MAMBA, keys=["__placeholder__"], hit_policy=TRAIL)]
     assert rank1.backend.batch_exists_v2(hashes, one).kv_hit_pages == 2
     assert rank0.backend.batch_exists_v2(hashes, one).kv_hit_pages == 0  # not its shard
+    # A store that is down: misses and failed writes, never an exception into SGLang.
+    daemon.stop()
+    assert _as_tuple(rank1.backend.batch_exists_v2(hashes, one)) == (0, {}, [])
+    assert rank1.backend.batch_get_v2(transfer) == {"mamba": [False]}
+    assert rank1.backend.batch_set_v2(transfer) == {"mamba": [False]}
     for engine in engines:
         engine.backend.close()
 
