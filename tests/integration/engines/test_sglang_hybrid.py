@@ -307,6 +307,7 @@ def test_flat_states_other_policies_and_ranks() -> None:
     engine = Engine(_backend(_config(url, codec="lz4"), kv), kv, mamba, swa)
     pages = engine.backend._pools["mamba"]
     assert not pages.zero_copy and pages.part_sizes == [mamba.size_per_token]
+    assert pages.client.codec.name == "lz4" and engine.backend._client.codec.name == "lz4"
     expected = fill_state(mamba, 3, seed=9)
     set_mamba = [PoolTransfer(PoolName.MAMBA, host_indices=_one(3), keys=hashes[2:],
                               hit_policy=TRAIL)]  # fmt: skip
