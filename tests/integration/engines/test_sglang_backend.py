@@ -82,6 +82,15 @@ class HostPool:
     def get_dummy_flat_data_page(self) -> torch.Tensor:
         return torch.zeros(2 * PAGE * LAYERS * HEADS * DIM, dtype=self.dtype)
 
+    def set_from_flat_data_page(self, index: int, page: torch.Tensor) -> None:
+        """The inverse of `get_data_page` (SGLang's pools have both)."""
+        data = page.view(2, LAYERS, PAGE, HEADS, DIM)
+        for component in (0, 1):
+            if self.layout == "page_first":
+                self.kv_buffer[component, index : index + PAGE] = data[component].transpose(0, 1)
+            else:
+                self.kv_buffer[component, :, index : index + PAGE] = data[component]
+
     def read(self, index: int, component: int) -> torch.Tensor:
         """One component of a page as [layer, token, head, dim], whatever the layout."""
         if self.layout == "page_first":
