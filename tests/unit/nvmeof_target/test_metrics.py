@@ -55,3 +55,34 @@ def test_hooks_fold_their_counts_in_before_every_scrape() -> None:
     assert 'kvoffload_request_seconds_count{front="native",op="get"} 1.0' in text
     generate_latest(metrics.registry)
     assert len(folded) == 2
+
+
+def test_traffic_sums_data_requests_failures_and_latency_for_the_stats_reply() -> None:
+    metrics = Metrics(lambda: {})
+    metrics.requests.labels("native", "put", "ok").inc(3)
+    metrics.requests.labels("native", "get", "capacity").inc()  # a failure
+    metrics.requests.labels("nvme", "retrieve", "kv_key_not_exists").inc(2)  # misses
+    metrics.requests.labels("native", "stats", "ok").inc(5)  # control: `top`'s own asking
+    metrics.protocol_errors.labels("nvme").inc()
+    metrics.auth_failures.labels("native").inc()
+    metrics.bytes_in.labels("native").inc(100)
+    metrics.bytes_in.labels("nvme").inc(20)
+    metrics.bytes_out.labels("native").inc(7)
+    metrics.latency.labels("native", "put").observe(3e-4)
+    metrics.latency.labels("native", "put").observe(2)
+    metrics.latency.labels("native", "stats").observe(20)  # not in the data histogram
+
+    def fold() -> None:  # the C hot path's counts are folded in first
+        metrics.requests.labels("native", "get", "ok").inc(4)
+
+    metrics.before_collect(fold)
+    traffic = metrics.traffic()
+    assert traffic["requests"] == 3 + 1 + 2 + 4
+    assert traffic["errors"] == 1 + 1 + 1
+    assert (traffic["bytes_in"], traffic["bytes_out"]) == (120, 7)
+    bounds = traffic["latency_bounds_s"]
+    counts = traffic["latency_counts"]
+    assert isinstance(bounds, list) and isinstance(counts, list)
+    assert len(bounds) == len(counts) and bounds[-1] == 10
+    assert counts[bounds.index(2.5e-4)] == 0 and counts[bounds.index(5e-4)] == 1
+    assert counts[bounds.index(2.5)] == 2 and counts[-1] == 2
