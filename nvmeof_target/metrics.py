@@ -30,6 +30,7 @@ _TIER_COUNTERS = {
     "demotions",
     "promotions",
     "prefetches",
+    "io_errors",
 }
 _ENGINE_COUNTERS = {"puts", "gets", "hits", "misses", "deletes", "evictions", "neighbour_evictions"}
 # Latency buckets from 50 µs (a lookup on loopback) to 10 s (an 8 MiB durable put on a busy disk).
@@ -90,6 +91,27 @@ def _labelled(name: str, field: str, label: str) -> CounterMetricFamily | GaugeM
     if field in _TIER_COUNTERS:
         return CounterMetricFamily(name, doc, labels=[label])
     return GaugeMetricFamily(name, doc, labels=[label])
+
+
+class _EventsCollector(Collector):
+    """The KV-event feed's backlog, read at scrape time."""
+
+    def __init__(self, backlog: Callable[[], tuple[int, float]], sent: Callable[[], int]) -> None:
+        self._backlog, self._sent = backlog, sent
+
+    def collect(self) -> Iterator[Metric]:
+        queued, lag = self._backlog()
+        yield GaugeMetricFamily(
+            "kvoffload_events_queued", "KV events waiting to be published", value=queued
+        )
+        yield GaugeMetricFamily(
+            "kvoffload_events_lag_seconds",
+            "Seconds the KV-event feed has been behind the engine (0: nothing queued)",
+            value=lag,
+        )
+        yield CounterMetricFamily(
+            "kvoffload_events_published", "KV events published", value=self._sent()
+        )
 
 
 class _BeforeCollect(Collector):
@@ -211,6 +233,12 @@ class Metrics(_Endpoint):
             "latency_bounds_s": list(_BUCKETS),
             "latency_counts": [int(c) for c in counts],
         }
+
+    def watch_events(
+        self, backlog: Callable[[], tuple[int, float]], sent: Callable[[], int]
+    ) -> None:
+        """Export the KV-event feed's backlog (queued entries, lag) and events published."""
+        self.registry.register(_EventsCollector(backlog, sent))
 
     def before_collect(self, hook: Callable[[], None]) -> None:
         """Run `hook` (on the scraping thread) before every collection of the registry."""

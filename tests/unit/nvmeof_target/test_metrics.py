@@ -12,7 +12,7 @@ def test_engine_counters_are_exported_per_tier() -> None:
         "hits": 2,
         "tiers": [
             {"name": "dram", "hits": 2, "misses": 1, "used_bytes": 4096, "corrupt_blocks": 1},
-            {"name": "ssd", "hits": 5, "misses": 0, "used_bytes": 0, "demotions": 7},
+            {"name": "ssd", "hits": 5, "used_bytes": 0, "demotions": 7, "io_errors": 2},
         ],
         "tenant_bytes": {"": 4096, "alice": 0},
     }
@@ -23,6 +23,8 @@ def test_engine_counters_are_exported_per_tier() -> None:
     assert 'kvoffload_tier_hits_total{tier="ssd"} 5.0' in text
     assert 'kvoffload_tier_corrupt_blocks_total{tier="dram"} 1.0' in text
     assert 'kvoffload_tier_demotions_total{tier="ssd"} 7.0' in text  # a field added later
+    # Only grows: a counter (the alert rules take its increase).
+    assert 'kvoffload_tier_io_errors_total{tier="ssd"} 2.0' in text
     assert 'kvoffload_tier_used_bytes{tier="dram"} 4096.0' in text  # a gauge
     assert "kvoffload_engine_puts_total 3.0" in text
     assert 'kvoffload_tenant_bytes{tenant="anonymous"} 4096.0' in text
@@ -86,3 +88,12 @@ def test_traffic_sums_data_requests_failures_and_latency_for_the_stats_reply() -
     assert len(bounds) == len(counts) and bounds[-1] == 10
     assert counts[bounds.index(2.5e-4)] == 0 and counts[bounds.index(5e-4)] == 1
     assert counts[bounds.index(2.5)] == 2 and counts[-1] == 2
+
+
+def test_the_event_feeds_backlog_is_exported() -> None:
+    metrics = Metrics(lambda: {})
+    metrics.watch_events(lambda: (3, 1.5), lambda: 42)
+    text = generate_latest(metrics.registry).decode()
+    assert "kvoffload_events_queued 3.0" in text
+    assert "kvoffload_events_lag_seconds 1.5" in text
+    assert "kvoffload_events_published_total 42.0" in text
