@@ -124,6 +124,20 @@ def _traffic(store: Mapping[str, Any]) -> Mapping[str, Any]:
     return traffic if isinstance(traffic, dict) else {}
 
 
+def _buckets(traffic: Mapping[str, Any]) -> dict[float, float]:
+    """The latency histogram of a stats answer's traffic: upper bound -> cumulative count."""
+    buckets = traffic.get("latency_buckets")
+    if not isinstance(buckets, dict):
+        return {}
+    out = {}
+    for bound, count in buckets.items():
+        try:
+            out[float(bound)] = float(count)
+        except (TypeError, ValueError):
+            continue  # a key from a newer daemon that is no bound: not ours to show
+    return out
+
+
 def figures(before: Mapping[str, Any] | None, now: Mapping[str, Any], seconds: float) -> Figures:
     """The figures between two stats answers of one node (`before` None: fill only). A node
     that restarted in between (its counters went back) counts from zero."""
@@ -152,15 +166,9 @@ def figures(before: Mapping[str, Any] | None, now: Mapping[str, Any], seconds: f
     out.tier_hits = {n: delta(t, old_tiers.get(n, {}), "hits") for n, t in tiers.items()}
     for name in ("requests", "bytes_in", "bytes_out", "errors"):
         setattr(out, name, delta(traffic, was, name))
-    bounds, counts = traffic.get("latency_bounds_s"), traffic.get("latency_counts")
-    old_counts = was.get("latency_counts")
-    if not isinstance(old_counts, list) or len(old_counts) != len(counts or ()):
-        old_counts = [0] * len(counts or ())
-    if isinstance(bounds, list) and isinstance(counts, list) and len(bounds) == len(counts):
-        out.bounds = [float(b) for b in bounds]
-        out.latency = [
-            max(0.0, float(a) - float(b)) for a, b in zip(counts, old_counts, strict=True)
-        ]
+    now_buckets, old_buckets = _buckets(traffic), _buckets(was)
+    out.bounds = sorted(now_buckets)
+    out.latency = [max(0.0, now_buckets[b] - old_buckets.get(b, 0.0)) for b in out.bounds]
     return out
 
 
@@ -292,14 +300,14 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:.2f} ms"
 
 
-def render(top: Top, nodes: Sequence[Node], interval_s: float) -> Table:
-    """The screen: one row per node and the cluster's totals."""
+def render(top: Top, nodes: Sequence[Node], interval_s: float, live: bool = True) -> Table:
+    """The screen: one row per node and the cluster's totals (`live`: with the keys' help)."""
     tiers = sorted({t for n in nodes for t in n.now.capacity}, key=lambda t: (t != "dram", t))
     up = sum(n.up for n in nodes)
     title = f"kvoffload top  {shown_url(top.url)}  {up}/{len(nodes)} up  every {interval_s:g} s"
     if top.problem:
         title += f"  ({top.problem})"
-    table = Table(title=title, caption="q or Ctrl-C to quit", expand=False)
+    table = Table(title=title, caption="q or Ctrl-C to quit" if live else None, expand=False)
     table.add_column("node", no_wrap=True)
     table.add_column("state", no_wrap=True)
     for name in ("ops/s", "in", "out", "hit"):
@@ -374,7 +382,7 @@ def _plain(top: Top, console: Console, interval_s: float, once: bool) -> int:
         top.sample()
         while True:
             time.sleep(interval_s)
-            console.print(render(top, top.sample(), interval_s))
+            console.print(render(top, top.sample(), interval_s, live=False))
             if once:
                 return 0
     except KeyboardInterrupt:

@@ -208,7 +208,8 @@ class Metrics(_Endpoint):
         """This process's request figures since it started, for the stats reply (`kvoffload
         top` turns two of them into rates): payload bytes, data requests answered, failures
         (error answers, protocol errors, refused authentications), and the data requests'
-        latency histogram as cumulative counts at `latency_bounds_s` (finite bounds only)."""
+        latency histogram as cumulative counts per finite upper bound (`latency_buckets`, keyed
+        by the bound in seconds as text: a map, so a node's shards' answers add up per key)."""
         self._before.collect()  # fold in what the C hot path counted
         requests = errors = 0.0
         for sample in _samples(self.requests):
@@ -230,8 +231,7 @@ class Metrics(_Endpoint):
             "bytes_out": int(sum(s.value for s in _samples(self.bytes_out))),
             "requests": int(requests),
             "errors": int(errors),
-            "latency_bounds_s": list(_BUCKETS),
-            "latency_counts": [int(c) for c in counts],
+            "latency_buckets": {f"{b:g}": int(c) for b, c in zip(_BUCKETS, counts, strict=True)},
         }
 
     def watch_events(

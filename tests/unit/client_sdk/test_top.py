@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from kvoffload.client_sdk.top import Figures, figures, quantile, shown_url
+from kvoffload.wire.shards import merge_stats
 
 BOUNDS = [0.001, 0.01, 0.1]
 
@@ -27,8 +28,7 @@ def _stats(gets: int, hits: int, dram_hits: int, requests: int, counts: list[int
                 "bytes_out": requests * 10,
                 "requests": requests,
                 "errors": 1,
-                "latency_bounds_s": BOUNDS,
-                "latency_counts": counts,
+                "latency_buckets": {f"{b:g}": c for b, c in zip(BOUNDS, counts, strict=True)},
             }
         },
     }
@@ -81,3 +81,14 @@ def test_the_shown_url_keeps_secrets_off_the_screen() -> None:
     assert shown_url("kv://127.0.0.1:7480?token=s3cret") == "kv://127.0.0.1:7480"
     shown = shown_url("cluster+etcd://user:pw@etcd:2379/prod?token=s3cret&members_key=/k")
     assert shown == "cluster+etcd://etcd:2379/prod"
+
+
+def test_a_multi_worker_nodes_shards_add_up() -> None:
+    # The SDK merges the shards' stats answers (wire.shards.merge_stats): the latency
+    # histogram is a map, so its counts add per bound as the other traffic figures do.
+    one = _stats(10, 5, 5, 20, [10, 20, 20])
+    two = _stats(30, 15, 5, 40, [0, 30, 40])
+    node = merge_stats([one, two])
+    f = figures(_stats(0, 0, 0, 0, [0, 0, 0]), node, 1.0)
+    assert f.requests == 60 and f.bytes_in == 60_000
+    assert f.latency == [10, 50, 60]

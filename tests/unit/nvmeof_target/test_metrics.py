@@ -82,12 +82,10 @@ def test_traffic_sums_data_requests_failures_and_latency_for_the_stats_reply() -
     assert traffic["requests"] == 3 + 1 + 2 + 4
     assert traffic["errors"] == 1 + 1 + 1
     assert (traffic["bytes_in"], traffic["bytes_out"]) == (120, 7)
-    bounds = traffic["latency_bounds_s"]
-    counts = traffic["latency_counts"]
-    assert isinstance(bounds, list) and isinstance(counts, list)
-    assert len(bounds) == len(counts) and bounds[-1] == 10
-    assert counts[bounds.index(2.5e-4)] == 0 and counts[bounds.index(5e-4)] == 1
-    assert counts[bounds.index(2.5)] == 2 and counts[-1] == 2
+    buckets = traffic["latency_buckets"]
+    assert isinstance(buckets, dict) and len(buckets) == 15
+    assert buckets["0.00025"] == 0 and buckets["0.0005"] == 1
+    assert buckets["2.5"] == 2 and buckets["10"] == 2
 
 
 def test_the_event_feeds_backlog_is_exported() -> None:
