@@ -2,7 +2,8 @@
 the alert rules name is one a real daemon exports after real traffic; every panel's query is
 evaluated by a real Prometheus (Debian's `prometheus`) scraping two real daemons, with the
 dashboard's node and job variables set as Grafana sets them; the alert rules pass `promtool
-check rules` and their own `promtool test rules` cases."""
+check rules` and their own `promtool test rules` cases. Without Debian's `prometheus` package
+(`.ci/deps` installs it) these tests fail and say why."""
 
 from __future__ import annotations
 
@@ -62,10 +63,16 @@ _WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool"
 _WORDS |= {"unless", "offset", "inf", "nan"}
 Start = Callable[..., Any]  # the `start_daemon` fixture (conftest.py) -> Daemon
 
-needs_prometheus = pytest.mark.skipif(
-    not (shutil.which("prometheus") and shutil.which("promtool")),
-    reason="Debian's prometheus package (.ci/deps installs it)",
-)
+
+def _binary(name: str) -> str:
+    """A check that did not run has not passed: a missing binary fails, saying why."""
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(
+            f"{name} is not installed: `apt-get install prometheus` (.ci/deps does this when it "
+            "runs as root)"
+        )
+    return path
 
 
 def metric_names(expr: str) -> set[str]:
@@ -171,7 +178,7 @@ class Prometheus:
         self.log = (home / "prometheus.log").open("w")
         self.proc = subprocess.Popen(
             [
-                "prometheus",
+                _binary("prometheus"),
                 f"--config.file={config}",
                 f"--storage.tsdb.path={home / 'tsdb'}",
                 f"--web.listen-address={self.base.removeprefix('http://')}",
@@ -251,7 +258,6 @@ def _finite(answer: Any) -> bool:
     return bool(samples) and all(math.isfinite(float(s["value"][1])) for s in samples)
 
 
-@needs_prometheus
 def test_dashboard_queries_run_on_prometheus_scraping_real_daemons(
     start_daemon: Start, prometheus: Callable[[list[str]], Prometheus]
 ) -> None:
@@ -319,15 +325,20 @@ def test_dashboard_queries_run_on_prometheus_scraping_real_daemons(
         traffic.stop()
 
 
-@needs_prometheus
 def test_alert_rules_pass_promtool() -> None:
     check = subprocess.run(
-        ["promtool", "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60
+        [_binary("promtool"), "check", "rules", str(ALERTS)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert check.returncode == 0, check.stdout + check.stderr
     assert "SUCCESS: 7 rules found" in check.stdout
     tests = subprocess.run(
-        ["promtool", "test", "rules", str(ALERT_TESTS)], capture_output=True, text=True, timeout=60
+        [_binary("promtool"), "test", "rules", str(ALERT_TESTS)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert tests.returncode == 0, tests.stdout + tests.stderr
     # Each alert has a case where it fires and one where it does not.
