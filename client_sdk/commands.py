@@ -130,6 +130,6 @@ def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
         "--once", action="store_true", help="print one table (after one interval) and exit"
     )
     top.add_argument("--timeout", type=float, default=1.0, help="seconds per node (default 1)")
-    top.add_argument("--token", default="", help="tenant token the cluster's nodes require")
-    top.add_argument("--ca", default="", help="CA file of TLS nodes' certificates")
+    top.add_argument("--token", default="", help="tenant token the nodes require")
+    top.add_argument("--ca", default="", help="CA file of a cluster's TLS nodes' certificates")
     top.set_defaults(func=_top)

@@ -217,6 +217,8 @@ class Top:
             if not self.nodes:
                 base, _, query = self.url.partition("?")
                 ours = f"timeout={self.timeout_s}&connect_timeout={self.timeout_s}&retries=0"
+                if self._token and "token=" not in query:
+                    ours += f"&token={self._token}"
                 url = f"{base}?{query}&{ours}" if query else f"{base}?{ours}"
                 address = shown_url(base).removeprefix("kv://")
                 self.nodes[address] = Node(address, url, address)
@@ -411,9 +413,9 @@ def run_top(
         raise ConfigError(f"interval must be positive, got {interval_s}")
     top = Top(url, timeout_s=timeout_s, token=token, ca=ca)
     console = console or Console()
-    # A node that is down is shown as down: the SDK's warnings about it would only scribble
-    # over the screen.
-    sdk_log = logging.getLogger("kvoffload.client_sdk")
+    # A node that is down is shown as down: the SDK's warnings about it (its loggers are all
+    # under "kvoffload") would only scribble over the screen.
+    sdk_log = logging.getLogger("kvoffload")
     level = sdk_log.level
     sdk_log.setLevel(logging.ERROR)
     try:

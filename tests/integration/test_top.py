@@ -109,6 +109,8 @@ def test_top_shows_traffic_a_node_down_and_quits_on_q(
     screen.wait_for("the killed node shown as down", lambda: "1/2 up" in screen.frame())
     assert any(c.startswith("DOWN") for c in screen.row(f"127.0.0.1-{other.port}"))
     assert screen.row(name)[1] == "up"
+    screen.wait_for("a retry of the down node", lambda: screen.text.count("1/2 up") >= 3)
+    assert "not reachable" not in screen.text  # no SDK warnings scribbled over the screen
 
     screen.type(b"q")
     assert screen.wait() == 0
@@ -135,9 +137,10 @@ def test_top_once_prints_plain_text_when_not_a_terminal(start_daemon: Start) -> 
     daemon = start_daemon()
     with Client.connect(daemon.url()) as client:
         client.put(b"k" * 16, b"v" * 4096)
-    url = daemon.url(token="not-shown")  # the token stays off the screen
+    # A token, in the URL or by --token, stays off the screen.
     done = subprocess.run(
-        [sys.executable, "-m", "kvoffload.cli", "top", "--once", "--interval", "0.2", url],
+        [sys.executable, "-m", "kvoffload.cli", "top", "--once", "--interval", "0.2"]
+        + [daemon.url(token="not-shown"), "--token", "nor-this"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -146,6 +149,7 @@ def test_top_once_prints_plain_text_when_not_a_terminal(start_daemon: Start) -> 
     assert "\x1b" not in done.stdout  # no colours, no cursor moves
     assert f"kv://127.0.0.1:{daemon.port}" in done.stdout
     assert "not-shown" not in done.stdout + done.stderr
+    assert "nor-this" not in done.stdout + done.stderr
     # This daemon has no tenants: a token is refused, and top says so instead of failing.
     assert "DOWN" in done.stdout
 
