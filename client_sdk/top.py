@@ -216,10 +216,12 @@ class Top:
         if not self.cluster:
             if not self.nodes:
                 base, _, query = self.url.partition("?")
-                ours = f"timeout={self.timeout_s}&connect_timeout={self.timeout_s}&retries=0"
-                if self._token and "token=" not in query:
-                    ours += f"&token={self._token}"
-                url = f"{base}?{query}&{ours}" if query else f"{base}?{ours}"
+                given = {part.partition("=")[0] for part in query.split("&") if part}
+                # Short deadlines unless the URL sets its own (a repeated parameter is refused).
+                ours = {"timeout": self.timeout_s, "connect_timeout": self.timeout_s}
+                ours |= {"retries": 0, "token": self._token}
+                added = [f"{k}={v}" for k, v in ours.items() if v != "" and k not in given]
+                url = f"{base}?{'&'.join([query, *added] if query else added)}"
                 address = shown_url(base).removeprefix("kv://")
                 self.nodes[address] = Node(address, url, address)
             return

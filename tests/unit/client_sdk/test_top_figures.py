@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvoffload.client_sdk.top import Figures, figures, quantile, shown_url
+from kvoffload.client_sdk.top import Figures, Top, figures, quantile, shown_url
 from kvoffload.wire.shards import merge_stats
 
 BOUNDS = [0.001, 0.01, 0.1]
@@ -92,3 +92,22 @@ def test_a_multi_worker_nodes_shards_add_up() -> None:
     f = figures(_stats(0, 0, 0, 0, [0, 0, 0]), node, 1.0)
     assert f.requests == 60 and f.bytes_in == 60_000
     assert f.latency == [10, 50, 60]
+
+
+def test_a_nodes_url_keeps_its_own_parameters_and_gets_short_deadlines_otherwise() -> None:
+    top = Top("kv://10.0.0.5:7480?timeout=5&token=mine", timeout_s=1.0, token="flag")
+    try:
+        top._refresh_members()
+        (node,) = top.nodes.values()
+        # A repeated parameter would be refused by the URL parser: the URL's own win.
+        assert node.url == "kv://10.0.0.5:7480?timeout=5&token=mine&connect_timeout=1.0&retries=0"
+        assert node.name == "10.0.0.5:7480"
+    finally:
+        top.close()
+    top = Top("kv://10.0.0.5:7480", timeout_s=2.0, token="flag")
+    try:
+        top._refresh_members()
+        (node,) = top.nodes.values()
+        assert node.url == "kv://10.0.0.5:7480?timeout=2.0&connect_timeout=2.0&retries=0&token=flag"
+    finally:
+        top.close()
