@@ -218,8 +218,8 @@ class Top:
                 base, _, query = self.url.partition("?")
                 given = {part.partition("=")[0] for part in query.split("&") if part}
                 # Short deadlines unless the URL sets its own (a repeated parameter is refused).
-                ours = {"timeout": self.timeout_s, "connect_timeout": self.timeout_s}
-                ours |= {"retries": 0, "token": self._token}
+                ours: dict[str, object] = {"timeout": self.timeout_s}
+                ours |= {"connect_timeout": self.timeout_s, "retries": 0, "token": self._token}
                 added = [f"{k}={v}" for k, v in ours.items() if v != "" and k not in given]
                 url = f"{base}?{'&'.join([query, *added] if query else added)}"
                 address = shown_url(base).removeprefix("kv://")
