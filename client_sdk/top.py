@@ -45,6 +45,18 @@ def shown_url(url: str) -> str:
     return f"{scheme}{sep}{address}{slash}{tail.partition('?')[0]}"
 
 
+def _secrets(url: str) -> set[str]:
+    """The password and token values a URL holds."""
+    scheme, _, rest = url.partition("://")
+    user = rest.partition("/")[0].partition("?")[0].rpartition("@")[0]
+    found = {user.partition(":")[2]}
+    for part in rest.partition("?")[2].split("&"):
+        name, _, value = part.partition("=")
+        if name in ("token", "password", "seal_key"):
+            found.add(value)
+    return found - {""}
+
+
 def quantile(q: float, bounds: Sequence[float], counts: Sequence[float]) -> float | None:
     """The `q` quantile of a histogram given as cumulative `counts` at `bounds` (linear within
     a bucket, as `histogram_quantile`); None when it holds nothing. Observations above the
@@ -228,7 +240,7 @@ class Top:
         if time.monotonic() - self._members_at < _MEMBERS_EVERY_S:
             return
         try:
-            spec, members = members_of(self.url, timeout_s=self.timeout_s)
+            _, members = members_of(self.url, timeout_s=self.timeout_s)
         except KVOffloadError as exc:
             self.problem = f"members unknown: {exc}"  # keep showing the nodes known so far
             return
@@ -263,7 +275,14 @@ class Top:
             return dict(client.stats().store), ""
         except KVOffloadError as exc:
             self._forget(node.url)  # a fresh connection next time
-            return None, str(exc) or type(exc).__name__
+            return None, self._scrubbed(str(exc) or type(exc).__name__, node.url)
+
+    def _scrubbed(self, message: str, url: str) -> str:
+        """`message` without the URL's query or the token (an error may quote its URL)."""
+        message = message.replace(url, shown_url(url))
+        for secret in {self._token, *_secrets(self.url)} - {""}:
+            message = message.replace(secret, "***")
+        return message
 
     def sample(self) -> list[Node]:
         """Ask every node for its stats (in parallel) and update their figures."""

@@ -111,3 +111,13 @@ def test_a_nodes_url_keeps_its_own_parameters_and_gets_short_deadlines_otherwise
         assert node.url == "kv://10.0.0.5:7480?timeout=2.0&connect_timeout=2.0&retries=0&token=flag"
     finally:
         top.close()
+
+
+def test_errors_shown_for_a_down_node_keep_its_secrets_off_the_screen() -> None:
+    top = Top("cluster+etcd://ops:pw@etcd:2379/prod?token=urlsecret", token="flagsecret")
+    try:
+        url = "kv://10.0.0.5:7480?timeout=1.0&token=flagsecret"
+        shown = top._scrubbed(f"refused {url}: flagsecret, urlsecret, pw", url)
+        assert shown == "refused kv://10.0.0.5:7480: ***, ***, ***"
+    finally:
+        top.close()
