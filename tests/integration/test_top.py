@@ -104,10 +104,22 @@ def test_top_shows_traffic_a_node_down_and_quits_on_q(
     traffic.stop()
     screen.wait_for("the traffic gone again", lambda: cell(name, "ops/s") == "0.0")
 
+    # A stalled node (stopped: connected, never answering, as a cut link looks) costs one
+    # timeout per refresh and shows as down; it comes back when it answers again.
+    other_name = f"127.0.0.1-{other.port}"
+    other.proc.send_signal(signal.SIGSTOP)
+    try:
+        screen.wait_for("the stalled node shown as down", lambda: "1/2 up" in screen.frame())
+        assert screen.row(other_name)[1].startswith("DOWN"), screen.frame()
+        assert screen.row(name)[1] == "up"
+    finally:
+        other.proc.send_signal(signal.SIGCONT)
+    screen.wait_for("the node back", lambda: "2/2 up" in screen.frame())
+
     other.proc.send_signal(signal.SIGKILL)
     other.proc.wait()
     screen.wait_for("the killed node shown as down", lambda: "1/2 up" in screen.frame())
-    assert any(c.startswith("DOWN") for c in screen.row(f"127.0.0.1-{other.port}"))
+    assert screen.row(other_name)[1].startswith("DOWN"), screen.frame()
     assert screen.row(name)[1] == "up"
     screen.wait_for("a retry of the down node", lambda: screen.text.count("1/2 up") >= 3)
     assert "not reachable" not in screen.text  # no SDK warnings scribbled over the screen
