@@ -346,3 +346,34 @@ def test_alert_rules_pass_promtool() -> None:
     for alert in re.findall(r"- alert: (\w+)", ALERTS.read_text()):
         tests_of = re.findall(rf"alertname: {alert}\n\s+exp_alerts:(.*)", cases)
         assert "" in tests_of and " []" in tests_of, (alert, tests_of)
+
+
+def test_dashboard_is_a_well_formed_grafana_dashboard() -> None:
+    board = json.loads(DASHBOARD.read_text())
+    assert board["uid"] == "kvoffload" and board["schemaVersion"] >= 36
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    for name in ("job", "instance"):  # one node, several, or all of a cluster
+        assert variables[name]["multi"] and variables[name]["includeAll"]
+        assert variables[name]["allValue"] == ".*"
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids))
+    cells: set[tuple[int, int]] = set()
+    for panel in board["panels"]:
+        grid = panel["gridPos"]
+        assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24, panel["title"]
+        mine = {
+            (x, y)
+            for x in range(grid["x"], grid["x"] + grid["w"])
+            for y in range(grid["y"], grid["y"] + grid["h"])
+        }
+        assert not mine & cells, f"{panel['title']} overlaps another panel"
+        cells |= mine
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["uid"] == "${datasource}"
+        refs = [t["refId"] for t in panel["targets"]]
+        assert refs and len(refs) == len(set(refs)), panel["title"]
+        for target in panel["targets"]:
+            # Every query follows the variables, so that a node or a cluster can be chosen.
+            assert 'job=~"$job", instance=~"$instance"' in target["expr"], target["expr"]
