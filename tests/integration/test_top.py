@@ -107,16 +107,17 @@ def test_top_shows_traffic_a_node_down_and_quits_on_q(
     # A stalled node (stopped: connected, never answering, as a cut link looks) costs one
     # timeout per refresh and shows as down; it comes back when it answers again.
     other_name = f"127.0.0.1-{other.port}"
-    other.proc.send_signal(signal.SIGSTOP)
+    # (its process group: a multi-worker node's workers too)
+    os.killpg(other.proc.pid, signal.SIGSTOP)
     try:
         screen.wait_for("the stalled node shown as down", lambda: "1/2 up" in screen.frame())
         assert screen.row(other_name)[1].startswith("DOWN"), screen.frame()
         assert screen.row(name)[1] == "up"
     finally:
-        other.proc.send_signal(signal.SIGCONT)
+        os.killpg(other.proc.pid, signal.SIGCONT)
     screen.wait_for("the node back", lambda: "2/2 up" in screen.frame())
 
-    other.proc.send_signal(signal.SIGKILL)
+    os.killpg(other.proc.pid, signal.SIGKILL)
     other.proc.wait()
     screen.wait_for("the killed node shown as down", lambda: "1/2 up" in screen.frame())
     assert screen.row(other_name)[1].startswith("DOWN"), screen.frame()
