@@ -10,6 +10,7 @@ from rich.console import Console
 
 from kvoffload.client_sdk.client import Client
 from kvoffload.client_sdk.cluster.status import cluster_status
+from kvoffload.client_sdk.top import run_top
 from kvoffload.wire.membership import redact_url
 
 __all__ = ["add_commands"]
@@ -40,6 +41,17 @@ def _stats(args: argparse.Namespace) -> int:
     for name, value in store.items():
         console.print(f"  {name}: {value}")
     return 0
+
+
+def _top(args: argparse.Namespace) -> int:
+    return run_top(
+        args.url,
+        interval_s=args.interval,
+        once=args.once,
+        timeout_s=args.timeout,
+        token=args.token,
+        ca=args.ca,
+    )
 
 
 def _cluster_status(args: argparse.Namespace) -> int:
@@ -102,3 +114,22 @@ def add_commands(sub: argparse._SubParsersAction[Any]) -> None:
     status.add_argument("--ca", default="", help="CA file of TLS nodes' certificates")
     status.add_argument("--json", action="store_true", help="print raw JSON")
     status.set_defaults(func=_cluster_status)
+
+    top = sub.add_parser(
+        "top",
+        help="live view of a node's or a cluster's traffic, hit ratio, latency and fill",
+        description="Show the figures of the node (kv://HOST:PORT) or cluster (cluster://..., "
+        "cluster+etcd[s]://...) at URL, refreshed every interval: per node ops/s, payload "
+        "bytes in and out, hit ratio per tier, latency p50/p99, DRAM/SSD fill, evictions and "
+        "errors, and the cluster's totals. Keys: q quits (Ctrl-C too). Output that is not a "
+        "terminal, or --once, gets plain-text tables instead of a live screen.",
+    )
+    top.add_argument("url", help="kv://HOST:PORT, cluster://h1:p1,... or cluster+etcd[s]://...")
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    top.add_argument(
+        "--once", action="store_true", help="print one table (after one interval) and exit"
+    )
+    top.add_argument("--timeout", type=float, default=1.0, help="seconds per node (default 1)")
+    top.add_argument("--token", default="", help="tenant token the nodes require")
+    top.add_argument("--ca", default="", help="CA file of a cluster's TLS nodes' certificates")
+    top.set_defaults(func=_top)

@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_commands(sub)  # demo, bench
     store.add_commands(sub)  # fsck
     daemon.add_commands(sub)  # serve
-    sdk.add_commands(sub)  # stats
+    sdk.add_commands(sub)  # stats, cluster, top
     return parser
 
 

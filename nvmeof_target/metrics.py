@@ -30,11 +30,18 @@ _TIER_COUNTERS = {
     "demotions",
     "promotions",
     "prefetches",
+    "io_errors",
 }
 _ENGINE_COUNTERS = {"puts", "gets", "hits", "misses", "deletes", "evictions", "neighbour_evictions"}
 # Latency buckets from 50 µs (a lookup on loopback) to 10 s (an 8 MiB durable put on a busy disk).
 _BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1, 2.5, 10)
 LATENCY_BUCKETS = _BUCKETS  # the request histogram's bounds (the C hot path counts in them too)
+# Requests that are not data traffic: `kvoffload top` asks for stats every second, and its own
+# requests must not make an idle node look busy (or slow).
+_CONTROL_OPS = {"hello", "auth", "stats", "?"}
+# Answers that are not failures: a miss, a conditional store of a key already there, a key sent
+# to the worker that does not hold it (the client retries at the right one).
+_NOT_ERRORS = {"ok", "kv_key_not_exists", "kv_key_exists", "wrong_shard"}
 
 
 class _EngineCollector(Collector):
@@ -84,6 +91,27 @@ def _labelled(name: str, field: str, label: str) -> CounterMetricFamily | GaugeM
     if field in _TIER_COUNTERS:
         return CounterMetricFamily(name, doc, labels=[label])
     return GaugeMetricFamily(name, doc, labels=[label])
+
+
+class _EventsCollector(Collector):
+    """The KV-event feed's backlog, read at scrape time."""
+
+    def __init__(self, backlog: Callable[[], tuple[int, float]], sent: Callable[[], int]) -> None:
+        self._backlog, self._sent = backlog, sent
+
+    def collect(self) -> Iterator[Metric]:
+        queued, lag = self._backlog()
+        yield GaugeMetricFamily(
+            "kvoffload_events_queued", "KV events waiting to be published", value=queued
+        )
+        yield GaugeMetricFamily(
+            "kvoffload_events_lag_seconds",
+            "Seconds the KV-event feed has been behind the engine (0: nothing queued)",
+            value=lag,
+        )
+        yield CounterMetricFamily(
+            "kvoffload_events_published", "KV events published", value=self._sent()
+        )
 
 
 class _BeforeCollect(Collector):
@@ -176,9 +204,53 @@ class Metrics(_Endpoint):
         )
         r.register(_EngineCollector(engine_stats, tenant_labels))
 
+    def traffic(self) -> dict[str, object]:
+        """This process's request figures since it started, for the stats reply (`kvoffload
+        top` turns two of them into rates): payload bytes, data requests answered, failures
+        (error answers, protocol errors, refused authentications), and the data requests'
+        latency histogram as cumulative counts per finite upper bound (`latency_buckets`, keyed
+        by the bound in seconds as text: a map, so a node's shards' answers add up per key)."""
+        self._before.collect()  # fold in what the C hot path counted
+        requests = errors = 0.0
+        for sample in _samples(self.requests):
+            if sample.labels["op"] in _CONTROL_OPS:
+                continue
+            requests += sample.value
+            if sample.labels["status"] not in _NOT_ERRORS:
+                errors += sample.value
+        for counter in (self.protocol_errors, self.auth_failures):
+            errors += sum(s.value for s in _samples(counter))
+        counts = [0.0] * len(_BUCKETS)
+        where = {bound: i for i, bound in enumerate(_BUCKETS)}
+        for sample in _samples(self.latency, "_bucket"):
+            i = where.get(float(sample.labels["le"]))
+            if i is not None and sample.labels["op"] not in _CONTROL_OPS:
+                counts[i] += sample.value
+        return {
+            "bytes_in": int(sum(s.value for s in _samples(self.bytes_in))),
+            "bytes_out": int(sum(s.value for s in _samples(self.bytes_out))),
+            "requests": int(requests),
+            "errors": int(errors),
+            "latency_buckets": {f"{b:g}": int(c) for b, c in zip(_BUCKETS, counts, strict=True)},
+        }
+
+    def watch_events(
+        self, backlog: Callable[[], tuple[int, float]], sent: Callable[[], int]
+    ) -> None:
+        """Export the KV-event feed's backlog (queued entries, lag) and events published."""
+        self.registry.register(_EventsCollector(backlog, sent))
+
     def before_collect(self, hook: Callable[[], None]) -> None:
         """Run `hook` (on the scraping thread) before every collection of the registry."""
         self._before.hooks.append(hook)
+
+
+def _samples(metric: Counter | Histogram, suffix: str = "_total") -> Iterator[Any]:
+    """The samples of one of this process's metrics whose name ends with `suffix`."""
+    for family in metric.collect():
+        for sample in family.samples:
+            if sample.name.endswith(suffix):
+                yield sample
 
 
 class NodeMetrics(_Endpoint):

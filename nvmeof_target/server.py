@@ -135,6 +135,8 @@ class Daemon:
             )
             endpoint = services.events.start()
             engine.set_tier_listener(services.events.moved)
+            events = services.events
+            metrics.watch_events(events.backlog, lambda: events.sent_events)
             print(f"kvoffload: events publishing on {endpoint}", file=self._out, flush=True)
             if services.events.replay_endpoint:
                 print(f"kvoffload: events replay on {services.events.replay_endpoint}",

@@ -199,6 +199,10 @@ class KVEvents:
         )
         self._lock = threading.Lock()
         self._seq: dict[bytes, int] = {}  # per topic: a subscriber of one sees no gaps
+        # When the queue was last seen empty: the feed has been behind the engine since then
+        # (the `kvoffload_events_lag_seconds` gauge), and events sent so far.
+        self._drained_at = time.monotonic()
+        self.sent_events = 0
         self._task: asyncio.Task[None] | None = None
         self.endpoint = ""
         self.replay_endpoint = ""
@@ -258,6 +262,7 @@ class KVEvents:
                     head.sent += 1
                     sent += 1
                     self._send(topic, bulk.payload(time.time(), count, packed))
+                    self.sent_events += count
                 if not head.done or head.sent < len(head.messages):
                     return
                 self._pending.popleft()
@@ -271,6 +276,14 @@ class KVEvents:
                 events.append(event)
                 self._pending.popleft()
             self._send(topic, msgpack.packb([time.time(), events, None], use_bin_type=True))
+            self.sent_events += len(events)
+        self._drained_at = time.monotonic()
+
+    def backlog(self) -> tuple[int, float]:
+        """Entries queued for the feed (an announce's block list counts as one), and the
+        seconds since the queue was last empty (0 when it is): how far the feed is behind."""
+        queued = len(self._pending)
+        return queued, (time.monotonic() - self._drained_at) if queued else 0.0
 
     def serve_replay(self) -> int:
         """Answer the replay requests that arrived: each gets every block of its feed held

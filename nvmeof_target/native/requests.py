@@ -276,6 +276,7 @@ def on_stats(s: NativeSession, event: Stats) -> None:
         **s.services.server_info(),
         "tenant": me.name,
         "connections": s.front.connection_count,
+        "traffic": s.services.metrics.traffic(),
     }
     s.reply(StatsResult(event.request_id, stats))
 

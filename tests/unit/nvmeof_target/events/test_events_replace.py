@@ -52,3 +52,17 @@ def test_a_new_hash_removes_the_old_names_copies(events: KVEvents) -> None:
     removed = _queued(events)
     assert sorted(e.get("medium") for e in removed) == ["CPU", "STORAGE"]
     assert all(e.get("block_hashes") == [event_hash(key)] for e in removed)
+
+
+def test_backlog_counts_what_is_queued_and_since_when_until_a_flush(events: KVEvents) -> None:
+    assert events.backlog() == (0, 0.0)
+    sent: list[bytes] = []
+    events._send = lambda topic, payload: sent.append(payload)  # type: ignore[method-assign]
+    key = bytes(range(16))
+    _stored_on_ssd(events, key, None)
+    queued, lag = events.backlog()
+    assert queued == 2 and lag >= 0.0
+    assert events.backlog()[1] >= lag  # behind for as long as nothing is flushed
+    events.flush()
+    assert events.backlog() == (0, 0.0)
+    assert len(sent) == 1 and events.sent_events == 2
