@@ -7,7 +7,7 @@ DRAM (`ReadPlan`), a DRAM block written down to the SSD on eviction or at a clea
 (`SsdWipe`). The manager completes each with what executing it returned. The mover also owns
 the threads the I/O runs on: a prefetch pool, and a read pool that serves a batch of reads
 (`submit_reads`: each read completes, on the pool thread that did it, through the batch's
-callback) — the batch shape an io_uring ring can serve as well.
+callback; on io_uring the whole batch is one submission on one pool thread).
 
 Methods that take the engine's lock held on entry hold it again on return; the tiers release
 it while the bytes move (on a DRAM entry and an SSD row pinned meanwhile).
@@ -167,6 +167,14 @@ class Mover:
         reported."""
         reads = self.reads
         assert reads is not None
+        if len(plans) > 1 and plans[0].tier.batches:
+            # io_uring: the batch in one submission, on one pool thread, then each completed
+            # there in order (a thread per read would only wait on its share of one ring).
+            try:
+                reads.submit(_read_batch_and_report, plans, done)
+            except RuntimeError:
+                return 0
+            return len(plans)
         for n, plan in enumerate(plans):
             try:
                 reads.submit(_read_and_report, plan, done)
@@ -215,6 +223,25 @@ def _read_or_miss(
     except Exception:
         log.exception("kvoffload: reading block %s from the SSD failed", plan.key.hex())
         return None
+
+
+def _read_batch_and_report(
+    plans: Sequence[ReadPlan], done: Callable[[ReadPlan, bool | None], None]
+) -> None:
+    """A batch's slot reads in one submission on a pool thread, then each one's completion
+    there. Every plan is reported, whatever fails."""
+    results: list[bool | None] = [None] * len(plans)
+    try:
+        # One SSD tier below DRAM: every plan of a batch reads from it.
+        results = plans[0].tier.read_batch_unlocked([p.block for p in plans],
+                                                    [p.dst for p in plans])  # fmt: skip
+    except Exception:
+        log.exception("kvoffload: reading %d blocks from the SSD failed", len(plans))
+    finally:
+        if len(results) != len(plans):  # never leave a plan unreported: its batch would wait
+            results = [None] * len(plans)
+        for plan, ok in zip(plans, results, strict=True):
+            done(plan, ok)
 
 
 def _read_and_report(plan: ReadPlan, done: Callable[[ReadPlan, bool | None], None]) -> None:
