@@ -150,7 +150,7 @@ class Mover:
     def read(self, plan: ReadPlan) -> bool | None:
         """Read a planned block (lock held, released for the read): whether it verified, or
         None if the device failed."""
-        return plan.tier.read_into(plan.block, plan.dst)
+        return _verified(plan, plan.tier.read_into(plan.block, plan.dst))
 
     def read_or_miss(self, plan: ReadPlan) -> bool | None:
         """`read`, where an I/O path failing in a way of its own (not a `StorageIOError`,
@@ -215,11 +215,19 @@ class Mover:
         tier.wipe(wipe)
 
 
+def _verified(plan: ReadPlan, ok: bool | None) -> bool | None:
+    """`ok`; a block that verified keeps the value CRC it was checked against (`DramEntry.crc`:
+    the one pass over its bytes a local reader needs)."""
+    if ok:
+        plan.entry.crc = plan.block.snap[4]
+    return ok
+
+
 def _read_or_miss(
     read_into: Callable[[SsdRead, memoryview], bool | None], plan: ReadPlan
 ) -> bool | None:
     try:
-        return read_into(plan.block, plan.dst)
+        return _verified(plan, read_into(plan.block, plan.dst))
     except Exception:
         log.exception("kvoffload: reading block %s from the SSD failed", plan.key.hex())
         return None
@@ -241,7 +249,7 @@ def _read_batch_and_report(
         if len(results) != len(plans):  # never leave a plan unreported: its batch would wait
             results = [None] * len(plans)
         for plan, ok in zip(plans, results, strict=True):
-            done(plan, ok)
+            done(plan, _verified(plan, ok))
 
 
 def _read_and_report(plan: ReadPlan, done: Callable[[ReadPlan, bool | None], None]) -> None:
