@@ -40,10 +40,11 @@ def value(i: int, size: int = BLOCK) -> bytes:
     return np.random.default_rng(i).bytes(size)
 
 
-def config(path: Path, io_engine: str = "io_uring", **ssd: object) -> EngineConfig:
+def config(path: Path, io_engine: str = "io_uring", depth: int = 4, **ssd: object
+           ) -> EngineConfig:  # fmt: skip
     return EngineConfig(
         DramConfig(capacity_bytes=4 << 20, max_value_bytes=256 << 10, prefault=False),
-        SsdConfig(capacity_bytes=64 << 20, admission_min_uses=1, read_depth=4,
+        SsdConfig(capacity_bytes=64 << 20, admission_min_uses=1, read_depth=depth,
                   io_engine=io_engine, **ssd),  # type: ignore[arg-type]
         data_dir=str(path),
     )  # fmt: skip
@@ -249,8 +250,9 @@ def test_a_batch_of_cold_reads_is_one_submission(tmp_path: Path) -> None:
         for v in views:
             assert v is not None
             v.release()
-        # Ten slots, each a header page and its value pages, more than the depth (4 slots).
-        assert pages.counts() == (1, 20)
+        # Ten slots, each a header page and its value pages, in one submission per read-pool
+        # thread (read_depth 4: parts of 3, 3, 3 and 1 slots).
+        assert pages.counts() == (4, 20)
         dram, ssd = engine.stats().tiers
         assert ssd.io_engine == "io_uring" and ssd.io_errors == ssd.corrupt_blocks == 0
         assert ssd.hits == dram.promotions == 10 and dram.pinned == 0
@@ -276,7 +278,8 @@ def test_eio_on_one_entry_of_a_batch_is_a_counted_miss_never_its_bytes(
 ) -> None:
     cold_store(tmp_path / "d", 6)
     plan = Plan(tmp_path / "faults.json", monkeypatch)
-    with Engine(config(tmp_path / "d")) as engine:
+    # read_depth 1: one read-pool thread, so the batch is one submission of 12 entries.
+    with Engine(config(tmp_path / "d", depth=1)) as engine:
         pages = ring_pages(engine)
         # Entry 3 of the batch is block 1's value pages (2i: its header, 2i+1: its value).
         plan.set({"ring.read": {"errno": "EIO", "entries": [3]}})
@@ -285,10 +288,10 @@ def test_eio_on_one_entry_of_a_batch_is_a_counted_miss_never_its_bytes(
         ssd = engine.stats().tiers[1]
         assert ssd.io_errors == 1 and ssd.corrupt_blocks == 0
         # Block 1's bytes did land in DRAM, but its entry said EIO: that read is a miss, and
-        # the get reads the block again alone (a second submission, of two entries).
+        # the get reads the block again alone (one more submission, of two entries).
         assert got == [BLOCK] * 6 and [bytes(b) for b in bufs] == [value(i) for i in range(6)]
         assert pages.counts() == (2, 14)
-    with Engine(config(tmp_path / "d")) as engine:  # DRAM empty again
+    with Engine(config(tmp_path / "d", depth=1)) as engine:  # DRAM empty again
         plan.set({"ring.read": {"errno": "EIO"}})  # every entry
         bufs = [bytearray(b"u" * BLOCK) for _ in range(5)]
         got = engine.get_many_into([key(i) for i in range(1, 6)], bufs)
