@@ -76,10 +76,10 @@ class EngineStore:
 
     kind = "engine"
 
-    def __init__(self, data: Path, *, dram: int, ssd: int) -> None:
+    def __init__(self, data: Path, *, dram: int, ssd: int, io_engine: str = "auto") -> None:
         self.config = EngineConfig(
             DramConfig(capacity_bytes=dram, max_value_bytes=256 << 10, prefault=False),
-            SsdConfig(capacity_bytes=ssd, admission_min_uses=1),
+            SsdConfig(capacity_bytes=ssd, admission_min_uses=1, io_engine=io_engine),
             data_dir=str(data),
         )
         self.engine = Engine(self.config)
