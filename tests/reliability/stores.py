@@ -83,6 +83,7 @@ class EngineStore:
             data_dir=str(data),
         )
         self.engine = Engine(self.config)
+        self.io_engine = io_engine
 
     def put(self, key: bytes, value: bytes, *, durable: bool = False) -> None:
         self.engine.put(key, value, durable=durable)
@@ -164,3 +165,8 @@ class DaemonStore:
 
 def io_errors(stats: dict[str, Any]) -> int:
     return int(stats["tiers"][1]["io_errors"])
+
+
+def io_engine(stats: dict[str, Any]) -> str:
+    """What moves the SSD tier's blocks ("io_uring", "threads", ...)."""
+    return str(stats["tiers"][1]["io_engine"])
