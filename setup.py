@@ -44,7 +44,12 @@ SPEEDUPS = Extension(
 # the same way.
 CORE = Extension(
     "kvoffload.core._core",
-    sources=["kvoffload/core/_core.c", "kvoffload/core/index.c", "kvoffload/core/hot.c"],
+    sources=[
+        "kvoffload/core/_core.c",
+        "kvoffload/core/index.c",
+        "kvoffload/core/hot.c",
+        "kvoffload/core/uring.c",
+    ],
     depends=["kvoffload/core/core.h"],
     extra_compile_args=["-O2", "-std=c11"],
     optional=True,

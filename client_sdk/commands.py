@@ -37,6 +37,7 @@ def _stats(args: argparse.Namespace) -> int:
             f"  tier {tier['name']}: {tier['entries']:,} blocks, "
             f"{tier['used_bytes'] / 2**20:,.1f} / {tier['capacity_bytes'] / 2**20:,.1f} MiB, "
             f"hits {tier['hits']:,}, misses {tier['misses']:,}, evictions {tier['evictions']:,}"
+            + (f", slot I/O {tier['io_engine']}" if tier.get("io_engine") else "")
         )
     for name, value in store.items():
         console.print(f"  {name}: {value}")

@@ -37,6 +37,7 @@ from kvoffload.wire.block import (
     HEADER_BYTES,
     BlockHeader,
     check_payload,
+    crc32c_suffix,
     open_header,
     open_parts,
     peek_codec,
@@ -249,11 +250,15 @@ class RequestLayer:
             self._count_miss()
             return None
         data = held.data
-        header = self._open(key, data[:HEADER_BYTES], data[HEADER_BYTES:])
-        if header is None:
+        store_crc = _store_crc(held, data)
+        header = self._open(key, data[:HEADER_BYTES], data[HEADER_BYTES:],
+                            summed=store_crc is None)  # fmt: skip
+        payload = as_readable(data[HEADER_BYTES:])
+        if header is None or not (store_crc is None or self._intact(key, header, payload,
+                                                                     store_crc)):  # fmt: skip
             held.release()
             return None
-        return header, as_readable(data[HEADER_BYTES:])
+        return header, payload
 
     def _open(
         self, key: bytes, header: memoryview, payload: memoryview, *, summed: bool = True
@@ -385,6 +390,7 @@ class RequestLayer:
             header = self._open(key, data[:HEADER_BYTES], data[HEADER_BYTES:], summed=False)
             if header is None:
                 return None
+            store_crc = _store_crc(held, data)
             raw = header.raw_length
             # A sealed block is checked in place first: the MAC cannot be summed while copying.
             if (
@@ -393,7 +399,7 @@ class RequestLayer:
                 or raw != payload.size
                 or header.key_id is not None
             ):
-                if not self._intact(key, header, payload):
+                if not self._intact(key, header, payload, store_crc):
                     return None
                 if raw > buffer.size:
                     raise InvalidArgumentError(
@@ -401,6 +407,12 @@ class RequestLayer:
                     )
                 return raw if self._decode(key, header, payload, buffer[:raw]) else None
             out = buffer[:raw]
+            if store_crc is not None:  # the store summed these bytes: a plain copy
+                if not self._intact(key, header, payload, store_crc):
+                    return None
+                out[:] = payload
+                self._count_hit(header, payload)
+                return raw
             if _fast.crc32c_copy(out, payload) != header.payload_crc:
                 out[:] = 0  # no byte of a corrupt block stays in the caller's buffer
                 self._corrupt_miss(key, "payload checksum mismatch")
@@ -493,6 +505,16 @@ def many_into(
     if len(buffers) != len(block_keys):
         raise InvalidArgumentError(f"{len(block_keys)} keys but {len(buffers)} buffers")
     return [as_writable(b) for b in buffers], block_keys
+
+
+def _store_crc(held: HeldBlock, data: memoryview) -> int | None:
+    """The payload's CRC32C without a pass over it, where the store vouches for the whole
+    value's (`local://`: the engine checked a block read back from the SSD against its slot's
+    CRC in the memory `data` views): by CRC combination with the header's; else None."""
+    whole = getattr(held, "value_crc", None)
+    if not isinstance(whole, int) or len(data) < HEADER_BYTES:
+        return None
+    return crc32c_suffix(whole, _fast.crc32c(data[:HEADER_BYTES]), len(data) - HEADER_BYTES)
 
 
 def encoded(held: HeldBlock | Received | None) -> bool:

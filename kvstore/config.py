@@ -68,6 +68,8 @@ def format_size(n: int) -> str:
 
 # Whether NIXL is installed is checked when the store opens (kvstore.ssd.nixl_io).
 _IO_BACKENDS = ("auto", "posix", "kvikio", "nixl-posix", "nixl-gds")
+# Whether io_uring runs here is probed when the store opens (kvoffload.core).
+_IO_ENGINES = ("auto", "io_uring", "threads")
 
 
 def _round_up(n: int, to: int) -> int:
@@ -138,8 +140,9 @@ class SsdConfig:
     admission_min_uses: int = 1
     # Threads for background promotions (prefetch) from the SSD.
     io_threads: int = 4
-    # Slot reads of one batched get (`get_many`, `get_many_into`) in flight at once, each on a
-    # thread of its own (preadv releases the GIL); 1 reads a batch's blocks one by one.
+    # Slot reads of one batched get (`get_many`, `get_many_into`) in flight at once: each on a
+    # thread of its own (io_engine "threads": preadv releases the GIL), or in one io_uring
+    # submission; 1 reads a batch's blocks one by one on threads.
     read_depth: int = 8
     # Longest time close() waits for SSD reads in flight; a read still hung then leaves its
     # memory mapped (leaked) and close raises StorageIOError (docs/design/ssd-tier.md).
@@ -154,6 +157,10 @@ class SsdConfig:
     io_backend: str = "auto"
     # The kernel queue of "nixl-posix": "aio" (Linux AIO, NIXL's default) or "uring" (io_uring).
     nixl_queue: str = "aio"
+    # How the "posix" backend moves slots: "io_uring" (the C core's ring: a batched get's reads
+    # in one submission), "threads" (preadv/pwritev on the calling and read-pool threads), or
+    # "auto" (io_uring where the kernel allows it, else threads; docs/design/ssd-tier.md).
+    io_engine: str = "auto"
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 0:
@@ -174,6 +181,11 @@ class SsdConfig:
             raise ConfigError(
                 f"ssd.io_backend must be one of {', '.join(map(repr, _IO_BACKENDS))}, got "
                 f"{self.io_backend!r}"
+            )
+        if self.io_engine not in _IO_ENGINES:
+            raise ConfigError(
+                f"ssd.io_engine must be one of {', '.join(map(repr, _IO_ENGINES))}, got "
+                f"{self.io_engine!r}"
             )
         if self.nixl_queue not in ("aio", "uring"):
             raise ConfigError(f"ssd.nixl_queue must be 'aio' or 'uring', got {self.nixl_queue!r}")

@@ -54,6 +54,10 @@ class DramEntry:
     # The client's block metadata (opaque bytes, bounded by the front that took the put);
     # it travels with the block to the SSD and back.
     meta: bytes | None = None
+    # CRC32C of the whole value, as its SSD slot recorded it and the engine checked it when it
+    # read the block back into this memory (None: never read back). A live entry's bytes are
+    # never rewritten, so a local reader may use it instead of summing them again.
+    crc: int | None = None
 
 
 class DramIndex:

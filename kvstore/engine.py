@@ -145,6 +145,12 @@ class BlockView:
     def __len__(self) -> int:
         return self._entry.length
 
+    @property
+    def value_crc(self) -> int | None:
+        """CRC32C of the whole value, if the engine checked these bytes against it when it
+        read the block back from the SSD (None otherwise: sum them to verify)."""
+        return self._entry.crc
+
     def release(self) -> None:
         """Unpin the block; `data` must not be used afterwards. Idempotent."""
         if self._manager is not None:

@@ -8,7 +8,14 @@ atomically); a missing file means no faults.
 
 Operations: ``slot.read``, ``slot.write``, ``slot.flush`` (SlotFile), ``journal.write``,
 ``journal.sync`` (appends and syncs of the journal; ``journal.write`` also fails creating a new
-journal file), ``checkpoint.write`` and ``meta.write`` (the atomically replaced files).
+journal file), ``checkpoint.write`` and ``meta.write`` (the atomically replaced files). On the
+io_uring path (`ssd.io_engine`) ``slot.read`` and ``slot.write`` fail each submission as they
+fail each ``preadv``/``pwritev`` on the thread path.
+
+``ring.read`` and ``ring.write`` reach into the ring's completions (kvoffload/core/uring.c)
+and take a mapping instead of an errno name: ``errno`` (a name; left out: no error), ``entries``
+(the indexes, in one submission, of the entries that complete with that error; left out: all)
+and ``delay_s`` (the completions are reaped that much later, the buffers still in flight).
 """
 
 from __future__ import annotations
@@ -18,26 +25,72 @@ import json
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
 from kvoffload.errors import ConfigError
 
-__all__ = ["ENV", "OPS", "check", "wrap"]
+__all__ = ["ENV", "OPS", "RING_OPS", "RingFault", "check", "ring", "wrap"]
 
 ENV = "KVOFFLOAD_FAULTS"
 OPS = frozenset(
     {"slot.read", "slot.write", "slot.flush", "journal.write", "journal.sync",
      "checkpoint.write", "meta.write"}
 )  # fmt: skip
+RING_OPS = frozenset({"ring.read", "ring.write"})
+_MAX_DELAY_S = 60.0  # the ring's own bound
+
+
+@dataclass(frozen=True)
+class RingFault:
+    """What `ring.read` / `ring.write` do to a submission's completions."""
+
+    code: int  # errno given to the chosen entries; 0: none
+    entries: tuple[int, ...] | None  # None: every entry
+    delay_s: float
+
+    def fail(self, count: int) -> list[tuple[int, int]]:
+        """(index, errno) of the entries of a submission of `count` that fail."""
+        if not self.code:
+            return []
+        chosen = range(count) if self.entries is None else self.entries
+        return [(i, self.code) for i in chosen if 0 <= i < count]
+
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 _lock = threading.Lock()
-_cached: tuple[tuple[str, int, int, int], dict[str, int]] | None = None
+_Plan = dict[str, "int | RingFault"]
+_cached: tuple[tuple[str, int, int, int], _Plan] | None = None
 
 
-def _load(path: str) -> dict[str, int]:
+def _ring_fault(path: str, op: str, spec: object) -> RingFault:
+    bad = ConfigError(
+        f"{ENV}: fault plan {path}: {op!r} takes a mapping of 'errno' (a name such as 'EIO'), "
+        f"'entries' (a list of indexes) and 'delay_s' (seconds in [0, {_MAX_DELAY_S:g}])"
+    )
+    if not isinstance(spec, dict) or set(spec) - {"errno", "entries", "delay_s"}:
+        raise bad
+    name = spec.get("errno")
+    code = 0 if name is None else getattr(errno, name, None) if isinstance(name, str) else None
+    entries = spec.get("entries")
+    delay = spec.get("delay_s", 0.0)
+    if not isinstance(code, int) or (code == 0 and name is not None):
+        raise bad
+    if entries is not None and (
+        not isinstance(entries, list)
+        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in entries)
+    ):
+        raise bad
+    if isinstance(delay, bool) or not isinstance(delay, (int, float)):
+        raise bad
+    if not 0 <= delay <= _MAX_DELAY_S:
+        raise bad
+    return RingFault(code, None if entries is None else tuple(entries), float(delay))
+
+
+def _load(path: str) -> _Plan:
     try:
         with open(path, encoding="utf-8") as fh:
             raw = json.load(fh)
@@ -45,19 +98,23 @@ def _load(path: str) -> dict[str, int]:
         raise ConfigError(f"{ENV}: cannot read fault plan {path}: {exc}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"{ENV}: fault plan {path} must be a JSON object")
-    plan: dict[str, int] = {}
+    plan: _Plan = {}
     for op, name in raw.items():
+        if op in RING_OPS:
+            plan[op] = _ring_fault(path, op, name)
+            continue
         code = getattr(errno, name, None) if isinstance(name, str) else None
         if op not in OPS or not isinstance(code, int):
             raise ConfigError(
                 f"{ENV}: fault plan {path}: {op!r}: {name!r} is not an operation "
-                f"({', '.join(sorted(OPS))}) mapped to an errno name such as 'EIO'"
+                f"({', '.join(sorted(OPS))}) mapped to an errno name such as 'EIO', nor a "
+                f"ring operation ({', '.join(sorted(RING_OPS))})"
             )
         plan[op] = code
     return plan
 
 
-def _plan(path: str) -> dict[str, int]:
+def _plan(path: str) -> _Plan:
     global _cached
     try:
         st = os.stat(path)
@@ -79,8 +136,17 @@ def check(op: str) -> None:
     if not path:
         return
     code = _plan(path).get(op)
-    if code is not None:
+    if isinstance(code, int):
         raise OSError(code, f"{os.strerror(code)} (injected by {ENV})")
+
+
+def ring(op: str) -> RingFault | None:
+    """What the fault plan does to the completions of `op` ("ring.read", "ring.write")."""
+    path = os.environ.get(ENV)
+    if not path:
+        return None
+    fault = _plan(path).get(op)
+    return fault if isinstance(fault, RingFault) else None
 
 
 def wrap(op: str, fn: Callable[P, R]) -> Callable[P, R]:

@@ -36,6 +36,7 @@ class TierStats:
     prefetches: int = 0  # promotions started by prefetch
     corrupt_blocks: int = 0  # blocks that failed their checksum here (served as misses)
     io_errors: int = 0  # device or journal failures
+    io_engine: str = ""  # what moves the tier's blocks ("io_uring", "threads", ..; DRAM: "")
 
 
 class Tier(Protocol):

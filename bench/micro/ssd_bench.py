@@ -12,9 +12,11 @@
   run; O_DIRECT on both sides. cpu_us/...: process CPU time per block of the same rounds.
 - read_batch/<size> (2MiB, 640KiB, 160KiB: a 70B TP8 block whole and in 4 layer parts): one
   thread, `get_many_into` of 32 cold SSD blocks per call (the SSD-only blocks of a batch are
-  read with `ssd.read_depth` reads in flight), against read_depth 1 (one block after another)
-  and raw O_DIRECT preadv with 8 threads, in alternating rounds; cpu_us/read_batch/<size>:
-  process CPU time per block, against both.
+  read in one io_uring submission, `ssd.io_engine = "io_uring"`), against the same on the
+  read threads (`"threads"`, `ssd.read_depth` 8 in flight), NIXL's POSIX backend (where
+  installed), read_depth 1 (one block after another), raw O_DIRECT preadv with 8 threads
+  (`odirect`) and the same plus one CRC32C pass a block (`odirect_crc`), in alternating
+  rounds; cpu_us/read_batch/<size>: process CPU time per block, against each.
 - restart/1M: open a store whose index holds 1M blocks, from its checkpoint (after a clean
   close) and from the journal alone (after a crash). index_bytes/1M: bytes of the SSD index's
   arrays per block.
@@ -31,6 +33,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import mmap
@@ -43,11 +46,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import crc32c
 import numpy as np
 
 from kvoffload.bench.common import BenchResult, Row
 from kvoffload.bench.micro.ssd_restart import serve_rows
 from kvoffload.client_sdk import BlockMeta
+from kvoffload.errors import ConfigError
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
 from kvoffload.nvmeof_target import EventsConfig, KVEvents
 
@@ -130,7 +135,7 @@ def _fio(directory: Path, size: int, total: int, mode: str) -> float | None:
 
 
 def _engine(path: Path, ssd_bytes: int, io: str = "auto", queue: str = "aio",
-            depth: int = 8) -> Engine:  # fmt: skip
+            depth: int = 8, engine: str = "auto") -> Engine:  # fmt: skip
     return Engine(
         EngineConfig(
             DramConfig(capacity_bytes=256 << 20, max_value_bytes=9 << 20),
@@ -141,6 +146,7 @@ def _engine(path: Path, ssd_bytes: int, io: str = "auto", queue: str = "aio",
                 io_backend=io,
                 nixl_queue=queue,
                 read_depth=depth,
+                io_engine=engine,
             ),  # fmt: skip
             data_dir=str(path),
         )
@@ -184,6 +190,9 @@ def _tier_rows(directory: Path, label: str, size: int, total: int, result: Bench
 # The arms of the NIXL rows: name -> (ssd.io_backend, ssd.nixl_queue); "threads" is the ref.
 _NIXL_ARMS = {"threads": ("posix", "aio"), "nixl": ("nixl-posix", "aio"),
               "nixl_uring": ("nixl-posix", "uring")}  # fmt: skip
+# The engine arms of the read_batch rows: name -> (read_depth, ssd.io_backend, ssd.io_engine).
+_BATCH_ARMS = {"io_uring": (8, "posix", "io_uring"), "threads": (8, "posix", "threads"),
+               "serial": (1, "posix", "threads"), "nixl": (8, "nixl-posix", "threads")}  # fmt: skip
 
 
 def _drop_cache(path: Path) -> None:
@@ -315,9 +324,12 @@ BATCH_SIZES = {"2MiB": 2 << 20, "640KiB": 640 << 10, "160KiB": 160 << 10}
 def _batch_rows(directory: Path, total: int, rounds: int, result: BenchResult,
                 label: str = "2MiB") -> None:  # fmt: skip
     """read_batch/<label>: one thread calls `get_many_into` with BATCH cold SSD blocks at a
-    time (ssd.read_depth 8), against the same with read_depth 1 (the blocks read one after
-    another, as before batching) and raw O_DIRECT preadv with THREADS reads in flight, in
-    alternating rounds of one run; each round drops the cache and reopens the store."""
+    time, with the slot reads through io_uring (one submission a batch; ssd.read_depth 8),
+    against the same on the read threads (io_engine "threads", 8 in flight), NIXL's POSIX
+    backend where installed, read_depth 1 (one block after another), raw O_DIRECT preadv
+    with THREADS reads in flight ("odirect"), and the same plus one CRC32C pass over each
+    block ("odirect_crc": the least a verified read can cost), in alternating rounds of one
+    run; each round drops the cache and reopens the store."""
     size = BATCH_SIZES[label]
     n = max(2 * BATCH, total // size // BATCH * BATCH)
     store, raw = directory / "store-batch", directory / "raw-batch.bin"
@@ -332,14 +344,21 @@ def _batch_rows(directory: Path, total: int, rounds: int, result: BenchResult,
         b[:] = value.data  # touched: no page faults inside the measured reads
     rate: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
+    skipped: list[str] = []
     try:
         os.posix_fallocate(fd, 0, n * size)
         _parallel(n, size, lambda i, buf: os.pwrite(fd, buf, i * size))
         os.fsync(fd)
 
-        def engine_arm(depth: int) -> tuple[float, float]:
+        def engine_arm(arm: str, timed: bool = True) -> tuple[float, float]:
+            depth, backend, io_engine = _BATCH_ARMS[arm]
             _drop_cache(store / "ssd.slots")
-            with _engine(store, ssd_bytes, depth=depth) as engine:
+            with _engine(store, ssd_bytes, backend, depth=depth, engine=io_engine) as engine:
+                ran = engine.stats().tiers[1].io_engine
+                if ran != (backend if backend != "posix" else io_engine):
+                    raise RuntimeError(f"read_batch arm {arm} ran on {ran}")
+                if not timed:
+                    return 0.0, 0.0
                 t0, c0 = time.perf_counter(), time.process_time()
                 for first in range(0, n, BATCH):
                     got = engine.get_many_into(keys[first : first + BATCH], bufs)
@@ -347,17 +366,32 @@ def _batch_rows(directory: Path, total: int, rounds: int, result: BenchResult,
                         raise RuntimeError(f"read_batch: blocks did not read back: {got}")
                 return time.perf_counter() - t0, time.process_time() - c0
 
-        def raw_arm() -> tuple[float, float]:
+        def raw_arm(summed: bool) -> tuple[float, float]:
             _drop_cache(raw)
             spent: list[float] = []
-            seconds = _parallel(n, size, lambda i, buf: os.preadv(fd, [buf], i * size), spent)
+
+            def read(i: int, buf: memoryview) -> None:
+                os.preadv(fd, [buf], i * size)
+                if summed:
+                    crc32c.crc32c(buf)
+
+            seconds = _parallel(n, size, read, spent)
             return seconds, spent[0]
 
         arms: dict[str, Callable[[], tuple[float, float]]] = {
-            "batch": lambda: engine_arm(8),
-            "serial": lambda: engine_arm(1),
-            "odirect": raw_arm,
+            "odirect": lambda: raw_arm(False),
+            "odirect_crc": lambda: raw_arm(True),
         }
+        for arm in _BATCH_ARMS:
+            if arm == "nixl" and importlib.util.find_spec("nixl") is None:
+                skipped.append("nixl: not installed")
+                continue
+            try:
+                engine_arm(arm, timed=False)  # whether the arm runs here
+            except (ConfigError, RuntimeError) as exc:
+                skipped.append(f"{arm}: {exc}")
+                continue
+            arms[arm] = functools.partial(engine_arm, arm)
         for r in range(rounds):
             for arm in list(arms)[:: 1 if r % 2 == 0 else -1]:
                 seconds, spent = arms[arm]()
@@ -371,16 +405,22 @@ def _batch_rows(directory: Path, total: int, rounds: int, result: BenchResult,
     spread = ", ".join(f"{a} {min(v):.2f}-{max(v):.2f}" for a, v in rate.items())
     note = (f"{rounds} alternating rounds (median; GB/s per round: {spread}), {n} blocks, "
             f"get_many_into of {BATCH} per call on one thread, read_depth 8; serial = "
-            f"read_depth 1; odirect = {THREADS} threads of raw preadv")  # fmt: skip
+            f"read_depth 1 on threads; odirect = {THREADS} threads of raw preadv, odirect_crc "
+            "the same plus one CRC32C pass a block")  # fmt: skip
+    note += "".join(f"; skipped {s}" for s in skipped)
     cpu_note = "process CPU time per block (all threads), same rounds"
     cpu_med = {arm: statistics.median(v) for arm, v in cpu.items()}
+    ours = "io_uring" if "io_uring" in med else "threads"  # the engine's default where it runs
     result.rows += [
-        Row(f"read_batch/{label}", med["batch"], "GB/s", "odirect", med["odirect"], note=note),
-        Row(f"read_batch/{label}", med["batch"], "GB/s", "serial", med["serial"], note=note),
-        Row(f"cpu_us/read_batch/{label}", cpu_med["batch"], "us", "serial", cpu_med["serial"],
-            note=cpu_note),
-        Row(f"cpu_us/read_batch/{label}", cpu_med["batch"], "us", "odirect",
-            cpu_med["odirect"], note=cpu_note),
+        Row(f"read_batch/{label}", med[ours], "GB/s", ref, med[ref], note=f"{ours}; {note}")
+        for ref in ("odirect", "odirect_crc", "threads", "serial", "nixl")
+        if ref in med and ref != ours
+    ]
+    result.rows += [
+        Row(f"cpu_us/read_batch/{label}", cpu_med[ours], "us", ref, cpu_med[ref],
+            note=f"{ours}; {cpu_note}")
+        for ref in ("odirect_crc", "odirect", "threads", "serial", "nixl")
+        if ref in cpu_med and ref != ours
     ]  # fmt: skip
 
 

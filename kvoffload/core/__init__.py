@@ -2,8 +2,10 @@
 
 `_core` holds what the engine and the daemon run in C: `DramIndex`, the twin of
 `kvoffload.kvstore.dram.DramIndex`, and `HotGets`, a connection's DRAM Get hits answered
-without the Python session (`kvoffload/core/hot.c`). The Python forms stay the reference: tests
-run both.
+without the Python session (`kvoffload/core/hot.c`), and `SlotRing`, a minimal io_uring for the
+SSD tier's slot I/O (`kvoffload/core/uring.c`; `io_uring_unavailable` says whether the kernel
+lets it run). The Python forms stay the reference: tests run both (the ring's reference is the
+SSD tier's thread path).
 `KVOFFLOAD_PURE_PYTHON=1` forces Python; `KVOFFLOAD_REQUIRE_EXT=1` makes a missing extension an
 ImportError (CI sets it to prove the extension built). `use()` switches at run time (tests);
 what it picks applies to objects made afterwards.
@@ -23,6 +25,8 @@ __all__ = [
     "available",
     "dram_index_type",
     "hot_gets_type",
+    "io_uring_unavailable",
+    "slot_ring_type",
     "use",
 ]
 
@@ -42,7 +46,9 @@ def _load() -> ModuleType | None:
 
         # A build older than this code (an editable install keeps the .so it built before a
         # `git pull`): a clear ImportError, not an AttributeError at first use.
-        if getattr(_core, "HOT_OPS", 0) != HOT_OPS:
+        if getattr(_core, "HOT_OPS", 0) != HOT_OPS or not hasattr(
+            getattr(_core, "SlotRing", None), "submit"
+        ):
             raise ImportError(
                 f"{_core.__file__} is older than its Python code: rebuild it with "
                 "`pip install -e .` or `python setup.py build_ext --inplace`"
@@ -58,6 +64,8 @@ def _load() -> ModuleType | None:
 
 _EXT = _load()
 IMPLEMENTATION = "c" if _EXT is not None else "python"
+DISABLED_SYSCTL = "/proc/sys/kernel/io_uring_disabled"
+_probed: str | None = None  # why the kernel refused io_uring ("" once it worked)
 
 
 def available() -> tuple[str, ...]:
@@ -88,3 +96,55 @@ def hot_gets_type() -> type | None:
         return None
     hot_type: type = _EXT.HotGets
     return hot_type
+
+
+def slot_ring_type() -> type | None:
+    """The C `SlotRing` when the C core is in use; None: slot I/O stays on threads."""
+    if IMPLEMENTATION != "c" or _EXT is None:
+        return None
+    ring_type: type = _EXT.SlotRing
+    return ring_type
+
+
+def io_uring_unavailable() -> str | None:
+    """Why a `SlotRing` cannot run here, or None when it can.
+
+    Probed once per process at first use: the sysctl `kernel.io_uring_disabled` (2: off for
+    everyone; 1: only for a group, which io_uring_setup then answers with EPERM), then a real
+    ring that reads one byte from a pipe. Containers often block io_uring_setup (seccomp:
+    ENOSYS or EPERM); old kernels lack IORING_OP_READ (EINVAL in the completion).
+    """
+    global _probed
+    ring_type = slot_ring_type()
+    if ring_type is None:
+        return "the C core is not in use (KVOFFLOAD_PURE_PYTHON=1 or no build)"
+    if _probed is None:
+        _probed = _probe(ring_type)
+    return _probed or None
+
+
+def _probe(ring_type: type) -> str:
+    try:
+        with open(DISABLED_SYSCTL, encoding="ascii") as fh:
+            if fh.read().strip() == "2":
+                return f"{DISABLED_SYSCTL} is 2 (io_uring is disabled on this host)"
+    except OSError:
+        pass  # no such sysctl before Linux 6.6: the system call answers for itself
+    try:
+        ring = ring_type(2)
+    except OSError as exc:
+        return f"io_uring_setup failed: {exc.strerror or exc} (blocked or not built in)"
+    r, w = os.pipe()
+    try:
+        os.write(w, b"k")
+        got = bytearray(1)
+        result = ring.submit([(r, 0, got, False)])[0]
+    except OSError as exc:
+        return f"io_uring_enter failed: {exc.strerror or exc}"
+    finally:
+        ring.close()
+        os.close(r)
+        os.close(w)
+    if result != 1 or got != b"k":
+        return f"a probe read through io_uring answered {result} (IORING_OP_READ unsupported?)"
+    return ""

@@ -3,6 +3,7 @@
  *
  * - DramIndex (index.c): the C twin of kvstore.dram.DramIndex.
  * - HotGets (hot.c): a connection's DRAM Get hits served without the Python session.
+ * - SlotRing (uring.c): a minimal io_uring for the SSD tier's slot I/O (issue 30).
  */
 #include "core.h"
 
@@ -11,7 +12,8 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__core(void) {
     if (core_index_init_strings() < 0 || core_hot_init() < 0 ||
-        PyType_Ready(&DramIndexType) < 0 || PyType_Ready(&HotGetsType) < 0)
+        PyType_Ready(&DramIndexType) < 0 || PyType_Ready(&HotGetsType) < 0 ||
+        PyType_Ready(&SlotRingType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
@@ -28,6 +30,12 @@ PyMODINIT_FUNC PyInit__core(void) {
         return NULL;
     }
     if (PyModule_AddIntConstant(m, "HOT_OPS", CORE_HOT_OPS) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&SlotRingType);
+    if (PyModule_AddObject(m, "SlotRing", (PyObject *)&SlotRingType) < 0) {
+        Py_DECREF(&SlotRingType);
         Py_DECREF(m);
         return NULL;
     }

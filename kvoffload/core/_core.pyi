@@ -1,4 +1,5 @@
-# Stubs of the C core (_core.c, index.c); kvoffload.kvstore.dram.DramIndex documents them.
+# Stubs of the C core (_core.c, index.c, hot.c, uring.c); kvoffload.kvstore.dram.DramIndex
+# documents the index, kvoffload/core/uring.c the ring.
 from collections.abc import Iterator, Sequence
 
 class DramIndex:
@@ -55,3 +56,16 @@ class HotGets:
     def release(
         self, views: list[memoryview], entries: list[object], taken: int = 0, /
     ) -> None: ...
+
+class SlotRing:
+    depth: int
+    closed: bool
+    counts: tuple[int, int]
+    def __init__(self, depth: int) -> None: ...
+    def submit(
+        self,
+        entries: Sequence[tuple[int, int, object, bool]],
+        delay_s: float = 0.0,
+        fail: Sequence[tuple[int, int]] | None = None,
+    ) -> list[int]: ...
+    def close(self) -> bool: ...

@@ -13,7 +13,7 @@ typedef struct {
     long long tick; /* the recency clock */
 } DramIndex;
 
-extern PyTypeObject DramIndexType, HotGetsType;
+extern PyTypeObject DramIndexType, HotGetsType, SlotRingType;
 /* DramIndex's methods, for the hot path (the same calls as from Python). */
 PyObject *index_lookup(DramIndex *self, PyObject *key);
 PyObject *index_pin(DramIndex *self, PyObject *entry);

@@ -37,6 +37,7 @@ kvoffload.compression). Sans-I/O: bytes in, results out.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import struct
 from collections.abc import Mapping
@@ -56,6 +57,7 @@ __all__ = [
     "SEALED_VERSION",
     "BlockHeader",
     "check_payload",
+    "crc32c_suffix",
     "open_block",
     "open_header",
     "open_parts",
@@ -315,3 +317,46 @@ def peek_codec(block: memoryview | bytes) -> int:
         return 0
     (codec_id,) = _CODEC.unpack_from(block, _CODEC_OFFSET)
     return int(codec_id)
+
+
+# CRC combination (as zlib's crc32_combine, for CRC32C's reflected polynomial): the CRC of
+# A ‖ B from the CRCs of A and B and B's length, without reading either. On `local://` the
+# engine verified a cold block's whole value (header ‖ payload) against its slot's CRC as it
+# read it; the payload's own CRC then follows from that and the header's, with no second pass.
+_POLY = 0x82F63B78
+
+
+def _mulmod(a: int, b: int) -> int:
+    """a·b modulo the polynomial (bit-reflected: bit 31 is x^0)."""
+    m, p = 1 << 31, 0
+    while m and a:
+        if a & m:
+            p ^= b
+            a ^= m
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return p
+
+
+_X2N = [1 << 30]  # x^(2^k) modulo the polynomial: x^1, x^2, x^4, ...
+for _ in range(31):
+    _X2N.append(_mulmod(_X2N[-1], _X2N[-1]))
+
+
+@functools.lru_cache(maxsize=64)  # a store's blocks come in a few sizes
+def _shift(length: int) -> int:
+    """x^(8·length) modulo the polynomial: what appending `length` bytes multiplies by."""
+    p, k = 1 << 31, 3
+    while length:
+        if length & 1:
+            p = _mulmod(_X2N[k & 31], p)
+        length >>= 1
+        k += 1
+    return p
+
+
+def crc32c_suffix(whole: int, prefix: int, suffix_length: int) -> int:
+    """CRC32C of B, given CRC32C of A ‖ B (`whole`), of A (`prefix`) and B's length."""
+    if suffix_length < 0:
+        raise ValueError(f"suffix_length must not be negative, got {suffix_length}")
+    return whole ^ _mulmod(_shift(suffix_length), prefix)

@@ -43,9 +43,16 @@ from typing import Any
 import numpy as np
 
 import kvoffload.kvstore.faults as faults
+from kvoffload.core import io_uring_unavailable, slot_ring_type
 from kvoffload.errors import ConfigError, StorageIOError
 from kvoffload.kvstore.config import PAGE, SsdConfig
-from kvoffload.kvstore.ssd.slotio import AlignedBuffer, BlockIO, SlotFile, select_slot_file
+from kvoffload.kvstore.ssd.slotio import (
+    AlignedBuffer,
+    BlockIO,
+    RingPages,
+    SlotFile,
+    select_slot_file,
+)
 
 __all__ = ["BACKENDS", "NixlFileIO", "NixlIOStats", "NixlPages", "SlotBackend",
            "nixl_available"]  # fmt: skip
@@ -468,6 +475,7 @@ class NixlPages:
 
     def __init__(self, slots: SlotFile, io_backend: str, nixl_queue: str = "aio") -> None:
         self.slots = slots
+        self.engine = io_backend  # what stats report
         self.files = NixlFileIO(slots, io_backend, nixl_queue)
 
     def register_memory(self, view: memoryview) -> None:
@@ -511,14 +519,26 @@ class SlotBackend:
         return select_slot_file("posix" if backend in BACKENDS else backend, path, size)
 
     def open_io(self, slots: SlotFile) -> BlockIO:
-        """The block I/O over `slots` ("nixl-*": through NIXL).
+        """The block I/O over `slots` ("nixl-*": through NIXL; else by `ssd.io_engine`).
 
         Raises:
-            ConfigError: a NIXL backend was asked for and NIXL or that backend is missing here.
+            ConfigError: a NIXL backend was asked for and NIXL or that backend is missing
+                here, or io_uring was asked for and cannot run here.
         """
         config = self.config
         if config.io_backend in BACKENDS:
             pages = NixlPages(slots, config.io_backend, config.nixl_queue)
             log.info("SSD slot I/O through NIXL's %s backend", pages.files.plugin)
             return BlockIO(slots, pages)
+        engine = config.io_engine
+        if slots.device is not None or engine == "threads":
+            return BlockIO(slots)  # kvikio's cuFile moves the pages itself
+        why = io_uring_unavailable()
+        ring_type = slot_ring_type()
+        if why is None and ring_type is not None:
+            # Two entries a slot (header page, value pages): `read_depth` slots in flight.
+            return BlockIO(slots, RingPages(slots, ring_type, 2 * config.read_depth))
+        if engine == "io_uring":
+            raise ConfigError(f"ssd.io_engine = 'io_uring' cannot run here: {why}")
+        log.info("SSD slot I/O on threads: %s", why)
         return BlockIO(slots)

@@ -34,7 +34,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import crc32c
 
@@ -51,6 +51,7 @@ __all__ = [
     "AlignedBuffer",
     "BlockIO",
     "Pages",
+    "RingPages",
     "ThreadPages",
     "CuFileIO",
     "SlotFile",
@@ -233,6 +234,8 @@ def _is_block_device(fd: int) -> bool:
 class Pages(Protocol):
     """How a `BlockIO` moves pages: a header page to use, and transfers at an offset."""
 
+    engine: str  # what moves them, as stats report it: "io_uring", "threads", "nixl-posix"..
+
     def header_page(self) -> AbstractContextManager[memoryview]:
         """A page-aligned header page of the caller's own while the context lasts."""
         ...
@@ -256,8 +259,10 @@ class Pages(Protocol):
 
 
 class ThreadPages:
-    """`Pages` on the calling threads (`ssd.io_backend` "posix"): each thread has a header
-    page of its own and does the I/O itself."""
+    """`Pages` on the calling threads (`ssd.io_backend` "posix", `ssd.io_engine` "threads"):
+    each thread has a header page of its own and does the I/O itself."""
+
+    engine = "threads"
 
     def __init__(self, slots: SlotFile) -> None:
         self.slots = slots
@@ -283,6 +288,133 @@ class ThreadPages:
             self.slots.read(offset, buffers)
 
 
+class _Lease:
+    """A ring lent to one caller, with header pages for a batch of its size."""
+
+    def __init__(self, ring: Any) -> None:
+        self.ring = ring
+        self.headers: AlignedBuffer | None = None
+
+    def header_pages(self, count: int) -> memoryview:
+        if self.headers is None or self.headers.size < count * PAGE:
+            self.headers = AlignedBuffer(max(count, 8) * PAGE)
+        return self.headers.view
+
+
+class RingPages:
+    """`Pages` through io_uring (`ssd.io_engine` "io_uring", `kvoffload/core/uring.c`).
+
+    A pool of rings: a caller takes a free one (or makes one) for its submission and gives it
+    back, so concurrent callers never share a ring, and a ring exists per caller at once (a
+    batch's reader, each get's own thread), not per thread ever seen. Each submission waits for
+    all its completions with the GIL released. `BlockIO.read_batch` puts a whole batch of slots
+    in one submission; `transfer` one slot's header and value pages. Writes (and wipes) still go
+    through `SlotFile.write` (see `transfer`); the ring itself writes as well (`submit`).
+    """
+
+    engine = "io_uring"
+
+    def __init__(self, slots: SlotFile, ring_type: type, depth: int) -> None:
+        self.slots = slots
+        self._ring_type = ring_type
+        self.depth = depth  # entries in flight per ring (a slot read is two)
+        self._lock = threading.Lock()
+        self._free: list[_Lease] = []
+        self._all: list[_Lease] = []
+        self._closed = False
+        self._pages = threading.local()  # each thread's header page for `transfer`
+
+    def register_memory(self, view: memoryview) -> None:
+        """Nothing registered yet: the kernel maps the arena's pages per submission."""
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[_Lease]:
+        """A ring of the caller's own while the context lasts.
+
+        Raises:
+            StorageIOError: the pages are closed, or the kernel refused a new ring.
+        """
+        with self._lock:
+            if self._closed:
+                raise StorageIOError(f"slot I/O of {self.slots.path} is closed")
+            lease = self._free.pop() if self._free else None
+        if lease is None:
+            try:
+                lease = _Lease(self._ring_type(self.depth))
+            except OSError as exc:
+                raise StorageIOError(f"io_uring_setup for {self.slots.path}: {exc}") from exc
+            with self._lock:
+                self._all.append(lease)
+        try:
+            yield lease
+        finally:
+            with self._lock:
+                if self._closed:
+                    lease.ring.close()  # its batch is reaped by now: unmapped here
+                else:
+                    self._free.append(lease)
+
+    @contextlib.contextmanager
+    def header_page(self) -> Iterator[memoryview]:
+        buf: AlignedBuffer | None = getattr(self._pages, "buf", None)
+        if buf is None:
+            buf = self._pages.buf = AlignedBuffer(PAGE)
+        yield buf.view
+
+    def submit(self, lease: _Lease, write: bool, entries: Sequence[tuple[int, memoryview]]
+               ) -> list[int]:  # fmt: skip
+        """Move each (offset, buffer) of `entries` in one submission: bytes moved or -errno
+        each. The fault seam answers here as `slot.read`/`slot.write` do on the thread path."""
+        try:
+            faults.check("slot.write" if write else "slot.read")
+        except OSError as exc:
+            return [-(exc.errno or errno.EIO)] * len(entries)
+        fault = faults.ring("ring.write" if write else "ring.read")
+        fd = self.slots.fd
+        batch = [(fd, offset, buf, write) for offset, buf in entries]
+        try:
+            if fault is None:
+                results: list[int] = lease.ring.submit(batch)
+            else:
+                results = lease.ring.submit(batch, fault.delay_s, fault.fail(len(batch)))
+        except (OSError, ValueError) as exc:  # the ring broke or was closed under us
+            raise StorageIOError(f"io_uring on {self.slots.path}: {exc}") from exc
+        return results
+
+    def transfer(self, write: bool, offset: int, buffers: Sequence[memoryview]) -> None:
+        if write:
+            # Writes stay on the calling thread's pwritev for now: one slot is one system call
+            # either way, and the journal's group commit does not submit through the ring yet.
+            self.slots.write(offset, buffers)
+            return
+        entries = []
+        for buf in buffers:
+            entries.append((offset, buf))
+            offset += len(buf)
+        with self.lease() as lease:
+            results = self.submit(lease, write, entries)
+        for (at, buf), got in zip(entries, results, strict=True):
+            if got != len(buf):
+                verb = "write to" if write else "read of"
+                why = os.strerror(-got) if got < 0 else f"{got} of {len(buf)} bytes (short)"
+                raise StorageIOError(f"{verb} {self.slots.path} at {at} failed: {why}")
+
+    def counts(self) -> tuple[int, int]:
+        """(submissions, entries) of every ring so far: a batch of n slot reads is one
+        submission of 2n entries."""
+        with self._lock:
+            rings = [lease.ring.counts for lease in self._all]
+        return sum(c[0] for c in rings), sum(c[1] for c in rings)
+
+    def close(self) -> None:
+        """Close every ring; one with a batch in flight closes when its caller is done."""
+        with self._lock:
+            self._closed = True
+            free, self._free = self._free, []
+        for lease in free:
+            lease.ring.close()
+
+
 class BlockIO:
     """Blocks in a slot file: a header page, then the value's pages. Runs without the engine's
     lock, on slots set aside for it. The pages move through `pages`: the calling threads'
@@ -291,6 +423,11 @@ class BlockIO:
     def __init__(self, slots: SlotFile, pages: Pages | None = None) -> None:
         self.slots = slots
         self.pages: Pages = ThreadPages(slots) if pages is None else pages
+
+    @property
+    def engine(self) -> str:
+        """What moves the pages: "io_uring", "threads", "kvikio", "nixl-posix", "nixl-gds"."""
+        return "kvikio" if self.slots.device is not None else self.pages.engine
 
     def register_memory(self, view: memoryview) -> None:
         """Memory most transfers use (the DRAM arena), for pages that register memory."""
@@ -323,19 +460,53 @@ class BlockIO:
         Raises:
             StorageIOError: the device failed.
         """
-        key, page_no, length, seq, crc = row_snapshot
         pages = self.pages
         with pages.header_page() as page:
-            pages.transfer(False, page_no * PAGE, [page, dst])
-            fields = _HEADER.unpack(page[:SLOT_HEADER])
-            sealed = fields[0] == crc32c.crc32c(page[4:SLOT_HEADER])
-        # (crc, magic, version, flags, tenant, _, seq, key, parent, length, value crc, name):
-        # the header must be intact and name this very block; then the value must match.
-        if not sealed or fields[1:3] != (_MAGIC, 1) or fields[6:8] != (seq, key):
-            return False
-        if fields[9] != length or fields[10] != crc:
-            return False
-        return crc32c.crc32c(dst[:length]) == crc
+            pages.transfer(False, row_snapshot[1] * PAGE, [page, dst])
+            return _verify(row_snapshot, page, dst)
+
+    @property
+    def batches(self) -> bool:
+        """Whether `read_batch` puts a batch in one submission (else it reads one by one)."""
+        return isinstance(self.pages, RingPages)
+
+    def read_batch(
+        self, reads: Sequence[tuple[tuple[bytes, int, int, int, int], memoryview]]
+    ) -> list[bool | None]:
+        """`read` of each (row snapshot, dst), in one submission on the io_uring path: per
+        block whether it verified, or None if its I/O failed or came back short (logged).
+
+        Raises:
+            StorageIOError: the ring itself failed (every block's I/O is over by then).
+        """
+        pages = self.pages
+        if not isinstance(pages, RingPages):
+            out: list[bool | None] = []
+            for snap, dst in reads:
+                try:
+                    out.append(self.read(snap, dst))
+                except StorageIOError as exc:
+                    log.error("reading block %s from the SSD failed: %s", snap[0].hex(), exc)
+                    out.append(None)
+            return out
+        with pages.lease() as lease:
+            headers = lease.header_pages(len(reads))
+            entries: list[tuple[int, memoryview]] = []
+            for i, (snap, dst) in enumerate(reads):
+                entries.append((snap[1] * PAGE, headers[i * PAGE : (i + 1) * PAGE]))
+                entries.append((snap[1] * PAGE + PAGE, dst))
+            results = pages.submit(lease, False, entries)
+            out = []
+            for i, (snap, dst) in enumerate(reads):
+                got_head, got = results[2 * i], results[2 * i + 1]
+                if got_head != PAGE or got != len(dst):
+                    bad = got_head if got_head != PAGE else got
+                    why = os.strerror(-bad) if bad < 0 else f"short read ({bad} bytes)"
+                    log.error("reading block %s from the SSD failed: %s", snap[0].hex(), why)
+                    out.append(None)
+                else:
+                    out.append(_verify(snap, headers[i * PAGE : (i + 1) * PAGE], dst))
+            return out
 
     def wipe(self, offset: int) -> None:
         """Zero a slot's header page, so a rebuild from slot headers cannot bring a deleted
@@ -348,6 +519,21 @@ class BlockIO:
         with pages.header_page() as page:
             page[:] = bytes(PAGE)
             pages.transfer(True, offset, [page])
+
+
+def _verify(snap: tuple[bytes, int, int, int, int], page: memoryview, dst: memoryview) -> bool:
+    """Whether a slot read into (`page`, `dst`) is the block `snap` names, intact."""
+    key, _, length, seq, crc = snap
+    fields = _HEADER.unpack(page[:SLOT_HEADER])
+    # (crc, magic, version, flags, tenant, _, seq, key, parent, length, value crc, name):
+    # the header must be intact and name this very block; then the value must match.
+    if fields[0] != crc32c.crc32c(page[4:SLOT_HEADER]):
+        return False
+    if fields[1:3] != (_MAGIC, 1) or fields[6:8] != (seq, key):
+        return False
+    if fields[9] != length or fields[10] != crc:
+        return False
+    return crc32c.crc32c(dst[:length]) == crc
 
 
 # GPUDirect Storage: slot I/O through kvikio (cuFile) when it is installed and a CUDA device is

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import kvoffload.kvstore.ssd.journal as jr
@@ -314,6 +314,24 @@ class SsdTier:
             log.error("reading block %s from the SSD failed: %s", read.snap[0].hex(), exc)
             return None
 
+    @property
+    def batches(self) -> bool:
+        """Whether `read_batch_unlocked` puts a batch in one submission (io_uring)."""
+        return self.io.batches
+
+    def read_batch_unlocked(
+        self, reads: Sequence[SsdRead], dsts: Sequence[memoryview]
+    ) -> list[bool | None]:
+        """`read_unlocked` of each read into its dst, in one submission on the io_uring path;
+        a block whose I/O failed or came back short is None (`finish_read` counts it)."""
+        try:
+            return self.io.read_batch(
+                [(read.snap, dst) for read, dst in zip(reads, dsts, strict=True)]
+            )
+        except StorageIOError as exc:
+            log.error("reading %d blocks from the SSD failed: %s", len(reads), exc)
+            return [None] * len(reads)
+
     def finish_read(self, read: SsdRead, ok: bool | None) -> bool | None:
         """Account for a `read_into` that returned `ok` (the block unpinned by now): None if
         the read failed, else whether the block is still the key's indexed copy. A block that
@@ -391,4 +409,5 @@ def _tier_stats(tier: SsdTier, n: Mapping[str, int]) -> TierStats:
         prefetches=n["prefetches"],
         corrupt_blocks=c.corrupt,
         io_errors=c.io_errors,
+        io_engine=tier.io.engine,
     )

@@ -86,7 +86,9 @@ def fault_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FaultPlan:
     return plan
 
 
-@pytest.fixture(params=["engine", "daemon"])
+# "engine" and "daemon" run the default slot I/O (io_uring where the kernel allows it);
+# "engine-threads" the thread path, in process only, to keep the suite's time in bounds.
+@pytest.fixture(params=["engine", "daemon", "engine-threads"])
 def open_store(
     request: pytest.FixtureRequest, tmp_path: Path, start_daemon: Callable[..., Any]
 ) -> Iterator[Callable[..., EngineStore | DaemonStore]]:
@@ -98,6 +100,8 @@ def open_store(
         store: EngineStore | DaemonStore
         if request.param == "engine":
             store = EngineStore(data, dram=dram, ssd=ssd)
+        elif request.param == "engine-threads":
+            store = EngineStore(data, dram=dram, ssd=ssd, io_engine="threads")
         else:
             store = DaemonStore(start_daemon, data, dram=dram, ssd=ssd, env=env or {})
         opened.append(store)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import importlib
 import importlib.machinery
@@ -38,6 +39,7 @@ import os
 import socket
 import struct
 import sys
+import tempfile
 import termios
 import threading
 from collections.abc import Callable, Sequence
@@ -1144,6 +1146,83 @@ def _overflowed(world: _IndexWorld) -> bool:
     return world.index.tick not in _INT64 or any(e.pins not in _INT64 for e in world.entries)
 
 
+_RING_FILE = 3 * 4096 + 123  # bytes of the file the ring reads (not a page multiple)
+_ring_world: list[tuple[Any, int, int, bytes]] = []  # (ring, file fd, /dev/null fd, contents)
+
+
+def _ring() -> tuple[Any, int, int, bytes]:
+    """One ring of depth 4 for the run, a file of known bytes opened to read (buffered: any
+    offset and length) and /dev/null to write to."""
+    if not _ring_world:
+        contents = bytes(range(256)) * (_RING_FILE // 256) + b"t" * (_RING_FILE % 256)
+        fd, path = tempfile.mkstemp(prefix="kvoffload-fuzz-ring-")
+        os.write(fd, contents)
+        os.close(fd)
+        rfd = os.open(path, os.O_RDONLY)
+        os.unlink(path)
+        _ring_world.append((_ext(CORE).SlotRing(4), rfd, os.open(os.devnull, os.O_WRONLY),
+                            contents))  # fmt: skip
+    return _ring_world[0]
+
+
+def fuzz_slot_ring(data: bytes) -> None:
+    """`SlotRing.submit` with hostile entries: reads of a known file at any offset (past its
+    end, past 2**63) into exact-size heap buffers (ASan sees a byte past either end), writes to
+    /dev/null, closed, negative and huge descriptors, read-only buffers to read into, odd
+    entry shapes, up to 12 entries through a ring of depth 4, and injected errnos at hostile
+    indexes. A documented argument error, or one result per entry: the injected -errno, -EBADF
+    for a closed descriptor, or exactly what `os.pread` reads there (the bytes too)."""
+    fdp = atheris.FuzzedDataProvider(data)
+    ring, rfd, wfd, contents = _ring()
+    entries: list[Any] = []
+    want: list[tuple[str, Any, int, int]] = []  # (kind, buffer, offset, size)
+    for _ in range(fdp.ConsumeIntInRange(0, 12)):
+        kind = fdp.ConsumeIntInRange(0, 5)
+        size = fdp.ConsumeIntInRange(0, 5000)
+        off = _hostile_int(fdp) if fdp.ConsumeBool() else fdp.ConsumeIntInRange(0, _RING_FILE + 9)
+        buf = memoryview(np.zeros(size, np.uint8))
+        if kind == 0:
+            entries.append((rfd, off, buf, False))
+        elif kind == 1:
+            entries.append((wfd, off, buf, True))
+        elif kind == 2:
+            entries.append((1 << 20, off, buf, False))  # no such descriptor
+        elif kind == 3:  # never one this process has open (stdin would block the read)
+            fd = _hostile_int(fdp)
+            entries.append((fd + (1 << 20) if 0 <= fd < 1 << 20 else fd, off, buf, False))
+        elif kind == 4:
+            entries.append((rfd, off, bytes(size), False))  # read into a read-only buffer
+        else:
+            entries.append([rfd, off, buf] if fdp.ConsumeBool() else (rfd, off, buf, 1, 2))
+        want.append(("file" if kind == 0 else "null" if kind == 1 else "bad", buf, off, size))
+    fail = [(_hostile_int(fdp) % 16 - 2, fdp.ConsumeIntInRange(-1, 5000))
+            for _ in range(fdp.ConsumeIntInRange(0, 3))]  # fmt: skip
+    try:
+        got = ring.submit(entries, 0.0, fail or None)
+    except _ARG_ERRORS:
+        return
+    if len(got) != len(entries):
+        raise AssertionError(f"submit: {len(got)} results for {len(entries)} entries")
+    injected = dict(fail)
+    for i, (kind, buf, off, size) in enumerate(want):
+        if i in injected:
+            expect = -injected[i]
+        elif kind == "file":
+            try:
+                read = os.pread(rfd, size, off)
+            except OSError as exc:  # what the kernel says of that offset, either way
+                read, expect = b"", -(exc.errno or 0)
+            else:
+                expect = len(read)
+            if bytes(buf[: len(read)]) != read:
+                raise AssertionError(f"entry {i}: the bytes read at {off} differ from pread's")
+        else:
+            expect = size if kind == "null" else -errno.EBADF
+        if got[i] != expect:
+            raise AssertionError(f"entry {i} ({kind}, offset {off}, {size} bytes): {got[i]}, "
+                                 f"not {expect}")  # fmt: skip
+
+
 def _core_seeds() -> list[bytes]:
     """Both C core targets read their input as choices (FuzzedDataProvider): any bytes do."""
     return [bytes(range(n)) * 4 for n in (8, 40, 200, 256)] + [b"\x00" * 64, b"\x01" * 300]
@@ -1180,6 +1259,7 @@ TARGETS: dict[str, Target] = {
     # The C core (kvoffload/core): the daemon's hot path and the index it reads.
     "hot-gets": Target(fuzz_hot_gets, _core_seeds, CORE, 0.25),
     "dram-index": Target(fuzz_dram_index, _core_seeds, CORE, 0.1),
+    "slot-ring": Target(fuzz_slot_ring, _core_seeds, CORE, 0.1),
 }
 
 

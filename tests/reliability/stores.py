@@ -76,13 +76,14 @@ class EngineStore:
 
     kind = "engine"
 
-    def __init__(self, data: Path, *, dram: int, ssd: int) -> None:
+    def __init__(self, data: Path, *, dram: int, ssd: int, io_engine: str = "auto") -> None:
         self.config = EngineConfig(
             DramConfig(capacity_bytes=dram, max_value_bytes=256 << 10, prefault=False),
-            SsdConfig(capacity_bytes=ssd, admission_min_uses=1),
+            SsdConfig(capacity_bytes=ssd, admission_min_uses=1, io_engine=io_engine),
             data_dir=str(data),
         )
         self.engine = Engine(self.config)
+        self.io_engine = io_engine
 
     def put(self, key: bytes, value: bytes, *, durable: bool = False) -> None:
         self.engine.put(key, value, durable=durable)
@@ -164,3 +165,8 @@ class DaemonStore:
 
 def io_errors(stats: dict[str, Any]) -> int:
     return int(stats["tiers"][1]["io_errors"])
+
+
+def io_engine(stats: dict[str, Any]) -> str:
+    """What moves the SSD tier's blocks ("io_uring", "threads", ...)."""
+    return str(stats["tiers"][1]["io_engine"])

@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from stores import FaultPlan, io_errors
+from stores import FaultPlan, io_engine, io_errors
 
+from kvoffload.core import io_uring_unavailable
 from kvoffload.errors import StorageIOError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -62,6 +63,8 @@ def test_eio_on_promotion_is_a_counted_miss(
 ) -> None:
     store = open_store(tmp_path / "data", env=fault_plan.env)
     acked = put_durable(store, range(80))  # the older half is on the SSD only
+    default = "threads" if io_uring_unavailable() else "io_uring"
+    assert io_engine(store.stats()) == getattr(store, "io_engine", "auto").replace("auto", default)
     before = io_errors(store.stats())
     fault_plan.set(slot_read="EIO")
     got = [store.get(key(i)) for i in range(80)]

@@ -27,10 +27,12 @@ def value(i: int) -> bytes:
     return np.random.default_rng(i).bytes(BLOCK)
 
 
-def config(path: Path, depth: int = 4) -> EngineConfig:
+def config(path: Path, depth: int = 4, io_engine: str = "auto") -> EngineConfig:
     return EngineConfig(
         DramConfig(capacity_bytes=4 << 20, max_value_bytes=256 << 10, prefault=False),
-        SsdConfig(capacity_bytes=64 << 20, admission_min_uses=1, read_depth=depth),
+        SsdConfig(
+            capacity_bytes=64 << 20, admission_min_uses=1, read_depth=depth, io_engine=io_engine
+        ),
         data_dir=str(path),
     )
 
@@ -43,7 +45,9 @@ def cold_store(path: Path, n: int) -> None:
 
 
 class Reads:
-    """Counts slot reads by file offset, the most in flight at once, and can hold reads."""
+    """Counts slot reads by file offset, the most in flight at once, and can hold reads (the
+    thread path's seam: engines under it run `io_engine="threads"`; tests/unit/kvstore/ssd/
+    test_uring.py holds the ring's completions)."""
 
     def __init__(self, engine: Engine, hold: Callable[[int], bool] = lambda n: False) -> None:
         slots = engine._ssd.slots  # type: ignore[union-attr]
@@ -78,7 +82,7 @@ class Reads:
 
 def test_a_batch_reads_its_blocks_together_up_to_the_depth(tmp_path: Path) -> None:
     cold_store(tmp_path, 10)
-    with Engine(config(tmp_path, depth=4)) as engine:
+    with Engine(config(tmp_path, depth=4, io_engine="threads")) as engine:
         reads = Reads(engine, hold=lambda n: n <= 4)  # the first four wait for each other
         out: list[list[bytes | None]] = []
 
@@ -102,7 +106,7 @@ def test_a_batch_reads_its_blocks_together_up_to_the_depth(tmp_path: Path) -> No
 
 def test_get_many_into_serves_the_batch_and_counts_like_single_gets(tmp_path: Path) -> None:
     cold_store(tmp_path, 6)
-    with Engine(config(tmp_path)) as engine:
+    with Engine(config(tmp_path, io_engine="threads")) as engine:
         reads = Reads(engine)
         keys = [key(i) for i in range(6)] + [key(99), key(2)]  # a miss and a repeat
         bufs = [bytearray(BLOCK) for _ in keys]
@@ -118,7 +122,7 @@ def test_get_many_into_serves_the_batch_and_counts_like_single_gets(tmp_path: Pa
 
 def test_a_block_another_caller_is_reading_is_not_read_again(tmp_path: Path) -> None:
     cold_store(tmp_path, 3)
-    with Engine(config(tmp_path)) as engine:
+    with Engine(config(tmp_path, io_engine="threads")) as engine:
         reads = Reads(engine, hold=lambda n: n == 1)  # the single get's read waits
         single: list[int | None] = []
         first = threading.Thread(
@@ -257,7 +261,7 @@ def test_a_read_failing_oddly_is_a_miss_that_leaves_no_pin_or_slot(tmp_path: Pat
     # read is a miss (the key is then read again on its own), the others are served, and no
     # pin or reserved DRAM slot is left behind.
     cold_store(tmp_path, 4)
-    with Engine(config(tmp_path)) as engine:
+    with Engine(config(tmp_path, io_engine="threads")) as engine:
         slots = engine._ssd.slots  # type: ignore[union-attr]
         real, calls = slots.read, [0]
 

@@ -32,11 +32,12 @@ def value(i: int, version: int = 0) -> bytes:
 
 
 def config(path: Path, *, admit: int = 1, flush: bool = True, policy: str = "lru",
-           ssd: int = 64 << 20) -> EngineConfig:  # fmt: skip
+           ssd: int = 64 << 20, io_engine: str = "auto") -> EngineConfig:  # fmt: skip
     return EngineConfig(
         DramConfig(capacity_bytes=4 << 20, max_value_bytes=256 << 10, policy=policy,
                    prefault=False),
-        SsdConfig(capacity_bytes=ssd, admission_min_uses=admit, flush_on_close=flush),
+        SsdConfig(capacity_bytes=ssd, admission_min_uses=admit, flush_on_close=flush,
+                  io_engine=io_engine),
         data_dir=str(path),
     )  # fmt: skip
 
@@ -127,41 +128,50 @@ def test_corrupted_slot_is_a_counted_miss(tmp_path: Path) -> None:
         assert engine.lookup([key(i) for i in range(3)]) < 3  # the bad copies are gone
 
 
-def test_eio_on_durable_put_fails_it_and_keeps_older_blocks(tmp_path: Path) -> None:
-    with Engine(config(tmp_path)) as engine:
+def eio_on(plan: Path, op: str | None) -> None:
+    """Make every slot operation `op` fail with EIO (None: none), through the fault seam that
+    both I/O engines honour (KVOFFLOAD_FAULTS)."""
+    tmp = plan.with_suffix(".tmp")
+    tmp.write_text(json.dumps({op: "EIO"} if op else {}))
+    os.replace(tmp, plan)
+
+
+@pytest.mark.parametrize("io_engine", ["io_uring", "threads"])
+def test_eio_on_durable_put_fails_it_and_keeps_older_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, io_engine: str
+) -> None:
+    plan = tmp_path / "faults.json"
+    eio_on(plan, None)
+    monkeypatch.setenv("KVOFFLOAD_FAULTS", str(plan))
+    with Engine(config(tmp_path / "data", io_engine=io_engine)) as engine:
         engine.put(key(1), value(1), durable=True)
         engine.put(key(2), value(2), durable=True)
-        ssd = engine._ssd
-        assert ssd is not None
-
-        def eio(*args: object) -> int:
-            raise OSError(errno.EIO, "Input/output error")
-
-        real = ssd.slots._pwritev
-        ssd.slots._pwritev = eio
+        assert engine.stats().tiers[1].io_engine == io_engine
+        eio_on(plan, "slot.write")
         with pytest.raises(StorageIOError, match="Input/output error"):
             engine.put(key(2), value(2, version=1), durable=True)
         with pytest.raises(StorageIOError):
             engine.put(key(3), value(3), durable=True)
-        ssd.slots._pwritev = real
+        eio_on(plan, None)
         assert read(engine, 1) == value(1)
         assert read(engine, 2) == value(2)  # the failed put left the old value
         assert read(engine, 3) is None
         assert engine.stats().tiers[1].io_errors == 2
 
 
-def test_eio_on_demotion_loses_only_that_block(tmp_path: Path) -> None:
-    with Engine(config(tmp_path)) as engine:
+@pytest.mark.parametrize("io_engine", ["io_uring", "threads"])
+def test_eio_on_demotion_loses_only_that_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, io_engine: str
+) -> None:
+    plan = tmp_path / "faults.json"
+    eio_on(plan, None)
+    monkeypatch.setenv("KVOFFLOAD_FAULTS", str(plan))
+    with Engine(config(tmp_path / "data", io_engine=io_engine)) as engine:
         engine.put(key(0), value(0), durable=True)
-        ssd = engine._ssd
-        assert ssd is not None
-
-        def eio(*args: object) -> int:
-            raise OSError(errno.EIO, "Input/output error")
-
-        ssd.slots._pwritev = eio
+        eio_on(plan, "slot.write")
         for i in range(1, 40):
             engine.put(key(i), value(i))  # evictions try to demote, and fail
+        eio_on(plan, None)
         assert read(engine, 0) == value(0)
         assert engine.stats().tiers[1].io_errors > 0
         for i in range(1, 40):

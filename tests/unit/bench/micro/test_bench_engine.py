@@ -47,6 +47,13 @@ def test_ssd_bench_smoke(tmp_path: Path) -> None:
     for label in ("2MiB", "640KiB", "160KiB"):  # the batched reads, a layer part's size too
         assert rows[(f"read_batch/{label}", "odirect")]["value"] > 0
         assert rows[(f"cpu_us/read_batch/{label}", "odirect")]["ref_value"] > 0
+        # the least a verified read costs, and the I/O engine the engine's own arm ran against
+        assert rows[(f"cpu_us/read_batch/{label}", "odirect_crc")]["ref_value"] > 0
+        assert rows[(f"read_batch/{label}", "serial")]["ref_value"] > 0
+        engines = {rows[(f"read_batch/{label}", "odirect")]["note"].split(";")[0]}
+        assert engines <= {"io_uring", "threads"}
+        if engines == {"io_uring"}:
+            assert rows[(f"read_batch/{label}", "threads")]["ref_value"] > 0
     assert rows[("restart/2k", "goal_5s")]["unit"] == "s"
     assert 0 < rows[("index_bytes/2k", "goal_128B")]["value"] < 4096
     assert not list(tmp_path.glob("kvoffload-bench-ssd-*"))  # cleaned up
