@@ -15,9 +15,9 @@ can release it while a demotion writes (the entry is pinned meanwhile), as the c
 Demotion runs off the request path (`dram.demote_background`, with a tier below): a writer
 thread (`Demoter`, owned by the mover) evicts in the policy's order, writing blocks down,
 whenever free DRAM falls below `dram.demote_low` of the arena, until `dram.demote_high` is
-free. A request that still finds no room evicts clean blocks itself (no I/O) and hands a
-victim that needs a write to that writer, waiting (lock released) until it is written: a
-request waits only when the SSD is slower than the puts (docs/design/ssd-tier.md).
+free. A request finds room without evicting while the writer keeps up; when the SSD cannot
+(the puts outrun it), a request that finds no room writes its own victim, as before the
+writer: it waits for that one slot write, never for a queue (docs/design/ssd-tier.md).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -120,15 +119,9 @@ class Manager:
         self.sketch: FrequencySketch | None = None  # admission to the tiers below DRAM
         self.listener: TierListener | None = None
         self._evict_cb = self._evict_for_room  # bound once: `claim` runs on every put
-        # The background demotion writer (`start_writer`): the requests' victims handed to it
-        # (each held by one pin), the ids of those not yet written, and the condition their
-        # requests wait on.
-        self.writer_on = False  # a writer runs and takes hand-offs
-        self._writer_ident: int | None = None
+        # The background demotion writer (`start_writer`).
+        self.writer_on = False  # it runs: claims wake it below the low watermark
         self._woken = False  # a wake is pending: the next claims need not send another
-        self._handoff: deque[DramEntry] = deque()
-        self._unwritten: set[int] = set()
-        self._room = threading.Condition(lock)
         capacity = config.dram.capacity_bytes
         self._low = int(capacity * config.dram.demote_low)
         self._high = int(capacity * config.dram.demote_high)
@@ -143,14 +136,13 @@ class Manager:
     def start_writer(self) -> None:
         """Start the background demotion writer (called without the lock, once the arena is
         mapped; only with a tier below and `dram.demote_background`)."""
-        demoter = self.mover.start_demoter(self._demote_pass)
+        self.mover.start_demoter(self._demote_pass)
         with self.lock:
-            self._writer_ident = demoter.ident
             self.writer_on = True
 
     def stop_writer(self) -> None:
-        """Stop the writer (called without the lock): hand-offs from now on are written on
-        the request's thread; those queued already are written by its last pass."""
+        """Stop the writer (called without the lock); returns once its thread has ended (after
+        the write it has in flight)."""
         with self.lock:
             self.writer_on = False
         self.mover.stop_demoter()
@@ -392,11 +384,10 @@ class Manager:
 
     def _evict(self, entry: DramEntry, where: str = "inline") -> None:
         """Make a live, unpinned entry leave DRAM: dropped, or first written to the tier below
-        if it admits the block — by the background writer when one runs (`where` says whose
-        thread this is: "inline" a request's, "background" the writer's).
+        if it admits the block (`where` says whose thread writes: "inline" a request's, which
+        then waits on the SSD, "background" the writer's).
 
-        May release the lock while the write runs (or while the request waits for the
-        writer); the entry is pinned meanwhile.
+        May release the lock while the write runs; the entry is pinned meanwhile.
         """
         if not entry.on_ssd:
             for tier in self.lower[:1]:
@@ -404,10 +395,13 @@ class Manager:
                 if self.sketch.estimate(entry.key) < self.config.ssd.admission_min_uses:
                     self.n["admission_rejected"] += 1
                     break
-                if where == "inline" and self.writer_on:
-                    self._hand_off(entry)
-                else:
+                if where == "background":
                     self.demote(tier, entry, drop=True, where=where)
+                    return
+                started = time.monotonic_ns()
+                self.demote(tier, entry, drop=True, where=where)
+                self.n["room_waits"] += 1
+                self.n["room_wait_ns"] += time.monotonic_ns() - started
                 return
         self.drop(entry)
         self.notify("removed", entry.key, "dram")
@@ -434,43 +428,13 @@ class Manager:
         assert demoter is not None
         demoter.wake()
 
-    def _hand_off(self, entry: DramEntry) -> None:
-        """A request's victim that needs a write goes to the writer; return once it is
-        written (or given up). The wait is bounded by the SSD: the write the writer has in
-        flight, then the hand-offs queued before this one, each one slot write."""
-        if threading.get_ident() == self._writer_ident:  # never wait on ourselves
-            self.demote(self.lower[0], entry, drop=True, where="background")
-            return
-        entry.pins += 1  # the hand-off's hold: no other eviction takes it meanwhile
-        self.dram.pinned.add(entry.key)
-        self._handoff.append(entry)
-        self._unwritten.add(id(entry))
-        self._wake_writer()
-        started = time.monotonic_ns()
-        while id(entry) in self._unwritten:
-            self._room.wait()
-        self.n["room_waits"] += 1
-        self.n["room_wait_ns"] += time.monotonic_ns() - started
-
     def _demote_pass(self) -> None:
-        """The writer's pass (its thread, without the lock): the requests' hand-offs first,
-        then the policy's victims until `demote_high` of DRAM is free; once `stop_writer`
-        began, only the hand-offs."""
+        """The writer's pass (its thread, without the lock): the policy's victims leave DRAM,
+        written down if they need it, until `demote_high` of DRAM is free. Ends early once
+        `stop_writer` or close began, or every block is pinned."""
         with self.lock:
             self._woken = False
             while True:
-                if self._handoff:
-                    entry = self._handoff.popleft()
-                    try:
-                        self.unpin_locked(entry)  # the hand-off's hold
-                        if entry.live and not entry.pins:
-                            self._evict(entry, "background")
-                        elif entry.live:  # a reader pinned it meanwhile: evictable later
-                            self.dram.requeue(entry.key, self.rank(entry.key, entry.parent))
-                    finally:
-                        self._unwritten.discard(id(entry))
-                        self._room.notify_all()
-                    continue
                 if not self.writer_on or self.closing or self.closed or not self.lower:
                     return
                 if self.dram.free_bytes >= self._high:

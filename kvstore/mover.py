@@ -130,8 +130,9 @@ class Demoter:
     """One thread that runs `work()` each time it is woken, until `stop`: the background
     demotion writer (the manager's pass decides what to write; this only owns the thread).
 
-    Wakes that come while a pass runs fold into one more pass. `stop` runs a last pass (the
-    manager drains the requests' hand-offs there) and joins the thread.
+    Wakes that come while a pass runs fold into one more pass. `stop` lets the pass in
+    progress end (the manager's pass checks that it is stopping between writes), runs one
+    more, and joins the thread.
     """
 
     def __init__(self, work: Callable[[], None], name: str = "kvoffload-demote") -> None:
@@ -146,7 +147,7 @@ class Demoter:
         self._wake.set()
 
     def stop(self) -> None:
-        """Run a last pass, then end the thread; returns once it has ended. Idempotent."""
+        """End the thread after one more pass; returns once it has ended. Idempotent."""
         self._stop = True
         self._wake.set()
         if self._thread is not threading.current_thread():

@@ -165,9 +165,9 @@ DEMOTE_BLOCK = 512 << 10
 
 def _demote_round(
     work: Path, background: bool, dram: int, reads: list[int], burst: int
-) -> tuple[list[float], float]:
-    """One round on a fresh store: the reader's get_into latencies (s) during the burst, and
-    the burst's put rate (bytes/s)."""
+) -> tuple[list[float], float, int]:
+    """One round on a fresh store: the reader's get_into latencies (s) during the burst, the
+    burst's put rate (bytes/s), and how many requests waited for the writer to make room."""
     store = work / ("bg" if background else "inline")
     shutil.rmtree(store, ignore_errors=True)
     config = EngineConfig(
@@ -202,23 +202,24 @@ def _demote_round(
             latencies.append(time.perf_counter() - t0)
             n += 1
         writer.join()
-    return latencies, burst * DEMOTE_BLOCK / elapsed[0]
+        waits = engine.stats().room_waits
+    return latencies, burst * DEMOTE_BLOCK / elapsed[0], waits
 
 
-def _demote_rows(directory: str, rounds: int, dram: int = 64 << 20) -> list[Row]:
+def _demote_rows(directory: str, rounds: int, dram: int = 128 << 20) -> list[Row]:
     """Reader latency during a write burst, background writer against inline demotion."""
     work = Path(directory) / f"kvoffload-bench-demote-{os.getpid()}"
     work.mkdir(parents=True)
     preload = dram * 3 // 2 // DEMOTE_BLOCK
     reads = [int(k) for k in np.random.default_rng(1).integers(0, preload, 100_000)]
     burst = 2 * dram // DEMOTE_BLOCK
-    got: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
+    got: dict[bool, list[tuple[float, float, float, int, int]]] = {True: [], False: []}
     try:
         for _ in range(rounds):
             for background in (False, True):
-                lat, rate = _demote_round(work, background, dram, reads, burst)
+                lat, rate, waits = _demote_round(work, background, dram, reads, burst)
                 q = statistics.quantiles(lat, n=100)
-                got[background].append((q[49], q[98], rate))
+                got[background].append((q[49], q[98], rate, waits, len(lat)))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -227,7 +228,9 @@ def _demote_rows(directory: str, rounds: int, dram: int = 64 << 20) -> list[Row]
 
     size = f"{DEMOTE_BLOCK >> 10}KiB"
     note = (f"{dram >> 20} MiB DRAM, {preload} blocks preloaded, a {burst}-block burst; one "
-            f"reader; median of {rounds} alternating rounds")  # fmt: skip
+            f"reader, {med(True, 4):.0f} / {med(False, 4):.0f} reads a round; requests that "
+            f"waited for room: {med(True, 3):.0f} a round; median of {rounds} alternating "
+            "rounds")  # fmt: skip
     return [
         Row(f"demote_read_p50/{size}", med(True, 0) * 1e6, "us", "inline", med(False, 0) * 1e6,
             note=note),
