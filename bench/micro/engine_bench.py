@@ -14,7 +14,9 @@ pre-faulted, so neither side pays for first-touch page faults.
 DRAM and the SSD (an SSD hit needs DRAM room) while another thread puts a burst twice the DRAM
 tier's size, with the background demotion writer (`dram.demote_background`, the default)
 against demotion on the requests' own threads (ref `inline`), in alternating rounds;
-demote_burst is the burst's put rate in the same rounds.
+demote_burst is the burst's put rate in the same rounds. Twice: the burst as fast as it goes
+(it outruns the disk: both sides wait on it) and paced at `DEMOTE_PACE` (the disk keeps up:
+the case the writer is for).
 """
 
 from __future__ import annotations
@@ -161,10 +163,11 @@ def _fill_rows(capacity: int, rounds: int) -> list[Row]:
 
 
 DEMOTE_BLOCK = 512 << 10
+DEMOTE_PACE = 200e6  # bytes/s of the paced burst: below what the disks we run on write
 
 
 def _demote_round(
-    work: Path, background: bool, dram: int, reads: list[int], burst: int
+    work: Path, background: bool, dram: int, reads: list[int], burst: int, pace: float
 ) -> tuple[list[float], float, int]:
     """One round on a fresh store: the reader's get_into latencies (s) during the burst, the
     burst's put rate (bytes/s), and how many requests waited for the writer to make room."""
@@ -186,7 +189,11 @@ def _demote_round(
 
         def put_burst() -> None:
             t0 = time.perf_counter()
-            for i in range(preload, preload + burst):
+            for n, i in enumerate(range(preload, preload + burst)):
+                if pace:  # put n goes no earlier than n blocks at `pace` bytes/s
+                    ahead = t0 + n * DEMOTE_BLOCK / pace - time.perf_counter()
+                    if ahead > 0:
+                        time.sleep(ahead)
                 engine.put(i.to_bytes(16, "little"), value)
             elapsed[0] = time.perf_counter() - t0
             done.set()
@@ -207,7 +214,15 @@ def _demote_round(
 
 
 def _demote_rows(directory: str, rounds: int, dram: int = 128 << 20) -> list[Row]:
-    """Reader latency during a write burst, background writer against inline demotion."""
+    """Reader latency during a write burst, background writer against inline demotion, with
+    the burst unpaced and paced."""
+    rows = []
+    for pace in (0.0, DEMOTE_PACE):
+        rows += _demote_pair(directory, rounds, dram, pace)
+    return rows
+
+
+def _demote_pair(directory: str, rounds: int, dram: int, pace: float) -> list[Row]:
     work = Path(directory) / f"kvoffload-bench-demote-{os.getpid()}"
     work.mkdir(parents=True)
     preload = dram * 3 // 2 // DEMOTE_BLOCK
@@ -217,7 +232,7 @@ def _demote_rows(directory: str, rounds: int, dram: int = 128 << 20) -> list[Row
     try:
         for _ in range(rounds):
             for background in (False, True):
-                lat, rate, waits = _demote_round(work, background, dram, reads, burst)
+                lat, rate, waits = _demote_round(work, background, dram, reads, burst, pace)
                 q = statistics.quantiles(lat, n=100)
                 got[background].append((q[49], q[98], rate, waits, len(lat)))
     finally:
@@ -226,7 +241,7 @@ def _demote_rows(directory: str, rounds: int, dram: int = 128 << 20) -> list[Row
     def med(background: bool, i: int) -> float:
         return statistics.median(r[i] for r in got[background])
 
-    size = f"{DEMOTE_BLOCK >> 10}KiB"
+    size = f"{DEMOTE_BLOCK >> 10}KiB" + (f"@{pace / 1e6:.0f}MB/s" if pace else "")
     note = (f"{dram >> 20} MiB DRAM, {preload} blocks preloaded, a {burst}-block burst; one "
             f"reader, {med(True, 4):.0f} / {med(False, 4):.0f} reads a round; requests that "
             f"waited for room: {med(True, 3):.0f} a round; median of {rounds} alternating "
