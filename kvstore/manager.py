@@ -77,8 +77,8 @@ class EngineStats:
     staged_gets: int = 0
     staged_peak: int = 0
     # Demotions (DRAM -> SSD writes on eviction) by the background writer and on a request's
-    # own thread (`dram.demote_background` off, or the writer stopping); requests that had to
-    # wait for the writer to make room, and the seconds they waited in all.
+    # own thread (the writer off, or behind a disk slower than the puts); requests that wrote
+    # a victim themselves for room, and the seconds that took them in all.
     demotions_background: int = 0
     demotions_inline: int = 0
     room_waits: int = 0

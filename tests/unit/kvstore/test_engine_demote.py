@@ -13,6 +13,7 @@ from prometheus_client import generate_latest
 
 from kvoffload.errors import ConfigError, KVOffloadError
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig, faults
+from kvoffload.nvmeof_target.config import load_config
 from kvoffload.nvmeof_target.metrics import Metrics
 
 BLOCK = 100_000
@@ -228,3 +229,12 @@ def test_a_bad_delay_in_the_fault_plan_is_a_clear_error(
     monkeypatch.setenv(faults.ENV, str(plan))
     with pytest.raises(ConfigError, match="delay:<seconds>"):
         faults.check("slot.write")
+
+
+def test_the_keys_load_from_the_one_config_tree(tmp_path: Path) -> None:
+    env = {"KVOFFLOAD_DRAM__DEMOTE_LOW": "0.02", "KVOFFLOAD_DRAM__DEMOTE_BACKGROUND": "false",
+           "KVOFFLOAD_DATA_DIR": str(tmp_path)}  # fmt: skip
+    dram = load_config(None, env).dram
+    assert (dram.demote_low, dram.demote_high, dram.demote_background) == (0.02, 0.10, False)
+    with pytest.raises(ConfigError, match="demote_low .0.2. must not exceed"):
+        load_config(None, {"KVOFFLOAD_DRAM__DEMOTE_LOW": "0.2", **env})
