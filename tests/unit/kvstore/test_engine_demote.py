@@ -237,4 +237,4 @@ def test_the_keys_load_from_the_one_config_tree(tmp_path: Path) -> None:
     dram = load_config(None, env).dram
     assert (dram.demote_low, dram.demote_high, dram.demote_background) == (0.02, 0.10, False)
     with pytest.raises(ConfigError, match="demote_low .0.2. must not exceed"):
-        load_config(None, {"KVOFFLOAD_DRAM__DEMOTE_LOW": "0.2", **env})
+        load_config(None, {**env, "KVOFFLOAD_DRAM__DEMOTE_LOW": "0.2"})
