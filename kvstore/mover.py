@@ -141,7 +141,6 @@ class Demoter:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
-        self.ident = self._thread.ident
 
     def wake(self) -> None:
         self._wake.set()
