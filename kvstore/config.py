@@ -94,6 +94,13 @@ class DramConfig:
     prefault: bool = True
     # Ignored, as slab_bytes: there are no size classes.
     class_growth: float = 1.05
+    # With an SSD tier, a background writer keeps free DRAM ahead of demand: once less than
+    # `demote_low` of the capacity is free it evicts in policy order (writing blocks down)
+    # until `demote_high` is free, so requests seldom evict and never write. False demotes on
+    # the request's own thread, as before issue 30 (kept for comparison; docs/design/ssd-tier.md).
+    demote_background: bool = True
+    demote_low: float = 0.05
+    demote_high: float = 0.10
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -111,6 +118,24 @@ class DramConfig:
         if self.policy not in POLICIES:
             raise ConfigError(
                 f"unknown eviction policy {self.policy!r}; choose one of {sorted(POLICIES)}"
+            )
+        if not isinstance(self.demote_background, bool):
+            raise ConfigError(
+                f"dram.demote_background must be true or false, got {self.demote_background!r}"
+            )
+        for name in ("demote_low", "demote_high"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"dram.{name} must be a fraction of the capacity, got {value!r}")
+            if not 0 <= value <= 0.5:
+                raise ConfigError(
+                    f"dram.{name} must be in [0, 0.5] (a fraction of dram.capacity_bytes kept "
+                    f"free), got {value}"
+                )
+        if self.demote_low > self.demote_high:
+            raise ConfigError(
+                f"dram.demote_low ({self.demote_low}) must not exceed dram.demote_high "
+                f"({self.demote_high}): the writer starts below low and stops at high"
             )
 
     @property

@@ -248,6 +248,22 @@ class DramTier:
         assert entry is not None
         return entry
 
+    def take_policy_victim(self) -> DramEntry | None:
+        """The policy's next unpinned victim, taken out of its order (a demotion may put it
+        back); None if every entry is pinned (the background writer asks this)."""
+        self.apply_touches()
+        victims = self._policy.evict(1, self.pinned)
+        if victims is None:
+            return None
+        entry = self.index.lookup(victims[0])
+        assert entry is not None
+        return entry
+
+    @property
+    def free_bytes(self) -> int:
+        """Arena bytes no slot holds (possibly in several holes)."""
+        return self.alloc.size - self.alloc.used_bytes
+
     def map_arena(self) -> None:
         """Map the arena (after the SSD tier opened: a failure here abandons that).
 

@@ -1,7 +1,8 @@
 """The engine facade: the public API over the manager, the read path, the mover and the tiers.
 
 Tiering: new blocks land in DRAM. A block evicted from DRAM is written to the SSD (write-back)
-if the admission filter lets it; a block found only on the SSD is read back into DRAM (promoted)
+if the admission filter lets it, by a background writer that keeps free DRAM ahead of the puts
+(`dram.demote_low`/`demote_high`); a block found only on the SSD is read back into DRAM (promoted)
 and served from there; `prefetch` does the same ahead of time on background threads. A durable
 put writes through to the SSD and waits for its journal record before it returns.
 
@@ -251,6 +252,8 @@ class Engine:
         self._arena = self._dram.arena
         for tier in lower:
             tier.register_memory(self._arena.view)  # for slot I/O that registers memory (NIXL)
+        if lower and dram.demote_background:
+            m.start_writer()  # last: nothing that can fail comes after it
 
     @property
     def max_value_bytes(self) -> int:
@@ -636,6 +639,9 @@ class Engine:
         wait_s = self.config.ssd.close_wait_s
         # `closing` is set: no read begins from now on, so those in flight are all to wait for.
         hung = self._reads.wait(time.monotonic() + wait_s)
+        # Before the flush: the writer's last pass writes what requests handed it, and the
+        # flush then writes the rest (on this thread, nothing evicting beside it).
+        m.stop_writer()
         # Without a hung read every task ends at once.
         self._mover.shutdown(wait=not hung)
         try:

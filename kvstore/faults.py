@@ -4,7 +4,8 @@ Off unless the environment variable ``KVOFFLOAD_FAULTS`` names a plan file, so a
 test starts can be reached as well as an engine in the test's own process. The plan is JSON
 mapping an operation to an errno name, e.g. ``{"slot.write": "EIO"}``. The file is read again
 whenever it changes: a test turns faults on and off while the store runs (replace the file
-atomically); a missing file means no faults.
+atomically); a missing file means no faults. A value ``"delay:<seconds>"`` (at most 60) slows
+the operation instead of failing it, e.g. ``{"slot.write": "delay:0.02"}``: a slow device.
 
 Operations: ``slot.read``, ``slot.write``, ``slot.flush`` (SlotFile), ``journal.write``,
 ``journal.sync`` (appends and syncs of the journal; ``journal.write`` also fails creating a new
@@ -24,6 +25,7 @@ import errno
 import json
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
@@ -61,8 +63,21 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 _lock = threading.Lock()
-_Plan = dict[str, "int | RingFault"]
+# op -> (errno to raise, 0: none; seconds to wait first), or what a ring op does
+_Plan = dict[str, "tuple[int, float] | RingFault"]
 _cached: tuple[tuple[str, int, int, int], _Plan] | None = None
+_DELAY = "delay:"
+
+
+def _delay(name: object) -> float | None:
+    """The seconds of a ``"delay:<seconds>"`` value, or None if it is not one."""
+    if not isinstance(name, str) or not name.startswith(_DELAY):
+        return None
+    try:
+        seconds = float(name[len(_DELAY) :])
+    except ValueError:
+        return None
+    return seconds if 0 <= seconds <= _MAX_DELAY_S else None
 
 
 def _ring_fault(path: str, op: str, spec: object) -> RingFault:
@@ -103,14 +118,18 @@ def _load(path: str) -> _Plan:
         if op in RING_OPS:
             plan[op] = _ring_fault(path, op, name)
             continue
-        code = getattr(errno, name, None) if isinstance(name, str) else None
+        delay = _delay(name)
+        code: object = 0 if delay is not None else None
+        if delay is None and isinstance(name, str):
+            code = getattr(errno, name, None)
         if op not in OPS or not isinstance(code, int):
             raise ConfigError(
                 f"{ENV}: fault plan {path}: {op!r}: {name!r} is not an operation "
-                f"({', '.join(sorted(OPS))}) mapped to an errno name such as 'EIO', nor a "
-                f"ring operation ({', '.join(sorted(RING_OPS))})"
+                f"({', '.join(sorted(OPS))}) mapped to an errno name such as 'EIO' or to "
+                f"'delay:<seconds>' (at most 60), nor a ring operation "
+                f"({', '.join(sorted(RING_OPS))})"
             )
-        plan[op] = code
+        plan[op] = (code, delay or 0.0)
     return plan
 
 
@@ -131,12 +150,18 @@ def _plan(path: str) -> _Plan:
 
 
 def check(op: str) -> None:
-    """Raise the OSError the fault plan names for `op`; nothing when no plan is set."""
+    """Wait and/or raise the OSError the fault plan names for `op`; nothing when no plan is
+    set."""
     path = os.environ.get(ENV)
     if not path:
         return
-    code = _plan(path).get(op)
-    if isinstance(code, int):
+    found = _plan(path).get(op)
+    if not isinstance(found, tuple):
+        return
+    code, delay = found
+    if delay:
+        time.sleep(delay)
+    if code:
         raise OSError(code, f"{os.strerror(code)} (injected by {ENV})")
 
 

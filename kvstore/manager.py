@@ -11,12 +11,20 @@ SSD is there.
 
 Every method expects the engine's lock held unless it says otherwise; those that may evict
 can release it while a demotion writes (the entry is pinned meanwhile), as the comments say.
+
+Demotion runs off the request path (`dram.demote_background`, with a tier below): a writer
+thread (`Demoter`, owned by the mover) evicts in the policy's order, writing blocks down,
+whenever free DRAM falls below `dram.demote_low` of the arena, until `dram.demote_high` is
+free. A request finds room without evicting while the writer keeps up; when the SSD cannot
+(the puts outrun it), a request that finds no room writes its own victim, as before the
+writer: it waits for that one slot write, never for a queue (docs/design/ssd-tier.md).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -68,6 +76,13 @@ class EngineStats:
     # DRAM, and the most such buffers held at once (a batch's are bounded by its caller).
     staged_gets: int = 0
     staged_peak: int = 0
+    # Demotions (DRAM -> SSD writes on eviction) by the background writer and on a request's
+    # own thread (the writer off, or behind a disk slower than the puts); requests that wrote
+    # a victim themselves for room, and the seconds that took them in all.
+    demotions_background: int = 0
+    demotions_inline: int = 0
+    room_waits: int = 0
+    room_wait_seconds: float = 0.0
     recovery: dict[str, object] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
@@ -96,13 +111,20 @@ class Manager:
         self.n = dict.fromkeys(
             ("puts", "gets", "hits", "misses", "deletes", "evictions", "neighbours", "bytes_in",
              "bytes_out", "stored", "demotions", "promotions", "prefetches", "durable",
-             "admission_rejected", "ssd_hits", "ssd_misses"),
+             "admission_rejected", "ssd_hits", "ssd_misses", "demotions_background",
+             "demotions_inline", "room_waits", "room_wait_ns"),
             0,
         )  # fmt: skip
         self.inflight: dict[bytes, threading.Event] = {}  # reads back into DRAM, by key
         self.sketch: FrequencySketch | None = None  # admission to the tiers below DRAM
         self.listener: TierListener | None = None
         self._evict_cb = self._evict_for_room  # bound once: `claim` runs on every put
+        # The background demotion writer (`start_writer`).
+        self.writer_on = False  # it runs: claims wake it below the low watermark
+        self._woken = False  # a wake is pending: the next claims need not send another
+        capacity = config.dram.capacity_bytes
+        self._low = int(capacity * config.dram.demote_low)
+        self._high = int(capacity * config.dram.demote_high)
 
     def attach(self, tier: SsdTier) -> None:
         """A tier below DRAM (the SSD) joins, slowest last."""
@@ -110,6 +132,20 @@ class Manager:
         self.tiers.append(tier)
         if self.sketch is None:
             self.sketch = FrequencySketch()
+
+    def start_writer(self) -> None:
+        """Start the background demotion writer (called without the lock, once the arena is
+        mapped; only with a tier below and `dram.demote_background`)."""
+        self.mover.start_demoter(self._demote_pass)
+        with self.lock:
+            self.writer_on = True
+
+    def stop_writer(self) -> None:
+        """Stop the writer (called without the lock); returns once its thread has ended (after
+        the write it has in flight)."""
+        with self.lock:
+            self.writer_on = False
+        self.mover.stop_demoter()
 
     def detach_lower(self) -> list[SsdTier]:
         """From now on there is no tier below DRAM (a closed engine, or a test's simulated
@@ -190,6 +226,8 @@ class Manager:
         entry = DramEntry(key, offset, length, size, parent, self.index.next_tick(), tenant,
                           pins=1)  # fmt: skip
         self.dram.place(entry)
+        if self.writer_on and not self._woken and self.dram.free_bytes < self._low:
+            self._wake_writer()
         return entry
 
     def reserve(
@@ -344,9 +382,10 @@ class Manager:
         self.n["neighbours"] += neighbour
         self._evict(entry)
 
-    def _evict(self, entry: DramEntry) -> None:
+    def _evict(self, entry: DramEntry, where: str = "inline") -> None:
         """Make a live, unpinned entry leave DRAM: dropped, or first written to the tier below
-        if it admits the block.
+        if it admits the block (`where` says whose thread writes: "inline" a request's, which
+        then waits on the SSD, "background" the writer's).
 
         May release the lock while the write runs; the entry is pinned meanwhile.
         """
@@ -356,18 +395,55 @@ class Manager:
                 if self.sketch.estimate(entry.key) < self.config.ssd.admission_min_uses:
                     self.n["admission_rejected"] += 1
                     break
-                self.demote(tier, entry, drop=True)
+                if where == "background":
+                    self.demote(tier, entry, drop=True, where=where)
+                    return
+                started = time.monotonic_ns()
+                self.demote(tier, entry, drop=True, where=where)
+                self.n["room_waits"] += 1
+                self.n["room_wait_ns"] += time.monotonic_ns() - started
                 return
         self.drop(entry)
         self.notify("removed", entry.key, "dram")
 
-    def demote(self, tier: SsdTier, entry: DramEntry, *, drop: bool) -> None:
+    def demote(
+        self, tier: SsdTier, entry: DramEntry, *, drop: bool, where: str | None = None
+    ) -> None:
         """Write a live DRAM block down to `tier` (`prepare_write_back` .., then
         `complete_write_back`), then with `drop` take it out of DRAM. Releases the lock for
-        the write."""
+        the write. `where` ("inline", "background") picks the counter of an eviction's write;
+        None for a flush."""
         plan = self.prepare_write_back(tier, entry, drop=drop)
         if plan is not None:
-            self.complete_write_back(plan, self.mover.write_back(plan), drop=drop)
+            committed = self.mover.write_back(plan)
+            if committed and where is not None:
+                self.n["demotions_" + where] += 1
+            self.complete_write_back(plan, committed, drop=drop)
+
+    # ------------------------------------------------------------------ the demotion writer
+
+    def _wake_writer(self) -> None:
+        self._woken = True
+        demoter = self.mover.demoter
+        assert demoter is not None
+        demoter.wake()
+
+    def _demote_pass(self) -> None:
+        """The writer's pass (its thread, without the lock): the policy's victims leave DRAM,
+        written down if they need it, until `demote_high` of DRAM is free. Ends early once
+        `stop_writer` or close began, or every block is pinned."""
+        with self.lock:
+            self._woken = False
+            while True:
+                if not self.writer_on or self.closing or self.closed or not self.lower:
+                    return
+                if self.dram.free_bytes >= self._high:
+                    return
+                victim = self.dram.take_policy_victim()
+                if victim is None:
+                    return  # every block is pinned: the readers' releases make room
+                self.n["evictions"] += 1
+                self._evict(victim, "background")
 
     def prepare_write_back(
         self, tier: SsdTier, entry: DramEntry, *, drop: bool
@@ -633,5 +709,9 @@ class Manager:
             checkpoints=checkpoints,
             staged_gets=self.dram.staged_gets,
             staged_peak=self.dram.staged_peak,
+            demotions_background=n["demotions_background"],
+            demotions_inline=n["demotions_inline"],
+            room_waits=n["room_waits"],
+            room_wait_seconds=n["room_wait_ns"] / 1e9,
             recovery=recovery,
         )

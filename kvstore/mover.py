@@ -7,7 +7,8 @@ DRAM (`ReadPlan`), a DRAM block written down to the SSD on eviction or at a clea
 (`SsdWipe`). The manager completes each with what executing it returned. The mover also owns
 the threads the I/O runs on: a prefetch pool, and a read pool that serves a batch of reads
 (`submit_reads`: each read completes, on the pool thread that did it, through the batch's
-callback; on io_uring each pool thread takes a part of the batch in one submission).
+callback; on io_uring each pool thread takes a part of the batch in one submission), and the
+background demotion writer's thread (`Demoter`: it runs the manager's pass whenever woken).
 
 Methods that take the engine's lock held on entry hold it again on return; the tiers release
 it while the bytes move (on a DRAM entry and an SSD row pinned meanwhile).
@@ -27,7 +28,7 @@ from kvoffload.kvstore.dram import DramEntry
 from kvoffload.kvstore.ssd.catalog import WritePlan
 from kvoffload.kvstore.ssd.tier import SsdRead, SsdTier, SsdWipe
 
-__all__ = ["Mover", "ReadPlan", "ReadPool", "WriteBack", "WriteThrough"]
+__all__ = ["Demoter", "Mover", "ReadPlan", "ReadPool", "WriteBack", "WriteThrough"]
 
 log = logging.getLogger(__name__)
 
@@ -130,21 +131,72 @@ class ReadPool:
                 log.exception("kvoffload: a batch read failed")
 
 
+class Demoter:
+    """One thread that runs `work()` each time it is woken, until `stop`: the background
+    demotion writer (the manager's pass decides what to write; this only owns the thread).
+
+    Wakes that come while a pass runs fold into one more pass. `stop` lets the pass in
+    progress end (the manager's pass checks that it is stopping between writes), runs one
+    more, and joins the thread.
+    """
+
+    def __init__(self, work: Callable[[], None], name: str = "kvoffload-demote") -> None:
+        self._work = work
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        """End the thread after one more pass; returns once it has ended. Idempotent."""
+        self._stop = True
+        self._wake.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            stopping = self._stop  # read before the pass: a stop during it gets one more
+            try:
+                self._work()
+            except BaseException:  # a pass reports its own failures; this is a last resort
+                log.exception("kvoffload: a background demotion pass failed")
+            if stopping:
+                return
+
+
 class Mover:
     """Runs plans against the tiers, on the caller's thread or on the I/O pools."""
 
     def __init__(self) -> None:
         self.pool: ThreadPoolExecutor | None = None  # prefetches
         self.reads: ReadPool | None = None  # the slot reads of batched gets
+        self.demoter: Demoter | None = None  # the background demotion writer
 
     def start(self, io_threads: int, read_depth: int) -> None:
         """Start the prefetch pool and the batch read pool (there is a tier to read from)."""
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-prefetch")
         self.reads = ReadPool(read_depth, "kvoffload-read")
 
+    def start_demoter(self, work: Callable[[], None]) -> Demoter:
+        """Start the background demotion writer's thread, running `work` when woken."""
+        self.demoter = Demoter(work)
+        return self.demoter
+
+    def stop_demoter(self) -> None:
+        """Stop the demotion writer (after its last pass); nothing if none runs."""
+        if self.demoter is not None:
+            self.demoter.stop()
+
     def shutdown(self, *, wait: bool) -> None:
-        """Stop both pools. Queued prefetches are dropped; a batch's queued reads are not
-        (each must report to its batch, else that get waits)."""
+        """Stop both pools and the demotion writer. Queued prefetches are dropped; a batch's
+        queued reads are not (each must report to its batch, else that get waits)."""
+        self.stop_demoter()
         if self.pool is not None:
             self.pool.shutdown(wait=wait, cancel_futures=True)
         if self.reads is not None:

@@ -8,6 +8,15 @@ The reference is a numpy copy (memcpy) with the same access pattern as the engin
 same run: for put, one source into rotating destinations spread over a region as large as the
 engine's working set; for get_into, rotating sources into one destination. Both regions are
 pre-faulted, so neither side pays for first-touch page faults.
+
+`--demote on|only` adds rows of readers during a write burst on a store with an SSD tier (in
+`--dir`): demote_read_p50/p99 is the latency of one reader's `get_into` of blocks spread over
+DRAM and the SSD (an SSD hit needs DRAM room) while another thread puts a burst twice the DRAM
+tier's size, with the background demotion writer (`dram.demote_background`, the default)
+against demotion on the requests' own threads (ref `inline`), in alternating rounds;
+demote_burst is the burst's put rate in the same rounds. Twice: the burst as fast as it goes
+(it outruns the disk: both sides wait on it) and paced at `DEMOTE_PACE` (the disk keeps up:
+the case the writer is for).
 """
 
 from __future__ import annotations
@@ -15,13 +24,18 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
+import shutil
+import statistics
+import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
 from kvoffload.bench.common import BenchResult, Row, time_median
 from kvoffload.client_sdk import Client, LocalTransport, SealKeys
-from kvoffload.kvstore import DramConfig, Engine, EngineConfig
+from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
 
 __all__ = ["HELP", "SIZES", "add_arguments", "run", "run_from_args"]
 
@@ -148,10 +162,114 @@ def _fill_rows(capacity: int, rounds: int) -> list[Row]:
     ]
 
 
+DEMOTE_BLOCK = 512 << 10
+DEMOTE_PACE = 200e6  # bytes/s of the paced burst: below what the disks we run on write
+
+
+def _demote_round(
+    work: Path, background: bool, dram: int, reads: list[int], burst: int, pace: float
+) -> tuple[list[float], float, int]:
+    """One round on a fresh store: the reader's get_into latencies (s) during the burst, the
+    burst's put rate (bytes/s), and how many requests waited for the writer to make room."""
+    store = work / ("bg" if background else "inline")
+    shutil.rmtree(store, ignore_errors=True)
+    config = EngineConfig(
+        DramConfig(capacity_bytes=dram, max_value_bytes=DEMOTE_BLOCK, demote_background=background),
+        SsdConfig(capacity_bytes=8 * dram),
+        data_dir=str(store),
+    )
+    value = np.random.default_rng(0).integers(0, 255, DEMOTE_BLOCK, dtype=np.uint8)
+    preload = len(set(reads))
+    latencies: list[float] = []
+    with Engine(config) as engine:
+        for i in range(preload):  # 1.5x DRAM: the oldest third is on the SSD only
+            engine.put(i.to_bytes(16, "little"), value)
+        done = threading.Event()
+        elapsed = [0.0]
+
+        def put_burst() -> None:
+            t0 = time.perf_counter()
+            for n, i in enumerate(range(preload, preload + burst)):
+                if pace:  # put n goes no earlier than n blocks at `pace` bytes/s
+                    ahead = t0 + n * DEMOTE_BLOCK / pace - time.perf_counter()
+                    if ahead > 0:
+                        time.sleep(ahead)
+                engine.put(i.to_bytes(16, "little"), value)
+            elapsed[0] = time.perf_counter() - t0
+            done.set()
+
+        buf = np.empty(DEMOTE_BLOCK, dtype=np.uint8)
+        writer = threading.Thread(target=put_burst)
+        writer.start()
+        n = 0
+        while not done.is_set():
+            key = reads[n % len(reads)].to_bytes(16, "little")
+            t0 = time.perf_counter()
+            engine.get_into(key, buf)  # a miss (evicted by the burst) counts as a read too
+            latencies.append(time.perf_counter() - t0)
+            n += 1
+        writer.join()
+        waits = engine.stats().room_waits
+    return latencies, burst * DEMOTE_BLOCK / elapsed[0], waits
+
+
+def _demote_rows(directory: str, rounds: int, dram: int = 128 << 20) -> list[Row]:
+    """Reader latency during a write burst, background writer against inline demotion, with
+    the burst unpaced and paced."""
+    rows = []
+    for pace in (0.0, DEMOTE_PACE):
+        rows += _demote_pair(directory, rounds, dram, pace)
+    return rows
+
+
+def _demote_pair(directory: str, rounds: int, dram: int, pace: float) -> list[Row]:
+    work = Path(directory) / f"kvoffload-bench-demote-{os.getpid()}"
+    work.mkdir(parents=True)
+    preload = dram * 3 // 2 // DEMOTE_BLOCK
+    reads = [int(k) for k in np.random.default_rng(1).integers(0, preload, 100_000)]
+    burst = 2 * dram // DEMOTE_BLOCK
+    got: dict[bool, list[tuple[float, float, float, int, int]]] = {True: [], False: []}
+    try:
+        for _ in range(rounds):
+            for background in (False, True):
+                lat, rate, waits = _demote_round(work, background, dram, reads, burst, pace)
+                q = statistics.quantiles(lat, n=100)
+                got[background].append((q[49], q[98], rate, waits, len(lat)))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    def med(background: bool, i: int) -> float:
+        return statistics.median(r[i] for r in got[background])
+
+    size = f"{DEMOTE_BLOCK >> 10}KiB" + (f"@{pace / 1e6:.0f}MB/s" if pace else "")
+    note = (f"{dram >> 20} MiB DRAM, {preload} blocks preloaded, a {burst}-block burst; one "
+            f"reader, {med(True, 4):.0f} / {med(False, 4):.0f} reads a round; requests that "
+            f"waited for room: {med(True, 3):.0f} a round; median of {rounds} alternating "
+            "rounds")  # fmt: skip
+    return [
+        Row(f"demote_read_p50/{size}", med(True, 0) * 1e6, "us", "inline", med(False, 0) * 1e6,
+            note=note),
+        Row(f"demote_read_p99/{size}", med(True, 1) * 1e6, "us", "inline", med(False, 1) * 1e6,
+            note=note),
+        Row(f"demote_burst/{size}", med(True, 2) / 1e9, "GB/s", "inline", med(False, 2) / 1e9,
+            note="put rate of the burst in the same rounds"),
+    ]  # fmt: skip
+
+
 def run(
-    *, working_set: int = 256 << 20, rounds: int = 5, sizes: dict[str, int] | None = None
+    *,
+    working_set: int = 256 << 20,
+    rounds: int = 5,
+    sizes: dict[str, int] | None = None,
+    demote: str = "off",
+    directory: str = ".",
 ) -> BenchResult:
-    """Measure each size over `working_set` bytes of distinct blocks."""
+    """Measure each size over `working_set` bytes of distinct blocks; `demote` "on" adds the
+    rows of readers during a write burst (a store in `directory`), "only" runs just those."""
+    if demote == "only":
+        result = BenchResult("engine")
+        result.rows += _demote_rows(directory, rounds)
+        return result
     sizes = sizes or SIZES
     counts = {label: max(4, working_set // size) for label, size in sizes.items()}
     span = max(counts[label] * size for label, size in sizes.items())
@@ -174,6 +292,8 @@ def run(
         "memcpy = numpy copy with the same access pattern over a pre-faulted region. "
         "get returns a pinned zero-copy view, so its ratio exceeds 1 by design."
     )
+    if demote == "on":
+        result.rows += _demote_rows(directory, rounds)
     return result
 
 
@@ -182,7 +302,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--working-set", type=int, default=256, metavar="MiB", help="distinct MiB per size"
     )
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per case (median)")
+    parser.add_argument(
+        "--demote",
+        choices=("on", "off", "only"),
+        default="off",
+        help="rows of reader latency during a write burst, background demotion vs inline",
+    )
+    parser.add_argument("--dir", default=".", help="where the --demote rows put their store")
 
 
 def run_from_args(args: argparse.Namespace) -> BenchResult:
-    return run(working_set=args.working_set << 20, rounds=args.rounds)
+    return run(working_set=args.working_set << 20, rounds=args.rounds, demote=args.demote,
+               directory=args.dir)  # fmt: skip

@@ -128,6 +128,9 @@ class SsdCatalog:
         # Slots freed by a record not yet durable: (journal, ticket, offset, bytes). The journal
         # is kept with its ticket: a checkpoint may switch journals before the slot is queued.
         self._pending_free: list[tuple[jr.Journal, int, int, int]] = []
+        # Slot bytes per tenant planned and not yet committed or aborted: a quota counts them,
+        # else writes in flight at once (a request's and the demotion writer's) each fit it.
+        self._planned: dict[int, int] = {}
         self.counters = Counters()
         self.records_since_checkpoint = 0
         self.journal: jr.Journal | None = None  # None until opened, and read-only
@@ -206,6 +209,7 @@ class SsdCatalog:
         tid = self.tenant_id(tenant)
         self._fit_quota(tid, size)
         offset = self._reserve(size)
+        self._planned[tid] = self._planned.get(tid, 0) + size
         self.seq += 1
         return WritePlan(key, parent, tid, length, size, offset, self.seq)
 
@@ -229,20 +233,21 @@ class SsdCatalog:
             raise CapacityError(
                 f"a {size}-byte slot exceeds tenant {name!r}'s SSD quota of {quota}"
             )
-        if self.index.tenant_bytes.get(tid, 0) + size <= quota:
+        planned = self._planned.get(tid, 0)
+        if self.index.tenant_bytes.get(tid, 0) + planned + size <= quota:
             return
         target = max(0, quota - size - quota // 64)
-        while self.index.tenant_bytes.get(tid, 0) > target:
+        while self.index.tenant_bytes.get(tid, 0) + planned > target:
             victims = self.index.coldest_of_tenant(tid, self.tick, set(self.pinned), _QUOTA_BATCH)
             if not len(victims):
-                if self.index.tenant_bytes.get(tid, 0) + size <= quota:
+                if self.index.tenant_bytes.get(tid, 0) + planned + size <= quota:
                     return  # the rest is being read, but this write fits
                 raise CapacityError(
                     f"tenant {name!r} is at its SSD quota of {quota} bytes and every block it "
-                    "holds there is being read"
+                    "holds there is being read or written"
                 )
             for row in victims:
-                if self.index.tenant_bytes.get(tid, 0) <= target:
+                if self.index.tenant_bytes.get(tid, 0) + planned <= target:
                     break
                 self.counters.evictions += 1
                 self.remove_row(int(row))
@@ -379,11 +384,20 @@ class SsdCatalog:
         self.meta.set(plan.key, meta)
         self.counters.bytes_written += plan.length
         self.records_since_checkpoint += 1
+        self._unplan(plan)
         return ticket
 
     def abort_write(self, plan: WritePlan) -> None:
         """Give back a slot that was never committed (no journal record names it)."""
         self.alloc.free(plan.offset, plan.size)
+        self._unplan(plan)
+
+    def _unplan(self, plan: WritePlan) -> None:
+        left = self._planned[plan.tenant] - plan.size
+        if left:
+            self._planned[plan.tenant] = left
+        else:
+            del self._planned[plan.tenant]
 
     def snapshot(self, row: int) -> tuple[bytes, int, int, int, int]:
         rows = self.index.rows

@@ -32,10 +32,11 @@ def value(i: int, version: int = 0) -> bytes:
 
 
 def config(path: Path, *, admit: int = 1, flush: bool = True, policy: str = "lru",
-           ssd: int = 64 << 20, io_engine: str = "auto") -> EngineConfig:  # fmt: skip
+           ssd: int = 64 << 20, io_engine: str = "auto",
+           background: bool = True) -> EngineConfig:  # fmt: skip
     return EngineConfig(
         DramConfig(capacity_bytes=4 << 20, max_value_bytes=256 << 10, policy=policy,
-                   prefault=False),
+                   prefault=False, demote_background=background),
         SsdConfig(capacity_bytes=ssd, admission_min_uses=admit, flush_on_close=flush,
                   io_engine=io_engine),
         data_dir=str(path),
@@ -86,7 +87,8 @@ def test_without_flush_only_demoted_blocks_survive(tmp_path: Path) -> None:
         on_ssd = engine.stats().tiers[1].entries
     with Engine(config(tmp_path, flush=False)) as engine:
         survivors = [i for i in range(40) if read(engine, i) is not None]
-        assert len(survivors) == on_ssd
+        # The background writer may demote more before close stops it; never all of them.
+        assert on_ssd <= len(survivors) < 40
         assert all(read(engine, i) == value(i) for i in survivors)
 
 
@@ -243,7 +245,8 @@ def test_failed_slot_flush_fails_durable_puts_and_keeps_older_blocks(tmp_path: P
 
 
 def test_ssd_quota_evicts_only_the_tenants_own_coldest_blocks(tmp_path: Path) -> None:
-    with Engine(config(tmp_path)) as engine:
+    # Demotions on the requests' thread: the usage read before close must still hold after it.
+    with Engine(config(tmp_path, background=False)) as engine:
         ssd = engine._ssd
         assert ssd is not None
         slot = 4096 + -(-BLOCK // 4096) * 4096  # a header page and the value's pages
