@@ -257,3 +257,57 @@ def result_notes(work: Workload, size: int, full: bool, costs: ttft.LoadCosts, u
             if info.get("note"):
                 notes.append(f"{peer}: {info['note']}")
     return notes
+
+
+def optimum_details(
+    work: Workload, percents: Sequence[int], runs: Sequence[Run]
+) -> dict[str, object]:
+    """For a trace that names its blocks: the offline optimum (Belady with bypass, leading
+    hits) per capacity, as hit tokens and as a share of all block accesses, and each run's
+    hit tokens as a multiple of it and of LRU's at the same capacity and tier."""
+    working_set, accesses = work.working_set, work.block_accesses
+    out: dict[str, object] = {"block_accesses": accesses, "first_touch_share":
+                              round(working_set / max(1, accesses), 4)}  # fmt: skip
+    by_percent: dict[str, object] = {}
+    for percent in sorted(set(percents)):
+        capacity = max(2, round(working_set * percent / 100))
+        best = work.optimum_hit_tokens(capacity)
+        entry: dict[str, object] = {
+            "capacity_blocks": capacity,
+            "optimum_hit_tokens": best,
+            "optimum_block_ratio": round(best / work.block_tokens / max(1, accesses), 4),
+        }
+        lru = {r.config.tier: int(r.hit_blocks.sum()) for r in runs
+               if r.ok and r.hit_blocks is not None and r.config.percent == percent
+               and r.config.system == "lru"}  # fmt: skip
+        for r in runs:
+            if r.config.percent != percent or r.hit_blocks is None:
+                continue
+            hits = int(r.hit_blocks.sum()) * work.block_tokens
+            base = lru.get(r.config.tier)
+            entry[r.config.label] = {
+                "hit_tokens": hits,
+                "of_optimum": round(hits / best, 4) if best else None,
+                "of_lru": round(hits / work.block_tokens / base, 4) if base else None,
+            }
+        by_percent[str(percent)] = entry
+    out["capacities"] = by_percent
+    return out
+
+
+def named_notes(work: Workload, size: int, skipped_peers: Sequence[str]) -> list[str]:
+    """Notes of a trace that names its blocks (Mooncake's hash_ids)."""
+    real = work.profile.bytes_per_token * work.block_tokens
+    notes = [
+        f"blocks named by the trace's hash_ids ({work.block_tokens} tokens each): every block "
+        f"is stored as a {size:,} B value standing for {real:,} B of {work.profile.name} KV "
+        f"(scale 1:{real // max(1, size):,}); capacities are % of the trace's "
+        f"{work.working_set:,} distinct blocks",
+        "optimum: Belady with bypass over unit-size blocks, counting each request's leading "
+        "run of resident blocks as its hit (details' optimum); a hit on a request's last, "
+        "partial block counts 512 tokens in hit tokens and the prompt's own length in TTFT",
+    ]
+    if skipped_peers:
+        notes.append(f"peers {', '.join(skipped_peers)} not run: they hash token ids, and "
+                     "this trace has none")  # fmt: skip
+    return notes

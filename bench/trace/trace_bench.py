@@ -42,9 +42,12 @@ from kvoffload.bench.trace.model import (
     plan,
     ssd_bytes,
 )
+from kvoffload.bench.trace.mooncake import read_trace, window
 from kvoffload.bench.trace.replay import Payloads, ReplayResult, replay
 from kvoffload.bench.trace.tables import (
     TraceResult,
+    named_notes,
+    optimum_details,
     result_notes,
     result_rows,
     run_details,
@@ -57,7 +60,6 @@ from kvoffload.bench.trace.workload import (
     Trace,
     TraceShape,
     generate,
-    read_jsonl,
     write_jsonl,
 )
 from kvoffload.client_sdk import BlockKey, Client
@@ -66,7 +68,11 @@ from kvoffload.kvstore import PAGE, POLICIES, DramConfig
 
 __all__ = ["HELP", "PEERS", "TraceResult", "Workload", "add_arguments", "run", "run_from_args"]
 
-HELP = "multi-turn trace replay: eviction policies x capacities, vLLM and LMCache side by side"
+HELP = (
+    "trace replay (generated multi-turn, our JSONL or Mooncake FAST'25 hash_ids traces): "
+    "eviction policies x capacities against LRU and the offline optimum, vLLM and LMCache "
+    "side by side"
+)
 
 
 def _local_url(config: Config, slot: int, scratch: Path | None) -> str:
@@ -381,6 +387,10 @@ def run(
     """
     _check(model, policies, tiers, peers, gpus, layer_parts, percents, ssd_percents)
     layer_parts = sorted({1, *layer_parts})  # whole blocks are always modelled
+    named = bool(trace.block_tokens)  # the trace names its blocks (Mooncake): no token ids
+    if named:
+        block_tokens = trace.block_tokens
+        skipped_peers, peers = list(peers), ()
     profile = PROFILES[model]
     salt = f"trace-{os.getpid()}-{time.time_ns()}" if url else ""
     work = Workload.build(trace, profile, block_tokens, salt)
@@ -455,6 +465,9 @@ def run(
     assert isinstance(details_runs, list)
     result.rows += ttft_rows(details_runs, no_cache, profile.name, DramConfig().policy)
     result.notes += result_notes(work, size, full, costs, url, peer_info)
+    if named:
+        result.details["optimum"] = optimum_details(work, percents, runs)
+        result.notes += named_notes(work, size, skipped_peers)
     if calibration:
         result.notes.append(calibration)
     return result
@@ -462,7 +475,15 @@ def run(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_argument_group("trace")
-    src.add_argument("--trace", metavar="JSONL", help="replay this trace instead of generating")
+    src.add_argument("--trace", metavar="JSONL",
+                     help="replay this trace instead of generating: our JSONL, or a Mooncake "
+                     "FAST'25 trace (timestamp, input_length, output_length, hash_ids; "
+                     "detected from its fields, .xz read too)")  # fmt: skip
+    src.add_argument(
+        "--window",
+        metavar="START:END",
+        help="replay only the requests arriving in [START, END) seconds",
+    )
     src.add_argument("--sessions", type=int, default=200, help="generated sessions")
     src.add_argument("--seed", type=int, default=0, help="generator seed")
     src.add_argument("--docqa", type=float, default=0.2, help="share of document-QA sessions")
@@ -510,7 +531,16 @@ def _csv(text: str) -> list[str]:
 
 def load_trace(args: argparse.Namespace) -> Trace:
     if args.trace:
-        return read_jsonl(args.trace, seed=args.seed)
+        trace = read_trace(args.trace, seed=args.seed)
+        if getattr(args, "window", None):
+            try:
+                start, end = (float(t) for t in args.window.split(":"))
+            except ValueError:
+                raise ConfigError(
+                    f"--window takes START:END seconds, not {args.window!r}"
+                ) from None
+            trace = window(trace, start, end)
+        return trace
     shape = TraceShape(sessions=args.sessions, docqa_fraction=args.docqa,
                        arrival_rate=args.arrival_rate, think_time_s=args.think_time)  # fmt: skip
     return generate(shape, seed=args.seed)
