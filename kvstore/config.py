@@ -86,7 +86,7 @@ class DramConfig:
     # Ignored: the tier has had no slabs since its extent allocator (kept so older config
     # files still load; the engine logs a warning when it is set).
     slab_bytes: int = 0
-    # Eviction policy name: "lru", "s3fifo" or "prefix" (see kvstore.eviction.POLICIES).
+    # Eviction policy name: "lru", "s3fifo", "prefix" or "reuse" (see kvstore.eviction.POLICIES).
     policy: str = "lru"
     # Touch every page at start so that the first puts do not pay for page faults.
     prefault: bool = True
