@@ -4,11 +4,21 @@ test_eviction.py cover it too: it is in POLICIES)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvoffload.client_sdk import Client
 from kvoffload.errors import ConfigError
-from kvoffload.kvstore import DramConfig, Engine, EngineConfig, Rank, ReusePolicy, make_policy
+from kvoffload.kvstore import (
+    DramConfig,
+    Engine,
+    EngineConfig,
+    Rank,
+    ReusePolicy,
+    SsdConfig,
+    make_policy,
+)
 
 
 def k(i: int) -> bytes:
@@ -80,3 +90,27 @@ def test_selected_by_config_in_the_engine_and_a_local_url() -> None:
     with pytest.raises(ConfigError, match="reuse"):
         DramConfig(policy="nope")
     assert isinstance(make_policy("reuse"), ReusePolicy)
+
+
+def test_a_dram_only_policy_leaves_the_ssd_tier_on_lru(tmp_path: Path) -> None:
+    """The SSD tier implements lru, s3fifo and prefix itself: with dram.policy = "reuse" and no
+    ssd.policy it runs LRU (it used to fail the store's start with a ValueError), and naming
+    "reuse" for the SSD is a clear config error."""
+    config = EngineConfig(
+        dram=DramConfig(capacity_bytes=64 << 10, max_value_bytes=4096, policy="reuse",
+                        prefault=False),
+        ssd=SsdConfig(capacity_bytes=1 << 20),
+        data_dir=str(tmp_path / "store"),
+    )  # fmt: skip
+    assert config.ssd_policy == "lru"
+    with Engine(config) as engine:
+        for i in range(40):  # 16 DRAM slots: the rest go down to the SSD
+            engine.put(k(i), i.to_bytes(2, "little") * 2000)
+        for i in range(40):
+            view = engine.get(k(i))
+            assert view is not None
+            with view:
+                assert bytes(view.data) == i.to_bytes(2, "little") * 2000
+    assert EngineConfig(dram=DramConfig(policy="prefix")).ssd_policy == "prefix"
+    with pytest.raises(ConfigError, match="the SSD tier has"):
+        SsdConfig(capacity_bytes=1 << 20, policy="reuse")
