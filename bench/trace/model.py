@@ -112,7 +112,7 @@ class Workload:
         """Hit tokens of Belady with bypass at `capacity` blocks (`offline.optimum_hits`):
         the offline optimum of leading-block hits, which `belady_hit_tokens` (every computed
         block stored) is not."""
-        return optimum_hits(self.chains, capacity) * self.block_tokens
+        return int(optimum_hits(self.chains, capacity).sum()) * self.block_tokens
 
     def ideal_hit_tokens(self) -> int:
         """Hit tokens with unbounded capacity: every block seen before is a hit."""
@@ -137,6 +137,7 @@ class Config:
     dram_blocks: int
     ssd_blocks: int = 0
     layout: str = ""  # a named split, e.g. "dram10+ssd100"; "" for a same-total split
+    admit: int = 0  # the SSD tier's admission_min_uses; 0: the engine's default
 
     @property
     def tier(self) -> str:
@@ -212,8 +213,10 @@ def plan(
     tiers: Sequence[str],
     ssd_percents: Sequence[int] | None = None,
     realistic: bool = False,
+    admissions: Sequence[int] = (0,),
 ) -> list[Config]:
-    """The sweep: each tier x capacity x system; with `realistic` (and the SSD tier asked
+    """The sweep: each tier x capacity x system (DRAM+SSD runs once per SSD admission setting
+    in `admissions`, named +ssd-admit<N> beyond 1); with `realistic` (and the SSD tier asked
     for) also each system in the REALISTIC layout."""
     configs = []
     for tier in tiers:
@@ -222,7 +225,9 @@ def plan(
             for system in systems:
                 if tier == "ssd":
                     dram = max(1, round(total * (1 - SSD_SHARE)))
-                    configs.append(Config(system, True, percent, dram, total - dram))
+                    configs += [Config(system, True, percent, dram, total - dram,
+                                       f"ssd-admit{a}" if a > 1 else "", a)
+                                for a in admissions]  # fmt: skip
                 else:
                     configs.append(Config(system, False, percent, total))
     if realistic and "ssd" in tiers:

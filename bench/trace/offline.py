@@ -27,27 +27,28 @@ from kvoffload.kvstore import EvictionPolicy, Rank
 __all__ = ["optimum_hits", "simulate"]
 
 
-def optimum_hits(chains: Sequence[Sequence[object]], capacity: int) -> int:
-    """Leading-block hits of Belady with bypass at `capacity` unit-size blocks (module doc).
+def optimum_hits(chains: Sequence[Sequence[Hashable]], capacity: int) -> npt.NDArray[np.int64]:
+    """Each request's leading-block hits under Belady with bypass at `capacity` unit-size
+    blocks (module doc).
 
     Ties in next use go to the deeper block (evicted first): a parent is never worth less
     than its successor."""
     never = len(chains)
     next_use: list[list[int]] = [[] for _ in chains]
-    last: dict[object, int] = {}
+    last: dict[Hashable, int] = {}
     for i in range(len(chains) - 1, -1, -1):
         next_use[i] = [last.get(k, never) for k in chains[i]]
         for k in chains[i]:
             last[k] = i
-    due: dict[object, int] = {}  # resident block -> index of its next use
-    heap: list[tuple[int, int, int, object]] = []  # (-next use, -depth, tiebreak, key), lazy
+    due: dict[Hashable, int] = {}  # resident block -> index of its next use
+    heap: list[tuple[int, int, int, Hashable]] = []  # (-next use, -depth, tiebreak, key), lazy
     tiebreak = 0
-    hits = 0
+    hits = np.zeros(len(chains), dtype=np.int64)
     for i, chain in enumerate(chains):
         for key in chain:
             if key not in due:
                 break
-            hits += 1
+            hits[i] += 1
         for depth, key in enumerate(chain):
             when = next_use[i][depth]
             tiebreak += 1

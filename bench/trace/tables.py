@@ -22,6 +22,7 @@ from kvoffload.bench.trace.model import (
     Workload,
     run_label,
 )
+from kvoffload.bench.trace.offline import optimum_hits
 from kvoffload.client_sdk import Tier
 from kvoffload.kvstore import POLICIES
 
@@ -260,38 +261,50 @@ def result_notes(work: Workload, size: int, full: bool, costs: ttft.LoadCosts, u
 
 
 def optimum_details(
-    work: Workload, percents: Sequence[int], runs: Sequence[Run]
+    work: Workload,
+    percents: Sequence[int],
+    runs: Sequence[Run],
+    score_window: tuple[float, float] | None = None,
 ) -> dict[str, object]:
     """For a trace that names its blocks: the offline optimum (Belady with bypass, leading
     hits) per capacity, as hit tokens and as a share of all block accesses, and each run's
-    hit tokens as a multiple of it and of LRU's at the same capacity and tier."""
+    hit tokens as a multiple of it and of LRU's at the same capacity and tier; with
+    `score_window` the same again over the requests arriving in it (`window`)."""
     working_set, accesses = work.working_set, work.block_accesses
-    out: dict[str, object] = {"block_accesses": accesses, "first_touch_share":
-                              round(working_set / max(1, accesses), 4)}  # fmt: skip
-    by_percent: dict[str, object] = {}
-    for percent in sorted(set(percents)):
-        capacity = max(2, round(working_set * percent / 100))
-        best = work.optimum_hit_tokens(capacity)
-        entry: dict[str, object] = {
-            "capacity_blocks": capacity,
-            "optimum_hit_tokens": best,
-            "optimum_block_ratio": round(best / work.block_tokens / max(1, accesses), 4),
-        }
-        lru = {r.config.tier: int(r.hit_blocks.sum()) for r in runs
-               if r.ok and r.hit_blocks is not None and r.config.percent == percent
-               and r.config.system == "lru"}  # fmt: skip
-        for r in runs:
-            if r.config.percent != percent or r.hit_blocks is None:
-                continue
-            hits = int(r.hit_blocks.sum()) * work.block_tokens
-            base = lru.get(r.config.tier)
-            entry[r.config.label] = {
-                "hit_tokens": hits,
-                "of_optimum": round(hits / best, 4) if best else None,
-                "of_lru": round(hits / work.block_tokens / base, 4) if base else None,
+    arrivals = np.array([r.arrival for r in work.trace.requests])
+    scopes = {"all": np.ones(len(arrivals), dtype=bool)}
+    if score_window is not None:
+        scopes["window"] = (arrivals >= score_window[0]) & (arrivals < score_window[1])
+    out: dict[str, object] = {
+        "block_accesses": accesses,
+        "first_touch_share": round(working_set / max(1, accesses), 4),
+        "score_window_s": list(score_window) if score_window else None,
+    }
+    for scope, mask in scopes.items():
+        scope_accesses = sum(len(c) for c, m in zip(work.chains, mask, strict=True) if m)
+        by_percent: dict[str, object] = {}
+        for percent in sorted(set(percents)):
+            capacity = max(2, round(working_set * percent / 100))
+            best = int(optimum_hits(work.chains, capacity)[mask].sum())
+            entry: dict[str, object] = {
+                "capacity_blocks": capacity,
+                "optimum_hit_tokens": best * work.block_tokens,
+                "optimum_block_ratio": round(best / max(1, scope_accesses), 4),
             }
-        by_percent[str(percent)] = entry
-    out["capacities"] = by_percent
+            mine = [r for r in runs if r.config.percent == percent and r.hit_blocks is not None]
+            lru = {r.config.tier: int(r.hit_blocks[mask].sum()) for r in mine
+                   if r.hit_blocks is not None and r.config.system == "lru"}  # fmt: skip
+            for r in mine:
+                assert r.hit_blocks is not None
+                hits = int(r.hit_blocks[mask].sum())
+                base = lru.get(r.config.tier)
+                entry[r.config.label] = {
+                    "hit_tokens": hits * work.block_tokens,
+                    "of_optimum": round(hits / best, 4) if best else None,
+                    "of_lru": round(hits / base, 4) if base else None,
+                }
+            by_percent[str(percent)] = entry
+        out["capacities" if scope == "all" else "window"] = by_percent
     return out
 
 

@@ -81,7 +81,8 @@ def _local_url(config: Config, slot: int, scratch: Path | None) -> str:
         return f"local://?{params}"
     assert scratch is not None
     path = scratch / f"store-{config.system}-{config.percent}"
-    return f"local://{path}?{params}&ssd={ssd_bytes(config.ssd_blocks, slot)}"
+    admit = f"&admit={config.admit}" if config.admit else ""
+    return f"local://{path}?{params}&ssd={ssd_bytes(config.ssd_blocks, slot)}{admit}"
 
 
 # ------------------------------------------------------------------------------- running
@@ -377,6 +378,8 @@ def run(
     gpus: Sequence[str] = ("h100",),
     layer_parts: Sequence[int] = (1, 4),
     realistic: bool = True,
+    admissions: Sequence[int] = (0,),
+    score_window: tuple[float, float] | None = None,
     peer_timeout_s: float = 3600.0,
     console: Console | None = None,
 ) -> TraceResult:
@@ -399,7 +402,8 @@ def run(
     slot = block_slot(size)
     working_set = work.working_set
     result = TraceResult("trace")
-    configs = [] if url else plan(working_set, percents, policies, tiers, ssd_percents, realistic)
+    configs = [] if url else plan(working_set, percents, policies, tiers, ssd_percents, realistic,
+                                  admissions)  # fmt: skip
     runs: list[Run] = []
     console = console or Console(stderr=True)
     with _scratch(directory) as scratch, Progress(console=console, transient=True) as bar:
@@ -466,7 +470,7 @@ def run(
     result.rows += ttft_rows(details_runs, no_cache, profile.name, DramConfig().policy)
     result.notes += result_notes(work, size, full, costs, url, peer_info)
     if named:
-        result.details["optimum"] = optimum_details(work, percents, runs)
+        result.details["optimum"] = optimum_details(work, percents, runs, score_window)
         result.notes += named_notes(work, size, skipped_peers)
     if calibration:
         result.notes.append(calibration)
@@ -496,7 +500,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     store.add_argument("--capacities", default="10,20,30,50,70,100",
                        help="percent of the working set, comma-separated")  # fmt: skip
     store.add_argument("--ssd-capacities", help="for DRAM+SSD runs (default: --capacities)")
-    store.add_argument("--policies", default="lru,s3fifo,prefix")
+    store.add_argument(
+        "--policies",
+        default="lru,s3fifo,prefix",
+        help=f"eviction policies, of {', '.join(sorted(POLICIES))}",
+    )
+    store.add_argument(
+        "--admission",
+        default="0",
+        help="DRAM+SSD runs once per SSD admission_min_uses in this list (0: the engine default)",
+    )
+    store.add_argument(
+        "--score-window",
+        metavar="START:END",
+        help="trace naming its blocks: also count the optimum table's hits over "
+        "the requests arriving in [START, END) s only (the whole trace replayed)",
+    )
     store.add_argument("--tiers", default="dram,ssd", help="dram (DRAM only), ssd (DRAM+SSD)")
     store.add_argument("--full", action="store_true", help="store real-size blocks (slow)")
     store.add_argument("--payload", type=int, default=DEFAULT_PAYLOAD,
@@ -529,17 +548,21 @@ def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _span(text: str, flag: str) -> tuple[float, float]:
+    try:
+        start, end = (float(t) for t in text.split(":"))
+    except ValueError:
+        raise ConfigError(f"{flag} takes START:END seconds, not {text!r}") from None
+    if not start < end:
+        raise ConfigError(f"{flag} needs START < END, got {text!r}")
+    return start, end
+
+
 def load_trace(args: argparse.Namespace) -> Trace:
     if args.trace:
         trace = read_trace(args.trace, seed=args.seed)
         if getattr(args, "window", None):
-            try:
-                start, end = (float(t) for t in args.window.split(":"))
-            except ValueError:
-                raise ConfigError(
-                    f"--window takes START:END seconds, not {args.window!r}"
-                ) from None
-            trace = window(trace, start, end)
+            trace = window(trace, *_span(args.window, "--window"))
         return trace
     shape = TraceShape(sessions=args.sessions, docqa_fraction=args.docqa,
                        arrival_rate=args.arrival_rate, think_time_s=args.think_time)  # fmt: skip
@@ -554,8 +577,14 @@ def run_from_args(args: argparse.Namespace) -> TraceResult:
         percents = [int(p) for p in _csv(args.capacities)]
         ssd_percents = [int(p) for p in _csv(args.ssd_capacities)] if args.ssd_capacities else None
         layer_parts = [int(p) for p in _csv(args.layer_parts)]
+        admissions = [int(p) for p in _csv(args.admission)]
     except ValueError:
-        raise ConfigError("--capacities, --ssd-capacities, --layer-parts take integers") from None
+        raise ConfigError(
+            "--capacities, --ssd-capacities, --layer-parts, --admission take integers"
+        ) from None
+    if not admissions or any(a < 0 for a in admissions):
+        raise ConfigError("--admission takes non-negative integers")
+    score = _span(args.score_window, "--score-window") if args.score_window else None
     return run(
         trace,
         model=args.model,
@@ -573,4 +602,6 @@ def run_from_args(args: argparse.Namespace) -> TraceResult:
         gpus=_csv(args.gpus),
         layer_parts=layer_parts,
         realistic=args.realistic,
+        admissions=admissions,
+        score_window=score,
     )
