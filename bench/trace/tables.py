@@ -25,6 +25,7 @@ from kvoffload.bench.trace.model import (
 from kvoffload.bench.trace.offline import optimum_hits
 from kvoffload.client_sdk import Tier
 from kvoffload.kvstore import POLICIES
+from kvoffload.wire.membership import redact_url
 
 
 @dataclass
@@ -245,7 +246,7 @@ def result_notes(work: Workload, size: int, full: bool, costs: ttft.LoadCosts, u
         "prefill), with the hit split where that is least, as the connector's claim rule does",
     ]
     if url:
-        notes.append(f"replayed once against {url} (its own policy and capacity)")
+        notes.append(f"replayed once against {redact_url(url)} (its own policy and capacity)")
     for peer, info in peer_info.items():
         assert isinstance(info, dict)
         if info.get("error"):

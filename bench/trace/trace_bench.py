@@ -30,8 +30,10 @@ from rich.console import Console
 from rich.progress import Progress
 
 from kvoffload.bench import common
+from kvoffload.bench.common import Row
 from kvoffload.bench.peers import peer_driver
 from kvoffload.bench.trace import ttft
+from kvoffload.bench.trace.live import live_replay
 from kvoffload.bench.trace.model import (
     DEFAULT_PAYLOAD,
     PEERS,
@@ -65,6 +67,7 @@ from kvoffload.bench.trace.workload import (
 from kvoffload.client_sdk import BlockKey, Client
 from kvoffload.errors import ConfigError, InvalidArgumentError
 from kvoffload.kvstore import PAGE, POLICIES, DramConfig
+from kvoffload.wire.membership import redact_url
 
 __all__ = ["HELP", "PEERS", "TraceResult", "Workload", "add_arguments", "run", "run_from_args"]
 
@@ -450,7 +453,7 @@ def run(
         "block_bytes_real": profile.bytes_per_token * block_tokens,
         "payload_bytes": size,
         "scaled": not full,
-        "url": url,
+        "url": redact_url(url) if url else url,
         "working_set_blocks": working_set,
         "ideal_hit_tokens": ideal,
         "ideal_hit_ratio": round(ideal / max(1, prompt_total), 5),
@@ -521,6 +524,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     store.add_argument("--payload", type=int, default=DEFAULT_PAYLOAD,
                        help="bytes per scaled block")  # fmt: skip
     store.add_argument("--url", help="replay once against this store (any Client.connect URL)")
+    store.add_argument(
+        "--live",
+        metavar="URL",
+        help="live replay against this running store at the trace's arrival "
+        "times divided by --speedup: load latency p50/p99, errors, wrong blocks",
+    )
+    store.add_argument(
+        "--speedup",
+        type=float,
+        default=10.0,
+        help="live replay: arrival times compressed by this factor",
+    )
+    store.add_argument(
+        "--workers",
+        type=int,
+        default=8,
+        help="live replay: requests in flight at most (threads, a client each)",
+    )
     store.add_argument("--dir", help="scratch directory for SSD stores (O_DIRECT capable)")
     store.add_argument("--gpus", default="h100", help=f"TTFT profiles: {', '.join(ttft.GPUS)}")
     store.add_argument("--layer-parts", default="1,4",
@@ -569,8 +590,62 @@ def load_trace(args: argparse.Namespace) -> Trace:
     return generate(shape, seed=args.seed)
 
 
+def _ms(value: object) -> float:
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def run_live(trace: Trace, url: str, *, model: str = "llama-3.1-8b", block_tokens: int = 16,
+             payload: int = DEFAULT_PAYLOAD, speedup: float = 10.0,
+             workers: int = 8) -> TraceResult:  # fmt: skip
+    """`live_replay` of `trace` against the store at `url`, as rows and details.
+
+    Raises:
+        ConfigError: unknown model, bad speedup or workers.
+    """
+    if model not in PROFILES:
+        raise ConfigError(f"unknown model profile {model!r}; choose one of {sorted(PROFILES)}")
+    profile = PROFILES[model]
+    salt = f"live-{os.getpid()}-{time.time_ns()}"  # a shared store: never last run's blocks
+    work = Workload.build(trace, profile, trace.block_tokens or block_tokens, salt)
+    arrivals = [r.arrival for r in trace.requests]
+    live = live_replay(url, work.namespace, work.chains, arrivals, Payloads(payload),
+                       speedup=speedup, workers=workers)  # fmt: skip
+    summary = live.summary()
+    result = TraceResult("trace")
+    result.rows = [
+        Row("live/load_p50", _ms(summary["load_p50_ms"]), "ms"),
+        Row("live/load_p99", _ms(summary["load_p99_ms"]), "ms"),
+        Row("live/errors", float(live.errors), "count"),
+        Row("live/wrong_blocks", float(live.wrong_blocks), "count"),
+    ]
+    span = (arrivals[-1] - arrivals[0]) if arrivals else 0.0
+    result.details = {"trace": {"source": trace.source, **trace.summary()}, "live": summary,
+                      "url": redact_url(url),
+                      "block_tokens": work.block_tokens, "payload_bytes": payload,
+                      "block_bytes_real": profile.bytes_per_token * work.block_tokens}  # fmt: skip
+    real = profile.bytes_per_token * work.block_tokens
+    result.notes = [
+        f"live replay of {len(arrivals):,} requests spanning {span:,.1f} s of the trace in "
+        f"{live.wall_s:,.1f} s: arrival times compressed {speedup:g}x, {workers} workers",
+        f"each block stored as {payload:,} B standing for {real:,} B of {profile.name} KV "
+        f"(scaled 1:{real // payload:,})",
+        "load latency: lookup + one get_many_into of the hit blocks, each checked bit for bit",
+    ]
+    return result
+
+
 def run_from_args(args: argparse.Namespace) -> TraceResult:
     trace = load_trace(args)
+    if args.live:
+        return run_live(
+            trace,
+            args.live,
+            model=args.model,
+            block_tokens=args.block_tokens,
+            payload=args.payload,
+            speedup=args.speedup,
+            workers=args.workers,
+        )
     if args.write_trace:
         write_jsonl(trace, args.write_trace)
     try:
