@@ -162,6 +162,8 @@ def ttft_rows(runs: Sequence[dict[str, Any]], no_store: dict[str, Any], model: s
 
 
 def print_tables(details: dict[str, object], console: Console) -> None:
+    if "live" in details:  # a live replay has no runs to tabulate: its rows say it all
+        return
     trace = details.get("trace", {})
     runs = details.get("runs", [])
     assert isinstance(trace, dict) and isinstance(runs, list)
@@ -195,6 +197,9 @@ def print_tables(details: dict[str, object], console: Console) -> None:
         cells.append("" if ref is None else f"{ref / trace_tokens:.3f}")
         table.add_row(f"{percent}%", *cells)
     console.print(table)
+    optimum = details.get("optimum")
+    if isinstance(optimum, dict):
+        _print_optimum(optimum, console)
     ttft_rows = [r for r in runs if "ttft_model" in r]
     base = details.get("ttft_no_cache", {})
     if ttft_rows and isinstance(base, dict):
@@ -208,6 +213,27 @@ def print_tables(details: dict[str, object], console: Console) -> None:
             m = r["ttft_model"][gpu]
             label = f"{run_label(r)} @ {r['percent']}%"
             t.add_row(label, f"{m['mean_ms']:.1f}", f"{m['p90_ms']:.1f}")
+        console.print(t)
+
+
+def _print_optimum(optimum: dict[str, Any], console: Console) -> None:
+    """Hit tokens against the offline optimum (and LRU), per capacity, whole trace and window."""
+    for scope, title in (("capacities", "whole trace"), ("window", "score window")):
+        table_data = optimum.get(scope)
+        if not isinstance(table_data, dict):
+            continue
+        labels = sorted(
+            {k for e in table_data.values() for k, v in e.items() if isinstance(v, dict)}
+        )
+        t = Table(title=f"hit tokens / offline optimum (/ LRU), {title}")
+        t.add_column("capacity", justify="right")
+        t.add_column("optimum: share of accesses", justify="right")
+        for label in labels:
+            t.add_column(label, justify="right")
+        for percent, e in table_data.items():
+            cells = [f"{e[x]['of_optimum']:.3f} ({e[x]['of_lru'] or 0:.3f})" if x in e else ""
+                     for x in labels]  # fmt: skip
+            t.add_row(f"{percent}%", f"{e['optimum_block_ratio']:.3f}", *cells)
         console.print(t)
 
 
