@@ -36,7 +36,8 @@ class ReusePolicy(EvictionPolicy):
     def __init__(self) -> None:
         self._deadline: dict[bytes, tuple[float, int]] = {}
         self._heap: list[tuple[float, int, bytes]] = []
-        self._orphans: set[bytes] = set()
+        # Insertion-ordered (oldest orphan first): a set's order would vary with the hash seed.
+        self._orphans: dict[bytes, None] = {}
         self._uses = FrequencySketch()
         self._clock = itertools.count()
 
@@ -68,13 +69,13 @@ class ReusePolicy(EvictionPolicy):
         if key not in self._deadline:
             return  # not ours (e.g. taken out while a demotion writes it)
         if rank == Rank.ORPHAN:
-            self._orphans.add(key)
+            self._orphans.setdefault(key)
         else:
-            self._orphans.discard(key)
+            self._orphans.pop(key, None)
 
     def remove(self, key: bytes) -> None:
         if self._deadline.pop(key, None) is not None:
-            self._orphans.discard(key)
+            self._orphans.pop(key, None)
 
     def evict(self, n: int, protected: Collection[bytes]) -> list[bytes] | None:
         if self._evictable(protected) < n:
