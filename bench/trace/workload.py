@@ -438,10 +438,20 @@ def write_jsonl(trace: Trace, path: str | Path, *, ids: bool = False) -> None:
     """Write `trace` so that `read_jsonl` reads the same prompts back.
 
     Without `ids` a line holds token counts and the shared prefix by name (compact; exact for
-    generated traces read back with the same seed); with `ids`, the token ids themselves.
+    generated traces read back with the same seed); with `ids`, the token ids themselves. A
+    trace that names its blocks (Mooncake's) is written in its own format.
     """
     with open(path, "w") as fh:
         for r in trace.requests:
+            if r.block_ids:  # a trace that names its blocks is written in Mooncake's format
+                mooncake = {
+                    "timestamp": round(r.arrival * 1e3),
+                    "input_length": r.length,
+                    "output_length": r.output_tokens,
+                    "hash_ids": list(r.block_ids),
+                }
+                fh.write(json.dumps(mooncake) + "\n")
+                continue
             record: dict[str, object] = {"conversation": r.conversation}
             if ids:
                 record["token_ids"] = r.tokens.tolist()

@@ -15,7 +15,7 @@ from kvoffload.bench.trace.model import Workload, block_slot
 from kvoffload.bench.trace.mooncake import read_trace, window
 from kvoffload.bench.trace.offline import optimum_hits, simulate
 from kvoffload.bench.trace.replay import Payloads, replay
-from kvoffload.bench.trace.workload import PROFILES
+from kvoffload.bench.trace.workload import PROFILES, write_jsonl
 from kvoffload.cli import main
 from kvoffload.client_sdk import Client
 from kvoffload.errors import ConfigError
@@ -60,6 +60,11 @@ def test_reads_the_format_detected_from_its_fields(tmp_path: Path) -> None:
     assert not set(other.chains[0]) & set(a)  # another model's namespace: other keys
     with pytest.raises(ConfigError, match="512-token blocks"):
         Workload.build(trace, MODEL, 16)
+    again = tmp_path / "again.jsonl"
+    write_jsonl(trace, again)
+    assert again.read_text().splitlines() == [
+        line for line in path.read_text().splitlines() if line
+    ]
     late = window(trace, 1.0, 3.0)
     assert [r.arrival for r in late.requests] == [1.5, 2.5] and late.block_tokens == 512
     with pytest.raises(ConfigError, match="no request"):
