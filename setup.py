@@ -73,5 +73,5 @@ setup(
     ext_modules=EXTENSIONS,
     package_dir=_package_dir(),
     packages=_packages(),
-    package_data={"kvoffload": ["py.typed"], "kvoffload.bench": ["data/*"]},
+    package_data={"kvoffload": ["py.typed"], "kvoffload.bench": ["data/*", "data/*/*"]},
 )

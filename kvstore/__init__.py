@@ -25,6 +25,7 @@ from kvoffload.kvstore.engine import (
     TierStats,
 )
 from kvoffload.kvstore.eviction import POLICIES, EvictionPolicy, Rank, make_policy, register_policy
+from kvoffload.kvstore.policies import ReusePolicy
 
 __all__ = [
     "KEY_BYTES",
@@ -44,6 +45,7 @@ __all__ = [
     "EvictionPolicy",
     "HotHandles",
     "Rank",
+    "ReusePolicy",
     "TierStats",
     "format_size",
     "make_policy",

@@ -8,6 +8,10 @@ from dataclasses import dataclass
 from kvoffload.errors import ConfigError
 from kvoffload.kvstore.eviction import POLICIES
 
+# Policies the SSD tier implements over its own row arrays (kvstore/ssd/index.py); the others
+# (e.g. "reuse") order DRAM only.
+SSD_POLICIES = ("lru", "s3fifo", "prefix")
+
 __all__ = ["PAGE", "DramConfig", "EngineConfig", "SsdConfig", "format_size", "parse_size"]
 
 PAGE = 4096
@@ -88,7 +92,7 @@ class DramConfig:
     # Ignored: the tier has had no slabs since its extent allocator (kept so older config
     # files still load; the engine logs a warning when it is set).
     slab_bytes: int = 0
-    # Eviction policy name: "lru", "s3fifo" or "prefix" (see kvstore.eviction.POLICIES).
+    # Eviction policy name: "lru", "s3fifo", "prefix" or "reuse" (see kvstore.eviction.POLICIES).
     policy: str = "lru"
     # Touch every page at start so that the first puts do not pay for page faults.
     prefault: bool = True
@@ -153,7 +157,8 @@ class SsdConfig:
     capacity_bytes: int = 0
     # File or raw block device holding the slots; "" puts `ssd.slots` in the data directory.
     path: str = ""
-    # Eviction policy of the SSD tier; "" uses the DRAM tier's.
+    # Eviction policy of the SSD tier, one of SSD_POLICIES; "" uses the DRAM tier's where the
+    # SSD tier has it, else "lru" (see EngineConfig.ssd_policy).
     policy: str = ""
     # Largest value the tier holds; fixed when the store is created (recorded on disk).
     # 0 takes the DRAM tier's limit.
@@ -190,9 +195,9 @@ class SsdConfig:
     def __post_init__(self) -> None:
         if self.capacity_bytes < 0:
             raise ConfigError(f"ssd.capacity_bytes must not be negative, got {self.capacity_bytes}")
-        if self.policy and self.policy not in POLICIES:
+        if self.policy and self.policy not in SSD_POLICIES:
             raise ConfigError(
-                f"unknown ssd.policy {self.policy!r}; choose one of {sorted(POLICIES)}"
+                f"unknown ssd.policy {self.policy!r}; the SSD tier has {list(SSD_POLICIES)}"
             )
         if self.max_value_bytes < 0:
             raise ConfigError("ssd.max_value_bytes must not be negative")
@@ -228,6 +233,14 @@ class EngineConfig:
     ssd: SsdConfig = SsdConfig()
     # Directory for the SSD tier, its journal and checkpoints; "" for a DRAM-only store.
     data_dir: str = ""
+
+    @property
+    def ssd_policy(self) -> str:
+        """The SSD tier's policy: its own, else the DRAM tier's where the SSD tier has that one,
+        else LRU (a DRAM-only policy such as "reuse" must not fail a store with an SSD)."""
+        if self.ssd.policy:
+            return self.ssd.policy
+        return self.dram.policy if self.dram.policy in SSD_POLICIES else "lru"
 
     def __post_init__(self) -> None:
         if self.ssd.capacity_bytes and not self.data_dir:

@@ -3,6 +3,7 @@ many blocks fit in a store."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 from collections.abc import Mapping, Sequence
@@ -12,12 +13,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvoffload.bench.trace.offline import optimum_hits
 from kvoffload.bench.trace.workload import (
     ModelProfile,
     Trace,
     chain_keys,
 )
 from kvoffload.client_sdk import BlockKey, Client, Namespace, TierRun
+from kvoffload.errors import ConfigError
 from kvoffload.kvstore import PAGE
 
 # Peer name -> (package, environment variable naming the Python that has it).
@@ -30,6 +33,7 @@ SSD_SHARE = 0.75  # of a DRAM+SSD capacity, the SSD's part
 # The deployment an SSD tier is for: a small DRAM tier (10% of the working set) in front of an
 # SSD that holds all of it (DRAM 10% + SSD 100%, 110% in all).
 REALISTIC = ("dram10+ssd100", 10, 100)
+BLOCK_IDS_HASH = "trace:block_ids"  # namespace hash algorithm of keys made from block ids
 DEFAULT_PAYLOAD = 3968  # + the 96-byte block header = one 4 KiB slot
 CDF_POINTS = 101  # quantiles kept per run for latency CDFs
 
@@ -49,6 +53,12 @@ class Workload:
         cls, trace: Trace, profile: ModelProfile, block_tokens: int, salt: str = ""
     ) -> Workload:
         namespace = profile.namespace(block_tokens, salt)
+        if trace.block_tokens:  # the trace names its blocks (Mooncake): its own block size
+            if block_tokens != trace.block_tokens:
+                raise ConfigError(
+                    f"{trace.source} has {trace.block_tokens}-token blocks, not {block_tokens}"
+                )
+            namespace = dataclasses.replace(namespace, hash_algo=BLOCK_IDS_HASH)
         prompts = np.array([r.prompt_tokens for r in trace.requests], dtype=np.int64)
         return cls(trace, profile, namespace, chain_keys(trace.requests, namespace), prompts)
 
@@ -93,6 +103,17 @@ class Workload:
                 heapq.heappush(heap, (-next_use[i][j], -j, key))
         return hits * self.block_tokens
 
+    @property
+    def block_accesses(self) -> int:
+        """Blocks of every request's chain, summed: what the block-access ratios divide by."""
+        return sum(len(chain) for chain in self.chains)
+
+    def optimum_hit_tokens(self, capacity: int) -> int:
+        """Hit tokens of Belady with bypass at `capacity` blocks (`offline.optimum_hits`):
+        the offline optimum of leading-block hits, which `belady_hit_tokens` (every computed
+        block stored) is not."""
+        return int(optimum_hits(self.chains, capacity).sum()) * self.block_tokens
+
     def ideal_hit_tokens(self) -> int:
         """Hit tokens with unbounded capacity: every block seen before is a hit."""
         seen: set[BlockKey] = set()
@@ -116,6 +137,7 @@ class Config:
     dram_blocks: int
     ssd_blocks: int = 0
     layout: str = ""  # a named split, e.g. "dram10+ssd100"; "" for a same-total split
+    admit: int = 0  # the SSD tier's admission_min_uses; 0: the engine's default
 
     @property
     def tier(self) -> str:
@@ -191,8 +213,10 @@ def plan(
     tiers: Sequence[str],
     ssd_percents: Sequence[int] | None = None,
     realistic: bool = False,
+    admissions: Sequence[int] = (0,),
 ) -> list[Config]:
-    """The sweep: each tier x capacity x system; with `realistic` (and the SSD tier asked
+    """The sweep: each tier x capacity x system (DRAM+SSD runs once per SSD admission setting
+    in `admissions`, named +ssd-admit<N> beyond 1); with `realistic` (and the SSD tier asked
     for) also each system in the REALISTIC layout."""
     configs = []
     for tier in tiers:
@@ -201,7 +225,9 @@ def plan(
             for system in systems:
                 if tier == "ssd":
                     dram = max(1, round(total * (1 - SSD_SHARE)))
-                    configs.append(Config(system, True, percent, dram, total - dram))
+                    configs += [Config(system, True, percent, dram, total - dram,
+                                       f"ssd-admit{a}" if a > 1 else "", a)
+                                for a in admissions]  # fmt: skip
                 else:
                     configs.append(Config(system, False, percent, total))
     if realistic and "ssd" in tiers:

@@ -42,6 +42,14 @@ class Payloads:
         self._scratch[-KEY:] = stamp
         return self._scratch
 
+    def fresh(self, key: bytes) -> npt.NDArray[np.uint8]:
+        """The payload of `key` in a new array (for threads, and batches that hold several)."""
+        out: npt.NDArray[np.uint8] = self.template.copy()
+        stamp = np.frombuffer(key, dtype=np.uint8)
+        out[:KEY] = stamp
+        out[-KEY:] = stamp
+        return out
+
     def matches(self, key: bytes, got: npt.NDArray[np.uint8]) -> bool:
         """Whether `got` is, byte for byte, the payload of `key`."""
         stamp = np.frombuffer(key, dtype=np.uint8)

@@ -22,8 +22,10 @@ from kvoffload.bench.trace.model import (
     Workload,
     run_label,
 )
+from kvoffload.bench.trace.offline import optimum_hits
 from kvoffload.client_sdk import Tier
 from kvoffload.kvstore import POLICIES
+from kvoffload.wire.membership import redact_url
 
 
 @dataclass
@@ -160,6 +162,8 @@ def ttft_rows(runs: Sequence[dict[str, Any]], no_store: dict[str, Any], model: s
 
 
 def print_tables(details: dict[str, object], console: Console) -> None:
+    if "live" in details:  # a live replay has no runs to tabulate: its rows say it all
+        return
     trace = details.get("trace", {})
     runs = details.get("runs", [])
     assert isinstance(trace, dict) and isinstance(runs, list)
@@ -193,6 +197,9 @@ def print_tables(details: dict[str, object], console: Console) -> None:
         cells.append("" if ref is None else f"{ref / trace_tokens:.3f}")
         table.add_row(f"{percent}%", *cells)
     console.print(table)
+    optimum = details.get("optimum")
+    if isinstance(optimum, dict):
+        _print_optimum(optimum, console)
     ttft_rows = [r for r in runs if "ttft_model" in r]
     base = details.get("ttft_no_cache", {})
     if ttft_rows and isinstance(base, dict):
@@ -206,6 +213,27 @@ def print_tables(details: dict[str, object], console: Console) -> None:
             m = r["ttft_model"][gpu]
             label = f"{run_label(r)} @ {r['percent']}%"
             t.add_row(label, f"{m['mean_ms']:.1f}", f"{m['p90_ms']:.1f}")
+        console.print(t)
+
+
+def _print_optimum(optimum: dict[str, Any], console: Console) -> None:
+    """Hit tokens against the offline optimum (and LRU), per capacity, whole trace and window."""
+    for scope, title in (("capacities", "whole trace"), ("window", "score window")):
+        table_data = optimum.get(scope)
+        if not isinstance(table_data, dict):
+            continue
+        labels = sorted(
+            {k for e in table_data.values() for k, v in e.items() if isinstance(v, dict)}
+        )
+        t = Table(title=f"hit tokens / offline optimum (/ LRU), {title}")
+        t.add_column("capacity", justify="right")
+        t.add_column("optimum: share of accesses", justify="right")
+        for label in labels:
+            t.add_column(label, justify="right")
+        for percent, e in table_data.items():
+            cells = [f"{e[x]['of_optimum']:.3f} ({e[x]['of_lru'] or 0:.3f})" if x in e else ""
+                     for x in labels]  # fmt: skip
+            t.add_row(f"{percent}%", f"{e['optimum_block_ratio']:.3f}", *cells)
         console.print(t)
 
 
@@ -244,7 +272,7 @@ def result_notes(work: Workload, size: int, full: bool, costs: ttft.LoadCosts, u
         "prefill), with the hit split where that is least, as the connector's claim rule does",
     ]
     if url:
-        notes.append(f"replayed once against {url} (its own policy and capacity)")
+        notes.append(f"replayed once against {redact_url(url)} (its own policy and capacity)")
     for peer, info in peer_info.items():
         assert isinstance(info, dict)
         if info.get("error"):
@@ -256,4 +284,70 @@ def result_notes(work: Workload, size: int, full: bool, costs: ttft.LoadCosts, u
             notes.append(f"{peer}: version {info.get('version')} via {info.get('python')}")
             if info.get("note"):
                 notes.append(f"{peer}: {info['note']}")
+    return notes
+
+
+def optimum_details(
+    work: Workload,
+    percents: Sequence[int],
+    runs: Sequence[Run],
+    score_window: tuple[float, float] | None = None,
+) -> dict[str, object]:
+    """For a trace that names its blocks: the offline optimum (Belady with bypass, leading
+    hits) per capacity, as hit tokens and as a share of all block accesses, and each run's
+    hit tokens as a multiple of it and of LRU's at the same capacity and tier; with
+    `score_window` the same again over the requests arriving in it (`window`)."""
+    working_set, accesses = work.working_set, work.block_accesses
+    arrivals = np.array([r.arrival for r in work.trace.requests])
+    scopes = {"all": np.ones(len(arrivals), dtype=bool)}
+    if score_window is not None:
+        scopes["window"] = (arrivals >= score_window[0]) & (arrivals < score_window[1])
+    out: dict[str, object] = {
+        "block_accesses": accesses,
+        "first_touch_share": round(working_set / max(1, accesses), 4),
+        "score_window_s": list(score_window) if score_window else None,
+    }
+    for scope, mask in scopes.items():
+        scope_accesses = sum(len(c) for c, m in zip(work.chains, mask, strict=True) if m)
+        by_percent: dict[str, object] = {}
+        for percent in sorted(set(percents)):
+            capacity = max(2, round(working_set * percent / 100))
+            best = int(optimum_hits(work.chains, capacity)[mask].sum())
+            entry: dict[str, object] = {
+                "capacity_blocks": capacity,
+                "optimum_hit_tokens": best * work.block_tokens,
+                "optimum_block_ratio": round(best / max(1, scope_accesses), 4),
+            }
+            mine = [r for r in runs if r.config.percent == percent and r.hit_blocks is not None]
+            lru = {r.config.tier: int(r.hit_blocks[mask].sum()) for r in mine
+                   if r.hit_blocks is not None and r.config.system == "lru"}  # fmt: skip
+            for r in mine:
+                assert r.hit_blocks is not None
+                hits = int(r.hit_blocks[mask].sum())
+                base = lru.get(r.config.tier)
+                entry[r.config.label] = {
+                    "hit_tokens": hits * work.block_tokens,
+                    "of_optimum": round(hits / best, 4) if best else None,
+                    "of_lru": round(hits / base, 4) if base else None,
+                }
+            by_percent[str(percent)] = entry
+        out["capacities" if scope == "all" else "window"] = by_percent
+    return out
+
+
+def named_notes(work: Workload, size: int, skipped_peers: Sequence[str]) -> list[str]:
+    """Notes of a trace that names its blocks (Mooncake's hash_ids)."""
+    real = work.profile.bytes_per_token * work.block_tokens
+    notes = [
+        f"blocks named by the trace's hash_ids ({work.block_tokens} tokens each): every block "
+        f"is stored as a {size:,} B value standing for {real:,} B of {work.profile.name} KV "
+        f"(scale 1:{real // max(1, size):,}); capacities are % of the trace's "
+        f"{work.working_set:,} distinct blocks",
+        "optimum: Belady with bypass over unit-size blocks, counting each request's leading "
+        "run of resident blocks as its hit (details' optimum); a hit on a request's last, "
+        "partial block counts 512 tokens in hit tokens and the prompt's own length in TTFT",
+    ]
+    if skipped_peers:
+        notes.append(f"peers {', '.join(skipped_peers)} not run: they hash token ids, and "
+                     "this trace has none")  # fmt: skip
     return notes

@@ -30,8 +30,10 @@ from rich.console import Console
 from rich.progress import Progress
 
 from kvoffload.bench import common
+from kvoffload.bench.common import Row
 from kvoffload.bench.peers import peer_driver
 from kvoffload.bench.trace import ttft
+from kvoffload.bench.trace.live import live_replay
 from kvoffload.bench.trace.model import (
     DEFAULT_PAYLOAD,
     PEERS,
@@ -42,9 +44,12 @@ from kvoffload.bench.trace.model import (
     plan,
     ssd_bytes,
 )
+from kvoffload.bench.trace.mooncake import read_trace, window
 from kvoffload.bench.trace.replay import Payloads, ReplayResult, replay
 from kvoffload.bench.trace.tables import (
     TraceResult,
+    named_notes,
+    optimum_details,
     result_notes,
     result_rows,
     run_details,
@@ -57,16 +62,20 @@ from kvoffload.bench.trace.workload import (
     Trace,
     TraceShape,
     generate,
-    read_jsonl,
     write_jsonl,
 )
 from kvoffload.client_sdk import BlockKey, Client
 from kvoffload.errors import ConfigError, InvalidArgumentError
 from kvoffload.kvstore import PAGE, POLICIES, DramConfig
+from kvoffload.wire.membership import redact_url
 
 __all__ = ["HELP", "PEERS", "TraceResult", "Workload", "add_arguments", "run", "run_from_args"]
 
-HELP = "multi-turn trace replay: eviction policies x capacities, vLLM and LMCache side by side"
+HELP = (
+    "trace replay (generated multi-turn, our JSONL or Mooncake FAST'25 hash_ids traces): "
+    "eviction policies x capacities against LRU and the offline optimum, vLLM and LMCache "
+    "side by side"
+)
 
 
 def _local_url(config: Config, slot: int, scratch: Path | None) -> str:
@@ -75,7 +84,8 @@ def _local_url(config: Config, slot: int, scratch: Path | None) -> str:
         return f"local://?{params}"
     assert scratch is not None
     path = scratch / f"store-{config.system}-{config.percent}"
-    return f"local://{path}?{params}&ssd={ssd_bytes(config.ssd_blocks, slot)}"
+    admit = f"&admit={config.admit}" if config.admit else ""
+    return f"local://{path}?{params}&ssd={ssd_bytes(config.ssd_blocks, slot)}{admit}"
 
 
 # ------------------------------------------------------------------------------- running
@@ -371,6 +381,8 @@ def run(
     gpus: Sequence[str] = ("h100",),
     layer_parts: Sequence[int] = (1, 4),
     realistic: bool = True,
+    admissions: Sequence[int] = (0,),
+    score_window: tuple[float, float] | None = None,
     peer_timeout_s: float = 3600.0,
     console: Console | None = None,
 ) -> TraceResult:
@@ -381,6 +393,10 @@ def run(
     """
     _check(model, policies, tiers, peers, gpus, layer_parts, percents, ssd_percents)
     layer_parts = sorted({1, *layer_parts})  # whole blocks are always modelled
+    named = bool(trace.block_tokens)  # the trace names its blocks (Mooncake): no token ids
+    if named:
+        block_tokens = trace.block_tokens
+        skipped_peers, peers = list(peers), ()
     profile = PROFILES[model]
     salt = f"trace-{os.getpid()}-{time.time_ns()}" if url else ""
     work = Workload.build(trace, profile, block_tokens, salt)
@@ -389,7 +405,8 @@ def run(
     slot = block_slot(size)
     working_set = work.working_set
     result = TraceResult("trace")
-    configs = [] if url else plan(working_set, percents, policies, tiers, ssd_percents, realistic)
+    configs = [] if url else plan(working_set, percents, policies, tiers, ssd_percents, realistic,
+                                  admissions)  # fmt: skip
     runs: list[Run] = []
     console = console or Console(stderr=True)
     with _scratch(directory) as scratch, Progress(console=console, transient=True) as bar:
@@ -436,7 +453,7 @@ def run(
         "block_bytes_real": profile.bytes_per_token * block_tokens,
         "payload_bytes": size,
         "scaled": not full,
-        "url": url,
+        "url": redact_url(url) if url else url,
         "working_set_blocks": working_set,
         "ideal_hit_tokens": ideal,
         "ideal_hit_ratio": round(ideal / max(1, prompt_total), 5),
@@ -455,6 +472,9 @@ def run(
     assert isinstance(details_runs, list)
     result.rows += ttft_rows(details_runs, no_cache, profile.name, DramConfig().policy)
     result.notes += result_notes(work, size, full, costs, url, peer_info)
+    if named:
+        result.details["optimum"] = optimum_details(work, percents, runs, score_window)
+        result.notes += named_notes(work, size, skipped_peers)
     if calibration:
         result.notes.append(calibration)
     return result
@@ -462,7 +482,15 @@ def run(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_argument_group("trace")
-    src.add_argument("--trace", metavar="JSONL", help="replay this trace instead of generating")
+    src.add_argument("--trace", metavar="JSONL",
+                     help="replay this trace instead of generating: our JSONL, or a Mooncake "
+                     "FAST'25 trace (timestamp, input_length, output_length, hash_ids; "
+                     "detected from its fields, .xz read too)")  # fmt: skip
+    src.add_argument(
+        "--window",
+        metavar="START:END",
+        help="replay only the requests arriving in [START, END) seconds",
+    )
     src.add_argument("--sessions", type=int, default=200, help="generated sessions")
     src.add_argument("--seed", type=int, default=0, help="generator seed")
     src.add_argument("--docqa", type=float, default=0.2, help="share of document-QA sessions")
@@ -475,12 +503,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     store.add_argument("--capacities", default="10,20,30,50,70,100",
                        help="percent of the working set, comma-separated")  # fmt: skip
     store.add_argument("--ssd-capacities", help="for DRAM+SSD runs (default: --capacities)")
-    store.add_argument("--policies", default="lru,s3fifo,prefix")
+    store.add_argument(
+        "--policies",
+        default="lru,s3fifo,prefix",
+        help=f"eviction policies, of {', '.join(sorted(POLICIES))}",
+    )
+    store.add_argument(
+        "--admission",
+        default="0",
+        help="DRAM+SSD runs once per SSD admission_min_uses in this list (0: the engine default)",
+    )
+    store.add_argument(
+        "--score-window",
+        metavar="START:END",
+        help="trace naming its blocks: also count the optimum table's hits over "
+        "the requests arriving in [START, END) s only (the whole trace replayed)",
+    )
     store.add_argument("--tiers", default="dram,ssd", help="dram (DRAM only), ssd (DRAM+SSD)")
     store.add_argument("--full", action="store_true", help="store real-size blocks (slow)")
     store.add_argument("--payload", type=int, default=DEFAULT_PAYLOAD,
                        help="bytes per scaled block")  # fmt: skip
     store.add_argument("--url", help="replay once against this store (any Client.connect URL)")
+    store.add_argument(
+        "--live",
+        metavar="URL",
+        help="live replay against this running store at the trace's arrival "
+        "times divided by --speedup: load latency p50/p99, errors, wrong blocks",
+    )
+    store.add_argument(
+        "--speedup",
+        type=float,
+        default=10.0,
+        help="live replay: arrival times compressed by this factor",
+    )
+    store.add_argument(
+        "--workers",
+        type=int,
+        default=8,
+        help="live replay: requests in flight at most (threads, a client each)",
+    )
     store.add_argument("--dir", help="scratch directory for SSD stores (O_DIRECT capable)")
     store.add_argument("--gpus", default="h100", help=f"TTFT profiles: {', '.join(ttft.GPUS)}")
     store.add_argument("--layer-parts", default="1,4",
@@ -508,24 +569,97 @@ def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _span(text: str, flag: str) -> tuple[float, float]:
+    try:
+        start, end = (float(t) for t in text.split(":"))
+    except ValueError:
+        raise ConfigError(f"{flag} takes START:END seconds, not {text!r}") from None
+    if not start < end:
+        raise ConfigError(f"{flag} needs START < END, got {text!r}")
+    return start, end
+
+
 def load_trace(args: argparse.Namespace) -> Trace:
     if args.trace:
-        return read_jsonl(args.trace, seed=args.seed)
+        trace = read_trace(args.trace, seed=args.seed)
+        if getattr(args, "window", None):
+            trace = window(trace, *_span(args.window, "--window"))
+        return trace
     shape = TraceShape(sessions=args.sessions, docqa_fraction=args.docqa,
                        arrival_rate=args.arrival_rate, think_time_s=args.think_time)  # fmt: skip
     return generate(shape, seed=args.seed)
 
 
+def _ms(value: object) -> float:
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def run_live(trace: Trace, url: str, *, model: str = "llama-3.1-8b", block_tokens: int = 16,
+             payload: int = DEFAULT_PAYLOAD, speedup: float = 10.0,
+             workers: int = 8) -> TraceResult:  # fmt: skip
+    """`live_replay` of `trace` against the store at `url`, as rows and details.
+
+    Raises:
+        ConfigError: unknown model, bad speedup or workers.
+    """
+    if model not in PROFILES:
+        raise ConfigError(f"unknown model profile {model!r}; choose one of {sorted(PROFILES)}")
+    profile = PROFILES[model]
+    salt = f"live-{os.getpid()}-{time.time_ns()}"  # a shared store: never last run's blocks
+    work = Workload.build(trace, profile, trace.block_tokens or block_tokens, salt)
+    arrivals = [r.arrival for r in trace.requests]
+    live = live_replay(url, work.namespace, work.chains, arrivals, Payloads(payload),
+                       speedup=speedup, workers=workers)  # fmt: skip
+    summary = live.summary()
+    result = TraceResult("trace")
+    result.rows = [
+        Row("live/load_p50", _ms(summary["load_p50_ms"]), "ms"),
+        Row("live/load_p99", _ms(summary["load_p99_ms"]), "ms"),
+        Row("live/errors", float(live.errors), "count"),
+        Row("live/wrong_blocks", float(live.wrong_blocks), "count"),
+    ]
+    span = (arrivals[-1] - arrivals[0]) if arrivals else 0.0
+    result.details = {"trace": {"source": trace.source, **trace.summary()}, "live": summary,
+                      "url": redact_url(url),
+                      "block_tokens": work.block_tokens, "payload_bytes": payload,
+                      "block_bytes_real": profile.bytes_per_token * work.block_tokens}  # fmt: skip
+    real = profile.bytes_per_token * work.block_tokens
+    result.notes = [
+        f"live replay of {len(arrivals):,} requests spanning {span:,.1f} s of the trace in "
+        f"{live.wall_s:,.1f} s: arrival times compressed {speedup:g}x, {workers} workers",
+        f"each block stored as {payload:,} B standing for {real:,} B of {profile.name} KV "
+        f"(scaled 1:{real // payload:,})",
+        "load latency: lookup + one get_many_into of the hit blocks, each checked bit for bit",
+    ]
+    return result
+
+
 def run_from_args(args: argparse.Namespace) -> TraceResult:
     trace = load_trace(args)
+    if args.live:
+        return run_live(
+            trace,
+            args.live,
+            model=args.model,
+            block_tokens=args.block_tokens,
+            payload=args.payload,
+            speedup=args.speedup,
+            workers=args.workers,
+        )
     if args.write_trace:
         write_jsonl(trace, args.write_trace)
     try:
         percents = [int(p) for p in _csv(args.capacities)]
         ssd_percents = [int(p) for p in _csv(args.ssd_capacities)] if args.ssd_capacities else None
         layer_parts = [int(p) for p in _csv(args.layer_parts)]
+        admissions = [int(p) for p in _csv(args.admission)]
     except ValueError:
-        raise ConfigError("--capacities, --ssd-capacities, --layer-parts take integers") from None
+        raise ConfigError(
+            "--capacities, --ssd-capacities, --layer-parts, --admission take integers"
+        ) from None
+    if not admissions or any(a < 0 for a in admissions):
+        raise ConfigError("--admission takes non-negative integers")
+    score = _span(args.score_window, "--score-window") if args.score_window else None
     return run(
         trace,
         model=args.model,
@@ -543,4 +677,6 @@ def run_from_args(args: argparse.Namespace) -> TraceResult:
         gpus=_csv(args.gpus),
         layer_parts=layer_parts,
         realistic=args.realistic,
+        admissions=admissions,
+        score_window=score,
     )

@@ -78,7 +78,8 @@ def prefill_seconds(
 ) -> npt.NDArray[np.float64]:
     """Modelled prefill time of each prompt, its first `cached` tokens loaded, not computed."""
     n = prompt.astype(np.float64)
-    h = cached.astype(np.float64)
+    # A trace's last block may be partial (Mooncake's): a hit on it covers the prompt, no more.
+    h = np.minimum(cached, prompt).astype(np.float64)
     flops = 2 * model.params * (n - h) + 2 * model.num_layers * model.hidden_size * (n * n - h * h)
     result: npt.NDArray[np.float64] = flops / (model.tp_size * gpu.peak_flops * gpu.mfu)
     return result

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from kvoffload.client_sdk import BlockKey, Namespace, block_keys
+from kvoffload.client_sdk import BlockKey, Namespace, block_keys, engine_hashes
 from kvoffload.compression import DTYPE_BYTES
 from kvoffload.errors import ConfigError
 
@@ -112,10 +112,14 @@ class Request:
     # The shared head of the prompt (a system prompt or a document) and its length.
     prefix: str = ""
     prefix_tokens: int = 0
+    # A trace that names its blocks (Mooncake's hash ids) instead of giving tokens: one id per
+    # block, and the prompt's length in tokens (`tokens` is then empty).
+    block_ids: tuple[int, ...] = ()
+    length: int = 0
 
     @property
     def prompt_tokens(self) -> int:
-        return int(self.tokens.size)
+        return self.length if self.block_ids else int(self.tokens.size)
 
 
 @dataclass(frozen=True)
@@ -164,6 +168,8 @@ class Trace:
     requests: list[Request]
     source: str  # "generated (seed N)" or the JSONL path
     shape: dict[str, object] = field(default_factory=dict)
+    # Tokens per block when the trace names its blocks (its requests' `block_ids`); 0: tokens.
+    block_tokens: int = 0
 
     def summary(self) -> dict[str, float]:
         prompts = np.array([r.prompt_tokens for r in self.requests], dtype=np.float64)
@@ -260,7 +266,8 @@ def generate(shape: TraceShape | None = None, seed: int = 0) -> Trace:
 
 
 def chain_keys(requests: Sequence[Request], namespace: Namespace) -> list[list[BlockKey]]:
-    """The chained keys of every full block of each request's prompt.
+    """The chained keys of every full block of each request's prompt (for a trace that names
+    its blocks, one key per block id, the namespace's `hash_algo` naming the ids).
 
     Keys of a conversation's earlier prompt are reused when the new prompt extends it, so a
     trace hashes each distinct block about once.
@@ -268,7 +275,14 @@ def chain_keys(requests: Sequence[Request], namespace: Namespace) -> list[list[B
     bt = namespace.block_tokens
     seen: dict[str, tuple[TokenIds, list[BlockKey]]] = {}
     out: list[list[BlockKey]] = []
+    named: dict[int, BlockKey] = {}  # block id -> key, for traces that name their blocks
     for r in requests:
+        if r.block_ids:
+            missing = [i for i in dict.fromkeys(r.block_ids) if i not in named]
+            digests = engine_hashes(namespace, [i.to_bytes(8, "little") for i in missing])
+            named.update((i, BlockKey(d[:16])) for i, d in zip(missing, digests, strict=True))
+            out.append([named[i] for i in r.block_ids])
+            continue
         n = r.prompt_tokens // bt
         reuse = 0
         prev = seen.get(r.conversation)
@@ -424,10 +438,20 @@ def write_jsonl(trace: Trace, path: str | Path, *, ids: bool = False) -> None:
     """Write `trace` so that `read_jsonl` reads the same prompts back.
 
     Without `ids` a line holds token counts and the shared prefix by name (compact; exact for
-    generated traces read back with the same seed); with `ids`, the token ids themselves.
+    generated traces read back with the same seed); with `ids`, the token ids themselves. A
+    trace that names its blocks (Mooncake's) is written in its own format.
     """
     with open(path, "w") as fh:
         for r in trace.requests:
+            if r.block_ids:  # a trace that names its blocks is written in Mooncake's format
+                mooncake = {
+                    "timestamp": round(r.arrival * 1e3),
+                    "input_length": r.length,
+                    "output_length": r.output_tokens,
+                    "hash_ids": list(r.block_ids),
+                }
+                fh.write(json.dumps(mooncake) + "\n")
+                continue
             record: dict[str, object] = {"conversation": r.conversation}
             if ids:
                 record["token_ids"] = r.tokens.tolist()

@@ -16,11 +16,11 @@ _PARAMS = {
     "dram": "DRAM arena size, e.g. 1GiB",
     "max_value": "largest stored value, e.g. 64MiB",
     "slab": "slab size",
-    "policy": "eviction policy: lru, s3fifo or prefix",
+    "policy": "eviction policy: lru, s3fifo, prefix or reuse (DRAM only)",
     "prefault": "populate the arena at start: 1 or 0",
     "ssd": "SSD tier size, e.g. 8GiB (needs a directory: local:///path?ssd=...)",
     "ssd_path": "file or block device for the SSD slots (default: <dir>/ssd.slots)",
-    "ssd_policy": "SSD eviction policy (default: the DRAM policy)",
+    "ssd_policy": "SSD eviction policy: lru, s3fifo or prefix (default: the DRAM one, else lru)",
     "admit": "uses before a block evicted from DRAM is written to the SSD (1 = all)",
 }
 _BOOL = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}

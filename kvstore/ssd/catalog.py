@@ -115,7 +115,7 @@ class SsdCatalog:
         on_removed: Callable[[bytes], None],
     ) -> None:
         self.alloc = ExtentAllocator(capacity)
-        self.index = SsdIndex(config.ssd.policy or config.dram.policy)
+        self.index = SsdIndex(config.ssd_policy)
         self.max_value_bytes = max_value_bytes
         self._rank = rank
         self._on_removed = on_removed
