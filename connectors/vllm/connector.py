@@ -37,7 +37,8 @@ class KVOffloadConnectorMetadata(_compat.KVConnectorMetadata):
 
 class KVOffloadConnector(_compat.KVConnectorBase_V1, _compat.SupportsHMA):
     """Prefix KV cache in a kvoffload store, for vLLM 0.33.0 (and 0.32.0), including hybrid
-    models (several KV cache groups: full and sliding-window attention; see `groups`).
+    models (several KV cache groups: full and sliding-window attention, see `groups`; Mamba /
+    linear-attention state with Mamba prefix caching in align mode, see `state`).
 
     Load it with ``--kv-transfer-config '{"kv_connector":"KVOffloadConnector",
     "kv_connector_module_path":"kvoffload.connectors.vllm","kv_role":"kv_both",

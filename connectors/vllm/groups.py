@@ -1,4 +1,4 @@
-"""Hybrid-attention models: several KV cache groups (e.g. sliding-window and full attention).
+"""Hybrid models: several KV cache groups (sliding-window, full attention, Mamba state).
 
 vLLM's hybrid KV cache manager gives every group its own block table over the same block
 hashes. Each group's blocks are stored under a namespace of their own (so a sliding-window
@@ -8,6 +8,10 @@ sliding-window group only the blocks inside its window before it (vLLM frees the
 puts its null block in their place). That is the rule of vLLM 0.33's own OffloadingConnector
 (`_lookup_complete_chunks`: a prefix lookup for full attention, a lookup of the window ending
 at the boundary for sliding windows, repeated until the boundary stops moving).
+
+A Mamba / linear-attention group (align mode, see `state`) needs only the state at the
+boundary: one block, at position `end - 1`, so its lookup moves the boundary back block by
+block until a state is found.
 
 A damaged or missing block in any group ends the load for all of them: the hit is only as
 long as the shortest group's.

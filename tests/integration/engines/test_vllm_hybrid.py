@@ -54,8 +54,9 @@ from vllm_harness import (  # noqa: E402
     write_tiny_model,
 )
 
-from kvoffload.client_sdk import Client, engine_hashes  # noqa: E402
+from kvoffload.client_sdk import Client, Namespace, engine_hashes  # noqa: E402
 from kvoffload.connectors.vllm import _compat  # noqa: E402
+from kvoffload.connectors.vllm.state import check_state_codec  # noqa: E402
 from kvoffload.errors import ConfigError  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -455,3 +456,12 @@ def test_restoring_zeroed_or_another_prefixs_state_changes_the_answer(
             0, reference["states"][6][MAMBA[0]], PROMPT[96:]
         )
     assert reference["token"] not in answers.values()
+
+
+def test_a_lossy_codec_is_refused_for_state_groups() -> None:
+    lossy = Namespace(model="m", dtype="float16", codec="fp8")
+    refused = pytest.raises(ConfigError, match=r"group 0 .*compound.*'fp8' is lossy")
+    with Client.connect("local://", namespace=lossy) as client, refused:
+        check_state_codec(client, "KV cache group 0")
+    with Client.connect("local://", codec="zstd") as client:
+        check_state_codec(client, "KV cache group 0")  # lossless: accepted
