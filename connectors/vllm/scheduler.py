@@ -182,8 +182,9 @@ class SchedulerHalf:
     def _state_ids(
         self, ids: list[list[int]], offers: dict[int, dict[int, int]], first: int, end: int
     ) -> tuple[tuple[int, ...], ...]:
-        """Block ids of positions `first:end` of every group, state groups' from `offers`
-        (their positions then leave `offers`); other groups' NULL where `ids` is None."""
+        """Block ids of positions `first:end` of every group: state groups' from `offers`
+        (NULL_BLOCK where vLLM handed off no state; taken entries leave `offers`), the other
+        groups' from their block tables `ids`."""
         out = []
         for g in range(len(ids)):
             if g in self._state_groups:

@@ -16,6 +16,8 @@ from vLLM's own hand-off, `KVConnectorBlockState.boundary_state_offloads`.
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +26,62 @@ import torch
 from kvoffload.client_sdk import Client
 from kvoffload.errors import ConfigError
 
-__all__ = ["StateKV", "check_state_codec"]
+__all__ = ["DAMAGE", "FAULTS_ENV", "ZERO_UNVERIFIED", "StateKV", "check_state_codec",
+           "damage_part", "planted_fault"]  # fmt: skip
+
+# Fault seam for the served tests (`test_vllm_hybrid_serve.py`), as `KVOFFLOAD_FAULTS` is the
+# store's: off unless this variable names a file, whose content names the fault (empty or no
+# file: none). Read again whenever it changes, so a test plants a fault in a running server.
+FAULTS_ENV = "KVOFFLOAD_VLLM_FAULTS"
+# Flip one bit of the next state part a load reads, in the store, behind the SDK's back (once
+# per change of the file): the check must catch it and the hit end before it.
+DAMAGE = "damage-state"
+# Negative control: restore every loaded state as zeros, as a cache that restored the KV but
+# not the state would; the served answer must then differ.
+ZERO_UNVERIFIED = "zero-state-unverified"
+_FAULTS = ("", DAMAGE, ZERO_UNVERIFIED)
+_fault_lock = threading.Lock()
+_damaged: tuple[int, int] | None = None  # the plan file version a part was damaged under
+
+
+def planted_fault(take_damage: bool = False) -> str:
+    """The fault the seam's file names ("" when off). With `take_damage`, `DAMAGE` is
+    returned once per version of the file, then "".
+
+    Raises:
+        ConfigError: the file names an unknown fault.
+    """
+    global _damaged
+    path = os.environ.get(FAULTS_ENV)
+    if not path:
+        return ""
+    try:
+        st = os.stat(path)
+        with open(path, encoding="utf-8") as fh:
+            fault = fh.read().strip()
+    except FileNotFoundError:
+        return ""
+    if fault not in _FAULTS:
+        raise ConfigError(f"{FAULTS_ENV}: {path} names {fault!r}; expected one of {_FAULTS}")
+    if fault == DAMAGE and take_damage:
+        with _fault_lock:
+            stamp = (st.st_ino, st.st_mtime_ns)
+            if _damaged == stamp:
+                return ""
+            _damaged = stamp
+    return fault
+
+
+def damage_part(client: Client, key: bytes) -> None:
+    """Flip one bit of the stored part `key` through the raw transport (its header still
+    describes the old bytes), as a bad disk or a rogue node would."""
+    held = client.transport.get(key[:16])
+    if held is None:
+        return
+    damaged = bytearray(held.data)
+    held.release()
+    damaged[-1] ^= 0x10
+    client.transport.put(key[:16], [bytes(damaged)], None)
 
 
 def check_state_codec(client: Client, group: str) -> None:

@@ -47,6 +47,7 @@ from kvoffload.connectors.vllm.plan import (
     StepPlan,
     block_metas,
 )
+from kvoffload.connectors.vllm.state import DAMAGE, ZERO_UNVERIFIED, damage_part, planted_fault
 from kvoffload.errors import KVOffloadError
 
 __all__ = ["WorkerHalf"]
@@ -338,8 +339,15 @@ class WorkerHalf:
                 log.warning("kvoffload: request %s has no state block at its hit boundary",
                             job.req_id)  # fmt: skip
             return 0
+        if planted_fault(take_damage=True) == DAMAGE:
+            damage_part(self._client, engine_hashes(part.namespace, [job.hashes[last]])[0])
         masked = [NULL_BLOCK] * last + [ids[last]]
-        return end if self._load_group(part, job.hashes, masked, None, clock) > last else 0
+        if self._load_group(part, job.hashes, masked, None, clock) <= last:
+            return 0
+        if planted_fault() == ZERO_UNVERIFIED:
+            zeros = part.kv.staging(1).zero_()
+            part.kv.scatter(torch.tensor([ids[last]], dtype=torch.long), zeros)
+        return end
 
     def _load_group(
         self,
