@@ -97,6 +97,7 @@ TINY_QWEN3_NEXT_MODEL = ServedModel(
 )
 MODELS = {m.name: m for m in (SMOLLM2, TINY_QWEN3_NEXT_MODEL)}
 SSD_BATCH = 4  # the connector's batch_blocks for kv_ssd
+MIN_DRAM_BYTES = 16 << 20  # a daemon's smallest DRAM tier here
 KV_CACHE_GIB = "3"  # VLLM_CPU_KVCACHE_SPACE of every server
 CONFIGS = ("none", "apc", "vllm_offloading", "kv", "kv_reset", "kv_ssd")
 _HITS = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")
@@ -506,8 +507,11 @@ def run_from_args(args: argparse.Namespace) -> BenchResult:
     block_bytes = served.block_bytes
     # All of the working set in DRAM; for kv_ssd, 10% in DRAM (at least two save batches) and
     # all of it on the SSD.
-    dram_bytes = max(blocks, 1) * block_bytes * 5 // 4
-    ssd_dram_bytes = max(-(-blocks // 10), 2 * SSD_BATCH) * block_bytes * 5 // 4
+    # (At least 16 MiB: a daemon's DRAM tier must hold its largest value, 8 MiB by default;
+    # SmolLM2's sizes are far above that, a tiny hybrid's working set is not.)
+    dram_bytes = max(max(blocks, 1) * block_bytes * 5 // 4, MIN_DRAM_BYTES)
+    ssd_dram_bytes = max(max(-(-blocks // 10), 2 * SSD_BATCH) * block_bytes * 5 // 4,
+                         MIN_DRAM_BYTES)  # fmt: skip
     runs = run(trace.requests, python=python, model=model, configs=configs,
                dram_bytes=dram_bytes, ssd_dram_bytes=ssd_dram_bytes,
                max_tokens=args.max_tokens, scratch=scratch, gap_s=args.gap,
