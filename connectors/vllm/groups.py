@@ -1,4 +1,4 @@
-"""Hybrid-attention models: several KV cache groups (e.g. sliding-window and full attention).
+"""Hybrid models: several KV cache groups (sliding-window, full attention, Mamba state).
 
 vLLM's hybrid KV cache manager gives every group its own block table over the same block
 hashes. Each group's blocks are stored under a namespace of their own (so a sliding-window
@@ -8,6 +8,10 @@ sliding-window group only the blocks inside its window before it (vLLM frees the
 puts its null block in their place). That is the rule of vLLM 0.33's own OffloadingConnector
 (`_lookup_complete_chunks`: a prefix lookup for full attention, a lookup of the window ending
 at the boundary for sliding windows, repeated until the boundary stops moving).
+
+A Mamba / linear-attention group (align mode, see `state`) needs only the state at the
+boundary: one block, at position `end - 1`, so its lookup moves the boundary back block by
+block until a state is found.
 
 A damaged or missing block in any group ends the load for all of them: the hit is only as
 long as the shortest group's.
@@ -19,12 +23,14 @@ import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvoffload.client_sdk import BlockHash, Client, Namespace, engine_hashes, engine_keys
 from kvoffload.connectors.paged_kv import PagedKV
 from kvoffload.connectors.vllm.plan import NULL_BLOCK, KVGroup
+from kvoffload.connectors.vllm.state import StateKV
 from kvoffload.errors import ConfigError, KVOffloadError
 
 __all__ = ["GroupKV", "GroupLookup", "chain_hashes", "group_layout", "on_stream", "read_batch",
@@ -40,6 +46,12 @@ def group_layout(layout: str, groups: Sequence[KVGroup], index: int) -> str:
     if len(groups) == 1:
         return layout
     group = groups[index]
+    if group.is_state:
+        # A recurrent state's block is not KV: its key names the kind and every state's
+        # shape and dtype, so a state of another layout (or of KV) never answers for it.
+        shapes = ",".join("x".join(str(d) for d in shape) for shape in group.state_shapes)
+        return (f"{layout};hma-group={index}/{len(groups)};layers={len(group.layer_names)}"
+                f";state=mamba;shapes={shapes};dtypes={','.join(group.state_dtypes)}")  # fmt: skip
     window = group.sliding_window or 0
     return (f"{layout};hma-group={index}/{len(groups)};layers={len(group.layer_names)}"
             f";window={window}+{group.extra_retained}")  # fmt: skip
@@ -65,21 +77,31 @@ class GroupLookup:
         self._block_tokens = block_tokens
         self.lookups = 0  # store lookups made (tests count them)
 
+    @property
+    def num_groups(self) -> int:
+        return len(self._groups)
+
     def stored_blocks(self, client: Client, hashes: Sequence[bytes]) -> int:
         """The largest block boundary that every group of every rank can serve."""
         end = len(hashes)
         moved = True
+        # Leading blocks a full-attention group of a rank is known to hold: a state group
+        # moves the boundary back one block at a time (its states are sparse), and the
+        # blocks before a shorter boundary need no second lookup.
+        held: dict[tuple[int, int], int] = {}
         # `end` only shrinks, and a pass that moves nothing ends the loop: at most len(hashes)
         # passes, in practice one or two.
         while moved and end > 0:
             moved = False
-            for per_rank in self._namespaces:
-                for group, ns in zip(self._groups, per_rank, strict=True):
+            for rank, per_rank in enumerate(self._namespaces):
+                for g, (group, ns) in enumerate(zip(self._groups, per_rank, strict=True)):
                     first = group.first_needed(end, self._block_tokens)
-                    if first >= end:
+                    if first >= end or (first == 0 and held.get((rank, g), -1) >= end):
                         continue
                     self.lookups += 1
                     run = client.lookup(engine_keys(ns, hashes[first:end]))
+                    if first == 0:
+                        held[rank, g] = run
                     if first + run < end:
                         end, moved = first + run, True
         return end
@@ -106,7 +128,7 @@ class GroupKV:
 
     group: KVGroup
     namespace: Namespace
-    kv: PagedKV
+    kv: PagedKV | StateKV
     save_buffer: torch.Tensor
     load_buffer: torch.Tensor
     index: int = 0  # the KV cache group (of a job's block_ids) these views belong to
@@ -116,7 +138,7 @@ class GroupKV:
         cls,
         group: KVGroup,
         namespace: Namespace,
-        kv_caches: dict[str, torch.Tensor],
+        kv_caches: dict[str, Any],
         num_blocks: int,
         batch: int,
         index: int = 0,
@@ -129,6 +151,14 @@ class GroupKV:
         missing = [name for name in group.layer_names if name not in kv_caches]
         if missing:
             raise ConfigError(f"vLLM registered no KV cache for layers {missing}")
+        if group.is_state:
+            if namespace.head_size != group.head_width:
+                raise ConfigError(f"state namespace holds {namespace.head_size} bytes per "
+                                  f"layer, the group {group.head_width}")  # fmt: skip
+            state = StateKV([kv_caches[name] for name in group.layer_names], num_blocks,
+                            group.head_width, group.layer_names)  # fmt: skip
+            return cls(group, namespace, state, state.staging(batch), state.staging(batch),
+                       index)  # fmt: skip
         kv = PagedKV([kv_caches[name] for name in group.layer_names], num_blocks)
         item = kv_caches[group.layer_names[0]].element_size()
         seen = (kv.block_tokens, kv.num_kv_heads, kv.width_bytes // item)

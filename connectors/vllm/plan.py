@@ -13,8 +13,8 @@ from typing import Any
 from kvoffload.client_sdk import BlockMeta, Namespace, TierRun
 from kvoffload.errors import ConfigError, InvalidArgumentError
 
-__all__ = ["NULL_BLOCK", "KVGroup", "LoadJob", "SaveJob", "Settings", "StepPlan", "block_metas",
-           "event_hash", "namespace_for"]  # fmt: skip
+__all__ = ["FULL", "NULL_BLOCK", "SLIDING", "STATE", "KVGroup", "LoadJob", "SaveJob", "Settings",
+           "StepPlan", "block_metas", "event_hash", "namespace_for"]  # fmt: skip
 
 # vLLM's null block: what a block table holds where a sliding-window group dropped (or never
 # allocated) a block outside its window. Such positions are neither loaded nor saved.
@@ -142,21 +142,39 @@ def namespace_for(
     )
 
 
+# Kinds of KV cache group (`KVGroup.kind`).
+FULL = "full"  # full attention (MLA included): every block before a hit boundary
+SLIDING = "sliding"  # sliding-window attention: the blocks inside the window
+STATE = "state"  # Mamba / linear-attention recurrent state: one block per boundary
+
+
 @dataclass(frozen=True)
 class KVGroup:
     """One KV cache group (hybrid models have several: e.g. sliding-window and full-attention
-    layers), as both halves need it."""
+    layers, or Mamba state beside attention), as both halves need it."""
 
     layer_names: tuple[str, ...]
-    num_kv_heads: int  # per rank
-    head_width: int  # K and V concatenated
-    dtype: str
+    num_kv_heads: int  # per rank (state groups: 1)
+    head_width: int  # K and V concatenated (state groups: state bytes of one layer)
+    dtype: str  # KV dtype (state groups: the first state's dtype)
     sliding_window: int | None = None  # tokens; None: full attention
     extra_retained: int = 0  # vLLM's SlidingWindowSpec.extra_retained_tokens
+    kind: str = FULL
+    # State groups: each layer's states (e.g. conv and SSM state), as vLLM's MambaSpec names
+    # them; a block holds every layer's states after the block's last token.
+    state_shapes: tuple[tuple[int, ...], ...] = ()
+    state_dtypes: tuple[str, ...] = ()
+
+    @property
+    def is_state(self) -> bool:
+        return self.kind == STATE
 
     def first_needed(self, end: int, block_tokens: int) -> int:
         """The first block this group keeps once `end` blocks are computed: vLLM's
-        `get_num_skipped_tokens` in blocks (0 for full attention)."""
+        `get_num_skipped_tokens` in blocks (0 for full attention; a state group needs only
+        the state at the boundary, held by block `end - 1`)."""
+        if self.kind == STATE:
+            return max(0, end - 1)
         if self.sliding_window is None:
             return 0
         skipped = end * block_tokens - self.sliding_window + 1 - self.extra_retained

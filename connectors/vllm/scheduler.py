@@ -17,7 +17,7 @@ from kvoffload.client_sdk import Client, Namespace, Tier, TierRun, engine_keys
 from kvoffload.connectors.vllm import _compat
 from kvoffload.connectors.vllm.claim import ClaimRule
 from kvoffload.connectors.vllm.groups import GroupLookup
-from kvoffload.connectors.vllm.plan import LoadJob, SaveJob, Settings, StepPlan
+from kvoffload.connectors.vllm.plan import NULL_BLOCK, LoadJob, SaveJob, Settings, StepPlan
 from kvoffload.errors import ConfigError
 
 __all__ = ["SchedulerHalf"]
@@ -59,6 +59,7 @@ class SchedulerHalf:
         groups: GroupLookup | None = None,
         on_cpu: bool = False,
         async_scheduling: bool = False,
+        state_groups: Sequence[int] = (),
     ) -> None:
         if async_scheduling and (settings.layer_parts > 1 or settings.sync_load_blocks > 0):
             # Step N+1 is scheduled before step N's failed loads are known: a request that
@@ -76,6 +77,11 @@ class SchedulerHalf:
         self.kv_cache_manager = kv_cache_manager
         # Several KV cache groups or a sliding window: the lookup of connectors/vllm/groups.py.
         self._groups = groups
+        # KV cache groups of Mamba / linear-attention state: their blocks are saved from
+        # vLLM's boundary-state hand-offs, never from block table positions.
+        self._state_groups = tuple(state_groups)
+        self._num_groups = groups.num_groups if groups is not None else 1
+        self._offers: dict[str, list[tuple[int, int, int]]] = {}
         # The largest load that runs before its step's forward instead of in the background.
         # Hybrid models report a failed load per request, which vLLM takes from asynchronous
         # loads only: theirs stay asynchronous.
@@ -162,9 +168,36 @@ class SchedulerHalf:
         state.load, state.load_start = job, start
         self._loads.append(job)
 
+    def _state_offers(self, req_id: str, end: int) -> dict[int, dict[int, int]]:
+        """This step's state blocks of a request: block position -> {group: block id}, for
+        boundaries on whole blocks of at most `end` blocks (vLLM also hands off sub-block
+        tails, which no block hash names)."""
+        out: dict[int, dict[int, int]] = {}
+        for group, block, tokens in self._offers.pop(req_id, ()):
+            count, rest = divmod(int(tokens), self._block_tokens)
+            if group in self._state_groups and not rest and 0 < count <= end:
+                out.setdefault(count - 1, {})[int(group)] = int(block)
+        return out
+
+    def _state_ids(
+        self, ids: list[list[int]], offers: dict[int, dict[int, int]], first: int, end: int
+    ) -> tuple[tuple[int, ...], ...]:
+        """Block ids of positions `first:end` of every group: state groups' from `offers`
+        (NULL_BLOCK where vLLM handed off no state; taken entries leave `offers`), the other
+        groups' from their block tables `ids`."""
+        out = []
+        for g in range(len(ids)):
+            if g in self._state_groups:
+                row = [offers.get(p, {}).pop(g, NULL_BLOCK) for p in range(first, end)]
+            else:
+                row = list(ids[g][first:end])
+            out.append(tuple(row))
+        return tuple(out)
+
     def build_plan(self, scheduler_output: Any) -> StepPlan:
         saves: list[SaveJob] = []
         size = self._block_tokens
+        self._offers = _compat.boundary_states(scheduler_output) if self._state_groups else {}
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
             if state is None:
@@ -176,21 +209,31 @@ class SchedulerHalf:
                 done = min(done, request.num_prompt_tokens)
             hashes = self._hashes(request)
             end = min(done // size, len(hashes))
-            if end <= state.stored:
-                continue
-            ids = _compat.scheduled_block_ids(scheduler_output, self.kv_cache_manager, req_id)
+            offers = self._state_offers(req_id, end)
             first = state.stored
-            saves.append(
-                SaveJob(
-                    req_id,
-                    tuple(tuple(group[first:end]) for group in ids),
-                    tuple(hashes[first:end]),
-                    hashes[first - 1] if first else None,
-                    _block_tokens(request, first, end, size),
-                    _compat.lora_name(request),
+            if end > first:
+                ids = _compat.scheduled_block_ids(scheduler_output, self.kv_cache_manager,
+                                                  req_id)  # fmt: skip
+                saves.append(
+                    SaveJob(
+                        req_id,
+                        self._state_ids(ids, offers, first, end),
+                        tuple(hashes[first:end]),
+                        hashes[first - 1] if first else None,
+                        _block_tokens(request, first, end, size),
+                        _compat.lora_name(request),
+                    )
                 )
-            )
-            state.stored, state.saving = end, True
+                state.stored, state.saving = end, True
+            # States of boundaries whose KV was saved before (e.g. a prompt's checkpoint).
+            left = sorted(p for p, groups in offers.items() if groups)
+            if left:
+                lo, hi = left[0], left[-1] + 1
+                no_ids: list[list[int]] = [[NULL_BLOCK] * hi for _ in range(self._num_groups)]
+                ids_lo_hi = self._state_ids(no_ids, offers, lo, hi)
+                parent = hashes[lo - 1] if lo else None
+                saves.append(SaveJob(req_id, ids_lo_hi, tuple(hashes[lo:hi]), parent))
+                state.saving = True
         plan = StepPlan(
             loads=tuple(self._loads),
             saves=tuple(saves),

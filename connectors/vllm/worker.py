@@ -38,6 +38,7 @@ from kvoffload.connectors.vllm.groups import (
 )
 from kvoffload.connectors.vllm.layers import LayerLoad
 from kvoffload.connectors.vllm.plan import (
+    FULL,
     NULL_BLOCK,
     KVGroup,
     LoadJob,
@@ -46,6 +47,7 @@ from kvoffload.connectors.vllm.plan import (
     StepPlan,
     block_metas,
 )
+from kvoffload.connectors.vllm.state import DAMAGE, ZERO_UNVERIFIED, damage_part, planted_fault
 from kvoffload.errors import KVOffloadError
 
 __all__ = ["WorkerHalf"]
@@ -81,7 +83,7 @@ class WorkerHalf:
         self._hybrid = len(groups) > 1 and not layered
         # The group whose saves carry token ids for the store's KV events (one is enough;
         # with layer parts the last, saved once the others are).
-        self._events_group = next((i for i, g in enumerate(groups) if g.sliding_window is None), 0)
+        self._events_group = next((i for i, g in enumerate(groups) if g.kind == FULL), 0)
         if layered:
             self._events_group = len(groups) - 1
         self._save_stream: torch.cuda.Stream | None = None
@@ -122,10 +124,11 @@ class WorkerHalf:
         if device.type == "cuda":
             self._save_stream = torch.cuda.Stream(device)
             self._load_stream = torch.cuda.Stream(device)
-        for part in self._groups:
+        for g, part in enumerate(self._groups):
             log.info(
-                "kvoffload: %d layers, %d blocks of %d bytes, staging %d blocks, window %s",
-                part.kv.num_layers, part.kv.num_blocks, part.kv.block_bytes, batch,
+                "kvoffload: group %d (%s): %d layers, %d tokens per block, %d blocks of %d "
+                "bytes, staging %d blocks, window %s", g, part.group.kind, part.kv.num_layers,
+                part.namespace.block_tokens, part.kv.num_blocks, part.kv.block_bytes, batch,
                 part.group.sliding_window,
             )  # fmt: skip
 
@@ -315,10 +318,35 @@ class WorkerHalf:
                                     clock)  # fmt: skip
         began, end = time.perf_counter(), len(job.hashes)
         for part, ids in zip(self._groups, job.block_ids, strict=True):
+            if part.group.is_state:
+                end = self._load_state(part, job, ids, end, clock)
+                continue
             end = self._load_group(part, job.hashes[:end], ids[:end], None, clock)
         if end:
             with self._lock:
                 self._rates.loaded(Tier.UNKNOWN, end, time.perf_counter() - began)
+        return end
+
+    def _load_state(
+        self, part: GroupKV, job: LoadJob, ids: Sequence[int], end: int, clock: _LoadClock
+    ) -> int:
+        """Load a state group's one block of a hit: the state at its boundary (the job's last
+        block), into the block vLLM allocated for it. Returns `end` when it is in place, else
+        0: without its state no block of the hit can be used."""
+        last = len(job.hashes) - 1
+        if end <= last or ids[last] == NULL_BLOCK:
+            if end > last:
+                log.warning("kvoffload: request %s has no state block at its hit boundary",
+                            job.req_id)  # fmt: skip
+            return 0
+        if planted_fault(take_damage=True) == DAMAGE:
+            damage_part(self._client, engine_hashes(part.namespace, [job.hashes[last]])[0])
+        masked = [NULL_BLOCK] * last + [ids[last]]
+        if self._load_group(part, job.hashes, masked, None, clock) <= last:
+            return 0
+        if planted_fault() == ZERO_UNVERIFIED:
+            zeros = part.kv.staging(1).zero_()
+            part.kv.scatter(torch.tensor([ids[last]], dtype=torch.long), zeros)
         return end
 
     def _load_group(
@@ -415,12 +443,13 @@ class _LoadClock:
 
 
 def _snapshots(groups: Sequence[GroupKV], job: SaveJob) -> dict[int, torch.Tensor]:
-    """Copies of a job's sliding-window blocks, taken before the next step can free them
-    (full-attention blocks stay allocated until `get_finished` reports the request)."""
+    """Copies of a job's sliding-window and state blocks, taken before the next step can free
+    them (full-attention blocks stay allocated until `get_finished` reports the request; a
+    state block vLLM handed off holds its boundary only until the next step runs)."""
     out: dict[int, torch.Tensor] = {}
     for g, part in enumerate(groups):
         ids = job.block_ids[part.index]
         kept = [ids[i] for i in stored_positions(ids)]
-        if part.group.sliding_window is not None and kept:
+        if part.group.kind != FULL and kept:
             out[g] = part.snapshot(kept)
     return out
