@@ -844,7 +844,7 @@ class _Budget:
 
 
 @dataclass
-class _Reference:
+class _HotReference:
     """The Python path's answers to the frames C took, and what they did to the engine."""
 
     answers: list[bytes]
@@ -857,7 +857,7 @@ class _Reference:
 
 
 def _python_get_many(ref: NativeConnection, engine: Engine, keys: list[bytes], rid: int,
-                     budget: _Budget, pins: PinBudget, out: _Reference) -> None:  # fmt: skip
+                     budget: _Budget, pins: PinBudget, out: _HotReference) -> None:  # fmt: skip
     """`requests.on_get_many` on a DRAM-only engine, its pin budget played on `pins`."""
     views: list[Any] = []
     taken, stop = 0, False
@@ -892,11 +892,11 @@ def _python_get_many(ref: NativeConnection, engine: Engine, keys: list[bytes], r
 
 @atheris.instrument_func  # coverage of the choices: GCC gives none of the C
 def _python_answers(ref: NativeConnection, engine: Engine, tenant: Tenant | None,
-                    taken: bytes, budget: _Budget, held_before: int) -> _Reference:  # fmt: skip
+                    taken: bytes, budget: _Budget, held_before: int) -> _HotReference:  # fmt: skip
     """What the Python path answers to the frames C took: the codec reads them, the engine's
     own calls answer them (GetMany's pin budget on a copy that starts where C's did)."""
     ref.receive_data(taken)
-    out = _Reference([], [0, 0, 0, 0], 0, 0, 0, 0, 0)
+    out = _HotReference([], [0, 0, 0, 0], 0, 0, 0, 0, 0)
     pins = PinBudget(budget.pins.limit)
     pins.held = held_before
     derive = tenant.key if tenant is not None else (lambda k: k)
