@@ -198,14 +198,39 @@ static PyObject *engine_key(HotGets *self, PyObject *key) {
     return digest;
 }
 
+static int lock_engine(HotGets *self) {
+    PyObject *r = PyObject_CallMethodNoArgs(self->lock, s_acquire);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+static int unlock_engine(HotGets *self) {
+    PyObject *r = PyObject_CallMethodNoArgs(self->lock, s_release);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+/* 1 open, 0 closing or closed (the request is left to Python), -1 error; the lock is held. */
+static int engine_open(HotGets *self) {
+    int closing = flag(self->manager, s_closing);
+    int closed = closing == 0 ? flag(self->manager, s_closed) : closing;
+    return closing < 0 || closed < 0 ? -1 : (closing || closed) ? 0 : 1;
+}
+
+/* The engine key of the one client key of a canonical Get or Exists frame at p. */
+static PyObject *frame_key(HotGets *self, const unsigned char *p) {
+    PyObject *client = PyBytes_FromStringAndSize((const char *)p + HEAD + 7, 16);
+    PyObject *key = client ? engine_key(self, client) : NULL;
+    Py_XDECREF(client);
+    return key;
+}
+
 /* Look `key` up and pin its entry, as Reads.acquire does for a DRAM-only engine; the lock is
  * held by the caller. 1: served (*entry the pinned entry or NULL for a miss), 0: leave the
  * request to Python (the engine is closing), -1: error. */
 static int acquire(HotGets *self, PyObject *key, PyObject **entry) {
-    int closing = flag(self->manager, s_closing);
-    int closed = closing == 0 ? flag(self->manager, s_closed) : closing;
-    if (closing < 0 || closed < 0) return -1;
-    if (closing || closed) return 0;
+    int open = engine_open(self);
+    if (open <= 0) return open;
     if (bump(self->counters, s_gets, 1) < 0) return -1;
     PyObject *found = index_lookup(self->index, key);
     if (found == NULL) return -1;
@@ -347,38 +372,15 @@ static PyObject *derive_keys(HotGets *self, const unsigned char *keys, uint32_t 
     return engine_keys;
 }
 
-static int lock_engine(HotGets *self) {
-    PyObject *r = PyObject_CallMethodNoArgs(self->lock, s_acquire);
-    Py_XDECREF(r);
-    return r == NULL ? -1 : 0;
-}
-
-static int unlock_engine(HotGets *self) {
-    PyObject *r = PyObject_CallMethodNoArgs(self->lock, s_release);
-    Py_XDECREF(r);
-    return r == NULL ? -1 : 0;
-}
-
-/* 1 open, 0 closing or closed (the request is left to Python), -1 error; the lock is held. */
-static int engine_open(HotGets *self) {
-    int closing = flag(self->manager, s_closing);
-    int closed = closing == 0 ? flag(self->manager, s_closed) : closing;
-    return closing < 0 || closed < 0 ? -1 : (closing || closed) ? 0 : 1;
-}
-
 static int serve_lookup(HotGets *self, const unsigned char *keys, uint32_t count, uint32_t rid,
                         int tiers, PyObject *parts, long long *answer) {
     PyObject *engine_keys = derive_keys(self, keys, count);
     if (engine_keys == NULL) return -1;
-    PyObject *r = PyObject_CallMethodNoArgs(self->lock, s_acquire);
-    if (r == NULL) {
+    if (lock_engine(self) < 0) {
         Py_DECREF(engine_keys);
         return -1;
     }
-    Py_DECREF(r);
-    int closing = flag(self->manager, s_closing);
-    int closed = closing == 0 ? flag(self->manager, s_closed) : closing;
-    int got = closing < 0 || closed < 0 ? -1 : (closing || closed) ? 0 : 1;
+    int got = engine_open(self);
     long long found = 0;
     for (uint32_t i = 0; got == 1 && i < count; i++) {
         int in = PyDict_Contains(self->index->entries, PyList_GET_ITEM(engine_keys, i));
@@ -387,9 +389,7 @@ static int serve_lookup(HotGets *self, const unsigned char *keys, uint32_t count
         found++;
     }
     Py_DECREF(engine_keys);
-    r = PyObject_CallMethodNoArgs(self->lock, s_release);
-    if (r == NULL) return -1;
-    Py_DECREF(r);
+    if (unlock_engine(self) < 0) return -1;
     if (got <= 0) return got;
     PyObject *header = tiers ? tiers_header(rid, found)
                              : PyObject_CallFunction(self->frame_head, "iIOLi", OP_LOOKUP, rid,
@@ -405,25 +405,17 @@ static int serve_lookup(HotGets *self, const unsigned char *keys, uint32_t count
  * engine (no counters); 1 served, 0 left to Python, -1 error. */
 static int serve_exists(HotGets *self, const unsigned char *p, uint32_t rid, PyObject *parts,
                         long long *answer) {
-    PyObject *client = PyBytes_FromStringAndSize((const char *)p + HEAD + 7, 16);
-    PyObject *key = client ? engine_key(self, client) : NULL;
-    Py_XDECREF(client);
+    PyObject *key = frame_key(self, p);
     if (key == NULL) return -1;
-    PyObject *r = PyObject_CallMethodNoArgs(self->lock, s_acquire);
-    if (r == NULL) {
+    if (lock_engine(self) < 0) {
         Py_DECREF(key);
         return -1;
     }
-    Py_DECREF(r);
-    int closing = flag(self->manager, s_closing);
-    int closed = closing == 0 ? flag(self->manager, s_closed) : closing;
-    int got = closing < 0 || closed < 0 ? -1 : (closing || closed) ? 0 : 1;
+    int got = engine_open(self);
     int found = got == 1 ? PyDict_Contains(self->index->entries, key) : 0;
     if (found < 0) got = -1;
     Py_DECREF(key);
-    r = PyObject_CallMethodNoArgs(self->lock, s_release);
-    if (r == NULL) return -1;
-    Py_DECREF(r);
+    if (unlock_engine(self) < 0) return -1;
     if (got <= 0) return got;
     PyObject *header = PyObject_CallFunction(self->frame_head, "iIOOi", OP_EXISTS, rid,
                                              s_found_name, found ? Py_True : Py_False, 0);
@@ -439,16 +431,12 @@ static int serve_exists(HotGets *self, const unsigned char *p, uint32_t rid, PyO
 static int serve_one(HotGets *self, const unsigned char *p, uint32_t rid, PyObject *parts,
                      PyObject *views, PyObject *entries, long long *out_bytes,
                      long long *answer) {
-    PyObject *client = PyBytes_FromStringAndSize((const char *)p + HEAD + 7, 16);
-    PyObject *key = client ? engine_key(self, client) : NULL;
-    Py_XDECREF(client);
+    PyObject *key = frame_key(self, p);
     if (key == NULL) return -1;
-    PyObject *r = PyObject_CallMethodNoArgs(self->lock, s_acquire);
-    if (r == NULL) {
+    if (lock_engine(self) < 0) {
         Py_DECREF(key);
         return -1;
     }
-    Py_DECREF(r);
     PyObject *entry = NULL, *view = NULL;
     long long length = 0;
     int got = acquire(self, key, &entry);
@@ -463,9 +451,7 @@ static int serve_one(HotGets *self, const unsigned char *p, uint32_t rid, PyObje
         if (unpin_locked(self, entry) < 0) PyErr_Clear();
         PyErr_Restore(et, ev, etb);
     }
-    r = PyObject_CallMethodNoArgs(self->lock, s_release);
-    if (r == NULL) got = -1;
-    Py_XDECREF(r);
+    if (unlock_engine(self) < 0) got = -1;
     if (got <= 0) {
         Py_XDECREF(entry);
         Py_XDECREF(view);
@@ -918,9 +904,7 @@ static PyObject *hot_release(HotGets *self, PyObject *args) {
         if (r == NULL) return NULL;
         Py_DECREF(r);
     }
-    PyObject *r = PyObject_CallMethodNoArgs(self->lock, s_acquire);
-    if (r == NULL) return NULL;
-    Py_DECREF(r);
+    if (lock_engine(self) < 0) return NULL;
     int rc = 0;
     PyObject *et = NULL, *ev = NULL, *etb = NULL;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(entries); i++)
@@ -929,14 +913,12 @@ static PyObject *hot_release(HotGets *self, PyObject *args) {
             else PyErr_Clear();
             rc = -1;
         }
-    r = PyObject_CallMethodNoArgs(self->lock, s_release);
-    if (r == NULL) {
+    if (unlock_engine(self) < 0) {
         Py_XDECREF(et);
         Py_XDECREF(ev);
         Py_XDECREF(etb);
         return NULL;
     }
-    Py_DECREF(r);
     if (give_back(self, taken) < 0) {
         if (rc == 0) PyErr_Fetch(&et, &ev, &etb);
         else PyErr_Clear();
