@@ -144,6 +144,20 @@ FOLD_TARGET static inline __m256i fold32(__m256i a, __m256i k) {
                             _mm256_clmulepi64_epi128(a, k, 0x11));
 }
 
+/* After the wide folds: the one 16-byte lane `acc` folded over the rest in 16-byte steps, then
+ * reduced by `crc32` from a zero register, then the last bytes. */
+FOLD_TARGET __attribute__((always_inline)) static inline uint32_t
+fold_finish(__m128i acc, __m128i k1, uint8_t *dst, const uint8_t *src, size_t n, const int copy) {
+    for (; n >= 16; n -= 16, src += 16) {
+        __m128i y = _mm_loadu_si128((const __m128i *)src);
+        if (copy) { _mm_storeu_si128((__m128i *)dst, y); dst += 16; }
+        acc = _mm_xor_si128(fold16(acc, k1), y);
+    }
+    uint64_t r = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(acc));
+    r = _mm_crc32_u64(r, (uint64_t)_mm_extract_epi64(acc, 1));
+    return hw_loop((uint32_t)r, dst, src, n, copy);
+}
+
 /* n >= FOLD_MIN. Four 32-byte registers hold 128 bytes (eight 16-byte lanes), each lane folded
  * 1024 bits forward per step; then the lanes fold into one, then 16-byte steps, then `crc32`. */
 FOLD_TARGET __attribute__((always_inline)) static inline uint32_t
@@ -192,14 +206,7 @@ fold_loop(uint32_t reg, uint8_t *dst, const uint8_t *src, size_t n, const int co
     };
     __m128i acc = lanes[0];
     for (int i = 1; i < 8; i++) acc = _mm_xor_si128(fold16(acc, k1), lanes[i]);
-    for (; n >= 16; n -= 16, src += 16) {
-        __m128i y = _mm_loadu_si128((const __m128i *)src);
-        if (copy) { _mm_storeu_si128((__m128i *)dst, y); dst += 16; }
-        acc = _mm_xor_si128(fold16(acc, k1), y);
-    }
-    uint64_t r = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(acc));
-    r = _mm_crc32_u64(r, (uint64_t)_mm_extract_epi64(acc, 1));
-    return hw_loop((uint32_t)r, dst, src, n, copy);
+    return fold_finish(acc, k1, dst, src, n, copy);
 }
 
 /* The `crc32` instruction and carry-less multiplies run on different units, each near 8 bytes a
@@ -332,14 +339,7 @@ fold512_loop(uint32_t reg, uint8_t *dst, const uint8_t *src, size_t n, const int
                             _mm512_extracti32x4_epi32(x[q], 3)};
         for (int l = q == 0; l < 4; l++) acc = _mm_xor_si128(fold16(acc, k1), lanes[l]);
     }
-    for (; n >= 16; n -= 16, src += 16) {
-        __m128i y = _mm_loadu_si128((const __m128i *)src);
-        if (copy) { _mm_storeu_si128((__m128i *)dst, y); dst += 16; }
-        acc = _mm_xor_si128(fold16(acc, k1), y);
-    }
-    uint64_t r = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(acc));
-    r = _mm_crc32_u64(r, (uint64_t)_mm_extract_epi64(acc, 1));
-    return hw_loop((uint32_t)r, dst, src, n, copy);
+    return fold_finish(acc, k1, dst, src, n, copy);
 }
 
 FOLD512_TARGET static uint32_t fold512_copy(uint32_t reg, uint8_t *dst, const uint8_t *src,
