@@ -4,6 +4,7 @@
 # integration tests of the native data path and the fronts, KV events and NIXL beside it, and
 # every differential test (test_differential*.py, wherever it lives): 5 m 47 s on the shared
 # 2-vCPU VM (load 2-2.6), ~4.5 min more than the codec and daemon tests it replaces (~70 s).
+# test_hotpath.py is not listed: it starts a daemon on each path itself, in the main step.
 # Long form (--long, or KVOFFLOAD_RELIABILITY=long): the whole suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,7 +39,7 @@ exec .venv/bin/python -m pytest -p no:cacheprovider -q \
     tests/integration/test_nvme.py tests/integration/test_nvme_bad_input.py \
     tests/integration/test_nvme_interop.py tests/integration/test_nixl_trust.py \
     tests/unit/kvstore/test_engine.py tests/unit/kvstore/test_engine_batch.py \
-    tests/integration/test_hotpath.py tests/integration/test_hotpath_differential.py \
+    tests/integration/test_hotpath_differential.py \
     tests/integration/test_native_one_call.py \
     "${nixl[@]/#/tests/integration/test_nixl.py::}" \
     "${differential[@]}"
