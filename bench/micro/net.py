@@ -101,7 +101,7 @@ def _daemon_put_cpu_row(client: Client, pid: int, raw: RawClient, requests: int)
         client.delete(key)
     raw_cpu = None
     if raw.server_pid is not None:
-        view = memoryview(value).cast("B")
+        view = memoryview(value.tobytes())
         raw.put(view)  # warm, as the daemon's loop is
         raw0 = cpu_seconds(raw.server_pid)
         for _ in range(requests):
