@@ -906,6 +906,10 @@ static PyObject *hot_put_done(HotGets *self, PyObject *args) {
                         "put_done needs HotGets(..., buckets=...), an fd and nbytes >= 0");
         return NULL;
     }
+    if (nbytes > LLONG_MAX - self->m_bytes_in) { /* refused before anything is sent */
+        PyErr_SetString(PyExc_OverflowError, "put_done: the bytes in would pass 2**63 - 1");
+        return NULL;
+    }
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(parts); i++)
         if (!PyBytes_Check(PyList_GET_ITEM(parts, i))) { /* the codec's answer: bytes only */
             PyErr_SetString(PyExc_TypeError, "put_done: the parts must be bytes");

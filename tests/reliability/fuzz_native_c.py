@@ -1119,6 +1119,7 @@ class _IndexWorld:
 _PUT_SOCKETS: list[tuple[socket.socket, socket.socket]] = []  # one pair for the whole run
 
 
+@atheris.instrument_func  # coverage of the choices: GCC gives none of the C
 def fuzz_hot_put_done(data: bytes) -> None:
     """`HotGets.put_done` with fuzzed answers (bytes of any length, or not bytes), start times,
     byte counts and a socket with room for some, none or all of it: the kernel gets a prefix
@@ -1139,6 +1140,12 @@ def fuzz_hot_put_done(data: bytes) -> None:
     hot = hot_type(handles.lock, handles.index, handles.counters, handles.manager,
                    handles.apply_touches, handles.free, handles.arena, None, fast.frame_head,
                    _State.HEAD, handles.touch_ring, buckets=(1e-3, 1.0))  # fmt: skip
+    base_puts = base_in = 0  # a put of nothing counted first: bytes in near 2**63 - 1
+    if fdp.ConsumeBool():
+        base_in = fdp.ConsumeIntInRange(0, 2**63 - 1)
+        if hot.put_done([], near.fileno(), 0.0, base_in) != []:
+            raise AssertionError("put_done of nothing left a rest")
+        base_puts = 1
     filler = 0  # some, none or all of the socket's room taken first
     with contextlib.suppress(BlockingIOError):
         for _ in range(fdp.ConsumeIntInRange(0, 40)):
@@ -1154,17 +1161,18 @@ def fuzz_hot_put_done(data: bytes) -> None:
     try:
         rest = hot.put_done(parts, fd, t0, nbytes)
     except (TypeError, ValueError, OverflowError):
-        if all(isinstance(p, bytes) for p in parts) and fd >= 0 and 0 <= nbytes < 2**63:
+        if all(isinstance(p, bytes) for p in parts) and fd >= 0 and 0 <= nbytes < 2**63 - base_in:
             raise
-        if hot.take_metrics()[0] != (0, 0, 0, 0, 0):
-            raise AssertionError("a refused put_done counted") from None
+        if hot.take_metrics()[0] != (0, 0, 0, 0, base_puts) or _drain(far)[filler:]:
+            raise AssertionError("a refused put_done counted or sent") from None
         return
     whole = b"".join(p for p in parts if isinstance(p, bytes))
     got = _drain(far)
     if got[:filler] != b"f" * filler or got[filler:] + b"".join(rest) != whole:
         raise AssertionError("put_done sent something other than a prefix of its answer")
     counts, out_bytes, buckets, _, in_bytes = hot.take_metrics()
-    if counts != (0, 0, 0, 0, 1) or out_bytes or in_bytes != nbytes or sum(buckets[4]) != 1:
+    puts, total = base_puts + 1, base_in + nbytes
+    if counts != (0, 0, 0, 0, puts) or out_bytes or in_bytes != total or sum(buckets[4]) != puts:
         raise AssertionError(f"put_done counted {counts}, {in_bytes} in, not one put of {nbytes}")
 
 

@@ -394,3 +394,17 @@ def test_put_done_refuses_what_it_cannot_do(engine: Engine) -> None:
         with pytest.raises(TypeError):
             hot.put_done(tuple(parts), near.fileno(), 0.0, 1)  # type: ignore[attr-defined]
         assert hot.take_metrics()[0] == (0, 0, 0, 0, 0)  # type: ignore[attr-defined]
+
+
+def test_put_done_refuses_bytes_in_past_63_bits_before_it_sends(engine: Engine) -> None:
+    hot = _hot_sending(engine)
+    near, far = socket.socketpair()
+    with near, far:
+        far.setblocking(False)
+        assert hot.put_done([], near.fileno(), 0.0, 2**63 - 1) == []  # type: ignore[attr-defined]
+        with pytest.raises(OverflowError, match="2\\*\\*63"):
+            hot.put_done(_put_done_bytes(12), near.fileno(), 0.0, 1)  # type: ignore[attr-defined]
+        with pytest.raises(BlockingIOError):
+            far.recv(100)  # nothing was sent
+        counts, _, _, _, got_in = hot.take_metrics()  # type: ignore[attr-defined]
+        assert counts[4] == 1 and got_in == 2**63 - 1  # the refused one counted nothing
