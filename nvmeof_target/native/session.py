@@ -177,7 +177,12 @@ class NativeSession(Session):
                 continue
             # Whole Get frames at the front answered in C (only with nothing outstanding, so
             # answers keep request order); then the flow control again before the next frame.
-            if self._hot is not None and not conn.pending:
+            # An empty buffer (a put just answered) has nothing for C: not asked.
+            if (
+                self._hot is not None
+                and not conn.pending
+                and conn._reader._end > conn._reader._start
+            ):
                 served = self._serve_hot(max(1, self._turn_left()))
                 if served:
                     await self._next_step(served)  # each counts: a pipeliner still yields
