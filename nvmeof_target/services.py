@@ -100,6 +100,7 @@ class Services:
     hot_exists: int = 0  # and exists requests
     hot_lookups: int = 0  # and lookups
     hot_get_manys: int = 0  # and batch gets
+    hot_put_answers: int = 0  # puts whose answer C sent and counted (`HotGets.put_done`)
     shard: ShardRole | None = None
     # This process's NIXL agent, made when a client first asks for the NIXL data path.
     nixl: NixlAgent | None = None
@@ -122,6 +123,7 @@ class Services:
             "hot_exists": self.hot_exists,
             "hot_lookups": self.hot_lookups,
             "hot_get_manys": self.hot_get_manys,
+            "hot_put_answers": self.hot_put_answers,
         }
 
 

@@ -77,8 +77,8 @@ class PeerLog:
 
 
 # The ops `HotGets.take_metrics` counts, in its order (a GetMany is "getmany" here as in
-# `NativeSession._dispatch`).
-OPS = ("get", "exists", "lookup", "getmany")
+# `NativeSession._dispatch`); `HotGets.serve` answers the first four, `put_done` puts.
+OPS = ("get", "exists", "lookup", "getmany", "put")
 
 
 class Instruments:
@@ -109,9 +109,11 @@ class Instruments:
 
     def fold(self, hot: Any) -> None:
         """Add what `hot` counted since it was last taken to the request metrics."""
-        counts, out_bytes, buckets, sums = hot.take_metrics()
+        counts, out_bytes, buckets, sums, in_bytes = hot.take_metrics()
         if out_bytes:
             self.bytes_out.inc(out_bytes)
+        if in_bytes:
+            self.bytes_in.inc(in_bytes)
         for op, count, row, total in zip(OPS, counts, buckets, sums, strict=True):
             if not count:
                 continue

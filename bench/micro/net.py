@@ -17,7 +17,8 @@ References:
 
 `daemon_cpu_us/get/64KiB`: the CPU time of the daemon process (all its threads, from
 /proc/<pid>/stat) divided by the requests of a loop of `--cpu-requests` 64 KiB gets, next to
-the raw socket server's CPU per 64 KiB get read the same way in the same run (goal ≤ 1.5× it).
+the raw socket server's CPU per 64 KiB get read the same way in the same run (goal ≤ 1.5× it);
+`daemon_cpu_us/put/64KiB` the same for as many 64 KiB puts (overwrites of 64 keys).
 - lmcache: LMCache's own `lm://` server (`lmcache.v1.server`), driven by `bench/peers/lmserver.py`
   under a Python that has `lmcache` (`--lmcache-python`, env KVOFFLOAD_LMCACHE_PYTHON, else
   `.venv-lmcache` as `.ci/engines.sh lmcache` builds it, else this one). Its
@@ -84,6 +85,36 @@ def _daemon_cpu_row(client: Client, pid: int, raw: RawClient, requests: int) -> 
     return Row("daemon_cpu_us/get/64KiB", cpu / requests * 1e6, "us", "raw_socket", raw_cpu, note)
 
 
+def _daemon_put_cpu_row(client: Client, pid: int, raw: RawClient, requests: int) -> Row:
+    """Daemon CPU µs per 64 KiB put over `requests` puts that overwrite a few keys (DRAM only,
+    so no eviction), next to the raw socket server's CPU per 64 KiB put read the same way."""
+    size = 64 << 10
+    keys = [i.to_bytes(16, "big") for i in range(64)]
+    value = np.frombuffer(os.urandom(size), dtype=np.uint8)
+    for key in keys:
+        client.put(key, value)  # warm: first-touch and connection set-up not counted
+    t0, cpu0 = time.perf_counter(), cpu_seconds(pid)
+    for i in range(requests):
+        client.put(keys[i % len(keys)], value)
+    cpu, wall = cpu_seconds(pid) - cpu0, time.perf_counter() - t0
+    for key in keys:
+        client.delete(key)
+    raw_cpu = None
+    if raw.server_pid is not None:
+        view = memoryview(value.tobytes())
+        raw.put(view)  # warm, as the daemon's loop is
+        raw0 = cpu_seconds(raw.server_pid)
+        for _ in range(requests):
+            raw.put(view)
+        raw_cpu = (cpu_seconds(raw.server_pid) - raw0) / requests * 1e6
+    note = (
+        f"{requests:,} puts in {wall:.2f} s ({wall / requests * 1e6:.0f} µs each, wall); CPU of "
+        "every daemon thread / requests, clock-tick resolution; reference: the raw socket "
+        "server's CPU / requests over as many 64 KiB puts"
+    )
+    return Row("daemon_cpu_us/put/64KiB", cpu / requests * 1e6, "us", "raw_socket", raw_cpu, note)
+
+
 def _raw_cpu_per_get(raw: RawClient, size: int, requests: int) -> float | None:
     """The raw socket server process's CPU µs per `size`-byte get (None without its pid)."""
     if raw.server_pid is None:
@@ -139,6 +170,7 @@ def run(
         result.rows += _lookup_rows(client, lookups)
         if cpu_requests:
             result.rows.append(_daemon_cpu_row(client, pid, raw, cpu_requests))
+            result.rows.append(_daemon_put_cpu_row(client, pid, raw, cpu_requests))
     if multi_client:
         result.rows += mc_rows(rounds)
     if nixl == "also":
@@ -295,7 +327,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cpu-requests",
         type=int,
         default=20_000,
-        help="64 KiB gets for the daemon_cpu_us row (0: skip it)",
+        help="64 KiB gets (and as many puts) for the daemon_cpu_us rows (0: skip them)",
     )
     parser.add_argument(
         "--no-multi-client",

@@ -35,7 +35,8 @@ class ExtensionMissingError(KVOffloadError, ImportError):
     """KVOFFLOAD_REQUIRE_EXT is set and the C core did not build or load."""
 
 
-HOT_OPS = 4  # what HotGets serves and counts; a build that says otherwise is stale
+# What HotGets serves and counts (puts through put_done); a build that says otherwise is stale.
+HOT_OPS = 5
 
 
 def _load() -> ModuleType | None:

@@ -48,11 +48,13 @@ class HotGets:
     def take_metrics(
         self,
     ) -> tuple[
-        tuple[int, int, int, int],
+        tuple[int, int, int, int, int],
         int,
         tuple[tuple[int, ...], ...],
-        tuple[float, float, float, float],
+        tuple[float, float, float, float, float],
+        int,
     ]: ...
+    def put_done(self, parts: list[bytes], fd: int, t0: float, nbytes: int, /) -> list[bytes]: ...
     def release(
         self, views: list[memoryview], entries: list[object], taken: int = 0, /
     ) -> None: ...

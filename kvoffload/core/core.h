@@ -23,7 +23,8 @@ extern PyObject *core_str_pins, *core_str_live, *core_str_tick, *core_str_key,
     *core_str_staging, *core_str_offset, *core_str_length;
 int core_index_init_strings(void);
 int core_hot_init(void);
-/* Ops HotGets serves and counts (get, exists, lookup, get_many): the module exports it as
- * HOT_OPS, so that a build older than the Python code that reads its answers is refused. */
-#define CORE_HOT_OPS 4
+/* Ops HotGets serves and counts (get, exists, lookup, get_many; put answered by put_done):
+ * the module exports it as HOT_OPS, so that a build older than the Python code that reads
+ * its answers is refused. */
+#define CORE_HOT_OPS 5
 #endif

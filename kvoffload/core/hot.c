@@ -30,7 +30,8 @@
 #define OP_EXISTS 4 /* the same request map as a Get's; the answer carries no payload */
 #define OP_GET_MANY 7 /* {"keys": [...]} as a Lookup's; the answer {"lengths": [...]} */
 #define OP_LOOKUP 8
-#define NOPS CORE_HOT_OPS /* in take_metrics' order: get, exists, lookup, get_many */
+#define NOPS CORE_HOT_OPS /* in take_metrics' order: get, exists, lookup, get_many, put */
+#define PUT_OP 4          /* put_done's row of the counts */
 #define MAX_BOUNDS 32 /* latency buckets counted in C (metrics._BUCKETS has 15) */
 #define IOV_BATCH 512 /* buffers per sendmsg: Linux refuses more than IOV_MAX (1024) */
 
@@ -53,10 +54,11 @@ typedef struct {
     long long max_payload;
     Py_ssize_t step;
     /* With `buckets` given, serve(..., fd) sends and counts in C: requests, bytes out and
-     * latencies by op (get, exists, lookup), taken by `take_metrics` before every scrape. */
+     * latencies by op (get, exists, lookup, get_many; put from put_done) and the put
+     * payload bytes in, taken by `take_metrics` before every scrape. */
     Py_ssize_t nbounds;                       /* 0: no metrics in C (serve needs fd -1) */
     double bounds[MAX_BOUNDS];                /* the histogram's upper bounds, ascending */
-    long long m_counts[NOPS], m_bytes_out;
+    long long m_counts[NOPS], m_bytes_out, m_bytes_in;
     long long m_buckets[NOPS][MAX_BOUNDS + 1]; /* not cumulative; the last is +Inf */
     double m_sums[NOPS];
 } HotGets;
@@ -793,7 +795,7 @@ static PyObject *hot_serve(HotGets *self, PyObject *args) {
         return NULL;
     }
     PyObject *parts = PyList_New(0), *views = PyList_New(0), *entries = PyList_New(0);
-    long long out_bytes = 0, answer = 0, served = 0, taken = 0, counts[NOPS] = {0, 0, 0, 0};
+    long long out_bytes = 0, answer = 0, served = 0, taken = 0, counts[NOPS] = {0};
     int many = self->pins != Py_None && self->step > 0;
     uint32_t rid = 0, last_rid = 0, hlen = 0, last_hlen = 0, nkeys = 0;
     int op = 0, last_op = 0, tiers = 0;
@@ -887,6 +889,41 @@ static PyObject *hot_serve(HotGets *self, PyObject *args) {
     return result;
 }
 
+/* A put's answer, sent and counted here instead of through the session's Channel and
+ * prometheus calls: `parts` are the codec's bytes (`send_put_done`), `fd` the socket with
+ * nothing queued, `t0` the request's start (time.perf_counter: CLOCK_MONOTONIC, as now_s).
+ * Counted as the Python path counts it (a put, ok, its latency including the send, `nbytes`
+ * in) before this returns, so a client that scrapes once it has its answer finds it. */
+static PyObject *hot_put_done(HotGets *self, PyObject *args) {
+    PyObject *parts;
+    int fd;
+    double t0;
+    long long nbytes;
+    if (!PyArg_ParseTuple(args, "O!idL:put_done", &PyList_Type, &parts, &fd, &t0, &nbytes))
+        return NULL;
+    if (self->nbounds == 0 || fd < 0 || nbytes < 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "put_done needs HotGets(..., buckets=...), an fd and nbytes >= 0");
+        return NULL;
+    }
+    if (nbytes > LLONG_MAX - self->m_bytes_in) { /* refused before anything is sent */
+        PyErr_SetString(PyExc_OverflowError, "put_done: the bytes in would pass 2**63 - 1");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(parts); i++)
+        if (!PyBytes_Check(PyList_GET_ITEM(parts, i))) { /* the codec's answer: bytes only */
+            PyErr_SetString(PyExc_TypeError, "put_done: the parts must be bytes");
+            return NULL;
+        }
+    PyObject *rest = unsent(parts, send_parts(fd, parts));
+    if (rest == NULL) return NULL;
+    long long counts[NOPS] = {0};
+    counts[PUT_OP] = 1;
+    count_batch(self, counts, 0, now_s() - t0);
+    self->m_bytes_in += nbytes;
+    return rest;
+}
+
 static PyObject *hot_release(HotGets *self, PyObject *args) {
     PyObject *views, *entries;
     long long taken = 0;
@@ -954,17 +991,18 @@ static PyObject *hot_take_metrics(HotGets *self, PyObject *Py_UNUSED(ignored)) {
             PyTuple_SET_ITEM(row, b, v);
         }
     }
-    PyObject *out = Py_BuildValue("((LLLL)LN(dddd))", self->m_counts[0], self->m_counts[1],
-                                  self->m_counts[2], self->m_counts[3], self->m_bytes_out,
-                                  buckets, self->m_sums[0], self->m_sums[1], self->m_sums[2],
-                                  self->m_sums[3]);
+    PyObject *out = Py_BuildValue("((LLLLL)LN(ddddd)L)", self->m_counts[0], self->m_counts[1],
+                                  self->m_counts[2], self->m_counts[3], self->m_counts[4],
+                                  self->m_bytes_out, buckets, self->m_sums[0], self->m_sums[1],
+                                  self->m_sums[2], self->m_sums[3], self->m_sums[4],
+                                  self->m_bytes_in);
     if (out == NULL) return NULL;
     /* taken and zeroed in one call: nothing runs between (the GIL is held), so a scrape on
      * another thread never loses or doubles a count */
     memset(self->m_counts, 0, sizeof self->m_counts);
     memset(self->m_buckets, 0, sizeof self->m_buckets);
     memset(self->m_sums, 0, sizeof self->m_sums);
-    self->m_bytes_out = 0;
+    self->m_bytes_out = self->m_bytes_in = 0;
     return out;
 }
 
@@ -1065,9 +1103,13 @@ static PyMethodDef hot_methods[] = {
      "the answers are sent and counted here; parts is then what the kernel did not take (its "
      "views and entries released once it is sent) or empty (already released)."},
     {"take_metrics", (PyCFunction)hot_take_metrics, METH_NOARGS,
-     "take_metrics() -> ((gets, exists, lookups, get_manys), bytes_out, (buckets per op), (latency sums "
-     "per op)): what serve(..., fd) counted since the last call (then zeroed); each op's "
-     "buckets are not cumulative, the last is +Inf."},
+     "take_metrics() -> ((gets, exists, lookups, get_manys, puts), bytes_out, (buckets per "
+     "op), (latency sums per op), bytes_in): what serve(..., fd) and put_done counted since "
+     "the last call (then zeroed); each op's buckets are not cumulative, the last is +Inf."},
+    {"put_done", (PyCFunction)hot_put_done, METH_VARARGS,
+     "put_done(parts, fd, t0, nbytes) -> rest: send a put's answer (the codec's bytes) on fd "
+     "(nothing queued on it) and count it (a put, ok, latency from t0, nbytes in); rest is "
+     "what the kernel did not take, for the session's Channel."},
     {"release", (PyCFunction)hot_release, METH_VARARGS,
      "release(views, entries, taken=0): unpin what served answers held and give `taken` back "
      "to the pin budget (idempotent)."},

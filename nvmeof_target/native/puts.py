@@ -113,8 +113,9 @@ def _commit_put(s: NativeSession, pending: PendingPut) -> None:
         reservation.abort()  # a no-op once committed
         if events is not None:
             events.settle(engine_key)
-    s.bytes_in.inc(request.length)
-    s.reply_put_done(rid)
+    if not s.reply_put_done_hot(rid, request.length):
+        s.bytes_in.inc(request.length)
+        s.reply_put_done(rid)
 
 
 def _reserve_then(

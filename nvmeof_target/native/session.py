@@ -177,7 +177,12 @@ class NativeSession(Session):
                 continue
             # Whole Get frames at the front answered in C (only with nothing outstanding, so
             # answers keep request order); then the flow control again before the next frame.
-            if self._hot is not None and not conn.pending:
+            # An empty buffer (a put just answered) has nothing for C: not asked.
+            if (
+                self._hot is not None
+                and not conn.pending
+                and conn._reader._end > conn._reader._start
+            ):
                 served = self._serve_hot(max(1, self._turn_left()))
                 if served:
                     await self._next_step(served)  # each counts: a pipeliner still yields
@@ -285,7 +290,7 @@ class NativeSession(Session):
         # Counted before the write, as `_answer` does: a client that scrapes the metrics once
         # it has its answer must find its request there.
         histograms = []
-        for op, count in zip(OPS, (gets, exists, lookups, many), strict=True):
+        for op, count in zip(OPS[:4], (gets, exists, lookups, many), strict=True):
             if count:
                 counter, histogram = self._instruments(op, "ok")
                 counter.inc(count)
@@ -379,6 +384,32 @@ class NativeSession(Session):
         """Answer a Put: `reply(PutDone(request_id))` without building the event."""
         self._answer(request_id, self.conn.send_put_done(request_id), "ok")
         self._wake()
+
+    def reply_put_done_hot(self, request_id: int, length: int) -> bool:
+        """`bytes_in.inc(length)` and `reply_put_done(request_id)`, with the answer sent and
+        counted in C (`HotGets.put_done`) while nothing is queued on the socket; False (nothing
+        done) where C may not: the caller answers in Python."""
+        hot = self._hot
+        if hot is None:
+            return False
+        fd = self.channel.direct_fd()
+        if fd < 0:
+            return False
+        parts = self.conn.send_put_done(request_id)
+        _, t0 = self._started.pop(request_id, ("put", time.perf_counter()))
+        rest = hot.put_done(parts, fd, t0, length)
+        self.services.hot_put_answers += 1
+        if rest:  # a full socket: the rest waits in the Channel, counted in flight until sent
+            size = sum(map(len, rest))
+            self._inflight_bytes += size
+
+            def sent() -> None:
+                self._inflight_bytes -= size
+                self._wake()
+
+            self.channel.write(rest, sent)
+        self._wake()
+        return True
 
     def reply_exists(self, request_id: int, found: bool) -> None:
         """Answer an Exists: `reply(ExistsResult(request_id, found))` without the event."""

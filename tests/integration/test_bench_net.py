@@ -48,6 +48,10 @@ def test_rows_cover_every_case_and_reference() -> None:
     assert cpu.unit == "us" and 1 < cpu.value < 100_000
     assert cpu.ref_value is not None and 1 < cpu.ref_value < 100_000
     assert "2,000 gets" in cpu.note and "goal ≤ 1.5×" in cpu.note
+    put_cpu = rows[("daemon_cpu_us/put/64KiB", "raw_socket")]
+    assert put_cpu.unit == "us" and 1 < put_cpu.value < 100_000
+    assert put_cpu.ref_value is not None and 1 < put_cpu.ref_value < 100_000
+    assert "2,000 puts" in put_cpu.note
     # 8 client processes against every worker, next to a forking raw server under them.
     mc = rows[("get_mc8/2MiB", "raw_socket_mp")]
     assert mc.unit == "GB/s" and mc.value > 0 and mc.ref_value and mc.ref_value > 0

@@ -107,9 +107,11 @@ def _sequence(seed: int, n: int) -> list[tuple[str, Any]]:
     ops: list[tuple[str, Any]] = []
     for _ in range(n):
         kind = rng.choice(["put", "put", "put_many", "get", "get", "get_many", "exists",
-                           "lookup", "lookup_tiers", "delete"])  # fmt: skip
+                           "lookup", "lookup_tiers", "delete", "put_oversize"])  # fmt: skip
         if kind == "put":
             ops.append((kind, (rng.choice(KEYS), _value(rng))))
+        elif kind == "put_oversize":  # past max_value_bytes: refused alike, the key unchanged
+            ops.append(("put", (rng.choice(KEYS), rng.randbytes(1600 << 10))))
         elif kind == "put_many":
             keys = rng.sample(KEYS, rng.randint(1, 3))
             ops.append((kind, [(k, rng.randbytes(rng.choice(SIZES[:4]))) for k in keys]))
@@ -165,6 +167,7 @@ def test_random_sequences_answer_the_same_on_both_paths(start_daemon: Start, ten
         assert (server["hot_exists"] > 0) == (core == "c"), server  # type: ignore[operator]
         assert (server["hot_lookups"] > 0) == (core == "c"), server  # type: ignore[operator]
         assert (server["hot_get_manys"] > 0) == (core == "c"), server  # type: ignore[operator]
+        assert (server["hot_put_answers"] > 0) == (core == "c"), server  # type: ignore[operator]
     assert finals[0][0] == finals[1][0]
     assert finals[0][1] == finals[1][1]
     assert finals[0][2] == finals[1][2] and finals[0][2]
@@ -201,6 +204,8 @@ def _pipeline(seed: int) -> tuple[NativeConnection, bytes]:
         key = rng.choice(KEYS[:8])
         if kind == "put":  # small: the answers queued at once stay within the pin budget
             value = rng.randbytes(rng.choice(SIZES[:3]) * 4)
+            if rid % 7 == 0:  # past max_value_bytes: refused, its payload skipped, then on
+                value = bytes(1600 << 10)
             out.append(conn.send(Put(rid, key, len(value)), [value]))
         elif kind == "get":
             out.append(conn.send(Get(rid, key)))

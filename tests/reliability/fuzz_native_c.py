@@ -1116,6 +1116,75 @@ class _IndexWorld:
             return (type(exc).__name__, str(exc))
 
 
+_PUT_SOCKETS: list[tuple[socket.socket, socket.socket]] = []  # one pair for the whole run
+
+
+@atheris.instrument_func  # coverage of the choices: GCC gives none of the C
+def fuzz_hot_put_done(data: bytes) -> None:
+    """`HotGets.put_done` with fuzzed answers (bytes of any length, or not bytes), start times,
+    byte counts and a socket with room for some, none or all of it: the kernel gets a prefix
+    and the rest comes back, in order; each call that returns counts exactly one put and its
+    bytes, and one that raises (only TypeError, ValueError, OverflowError) counts nothing."""
+    fdp = atheris.FuzzedDataProvider(data)
+    if not _PUT_SOCKETS:
+        near, far = socket.socketpair()
+        near.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        near.setblocking(False)
+        far.setblocking(False)
+        _PUT_SOCKETS.append((near, far))
+    near, far = _PUT_SOCKETS[0]
+    _drain(far)  # what an earlier input left
+    handles = _engine().hot_handles()
+    hot_type = core.hot_gets_type()
+    assert handles is not None and hot_type is not None
+    hot = hot_type(handles.lock, handles.index, handles.counters, handles.manager,
+                   handles.apply_touches, handles.free, handles.arena, None, fast.frame_head,
+                   _State.HEAD, handles.touch_ring, buckets=(1e-3, 1.0))  # fmt: skip
+    base_puts = base_in = 0  # a put of nothing counted first: bytes in near 2**63 - 1
+    if fdp.ConsumeBool():
+        base_in = fdp.ConsumeIntInRange(0, 2**63 - 1)
+        if hot.put_done([], near.fileno(), 0.0, base_in) != []:
+            raise AssertionError("put_done of nothing left a rest")
+        base_puts = 1
+    filler = 0  # some, none or all of the socket's room taken first
+    with contextlib.suppress(BlockingIOError):
+        for _ in range(fdp.ConsumeIntInRange(0, 40)):
+            filler += near.send(b"f" * 1024)
+    parts: list[object] = [
+        fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 9000)) if fdp.ConsumeIntInRange(0, 15)
+        else memoryview(b"x")
+        for _ in range(fdp.ConsumeIntInRange(0, 4))
+    ]  # fmt: skip
+    t0 = fdp.ConsumeRegularFloat() if fdp.ConsumeBool() else 0.0
+    nbytes = _hostile_int(fdp) if fdp.ConsumeBool() else fdp.ConsumeIntInRange(0, 1 << 40)
+    fd = near.fileno() if fdp.ConsumeIntInRange(0, 7) else -1
+    try:
+        rest = hot.put_done(parts, fd, t0, nbytes)
+    except (TypeError, ValueError, OverflowError):
+        if all(isinstance(p, bytes) for p in parts) and fd >= 0 and 0 <= nbytes < 2**63 - base_in:
+            raise
+        if hot.take_metrics()[0] != (0, 0, 0, 0, base_puts) or _drain(far)[filler:]:
+            raise AssertionError("a refused put_done counted or sent") from None
+        return
+    whole = b"".join(p for p in parts if isinstance(p, bytes))
+    got = _drain(far)
+    if got[:filler] != b"f" * filler or got[filler:] + b"".join(rest) != whole:
+        raise AssertionError("put_done sent something other than a prefix of its answer")
+    counts, out_bytes, buckets, _, in_bytes = hot.take_metrics()
+    puts, total = base_puts + 1, base_in + nbytes
+    if counts != (0, 0, 0, 0, puts) or out_bytes or in_bytes != total or sum(buckets[4]) != puts:
+        raise AssertionError(f"put_done counted {counts}, {in_bytes} in, not one put of {nbytes}")
+
+
+def _drain(sock: socket.socket) -> bytes:
+    """Everything readable on a non-blocking socket now."""
+    got = b""
+    with contextlib.suppress(BlockingIOError):
+        while chunk := sock.recv(1 << 20):
+            got += chunk
+    return got
+
+
 @atheris.instrument_func  # coverage of the choices: GCC gives none of the C
 def fuzz_dram_index(data: bytes) -> None:
     """The same operation sequence through the C index and the Python one: every answer, error
@@ -1259,6 +1328,7 @@ TARGETS: dict[str, Target] = {
     # The C core (kvoffload/core): the daemon's hot path and the index it reads.
     "hot-gets": Target(fuzz_hot_gets, _core_seeds, CORE, 0.25),
     "dram-index": Target(fuzz_dram_index, _core_seeds, CORE, 0.1),
+    "hot-put-done": Target(fuzz_hot_put_done, _core_seeds, CORE, 0.1),
     "slot-ring": Target(fuzz_slot_ring, _core_seeds, CORE, 0.1),
 }
 

@@ -166,6 +166,6 @@ def test_with_a_socket_it_sends_and_gives_everything_back_at_once(engine: Engine
         while len(received) < size:
             received += far.recv(size - len(received))
         assert received == expected and pins.held == 0 and _counters(engine)[3] == 0
-        (_, _, _, many), sent, buckets, _ = hot.take_metrics()  # type: ignore[attr-defined]
+        (_, _, _, many, _), sent, buckets, _, _ = hot.take_metrics()  # type: ignore[attr-defined]
         assert many == 1 and sent == sum(len(VALUES[k]) for k in keys if k in VALUES)
         assert sum(buckets[3]) == 1

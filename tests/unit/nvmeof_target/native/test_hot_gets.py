@@ -5,9 +5,11 @@ and the pins it gives back."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -275,11 +277,11 @@ def test_with_a_socket_it_sends_counts_and_unpins_at_once(engine: Engine) -> Non
         expected = _python_answer(7, len(VALUE)) + VALUE + _python_answer(8, None)
         assert size == len(expected) and _recv_exactly(far, size) == expected
         assert _pinned(engine) == 0  # released in the call: no completion callback
-        (gets, exists, lookups, many), sent, buckets, sums = hot.take_metrics()  # type: ignore[attr-defined]
-        assert (gets, exists, lookups, sent) == (2, 0, 0, len(VALUE))
+        (gets, exists, lookups, many, puts), sent, buckets, sums, got_in = hot.take_metrics()  # type: ignore[attr-defined]
+        assert (gets, exists, lookups, puts, sent, got_in) == (2, 0, 0, 0, len(VALUE), 0)
         assert sum(buckets[0]) == 2 and len(buckets[0]) == len(BUCKETS) + 1
         assert buckets[1] == buckets[2] == (0, 0, 0) and sums[0] > 0 and sums[1] == 0
-        assert hot.take_metrics()[:2] == ((0, 0, 0, 0), 0)  # type: ignore[attr-defined]  # taken
+        assert hot.take_metrics()[:2] == ((0, 0, 0, 0, 0), 0)  # type: ignore[attr-defined]  # taken
 
 
 def test_what_a_full_socket_leaves_stays_pinned_for_the_channel(engine: Engine) -> None:
@@ -335,3 +337,74 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
         assert chunk
         out += chunk
     return bytes(out)
+
+
+def _put_done_bytes(rid: int) -> list[bytes]:
+    """What the Python codec answers a Put with (`send_put_done`): the parts `put_done` sends."""
+    server, client = NativeConnection(Role.SERVER), NativeConnection(Role.CLIENT)
+    server.receive_data(client.send(Hello(HELLO_ID)) + client.send(Put(rid, KEY, 0)))
+    server.next_event()
+    server.next_event()
+    return [bytes(p) for p in server.send_put_done(rid)]
+
+
+def test_put_done_sends_the_codecs_answer_and_counts_a_put(engine: Engine) -> None:
+    hot = _hot_sending(engine)
+    near, far = socket.socketpair()
+    with near, far:
+        near.setblocking(False)
+        parts = _put_done_bytes(9)
+        t0 = time.perf_counter() - 100  # the session's clock: C's latency must be from it
+        rest = hot.put_done(parts, near.fileno(), t0, 65536)  # type: ignore[attr-defined]
+        assert rest == [] and _recv_exactly(far, len(parts[0])) == parts[0]
+        counts, sent, buckets, sums, got_in = hot.take_metrics()  # type: ignore[attr-defined]
+        assert counts == (0, 0, 0, 0, 1) and sent == 0 and got_in == 65536
+        assert buckets[4] == (0, 0, 1) and sums[4] >= 100  # past the last bound: +Inf
+        assert hot.take_metrics()[0] == (0, 0, 0, 0, 0) and hot.take_metrics()[4] == 0  # type: ignore[attr-defined]
+
+
+def test_put_done_on_a_full_socket_hands_the_rest_back_counted(engine: Engine) -> None:
+    hot = _hot_sending(engine)
+    near, far = socket.socketpair()
+    with near, far:
+        near.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        near.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                near.send(b"f" * 4096)  # fill it: the kernel takes nothing more
+        parts = _put_done_bytes(10)
+        rest = hot.put_done(parts, near.fileno(), time.perf_counter(), 7)  # type: ignore[attr-defined]
+        assert b"".join(rest) == parts[0]  # for the Channel, in order after what is queued
+        counts, _, _, _, got_in = hot.take_metrics()  # type: ignore[attr-defined]
+        assert counts[4] == 1 and got_in == 7  # counted as the Python path counts before it writes
+
+
+def test_put_done_refuses_what_it_cannot_do(engine: Engine) -> None:
+    near, far = socket.socketpair()
+    with near, far:
+        parts = _put_done_bytes(11)
+        with pytest.raises(ValueError, match="buckets"):
+            _hot(engine).put_done(parts, near.fileno(), 0.0, 1)  # type: ignore[attr-defined]
+        hot = _hot_sending(engine)
+        for fd, nbytes in ((-1, 1), (near.fileno(), -1)):
+            with pytest.raises(ValueError, match="nbytes"):
+                hot.put_done(parts, fd, 0.0, nbytes)  # type: ignore[attr-defined]
+        with pytest.raises(TypeError, match="bytes"):
+            hot.put_done([memoryview(parts[0])], near.fileno(), 0.0, 1)  # type: ignore[attr-defined]
+        with pytest.raises(TypeError):
+            hot.put_done(tuple(parts), near.fileno(), 0.0, 1)  # type: ignore[attr-defined]
+        assert hot.take_metrics()[0] == (0, 0, 0, 0, 0)  # type: ignore[attr-defined]
+
+
+def test_put_done_refuses_bytes_in_past_63_bits_before_it_sends(engine: Engine) -> None:
+    hot = _hot_sending(engine)
+    near, far = socket.socketpair()
+    with near, far:
+        far.setblocking(False)
+        assert hot.put_done([], near.fileno(), 0.0, 2**63 - 1) == []  # type: ignore[attr-defined]
+        with pytest.raises(OverflowError, match="2\\*\\*63"):
+            hot.put_done(_put_done_bytes(12), near.fileno(), 0.0, 1)  # type: ignore[attr-defined]
+        with pytest.raises(BlockingIOError):
+            far.recv(100)  # nothing was sent
+        counts, _, _, _, got_in = hot.take_metrics()  # type: ignore[attr-defined]
+        assert counts[4] == 1 and got_in == 2**63 - 1  # the refused one counted nothing
