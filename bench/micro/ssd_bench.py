@@ -518,6 +518,7 @@ def _write_rounds(directory: Path, total: int, rounds: int, result: BenchResult)
             f"2 MiB, {THREADS} threads; odirect = {THREADS} threads of raw O_DIRECT pwrite + "
             "fdatasync")  # fmt: skip
     note += "".join(f"; skipped {s}" for s in skipped)
+    note += "; load average " + " ".join(f"{x:.1f}" for x in os.getloadavg()) + " at the end"
     cpu_note = "process CPU time per block (all threads), same rounds"
     for arm in _WRITE_ARMS:
         if ("write", arm) not in med:
