@@ -188,7 +188,8 @@ class SsdConfig:
     # The kernel queue of "nixl-posix": "aio" (Linux AIO, NIXL's default) or "uring" (io_uring).
     nixl_queue: str = "aio"
     # How the "posix" backend moves slots: "io_uring" (the C core's ring: a batched get's reads
-    # in one submission), "threads" (preadv/pwritev on the calling and read-pool threads), or
+    # in one submission, each slot write one), "threads" (preadv/pwritev on the calling and
+    # read-pool threads), or
     # "auto" (io_uring where the kernel allows it, else threads; docs/design/ssd-tier.md).
     io_engine: str = "auto"
 

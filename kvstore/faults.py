@@ -15,8 +15,10 @@ fail each ``preadv``/``pwritev`` on the thread path.
 
 ``ring.read`` and ``ring.write`` reach into the ring's completions (kvoffload/core/uring.c)
 and take a mapping instead of an errno name: ``errno`` (a name; left out: no error), ``entries``
-(the indexes, in one submission, of the entries that complete with that error; left out: all)
-and ``delay_s`` (the completions are reaped that much later, the buffers still in flight).
+(the indexes, in one submission, of the entries that complete with that error; left out: all),
+``delay_s`` (the completions are reaped that much later, the buffers still in flight) and
+``short`` (true: the chosen entries report half the bytes the kernel moved, a short transfer;
+applied to the results the ring returns, not with ``errno``).
 """
 
 from __future__ import annotations
@@ -50,13 +52,25 @@ class RingFault:
     code: int  # errno given to the chosen entries; 0: none
     entries: tuple[int, ...] | None  # None: every entry
     delay_s: float
+    short: bool = False  # the chosen entries complete short: half their bytes (a disk full)
+
+    def _chosen(self, count: int) -> list[int]:
+        chosen = range(count) if self.entries is None else self.entries
+        return [i for i in chosen if 0 <= i < count]
 
     def fail(self, count: int) -> list[tuple[int, int]]:
         """(index, errno) of the entries of a submission of `count` that fail."""
-        if not self.code:
-            return []
-        chosen = range(count) if self.entries is None else self.entries
-        return [(i, self.code) for i in chosen if 0 <= i < count]
+        return [(i, self.code) for i in self._chosen(count)] if self.code else []
+
+    def shorten(self, results: list[int]) -> list[int]:
+        """`results` with each chosen entry that moved bytes cut to half of them."""
+        if not self.short:
+            return results
+        out = list(results)
+        for i in self._chosen(len(out)):
+            if out[i] > 0:
+                out[i] //= 2
+        return out
 
 
 P = ParamSpec("P")
@@ -83,9 +97,13 @@ def _delay(name: object) -> float | None:
 def _ring_fault(path: str, op: str, spec: object) -> RingFault:
     bad = ConfigError(
         f"{ENV}: fault plan {path}: {op!r} takes a mapping of 'errno' (a name such as 'EIO'), "
-        f"'entries' (a list of indexes) and 'delay_s' (seconds in [0, {_MAX_DELAY_S:g}])"
+        f"'entries' (a list of indexes), 'delay_s' (seconds in [0, {_MAX_DELAY_S:g}]) and "
+        "'short' (true: the entries complete with half their bytes; not with 'errno')"
     )
-    if not isinstance(spec, dict) or set(spec) - {"errno", "entries", "delay_s"}:
+    if not isinstance(spec, dict) or set(spec) - {"errno", "entries", "delay_s", "short"}:
+        raise bad
+    short = spec.get("short", False)
+    if not isinstance(short, bool) or (short and spec.get("errno") is not None):
         raise bad
     name = spec.get("errno")
     code = 0 if name is None else getattr(errno, name, None) if isinstance(name, str) else None
@@ -102,7 +120,7 @@ def _ring_fault(path: str, op: str, spec: object) -> RingFault:
         raise bad
     if not 0 <= delay <= _MAX_DELAY_S:
         raise bad
-    return RingFault(code, None if entries is None else tuple(entries), float(delay))
+    return RingFault(code, None if entries is None else tuple(entries), float(delay), short)
 
 
 def _load(path: str) -> _Plan:

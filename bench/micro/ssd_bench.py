@@ -17,6 +17,10 @@
   installed), read_depth 1 (one block after another), raw O_DIRECT preadv with 8 threads
   (`odirect`) and the same plus one CRC32C pass a block (`odirect_crc`), in alternating
   rounds; cpu_us/read_batch/<size>: process CPU time per block, against each.
+- write_durable_<engine>/2MiB (`--write on|only`): 8 threads of durable 2 MiB puts with the slot
+  writes through io_uring and on the threads, against raw O_DIRECT pwrite + fdatasync
+  (`odirect`); demote_<engine>/2MiB: GB/s the background demotion writer moves out of a 64 MiB
+  DRAM while one thread puts; alternating rounds of one run. cpu_us/...: CPU per block.
 - restart/1M: open a store whose index holds 1M blocks, from its checkpoint (after a clean
   close) and from the journal alone (after a crash). index_bytes/1M: bytes of the SSD index's
   arrays per block.
@@ -424,6 +428,122 @@ def _batch_rows(directory: Path, total: int, rounds: int, result: BenchResult,
     ]  # fmt: skip
 
 
+# The arms of the write_rounds rows: name -> ssd.io_engine ("odirect" is the raw reference).
+_WRITE_ARMS = ("io_uring", "threads")
+WRITE_SIZE = 2 << 20
+
+
+def _write_rounds(directory: Path, total: int, rounds: int, result: BenchResult) -> None:
+    """write_durable/2MiB: THREADS threads of durable 2 MiB puts into a fresh store with the
+    slot writes through io_uring and on the threads, against THREADS threads of raw O_DIRECT
+    pwrite + fdatasync ("odirect"); demote/2MiB: fast puts into 64 MiB of DRAM (less for a small
+    `total`: a quarter of the blocks fit) over the SSD with
+    the background demotion writer on, GB/s of blocks demoted (the puts wait only when it falls
+    behind). Alternating rounds of one run, so the shared disk's load hits every arm alike."""
+    size = WRITE_SIZE
+    n = max(THREADS * 2, total // size)
+    value = np.frombuffer(os.urandom(size), dtype=np.uint8)
+    keys = [i.to_bytes(16, "little") for i in range(n)]
+    ssd_bytes = int(n * (size + 2 * PAGE) * 1.3) + (64 << 20)
+    rate: dict[tuple[str, str], list[float]] = {}
+    cpu: dict[tuple[str, str], list[float]] = {}
+    skipped: list[str] = []
+
+    def durable(arm: str) -> None:
+        store, spent = directory / f"store-write-{arm}", list[float]()
+        with _engine(store, ssd_bytes, engine=arm) as engine:
+            if engine.stats().tiers[1].io_engine != arm:
+                raise RuntimeError(f"write arm {arm} ran on {engine.stats().tiers[1].io_engine}")
+            seconds = _parallel(
+                n, size, lambda i, _: engine.put(keys[i], value, durable=True), spent
+            )
+        shutil.rmtree(store)
+        rate.setdefault(("write", arm), []).append(n * size / seconds / 1e9)
+        cpu.setdefault(("write", arm), []).append(spent[0] / n * 1e6)
+
+    # A quarter of the blocks fit (64 MiB at most): the rest must move down while put.
+    dram = max(16 << 20, min(64 << 20, n * size // 4))
+
+    def demote(arm: str) -> None:
+        store = directory / f"store-demote-{arm}"
+        config = EngineConfig(
+            DramConfig(capacity_bytes=dram, max_value_bytes=size),
+            SsdConfig(
+                capacity_bytes=ssd_bytes, admission_min_uses=1, flush_on_close=False, io_engine=arm
+            ),  # fmt: skip
+            data_dir=str(store),
+        )
+        with Engine(config) as engine:
+            t0, c0 = time.perf_counter(), time.process_time()
+            for key in keys:
+                engine.put(key, value)
+            seconds, spent = time.perf_counter() - t0, time.process_time() - c0
+            demoted = engine.stats().tiers[1].demotions
+        shutil.rmtree(store)
+        rate.setdefault(("demote", arm), []).append(demoted * size / seconds / 1e9)
+        cpu.setdefault(("demote", arm), []).append(spent / max(demoted, 1) * 1e6)
+
+    def raw() -> None:
+        path, spent = directory / "raw-write.bin", list[float]()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+        try:
+            os.posix_fallocate(fd, 0, n * size)
+
+            def write(i: int, buf: memoryview) -> None:
+                os.pwrite(fd, buf, i * size)
+                os.fdatasync(fd)
+
+            seconds = _parallel(n, size, write, spent)
+        finally:
+            os.close(fd)
+            path.unlink()
+        rate.setdefault(("write", "odirect"), []).append(n * size / seconds / 1e9)
+        cpu.setdefault(("write", "odirect"), []).append(spent[0] / n * 1e6)
+
+    arms: dict[str, Callable[[], None]] = {"odirect": raw}
+    for arm in _WRITE_ARMS:
+        try:
+            with _engine(directory / "store-probe", 64 << 20, engine=arm):
+                pass
+        except ConfigError as exc:
+            skipped.append(f"{arm}: {exc}")
+            continue
+        finally:
+            shutil.rmtree(directory / "store-probe", ignore_errors=True)
+        arms[arm] = functools.partial(durable, arm)
+        arms[f"demote-{arm}"] = functools.partial(demote, arm)
+    for r in range(rounds):
+        for name in list(arms)[:: 1 if r % 2 == 0 else -1]:
+            arms[name]()
+    med = {k: statistics.median(v) for k, v in rate.items()}
+    cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
+    spread = ", ".join(f"{op} {a} {min(v):.2f}-{max(v):.2f}" for (op, a), v in rate.items())
+    note = (f"{rounds} alternating rounds (median; GB/s per round: {spread}), {n} blocks of "
+            f"2 MiB, {THREADS} threads; odirect = {THREADS} threads of raw O_DIRECT pwrite + "
+            "fdatasync")  # fmt: skip
+    note += "".join(f"; skipped {s}" for s in skipped)
+    note += "; load average " + " ".join(f"{x:.1f}" for x in os.getloadavg()) + " at the end"
+    cpu_note = "process CPU time per block (all threads), same rounds"
+    for arm in _WRITE_ARMS:
+        if ("write", arm) not in med:
+            continue
+        for ref in ("odirect", *(a for a in _WRITE_ARMS if a != arm)):
+            if ("write", ref) in med:
+                result.rows += [
+                    Row(f"write_durable_{arm}/2MiB", med[("write", arm)], "GB/s", ref,
+                        med[("write", ref)], note=note),
+                    Row(f"cpu_us/write_durable_{arm}/2MiB", cpu_med[("write", arm)], "us", ref,
+                        cpu_med[("write", ref)], note=cpu_note),
+                ]  # fmt: skip
+        other = [a for a in _WRITE_ARMS if a != arm and ("demote", a) in med]
+        result.rows.append(
+            Row(f"demote_{arm}/2MiB", med[("demote", arm)], "GB/s",
+                other[0] if other else "none", med[("demote", other[0])] if other else None,
+                note=f"fast puts into {dram >> 20} MiB of DRAM, background demotion writer; GB/s "
+                "demoted; " + note)
+        )  # fmt: skip
+
+
 def _restart_rows(directory: Path, entries: int, result: BenchResult) -> None:
     """Populate an index of `entries` header-only blocks through the tier's own bookkeeping
     (slot payloads are not written: a restart reads checkpoint and journal, not slots)."""
@@ -532,19 +652,25 @@ def _announce_rows(directory: Path, entries: int, result: BenchResult) -> None:
 
 def run(*, directory: str = ".", size_mib: int = 512, entries: int = 1_000_000,
         sizes: dict[str, int] | None = None, nixl: str = "on", rounds: int = 3,
-        batch: str = "on", restart: str = "on",
+        batch: str = "on", restart: str = "on", write: str = "off",
         batch_sizes: tuple[str, ...] = tuple(BATCH_SIZES)) -> BenchResult:  # fmt: skip
     """Measure in a scratch folder under `directory` (it must support O_DIRECT). `nixl`: "on"
     (with the NIXL rows), "off", or "only" (just them, `rounds` alternating rounds); `batch`
     the same for the read_batch rows ("only" with `nixl` "off": just those); `restart` the
-    same for the restart rows ("only": just those, without the other rows)."""
+    same for the restart rows ("only": just those, without the other rows); `write` "on" or
+    "only" adds the write_durable and demote rows (io_uring vs threads vs raw, `rounds`
+    alternating rounds; "only": just those)."""
     result = BenchResult("ssd")
     work = Path(directory) / f"kvoffload-bench-ssd-{os.getpid()}"
     work.mkdir(parents=True)
-    alone = nixl == "only" or batch == "only"
+    alone = nixl == "only" or batch == "only" or write == "only"
     if restart == "only":
         nixl = batch = "off"
+    if write == "only":
+        nixl = batch = restart = "off"
     try:
+        if write != "off":
+            _write_rounds(work, size_mib << 20, rounds, result)
         if not alone and restart != "only":
             for label, size in (sizes or SIZES).items():
                 _tier_rows(work, label, size, size_mib << 20, result)
@@ -601,6 +727,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(BATCH_SIZES),
         help=f"value sizes of the read_batch rows, of {', '.join(BATCH_SIZES)}",
     )
+    parser.add_argument(
+        "--write",
+        choices=("on", "off", "only"),
+        default="off",
+        help="rows of durable 2 MiB writes and demotions, io_uring vs threads vs raw O_DIRECT",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (NIXL, batch)")
 
 
@@ -611,4 +743,4 @@ def run_from_args(args: argparse.Namespace) -> BenchResult:
         raise SystemExit(f"--batch-sizes: unknown {unknown}; choose from {list(BATCH_SIZES)}")
     return run(directory=args.dir, size_mib=args.size, entries=args.entries, nixl=args.nixl,
                rounds=args.rounds, batch=args.batch, restart=args.restart,
-               batch_sizes=labels)  # fmt: skip
+               write=args.write, batch_sizes=labels)  # fmt: skip

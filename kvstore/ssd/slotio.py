@@ -306,10 +306,11 @@ class RingPages:
 
     A pool of rings: a caller takes a free one (or makes one) for its submission and gives it
     back, so concurrent callers never share a ring, and a ring exists per caller at once (a
-    batch's reader, each get's own thread), not per thread ever seen. Each submission waits for
-    all its completions with the GIL released. `BlockIO.read_batch` puts a whole batch of slots
-    in one submission; `transfer` one slot's header and value pages. Writes (and wipes) still go
-    through `SlotFile.write` (see `transfer`); the ring itself writes as well (`submit`).
+    batch's reader, each get's own thread, a durable put, the demotion writer), not per thread
+    ever seen. Each submission waits for all its completions with the GIL released, its buffers
+    exported until they are reaped. `BlockIO.read_batch` puts a whole batch of slots in one
+    submission; `transfer` one slot's header and value pages, read or written (a durable put,
+    a demotion, a wipe); the journal's group commit then syncs the slot file as before.
     """
 
     engine = "io_uring"
@@ -377,20 +378,27 @@ class RingPages:
                 results: list[int] = lease.ring.submit(batch)
             else:
                 results = lease.ring.submit(batch, fault.delay_s, fault.fail(len(batch)))
+                results = fault.shorten(results)
         except (OSError, ValueError) as exc:  # the ring broke or was closed under us
             raise StorageIOError(f"io_uring on {self.slots.path}: {exc}") from exc
         return results
 
     def transfer(self, write: bool, offset: int, buffers: Sequence[memoryview]) -> None:
-        if write:
-            # Writes stay on the calling thread's pwritev for now: one slot is one system call
-            # either way, and the journal's group commit does not submit through the ring yet.
-            self.slots.write(offset, buffers)
-            return
+        """One slot's pages (a write: its header page and value, or a wipe's header page) in
+        one submission. A short write is a failure like EIO (the caller frees the slot and
+        never publishes it): O_DIRECT into a preallocated slot moves all or fails, so a short
+        one means the device is in trouble, not that a retry would finish it."""
         entries = []
         for buf in buffers:
+            if len(buf) % PAGE or (offset % PAGE and self.slots.direct):
+                raise StorageIOError(
+                    f"slot I/O on {self.slots.path} at {offset}: {len(buf)} bytes is not whole "
+                    "pages at a page offset"
+                )
             entries.append((offset, buf))
             offset += len(buf)
+        if write and offset > self.slots.size:  # would grow the file; a read is short there
+            raise StorageIOError(f"write to {self.slots.path} ends at {offset}, past its end")
         with self.lease() as lease:
             results = self.submit(lease, write, entries)
         for (at, buf), got in zip(entries, results, strict=True):

@@ -217,6 +217,7 @@ class SsdTier:
         try:
             with self._unlocked():
                 self.io.write(plan, self.tenants[plan.tenant], payload)
+            self._raise_if_closed(key)
         except StorageIOError:
             self.write_through_done(key, plan.seq)
             self.cat.abort_write(plan)
@@ -245,6 +246,18 @@ class SsdTier:
             raise
         return plan.seq
 
+    def _raise_if_closed(self, key: bytes) -> None:
+        """A slow write (a delayed completion) can outlast the engine's close, which does not
+        wait for writes: its slot cannot be journaled any more, so the block is not stored.
+
+        Raises:
+            StorageIOError: the tier closed while the block was being written.
+        """
+        if self.cat.journal is None:
+            raise StorageIOError(
+                f"the SSD tier closed while block {key.hex()} was being written: not stored"
+            )
+
     def write_through_done(self, key: bytes, seq: int) -> None:
         """The durable put that wrote `seq` has published (or failed)."""
         seqs = self.cat.writing[key]
@@ -260,6 +273,7 @@ class SsdTier:
         try:
             with self._unlocked():
                 self.io.write(plan, self.tenants[plan.tenant], payload)
+            self._raise_if_closed(key)
             failed = False
         except StorageIOError as exc:
             log.error("demotion of block %s failed: %s", key.hex(), exc)

@@ -1,6 +1,9 @@
 """Crash safety: SIGKILL an engine under a stream of durable puts, many times, and reopen.
 
-Every acknowledged durable put must read back bit-exact; nothing ever reads back wrong.
+Every acknowledged durable put must read back bit-exact; nothing ever reads back wrong; `fsck`
+finds the store clean after the last round. The slot I/O runs through io_uring (the default
+where the kernel allows it: reads, durable writes and demotions) for every round, and on the
+thread path for a few (both share everything above the slot I/O).
 """
 
 from __future__ import annotations
@@ -16,20 +19,28 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import kvoffload.core as core
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
+from kvoffload.kvstore.ssd.fsck import fsck
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROUNDS = int(os.environ.get("KVOFFLOAD_CRASH_ROUNDS", "10"))
+THREAD_ROUNDS = min(ROUNDS, 3)  # the thread path's subset
 # Each round writes at most this many blocks (~30 KB each), so 60 rounds stay well within the
 # SSD and no acknowledged block is evicted to make room (durable means crash-safe, not pinned).
 OPS_PER_ROUND = 150
 
 
-def config(path: str) -> EngineConfig:
+def config(path: str, io_engine: str = "auto") -> EngineConfig:
     return EngineConfig(
         DramConfig(capacity_bytes=4 << 20, max_value_bytes=64 << 10, prefault=False),
-        SsdConfig(capacity_bytes=256 << 20, admission_min_uses=1, sync_interval_s=0.02),
+        SsdConfig(
+            capacity_bytes=256 << 20,
+            admission_min_uses=1,
+            sync_interval_s=0.02,
+            io_engine=io_engine,
+        ),
         data_dir=path,
     )
 
@@ -49,10 +60,10 @@ from kvoffload.kvstore import Engine
 sys.path.insert(0, {testdir!r})
 from test_crash import config, key, value
 from test_crash import OPS_PER_ROUND
-path, round_, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+path, round_, seed, io_engine = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 rng = random.Random(seed)
-engine = Engine(config(path))
-print("READY", flush=True)
+engine = Engine(config(path, io_engine))
+print("READY", engine.stats().tiers[1].io_engine, flush=True)
 i = 0
 while True:
     i += 1
@@ -83,7 +94,11 @@ while True:
 """
 
 
-def test_acknowledged_durable_puts_survive_sigkill(tmp_path: Path) -> None:
+@pytest.mark.parametrize("io_engine", ["io_uring", "threads"])
+def test_acknowledged_durable_puts_survive_sigkill(tmp_path: Path, io_engine: str) -> None:
+    if io_engine == "io_uring" and core.io_uring_unavailable() is not None:
+        pytest.skip(f"no io_uring here: {core.io_uring_unavailable()}")
+    rounds = ROUNDS if io_engine == "io_uring" else THREAD_ROUNDS
     store = str(tmp_path / "store")
     acked: set[int] = set()
     versions: dict[int, set[int]] = {}  # fast keys: every version ever written
@@ -91,15 +106,16 @@ def test_acknowledged_durable_puts_survive_sigkill(tmp_path: Path) -> None:
     attempted: dict[int, set[int]] = {}  # ... and every version ever started
     rng = random.Random(1234)
     child = CHILD.format(testdir=str(Path(__file__).parent))
-    for round_ in range(1, ROUNDS + 1):
+    for round_ in range(1, rounds + 1):
         errors = tmp_path / f"stderr.{round_}"
         with open(errors, "w") as err:
             proc = subprocess.Popen(
-                [sys.executable, "-c", child, store, str(round_), str(rng.randrange(1 << 30))],
+                [sys.executable, "-c", child, store, str(round_), str(rng.randrange(1 << 30)),
+                 io_engine],
                 stdout=subprocess.PIPE, stderr=err, text=True,
             )  # fmt: skip
         assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "READY", errors.read_text()
+        assert proc.stdout.readline().split() == ["READY", io_engine], errors.read_text()
         time.sleep(rng.uniform(0.05, 0.6))
         proc.send_signal(signal.SIGKILL)
         # Read through the same file object: readline() may have buffered lines already.
@@ -116,7 +132,7 @@ def test_acknowledged_durable_puts_survive_sigkill(tmp_path: Path) -> None:
                 attempted.setdefault(int(parts[1]), set()).add(int(parts[2]))
             elif parts[0] == "DACK":
                 durable[int(parts[1])] = int(parts[2])
-        with Engine(config(store)) as engine:
+        with Engine(config(store, io_engine)) as engine:
             buf = bytearray(64 << 10)
             for k in acked:
                 n = engine.get_into(key(k), buf)
@@ -137,4 +153,6 @@ def test_acknowledged_durable_puts_survive_sigkill(tmp_path: Path) -> None:
                     assert any(bytes(buf[:n]) == value(k, v) for v in vs), f"wrong bytes for {k}"
             stats = engine.stats()
             assert stats.tiers[1].corrupt_blocks == 0
-    assert len(acked) > ROUNDS and durable  # the test really exercised durable puts
+    assert len(acked) > rounds and durable  # the test really exercised durable puts
+    report = fsck(store)
+    assert report.clean and report.good_blocks == report.indexed_blocks > 0, report

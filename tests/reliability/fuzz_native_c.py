@@ -1216,12 +1216,14 @@ def _overflowed(world: _IndexWorld) -> bool:
 
 
 _RING_FILE = 3 * 4096 + 123  # bytes of the file the ring reads (not a page multiple)
-_ring_world: list[tuple[Any, int, int, bytes]] = []  # (ring, file fd, /dev/null fd, contents)
+# (ring, file fd, /dev/null fd, contents, scratch fd to write into)
+_ring_world: list[tuple[Any, int, int, bytes, int]] = []
 
 
-def _ring() -> tuple[Any, int, int, bytes]:
+def _ring() -> tuple[Any, int, int, bytes, int]:
     """One ring of depth 4 for the run, a file of known bytes opened to read (buffered: any
-    offset and length) and /dev/null to write to."""
+    offset and length), /dev/null to write to, and a scratch file to write into and read
+    back (emptied before each input)."""
     if not _ring_world:
         contents = bytes(range(256)) * (_RING_FILE // 256) + b"t" * (_RING_FILE % 256)
         fd, path = tempfile.mkstemp(prefix="kvoffload-fuzz-ring-")
@@ -1229,24 +1231,30 @@ def _ring() -> tuple[Any, int, int, bytes]:
         os.close(fd)
         rfd = os.open(path, os.O_RDONLY)
         os.unlink(path)
+        sfd, spath = tempfile.mkstemp(prefix="kvoffload-fuzz-ring-w-")
+        os.unlink(spath)
         _ring_world.append((_ext(CORE).SlotRing(4), rfd, os.open(os.devnull, os.O_WRONLY),
-                            contents))  # fmt: skip
+                            contents, sfd))  # fmt: skip
     return _ring_world[0]
 
 
 def fuzz_slot_ring(data: bytes) -> None:
     """`SlotRing.submit` with hostile entries: reads of a known file at any offset (past its
     end, past 2**63) into exact-size heap buffers (ASan sees a byte past either end), writes to
-    /dev/null, closed, negative and huge descriptors, read-only buffers to read into, odd
-    entry shapes, up to 12 entries through a ring of depth 4, and injected errnos at hostile
-    indexes. A documented argument error, or one result per entry: the injected -errno, -EBADF
-    for a closed descriptor, or exactly what `os.pread` reads there (the bytes too)."""
+    /dev/null, writes of fuzzed bytes from read-only and exact-size buffers into a scratch
+    file at any offset, closed, negative and huge descriptors, read-only buffers to read into,
+    odd entry shapes, up to 12 entries through a ring of depth 4, and injected errnos at
+    hostile indexes. A documented argument error, or one result per entry: the injected
+    -errno, -EBADF for a closed descriptor, exactly what `os.pread` reads there (the bytes
+    too), or for a scratch write every byte (read back the same where no other write of the
+    batch overlaps it; a hostile offset may be refused with -errno instead)."""
     fdp = atheris.FuzzedDataProvider(data)
-    ring, rfd, wfd, contents = _ring()
+    ring, rfd, wfd, contents, sfd = _ring()
+    os.ftruncate(sfd, 0)
     entries: list[Any] = []
     want: list[tuple[str, Any, int, int]] = []  # (kind, buffer, offset, size)
     for _ in range(fdp.ConsumeIntInRange(0, 12)):
-        kind = fdp.ConsumeIntInRange(0, 5)
+        kind = fdp.ConsumeIntInRange(0, 7)
         size = fdp.ConsumeIntInRange(0, 5000)
         off = _hostile_int(fdp) if fdp.ConsumeBool() else fdp.ConsumeIntInRange(0, _RING_FILE + 9)
         buf = memoryview(np.zeros(size, np.uint8))
@@ -1261,9 +1269,16 @@ def fuzz_slot_ring(data: bytes) -> None:
             entries.append((fd + (1 << 20) if 0 <= fd < 1 << 20 else fd, off, buf, False))
         elif kind == 4:
             entries.append((rfd, off, bytes(size), False))  # read into a read-only buffer
-        else:
+        elif kind == 5:
             entries.append([rfd, off, buf] if fdp.ConsumeBool() else (rfd, off, buf, 1, 2))
-        want.append(("file" if kind == 0 else "null" if kind == 1 else "bad", buf, off, size))
+        else:  # a write into the scratch file, from a read-only or an exact-size heap buffer
+            payload = fdp.ConsumeBytes(size)
+            size = len(payload)
+            src: Any = payload if kind == 6 else memoryview(np.frombuffer(payload, np.uint8).copy())
+            buf = memoryview(payload)
+            entries.append((sfd, off, src, True))
+        names = {0: "file", 1: "null", 6: "write", 7: "write"}
+        want.append((names.get(kind, "bad"), buf, off, size))
     fail = [(_hostile_int(fdp) % 16 - 2, fdp.ConsumeIntInRange(-1, 5000))
             for _ in range(fdp.ConsumeIntInRange(0, 3))]  # fmt: skip
     try:
@@ -1273,7 +1288,17 @@ def fuzz_slot_ring(data: bytes) -> None:
     if len(got) != len(entries):
         raise AssertionError(f"submit: {len(got)} results for {len(entries)} entries")
     injected = dict(fail)
+    spans = [(off, off + size) for kind, _, off, size in want if kind == "write"]
     for i, (kind, buf, off, size) in enumerate(want):
+        if kind == "write" and i not in injected:
+            if got[i] < 0 and off > _RING_FILE + 9:
+                continue  # a hostile offset: refused by the kernel (EFBIG, EINVAL)
+            if got[i] != size:
+                raise AssertionError(f"entry {i} (write, offset {off}, {size} bytes): {got[i]}")
+            alone = sum(a < off + size and off < b for a, b in spans) <= 1
+            if alone and os.pread(sfd, size, off) != bytes(buf):
+                raise AssertionError(f"entry {i}: the bytes written at {off} do not read back")
+            continue
         if i in injected:
             expect = -injected[i]
         elif kind == "file":

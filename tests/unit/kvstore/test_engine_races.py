@@ -22,7 +22,14 @@ def key(i: int) -> bytes:
 def config(path: Path) -> EngineConfig:
     return EngineConfig(
         DramConfig(capacity_bytes=4 << 20, max_value_bytes=256 << 10, prefault=False),
-        SsdConfig(capacity_bytes=64 << 20, admission_min_uses=1, sync_interval_s=0.02),
+        # The held write replaces the thread path's `SlotFile.write` (the ring's writes do not
+        # pass through it).
+        SsdConfig(
+            capacity_bytes=64 << 20,
+            admission_min_uses=1,
+            sync_interval_s=0.02,
+            io_engine="threads",
+        ),
         data_dir=str(path),
     )
 
@@ -153,6 +160,7 @@ def test_overlapping_durable_puts_read_the_same_before_and_after_a_crash(tmp_pat
     # A crash: the SSD tier goes without flushing DRAM or checkpointing.
     assert engine._pool is not None and engine._ssd is not None
     engine._pool.shutdown()
+    engine._m.stop_writer()  # a crashed process has no demotion writer left running either
     engine._ssd.close(checkpoint=False)
     with Engine(config(tmp_path)) as reopened:
         assert read(reopened, K) == before
@@ -161,7 +169,12 @@ def test_overlapping_durable_puts_read_the_same_before_and_after_a_crash(tmp_pat
 def test_a_delete_across_a_checkpoint_does_not_hang_later_writes(tmp_path: Path) -> None:
     cfg = EngineConfig(
         DramConfig(capacity_bytes=1 << 20, max_value_bytes=256 << 10, prefault=False),
-        SsdConfig(capacity_bytes=4 << 20, admission_min_uses=1, sync_interval_s=0.02),
+        SsdConfig(  # the held wipe replaces the thread path's `SlotFile.write`
+            capacity_bytes=4 << 20,
+            admission_min_uses=1,
+            sync_interval_s=0.02,
+            io_engine="threads",
+        ),
         data_dir=str(tmp_path),
     )
     with Engine(cfg) as engine:

@@ -57,3 +57,23 @@ def test_ssd_bench_smoke(tmp_path: Path) -> None:
     assert rows[("restart/2k", "goal_5s")]["unit"] == "s"
     assert 0 < rows[("index_bytes/2k", "goal_128B")]["value"] < 4096
     assert not list(tmp_path.glob("kvoffload-bench-ssd-*"))  # cleaned up
+
+
+def test_ssd_bench_write_rows(tmp_path: Path) -> None:
+    # `--write only`: durable 2 MiB puts on each slot I/O engine against raw O_DIRECT pwrite +
+    # fdatasync, and the background demotion writer's rate, and nothing else.
+    out = tmp_path / "ssd.json"
+    argv = ["bench", "ssd", "--dir", str(tmp_path), "--size", "32", "--write", "only"]
+    assert main([*argv, "--rounds", "1", "--json", str(out)]) == 0
+    rows = {(r["case"], r["ref"]): r for r in json.loads(out.read_text())["rows"]}
+    engines = {case.split("/")[0].removeprefix("write_durable_") for case, ref in rows
+               if case.startswith("write_durable_")}  # fmt: skip
+    assert "threads" in engines and engines <= {"io_uring", "threads"}
+    for name in engines:
+        raw = rows[(f"write_durable_{name}/2MiB", "odirect")]
+        assert raw["value"] > 0 and raw["ref_value"] > 0 and "load average" in raw["note"]
+        assert rows[(f"cpu_us/write_durable_{name}/2MiB", "odirect")]["value"] > 0
+        demote = [r for (case, _), r in rows.items() if case == f"demote_{name}/2MiB"]
+        assert len(demote) == 1 and demote[0]["value"] > 0
+    assert not any(case.startswith(("read", "restart")) for case, _ in rows)
+    assert not list(tmp_path.glob("kvoffload-bench-ssd-*"))  # cleaned up
