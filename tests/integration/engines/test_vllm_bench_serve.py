@@ -96,3 +96,16 @@ def test_the_driver_writes_vllm_s_custom_dataset_from_our_sessions(
             # (random token ids can split a UTF-8 sequence).
             before = by_turn[(c, t - 1)]
             assert len(os.path.commonprefix([prompt, before])) >= len(before) - 4
+    # vLLM's own loader reads it back, in our order, with the lengths we asked for.
+    from transformers import AutoTokenizer
+    from vllm.benchmarks.datasets import CustomDataset
+
+    loaded = CustomDataset(dataset_path=str(custom), disable_shuffle=True).sample(
+        AutoTokenizer.from_pretrained(str(model)), num_requests=len(lines),
+        skip_chat_template=True, output_len=-1,
+    )  # fmt: skip
+    assert [r.prompt for r in loaded] == [x["prompt"] for x in lines]
+    assert [r.expected_output_len for r in loaded] == [r.output_tokens for r in trace.requests]
+    # Text of random token ids re-tokenizes a little longer (~4% for SmolLM2's tokenizer).
+    for got, ours in zip(loaded, trace.requests, strict=True):
+        assert 0.9 * ours.prompt_tokens <= got.prompt_len <= 1.1 * ours.prompt_tokens
