@@ -24,6 +24,9 @@ drifts over minutes, and the references are measured once per phase.
 
 TTFT is measured at the client: request sent to first streamed token. Rows follow DESIGN §9;
 the ratio of a time is reference / kvoffload.
+
+With ``--client vllm`` vLLM's own benchmark client sends the requests (`vllm_client.py`: its
+datasets, its saved JSON, and the rows it cannot express, which our client keeps).
 """
 
 from __future__ import annotations
