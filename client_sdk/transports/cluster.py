@@ -731,7 +731,9 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
         raise ConfigError(
             f"cluster URL: timeout must be seconds > 0, got {spec.extra['timeout']!r}"
         )
-    node_params = {"timeout": f"{deadline:g}", "connect_timeout": f"{deadline:g}"}
+    # retries=0: a node's own retries (back-off up to the deadline) would keep every caller
+    # on a dead node; here its replicas and its breaker answer for it at once.
+    node_params = {"timeout": f"{deadline:g}", "connect_timeout": f"{deadline:g}", "retries": "0"}
     # Each front authenticates its own way: a tenant's secret (native), the host's NQN
     # (NVMe/TCP); data= chooses how payloads move to native nodes.
     for name, front in (

@@ -4,6 +4,8 @@ misses, the breaker, previous owners after a membership change."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
 import time
 from collections.abc import Callable
 
@@ -414,3 +416,41 @@ def test_a_node_that_joins_during_a_strict_put_does_not_fail_it(start_daemon: St
         assert sum(g is not None for g in got) >= len(keys) // 2  # the new owner may miss
     finally:
         cluster.close()
+
+
+def test_a_node_that_died_is_tried_once_per_call_not_retried(start_daemon: Start) -> None:
+    # A node transport's own retries (exponential back-off up to the deadline) kept every
+    # caller on a dead node for up to the deadline; in a cluster the replicas and the breaker
+    # answer for it, so its first failure must be the last (issue 32's live replay: a SIGKILLed
+    # node cost each client 140-280 ms of back-off). The dead node's port then accepts and
+    # drops every connection, so each try is counted.
+    live, dying = start_daemon(), start_daemon()
+    port = dying.port  # type: ignore[attr-defined]
+    keys = _keys(60, seed=9)
+    url = f"cluster://127.0.0.1:{live.port},127.0.0.1:{port}?replicas=2&timeout=5"  # type: ignore[attr-defined]
+    accepted: list[int] = []
+    with Client.connect(url) as client:
+        client.put_many([(k, _value(k)) for k in keys])  # both nodes' transports are open
+        dying.proc.kill()  # type: ignore[attr-defined]
+        dying.proc.wait()  # type: ignore[attr-defined]
+        with socket.create_server(("127.0.0.1", port)) as dropper:
+
+            def drop() -> None:
+                while True:
+                    try:
+                        conn, _ = dropper.accept()
+                    except OSError:
+                        return
+                    accepted.append(1)
+                    conn.close()
+
+            threading.Thread(target=drop, daemon=True).start()
+            assert client.get_many(keys) == [_value(k) for k in keys]
+            tries = len(accepted)  # before the breaker's probe (after 0.5 s) adds its own
+            nodes = client.stats().store["nodes"]  # type: ignore[index]
+            assert nodes[f"127.0.0.1-{port}"]["up"] is False  # type: ignore[index]
+            dropper.shutdown(socket.SHUT_RDWR)
+    # One try (its pooled connections were reset: a fresh one, dropped) and the shard map's
+    # one look for a changed node (a connection, then one for its Hello): 3; then the breaker.
+    # With the node transport's 3 retries it was 6.
+    assert tries <= 3, f"{tries} connections: the dead node was retried"
