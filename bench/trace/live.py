@@ -140,7 +140,8 @@ def live_replay(
     second, call) runs once at that time, on a thread of its own.
 
     Raises:
-        ConfigError: `speedup` or `workers` is not positive, or the lists differ in length.
+        ConfigError: `speedup` or `workers` is not positive, the lists differ in length, or
+            `url` is not a valid store URL.
     """
     if not speedup > 0 or workers < 1:
         raise ConfigError("a live replay needs speedup > 0 and at least one worker")
@@ -227,9 +228,15 @@ def live_replay(
     clients: list[Client] = []
     store: dict[str, int] = {}  # cluster clients' put counters, added up
     connected: list[Client] = []  # one client per worker, connected before the clock starts
-    with contextlib.suppress(KVOffloadError, OSError):
+    try:
         for _ in range(workers):
             connected.append(Client.connect(url, namespace=namespace))
+    except ConfigError:  # the URL itself: no request could run
+        for c in connected:
+            c.close()
+        raise
+    except (KVOffloadError, OSError):
+        pass  # each request connects (and counts the error) on its own
     clients += connected
     start = time.perf_counter()
     timers = [threading.Thread(target=fire, args=e, daemon=True) for e in events]

@@ -681,6 +681,11 @@ def run_live(
 def _live_cluster(trace: Trace, args: argparse.Namespace) -> TraceResult:
     """The live replay through `cluster+etcd://` to a fresh cluster in network namespaces,
     with `--fault` mid-run; everything removed at the end (SIGTERM ends it like Ctrl-C)."""
+    # Checked before anything starts: a bad value must not cost a cluster's start.
+    if args.nodes < 1 or not 1 <= args.replicas <= 16:
+        raise ConfigError("--nodes must be at least 1 and --replicas 1..16")
+    if not 0 < args.timeout <= 3600 or not 2 <= args.lease_ttl <= 3600:
+        raise ConfigError("--timeout must be 0..3600 s (not 0) and --lease-ttl 2..3600 s")
     if args.fault and not 0 <= args.fault_node < args.nodes:
         raise ConfigError(f"--fault-node must be 0..{args.nodes - 1}")
 

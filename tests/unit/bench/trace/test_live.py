@@ -117,3 +117,11 @@ def test_a_fault_needs_the_cluster_and_a_node_it_has(tmp_path: Path) -> None:
     base = ["bench", "trace", "--trace", str(TRACE), "--window", "0:5", "--block-tokens", "512"]
     assert main([*base, "--live", "kv://127.0.0.1:1", "--fault", "kill"]) == 2
     assert main([*base, "--live", "cluster", "--fault", "kill", "--fault-node", "3"]) == 2
+    assert main([*base, "--live", "cluster", "--replicas", "0"]) == 2
+    assert main([*base, "--live", "cluster", "--lease-ttl", "1"]) == 2
+
+
+def test_a_bad_url_is_a_config_error_not_a_count(work: Workload) -> None:
+    with pytest.raises(ConfigError):
+        live_replay("kv://127.0.0.1:1?retries=x", work.namespace, work.chains[:2],
+                    _arrivals(work)[:2], Payloads(PAYLOAD), speedup=1000)  # fmt: skip
