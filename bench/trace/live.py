@@ -11,7 +11,7 @@ apart (`store_errors`): the request was served, its blocks were not offloaded, a
 counts a put that raised. A loaded block whose bytes differ is a wrong block, never a hit.
 
 `events` run on a thread of their own at their replay time (a fault, mid-run); `windows` cuts
-the load latencies into 1 s windows of start time around such an instant: the p99 before it,
+the load latencies into 1 s windows of completion time around such an instant: the p99 before it,
 each window's p99, and how long after it the windows stayed above `factor` times that p99.
 An exception (Ctrl-C) stops the requests not yet started and is raised once those running end.
 """
@@ -82,24 +82,24 @@ def _p99_ms(values: npt.NDArray[np.float64]) -> float | None:
 def windows(
     result: LiveResult, at_s: float, width_s: float = 1.0, factor: float = 2.0
 ) -> dict[str, object]:
-    """Load latency p99 per `width_s` window of request start time, windows aligned on `at_s`
-    (window k covers [at_s + k w, at_s + (k + 1) w)), against the p99 of every load that
-    started before `at_s`. `back_s`: when the windows from k = 0 on are first back within
+    """Load latency p99 per `width_s` window of load completion time (as a monitor sees
+    them: a load stuck on the fault counts when it ends), windows aligned on `at_s` (window k
+    covers [at_s + k w, at_s + (k + 1) w)), against the p99 of every load that ended before
+    `at_s`. `back_s`: when the windows from k = 0 on are first back within
     `factor` times that (0.0: window 0 already is); `settled_s`: the end of the last window
     from k = 0 on that is not (a later spike counts too, which `over_after` lists).
     """
-    start, load, lag = result.start_s, result.load_s, result.lag_s
-    before = load[start < at_s]
-    base = _p99_ms(before)
+    end, load, lag = result.start_s + result.load_s, result.load_s, result.lag_s
+    base = _p99_ms(load[end < at_s])
     rows: list[dict[str, object]] = []
-    seen = start[np.isfinite(start)]  # a request that failed before its load has no start
+    seen = end[np.isfinite(end)]  # a request whose load failed has no end
     first = int(np.floor((float(seen.min()) - at_s) / width_s)) if seen.size else 0
     last = int(np.floor((float(seen.max()) - at_s) / width_s)) if seen.size else -1
     back: float | None = None
     settled = 0.0
     over_after: list[int] = []
     for k in range(first, last + 1):
-        inside = (start >= at_s + k * width_s) & (start < at_s + (k + 1) * width_s)
+        inside = (end >= at_s + k * width_s) & (end < at_s + (k + 1) * width_s)
         p99 = _p99_ms(load[inside])
         rows.append({"k": k, "requests": int(inside.sum()), "load_p99_ms": p99,
                      "lag_p99_ms": _p99_ms(lag[inside])})  # fmt: skip
@@ -117,7 +117,7 @@ def windows(
         "width_s": width_s,
         "factor": factor,
         "before_p99_ms": base,
-        "after_p99_ms": _p99_ms(load[start >= at_s]),
+        "after_p99_ms": _p99_ms(load[end >= at_s]),
         "back_s": back if known else None,
         "settled_s": settled if known else None,
         "over_after": over_after,

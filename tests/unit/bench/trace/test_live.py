@@ -94,22 +94,24 @@ def test_bench_trace_live_cli(start_daemon: Callable[..., Any], tmp_path: Path) 
 def test_windows_around_a_fault() -> None:
     # 10 requests a second for 6 s, 10 ms each; the fault at 3 s; the window starting at it
     # has one 100 ms load (over 2x the 10 ms before), the next 30 ms (over), then 10 ms again.
+    # A load that started before the fault and ended after it (200 ms) counts after it.
     start = np.arange(60) / 10 + 0.05
     load = np.full(60, 0.010)
-    load[31], load[41] = 0.100, 0.030
+    load[29], load[31], load[41] = 0.200, 0.100, 0.030
     n = len(start)
     result = LiveResult(load, np.zeros(n), start, np.zeros(n, dtype=np.int64), 10.0, 4, 6.0)
     report = windows(result, 3.0)
     assert report["before_p99_ms"] == pytest.approx(10.0)
     rows = report["windows"]
     assert [w["k"] for w in rows] == [-3, -2, -1, 0, 1, 2]  # type: ignore[index]
-    assert all(w["requests"] == 10 for w in rows)  # type: ignore[index]
+    assert [w["requests"] for w in rows] == [10, 10, 9, 11, 10, 10]  # type: ignore[index]
+    assert rows[3]["load_p99_ms"] > 100  # type: ignore[index]
     # windows 0 and 1 are over 2x; from 2 s on within
     assert report["back_s"] == 2.0 and report["settled_s"] == 2.0 and report["over_after"] == []
     load[41], load[51] = 0.015, 0.050  # window 1 within; window 2 spikes again
     report = windows(result, 3.0)
     assert report["back_s"] == 1.0 and report["settled_s"] == 3.0 and report["over_after"] == [2]
-    load[31], load[51] = 0.015, 0.010
+    load[29], load[31], load[51] = 0.010, 0.015, 0.010
     assert windows(result, 3.0)["back_s"] == 0.0 and windows(result, 3.0)["settled_s"] == 0.0
 
 
