@@ -83,7 +83,7 @@ def test_a_live_replay_through_a_netns_cluster_rides_out_a_fault(
     assert windows["at_s"] == live["events"][fault] and windows["before_p99_ms"] > 0
     ks = [w["k"] for w in windows["windows"]]
     assert ks[0] < 0 <= ks[-1] and ks == list(range(ks[0], ks[-1] + 1))
-    assert {"live/before_p99", "live/after_p99", "live/back_within_2x"} <= {
+    assert {"live/before_p99", "live/after_p99", "live/recovery"} <= {
         r["case"] for r in data["rows"]
     }
     assert not {n["netns"] for n in cluster["nodes"]} & _namespaces()
