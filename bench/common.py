@@ -227,10 +227,10 @@ def daemon_ports(proc: subprocess.Popen[str], err: Path) -> dict[str, int]:
     return ports
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a reference server's flag)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that was free a moment ago (for a reference server's flag)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 

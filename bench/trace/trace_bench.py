@@ -14,9 +14,11 @@ and the TTFT model plugs in load times of real-size blocks measured in the same 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -30,10 +32,11 @@ from rich.console import Console
 from rich.progress import Progress
 
 from kvoffload.bench import common
+from kvoffload.bench.cluster.faults import FAULTS, NetnsCluster
 from kvoffload.bench.common import Row
 from kvoffload.bench.peers import peer_driver
 from kvoffload.bench.trace import ttft
-from kvoffload.bench.trace.live import live_replay
+from kvoffload.bench.trace.live import live_replay, windows
 from kvoffload.bench.trace.model import (
     DEFAULT_PAYLOAD,
     PEERS,
@@ -528,8 +531,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--live",
         metavar="URL",
         help="live replay against this running store at the trace's arrival "
-        "times divided by --speedup: load latency p50/p99, errors, wrong blocks",
+        "times divided by --speedup: load latency p50/p99, errors, wrong blocks; "
+        "'cluster': start etcd and --nodes daemons in network namespaces (root) and replay "
+        "through cluster+etcd://",
     )
+    live = parser.add_argument_group("live replay against a cluster (--live cluster)")
+    live.add_argument("--nodes", type=int, default=3, help="daemons, one namespace each")
+    live.add_argument("--node-dram", default="64MiB", help="DRAM tier of each daemon")
+    live.add_argument("--replicas", type=int, default=2, help="the cluster URL's replicas")
+    live.add_argument("--timeout", type=float, default=1.0,
+                      help="the cluster URL's timeout: seconds per call to a node")  # fmt: skip
+    live.add_argument("--lease-ttl", type=int, default=3, help="the nodes' etcd lease TTL (s)")
+    live.add_argument("--fault", choices=FAULTS,
+                      help="kill: SIGKILL a node; blackhole: take its link down inside its "
+                      "namespace (packets vanish, no reset)")  # fmt: skip
+    live.add_argument("--fault-at", type=float, default=10.0,
+                      help="seconds into the replay (wall clock) of the fault")  # fmt: skip
+    live.add_argument("--fault-node", type=int, default=0, help="which node (0-based)")
     store.add_argument(
         "--speedup",
         type=float,
@@ -594,10 +612,19 @@ def _ms(value: object) -> float:
     return float(value) if isinstance(value, (int, float)) else 0.0
 
 
-def run_live(trace: Trace, url: str, *, model: str = "llama-3.1-8b", block_tokens: int = 16,
-             payload: int = DEFAULT_PAYLOAD, speedup: float = 10.0,
-             workers: int = 8) -> TraceResult:  # fmt: skip
-    """`live_replay` of `trace` against the store at `url`, as rows and details.
+def run_live(
+    trace: Trace,
+    url: str,
+    *,
+    model: str = "llama-3.1-8b",
+    block_tokens: int = 16,
+    payload: int = DEFAULT_PAYLOAD,
+    speedup: float = 10.0,
+    workers: int = 8,
+    fault: tuple[str, float, Callable[[], object]] | None = None,
+) -> TraceResult:
+    """`live_replay` of `trace` against the store at `url`, as rows and details; `fault`
+    (name, replay second, call) runs mid-run, and the 1 s windows are cut around it.
 
     Raises:
         ConfigError: unknown model, bad speedup or workers.
@@ -608,8 +635,9 @@ def run_live(trace: Trace, url: str, *, model: str = "llama-3.1-8b", block_token
     salt = f"live-{os.getpid()}-{time.time_ns()}"  # a shared store: never last run's blocks
     work = Workload.build(trace, profile, trace.block_tokens or block_tokens, salt)
     arrivals = [r.arrival for r in trace.requests]
+    events = [fault] if fault else []
     live = live_replay(url, work.namespace, work.chains, arrivals, Payloads(payload),
-                       speedup=speedup, workers=workers)  # fmt: skip
+                       speedup=speedup, workers=workers, events=events)  # fmt: skip
     summary = live.summary()
     result = TraceResult("trace")
     result.rows = [
@@ -617,7 +645,20 @@ def run_live(trace: Trace, url: str, *, model: str = "llama-3.1-8b", block_token
         Row("live/load_p99", _ms(summary["load_p99_ms"]), "ms"),
         Row("live/errors", float(live.errors), "count"),
         Row("live/wrong_blocks", float(live.wrong_blocks), "count"),
+        Row("live/store_errors", float(live.store_errors), "count"),
     ]
+    if fault is not None and fault[0] in live.events:
+        report = windows(live, live.events[fault[0]])
+        summary["windows"] = report
+        result.rows += [
+            Row("live/before_p99", _ms(report["before_p99_ms"]), "ms"),
+            Row("live/after_p99", _ms(report["after_p99_ms"]), "ms"),
+            Row("live/recovery", _ms(report["settled_s"]), "s", "goal", 2.0,
+                note="from the fault to the end of the last 1 s window (by completion) whose "
+                "load p99 is above 2x the p99 before the fault, later spikes included: "
+                f"windows {report['over_after']} after the first one back within 2x, at "
+                f"{report['back_s']} s"),
+        ]  # fmt: skip
     span = (arrivals[-1] - arrivals[0]) if arrivals else 0.0
     result.details = {"trace": {"source": trace.source, **trace.summary()}, "live": summary,
                       "url": redact_url(url),
@@ -630,12 +671,55 @@ def run_live(trace: Trace, url: str, *, model: str = "llama-3.1-8b", block_token
         f"each block stored as {payload:,} B standing for {real:,} B of {profile.name} KV "
         f"(scaled 1:{real // payload:,})",
         "load latency: lookup + one get_many_into of the hit blocks, each checked bit for bit",
+        "errors: requests whose load raised; store_errors: requests whose put_many raised "
+        "(served, blocks not offloaded)",
     ]
+    return result
+
+
+def _live_cluster(trace: Trace, args: argparse.Namespace) -> TraceResult:
+    """The live replay through `cluster+etcd://` to a fresh cluster in network namespaces,
+    with `--fault` mid-run; everything removed at the end (SIGTERM ends it like Ctrl-C)."""
+    # Checked before anything starts: a bad value must not cost a cluster's start.
+    if args.nodes < 1 or not 1 <= args.replicas <= 16:
+        raise ConfigError("--nodes must be at least 1 and --replicas 1..16")
+    if not 0 < args.timeout <= 3600 or not 2 <= args.lease_ttl <= 3600:
+        raise ConfigError("--timeout must be 0..3600 s (not 0) and --lease-ttl 2..3600 s")
+    if args.fault and not 0 <= args.fault_node < args.nodes:
+        raise ConfigError(f"--fault-node must be 0..{args.nodes - 1}")
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        with NetnsCluster(args.nodes, args.node_dram, args.lease_ttl) as cluster:
+            url = cluster.url(args.replicas, args.timeout)
+            fault = None
+            if args.fault:
+                fault = (args.fault, args.fault_at,
+                         functools.partial(cluster.fault, args.fault, args.fault_node))  # fmt: skip
+            result = run_live(trace, url, model=args.model, block_tokens=args.block_tokens,
+                              payload=args.payload, speedup=args.speedup, workers=args.workers,
+                              fault=fault)  # fmt: skip
+            result.details["cluster"] = cluster.describe()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    result.notes.append(
+        f"{args.nodes} daemons (--dram {args.node_dram}, no SSD), one network namespace each, "
+        f"etcd membership (lease {args.lease_ttl} s), replicas={args.replicas}, "
+        f"timeout={args.timeout:g} s"
+        + (f"; {args.fault} of node {args.fault_node} at {args.fault_at:g} s" if args.fault else "")
+    )
     return result
 
 
 def run_from_args(args: argparse.Namespace) -> TraceResult:
     trace = load_trace(args)
+    if args.live == "cluster":
+        return _live_cluster(trace, args)
+    if args.fault:
+        raise ConfigError("--fault needs --live cluster")
     if args.live:
         return run_live(
             trace,

@@ -273,6 +273,15 @@ class ClusterTransport:
         nodes = ranks[where, rank] if len(where) else where
         return {live[n]: where[nodes == n].tolist() for n in np.unique(nodes)}
 
+    @staticmethod
+    def _skip_open(groups: dict[Target, list[int]]) -> tuple[dict[Target, list[int]], list[int]]:
+        """`groups` less the nodes whose breaker opened since the call made its plan (a
+        failure at an earlier rank of this call, or in another call), and their positions:
+        a call goes on to the next rank instead of waiting out a silent node's deadline once
+        per rank."""
+        kept = {t: at for t, at in groups.items() if t.up}
+        return kept, [i for t, at in groups.items() if not t.up for i in at]
+
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] += n
@@ -489,10 +498,8 @@ class ClusterTransport:
         pending = list(range(len(keys)))
         try:
             for rank in range(ranks.shape[1]):
-                still: list[int] = []
-                answers = self._fanout(
-                    self._group(live, ranks, rank, pending), call, raise_caller=False
-                )
+                groups, still = self._skip_open(self._group(live, ranks, rank, pending))
+                answers = self._fanout(groups, call, raise_caller=False)
                 for target, at, got, exc in answers:
                     if exc is not None or got is None:
                         still.extend(at)
@@ -614,7 +621,8 @@ class ClusterTransport:
             found_below = False
             for rank in range(ranks.shape[1]):
                 unknown = np.flatnonzero(~present[run:]) + run
-                groups = self._group(live, ranks, rank, unknown)
+                # Keys of a node whose breaker opened stay unknown, for the next rank.
+                groups, _ = self._skip_open(self._group(live, ranks, rank, unknown))
                 answers = self._fanout(
                     groups, lambda t, at: t.transport.lookup([keys[i] for i in at])
                 )
@@ -731,7 +739,9 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
         raise ConfigError(
             f"cluster URL: timeout must be seconds > 0, got {spec.extra['timeout']!r}"
         )
-    node_params = {"timeout": f"{deadline:g}", "connect_timeout": f"{deadline:g}"}
+    # retries=0: a node's own retries (back-off up to the deadline) would keep every caller
+    # on a dead node; here its replicas and its breaker answer for it at once.
+    node_params = {"timeout": f"{deadline:g}", "connect_timeout": f"{deadline:g}", "retries": "0"}
     # Each front authenticates its own way: a tenant's secret (native), the host's NQN
     # (NVMe/TCP); data= chooses how payloads move to native nodes.
     for name, front in (

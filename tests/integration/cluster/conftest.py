@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 from etcd_server import EtcdServer
-from netns import Host, Network
+
+from kvoffload.bench.cluster.netns import Host, Network
 
 CLUSTER = "t1"
 # Short leases, so a killed node leaves within seconds; renewed every third of this.

@@ -7,7 +7,6 @@ import datetime
 import ipaddress
 import json
 import shutil
-import socket
 import ssl
 import subprocess
 import time
@@ -21,11 +20,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+from kvoffload.bench.cluster.etcd import etcd_argv, etcd_healthy
+from kvoffload.bench.common import free_port
 
 
 @dataclass(frozen=True)
@@ -147,14 +143,8 @@ class EtcdServer:
         return context
 
     def start(self) -> None:
-        client = self.base
         peer = f"http://{self.host}:{self.peer_port}"
-        args = [
-            self.binary, "--name", "kvtest", "--data-dir", str(self.data_dir),
-            "--listen-client-urls", client, "--advertise-client-urls", client,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"kvtest={peer}", "--log-level", "warn",
-        ]  # fmt: skip
+        args = etcd_argv(self.binary, "kvtest", self.data_dir, self.base, peer)
         if self.pki is not None:
             args += [
                 "--cert-file", str(self.pki.server_cert), "--key-file", str(self.pki.server_key),
@@ -171,12 +161,7 @@ class EtcdServer:
             time.sleep(0.05)
 
     def healthy(self) -> bool:
-        try:
-            url = f"{self.base}/health"
-            with urllib.request.urlopen(url, timeout=1, context=self._context()) as resp:
-                return bool(json.load(resp).get("health") == "true")
-        except (OSError, ValueError):
-            return False
+        return etcd_healthy(self.base, self._context())
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -1,16 +1,21 @@
 """The live rows of `kvoffload bench cluster` (daemons on loopback): failover measured against
-the dead node's share, get_many_into over 1, 2 and 4 targets; and `bench trace` through a
-cluster URL."""
+the dead node's share, get_many_into over 1, 2 and 4 targets; `bench trace` through a cluster
+URL; and `bench trace --live cluster`: a Mooncake slice replayed through `cluster+etcd://` to 3
+nodes in network namespaces while one is SIGKILLed or blackholed (root; a CI slice of a few
+seconds each)."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from kvoffload.bench.cluster import live as cluster_live
+from kvoffload.bench.cluster.faults import NetnsCluster
 from kvoffload.cli import main
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -44,3 +49,52 @@ def test_the_trace_bench_replays_through_a_cluster_url(tmp_path: Path) -> None:
     (run,) = data["details"]["runs"]
     assert data["details"]["url"] == url and run["hit_tokens"] > 0
     assert run["verified_blocks"] * data["details"]["block_tokens"] == run["hit_tokens"]
+
+
+TRACE = (
+    Path(__file__).resolve().parents[3] / "bench/data/mooncake-fast25/conversation_trace.jsonl.xz"
+)
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10)
+    return {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
+
+
+@needs_root
+@pytest.mark.parametrize("fault", ["kill", "blackhole"])
+def test_a_live_replay_through_a_netns_cluster_rides_out_a_fault(
+    tmp_path: Path, fault: str
+) -> None:
+    # 100 s of the trace at 20x (~290 requests in 5 s), node 1 faulted 2 s in: no load
+    # fails, no block is wrong, the windows around the fault are reported, nothing is left.
+    out = tmp_path / "live.json"
+    args = ["bench", "trace", "--trace", str(TRACE), "--window", "0:100", "--block-tokens",
+            "512", "--live", "cluster", "--speedup", "20", "--workers", "8", "--fault", fault,
+            "--fault-at", "2", "--fault-node", "1", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    data = json.loads(out.read_text())
+    live, cluster = data["details"]["live"], data["details"]["cluster"]
+    assert live["errors"] == 0 and live["wrong_blocks"] == 0, live["messages"]
+    assert live["requests"] > 200 and live["hit_blocks"] > 0
+    assert cluster["faults"] == [{"fault": fault, "node": 1, "node_id": cluster["nodes"][1]["id"]}]
+    windows = live["windows"]
+    assert windows["at_s"] == live["events"][fault] and windows["before_p99_ms"] > 0
+    ks = [w["k"] for w in windows["windows"]]
+    assert ks[0] < 0 <= ks[-1] and ks == list(range(ks[0], ks[-1] + 1))
+    assert {"live/before_p99", "live/after_p99", "live/recovery"} <= {
+        r["case"] for r in data["rows"]
+    }
+    assert not {n["netns"] for n in cluster["nodes"]} & _namespaces()
+
+
+@needs_root
+def test_the_netns_cluster_is_removed_on_ctrl_c() -> None:
+    with pytest.raises(KeyboardInterrupt), NetnsCluster(2, "16MiB") as cluster:
+        names = {n.host.netns for n in cluster.nodes}
+        procs = [n.proc for n in cluster.nodes]
+        assert names <= _namespaces()
+        raise KeyboardInterrupt
+    assert not names & _namespaces()
+    assert all(p.poll() is not None for p in procs)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from conftest import CLUSTER, LEASE_TTL_S, StartNode
 from etcd_server import EtcdServer
-from netns import Network
 
+from kvoffload.bench.cluster.netns import Network
 from kvoffload.client_sdk import Client
 from kvoffload.client_sdk.cluster import Member, Placement
 from kvoffload.client_sdk.cluster.membership import WATCH_RETRY_MAX_S

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from conftest import CLUSTER, LEASE_TTL_S, StartNode
 from etcd_server import EtcdServer
-from netns import Network
 
+from kvoffload.bench.cluster.netns import Network
 from kvoffload.cli import main
 from kvoffload.client_sdk import Client
 from kvoffload.client_sdk.cluster import EtcdMembership, Member

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 from conftest import CLUSTER, LEASE_TTL_S, StartNode
 from etcd_server import EtcdServer
-from netns import Network
 
+from kvoffload.bench.cluster.netns import Network
 from kvoffload.client_sdk import Client
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "reliability"))

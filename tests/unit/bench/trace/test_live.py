@@ -8,9 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
-from kvoffload.bench.trace.live import live_replay
+from kvoffload.bench.trace.live import LiveResult, live_replay, windows
 from kvoffload.bench.trace.model import Workload
 from kvoffload.bench.trace.mooncake import read_trace, window
 from kvoffload.bench.trace.replay import Payloads
@@ -63,14 +64,17 @@ def test_a_wrong_block_is_counted_not_hit(start_daemon: Callable[..., Any], work
     assert all(h >= 1 for h in result.hit_blocks[1:])
 
 
-def test_an_unreachable_store_is_errors_not_a_crash(work: Workload) -> None:
+def test_an_unreachable_store_is_counted_not_a_crash(work: Workload) -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url, chains, arrivals = f"kv://127.0.0.1:{port}", work.chains[:3], _arrivals(work)[:3]
     result = live_replay(url, work.namespace, chains, arrivals, Payloads(PAYLOAD),
                          speedup=1000, workers=2)  # fmt: skip
-    assert result.errors == 3 and result.messages and result.wrong_blocks == 0
+    # The SDK answers a lookup it cannot make with a miss (no load: no error); each request's
+    # put then raises, counted apart as a store error (served, not offloaded).
+    assert result.store_errors == 3 and result.store_messages and result.errors == 0
+    assert result.wrong_blocks == 0 and result.hit_blocks.sum() == 0
     with pytest.raises(ConfigError):
         live_replay("kv://127.0.0.1:1", work.namespace, [], [], Payloads(PAYLOAD), speedup=0)
 
@@ -85,3 +89,41 @@ def test_bench_trace_live_cli(start_daemon: Callable[..., Any], tmp_path: Path) 
     live = data["details"]["live"]
     assert live["errors"] == 0 and live["wrong_blocks"] == 0 and live["speedup"] == 20
     assert {r["case"] for r in data["rows"]} >= {"live/load_p50", "live/load_p99", "live/errors"}
+
+
+def test_windows_around_a_fault() -> None:
+    # 10 requests a second for 6 s, 10 ms each; the fault at 3 s; the window starting at it
+    # has one 100 ms load (over 2x the 10 ms before), the next 30 ms (over), then 10 ms again.
+    # A load that started before the fault and ended after it (200 ms) counts after it.
+    start = np.arange(60) / 10 + 0.05
+    load = np.full(60, 0.010)
+    load[29], load[31], load[41] = 0.200, 0.100, 0.030
+    n = len(start)
+    result = LiveResult(load, np.zeros(n), start, np.zeros(n, dtype=np.int64), 10.0, 4, 6.0)
+    report = windows(result, 3.0)
+    assert report["before_p99_ms"] == pytest.approx(10.0)
+    rows = report["windows"]
+    assert [w["k"] for w in rows] == [-3, -2, -1, 0, 1, 2]  # type: ignore[index]
+    assert [w["requests"] for w in rows] == [10, 10, 9, 11, 10, 10]  # type: ignore[index]
+    assert rows[3]["load_p99_ms"] > 100  # type: ignore[index]
+    # windows 0 and 1 are over 2x; from 2 s on within
+    assert report["back_s"] == 2.0 and report["settled_s"] == 2.0 and report["over_after"] == []
+    load[41], load[51] = 0.015, 0.050  # window 1 within; window 2 spikes again
+    report = windows(result, 3.0)
+    assert report["back_s"] == 1.0 and report["settled_s"] == 3.0 and report["over_after"] == [2]
+    load[29], load[31], load[51] = 0.010, 0.015, 0.010
+    assert windows(result, 3.0)["back_s"] == 0.0 and windows(result, 3.0)["settled_s"] == 0.0
+
+
+def test_a_fault_needs_the_cluster_and_a_node_it_has(tmp_path: Path) -> None:
+    base = ["bench", "trace", "--trace", str(TRACE), "--window", "0:5", "--block-tokens", "512"]
+    assert main([*base, "--live", "kv://127.0.0.1:1", "--fault", "kill"]) == 2
+    assert main([*base, "--live", "cluster", "--fault", "kill", "--fault-node", "3"]) == 2
+    assert main([*base, "--live", "cluster", "--replicas", "0"]) == 2
+    assert main([*base, "--live", "cluster", "--lease-ttl", "1"]) == 2
+
+
+def test_a_bad_url_is_a_config_error_not_a_count(work: Workload) -> None:
+    with pytest.raises(ConfigError):
+        live_replay("kv://127.0.0.1:1?retries=x", work.namespace, work.chains[:2],
+                    _arrivals(work)[:2], Payloads(PAYLOAD), speedup=1000)  # fmt: skip

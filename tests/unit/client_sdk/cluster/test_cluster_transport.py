@@ -4,6 +4,9 @@ misses, the breaker, previous owners after a membership change."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import socket
+import threading
 import time
 from collections.abc import Callable
 
@@ -414,3 +417,72 @@ def test_a_node_that_joins_during_a_strict_put_does_not_fail_it(start_daemon: St
         assert sum(g is not None for g in got) >= len(keys) // 2  # the new owner may miss
     finally:
         cluster.close()
+
+
+def test_a_node_that_died_is_tried_once_per_call_not_retried(start_daemon: Start) -> None:
+    # A node transport's own retries (exponential back-off up to the deadline) kept every
+    # caller on a dead node for up to the deadline; in a cluster the replicas and the breaker
+    # answer for it, so its first failure must be the last (issue 32's live replay: a SIGKILLed
+    # node cost each client 140-280 ms of back-off). The dead node's port then accepts and
+    # drops every connection, so each try is counted.
+    live, dying = start_daemon(), start_daemon()
+    port = dying.port  # type: ignore[attr-defined]
+    keys = _keys(60, seed=9)
+    url = f"cluster://127.0.0.1:{live.port},127.0.0.1:{port}?replicas=2&timeout=5"  # type: ignore[attr-defined]
+    accepted: list[int] = []
+    with Client.connect(url) as client:
+        client.put_many([(k, _value(k)) for k in keys])  # both nodes' transports are open
+        dying.proc.kill()  # type: ignore[attr-defined]
+        dying.proc.wait()  # type: ignore[attr-defined]
+        with socket.create_server(("127.0.0.1", port)) as dropper:
+
+            def drop() -> None:
+                while True:
+                    try:
+                        conn, _ = dropper.accept()
+                    except OSError:
+                        return
+                    accepted.append(1)
+                    conn.close()
+
+            threading.Thread(target=drop, daemon=True).start()
+            assert client.get_many(keys) == [_value(k) for k in keys]
+            tries = len(accepted)  # before the breaker's probe (after 0.5 s) adds its own
+            nodes = client.stats().store["nodes"]  # type: ignore[index]
+            assert nodes[f"127.0.0.1-{port}"]["up"] is False  # type: ignore[index]
+            dropper.shutdown(socket.SHUT_RDWR)
+    # One try (its pooled connections were reset: a fresh one, dropped) and the shard map's
+    # one look for a changed node (a connection, then one for its Hello): 3; then the breaker.
+    # With the node transport's 3 retries it was 6.
+    assert tries <= 3, f"{tries} connections: the dead node was retried"
+
+
+def test_a_silent_node_costs_a_lookup_and_a_read_one_deadline_not_one_per_rank(
+    three: list[object],
+) -> None:
+    # A chain stored only in part (its tail missing, as a request's new blocks are) sends the
+    # unknown keys to every rank and, as some turn up below their best node, every rank
+    # again; each rank used to include the silent node the call had planned with, so a
+    # lookup waited out its deadline up to 6 times (3 s at timeout=0.5 in issue 32's live
+    # replay with a node blackholed). Counted by the node's failures, not timed.
+    keys = _keys(60, seed=11)
+    silent = three[0]
+    node_id = f"127.0.0.1-{silent.port}"  # type: ignore[attr-defined]
+    with Client.connect(_cluster(three, replicas="2", timeout="0.5")) as client:
+        client.put_many([(k, _value(k)) for k in keys[:40]])
+        silent.proc.send_signal(signal.SIGSTOP)  # type: ignore[attr-defined]
+        try:
+            assert client.lookup(keys) == 40
+            assert client.stats().store["nodes"][node_id]["failures"] == 1  # type: ignore[index]
+        finally:
+            silent.proc.send_signal(signal.SIGCONT)  # type: ignore[attr-defined]
+    with Client.connect(_cluster(three, replicas="2", timeout="0.5")) as client:
+        client.get_many(keys[:1])  # every node's transport open before it falls silent
+        client.get_many(keys[59:])
+        silent.proc.send_signal(signal.SIGSTOP)  # type: ignore[attr-defined]
+        try:
+            got = client.get_many(keys)
+            assert got == [_value(k) for k in keys[:40]] + [None] * 20
+            assert client.stats().store["nodes"][node_id]["failures"] == 1  # type: ignore[index]
+        finally:
+            silent.proc.send_signal(signal.SIGCONT)  # type: ignore[attr-defined]

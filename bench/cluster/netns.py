@@ -1,11 +1,13 @@
-"""Network namespaces for cluster tests: a bridge in the test's namespace and one namespace per
-storage node, each joined to the bridge by a veth pair and given its own 10.77.x.y/24 address.
+"""Network namespaces for cluster tests and `bench trace --live cluster`: a bridge in the
+caller's namespace and one namespace per storage node, each joined to the bridge by a veth pair
+and given its own 10.77.x.y/24 address.
 
 Names carry a random token, so parallel runs never collide; `close` removes everything it made
 (namespaces, their processes, the bridge) and every `ip` call is bounded. Where namespaces
 cannot be made (no root, no CAP_NET_ADMIN), `Network.open` falls back to loopback and prints
 that it did; nodes then share 127.0.0.1 on different ports (KVOFFLOAD_TEST_NO_NETNS=1 forces
-this).
+this). `Network.open(fallback=False)` raises `ConfigError` instead (a benchmark that promises
+namespaces must not quietly measure loopback).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import secrets
 import signal
 import subprocess
 from dataclasses import dataclass, field
+
+from kvoffload.errors import ConfigError
 
 _IP_TIMEOUT_S = 10
 
@@ -42,7 +46,8 @@ class Host:
 
     netns: str
     address: str
-    veth: str = ""
+    veth: str = ""  # the bridge's end of its veth pair (in the caller's namespace)
+    peer: str = ""  # the node's end, inside its namespace
 
     def command(self, argv: list[str]) -> list[str]:
         """`argv` run inside this host's namespace."""
@@ -52,6 +57,12 @@ class Host:
         """Bring this host's link up or down (packets vanish, no reset)."""
         assert self.veth, "loopback hosts have no link to cut"
         _ip("link", "set", self.veth, "up" if up else "down")
+
+    def blackhole(self) -> None:
+        """Take the node's own end of its link down, inside its namespace: from then on its
+        packets vanish both ways and nothing sends a reset (its sockets stay open)."""
+        assert self.peer, "loopback hosts have no link to cut"
+        _ip("netns", "exec", self.netns, "ip", "link", "set", self.peer, "down")
 
 
 @dataclass
@@ -63,7 +74,12 @@ class Network:
     hosts: list[Host] = field(default_factory=list)
 
     @classmethod
-    def open(cls) -> Network:
+    def open(cls, fallback: bool = True) -> Network:
+        """A new bridge; with `fallback`, loopback (printed) where namespaces cannot be made.
+
+        Raises:
+            ConfigError: namespaces cannot be made and `fallback` is False (says why).
+        """
         token = secrets.token_hex(3)
         bridge = f"kvb{token}"
         try:
@@ -72,6 +88,11 @@ class Network:
             subnet = _free_subnet()
             _ip("link", "add", bridge, "type", "bridge")
         except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+            if not fallback:
+                raise ConfigError(
+                    f"cannot create network namespaces ({_why(exc)}): this needs root "
+                    "(CAP_NET_ADMIN) and iproute2's `ip`"
+                ) from None
             print(f"\nnetns: cannot create namespaces ({_why(exc)}); nodes use 127.0.0.1 ports")
             return cls(False, "127.0.0.1")
         net = cls(True, f"10.77.{subnet}.1", token, subnet)
@@ -94,9 +115,11 @@ class Network:
             host = Host("", "127.0.0.1")
             self.hosts.append(host)
             return host
-        host = Host(f"kvns{self.token}{i}", f"10.77.{self.subnet}.{10 + i}", f"kvh{self.token}{i}")
-        self.hosts.append(host)  # before creating: close() removes what half-exists
         peer = f"kvp{self.token}{i}"
+        host = Host(
+            f"kvns{self.token}{i}", f"10.77.{self.subnet}.{10 + i}", f"kvh{self.token}{i}", peer
+        )
+        self.hosts.append(host)  # before creating: close() removes what half-exists
         _ip("netns", "add", host.netns)
         _ip("link", "add", host.veth, "type", "veth", "peer", "name", peer)
         _ip("link", "set", peer, "netns", host.netns)
