@@ -86,7 +86,12 @@ class Network:
             if os.environ.get("KVOFFLOAD_TEST_NO_NETNS"):  # to exercise the fallback
                 raise RuntimeError("KVOFFLOAD_TEST_NO_NETNS is set")
             subnet = _free_subnet()
-            _ip("link", "add", bridge, "type", "bridge")
+            # A fixed (locally administered) MAC: a bridge without one takes its lowest port's,
+            # so adding a host changed the gateway's MAC under the others' ARP caches, and a
+            # node restarted in its namespace could not reach etcd for ~30 s (until the stale
+            # entry was probed again).
+            mac = "02:" + ":".join(token[i : i + 2] for i in range(0, 6, 2)) + ":00:01"
+            _ip("link", "add", bridge, "address", mac, "type", "bridge")
         except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
             if not fallback:
                 raise ConfigError(
