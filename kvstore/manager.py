@@ -13,11 +13,12 @@ Every method expects the engine's lock held unless it says otherwise; those that
 can release it while a demotion writes (the entry is pinned meanwhile), as the comments say.
 
 Demotion runs off the request path (`dram.demote_background`, with a tier below): a writer
-thread (`Demoter`, owned by the mover) evicts in the policy's order, writing blocks down,
-whenever free DRAM falls below `dram.demote_low` of the arena, until `dram.demote_high` is
-free. A request finds room without evicting while the writer keeps up; when the SSD cannot
-(the puts outrun it), a request that finds no room writes its own victim, as before the
-writer: it waits for that one slot write, never for a queue (docs/design/ssd-tier.md).
+thread (`kvstore.mover.Demoter`, owned by the mover; this manager is its `WriterHost`) evicts
+in the policy's order, writing blocks down, whenever free DRAM falls below `dram.demote_low`
+of the arena, until `dram.demote_high` is free. A request finds room without evicting while
+the writer keeps up; when the SSD cannot (the puts outrun it), a request that finds no room
+writes its own victim, as before the writer: it waits for that one slot write, never for a
+queue (docs/design/ssd-tier.md).
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ class Manager:
     def start_writer(self) -> None:
         """Start the background demotion writer (called without the lock, once the arena is
         mapped; only with a tier below and `dram.demote_background`)."""
-        self.mover.start_demoter(self._demote_pass)
+        self.mover.start_demoter(self)
         with self.lock:
             self.writer_on = True
 
@@ -428,22 +429,24 @@ class Manager:
         assert demoter is not None
         demoter.wake()
 
-    def _demote_pass(self) -> None:
-        """The writer's pass (its thread, without the lock): the policy's victims leave DRAM,
-        written down if they need it, until `demote_high` of DRAM is free. Ends early once
-        `stop_writer` or close began, or every block is pinned."""
-        with self.lock:
-            self._woken = False
-            while True:
-                if not self.writer_on or self.closing or self.closed or not self.lower:
-                    return
-                if self.dram.free_bytes >= self._high:
-                    return
-                victim = self.dram.take_policy_victim()
-                if victim is None:
-                    return  # every block is pinned: the readers' releases make room
-                self.n["evictions"] += 1
-                self._evict(victim, "background")
+    # `WriterHost`: what the writer's loop (`Demoter`) asks, lock held.
+
+    def writer_woken(self) -> None:
+        self._woken = False
+
+    def wants_room(self) -> bool:
+        if not self.writer_on or self.closing or self.closed or not self.lower:
+            return False
+        return self.dram.free_bytes < self._high
+
+    def take_victim(self) -> DramEntry | None:
+        victim = self.dram.take_policy_victim()
+        if victim is not None:
+            self.n["evictions"] += 1
+        return victim
+
+    def evict_background(self, entry: DramEntry) -> None:
+        self._evict(entry, "background")
 
     def prepare_write_back(
         self, tier: SsdTier, entry: DramEntry, *, drop: bool

@@ -8,7 +8,8 @@ DRAM (`ReadPlan`), a DRAM block written down to the SSD on eviction or at a clea
 the threads the I/O runs on: a prefetch pool, and a read pool that serves a batch of reads
 (`submit_reads`: each read completes, on the pool thread that did it, through the batch's
 callback; on io_uring each pool thread takes a part of the batch in one submission), and the
-background demotion writer's thread (`Demoter`: it runs the manager's pass whenever woken).
+background demotion writer (`Demoter`: its thread and its loop; what to evict and how to
+complete it it asks its `WriterHost`, the manager, through a narrow protocol).
 
 Methods that take the engine's lock held on entry hold it again on return; the tiers release
 it while the bytes move (on a DRAM entry and an SSD row pinned meanwhile).
@@ -22,13 +23,21 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from queue import SimpleQueue
-from typing import Any
+from typing import Any, Protocol
 
 from kvoffload.kvstore.dram import DramEntry
 from kvoffload.kvstore.ssd.catalog import WritePlan
 from kvoffload.kvstore.ssd.tier import SsdRead, SsdTier, SsdWipe
 
-__all__ = ["Demoter", "Mover", "ReadPlan", "ReadPool", "WriteBack", "WriteThrough"]
+__all__ = [
+    "Demoter",
+    "Mover",
+    "ReadPlan",
+    "ReadPool",
+    "WriteBack",
+    "WriteThrough",
+    "WriterHost",
+]
 
 log = logging.getLogger(__name__)
 
@@ -131,17 +140,44 @@ class ReadPool:
                 log.exception("kvoffload: a batch read failed")
 
 
+class WriterHost(Protocol):
+    """What the demotion writer's loop asks of the books (the manager): every method but
+    the lock expects the lock held."""
+
+    lock: threading.Lock
+
+    def writer_woken(self) -> None:
+        """A pass begins: the wakes sent so far are served."""
+        ...
+
+    def wants_room(self) -> bool:
+        """Whether the writer should evict more now: it runs, the engine is open with a tier
+        below, and less than the high watermark of DRAM is free."""
+        ...
+
+    def take_victim(self) -> DramEntry | None:
+        """The policy's next unpinned victim, counted as an eviction; None if every block is
+        pinned."""
+        ...
+
+    def evict_background(self, entry: DramEntry) -> None:
+        """Make a victim leave DRAM, written down first if it needs it (may release the lock
+        for the write)."""
+        ...
+
+
 class Demoter:
-    """One thread that runs `work()` each time it is woken, until `stop`: the background
-    demotion writer (the manager's pass decides what to write; this only owns the thread).
+    """The background demotion writer: one thread that runs a pass each time it is woken,
+    until `stop`. A pass evicts the host's victims (the policy decides, the writer only
+    executes) until the host has room enough or is stopping.
 
     Wakes that come while a pass runs fold into one more pass. `stop` lets the pass in
-    progress end (the manager's pass checks that it is stopping between writes), runs one
-    more, and joins the thread.
+    progress end (it checks `wants_room` between writes), runs one more, and joins the
+    thread.
     """
 
-    def __init__(self, work: Callable[[], None], name: str = "kvoffload-demote") -> None:
-        self._work = work
+    def __init__(self, host: WriterHost, name: str = "kvoffload-demote") -> None:
+        self._host = host
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -163,11 +199,23 @@ class Demoter:
             self._wake.clear()
             stopping = self._stop  # read before the pass: a stop during it gets one more
             try:
-                self._work()
+                self._pass()
             except BaseException:  # a pass reports its own failures; this is a last resort
                 log.exception("kvoffload: a background demotion pass failed")
             if stopping:
                 return
+
+    def _pass(self) -> None:
+        """The policy's victims leave DRAM, written down if they need it, until the host has
+        room; ends early once the writer stops or close began, or every block is pinned."""
+        host = self._host
+        with host.lock:
+            host.writer_woken()
+            while host.wants_room():
+                victim = host.take_victim()
+                if victim is None:
+                    return  # every block is pinned: the readers' releases make room
+                host.evict_background(victim)
 
 
 class Mover:
@@ -183,9 +231,9 @@ class Mover:
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-prefetch")
         self.reads = ReadPool(read_depth, "kvoffload-read")
 
-    def start_demoter(self, work: Callable[[], None]) -> Demoter:
-        """Start the background demotion writer's thread, running `work` when woken."""
-        self.demoter = Demoter(work)
+    def start_demoter(self, host: WriterHost) -> Demoter:
+        """Start the background demotion writer over `host`'s books."""
+        self.demoter = Demoter(host)
         return self.demoter
 
     def stop_demoter(self) -> None:
