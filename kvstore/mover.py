@@ -155,29 +155,39 @@ class WriterHost(Protocol):
         below, and less than the high watermark of DRAM is free."""
         ...
 
-    def take_victim(self) -> DramEntry | None:
-        """The policy's next unpinned victim, counted as an eviction; None if every block is
-        pinned."""
+    def plan_demotions(self, limit: int) -> list[WriteBack] | None:
+        """Up to `limit` of the policy's victims planned for writing down (pinned), taken
+        until they would free enough; victims that need no write leave DRAM now. None when
+        every block is pinned."""
         ...
 
-    def evict_background(self, entry: DramEntry) -> None:
-        """Make a victim leave DRAM, written down first if it needs it (may release the lock
-        for the write)."""
+    def complete_demotions(self, plans: Sequence[WriteBack], committed: Sequence[bool]) -> None:
+        """Each planned victim's outcome: published below and out of DRAM, or not."""
         ...
 
 
 class Demoter:
     """The background demotion writer: one thread that runs a pass each time it is woken,
-    until `stop`. A pass evicts the host's victims (the policy decides, the writer only
-    executes) until the host has room enough or is stopping.
+    until `stop`. A pass takes the host's victims (the policy decides, the writer only
+    executes) up to `batch` at a time, writes them down together (one io_uring submission;
+    one after another on the thread path) and completes each, until the host has room
+    enough or is stopping.
 
     Wakes that come while a pass runs fold into one more pass. `stop` lets the pass in
-    progress end (it checks `wants_room` between writes), runs one more, and joins the
-    thread.
+    progress end (it checks `wants_room` between batches, after the batch in flight is
+    reaped), runs one more, and joins the thread.
     """
 
-    def __init__(self, host: WriterHost, name: str = "kvoffload-demote") -> None:
+    def __init__(
+        self,
+        host: WriterHost,
+        write: Callable[[Sequence[WriteBack]], list[bool]],
+        batch: int,
+        name: str = "kvoffload-demote",
+    ) -> None:
         self._host = host
+        self._write = write
+        self._batch = batch
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -206,16 +216,24 @@ class Demoter:
                 return
 
     def _pass(self) -> None:
-        """The policy's victims leave DRAM, written down if they need it, until the host has
-        room; ends early once the writer stops or close began, or every block is pinned."""
+        """The policy's victims leave DRAM, written down if they need it, a batch at a time,
+        until the host has room; ends early once the writer stops or close began, or every
+        block is pinned."""
         host = self._host
         with host.lock:
             host.writer_woken()
             while host.wants_room():
-                victim = host.take_victim()
-                if victim is None:
+                plans = host.plan_demotions(self._batch)
+                if plans is None:
                     return  # every block is pinned: the readers' releases make room
-                host.evict_background(victim)
+                if not plans:
+                    continue  # victims that needed no write left already
+                committed = [False] * len(plans)
+                try:
+                    committed = self._write(plans)  # lock released while in flight
+                finally:
+                    # Always completed: a plan never completed would pin its block for good.
+                    host.complete_demotions(plans, committed)
 
 
 class Mover:
@@ -231,9 +249,10 @@ class Mover:
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-prefetch")
         self.reads = ReadPool(read_depth, "kvoffload-read")
 
-    def start_demoter(self, host: WriterHost) -> Demoter:
-        """Start the background demotion writer over `host`'s books."""
-        self.demoter = Demoter(host)
+    def start_demoter(self, host: WriterHost, batch: int) -> Demoter:
+        """Start the background demotion writer over `host`'s books, `batch` victims at a
+        time."""
+        self.demoter = Demoter(host, self.write_back_batch, batch)
         return self.demoter
 
     def stop_demoter(self) -> None:
@@ -307,6 +326,14 @@ class Mover:
         """Write a DRAM block down (lock held, released for the write); True if the tier
         committed it."""
         return plan.tier.demote(plan.write, plan.payload, plan.keep)
+
+    def write_back_batch(self, plans: Sequence[WriteBack]) -> list[bool]:
+        """`write_back` of each plan (one tier below: all go to it), their writes in one
+        submission on io_uring (lock held, released for the writes); whether each
+        committed."""
+        if len(plans) == 1:
+            return [self.write_back(plans[0])]
+        return plans[0].tier.demote_batch([(p.write, p.payload, p.keep) for p in plans])
 
     def write_through(self, plan: WriteThrough) -> int:
         """Write a durable put and wait for its journal record (lock held, released for the
