@@ -85,6 +85,15 @@ def in_flight(engine: Engine) -> list[bytes]:
         return list(engine._dram.pinned)
 
 
+def batch_in_flight(engine: Engine) -> list[bytes]:
+    """The victims of the writer's first batch, seen while its (delayed) writes are in
+    flight: all planned under the lock at once, so never a part of them."""
+    seen: list[bytes] = []
+    wait_until(lambda: seen.extend(in_flight(engine)) or seen)
+    assert len(seen) == DEPTH
+    return seen
+
+
 def fill(engine: Engine) -> None:
     for i in range(FILL):
         engine.put(key(i), value(i))
@@ -178,12 +187,10 @@ def test_a_victim_deleted_during_its_batch_is_not_published(
 ) -> None:
     high = (DRAM * 0.05 + (DEPTH - 0.5) * slot_bytes(BLOCK)) / DRAM
     # Completions reaped late: the batch stays in flight while the delete runs.
-    set_plan(tmp_path, monkeypatch, {"ring.write": {"delay_s": 0.5}})
+    set_plan(tmp_path, monkeypatch, {"ring.write": {"delay_s": 2.0}})
     with Engine(config(tmp_path, high=high)) as engine:
         fill(engine)
-        wait_until(lambda: in_flight(engine))
-        victims = in_flight(engine)
-        assert len(victims) == DEPTH
+        victims = batch_in_flight(engine)
         gone = victims[1]
         assert engine.delete(gone)
         wait_until(lambda: idle(engine))
@@ -205,12 +212,10 @@ def test_a_victim_deleted_during_its_batch_is_not_published(
 def test_close_during_a_batch_waits_for_it_and_frees_no_buffer_in_flight(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    set_plan(tmp_path, monkeypatch, {"ring.write": {"delay_s": 0.5}})
+    set_plan(tmp_path, monkeypatch, {"ring.write": {"delay_s": 1.0}})
     engine = Engine(config(tmp_path))
     fill(engine)
-    wait_until(lambda: in_flight(engine))
-    victims = in_flight(engine)
-    assert len(victims) == DEPTH
+    victims = batch_in_flight(engine)
     arena = engine._dram.arena
     # close() stops the writer first: the batch in flight is reaped and completed before
     # the arena it writes from is unmapped (an unmap under it would tear those slots).
