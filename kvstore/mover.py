@@ -8,8 +8,8 @@ DRAM (`ReadPlan`), a DRAM block written down to the SSD on eviction or at a clea
 the threads the I/O runs on: a prefetch pool, and a read pool that serves a batch of reads
 (`submit_reads`: each read completes, on the pool thread that did it, through the batch's
 callback; on io_uring each pool thread takes a part of the batch in one submission), and the
-background demotion writer (`Demoter`: its thread and its loop; what to evict and how to
-complete it it asks its `WriterHost`, the manager, through a narrow protocol).
+background demotion writer (`Demoter`: its thread and its loop, which asks its `WriterHost`,
+the manager, what to evict and books each outcome through it).
 
 Methods that take the engine's lock held on entry hold it again on return; the tiers release
 it while the bytes move (on a DRAM entry and an SSD row pinned meanwhile).
