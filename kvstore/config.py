@@ -172,7 +172,8 @@ class SsdConfig:
     io_threads: int = 4
     # Slot reads of one batched get (`get_many`, `get_many_into`) in flight at once: each on a
     # thread of its own (io_engine "threads": preadv releases the GIL), or in one io_uring
-    # submission; 1 reads a batch's blocks one by one on threads.
+    # submission; 1 reads a batch's blocks one by one on threads. On io_uring it is also the
+    # most demotions the background writer puts in one submission (a ring's depth).
     read_depth: int = 8
     # Longest time close() waits for SSD reads in flight; a read still hung then leaves its
     # memory mapped (leaked) and close raises StorageIOError (docs/design/ssd-tier.md).
@@ -188,9 +189,9 @@ class SsdConfig:
     # The kernel queue of "nixl-posix": "aio" (Linux AIO, NIXL's default) or "uring" (io_uring).
     nixl_queue: str = "aio"
     # How the "posix" backend moves slots: "io_uring" (the C core's ring: a batched get's reads
-    # in one submission, each slot write one), "threads" (preadv/pwritev on the calling and
-    # read-pool threads), or
-    # "auto" (io_uring where the kernel allows it, else threads; docs/design/ssd-tier.md).
+    # in one submission, a batch of demotions one, each other slot write one), "threads"
+    # (preadv/pwritev on the calling and read-pool threads), or "auto" (io_uring where the
+    # kernel allows it, else threads; docs/design/ssd-tier.md).
     io_engine: str = "auto"
 
     def __post_init__(self) -> None:

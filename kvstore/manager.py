@@ -13,11 +13,12 @@ Every method expects the engine's lock held unless it says otherwise; those that
 can release it while a demotion writes (the entry is pinned meanwhile), as the comments say.
 
 Demotion runs off the request path (`dram.demote_background`, with a tier below): a writer
-thread (`Demoter`, owned by the mover) evicts in the policy's order, writing blocks down,
-whenever free DRAM falls below `dram.demote_low` of the arena, until `dram.demote_high` is
-free. A request finds room without evicting while the writer keeps up; when the SSD cannot
-(the puts outrun it), a request that finds no room writes its own victim, as before the
-writer: it waits for that one slot write, never for a queue (docs/design/ssd-tier.md).
+thread (`kvstore.mover.Demoter`, owned by the mover; this manager is its `WriterHost`) evicts
+in the policy's order, writing blocks down, whenever free DRAM falls below `dram.demote_low`
+of the arena, until `dram.demote_high` is free. A request finds room without evicting while
+the writer keeps up; when the SSD cannot (the puts outrun it), a request that finds no room
+writes its own victim, as before the writer: it waits for that one slot write, never for a
+queue (docs/design/ssd-tier.md).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from kvoffload.errors import CapacityError, InvalidArgumentError, KVOffloadError, StorageIOError
@@ -136,7 +137,7 @@ class Manager:
     def start_writer(self) -> None:
         """Start the background demotion writer (called without the lock, once the arena is
         mapped; only with a tier below and `dram.demote_background`)."""
-        self.mover.start_demoter(self._demote_pass)
+        self.mover.start_demoter(self, self.lower[0].write_batch)
         with self.lock:
             self.writer_on = True
 
@@ -382,37 +383,41 @@ class Manager:
         self.n["neighbours"] += neighbour
         self._evict(entry)
 
-    def _evict(self, entry: DramEntry, where: str = "inline") -> None:
-        """Make a live, unpinned entry leave DRAM: dropped, or first written to the tier below
-        if it admits the block (`where` says whose thread writes: "inline" a request's, which
-        then waits on the SSD, "background" the writer's).
+    def _evict(self, entry: DramEntry) -> None:
+        """Make a live, unpinned entry leave DRAM on a request's thread: dropped, or first
+        written to the tier below if it admits the block (the request waits on the SSD).
 
         May release the lock while the write runs; the entry is pinned meanwhile.
         """
-        if not entry.on_ssd:
-            for tier in self.lower[:1]:
-                assert self.sketch is not None
-                if self.sketch.estimate(entry.key) < self.config.ssd.admission_min_uses:
-                    self.n["admission_rejected"] += 1
-                    break
-                if where == "background":
-                    self.demote(tier, entry, drop=True, where=where)
-                    return
-                started = time.monotonic_ns()
-                self.demote(tier, entry, drop=True, where=where)
-                self.n["room_waits"] += 1
-                self.n["room_wait_ns"] += time.monotonic_ns() - started
-                return
-        self.drop(entry)
-        self.notify("removed", entry.key, "dram")
+        tier = self._write_to(entry)
+        if tier is None:
+            self.drop(entry)
+            self.notify("removed", entry.key, "dram")
+            return
+        started = time.monotonic_ns()
+        self.demote(tier, entry, drop=True, where="inline")
+        self.n["room_waits"] += 1
+        self.n["room_wait_ns"] += time.monotonic_ns() - started
+
+    def _write_to(self, entry: DramEntry) -> SsdTier | None:
+        """The tier a victim must be written to before it leaves DRAM; None if it can just
+        go (a copy below already, no tier below, or the admission filter keeps it off:
+        counted)."""
+        if entry.on_ssd or not self.lower:
+            return None
+        assert self.sketch is not None
+        if self.sketch.estimate(entry.key) < self.config.ssd.admission_min_uses:
+            self.n["admission_rejected"] += 1
+            return None
+        return self.lower[0]
 
     def demote(
         self, tier: SsdTier, entry: DramEntry, *, drop: bool, where: str | None = None
     ) -> None:
         """Write a live DRAM block down to `tier` (`prepare_write_back` .., then
         `complete_write_back`), then with `drop` take it out of DRAM. Releases the lock for
-        the write. `where` ("inline", "background") picks the counter of an eviction's write;
-        None for a flush."""
+        the write. `where` ("inline") picks the counter of an eviction's write; None for a
+        flush."""
         plan = self.prepare_write_back(tier, entry, drop=drop)
         if plan is not None:
             committed = self.mover.write_back(plan)
@@ -428,22 +433,46 @@ class Manager:
         assert demoter is not None
         demoter.wake()
 
-    def _demote_pass(self) -> None:
-        """The writer's pass (its thread, without the lock): the policy's victims leave DRAM,
-        written down if they need it, until `demote_high` of DRAM is free. Ends early once
-        `stop_writer` or close began, or every block is pinned."""
-        with self.lock:
-            self._woken = False
-            while True:
-                if not self.writer_on or self.closing or self.closed or not self.lower:
-                    return
-                if self.dram.free_bytes >= self._high:
-                    return
-                victim = self.dram.take_policy_victim()
-                if victim is None:
-                    return  # every block is pinned: the readers' releases make room
-                self.n["evictions"] += 1
-                self._evict(victim, "background")
+    # `WriterHost`: what the writer's loop (`Demoter`) asks, lock held.
+
+    def writer_woken(self) -> None:
+        self._woken = False
+
+    def wants_room(self) -> bool:
+        if not self.writer_on or self.closing or self.closed or not self.lower:
+            return False
+        return self.dram.free_bytes < self._high
+
+    def plan_demotions(self, limit: int) -> list[WriteBack] | None:
+        # Victims are taken until the slots they hold would bring free DRAM to the high
+        # watermark: a batch frees what one-by-one eviction would have, no more.
+        plans: list[WriteBack] = []
+        pending = 0
+        while len(plans) < limit and self.dram.free_bytes + pending < self._high:
+            victim = self.dram.take_policy_victim()
+            if victim is None:
+                return plans or None
+            self.n["evictions"] += 1
+            plan = self._background_plan(victim)
+            if plan is not None:
+                plans.append(plan)
+                pending += victim.slot
+        return plans
+
+    def _background_plan(self, entry: DramEntry) -> WriteBack | None:
+        """`_evict` for the writer, up to the write: the victim's write planned (pinned), or
+        None once it left DRAM (it needed no write, or the tier had no room)."""
+        tier = self._write_to(entry)
+        if tier is not None:
+            return self.prepare_write_back(tier, entry, drop=True)
+        self.drop(entry)
+        self.notify("removed", entry.key, "dram")
+        return None
+
+    def complete_demotions(self, plans: Sequence[WriteBack], committed: Sequence[bool]) -> None:
+        for plan, ok in zip(plans, committed, strict=True):
+            self.n["demotions_background"] += ok
+            self.complete_write_back(plan, ok, drop=True)
 
     def prepare_write_back(
         self, tier: SsdTier, entry: DramEntry, *, drop: bool

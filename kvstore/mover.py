@@ -8,7 +8,8 @@ DRAM (`ReadPlan`), a DRAM block written down to the SSD on eviction or at a clea
 the threads the I/O runs on: a prefetch pool, and a read pool that serves a batch of reads
 (`submit_reads`: each read completes, on the pool thread that did it, through the batch's
 callback; on io_uring each pool thread takes a part of the batch in one submission), and the
-background demotion writer's thread (`Demoter`: it runs the manager's pass whenever woken).
+background demotion writer (`Demoter`: its thread and its loop, which asks its `WriterHost`,
+the manager, what to evict and books each outcome through it).
 
 Methods that take the engine's lock held on entry hold it again on return; the tiers release
 it while the bytes move (on a DRAM entry and an SSD row pinned meanwhile).
@@ -22,13 +23,21 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from queue import SimpleQueue
-from typing import Any
+from typing import Any, Protocol
 
 from kvoffload.kvstore.dram import DramEntry
 from kvoffload.kvstore.ssd.catalog import WritePlan
 from kvoffload.kvstore.ssd.tier import SsdRead, SsdTier, SsdWipe
 
-__all__ = ["Demoter", "Mover", "ReadPlan", "ReadPool", "WriteBack", "WriteThrough"]
+__all__ = [
+    "Demoter",
+    "Mover",
+    "ReadPlan",
+    "ReadPool",
+    "WriteBack",
+    "WriteThrough",
+    "WriterHost",
+]
 
 log = logging.getLogger(__name__)
 
@@ -131,17 +140,54 @@ class ReadPool:
                 log.exception("kvoffload: a batch read failed")
 
 
+class WriterHost(Protocol):
+    """What the demotion writer's loop asks of the books (the manager): every method but
+    the lock expects the lock held."""
+
+    lock: threading.Lock
+
+    def writer_woken(self) -> None:
+        """A pass begins: the wakes sent so far are served."""
+        ...
+
+    def wants_room(self) -> bool:
+        """Whether the writer should evict more now: it runs, the engine is open with a tier
+        below, and less than the high watermark of DRAM is free."""
+        ...
+
+    def plan_demotions(self, limit: int) -> list[WriteBack] | None:
+        """Up to `limit` of the policy's victims planned for writing down (pinned), taken
+        until they would free enough; victims that need no write leave DRAM now. None when
+        every block is pinned."""
+        ...
+
+    def complete_demotions(self, plans: Sequence[WriteBack], committed: Sequence[bool]) -> None:
+        """Each planned victim's outcome: published below and out of DRAM, or not."""
+        ...
+
+
 class Demoter:
-    """One thread that runs `work()` each time it is woken, until `stop`: the background
-    demotion writer (the manager's pass decides what to write; this only owns the thread).
+    """The background demotion writer: one thread that runs a pass each time it is woken,
+    until `stop`. A pass takes the host's victims (the policy decides, the writer only
+    executes) up to `batch` at a time, writes them down together (one io_uring submission;
+    one after another on the thread path) and completes each, until the host has room
+    enough or is stopping.
 
     Wakes that come while a pass runs fold into one more pass. `stop` lets the pass in
-    progress end (the manager's pass checks that it is stopping between writes), runs one
-    more, and joins the thread.
+    progress end (it checks `wants_room` between batches, after the batch in flight is
+    reaped), runs one more, and joins the thread.
     """
 
-    def __init__(self, work: Callable[[], None], name: str = "kvoffload-demote") -> None:
-        self._work = work
+    def __init__(
+        self,
+        host: WriterHost,
+        write: Callable[[Sequence[WriteBack]], list[bool]],
+        batch: int,
+        name: str = "kvoffload-demote",
+    ) -> None:
+        self._host = host
+        self._write = write
+        self._batch = batch
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -163,11 +209,31 @@ class Demoter:
             self._wake.clear()
             stopping = self._stop  # read before the pass: a stop during it gets one more
             try:
-                self._work()
+                self._pass()
             except BaseException:  # a pass reports its own failures; this is a last resort
                 log.exception("kvoffload: a background demotion pass failed")
             if stopping:
                 return
+
+    def _pass(self) -> None:
+        """The policy's victims leave DRAM, written down if they need it, a batch at a time,
+        until the host has room; ends early once the writer stops or close began, or every
+        block is pinned."""
+        host = self._host
+        with host.lock:
+            host.writer_woken()
+            while host.wants_room():
+                plans = host.plan_demotions(self._batch)
+                if plans is None:
+                    return  # every block is pinned: the readers' releases make room
+                if not plans:
+                    continue  # victims that needed no write left already
+                committed = [False] * len(plans)
+                try:
+                    committed = self._write(plans)  # lock released while in flight
+                finally:
+                    # Always completed: a plan never completed would pin its block for good.
+                    host.complete_demotions(plans, committed)
 
 
 class Mover:
@@ -183,9 +249,10 @@ class Mover:
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-prefetch")
         self.reads = ReadPool(read_depth, "kvoffload-read")
 
-    def start_demoter(self, work: Callable[[], None]) -> Demoter:
-        """Start the background demotion writer's thread, running `work` when woken."""
-        self.demoter = Demoter(work)
+    def start_demoter(self, host: WriterHost, batch: int) -> Demoter:
+        """Start the background demotion writer over `host`'s books, `batch` victims at a
+        time."""
+        self.demoter = Demoter(host, self.write_back_batch, batch)
         return self.demoter
 
     def stop_demoter(self) -> None:
@@ -259,6 +326,14 @@ class Mover:
         """Write a DRAM block down (lock held, released for the write); True if the tier
         committed it."""
         return plan.tier.demote(plan.write, plan.payload, plan.keep)
+
+    def write_back_batch(self, plans: Sequence[WriteBack]) -> list[bool]:
+        """`write_back` of each plan (one tier below: all go to it), their writes in one
+        submission on io_uring (lock held, released for the writes); whether each
+        committed."""
+        if len(plans) == 1:
+            return [self.write_back(plans[0])]
+        return plans[0].tier.demote_batch([(p.write, p.payload, p.keep) for p in plans])
 
     def write_through(self, plan: WriteThrough) -> int:
         """Write a durable put and wait for its journal record (lock held, released for the

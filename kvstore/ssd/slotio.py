@@ -388,6 +388,21 @@ class RingPages:
         one submission. A short write is a failure like EIO (the caller frees the slot and
         never publishes it): O_DIRECT into a preallocated slot moves all or fails, so a short
         one means the device is in trouble, not that a retry would finish it."""
+        entries = self.entries(write, offset, buffers)
+        with self.lease() as lease:
+            results = self.submit(lease, write, entries)
+        failed = self.failure(write, entries, results)
+        if failed is not None:
+            raise failed
+
+    def entries(self, write: bool, offset: int, buffers: Sequence[memoryview]
+                ) -> list[tuple[int, memoryview]]:  # fmt: skip
+        """One slot's (offset, buffer) entries, checked before anything is submitted.
+
+        Raises:
+            StorageIOError: a buffer is not whole pages at a page offset, or a write would
+                run past the file's end (and grow it).
+        """
         entries = []
         for buf in buffers:
             if len(buf) % PAGE or (offset % PAGE and self.slots.direct):
@@ -399,13 +414,17 @@ class RingPages:
             offset += len(buf)
         if write and offset > self.slots.size:  # would grow the file; a read is short there
             raise StorageIOError(f"write to {self.slots.path} ends at {offset}, past its end")
-        with self.lease() as lease:
-            results = self.submit(lease, write, entries)
+        return entries
+
+    def failure(self, write: bool, entries: Sequence[tuple[int, memoryview]],
+                results: Sequence[int]) -> StorageIOError | None:  # fmt: skip
+        """The error of the first of one slot's `entries` that failed or moved short."""
         for (at, buf), got in zip(entries, results, strict=True):
             if got != len(buf):
                 verb = "write to" if write else "read of"
                 why = os.strerror(-got) if got < 0 else f"{got} of {len(buf)} bytes (short)"
-                raise StorageIOError(f"{verb} {self.slots.path} at {at} failed: {why}")
+                return StorageIOError(f"{verb} {self.slots.path} at {at} failed: {why}")
+        return None
 
     def counts(self) -> tuple[int, int]:
         """(submissions, entries) of every ring so far: a batch of n slot reads is one
@@ -459,6 +478,56 @@ class BlockIO:
             pack_header(page, SlotHeader(plan.seq, plan.key, plan.parent, plan.length, plan.crc,
                                          plan.tenant, tenant_name))  # fmt: skip
             pages.transfer(True, plan.offset, [page, payload])
+
+    @property
+    def write_batch_slots(self) -> int:
+        """Slots `write_batch` puts in flight at once: the ring's depth (two entries a slot)
+        on io_uring, else 1 (the calling thread writes them one by one)."""
+        pages = self.pages
+        return max(1, pages.depth // 2) if isinstance(pages, RingPages) else 1
+
+    def write_batch(
+        self, writes: Sequence[tuple[WritePlan, str, memoryview]]
+    ) -> list[StorageIOError | None]:
+        """`write` of each (plan, tenant name, payload), in one submission on the io_uring
+        path (two entries a slot: its header page, its value): per slot None if it was
+        written whole, else its error (a failed or short entry, logged by the caller). One
+        slot's failure does not stop the others'."""
+        pages = self.pages
+        if not isinstance(pages, RingPages):
+            out: list[StorageIOError | None] = []
+            for plan, tenant_name, payload in writes:
+                try:
+                    self.write(plan, tenant_name, payload)
+                    out.append(None)
+                except StorageIOError as exc:
+                    out.append(exc)
+            return out
+        out = [None] * len(writes)
+        with pages.lease() as lease:
+            headers = lease.header_pages(len(writes))
+            entries: list[tuple[int, memoryview]] = []
+            slots: list[tuple[int, list[tuple[int, memoryview]]]] = []  # (index, its entries)
+            for i, (plan, tenant_name, payload) in enumerate(writes):
+                plan.crc = crc32c.crc32c(payload[: plan.length])
+                page = headers[i * PAGE : (i + 1) * PAGE]
+                page[:] = bytes(PAGE)
+                pack_header(page, SlotHeader(plan.seq, plan.key, plan.parent, plan.length,
+                                             plan.crc, plan.tenant, tenant_name))  # fmt: skip
+                try:
+                    mine = pages.entries(True, plan.offset, [page, payload])
+                except StorageIOError as exc:
+                    out[i] = exc  # refused before submission; the others still go
+                    continue
+                slots.append((i, mine))
+                entries += mine
+            # Every slot's entries in one submission; its buffers held until all are reaped.
+            results = pages.submit(lease, True, entries) if entries else []
+        at = 0
+        for i, mine in slots:
+            out[i] = pages.failure(True, mine, results[at : at + len(mine)])
+            at += len(mine)
+        return out
 
     def read(self, row_snapshot: tuple[bytes, int, int, int, int], dst: memoryview) -> bool:
         """Read a block into `dst` (page-aligned, whole pages); False if it fails verification.

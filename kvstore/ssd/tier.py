@@ -269,18 +269,52 @@ class SsdTier:
         """Write a planned block from DRAM (pinned by the caller) and commit it unless it
         failed, `keep()` no longer holds, or a durable put of the key is writing a newer copy,
         which ours must not replace. True if committed. Releases the lock for the write."""
-        key = plan.key
         try:
             with self._unlocked():
                 self.io.write(plan, self.tenants[plan.tenant], payload)
-            self._raise_if_closed(key)
-            failed = False
+            self._raise_if_closed(plan.key)
+            error = None
         except StorageIOError as exc:
-            log.error("demotion of block %s failed: %s", key.hex(), exc)
-            failed = True
-        if failed or not keep() or key in self.cat.writing:
+            error = exc
+        return self._finish_demotion(plan, error, keep)
+
+    @property
+    def write_batch(self) -> int:
+        """Demotions `demote_batch` puts in flight at once (1: one after another)."""
+        return self.io.write_batch_slots
+
+    def demote_batch(
+        self, writes: Sequence[tuple[WritePlan, memoryview, Callable[[], bool]]]
+    ) -> list[bool]:
+        """`demote` of each (plan, payload, keep), their slot writes in one submission on the
+        io_uring path; each is committed or given back on its own (a failed or short write
+        of one never stops the others'). Releases the lock for the writes."""
+        names = [self.tenants[plan.tenant] for plan, _, _ in writes]
+        with self._unlocked():
+            errors = self.io.write_batch(
+                [(plan, name, payload) for (plan, payload, _), name in zip(writes, names,
+                                                                          strict=True)]
+            )  # fmt: skip
+        out = []
+        for (plan, _, keep), error in zip(writes, errors, strict=True):
+            if error is None:
+                try:
+                    self._raise_if_closed(plan.key)
+                except StorageIOError as exc:
+                    error = exc
+            out.append(self._finish_demotion(plan, error, keep))
+        return out
+
+    def _finish_demotion(
+        self, plan: WritePlan, error: StorageIOError | None, keep: Callable[[], bool]
+    ) -> bool:
+        """Commit a demotion's written slot, or give it back (see `demote`)."""
+        key = plan.key
+        if error is not None:
+            log.error("demotion of block %s failed: %s", key.hex(), error)
+        if error is not None or not keep() or key in self.cat.writing:
             self.cat.abort_write(plan)
-            self.counters.io_errors += failed
+            self.counters.io_errors += error is not None
             return False
         try:
             committed = self.cat.commit_write(plan) is not None

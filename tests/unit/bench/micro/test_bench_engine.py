@@ -75,5 +75,6 @@ def test_ssd_bench_write_rows(tmp_path: Path) -> None:
         assert rows[(f"cpu_us/write_durable_{name}/2MiB", "odirect")]["value"] > 0
         demote = [r for (case, _), r in rows.items() if case == f"demote_{name}/2MiB"]
         assert len(demote) == 1 and demote[0]["value"] > 0
+        assert "of them by the writer" in demote[0]["note"]  # the share that goes in batches
     assert not any(case.startswith(("read", "restart")) for case, _ in rows)
     assert not list(tmp_path.glob("kvoffload-bench-ssd-*"))  # cleaned up
