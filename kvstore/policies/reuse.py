@@ -8,14 +8,18 @@ and reads so far (evicted keys included, the counts halved as the sketch ages). 
 the earliest deadline goes first; orphans (parent gone: no prefix lookup can reach them) before
 any other. With a weight of 0 this is LRU.
 
-The weight (in [`LOW`, 1]) is learned: a shadow LRU of as many keys as are resident (keys only,
-no values) tells on every access whether LRU would have held the key. A hit that LRU would
-have missed raises the weight by `STEP`, a miss that LRU would have hit lowers it: where the
-graces cost more hits than they save, the policy drifts toward LRU. Deadlines are computed at
+The weight is learned from two miniature caches (SHARDS-style spatial sampling): the keys
+whose first byte is divisible by `SAMPLE` are replayed through a miniature LRU and a miniature
+`reuse` at full weight, each holding that share of the resident count, and each counts its
+hits, decayed over `HORIZON` sampled accesses. The weight is 1 while the miniature `reuse` is
+ahead, `LOW` (0: LRU) otherwise, and starts at `LOW`. A learner that compares itself with LRU
+instead (a shadow LRU: raise the weight on a hit LRU would have missed, lower it on a miss LRU
+would have hit) falls into a trap: the graces cost hits at once and pay back thousands of
+accesses later, so the weight sinks to LRU, where nothing can raise it again; the miniature
+caches judge both policies as they would run, whatever the weight. Deadlines are computed at
 eviction time from each block's last tick and grace class, so a new weight applies to every
-resident block at once (one that only scaled new graces left blocks kept by old ones in for up
-to `GRACE[-1]` times the resident count). Blocks of one grace class are kept in recency order,
-so the victim is the earliest of the classes' oldest blocks: O(classes) per eviction.
+resident block at once. Blocks of one grace class are kept in recency order, so the victim is
+the earliest of the classes' oldest blocks: O(classes) per eviction.
 
 Why (docs/design/workload-benchmark.md, the Mooncake trace): a block stored once is read again
 24% of the time, one used twice 42%, three times 50%, four or more 78%; a grace that grows with
