@@ -290,11 +290,14 @@ class SsdTier:
         io_uring path; each is committed or given back on its own (a failed or short write
         of one never stops the others'). Releases the lock for the writes."""
         names = [self.tenants[plan.tenant] for plan, _, _ in writes]
-        with self._unlocked():
-            errors = self.io.write_batch(
-                [(plan, name, payload) for (plan, payload, _), name in zip(writes, names,
-                                                                          strict=True)]
-            )  # fmt: skip
+        try:
+            with self._unlocked():
+                errors = self.io.write_batch(
+                    [(plan, name, payload) for (plan, payload, _), name in zip(writes, names,
+                                                                              strict=True)]
+                )  # fmt: skip
+        except StorageIOError as exc:  # no ring to submit on: every slot is given back
+            errors = [exc] * len(writes)
         out = []
         for (plan, _, keep), error in zip(writes, errors, strict=True):
             if error is None:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import kvoffload.core as core
+from kvoffload.errors import StorageIOError
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig, faults
 from kvoffload.kvstore.extents import slot_bytes
 from kvoffload.kvstore.ssd.fsck import fsck
@@ -229,3 +230,24 @@ def test_close_during_a_batch_waits_for_it_and_frees_no_buffer_in_flight(
         assert got[i] == value(i)
     assert all(v is None or v == value(i) for i, v in got.items())
     assert fsck(str(tmp_path / "store")).clean
+
+
+def test_a_batch_the_ring_refuses_gives_every_slot_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A ring that broke (or could not be set up) refuses the whole submission: each planned
+    # slot goes back to the allocator and the tenant's quota, as one demotion's does, instead
+    # of staying allocated with no block in it until a restart.
+    def broken(*args: object, **kwargs: object) -> list[int]:
+        raise StorageIOError("io_uring: the ring broke")
+
+    high = (DRAM * 0.05 + (DEPTH - 0.5) * slot_bytes(BLOCK)) / DRAM
+    monkeypatch.setattr(RingPages, "submit", broken)
+    with Engine(config(tmp_path, high=high)) as engine:
+        fill(engine)
+        wait_until(lambda: idle(engine))
+        ssd = engine._ssd
+        assert ssd is not None
+        stats = engine.stats().tiers[1]
+        assert stats.io_errors >= DEPTH and stats.demotions == stats.entries == 0
+        assert stats.used_bytes == 0 and not any(ssd.cat._planned.values())
