@@ -194,7 +194,9 @@ def peer_python(package: str, named: str | None, env: str) -> str:
     return sys.executable
 
 
-def stop_process(proc: subprocess.Popen[str], timeout: float = 30) -> None:
+def stop_process(
+    proc: subprocess.Popen[str] | subprocess.Popen[bytes], timeout: float = 30
+) -> None:
     """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds."""
     proc.send_signal(signal.SIGTERM)
     try:

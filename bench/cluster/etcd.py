@@ -12,7 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from kvoffload.bench.common import free_port
+from kvoffload.bench.common import free_port, stop_process
 from kvoffload.errors import ConfigError
 
 __all__ = ["Etcd", "etcd_argv", "etcd_healthy"]
@@ -75,10 +75,5 @@ class Etcd:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            stop_process(self.proc, 10)
         self.proc = None

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from kvoffload.bench.cluster.etcd import etcd_argv, etcd_healthy
-from kvoffload.bench.common import free_port
+from kvoffload.bench.common import free_port, stop_process
 
 
 @dataclass(frozen=True)
@@ -165,12 +165,7 @@ class EtcdServer:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            stop_process(self.proc, 10)
         self.proc = None
 
     def keys(self, prefix: bytes) -> dict[bytes, bytes]:
