@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,7 +155,24 @@ class NetnsCluster:
         }  # fmt: skip
 
     def close(self) -> None:
-        """Stop everything (errors ignored: this runs after failures too)."""
+        """Stop everything (errors ignored: this runs after failures too). A Ctrl-C or SIGTERM
+        that arrives meanwhile is held until everything is removed, then raised: a second
+        Ctrl-C must not leave namespaces, a bridge or processes behind."""
+        if threading.current_thread() is not threading.main_thread():
+            self._close()  # signal handlers run only on the main thread anyway
+            return
+        held: list[int] = []
+        previous = {sig: signal.signal(sig, lambda signum, _frame: held.append(signum))
+                    for sig in (signal.SIGINT, signal.SIGTERM)}  # fmt: skip
+        try:
+            self._close()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if held:
+            raise KeyboardInterrupt
+
+    def _close(self) -> None:
         for node in self.nodes:
             if node.proc.poll() is None:
                 node.proc.send_signal(signal.SIGKILL)  # a blackholed node cannot leave cleanly

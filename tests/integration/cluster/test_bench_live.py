@@ -98,3 +98,30 @@ def test_the_netns_cluster_is_removed_on_ctrl_c() -> None:
         raise KeyboardInterrupt
     assert not names & _namespaces()
     assert all(p.poll() is not None for p in procs)
+
+
+@needs_root
+def test_a_second_signal_during_cleanup_is_held_until_everything_is_removed() -> None:
+    # As `bench trace --live cluster` does: SIGTERM raises KeyboardInterrupt. A SIGTERM that
+    # lands while the cluster is being removed (here: as etcd stops) used to abort the removal.
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt), NetnsCluster(1, "16MiB") as cluster:
+            names = {n.host.netns for n in cluster.nodes}
+            etcd = cluster._etcd
+            assert etcd is not None
+            stop = etcd.stop
+
+            def signalled_stop() -> None:
+                os.kill(os.getpid(), signal.SIGTERM)
+                stop()
+
+            etcd.stop = signalled_stop  # type: ignore[method-assign]
+            raise KeyboardInterrupt  # the first Ctrl-C
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert names and not names & _namespaces()
+    assert etcd.proc is None or etcd.proc.poll() is not None
