@@ -8,6 +8,7 @@ block's parent and metadata.
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -251,3 +252,44 @@ def test_a_node_with_several_workers_drops_its_blocks_when_it_restarts(
     again = start_node(host=node.host, data=node.data_dir, ssd=SSD, env=workers)
     with _direct(again) as direct:
         assert direct.get_many(keys) == [None] * len(keys)
+
+
+# A lease far longer than the test: the lost node's record lives throughout, as it does for
+# `lease_ttl_s` after a real fault (issue 32: the live replay's ~3 s of "not acknowledged").
+_LONG_LEASE = {"KVOFFLOAD_CLUSTER__LEASE_TTL_S": "60"}
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_a_put_whose_replicas_include_a_lost_node_raises_while_its_record_lives(
+    start_node: StartNode, cluster_etcd: EtcdServer, fault: str
+) -> None:
+    """Issue 32's cause: 3 nodes, replicas=2, one SIGKILLed or SIGSTOPped (a blackhole: no
+    reset, the call waits out its deadline). A put of keys that rank the lost node among their
+    best is stored on the two others, yet raises "not acknowledged": the lost node is still a
+    member, and an overwrite it missed could be served by it again."""
+    nodes = [start_node(env=_LONG_LEASE) for _ in range(3)]
+    ids = {n.node_id for n in nodes}
+    victim = nodes[0]
+    keys = _keys(60, seed=91)
+    with Client.connect(_url(cluster_etcd)) as client:
+        assert _until(lambda: _members(client, ids))
+        client.get_many(keys)  # every node's transport open before the fault
+        ranked = _ranked(client, keys)
+        hit = [k for k, owners in zip(keys, ranked, strict=True) if victim.node_id in owners]
+        assert hit
+        if fault == "kill":
+            victim.kill()
+        else:
+            victim.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(TransportError, match="put not acknowledged"):
+                client.put_many([(k, _value(k)) for k in hit])
+            assert victim.node_id in _nodes(client)  # its record still lives
+            # Stored on the nodes that answer: two copies each, every read finds it.
+            assert client.get_many(hit) == [_value(k) for k in hit]
+            for node in nodes[1:]:
+                with _direct(node) as direct:
+                    assert all(direct.exists(k) for k in hit)
+        finally:
+            if fault == "stop":
+                victim.proc.send_signal(signal.SIGCONT)
