@@ -109,10 +109,11 @@ class NetnsCluster:
             self.nodes.append(NetnsNode(host, proc, ports))
         self.node_ids = self._wait_members(timeout_s=30)
 
-    def url(self, replicas: int = 2, timeout_s: float = 1.0) -> str:
+    def url(self, replicas: int = 2, timeout_s: float = 1.0, immutable: bool = False) -> str:
         assert self._etcd is not None, "not started"
         return (f"cluster+etcd://{self._etcd.endpoint}/{NAME}"
-                f"?replicas={replicas}&timeout={timeout_s:g}")  # fmt: skip
+                f"?replicas={replicas}&timeout={timeout_s:g}"
+                + ("&immutable=1" if immutable else ""))  # fmt: skip
 
     def _wait_members(self, timeout_s: float) -> list[str]:
         """Until a client sees every node as a member: their ids, in `nodes` order."""

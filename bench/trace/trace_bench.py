@@ -694,7 +694,9 @@ def _live_cluster(trace: Trace, args: argparse.Namespace) -> TraceResult:
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         with NetnsCluster(args.nodes, args.node_dram, args.lease_ttl) as cluster:
-            url = cluster.url(args.replicas, args.timeout)
+            # The replay's keys are chained block keys, named by their content: puts need one
+            # live node, not every member (a lost node's share goes to the next one).
+            url = cluster.url(args.replicas, args.timeout, immutable=True)
             fault = None
             if args.fault:
                 fault = (args.fault, args.fault_at,
@@ -708,7 +710,8 @@ def _live_cluster(trace: Trace, args: argparse.Namespace) -> TraceResult:
     result.notes.append(
         f"{args.nodes} daemons (--dram {args.node_dram}, no SSD), one network namespace each, "
         f"etcd membership (lease {args.lease_ttl} s), replicas={args.replicas}, "
-        f"timeout={args.timeout:g} s"
+        f"timeout={args.timeout:g} s, immutable=1 (content-named keys: a put needs one live "
+        "node, not every member)"
         + (f"; {args.fault} of node {args.fault_node} at {args.fault_at:g} s" if args.fault else "")
     )
     return result

@@ -14,8 +14,13 @@ membership) when it is not acknowledged, below.
 With etcd membership a put or delete is acknowledged only when every one of each key's R + 1
 best members (down or not) answered: a node that missed a write keeps its record only until the
 lease lapses, and drops its blocks when it rejoins (the daemon), so it cannot serve the older
-value. Read repair only copies forward: the node stores a copy only where the key is absent and
-was not deleted lately (`Repair`, protocol 5), with the source's parent and metadata.
+value. A client whose keys name their content (`immutable=1`: chained block keys, DESIGN §3)
+has no older value to fear: its puts are acknowledged once each block is on one node (a lost
+owner's share goes to the next live node in the key's order, where reads look), and they
+clear no next rank; its deletes still need every member.
+
+Read repair only copies forward: the node stores a copy only where the key is absent and was
+not deleted lately (`Repair`, protocol 5), with the source's parent and metadata.
 
 A caller's error (`InvalidArgumentError`: a buffer too small, a value too large) is raised to the
 caller as over `kv://` and is no failure of the node; a full node's `CapacityError` sends the put
@@ -80,6 +85,8 @@ _PARAMS = {
     "tls": "1: reach the nodes' native fronts over TLS (their native+tls fronts)",
     "ca": "tls=1: CA file that signed the nodes' certificates (default: the system's CAs)",
     "server_name": "tls=1: certificate name to expect (default: each node's host)",
+    "immutable": "1: every key this client puts names its content (chained block keys): a put "
+    "is acknowledged once each block is on a live node (default 0: on every member)",
 }
 # Repairs (copies to a new owner) run in the background; past this many waiting, skip them.
 _MAX_REPAIRS = 64
@@ -107,6 +114,9 @@ class ClusterTransport:
         strict_puts: a put is acknowledged only when every one of each key's R + 1 best
             members holds the new value or nothing (etcd membership: a member that missed it
             has a lease that lapses, and drops its blocks when it rejoins).
+        immutable_puts: every key put names its content, so no node can hold an older value
+            of it: a put is acknowledged once each block is on one node, and clears no next
+            rank (`strict_puts` then applies to deletes only).
     """
 
     def __init__(
@@ -117,8 +127,10 @@ class ClusterTransport:
         deadline_s: float = DEFAULT_DEADLINE_S,
         durable_puts: bool = True,
         strict_puts: bool = False,
+        immutable_puts: bool = False,
     ) -> None:
         self.replicas = replicas
+        self.immutable_puts = immutable_puts
         self._durable_puts = durable_puts
         self._strict_puts = strict_puts
         self._membership = membership
@@ -353,8 +365,8 @@ class ClusterTransport:
         for attempt in range(2):
             # The first round also clears each key off its next node (rank R): a copy put
             # there while an owner was down must not outlive this put (it would be read
-            # when the owners miss, an older value).
-            width = self.replicas + (attempt == 0)
+            # when the owners miss, an older value). A content-named key has no older value.
+            width = self.replicas + (attempt == 0 and not self.immutable_puts)
             live, ranks = self._plan([keys[i] for i in pending], width, frozenset(failed), members)
             groups: dict[Target, list[int]] = {}
             clears: dict[Target, set[int]] = {}
@@ -402,7 +414,7 @@ class ClusterTransport:
             if not attempt:
                 self._count("puts_rerouted", len(pending))
         self._settle_puts(stored, durable, full=0 < refusals == errors)
-        if self._strict_puts:
+        if self._strict_puts and not self.immutable_puts:
             self._acknowledge(keys, owners_of, cleared_on, members)
 
     def _acknowledge(
@@ -691,6 +703,7 @@ class ClusterTransport:
                 "replicas": self.replicas,
                 "members": len(targets),
                 "records_ignored": self._membership.ignored,
+                "immutable": self.immutable_puts,
             }
         return merged
 
@@ -759,6 +772,9 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
             if spec.front != front:
                 raise ConfigError(f"cluster URL: {name}= applies to front={front} only")
             node_params[name] = spec.extra[name]
+    immutable = spec.extra.get("immutable", "0")
+    if immutable not in ("0", "1"):
+        raise ConfigError(f"cluster URL: immutable must be 0 or 1, got {immutable!r}")
     scheme, front = ("kv", "native") if spec.front == "native" else ("nvme+tcp", "nvme")
     tls = node_params.get("tls", "0") == "1"
     if node_params.get("tls", "0") not in ("0", "1"):
@@ -796,6 +812,7 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
         deadline,
         durable_puts=front == "native",
         strict_puts=spec.source == "etcd",
+        immutable_puts=immutable == "1",
     )
 
 

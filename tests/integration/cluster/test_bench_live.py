@@ -68,7 +68,8 @@ def test_a_live_replay_through_a_netns_cluster_rides_out_a_fault(
     tmp_path: Path, fault: str
 ) -> None:
     # 100 s of the trace at 20x (~290 requests in 5 s), node 1 faulted 2 s in: no load
-    # fails, no block is wrong, the windows around the fault are reported, nothing is left.
+    # fails, no block is wrong, no put raises (the replay's keys are content-named:
+    # immutable=1, issue 32), the windows around the fault are reported, nothing is left.
     out = tmp_path / "live.json"
     args = ["bench", "trace", "--trace", str(TRACE), "--window", "0:100", "--block-tokens",
             "512", "--live", "cluster", "--speedup", "20", "--workers", "8", "--fault", fault,
@@ -77,6 +78,8 @@ def test_a_live_replay_through_a_netns_cluster_rides_out_a_fault(
     data = json.loads(out.read_text())
     live, cluster = data["details"]["live"], data["details"]["cluster"]
     assert live["errors"] == 0 and live["wrong_blocks"] == 0, live["messages"]
+    assert data["details"]["url"].endswith("&immutable=1")
+    assert live["store_errors"] == 0, live["store_messages"]
     assert live["requests"] > 200 and live["hit_blocks"] > 0
     assert cluster["faults"] == [{"fault": fault, "node": 1, "node_id": cluster["nodes"][1]["id"]}]
     windows = live["windows"]

@@ -8,6 +8,7 @@ block's parent and metadata.
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -251,3 +252,57 @@ def test_a_node_with_several_workers_drops_its_blocks_when_it_restarts(
     again = start_node(host=node.host, data=node.data_dir, ssd=SSD, env=workers)
     with _direct(again) as direct:
         assert direct.get_many(keys) == [None] * len(keys)
+
+
+# A lease far longer than the test: the lost node's record lives throughout, as it does for
+# `lease_ttl_s` after a real fault (issue 32: the live replay's ~3 s of "not acknowledged").
+_LONG_LEASE = {"KVOFFLOAD_CLUSTER__LEASE_TTL_S": "60"}
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_a_put_during_a_nodes_fault_is_acknowledged_when_its_keys_name_their_content(
+    start_node: StartNode, cluster_etcd: EtcdServer, fault: str
+) -> None:
+    """Issue 32: 3 nodes, replicas=2, one SIGKILLed or SIGSTOPped (a blackhole: no reset, the
+    call waits out its deadline) while its record lives. A put of keys that rank the lost node
+    among their best is stored on the two others, and:
+    - from a client that may overwrite (the default) it raises "not acknowledged": the lost
+      node is still a member, and an older value it holds could be served again;
+    - from an `immutable=1` client (content-named keys, no older value) it is acknowledged,
+      two live copies each (the lost owner's share on the next node in the key's order),
+      and every read finds them; its deletes still need every member."""
+    nodes = [start_node(env=_LONG_LEASE) for _ in range(3)]
+    ids = {n.node_id for n in nodes}
+    victim = nodes[0]
+    keys = _keys(120, seed=91)
+    with (
+        Client.connect(_url(cluster_etcd)) as client,
+        Client.connect(_url(cluster_etcd) + "&immutable=1") as content,
+    ):
+        assert _until(lambda: _members(client, ids) and _members(content, ids))
+        for c in (client, content):
+            c.get_many(keys)  # every node's transport open before the fault
+        ranked = _ranked(client, keys)
+        hit = [k for k, owners in zip(keys, ranked, strict=True) if victim.node_id in owners]
+        assert len(hit) >= 20
+        overwritten, named = hit[: len(hit) // 2], hit[len(hit) // 2 :]
+        if fault == "kill":
+            victim.kill()
+        else:
+            victim.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(TransportError, match="put not acknowledged"):
+                client.put_many([(k, _value(k)) for k in overwritten])
+            content.put_many([(k, _value(k)) for k in named])  # acknowledged
+            assert victim.node_id in _nodes(content)  # its record still lives
+            assert _cluster(content).counters["puts_short"] == 0
+            with pytest.raises(TransportError, match="delete not acknowledged"):
+                content.delete(_keys(1, seed=92)[0])  # every key ranks the lost node
+            for c in (client, content):
+                assert c.get_many(hit) == [_value(k) for k in hit]
+            for node in nodes[1:]:  # two copies each, both on the nodes that answer
+                with _direct(node) as direct:
+                    assert all(direct.exists(k) for k in hit)
+        finally:
+            if fault == "stop":
+                victim.proc.send_signal(signal.SIGCONT)

@@ -169,9 +169,35 @@ def test_async_client_and_bad_urls(three: list[object]) -> None:
             return await client.get_many(keys)
 
     assert asyncio.run(run()) == [_value(k) for k in keys]
-    for bad in ("replicas=0", "timeout=abc", "timeout=-1", "nope=1", "front=nvme&token=t"):
+    bad_urls = ("replicas=0", "timeout=abc", "timeout=-1", "nope=1", "front=nvme&token=t",
+                "immutable=yes")  # fmt: skip
+    for bad in bad_urls:
         with pytest.raises(ConfigError):
             Client.connect(_cluster(three) + "?" + bad)
+
+
+def test_content_named_puts_leave_a_stand_ins_copy_and_others_clear_it(
+    three: list[object],
+) -> None:
+    # A copy on a key's next node (rank R) was put there while an owner was down. An
+    # overwriting client's put clears it (it would be read, older, when the owners miss); an
+    # immutable=1 client's keys name their content, so the copy is the same block: it stays,
+    # and the put costs no DeleteMany.
+    placement = Placement(_members(three))
+    index = {f"127.0.0.1-{d.port}": i for i, d in enumerate(three)}  # type: ignore[attr-defined]
+    keys = _keys(40, seed=13)
+    second = [index[placement.owners(k, 2)[1].node_id] for k in keys]
+    for key, node in zip(keys, second, strict=True):
+        with Client.connect(three[node].url()) as direct:  # type: ignore[attr-defined]
+            direct.put(key, _value(key))
+    half = len(keys) // 2
+    with Client.connect(_cluster(three, immutable="1")) as content:
+        assert content.stats().store["cluster"]["immutable"] is True  # type: ignore[index]
+        content.put_many([(k, _value(k)) for k in keys[:half]])
+    with Client.connect(_cluster(three)) as overwriting:
+        overwriting.put_many([(k, _value(k)) for k in keys[half:]])
+    for i, (key, node) in enumerate(zip(keys, second, strict=True)):
+        assert (node in _holders(three, key)) is (i < half)
 
 
 def _requests(client: Client) -> dict[str, int]:
