@@ -148,11 +148,12 @@ def group_namespace(
 
 
 def check_tier_codec(namespace: Namespace, groups: Sequence[TierGroup]) -> None:
-    """Refuse a lossy codec for any group that may hold Mamba / linear-attention state: a
-    recurrent state's error is carried into every later token's state.
+    """Refuse a lossy codec: for a group that may hold Mamba / linear-attention state because a
+    recurrent state's error is carried into every later token's state, and for any other
+    because the KV codecs quantise per head and vLLM gives a tier no KV shape.
 
     Raises:
-        ConfigError: the codec is lossy and a group is not known to be full attention.
+        ConfigError: the codec is lossy (naming a group that may hold state, if one does).
         UnsupportedCodecConfigError: the namespace names an unknown codec.
     """
     codec = namespace.lossy_codec
@@ -168,6 +169,11 @@ def check_tier_codec(namespace: Namespace, groups: Sequence[TierGroup]) -> None:
                 "under vLLM 0.32, every group) is treated as state: use a lossless codec "
                 "(none, zstd, ...) for this model"
             )
+    raise ConfigError(
+        f"KVOffloadTier: codec {codec!r} is lossy, and a lossy KV codec needs the KV's shape "
+        "(heads, head size), which vLLM's offload config does not give a secondary tier: use "
+        "a lossless codec (none, zstd, ...)"
+    )
 
 
 class _Lookups(_compat.AsyncLookupManager):
@@ -211,11 +217,11 @@ class KVOffloadTier(_compat.SecondaryTierManager):
         hash_algo: vLLM's prefix-caching hash, used only when the tier cannot read vLLM's
             config.
         io_threads: transfer jobs that run at once.
-        codec: the codec parts are written with ("" or ``none``: raw). A lossy codec is part
-            of the keys, and refused unless vLLM says every group is full attention.
+        codec: the codec parts are written with ("" or ``none``: raw; or a lossless codec such
+            as ``zstd``). Lossy codecs are refused (`check_tier_codec`).
 
     Raises:
-        ConfigError: a lossy codec for a group that may hold state (`check_tier_codec`).
+        ConfigError: a lossy codec (`check_tier_codec`).
         UnsupportedCodecConfigError: an unknown codec.
     """
 
