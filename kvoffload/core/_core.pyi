@@ -62,6 +62,7 @@ class HotGets:
 class SlotRing:
     depth: int
     closed: bool
+    broken: bool
     counts: tuple[int, int]
     def __init__(self, depth: int) -> None: ...
     def submit(
@@ -69,5 +70,6 @@ class SlotRing:
         entries: Sequence[tuple[int, int, object, bool]],
         delay_s: float = 0.0,
         fail: Sequence[tuple[int, int]] | None = None,
+        enter_fail: int = 0,
     ) -> list[int]: ...
     def close(self) -> bool: ...

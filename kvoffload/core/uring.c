@@ -8,15 +8,20 @@
  *
  * Buffers in flight: every entry's Py_buffer is taken before anything is submitted and given
  * back only once its completion is reaped. A call returns only when all its entries are reaped,
- * so normally nothing outlives it. If io_uring_enter fails in a way that leaves completions
- * unreaped (it should not: only EINTR/EAGAIN/EBUSY are retried), the ring is marked broken and
- * the buffers of the entries still in flight are never released (leaked, not reused under the
- * kernel's writes). A second caller waits on the ring's lock; `close()` never unmaps a ring
- * with a batch in flight: it marks it, and that batch's caller unmaps it once all is reaped.
+ * so normally nothing outlives it. If io_uring_enter fails with any other error than
+ * EINTR/EAGAIN/EBUSY (retried), the ring is marked broken: every later submit fails (EIO) and
+ * its owner makes a fresh ring. The entries queued in the SQ ring that the kernel has not taken
+ * are withdrawn first (the tail set back to the head), so none is ever sent. If entries the
+ * kernel took are still unreaped, the ring is also stranded: their buffers are never released
+ * (leaked, not reused under the kernel's writes) and the ring is never unmapped. A second
+ * caller waits on the ring's lock; `close()` never unmaps a ring with a batch in flight: it
+ * marks it, and that batch's caller unmaps it once all is reaped.
  *
  * Fault seam (kvstore/faults.py, tests only): `delay_s` sleeps after the first submission,
- * before any completion is reaped (a slow device, with the buffers still in flight), and
- * `fail` gives chosen entries a -errno result in place of what the kernel answered.
+ * before any completion is reaped (a slow device, with the buffers still in flight),
+ * `fail` gives chosen entries a -errno result in place of what the kernel answered, and
+ * `enter_fail` makes the batch's first io_uring_enter fail with that errno before the call,
+ * its entries queued and none taken (an enter that failed, `ring.enter`).
  */
 #include "core.h"
 
@@ -46,7 +51,8 @@ typedef struct {
     unsigned *cq_head, *cq_tail, *cq_mask;
     struct io_uring_cqe *cqes;
     PyThread_type_lock lock; /* held by the batch in flight and by close */
-    int broken;              /* completions left unreaped: never submit again */
+    int broken;              /* io_uring_enter failed: never submit again */
+    int stranded;            /* ... with completions left unreaped: never unmap either */
     int closing;             /* close() came during a batch: its last caller unmaps after it */
     int users;               /* calls past their checks, buffers held (changed under the GIL) */
     unsigned long long batches, entries;
@@ -163,7 +169,7 @@ typedef struct {
 /* Runs without the GIL, the ring's lock held. Returns 0, or an errno of io_uring_enter that
  * stopped the batch; `*left` is then how many entries are still in the kernel's hands. */
 static int ring_run(SlotRing *r, Entry *e, long long *res, unsigned n, double delay_s,
-                    unsigned *left) {
+                    int enter_fail, unsigned *left) {
     unsigned next = 0, inflight = 0, reaped = 0;
     unsigned mask = *r->sq_mask, cmask = *r->cq_mask;
     int delayed = delay_s <= 0;
@@ -190,10 +196,27 @@ static int ring_run(SlotRing *r, Entry *e, long long *res, unsigned n, double de
         unsigned head = *r->cq_head;
         int ready = head != __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE);
         if (pending || !ready) {
-            int got = sys_enter(r->fd, pending, ready ? 0 : 1, IORING_ENTER_GETEVENTS);
+            int got;
+            if (enter_fail) { /* the fault seam: this enter fails, nothing taken */
+                errno = enter_fail;
+                enter_fail = 0;
+                got = -1;
+            } else {
+                got = sys_enter(r->fd, pending, ready ? 0 : 1, IORING_ENTER_GETEVENTS);
+            }
             if (got < 0 && errno != EINTR && errno != EAGAIN && errno != EBUSY) {
-                *left = inflight - (tail - __atomic_load_n(r->sq_head, __ATOMIC_ACQUIRE));
-                return errno;
+                int err = errno;
+                unsigned sq_head = __atomic_load_n(r->sq_head, __ATOMIC_ACQUIRE);
+                *left = inflight - (tail - sq_head);
+                /* Withdraw what the kernel has not taken: those SQEs point at this batch's
+                 * buffers, given back once we return, and the next enter would send them (with
+                 * user_data that alias the next batch's entries). Without SQPOLL the kernel
+                 * reads the SQ ring only inside io_uring_enter, which runs under our lock, so
+                 * setting the tail back is safe. The caller marks the ring broken as well: an
+                 * error that is not transient says the ring itself (its descriptor, its maps)
+                 * cannot be trusted, and its owner makes a fresh one. */
+                __atomic_store_n(r->sq_tail, sq_head, __ATOMIC_RELEASE);
+                return err;
             }
         }
         if (!delayed) { /* the fault seam: completions reaped late, buffers in flight */
@@ -223,12 +246,17 @@ static void release_views(Entry *e, unsigned n) {
 }
 
 static PyObject *ring_submit(SlotRing *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"entries", "delay_s", "fail", NULL};
+    static char *names[] = {"entries", "delay_s", "fail", "enter_fail", NULL};
     PyObject *seq_obj, *fail_obj = NULL;
     double delay_s = 0.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|dO:submit", names, &seq_obj, &delay_s,
-                                     &fail_obj))
+    int enter_fail = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|dOi:submit", names, &seq_obj, &delay_s,
+                                     &fail_obj, &enter_fail))
         return NULL;
+    if (enter_fail < 0 || enter_fail > 4095) {
+        PyErr_SetString(PyExc_ValueError, "enter_fail must be an errno in [1, 4095], or 0");
+        return NULL;
+    }
     if (self->lock == NULL || self->fd < 0 || self->closing) {
         PyErr_SetString(PyExc_ValueError, "the ring is closed");
         return NULL;
@@ -308,16 +336,29 @@ static PyObject *ring_submit(SlotRing *self, PyObject *args, PyObject *kw) {
     self->users++; /* from here until its buffers are given back, close() leaves the ring be */
     Py_BEGIN_ALLOW_THREADS
     PyThread_acquire_lock(self->lock, WAIT_LOCK);
-    if (self->fd < 0 || self->broken)
+    if (self->fd < 0)
         err = -1;
+    else if (self->broken)
+        err = -2;
     else if (n)
-        err = ring_run(self, e, res, n, delay_s, &left);
-    if (err > 0 && left) self->broken = 1;
+        err = ring_run(self, e, res, n, delay_s, enter_fail, &left);
+    if (err > 0) {
+        self->broken = 1;
+        self->stranded = left > 0;
+    }
     PyThread_release_lock(self->lock);
     Py_END_ALLOW_THREADS
     self->users--;
     if (err == -1) {
         PyErr_SetString(PyExc_ValueError, "the ring is closed");
+        goto done;
+    }
+    if (err == -2) {
+        PyObject *why = Py_BuildValue("(is)", EIO, "the ring broke: an io_uring_enter failed");
+        if (why != NULL) {
+            PyErr_SetObject(PyExc_OSError, why); /* OSError(EIO, ...): errno set */
+            Py_DECREF(why);
+        }
         goto done;
     }
     if (err > 0) {
@@ -343,7 +384,7 @@ done:
     PyMem_Free(e);
     PyMem_Free(res);
     Py_DECREF(seq);
-    if (self->closing && self->users == 0 && !self->broken) ring_unmap(self);
+    if (self->closing && self->users == 0 && !self->stranded) ring_unmap(self);
     return out;
 }
 
@@ -353,7 +394,7 @@ static PyObject *ring_close(SlotRing *self, PyObject *unused) {
     (void)unused;
     self->closing = 1;
     if (self->users > 0) Py_RETURN_FALSE;
-    if (!self->broken) ring_unmap(self); /* a broken ring's requests may still run: keep it */
+    if (!self->stranded) ring_unmap(self); /* a stranded ring's requests may still run */
     else self->fd = -1;
     Py_RETURN_TRUE;
 }
@@ -361,6 +402,11 @@ static PyObject *ring_close(SlotRing *self, PyObject *unused) {
 static PyObject *ring_get_closed(SlotRing *self, void *unused) {
     (void)unused;
     return PyBool_FromLong(self->fd < 0);
+}
+
+static PyObject *ring_get_broken(SlotRing *self, void *unused) {
+    (void)unused;
+    return PyBool_FromLong(self->broken);
 }
 
 static PyObject *ring_get_counts(SlotRing *self, void *unused) {
@@ -375,7 +421,8 @@ static PyObject *ring_get_depth(SlotRing *self, void *unused) {
 
 static PyMethodDef ring_methods[] = {
     {"submit", (PyCFunction)(void (*)(void))ring_submit, METH_VARARGS | METH_KEYWORDS,
-     "submit(entries, delay_s=0.0, fail=()) -> list of bytes moved or -errno, per entry"},
+     "submit(entries, delay_s=0.0, fail=(), enter_fail=0) -> list of bytes moved or -errno, "
+     "per entry"},
     {"close", (PyCFunction)ring_close, METH_NOARGS,
      "Unmap the rings and close the descriptor, now (True) or, with a batch in flight, once "
      "its submitter has reaped it (False)."},
@@ -383,6 +430,8 @@ static PyMethodDef ring_methods[] = {
 
 static PyGetSetDef ring_getset[] = {
     {"closed", (getter)ring_get_closed, NULL, NULL, NULL},
+    {"broken", (getter)ring_get_broken, NULL, "an io_uring_enter failed: no submit runs again",
+     NULL},
     {"counts", (getter)ring_get_counts, NULL, "(batches, entries) submitted", NULL},
     {"depth", (getter)ring_get_depth, NULL, "entries in flight at most", NULL},
     {NULL, NULL, NULL, NULL, NULL}};

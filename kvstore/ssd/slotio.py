@@ -350,8 +350,10 @@ class RingPages:
             yield lease
         finally:
             with self._lock:
-                if self._closed:
-                    lease.ring.close()  # its batch is reaped by now: unmapped here
+                if self._closed or lease.ring.broken:
+                    # Reaped by now: unmapped here. A broken ring (its io_uring_enter failed)
+                    # never runs again; the next caller makes a fresh one.
+                    lease.ring.close()
                 else:
                     self._free.append(lease)
 
@@ -371,13 +373,16 @@ class RingPages:
         except OSError as exc:
             return [-(exc.errno or errno.EIO)] * len(entries)
         fault = faults.ring("ring.write" if write else "ring.read")
+        enter = faults.enter_errno()
         fd = self.slots.fd
         batch = [(fd, offset, buf, write) for offset, buf in entries]
         try:
-            if fault is None:
+            if fault is None and not enter:
                 results: list[int] = lease.ring.submit(batch)
+            elif fault is None:
+                results = lease.ring.submit(batch, enter_fail=enter)
             else:
-                results = lease.ring.submit(batch, fault.delay_s, fault.fail(len(batch)))
+                results = lease.ring.submit(batch, fault.delay_s, fault.fail(len(batch)), enter)
                 results = fault.shorten(results)
         except (OSError, ValueError) as exc:  # the ring broke or was closed under us
             raise StorageIOError(f"io_uring on {self.slots.path}: {exc}") from exc

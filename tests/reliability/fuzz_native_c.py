@@ -1281,9 +1281,14 @@ def fuzz_slot_ring(data: bytes) -> None:
         want.append((names.get(kind, "bad"), buf, off, size))
     fail = [(_hostile_int(fdp) % 16 - 2, fdp.ConsumeIntInRange(-1, 5000))
             for _ in range(fdp.ConsumeIntInRange(0, 3))]  # fmt: skip
+    # Now and then the batch's first io_uring_enter fails (EINTR is retried: no effect).
+    enter = (0, 0, 0, 0, 0, errno.ENXIO, errno.EBADF, errno.EINTR)[fdp.ConsumeIntInRange(0, 7)]
     try:
-        got = ring.submit(entries, 0.0, fail or None)
+        got = ring.submit(entries, 0.0, fail or None, enter)
     except _ARG_ERRORS:
+        return
+    except OSError as exc:
+        _check_broken(ring, exc, enter, sfd)
         return
     if len(got) != len(entries):
         raise AssertionError(f"submit: {len(got)} results for {len(entries)} entries")
@@ -1315,6 +1320,27 @@ def fuzz_slot_ring(data: bytes) -> None:
         if got[i] != expect:
             raise AssertionError(f"entry {i} ({kind}, offset {off}, {size} bytes): {got[i]}, "
                                  f"not {expect}")  # fmt: skip
+
+
+def _check_broken(ring: Any, exc: OSError, enter: int, sfd: int) -> None:
+    """A batch whose first enter failed: that errno, the ring broken, nothing of the batch
+    sent (the scratch file stays empty, even after another submission on that ring, which is
+    refused); the run goes on with a fresh ring."""
+    if enter in (0, errno.EINTR) or exc.errno != enter or not ring.broken:
+        raise AssertionError(f"submit raised {exc!r} (enter_fail {enter}, broken {ring.broken})")
+    try:
+        ring.submit([(sfd, 0, b"z" * 4096, True)])
+    except OSError as again:
+        if again.errno != errno.EIO:
+            raise AssertionError(f"a broken ring's submit raised {again!r}, not EIO") from again
+    else:
+        raise AssertionError("a broken ring ran a submission")
+    if os.fstat(sfd).st_size:
+        raise AssertionError("an entry queued before the failed enter was sent later")
+    if ring.close() is not True:
+        raise AssertionError("a broken ring with nothing in flight did not close")
+    world = _ring_world[0]
+    _ring_world[0] = (_ext(CORE).SlotRing(4), *world[1:])
 
 
 def _core_seeds() -> list[bytes]:
