@@ -311,11 +311,17 @@ class RingPages:
     exported until they are reaped. `BlockIO.read_batch` puts a whole batch of slots in one
     submission; `transfer` one slot's header and value pages, read or written (a durable put,
     a demotion, a wipe); the journal's group commit then syncs the slot file as before.
+
+    With `register` (`ssd.ring_register`), each new ring gets the slot file in its file table
+    and the DRAM arena (once `register_memory` named it) in its buffer table: the first ring
+    pins the arena, later ones clone its table. A registration the kernel refuses is counted
+    (`registration`) and that ring runs on plain descriptors or addresses.
     """
 
     engine = "io_uring"
 
-    def __init__(self, slots: SlotFile, ring_type: type, depth: int) -> None:
+    def __init__(self, slots: SlotFile, ring_type: type, depth: int, *, register: bool = True
+                 ) -> None:  # fmt: skip
         self.slots = slots
         self._ring_type = ring_type
         self.depth = depth  # entries in flight per ring (a slot read is two)
@@ -324,9 +330,57 @@ class RingPages:
         self._all: list[_Lease] = []
         self._closed = False
         self._pages = threading.local()  # each thread's header page for `transfer`
+        self._register = register
+        self._memory: memoryview | None = None  # the arena, to register with each new ring
+        self._refused = {"files": 0, "memory": 0}  # registrations the kernel refused
 
     def register_memory(self, view: memoryview) -> None:
-        """Nothing registered yet: the kernel maps the arena's pages per submission."""
+        """The arena: each ring made from now on registers it (or clones a ring's table)."""
+        self._memory = view
+
+    def _registered(self, ring: Any) -> None:
+        """Register the slot file and the arena with a new ring, as far as the kernel lets."""
+        try:
+            ring.register_files([self.slots.fd])
+        except OSError as exc:
+            self._refuse("files", f"the slot file {self.slots.path}", exc)
+        memory = self._memory
+        if memory is None:
+            return
+        with self._lock:
+            source = next((lease.ring for lease in self._all if lease.ring.registered[1]
+                           and not lease.ring.closed), None)  # fmt: skip
+        try:
+            if source is not None:
+                ring.clone_memory(source)  # the arena's pages stay pinned once
+            else:
+                ring.register_memory(memoryview(memory))  # a view of its own: the arena's
+        except (OSError, ValueError, BufferError) as exc:  # or the arena was released meanwhile
+            self._refuse("memory", "the DRAM arena", exc)
+
+    def _refuse(self, what: str, name: str, exc: Exception) -> None:
+        with self._lock:
+            self._refused[what] += 1
+            first = self._refused[what] == 1
+        if first:
+            log.warning("io_uring: cannot register %s (%s); its I/O uses plain %s",
+                        name, exc, "descriptors" if what == "files" else "addresses")  # fmt: skip
+
+    def registration(self) -> dict[str, int]:
+        """Rings, those with the slot file and with the arena registered, registrations the
+        kernel refused, and entries sent on a registered file and on registered memory."""
+        with self._lock:
+            rings = [lease.ring for lease in self._all]
+            refused = dict(self._refused)
+        return {
+            "rings": len(rings),
+            "rings_with_file": sum(r.registered[0] > 0 for r in rings),
+            "rings_with_memory": sum(r.registered[1] > 0 for r in rings),
+            "files_refused": refused["files"],
+            "memory_refused": refused["memory"],
+            "fixed_file_entries": sum(r.fixed[0] for r in rings),
+            "fixed_memory_entries": sum(r.fixed[1] for r in rings),
+        }
 
     @contextlib.contextmanager
     def lease(self) -> Iterator[_Lease]:
@@ -344,6 +398,8 @@ class RingPages:
                 lease = _Lease(self._ring_type(self.depth))
             except OSError as exc:
                 raise StorageIOError(f"io_uring_setup for {self.slots.path}: {exc}") from exc
+            if self._register:
+                self._registered(lease.ring)
             with self._lock:
                 self._all.append(lease)
         try:
@@ -442,6 +498,7 @@ class RingPages:
         """Close every ring; one with a batch in flight closes when its caller is done."""
         with self._lock:
             self._closed = True
+            self._memory = None
             free, self._free = self._free, []
         for lease in free:
             lease.ring.close()
