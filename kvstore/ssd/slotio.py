@@ -294,6 +294,7 @@ class _Lease:
     def __init__(self, ring: Any) -> None:
         self.ring = ring
         self.headers: AlignedBuffer | None = None
+        self.cloned = False  # the arena's registration was tried on this ring
 
     def header_pages(self, count: int) -> memoryview:
         if self.headers is None or self.headers.size < count * PAGE:
@@ -312,10 +313,12 @@ class RingPages:
     submission; `transfer` one slot's header and value pages, read or written (a durable put,
     a demotion, a wipe); the journal's group commit then syncs the slot file as before.
 
-    With `register` (`ssd.ring_register`), each new ring gets the slot file in its file table
-    and the DRAM arena (once `register_memory` named it) in its buffer table: the first ring
-    pins the arena, later ones clone its table. A registration the kernel refuses is counted
-    (`registration`) and that ring runs on plain descriptors or addresses.
+    With `register` (`ssd.ring_register`), each new ring gets the slot file in its file table,
+    and the DRAM arena goes in the buffer tables: `register_memory` pins it once, in one ring
+    made on a thread of its own (about 85 ms a GiB here: off the open and the requests), and
+    every ring clones that table when it is next lent (microseconds). A registration the
+    kernel refuses is counted (`registration`) and that ring runs on plain descriptors or
+    addresses; until the pin is done, rings run on plain addresses.
     """
 
     engine = "io_uring"
@@ -331,31 +334,60 @@ class RingPages:
         self._closed = False
         self._pages = threading.local()  # each thread's header page for `transfer`
         self._register = register
-        self._memory: memoryview | None = None  # the arena, to register with each new ring
+        self._source: Any = None  # the ring that pinned the arena; the others clone its table
         self._refused = {"files": 0, "memory": 0}  # registrations the kernel refused
+        self.pinned = threading.Event()  # the arena's pin was tried (tests wait on it)
 
     def register_memory(self, view: memoryview) -> None:
-        """The arena: each ring made from now on registers it (or clones a ring's table)."""
-        self._memory = view
+        """Pin the arena in a ring's buffer table, on a thread of its own."""
+        if not self._register:
+            self.pinned.set()
+            return
+        # A view of its own for the ring to hold: the arena's view can still be released.
+        mine = memoryview(view)
+        threading.Thread(target=self._pin, args=(mine,), name="kvoffload-ring-pin",
+                         daemon=True).start()  # fmt: skip
 
-    def _registered(self, ring: Any) -> None:
-        """Register the slot file and the arena with a new ring, as far as the kernel lets."""
+    def _pin(self, memory: memoryview) -> None:
+        try:
+            try:
+                lease = _Lease(self._ring_type(self.depth))
+            except OSError as exc:
+                self._refuse("memory", "the DRAM arena", exc)
+                return
+            self._register_file(lease.ring)
+            lease.cloned = True
+            try:
+                lease.ring.register_memory(memoryview(memory))  # the ring's own export
+            except (OSError, ValueError, BufferError) as exc:
+                self._refuse("memory", "the DRAM arena", exc)  # ENOMEM: RLIMIT_MEMLOCK
+            with self._lock:
+                if not self._closed:
+                    if lease.ring.registered[1]:
+                        self._source = lease.ring
+                    self._all.append(lease)
+                    self._free.append(lease)
+                    return
+            lease.ring.close()  # closed meanwhile: the export goes with the ring
+        finally:
+            memory.release()  # ours; the ring's view keeps the arena until it is unmapped
+            self.pinned.set()
+
+    def _register_file(self, ring: Any) -> None:
         try:
             ring.register_files([self.slots.fd])
         except OSError as exc:
             self._refuse("files", f"the slot file {self.slots.path}", exc)
-        memory = self._memory
-        if memory is None:
+
+    def _clone(self, lease: _Lease) -> None:
+        """Share the pinned arena with a ring that has not tried yet (once the pin is done)."""
+        source = self._source
+        if source is None or lease.cloned:
             return
-        with self._lock:
-            source = next((lease.ring for lease in self._all if lease.ring.registered[1]
-                           and not lease.ring.closed), None)  # fmt: skip
+        lease.cloned = True
         try:
-            if source is not None:
-                ring.clone_memory(source)  # the arena's pages stay pinned once
-            else:
-                ring.register_memory(memoryview(memory))  # a view of its own: the arena's
-        except (OSError, ValueError, BufferError) as exc:  # or the arena was released meanwhile
+            lease.ring.clone_memory(source)  # the arena's pages stay pinned once
+        except (OSError, ValueError) as exc:  # EINVAL before Linux 6.12
             self._refuse("memory", "the DRAM arena", exc)
 
     def _refuse(self, what: str, name: str, exc: Exception) -> None:
@@ -399,9 +431,11 @@ class RingPages:
             except OSError as exc:
                 raise StorageIOError(f"io_uring_setup for {self.slots.path}: {exc}") from exc
             if self._register:
-                self._registered(lease.ring)
+                self._register_file(lease.ring)
             with self._lock:
                 self._all.append(lease)
+        if self._register:
+            self._clone(lease)
         try:
             yield lease
         finally:
@@ -498,7 +532,7 @@ class RingPages:
         """Close every ring; one with a batch in flight closes when its caller is done."""
         with self._lock:
             self._closed = True
-            self._memory = None
+            self._source = None
             free, self._free = self._free, []
         for lease in free:
             lease.ring.close()
