@@ -335,6 +335,7 @@ class RingPages:
         self._pages = threading.local()  # each thread's header page for `transfer`
         self._register = register
         self._source: Any = None  # the ring that pinned the arena; the others clone its table
+        self._arena: memoryview | None = None  # what `register_memory` was given
         self._refused = {"files": 0, "memory": 0}  # registrations the kernel refused
         self.pinned = threading.Event()  # the arena's pin was tried (tests wait on it)
 
@@ -343,8 +344,18 @@ class RingPages:
         if not self._register:
             self.pinned.set()
             return
-        # A view of its own for the ring to hold: the arena's view can still be released.
-        mine = memoryview(view)
+        self._arena = view
+        self._start_pin()
+
+    def _start_pin(self) -> None:
+        try:  # a view of its own for the ring to hold: the arena's can be released
+            mine = memoryview(self._arena) if self._arena is not None else None
+        except ValueError:  # released: the engine is closing
+            mine = None
+        if mine is None:
+            self.pinned.set()
+            return
+        self.pinned.clear()
         threading.Thread(target=self._pin, args=(mine,), name="kvoffload-ring-pin",
                          daemon=True).start()  # fmt: skip
 
@@ -436,6 +447,7 @@ class RingPages:
                 self._all.append(lease)
         if self._register:
             self._clone(lease)
+        repin = False
         try:
             yield lease
         finally:
@@ -444,8 +456,15 @@ class RingPages:
                     # Reaped by now: unmapped here. A broken ring (its io_uring_enter failed)
                     # never runs again; the next caller makes a fresh one.
                     lease.ring.close()
+                    if lease.ring is self._source:  # new rings clone another's table
+                        self._source = next((other.ring for other in self._all
+                                             if other.ring.registered[1]
+                                             and not other.ring.closed), None)  # fmt: skip
+                        repin = self._source is None and not self._closed
                 else:
                     self._free.append(lease)
+            if repin:  # no ring holds the table any more: pin the arena again, off this thread
+                self._start_pin()
 
     @contextlib.contextmanager
     def header_page(self) -> Iterator[memoryview]:
@@ -532,7 +551,7 @@ class RingPages:
         """Close every ring; one with a batch in flight closes when its caller is done."""
         with self._lock:
             self._closed = True
-            self._source = None
+            self._source = self._arena = None
             free, self._free = self._free, []
         for lease in free:
             lease.ring.close()

@@ -335,9 +335,12 @@ def test_a_failed_enter_fails_the_write_cleanly_and_the_next_one_gets_a_fresh_ri
     plan = Plan(tmp_path / "faults.json", monkeypatch)
     store = tmp_path / "d"
     with Engine(config(store)) as engine:
+        pages = ring_pages(engine)
+        assert pages.pinned.wait(WAIT_S)  # the ring that pinned the arena is the one pooled
         engine.put(key(0), value(0), durable=True)
         used = engine.stats().tiers[1].used_bytes
-        pages = ring_pages(engine)
+        (source,) = [lease.ring for lease in pages._all]
+        assert source.registered == (1, 1)
         plan.set({"ring.enter": "ENXIO"})
         with pytest.raises(StorageIOError, match="io_uring"):
             engine.put(key(0), value(2), durable=True)  # a new version of key 0
@@ -345,9 +348,14 @@ def test_a_failed_enter_fails_the_write_cleanly_and_the_next_one_gets_a_fresh_ri
         assert ssd.io_errors == 1 and ssd.used_bytes == used and ssd.entries == 1
         # The broken ring left the pool (closed); every ring left there still runs.
         assert all(not lease.ring.broken for lease in pages._free)
-        assert any(lease.ring.broken and lease.ring.closed for lease in pages._all)
+        assert source.broken and source.closed
+        # It held the arena's pin, and no other ring did: the arena is pinned again.
+        assert pages.pinned.wait(WAIT_S)
         plan.set({})
         engine.put(key(1), value(1), durable=True)
+        live = [lease.ring for lease in pages._all if not lease.ring.closed]
+        assert live and all(ring.registered == (1, 1) for ring in live)
+        assert pages.registration()["memory_refused"] == 0
         buf = bytearray(BLOCK)
         assert engine.get_into(key(0), buf) == BLOCK and buf == value(0)
     # After a reopen: the old version of key 0, never the failed write's bytes.
