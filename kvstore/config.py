@@ -193,6 +193,10 @@ class SsdConfig:
     # (preadv/pwritev on the calling and read-pool threads), or "auto" (io_uring where the
     # kernel allows it, else threads; docs/design/ssd-tier.md).
     io_engine: str = "auto"
+    # On io_uring: register the slot file with each ring (fixed file) and the DRAM arena's memory
+    # (its pages pinned once, shared by the tier's rings on Linux 6.12+); what the kernel refuses
+    # runs unregistered. false: plain descriptors and addresses (docs/design/ssd-tier.md).
+    ring_register: bool = True
 
     def __post_init__(self) -> None:
         if self.capacity_bytes < 0:
@@ -218,6 +222,10 @@ class SsdConfig:
             raise ConfigError(
                 f"ssd.io_engine must be one of {', '.join(map(repr, _IO_ENGINES))}, got "
                 f"{self.io_engine!r}"
+            )
+        if not isinstance(self.ring_register, bool):
+            raise ConfigError(
+                f"ssd.ring_register must be true or false, got {self.ring_register!r}"
             )
         if self.nixl_queue not in ("aio", "uring"):
             raise ConfigError(f"ssd.nixl_queue must be 'aio' or 'uring', got {self.nixl_queue!r}")

@@ -593,7 +593,8 @@ class Engine:
         "ssd"), and blocks leaving the SSD other than by `delete` ("removed", "ssd"). Not
         reported: the caller's deletes. The listener runs on the thread that made the change
         with the engine lock held, so reports come in the order of the changes: it must be
-        quick and must not call the engine.
+        quick and must not call the engine. What it raises is counted (`listener_errors` in
+        `stats()`) and logged once, never passed on: the change it reports has happened.
         """
         with self._lock:
             self._m.listener = listener

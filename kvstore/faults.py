@@ -19,6 +19,10 @@ and take a mapping instead of an errno name: ``errno`` (a name; left out: no err
 ``delay_s`` (the completions are reaped that much later, the buffers still in flight) and
 ``short`` (true: the chosen entries report half the bytes the kernel moved, a short transfer;
 applied to the results the ring returns, not with ``errno``).
+
+``ring.enter`` takes an errno name: the first ``io_uring_enter`` of each submission fails with
+it before the call, the submission's entries queued in the ring and none taken by the kernel
+(a ring whose enter failed: it is marked broken and its owner makes a fresh one).
 """
 
 from __future__ import annotations
@@ -34,12 +38,12 @@ from typing import ParamSpec, TypeVar
 
 from kvoffload.errors import ConfigError
 
-__all__ = ["ENV", "OPS", "RING_OPS", "RingFault", "check", "ring", "wrap"]
+__all__ = ["ENV", "OPS", "RING_OPS", "RingFault", "check", "enter_errno", "ring", "wrap"]
 
 ENV = "KVOFFLOAD_FAULTS"
 OPS = frozenset(
     {"slot.read", "slot.write", "slot.flush", "journal.write", "journal.sync",
-     "checkpoint.write", "meta.write"}
+     "checkpoint.write", "meta.write", "ring.enter"}
 )  # fmt: skip
 RING_OPS = frozenset({"ring.read", "ring.write"})
 _MAX_DELAY_S = 60.0  # the ring's own bound
@@ -140,7 +144,7 @@ def _load(path: str) -> _Plan:
         code: object = 0 if delay is not None else None
         if delay is None and isinstance(name, str):
             code = getattr(errno, name, None)
-        if op not in OPS or not isinstance(code, int):
+        if op not in OPS or not isinstance(code, int) or (op == "ring.enter" and not code):
             raise ConfigError(
                 f"{ENV}: fault plan {path}: {op!r}: {name!r} is not an operation "
                 f"({', '.join(sorted(OPS))}) mapped to an errno name such as 'EIO' or to "
@@ -190,6 +194,15 @@ def ring(op: str) -> RingFault | None:
         return None
     fault = _plan(path).get(op)
     return fault if isinstance(fault, RingFault) else None
+
+
+def enter_errno() -> int:
+    """The errno `ring.enter` gives each submission's first io_uring_enter; 0: none."""
+    path = os.environ.get(ENV)
+    if not path:
+        return 0
+    found = _plan(path).get("ring.enter")
+    return found[0] if isinstance(found, tuple) else 0
 
 
 def wrap(op: str, fn: Callable[P, R]) -> Callable[P, R]:

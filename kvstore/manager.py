@@ -84,6 +84,8 @@ class EngineStats:
     demotions_inline: int = 0
     room_waits: int = 0
     room_wait_seconds: float = 0.0
+    # Calls of the tier listener that raised (logged the first time only; see `notify`).
+    listener_errors: int = 0
     recovery: dict[str, object] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
@@ -113,7 +115,7 @@ class Manager:
             ("puts", "gets", "hits", "misses", "deletes", "evictions", "neighbours", "bytes_in",
              "bytes_out", "stored", "demotions", "promotions", "prefetches", "durable",
              "admission_rejected", "ssd_hits", "ssd_misses", "demotions_background",
-             "demotions_inline", "room_waits", "room_wait_ns"),
+             "demotions_inline", "room_waits", "room_wait_ns", "listener_errors"),
             0,
         )  # fmt: skip
         self.inflight: dict[bytes, threading.Event] = {}  # reads back into DRAM, by key
@@ -171,8 +173,20 @@ class Manager:
                 tier.set_quota(tenant, lower_bytes)
 
     def notify(self, kind: str, key: bytes, tier: str) -> None:
-        if self.listener is not None:
+        """Report a change that has happened to the listener. What the listener raises is
+        counted (`listener_errors`), logged the first time only, and never passed on: it is
+        called with pins and planned SSD slots held (the demotion writer's batch, a durable
+        put's write in flight), and an exception from it would leave those behind or end the
+        writer's thread."""
+        if self.listener is None:
+            return
+        try:
             self.listener(kind, key, tier)
+        except Exception:
+            self.n["listener_errors"] += 1
+            if self.n["listener_errors"] == 1:
+                log.exception("kvoffload: the tier listener raised; counted in listener_errors "
+                              "from now on, not logged again")  # fmt: skip
 
     def check_open(self) -> None:
         if self.closed or self.closing:
@@ -470,9 +484,16 @@ class Manager:
         return None
 
     def complete_demotions(self, plans: Sequence[WriteBack], committed: Sequence[bool]) -> None:
+        # Every plan is completed even if one's booking raises: one left out stays pinned.
+        error: Exception | None = None
         for plan, ok in zip(plans, committed, strict=True):
             self.n["demotions_background"] += ok
-            self.complete_write_back(plan, ok, drop=True)
+            try:
+                self.complete_write_back(plan, ok, drop=True)
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error
 
     def prepare_write_back(
         self, tier: SsdTier, entry: DramEntry, *, drop: bool
@@ -742,5 +763,6 @@ class Manager:
             demotions_inline=n["demotions_inline"],
             room_waits=n["room_waits"],
             room_wait_seconds=n["room_wait_ns"] / 1e9,
+            listener_errors=n["listener_errors"],
             recovery=recovery,
         )

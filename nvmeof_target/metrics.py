@@ -34,7 +34,7 @@ _TIER_COUNTERS = {
 }
 _ENGINE_COUNTERS = {"puts", "gets", "hits", "misses", "deletes", "evictions", "neighbour_evictions",
                     "demotions_background", "demotions_inline", "room_waits",
-                    "room_wait_seconds"}  # fmt: skip
+                    "room_wait_seconds", "listener_errors"}  # fmt: skip
 # Latency buckets from 50 µs (a lookup on loopback) to 10 s (an 8 MiB durable put on a busy disk).
 _BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1, 2.5, 10)
 LATENCY_BUCKETS = _BUCKETS  # the request histogram's bounds (the C hot path counts in them too)

@@ -12,15 +12,18 @@
   run; O_DIRECT on both sides. cpu_us/...: process CPU time per block of the same rounds.
 - read_batch/<size> (2MiB, 640KiB, 160KiB: a 70B TP8 block whole and in 4 layer parts): one
   thread, `get_many_into` of 32 cold SSD blocks per call (the SSD-only blocks of a batch are
-  read in one io_uring submission, `ssd.io_engine = "io_uring"`), against the same on the
-  read threads (`"threads"`, `ssd.read_depth` 8 in flight), NIXL's POSIX backend (where
+  read in one io_uring submission, `ssd.io_engine = "io_uring"`), against the same on a ring
+  without registered file and memory (`io_uring_plain`), on the read threads (`"threads"`,
+  `ssd.read_depth` 8 in flight), NIXL's POSIX backend (where
   installed), read_depth 1 (one block after another), raw O_DIRECT preadv with 8 threads
   (`odirect`) and the same plus one CRC32C pass a block (`odirect_crc`), in alternating
   rounds; cpu_us/read_batch/<size>: process CPU time per block, against each.
 - write_durable_<engine>/2MiB (`--write on|only`): 8 threads of durable 2 MiB puts with the slot
-  writes through io_uring and on the threads, against raw O_DIRECT pwrite + fdatasync
-  (`odirect`); demote_<engine>/2MiB: GB/s the background demotion writer moves out of a 64 MiB
-  DRAM while one thread puts; alternating rounds of one run. cpu_us/...: CPU per block.
+  writes through io_uring (`io_uring_plain`: the ring without its registered slot file and
+  DRAM memory, `ssd.ring_register = false`) and on the threads, against raw O_DIRECT pwrite
+  + fdatasync (`odirect`); demote_<engine>/2MiB: GB/s the background demotion writer moves
+  out of a 64 MiB DRAM while one thread puts; alternating rounds of one run. cpu_us/...: CPU
+  per block.
 - restart/1M: open a store whose index holds 1M blocks, from its checkpoint (after a clean
   close) and from the journal alone (after a crash). index_bytes/1M: bytes of the SSD index's
   arrays per block.
@@ -139,7 +142,7 @@ def _fio(directory: Path, size: int, total: int, mode: str) -> float | None:
 
 
 def _engine(path: Path, ssd_bytes: int, io: str = "auto", queue: str = "aio",
-            depth: int = 8, engine: str = "auto") -> Engine:  # fmt: skip
+            depth: int = 8, engine: str = "auto", register: bool = True) -> Engine:  # fmt: skip
     return Engine(
         EngineConfig(
             DramConfig(capacity_bytes=256 << 20, max_value_bytes=9 << 20),
@@ -151,6 +154,7 @@ def _engine(path: Path, ssd_bytes: int, io: str = "auto", queue: str = "aio",
                 nixl_queue=queue,
                 read_depth=depth,
                 io_engine=engine,
+                ring_register=register,
             ),  # fmt: skip
             data_dir=str(path),
         )
@@ -194,9 +198,11 @@ def _tier_rows(directory: Path, label: str, size: int, total: int, result: Bench
 # The arms of the NIXL rows: name -> (ssd.io_backend, ssd.nixl_queue); "threads" is the ref.
 _NIXL_ARMS = {"threads": ("posix", "aio"), "nixl": ("nixl-posix", "aio"),
               "nixl_uring": ("nixl-posix", "uring")}  # fmt: skip
-# The engine arms of the read_batch rows: name -> (read_depth, ssd.io_backend, ssd.io_engine).
-_BATCH_ARMS = {"io_uring": (8, "posix", "io_uring"), "threads": (8, "posix", "threads"),
-               "serial": (1, "posix", "threads"), "nixl": (8, "nixl-posix", "threads")}  # fmt: skip
+# The engine arms of the read_batch rows: name -> (read_depth, ssd.io_backend, ssd.io_engine,
+# ssd.ring_register); "io_uring_plain" is the ring without its registered file and memory.
+_BATCH_ARMS = {"io_uring": (8, "posix", "io_uring", True), "threads": (8, "posix", "threads", True),
+               "serial": (1, "posix", "threads", True), "nixl": (8, "nixl-posix", "threads", True),
+               "io_uring_plain": (8, "posix", "io_uring", False)}  # fmt: skip
 
 
 def _drop_cache(path: Path) -> None:
@@ -355,9 +361,10 @@ def _batch_rows(directory: Path, total: int, rounds: int, result: BenchResult,
         os.fsync(fd)
 
         def engine_arm(arm: str, timed: bool = True) -> tuple[float, float]:
-            depth, backend, io_engine = _BATCH_ARMS[arm]
+            depth, backend, io_engine, register = _BATCH_ARMS[arm]
             _drop_cache(store / "ssd.slots")
-            with _engine(store, ssd_bytes, backend, depth=depth, engine=io_engine) as engine:
+            with _engine(store, ssd_bytes, backend, depth=depth, engine=io_engine,
+                         register=register) as engine:  # fmt: skip
                 ran = engine.stats().tiers[1].io_engine
                 if ran != (backend if backend != "posix" else io_engine):
                     raise RuntimeError(f"read_batch arm {arm} ran on {ran}")
@@ -417,19 +424,21 @@ def _batch_rows(directory: Path, total: int, rounds: int, result: BenchResult,
     ours = "io_uring" if "io_uring" in med else "threads"  # the engine's default where it runs
     result.rows += [
         Row(f"read_batch/{label}", med[ours], "GB/s", ref, med[ref], note=f"{ours}; {note}")
-        for ref in ("odirect", "odirect_crc", "threads", "serial", "nixl")
+        for ref in ("odirect", "odirect_crc", "io_uring_plain", "threads", "serial", "nixl")
         if ref in med and ref != ours
     ]
     result.rows += [
         Row(f"cpu_us/read_batch/{label}", cpu_med[ours], "us", ref, cpu_med[ref],
             note=f"{ours}; {cpu_note}")
-        for ref in ("odirect_crc", "odirect", "threads", "serial", "nixl")
+        for ref in ("odirect_crc", "odirect", "io_uring_plain", "threads", "serial", "nixl")
         if ref in cpu_med and ref != ours
     ]  # fmt: skip
 
 
-# The arms of the write_rounds rows: name -> ssd.io_engine ("odirect" is the raw reference).
-_WRITE_ARMS = ("io_uring", "threads")
+# The arms of the write_rounds rows: name -> (ssd.io_engine, ssd.ring_register) ("odirect" is
+# the raw reference; "io_uring_plain" the ring without its registered file and memory).
+_WRITE_ARMS = {"io_uring": ("io_uring", True), "io_uring_plain": ("io_uring", False),
+               "threads": ("threads", True)}  # fmt: skip
 WRITE_SIZE = 2 << 20
 
 
@@ -452,8 +461,9 @@ def _write_rounds(directory: Path, total: int, rounds: int, result: BenchResult)
 
     def durable(arm: str) -> None:
         store, spent = directory / f"store-write-{arm}", list[float]()
-        with _engine(store, ssd_bytes, engine=arm) as engine:
-            if engine.stats().tiers[1].io_engine != arm:
+        io_engine, register = _WRITE_ARMS[arm]
+        with _engine(store, ssd_bytes, engine=io_engine, register=register) as engine:
+            if engine.stats().tiers[1].io_engine != io_engine:
                 raise RuntimeError(f"write arm {arm} ran on {engine.stats().tiers[1].io_engine}")
             seconds = _parallel(
                 n, size, lambda i, _: engine.put(keys[i], value, durable=True), spent
@@ -467,13 +477,13 @@ def _write_rounds(directory: Path, total: int, rounds: int, result: BenchResult)
 
     def demote(arm: str) -> None:
         store = directory / f"store-demote-{arm}"
+        io_engine, register = _WRITE_ARMS[arm]
         config = EngineConfig(
             DramConfig(capacity_bytes=dram, max_value_bytes=size),
-            SsdConfig(
-                capacity_bytes=ssd_bytes, admission_min_uses=1, flush_on_close=False, io_engine=arm
-            ),  # fmt: skip
+            SsdConfig(capacity_bytes=ssd_bytes, admission_min_uses=1, flush_on_close=False,
+                      io_engine=io_engine, ring_register=register),
             data_dir=str(store),
-        )
+        )  # fmt: skip
         with Engine(config) as engine:
             t0, c0 = time.perf_counter(), time.process_time()
             for key in keys:
@@ -508,7 +518,7 @@ def _write_rounds(directory: Path, total: int, rounds: int, result: BenchResult)
     arms: dict[str, Callable[[], None]] = {"odirect": raw}
     for arm in _WRITE_ARMS:
         try:
-            with _engine(directory / "store-probe", 64 << 20, engine=arm):
+            with _engine(directory / "store-probe", 64 << 20, engine=_WRITE_ARMS[arm][0]):
                 pass
         except ConfigError as exc:
             skipped.append(f"{arm}: {exc}")
@@ -541,13 +551,14 @@ def _write_rounds(directory: Path, total: int, rounds: int, result: BenchResult)
                         cpu_med[("write", ref)], note=cpu_note),
                 ]  # fmt: skip
         other = [a for a in _WRITE_ARMS if a != arm and ("demote", a) in med]
-        result.rows.append(
-            Row(f"demote_{arm}/2MiB", med[("demote", arm)], "GB/s",
-                other[0] if other else "none", med[("demote", other[0])] if other else None,
+        result.rows += [
+            Row(f"demote_{arm}/2MiB", med[("demote", arm)], "GB/s", ref,
+                med[("demote", ref)] if ref != "none" else None,
                 note=f"fast puts into {dram >> 20} MiB of DRAM, background demotion writer; GB/s "
                 f"demoted, {statistics.median(share[arm]):.0%} of them by the writer (median); "
                 + note)
-        )  # fmt: skip
+            for ref in other or ["none"]
+        ]  # fmt: skip
 
 
 def _restart_rows(directory: Path, entries: int, result: BenchResult) -> None:

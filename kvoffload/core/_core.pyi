@@ -62,12 +62,19 @@ class HotGets:
 class SlotRing:
     depth: int
     closed: bool
+    broken: bool
     counts: tuple[int, int]
+    registered: tuple[int, int]
+    fixed: tuple[int, int]
     def __init__(self, depth: int) -> None: ...
     def submit(
         self,
         entries: Sequence[tuple[int, int, object, bool]],
         delay_s: float = 0.0,
         fail: Sequence[tuple[int, int]] | None = None,
+        enter_fail: int = 0,
     ) -> list[int]: ...
+    def register_files(self, fds: Sequence[int]) -> None: ...
+    def register_memory(self, buffer: object) -> None: ...
+    def clone_memory(self, ring: SlotRing) -> None: ...
     def close(self) -> bool: ...

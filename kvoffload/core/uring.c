@@ -8,15 +8,33 @@
  *
  * Buffers in flight: every entry's Py_buffer is taken before anything is submitted and given
  * back only once its completion is reaped. A call returns only when all its entries are reaped,
- * so normally nothing outlives it. If io_uring_enter fails in a way that leaves completions
- * unreaped (it should not: only EINTR/EAGAIN/EBUSY are retried), the ring is marked broken and
- * the buffers of the entries still in flight are never released (leaked, not reused under the
- * kernel's writes). A second caller waits on the ring's lock; `close()` never unmaps a ring
- * with a batch in flight: it marks it, and that batch's caller unmaps it once all is reaped.
+ * so normally nothing outlives it. If io_uring_enter fails with any other error than
+ * EINTR/EAGAIN/EBUSY (retried), the ring is marked broken: every later submit fails (EIO) and
+ * its owner makes a fresh ring. The entries queued in the SQ ring that the kernel has not taken
+ * are withdrawn first (the tail set back to the head), so none is ever sent. If entries the
+ * kernel took are still unreaped, the ring is also stranded: their buffers are never released
+ * (leaked, not reused under the kernel's writes) and the ring is never unmapped. A second
+ * caller waits on the ring's lock; `close()` never unmaps a ring with a batch in flight: it
+ * marks it, and that batch's caller unmaps it once all is reaped.
+ *
+ * Registered files and memory (`register_files`, `register_memory`, `clone_memory`): the slot
+ * file's descriptor goes in the ring's file table (IORING_REGISTER_FILES) and an entry on it is
+ * sent with IOSQE_FIXED_FILE (no file lookup and reference per request); the DRAM arena goes in
+ * its buffer table (IORING_REGISTER_BUFFERS, in 1 GiB pieces, the kernel's cap per buffer) and
+ * an entry whose buffer lies inside one piece is READ_FIXED / WRITE_FIXED (its pages pinned
+ * once, not per request). Other rings of the same owner clone that table
+ * (IORING_REGISTER_CLONE_BUFFERS, Linux 6.12+), so the arena is pinned once, not per ring. The
+ * ring holds an export of the registered memory until it is unmapped, so the memory cannot be
+ * unmapped (and its addresses reused) while the ring's table points at it. A registered
+ * descriptor must not be closed while the ring may still submit on it: the table holds the
+ * file the number named then. Every registration that fails raises OSError: the owner goes on
+ * with plain descriptors and addresses (and counts it).
  *
  * Fault seam (kvstore/faults.py, tests only): `delay_s` sleeps after the first submission,
- * before any completion is reaped (a slow device, with the buffers still in flight), and
- * `fail` gives chosen entries a -errno result in place of what the kernel answered.
+ * before any completion is reaped (a slow device, with the buffers still in flight),
+ * `fail` gives chosen entries a -errno result in place of what the kernel answered, and
+ * `enter_fail` makes the batch's first io_uring_enter fail with that errno before the call,
+ * its entries queued and none taken (an enter that failed, `ring.enter`).
  */
 #include "core.h"
 
@@ -26,6 +44,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -33,6 +52,21 @@
 #define RING_MAX_ENTRIES 65536     /* entries of one submit call */
 #define RING_MAX_LEN (1u << 30)    /* bytes of one entry (the kernel's cap is ~2 GiB) */
 #define RING_MAX_DELAY_S 60.0
+#define RING_MAX_FILES 8
+#define RING_MAX_BUFS 1024         /* 1 TiB of registered memory */
+#define RING_BUF_SHIFT 30          /* registered memory in 1 GiB pieces (the kernel's cap) */
+
+#ifndef IORING_REGISTER_CLONE_BUFFERS /* Linux 6.12; the system headers may be older */
+#define IORING_REGISTER_CLONE_BUFFERS 30
+struct io_uring_clone_buffers {
+    __u32 src_fd;
+    __u32 flags;
+    __u32 src_off;
+    __u32 dst_off;
+    __u32 nr;
+    __u32 pad[3];
+};
+#endif
 
 typedef struct {
     PyObject_HEAD
@@ -46,10 +80,16 @@ typedef struct {
     unsigned *cq_head, *cq_tail, *cq_mask;
     struct io_uring_cqe *cqes;
     PyThread_type_lock lock; /* held by the batch in flight and by close */
-    int broken;              /* completions left unreaped: never submit again */
+    int broken;              /* io_uring_enter failed: never submit again */
+    int stranded;            /* ... with completions left unreaped: never unmap either */
     int closing;             /* close() came during a batch: its last caller unmaps after it */
     int users;               /* calls past their checks, buffers held (changed under the GIL) */
     unsigned long long batches, entries;
+    int files[RING_MAX_FILES]; /* registered descriptors, by table index */
+    unsigned nfiles;
+    Py_buffer memory;          /* registered memory, exported until unmapped; .obj NULL: none */
+    unsigned nbufs;            /* its 1 GiB pieces in the buffer table */
+    unsigned long long fixed_files, fixed_bufs; /* entries sent with each */
 } SlotRing;
 
 static int sys_setup(unsigned entries, struct io_uring_params *p) {
@@ -60,7 +100,14 @@ static int sys_enter(int fd, unsigned to_submit, unsigned min_complete, unsigned
     return (int)syscall(__NR_io_uring_enter, fd, to_submit, min_complete, flags, NULL, 0);
 }
 
+static int sys_register(int fd, unsigned op, void *arg, unsigned nr) {
+    return (int)syscall(__NR_io_uring_register, fd, op, arg, nr);
+}
+
+/* With the GIL held (the memory's export is given back here). */
 static void ring_unmap(SlotRing *r) {
+    if (r->memory.obj != NULL) PyBuffer_Release(&r->memory); /* the table goes with the fd */
+    r->nbufs = r->nfiles = 0;
     if (r->sqes != NULL) munmap(r->sqes, r->sqes_len);
     if (r->cq_map != NULL && r->cq_map != r->sq_map) munmap(r->cq_map, r->cq_map_len);
     if (r->sq_map != NULL) munmap(r->sq_map, r->sq_map_len);
@@ -163,7 +210,7 @@ typedef struct {
 /* Runs without the GIL, the ring's lock held. Returns 0, or an errno of io_uring_enter that
  * stopped the batch; `*left` is then how many entries are still in the kernel's hands. */
 static int ring_run(SlotRing *r, Entry *e, long long *res, unsigned n, double delay_s,
-                    unsigned *left) {
+                    int enter_fail, unsigned *left) {
     unsigned next = 0, inflight = 0, reaped = 0;
     unsigned mask = *r->sq_mask, cmask = *r->cq_mask;
     int delayed = delay_s <= 0;
@@ -175,6 +222,24 @@ static int ring_run(SlotRing *r, Entry *e, long long *res, unsigned n, double de
             memset(sqe, 0, sizeof *sqe);
             sqe->opcode = e[next].write ? IORING_OP_WRITE : IORING_OP_READ;
             sqe->fd = e[next].fd;
+            for (unsigned k = 0; k < r->nfiles; k++) {
+                if (r->files[k] == e[next].fd) {
+                    sqe->fd = (int)k; /* its index in the file table */
+                    sqe->flags |= IOSQE_FIXED_FILE;
+                    r->fixed_files++;
+                    break;
+                }
+            }
+            if (r->nbufs) {
+                uintptr_t base = (uintptr_t)r->memory.buf, at = (uintptr_t)e[next].view.buf;
+                size_t len = (size_t)e[next].view.len;
+                if (len && at >= base && at - base <= (size_t)r->memory.len - len &&
+                    (at - base) >> RING_BUF_SHIFT == (at - base + len - 1) >> RING_BUF_SHIFT) {
+                    sqe->opcode = e[next].write ? IORING_OP_WRITE_FIXED : IORING_OP_READ_FIXED;
+                    sqe->buf_index = (__u16)((at - base) >> RING_BUF_SHIFT);
+                    r->fixed_bufs++;
+                }
+            }
             sqe->off = e[next].offset;
             sqe->addr = (unsigned long long)(uintptr_t)e[next].view.buf;
             sqe->len = (unsigned)e[next].view.len;
@@ -190,10 +255,27 @@ static int ring_run(SlotRing *r, Entry *e, long long *res, unsigned n, double de
         unsigned head = *r->cq_head;
         int ready = head != __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE);
         if (pending || !ready) {
-            int got = sys_enter(r->fd, pending, ready ? 0 : 1, IORING_ENTER_GETEVENTS);
+            int got;
+            if (enter_fail) { /* the fault seam: this enter fails, nothing taken */
+                errno = enter_fail;
+                enter_fail = 0;
+                got = -1;
+            } else {
+                got = sys_enter(r->fd, pending, ready ? 0 : 1, IORING_ENTER_GETEVENTS);
+            }
             if (got < 0 && errno != EINTR && errno != EAGAIN && errno != EBUSY) {
-                *left = inflight - (tail - __atomic_load_n(r->sq_head, __ATOMIC_ACQUIRE));
-                return errno;
+                int err = errno;
+                unsigned sq_head = __atomic_load_n(r->sq_head, __ATOMIC_ACQUIRE);
+                *left = inflight - (tail - sq_head);
+                /* Withdraw what the kernel has not taken: those SQEs point at this batch's
+                 * buffers, given back once we return, and the next enter would send them (with
+                 * user_data that alias the next batch's entries). Without SQPOLL the kernel
+                 * reads the SQ ring only inside io_uring_enter, which runs under our lock, so
+                 * setting the tail back is safe. The caller marks the ring broken as well: an
+                 * error that is not transient says the ring itself (its descriptor, its maps)
+                 * cannot be trusted, and its owner makes a fresh one. */
+                __atomic_store_n(r->sq_tail, sq_head, __ATOMIC_RELEASE);
+                return err;
             }
         }
         if (!delayed) { /* the fault seam: completions reaped late, buffers in flight */
@@ -223,12 +305,17 @@ static void release_views(Entry *e, unsigned n) {
 }
 
 static PyObject *ring_submit(SlotRing *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"entries", "delay_s", "fail", NULL};
+    static char *names[] = {"entries", "delay_s", "fail", "enter_fail", NULL};
     PyObject *seq_obj, *fail_obj = NULL;
     double delay_s = 0.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|dO:submit", names, &seq_obj, &delay_s,
-                                     &fail_obj))
+    int enter_fail = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|dOi:submit", names, &seq_obj, &delay_s,
+                                     &fail_obj, &enter_fail))
         return NULL;
+    if (enter_fail < 0 || enter_fail > 4095) {
+        PyErr_SetString(PyExc_ValueError, "enter_fail must be an errno in [1, 4095], or 0");
+        return NULL;
+    }
     if (self->lock == NULL || self->fd < 0 || self->closing) {
         PyErr_SetString(PyExc_ValueError, "the ring is closed");
         return NULL;
@@ -308,16 +395,29 @@ static PyObject *ring_submit(SlotRing *self, PyObject *args, PyObject *kw) {
     self->users++; /* from here until its buffers are given back, close() leaves the ring be */
     Py_BEGIN_ALLOW_THREADS
     PyThread_acquire_lock(self->lock, WAIT_LOCK);
-    if (self->fd < 0 || self->broken)
+    if (self->fd < 0)
         err = -1;
+    else if (self->broken)
+        err = -2;
     else if (n)
-        err = ring_run(self, e, res, n, delay_s, &left);
-    if (err > 0 && left) self->broken = 1;
+        err = ring_run(self, e, res, n, delay_s, enter_fail, &left);
+    if (err > 0) {
+        self->broken = 1;
+        self->stranded = left > 0;
+    }
     PyThread_release_lock(self->lock);
     Py_END_ALLOW_THREADS
     self->users--;
     if (err == -1) {
         PyErr_SetString(PyExc_ValueError, "the ring is closed");
+        goto done;
+    }
+    if (err == -2) {
+        PyObject *why = Py_BuildValue("(is)", EIO, "the ring broke: an io_uring_enter failed");
+        if (why != NULL) {
+            PyErr_SetObject(PyExc_OSError, why); /* OSError(EIO, ...): errno set */
+            Py_DECREF(why);
+        }
         goto done;
     }
     if (err > 0) {
@@ -343,7 +443,7 @@ done:
     PyMem_Free(e);
     PyMem_Free(res);
     Py_DECREF(seq);
-    if (self->closing && self->users == 0 && !self->broken) ring_unmap(self);
+    if (self->closing && self->users == 0 && !self->stranded) ring_unmap(self);
     return out;
 }
 
@@ -353,7 +453,7 @@ static PyObject *ring_close(SlotRing *self, PyObject *unused) {
     (void)unused;
     self->closing = 1;
     if (self->users > 0) Py_RETURN_FALSE;
-    if (!self->broken) ring_unmap(self); /* a broken ring's requests may still run: keep it */
+    if (!self->stranded) ring_unmap(self); /* a stranded ring's requests may still run */
     else self->fd = -1;
     Py_RETURN_TRUE;
 }
@@ -361,6 +461,163 @@ static PyObject *ring_close(SlotRing *self, PyObject *unused) {
 static PyObject *ring_get_closed(SlotRing *self, void *unused) {
     (void)unused;
     return PyBool_FromLong(self->fd < 0);
+}
+
+/* Registration runs with the ring's lock held (no batch in flight) and the GIL released. */
+static int ring_usable(SlotRing *self) {
+    if (self->lock == NULL || self->fd < 0 || self->closing || self->broken) {
+        PyErr_SetString(PyExc_ValueError, "the ring is closed or broken");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *ring_register_files(SlotRing *self, PyObject *arg) {
+    if (!ring_usable(self)) return NULL;
+    if (self->nfiles) {
+        PyErr_SetString(PyExc_ValueError, "files are registered already");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(arg, "register_files takes a sequence of descriptors");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    int fds[RING_MAX_FILES];
+    if (n < 1 || n > RING_MAX_FILES) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "register 1 to %d descriptors, got %zd", RING_MAX_FILES,
+                     n);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (v == -1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (v < 0 || v > INT_MAX) {
+            Py_DECREF(seq);
+            PyErr_Format(PyExc_ValueError, "bad file descriptor %ld", v);
+            return NULL;
+        }
+        fds[i] = (int)v;
+    }
+    Py_DECREF(seq);
+    int rc, err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    rc = sys_register(self->fd, IORING_REGISTER_FILES, fds, (unsigned)n);
+    if (rc < 0)
+        err = errno;
+    else {
+        memcpy(self->files, fds, sizeof(int) * (size_t)n);
+        self->nfiles = (unsigned)n;
+    }
+    PyThread_release_lock(self->lock);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *ring_register_memory(SlotRing *self, PyObject *arg) {
+    if (!ring_usable(self)) return NULL;
+    if (self->memory.obj != NULL) {
+        PyErr_SetString(PyExc_ValueError, "memory is registered already");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_WRITABLE) < 0) return NULL;
+    size_t len = (size_t)view.len;
+    unsigned n = (unsigned)((len + (1ull << RING_BUF_SHIFT) - 1) >> RING_BUF_SHIFT);
+    if (len == 0 || n > RING_MAX_BUFS) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_ValueError, "register 1 byte to %u GiB of memory, got %zu bytes",
+                     RING_MAX_BUFS, len);
+        return NULL;
+    }
+    struct iovec *iov = PyMem_Calloc(n, sizeof *iov);
+    if (iov == NULL) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
+    for (unsigned i = 0; i < n; i++) {
+        size_t off = (size_t)i << RING_BUF_SHIFT;
+        iov[i].iov_base = (char *)view.buf + off;
+        iov[i].iov_len = len - off < (1ull << RING_BUF_SHIFT) ? len - off : 1ull << RING_BUF_SHIFT;
+    }
+    int rc, err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    rc = sys_register(self->fd, IORING_REGISTER_BUFFERS, iov, n); /* pins the pages */
+    err = errno;
+    PyThread_release_lock(self->lock);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(iov);
+    if (rc < 0) {
+        PyBuffer_Release(&view);
+        errno = err; /* ENOMEM past RLIMIT_MEMLOCK without CAP_IPC_LOCK, EFAULT, ... */
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    self->memory = view;
+    self->nbufs = n;
+    Py_RETURN_NONE;
+}
+
+static PyObject *ring_clone_memory(SlotRing *self, PyObject *arg) {
+    if (!ring_usable(self)) return NULL;
+    if (!PyObject_TypeCheck(arg, Py_TYPE(self))) {
+        PyErr_SetString(PyExc_TypeError, "clone_memory takes another SlotRing");
+        return NULL;
+    }
+    SlotRing *src = (SlotRing *)arg;
+    if (src == self || self->memory.obj != NULL || src->memory.obj == NULL || src->fd < 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "clone_memory: the source needs registered memory, this ring none");
+        return NULL;
+    }
+    Py_buffer view; /* an export of its own: the memory outlives this ring's table */
+    if (PyObject_GetBuffer(src->memory.obj, &view, PyBUF_WRITABLE) < 0) return NULL;
+    if (view.buf != src->memory.buf || view.len != src->memory.len) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "clone_memory: the source's memory moved");
+        return NULL;
+    }
+    struct io_uring_clone_buffers clone;
+    memset(&clone, 0, sizeof clone);
+    clone.src_fd = (__u32)src->fd;
+    int rc, err = 0;
+    /* Only this ring's lock: the source's table is not changed, and the kernel locks both. */
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(self->lock, WAIT_LOCK);
+    rc = sys_register(self->fd, IORING_REGISTER_CLONE_BUFFERS, &clone, 1);
+    err = errno;
+    PyThread_release_lock(self->lock);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        PyBuffer_Release(&view);
+        errno = err; /* EINVAL before Linux 6.12 */
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    self->memory = view;
+    self->nbufs = src->nbufs;
+    Py_RETURN_NONE;
+}
+
+static PyObject *ring_get_registered(SlotRing *self, void *unused) {
+    (void)unused;
+    return Py_BuildValue("(II)", self->nfiles, self->nbufs);
+}
+
+static PyObject *ring_get_fixed(SlotRing *self, void *unused) {
+    (void)unused;
+    return Py_BuildValue("(KK)", self->fixed_files, self->fixed_bufs);
+}
+
+static PyObject *ring_get_broken(SlotRing *self, void *unused) {
+    (void)unused;
+    return PyBool_FromLong(self->broken);
 }
 
 static PyObject *ring_get_counts(SlotRing *self, void *unused) {
@@ -375,7 +632,16 @@ static PyObject *ring_get_depth(SlotRing *self, void *unused) {
 
 static PyMethodDef ring_methods[] = {
     {"submit", (PyCFunction)(void (*)(void))ring_submit, METH_VARARGS | METH_KEYWORDS,
-     "submit(entries, delay_s=0.0, fail=()) -> list of bytes moved or -errno, per entry"},
+     "submit(entries, delay_s=0.0, fail=(), enter_fail=0) -> list of bytes moved or -errno, "
+     "per entry"},
+    {"register_files", (PyCFunction)ring_register_files, METH_O,
+     "register_files(fds): put the descriptors in the ring's file table; entries on them are "
+     "sent as fixed files. Close the ring before closing them."},
+    {"register_memory", (PyCFunction)ring_register_memory, METH_O,
+     "register_memory(buffer): pin a writable buffer in the ring's buffer table (1 GiB "
+     "pieces); entries inside one piece are READ_FIXED / WRITE_FIXED. Held until unmapped."},
+    {"clone_memory", (PyCFunction)ring_clone_memory, METH_O,
+     "clone_memory(ring): share another ring's registered memory (Linux 6.12+), no new pin."},
     {"close", (PyCFunction)ring_close, METH_NOARGS,
      "Unmap the rings and close the descriptor, now (True) or, with a batch in flight, once "
      "its submitter has reaped it (False)."},
@@ -383,7 +649,13 @@ static PyMethodDef ring_methods[] = {
 
 static PyGetSetDef ring_getset[] = {
     {"closed", (getter)ring_get_closed, NULL, NULL, NULL},
+    {"broken", (getter)ring_get_broken, NULL, "an io_uring_enter failed: no submit runs again",
+     NULL},
     {"counts", (getter)ring_get_counts, NULL, "(batches, entries) submitted", NULL},
+    {"registered", (getter)ring_get_registered, NULL,
+     "(descriptors, 1 GiB pieces of memory) registered", NULL},
+    {"fixed", (getter)ring_get_fixed, NULL,
+     "(entries sent on a registered file, entries on registered memory)", NULL},
     {"depth", (getter)ring_get_depth, NULL, "entries in flight at most", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
 

@@ -537,7 +537,8 @@ class SlotBackend:
         ring_type = slot_ring_type()
         if why is None and ring_type is not None:
             # Two entries a slot (header page, value pages): `read_depth` slots in flight.
-            return BlockIO(slots, RingPages(slots, ring_type, 2 * config.read_depth))
+            return BlockIO(slots, RingPages(slots, ring_type, 2 * config.read_depth,
+                                            register=config.ring_register))  # fmt: skip
         if engine == "io_uring":
             raise ConfigError(f"ssd.io_engine = 'io_uring' cannot run here: {why}")
         log.info("SSD slot I/O on threads: %s", why)

@@ -294,6 +294,7 @@ class _Lease:
     def __init__(self, ring: Any) -> None:
         self.ring = ring
         self.headers: AlignedBuffer | None = None
+        self.cloned = False  # the arena's registration was tried on this ring
 
     def header_pages(self, count: int) -> memoryview:
         if self.headers is None or self.headers.size < count * PAGE:
@@ -311,11 +312,19 @@ class RingPages:
     exported until they are reaped. `BlockIO.read_batch` puts a whole batch of slots in one
     submission; `transfer` one slot's header and value pages, read or written (a durable put,
     a demotion, a wipe); the journal's group commit then syncs the slot file as before.
+
+    With `register` (`ssd.ring_register`), each new ring gets the slot file in its file table,
+    and the DRAM arena goes in the buffer tables: `register_memory` pins it once, in one ring
+    made on a thread of its own (about 85 ms a GiB here: off the open and the requests), and
+    every ring clones that table when it is next lent (microseconds). A registration the
+    kernel refuses is counted (`registration`) and that ring runs on plain descriptors or
+    addresses; until the pin is done, rings run on plain addresses.
     """
 
     engine = "io_uring"
 
-    def __init__(self, slots: SlotFile, ring_type: type, depth: int) -> None:
+    def __init__(self, slots: SlotFile, ring_type: type, depth: int, *, register: bool = True
+                 ) -> None:  # fmt: skip
         self.slots = slots
         self._ring_type = ring_type
         self.depth = depth  # entries in flight per ring (a slot read is two)
@@ -324,9 +333,97 @@ class RingPages:
         self._all: list[_Lease] = []
         self._closed = False
         self._pages = threading.local()  # each thread's header page for `transfer`
+        self._register = register
+        self._source: Any = None  # the ring that pinned the arena; the others clone its table
+        self._arena: memoryview | None = None  # what `register_memory` was given
+        self._refused = {"files": 0, "memory": 0}  # registrations the kernel refused
+        self.pinned = threading.Event()  # the arena's pin was tried (tests wait on it)
 
     def register_memory(self, view: memoryview) -> None:
-        """Nothing registered yet: the kernel maps the arena's pages per submission."""
+        """Pin the arena in a ring's buffer table, on a thread of its own."""
+        if not self._register:
+            self.pinned.set()
+            return
+        self._arena = view
+        self._start_pin()
+
+    def _start_pin(self) -> None:
+        try:  # a view of its own for the ring to hold: the arena's can be released
+            mine = memoryview(self._arena) if self._arena is not None else None
+        except ValueError:  # released: the engine is closing
+            mine = None
+        if mine is None:
+            self.pinned.set()
+            return
+        self.pinned.clear()
+        threading.Thread(target=self._pin, args=(mine,), name="kvoffload-ring-pin",
+                         daemon=True).start()  # fmt: skip
+
+    def _pin(self, memory: memoryview) -> None:
+        try:
+            try:
+                lease = _Lease(self._ring_type(self.depth))
+            except OSError as exc:
+                self._refuse("memory", "the DRAM arena", exc)
+                return
+            self._register_file(lease.ring)
+            lease.cloned = True
+            try:
+                lease.ring.register_memory(memoryview(memory))  # the ring's own export
+            except (OSError, ValueError, BufferError) as exc:
+                self._refuse("memory", "the DRAM arena", exc)  # ENOMEM: RLIMIT_MEMLOCK
+            with self._lock:
+                if not self._closed:
+                    if lease.ring.registered[1]:
+                        self._source = lease.ring
+                    self._all.append(lease)
+                    self._free.append(lease)
+                    return
+            lease.ring.close()  # closed meanwhile: the export goes with the ring
+        finally:
+            memory.release()  # ours; the ring's view keeps the arena until it is unmapped
+            self.pinned.set()
+
+    def _register_file(self, ring: Any) -> None:
+        try:
+            ring.register_files([self.slots.fd])
+        except OSError as exc:
+            self._refuse("files", f"the slot file {self.slots.path}", exc)
+
+    def _clone(self, lease: _Lease) -> None:
+        """Share the pinned arena with a ring that has not tried yet (once the pin is done)."""
+        source = self._source
+        if source is None or lease.cloned:
+            return
+        lease.cloned = True
+        try:
+            lease.ring.clone_memory(source)  # the arena's pages stay pinned once
+        except (OSError, ValueError) as exc:  # EINVAL before Linux 6.12
+            self._refuse("memory", "the DRAM arena", exc)
+
+    def _refuse(self, what: str, name: str, exc: Exception) -> None:
+        with self._lock:
+            self._refused[what] += 1
+            first = self._refused[what] == 1
+        if first:
+            log.warning("io_uring: cannot register %s (%s); its I/O uses plain %s",
+                        name, exc, "descriptors" if what == "files" else "addresses")  # fmt: skip
+
+    def registration(self) -> dict[str, int]:
+        """Rings, those with the slot file and with the arena registered, registrations the
+        kernel refused, and entries sent on a registered file and on registered memory."""
+        with self._lock:
+            rings = [lease.ring for lease in self._all]
+            refused = dict(self._refused)
+        return {
+            "rings": len(rings),
+            "rings_with_file": sum(r.registered[0] > 0 for r in rings),
+            "rings_with_memory": sum(r.registered[1] > 0 for r in rings),
+            "files_refused": refused["files"],
+            "memory_refused": refused["memory"],
+            "fixed_file_entries": sum(r.fixed[0] for r in rings),
+            "fixed_memory_entries": sum(r.fixed[1] for r in rings),
+        }
 
     @contextlib.contextmanager
     def lease(self) -> Iterator[_Lease]:
@@ -344,16 +441,30 @@ class RingPages:
                 lease = _Lease(self._ring_type(self.depth))
             except OSError as exc:
                 raise StorageIOError(f"io_uring_setup for {self.slots.path}: {exc}") from exc
+            if self._register:
+                self._register_file(lease.ring)
             with self._lock:
                 self._all.append(lease)
+        if self._register:
+            self._clone(lease)
+        repin = False
         try:
             yield lease
         finally:
             with self._lock:
-                if self._closed:
-                    lease.ring.close()  # its batch is reaped by now: unmapped here
+                if self._closed or lease.ring.broken:
+                    # Reaped by now: unmapped here. A broken ring (its io_uring_enter failed)
+                    # never runs again; the next caller makes a fresh one.
+                    lease.ring.close()
+                    if lease.ring is self._source:  # new rings clone another's table
+                        self._source = next((other.ring for other in self._all
+                                             if other.ring.registered[1]
+                                             and not other.ring.closed), None)  # fmt: skip
+                        repin = self._source is None and not self._closed
                 else:
                     self._free.append(lease)
+            if repin:  # no ring holds the table any more: pin the arena again, off this thread
+                self._start_pin()
 
     @contextlib.contextmanager
     def header_page(self) -> Iterator[memoryview]:
@@ -371,13 +482,16 @@ class RingPages:
         except OSError as exc:
             return [-(exc.errno or errno.EIO)] * len(entries)
         fault = faults.ring("ring.write" if write else "ring.read")
+        enter = faults.enter_errno()
         fd = self.slots.fd
         batch = [(fd, offset, buf, write) for offset, buf in entries]
         try:
-            if fault is None:
+            if fault is None and not enter:
                 results: list[int] = lease.ring.submit(batch)
+            elif fault is None:
+                results = lease.ring.submit(batch, enter_fail=enter)
             else:
-                results = lease.ring.submit(batch, fault.delay_s, fault.fail(len(batch)))
+                results = lease.ring.submit(batch, fault.delay_s, fault.fail(len(batch)), enter)
                 results = fault.shorten(results)
         except (OSError, ValueError) as exc:  # the ring broke or was closed under us
             raise StorageIOError(f"io_uring on {self.slots.path}: {exc}") from exc
@@ -437,6 +551,7 @@ class RingPages:
         """Close every ring; one with a batch in flight closes when its caller is done."""
         with self._lock:
             self._closed = True
+            self._source = self._arena = None
             free, self._free = self._free, []
         for lease in free:
             lease.ring.close()

@@ -1238,8 +1238,41 @@ def _ring() -> tuple[Any, int, int, bytes, int]:
     return _ring_world[0]
 
 
+# A second ring with the three files and the middle third of `_REG_MEMORY` registered: its
+# entries on those files go as fixed files, its buffers inside that third as fixed buffers.
+_REG_MEMORY = np.zeros(3 * 16384, np.uint8)
+_reg_ring: list[Any] = []
+
+
+def _registered_ring() -> Any:
+    if not _reg_ring:
+        _, rfd, wfd, _, sfd = _ring()
+        ring = _ext(CORE).SlotRing(4)
+        ring.register_files([rfd, wfd, sfd])
+        ring.register_memory(memoryview(_REG_MEMORY)[16384:32768])
+        _reg_ring.append(ring)
+    return _reg_ring[0]
+
+
+def _buffer(fdp: Any, size: int, cursor: list[int]) -> memoryview:
+    """An exact-size heap buffer, or on the registered ring a part of `_REG_MEMORY` after the
+    last one (inside the registered third, across its edges or outside it; never overlapping
+    another entry's)."""
+    if not cursor:
+        return memoryview(np.zeros(size, np.uint8))
+    start = cursor[0] + fdp.ConsumeIntInRange(0, 2000)
+    if start + size > len(_REG_MEMORY):
+        return memoryview(np.zeros(size, np.uint8))
+    cursor[0] = start + size
+    view = memoryview(_REG_MEMORY)[start : start + size]
+    view[:] = b"\0" * size
+    return view
+
+
 def fuzz_slot_ring(data: bytes) -> None:
-    """`SlotRing.submit` with hostile entries: reads of a known file at any offset (past its
+    """`SlotRing.submit` with hostile entries, on a plain ring or on one with registered files
+    and memory (buffers in, across the edges of and outside the registered part): reads of a
+    known file at any offset (past its
     end, past 2**63) into exact-size heap buffers (ASan sees a byte past either end), writes to
     /dev/null, writes of fuzzed bytes from read-only and exact-size buffers into a scratch
     file at any offset, closed, negative and huge descriptors, read-only buffers to read into,
@@ -1249,7 +1282,10 @@ def fuzz_slot_ring(data: bytes) -> None:
     too), or for a scratch write every byte (read back the same where no other write of the
     batch overlaps it; a hostile offset may be refused with -errno instead)."""
     fdp = atheris.FuzzedDataProvider(data)
-    ring, rfd, wfd, contents, sfd = _ring()
+    _, rfd, wfd, contents, sfd = _ring()
+    registered = fdp.ConsumeBool()
+    ring = _registered_ring() if registered else _ring()[0]
+    cursor = [16384 - fdp.ConsumeIntInRange(0, 4096)] if registered else []  # near its start
     os.ftruncate(sfd, 0)
     entries: list[Any] = []
     want: list[tuple[str, Any, int, int]] = []  # (kind, buffer, offset, size)
@@ -1257,7 +1293,7 @@ def fuzz_slot_ring(data: bytes) -> None:
         kind = fdp.ConsumeIntInRange(0, 7)
         size = fdp.ConsumeIntInRange(0, 5000)
         off = _hostile_int(fdp) if fdp.ConsumeBool() else fdp.ConsumeIntInRange(0, _RING_FILE + 9)
-        buf = memoryview(np.zeros(size, np.uint8))
+        buf = _buffer(fdp, size, cursor)
         if kind == 0:
             entries.append((rfd, off, buf, False))
         elif kind == 1:
@@ -1274,16 +1310,24 @@ def fuzz_slot_ring(data: bytes) -> None:
         else:  # a write into the scratch file, from a read-only or an exact-size heap buffer
             payload = fdp.ConsumeBytes(size)
             size = len(payload)
-            src: Any = payload if kind == 6 else memoryview(np.frombuffer(payload, np.uint8).copy())
+            src: Any = payload
+            if kind == 7:  # on the registered ring, perhaps from registered memory
+                src = _buffer(fdp, size, cursor)
+                src[:] = payload
             buf = memoryview(payload)
             entries.append((sfd, off, src, True))
         names = {0: "file", 1: "null", 6: "write", 7: "write"}
         want.append((names.get(kind, "bad"), buf, off, size))
     fail = [(_hostile_int(fdp) % 16 - 2, fdp.ConsumeIntInRange(-1, 5000))
             for _ in range(fdp.ConsumeIntInRange(0, 3))]  # fmt: skip
+    # Now and then the batch's first io_uring_enter fails (EINTR is retried: no effect).
+    enter = (0, 0, 0, 0, 0, errno.ENXIO, errno.EBADF, errno.EINTR)[fdp.ConsumeIntInRange(0, 7)]
     try:
-        got = ring.submit(entries, 0.0, fail or None)
+        got = ring.submit(entries, 0.0, fail or None, enter)
     except _ARG_ERRORS:
+        return
+    except OSError as exc:
+        _check_broken(ring, exc, enter, sfd, registered)
         return
     if len(got) != len(entries):
         raise AssertionError(f"submit: {len(got)} results for {len(entries)} entries")
@@ -1315,6 +1359,30 @@ def fuzz_slot_ring(data: bytes) -> None:
         if got[i] != expect:
             raise AssertionError(f"entry {i} ({kind}, offset {off}, {size} bytes): {got[i]}, "
                                  f"not {expect}")  # fmt: skip
+
+
+def _check_broken(ring: Any, exc: OSError, enter: int, sfd: int, registered: bool) -> None:
+    """A batch whose first enter failed: that errno, the ring broken, nothing of the batch
+    sent (the scratch file stays empty, even after another submission on that ring, which is
+    refused); the run goes on with a fresh ring."""
+    if enter in (0, errno.EINTR) or exc.errno != enter or not ring.broken:
+        raise AssertionError(f"submit raised {exc!r} (enter_fail {enter}, broken {ring.broken})")
+    try:
+        ring.submit([(sfd, 0, b"z" * 4096, True)])
+    except OSError as again:
+        if again.errno != errno.EIO:
+            raise AssertionError(f"a broken ring's submit raised {again!r}, not EIO") from again
+    else:
+        raise AssertionError("a broken ring ran a submission")
+    if os.fstat(sfd).st_size:
+        raise AssertionError("an entry queued before the failed enter was sent later")
+    if ring.close() is not True:
+        raise AssertionError("a broken ring with nothing in flight did not close")
+    if registered:
+        _reg_ring.clear()  # the next input registers a fresh one
+    else:
+        world = _ring_world[0]
+        _ring_world[0] = (_ext(CORE).SlotRing(4), *world[1:])
 
 
 def _core_seeds() -> list[bytes]:

@@ -1,11 +1,14 @@
 """Slot writes through io_uring (issue 30, step 2): durable puts, demotions and wipes submit
 their slots through the `SlotRing`; the `ring.write` fault seam's EIO, ENOSPC, short writes
 and delays reach those completions: a failed write is never published, its slot is freed and
-the error counted; a delayed write across close keeps its buffer mapped."""
+the error counted; a delayed write across close keeps its buffer mapped. An io_uring_enter that
+fails (the `ring.enter` seam) breaks its ring without ever sending the entries it left queued,
+and the owner goes on with a fresh ring."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import threading
@@ -18,7 +21,7 @@ import kvoffload.core as core
 from kvoffload.errors import ConfigError, KVOffloadError, StorageIOError
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
 from kvoffload.kvstore.config import PAGE
-from kvoffload.kvstore.faults import ring
+from kvoffload.kvstore.faults import enter_errno, ring
 from kvoffload.kvstore.ssd.fsck import fsck
 from kvoffload.kvstore.ssd.slotio import AlignedBuffer, RingPages, SlotFile
 
@@ -277,3 +280,95 @@ def test_the_short_fault_is_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     plan.set({"ring.write": {"short": True, "entries": [1]}})
     fault = ring("ring.write")
     assert fault is not None and fault.shorten([PAGE, 2 * PAGE, -5]) == [PAGE, PAGE, -5]
+
+
+# ---------------------------------------------------------------------------- a failed enter
+
+
+def test_a_failed_enter_breaks_the_ring_and_its_queued_entries_are_never_sent(
+    tmp_path: Path,
+) -> None:
+    # io_uring_enter fails (ENXIO: not a retry) with a slot write queued in the SQ ring and not
+    # taken. Found in review: the ring stayed usable with the entry still queued, so the next
+    # submission sent it too and the stale write landed in the file (its buffer given back by
+    # then). Now the entry is withdrawn and the ring refuses every later submission.
+    assert RING is not None
+    path = tmp_path / "slots"
+    path.write_bytes(b"".join(bytes([i]) * PAGE for i in range(8)))
+    fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    try:
+        stale, fresh = AlignedBuffer(PAGE), AlignedBuffer(PAGE)
+        stale.view[:] = b"\xaa" * PAGE
+        fresh.view[:] = b"\xbb" * PAGE
+        ring = RING(4)
+        with pytest.raises(OSError) as failed:
+            ring.submit([(fd, 3 * PAGE, stale.view, True)], enter_fail=errno.ENXIO)
+        assert failed.value.errno == errno.ENXIO
+        later: list[int] | OSError
+        try:
+            later = ring.submit([(fd, 5 * PAGE, fresh.view, True)])
+        except OSError as exc:
+            later = exc
+        # Neither write reached the file: the stale one was never sent (read back through
+        # the page cache: O_DIRECT reads want aligned buffers).
+        assert path.read_bytes() == b"".join(bytes([i]) * PAGE for i in range(8))
+        assert isinstance(later, OSError) and later.errno == errno.EIO and ring.broken
+        assert ring.counts == (0, 0)
+        # Nothing in flight: close unmaps it now.
+        assert ring.close() is True and ring.closed
+        # A fresh ring writes as usual.
+        again = RING(4)
+        assert again.submit([(fd, 5 * PAGE, fresh.view, True)]) == [PAGE]
+        data = path.read_bytes()
+        assert data[3 * PAGE : 4 * PAGE] == bytes([3]) * PAGE
+        assert data[5 * PAGE : 6 * PAGE] == b"\xbb" * PAGE
+        again.close()
+        with pytest.raises(ValueError, match="enter_fail"):
+            RING(4).submit([], enter_fail=-1)
+    finally:
+        os.close(fd)
+
+
+def test_a_failed_enter_fails_the_write_cleanly_and_the_next_one_gets_a_fresh_ring(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plan = Plan(tmp_path / "faults.json", monkeypatch)
+    store = tmp_path / "d"
+    with Engine(config(store)) as engine:
+        pages = ring_pages(engine)
+        assert pages.pinned.wait(WAIT_S)  # the ring that pinned the arena is the one pooled
+        engine.put(key(0), value(0), durable=True)
+        used = engine.stats().tiers[1].used_bytes
+        (source,) = [lease.ring for lease in pages._all]
+        assert source.registered == (1, 1)
+        plan.set({"ring.enter": "ENXIO"})
+        with pytest.raises(StorageIOError, match="io_uring"):
+            engine.put(key(0), value(2), durable=True)  # a new version of key 0
+        ssd = engine.stats().tiers[1]
+        assert ssd.io_errors == 1 and ssd.used_bytes == used and ssd.entries == 1
+        # The broken ring left the pool (closed); every ring left there still runs.
+        assert all(not lease.ring.broken for lease in pages._free)
+        assert source.broken and source.closed
+        # It held the arena's pin, and no other ring did: the arena is pinned again.
+        assert pages.pinned.wait(WAIT_S)
+        plan.set({})
+        engine.put(key(1), value(1), durable=True)
+        live = [lease.ring for lease in pages._all if not lease.ring.closed]
+        assert live and all(ring.registered == (1, 1) for ring in live)
+        assert pages.registration()["memory_refused"] == 0
+        buf = bytearray(BLOCK)
+        assert engine.get_into(key(0), buf) == BLOCK and buf == value(0)
+    # After a reopen: the old version of key 0, never the failed write's bytes.
+    assert read_all(store, [0, 1]) == {0: value(0), 1: value(1)}
+    assert fsck(str(store)).clean
+
+
+def test_the_enter_fault_is_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = Plan(tmp_path / "faults.json", monkeypatch)
+    assert enter_errno() == 0
+    plan.set({"ring.enter": "EBADF"})
+    assert enter_errno() == errno.EBADF
+    for bad in ("delay:0.1", "ENOSUCH", 5):
+        plan.set({"ring.enter": bad})
+        with pytest.raises(ConfigError, match="ring.enter"):
+            enter_errno()
