@@ -86,7 +86,8 @@ _PARAMS = {
     "ca": "tls=1: CA file that signed the nodes' certificates (default: the system's CAs)",
     "server_name": "tls=1: certificate name to expect (default: each node's host)",
     "immutable": "1: every key this client puts names its content (chained block keys): a put "
-    "is acknowledged once each block is on a live node (default 0: on every member)",
+    "is acknowledged once each block is on one of its key's replicas + 1 best members "
+    "(default 0: over etcd membership, every one of them must hold it or answer)",
 }
 # Repairs (copies to a new owner) run in the background; past this many waiting, skip them.
 _MAX_REPAIRS = 64
@@ -152,6 +153,7 @@ class ClusterTransport:
                 "puts_rerouted",
                 "puts_short",
                 "puts_lost",
+                "puts_misplaced",
                 "clears_failed",
                 "repairs",
                 "repairs_skipped",
@@ -414,8 +416,34 @@ class ClusterTransport:
             if not attempt:
                 self._count("puts_rerouted", len(pending))
         self._settle_puts(stored, durable, full=0 < refusals == errors)
-        if self._strict_puts and not self.immutable_puts:
+        if self.immutable_puts:
+            self._acknowledge_where_read(keys, owners_of, members)
+        elif self._strict_puts:
             self._acknowledge(keys, owners_of, cleared_on, members)
+
+    def _acknowledge_where_read(
+        self, keys: Sequence[bytes], owners_of: list[set[Target]], members: tuple[Target, ...]
+    ) -> None:
+        """Raise unless each block is on one of its key's R + 1 best members: once two of
+        them failed, a rerouted copy can land further down, where reads stop looking when they
+        answer again, and deletes never look.
+
+        Raises:
+            TransportError: some block is stored only outside its key's R + 1 best members.
+        """
+        if not members or not keys:
+            return
+        ranks = self._placement(members).rank_many(keys, self.replicas + 1)
+        short = sum(
+            1 for i, row in enumerate(ranks) if not any(members[r] in owners_of[i] for r in row)
+        )
+        if short:
+            self._count("puts_misplaced", short)
+            raise TransportError(
+                f"put not acknowledged for {short} of {len(keys)} block(s): stored only on "
+                f"nodes beyond each key's {self.replicas + 1} best, where reads stop looking "
+                "once those answer again; retry"
+            )
 
     def _acknowledge(
         self,

@@ -200,6 +200,29 @@ def test_content_named_puts_leave_a_stand_ins_copy_and_others_clear_it(
         assert (node in _holders(three, key)) is (i < half)
 
 
+def test_a_content_named_put_that_lands_past_its_keys_best_nodes_is_not_acknowledged(
+    three: list[object],
+) -> None:
+    # replicas=1: a key's reads and deletes look at its 2 best members. With the best one's
+    # breaker open and the second failing during the put, the block lands on the third: it
+    # would be unreadable once those two answer again, so the put must not be acknowledged.
+    placement = Placement(_members(three))
+    index = {f"127.0.0.1-{d.port}": i for i, d in enumerate(three)}  # type: ignore[attr-defined]
+    order = {k: [index[m.node_id] for m in placement.owners(k, 3)] for k in _keys(200, seed=21)}
+    key = next(k for k, o in order.items() if o == [0, 1, 2])
+    opener = next(k for k, o in order.items() if o[0] == 0 and o[1] == 2)
+    with Client.connect(_cluster(three, immutable="1")) as client:
+        three[0].proc.kill()  # type: ignore[attr-defined]
+        three[0].proc.wait()  # type: ignore[attr-defined]
+        client.put(opener, _value(opener))  # node 0 fails: its breaker opens; node 2 holds it
+        three[1].proc.kill()  # type: ignore[attr-defined]
+        three[1].proc.wait()  # type: ignore[attr-defined]
+        with pytest.raises(TransportError, match="not acknowledged"):
+            client.put(key, _value(key))
+        assert client.stats().store["cluster"]["puts_misplaced"] == 1  # type: ignore[index]
+        assert client.get(opener) == _value(opener)
+
+
 def _requests(client: Client) -> dict[str, int]:
     nodes = client.stats().store["nodes"]
     assert isinstance(nodes, dict)
