@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvoffload import core
 from kvoffload.errors import (
     CapacityError,
     ConfigError,
@@ -21,6 +22,12 @@ from kvoffload.errors import (
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
 
 BLOCK = 200_000
+# KVOFFLOAD_PURE_PYTHON=1 or a kernel that refuses io_uring: the ring cases have nothing to run.
+IO_ENGINES = [
+    pytest.param("io_uring", marks=pytest.mark.skipif(core.io_uring_unavailable() is not None,
+                                                      reason="no io_uring")),
+    "threads",
+]  # fmt: skip
 
 
 def key(i: int) -> bytes:
@@ -138,7 +145,7 @@ def eio_on(plan: Path, op: str | None) -> None:
     os.replace(tmp, plan)
 
 
-@pytest.mark.parametrize("io_engine", ["io_uring", "threads"])
+@pytest.mark.parametrize("io_engine", IO_ENGINES)
 def test_eio_on_durable_put_fails_it_and_keeps_older_blocks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, io_engine: str
 ) -> None:
@@ -161,7 +168,7 @@ def test_eio_on_durable_put_fails_it_and_keeps_older_blocks(
         assert engine.stats().tiers[1].io_errors == 2
 
 
-@pytest.mark.parametrize("io_engine", ["io_uring", "threads"])
+@pytest.mark.parametrize("io_engine", IO_ENGINES)
 def test_eio_on_demotion_loses_only_that_block(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, io_engine: str
 ) -> None:
