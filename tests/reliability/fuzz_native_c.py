@@ -1254,7 +1254,7 @@ def _registered_ring() -> Any:
     return _reg_ring[0]
 
 
-def _buffer(fdp: Any, size: int, cursor: list[int]) -> memoryview:
+def _ring_buffer(fdp: Any, size: int, cursor: list[int]) -> memoryview:
     """An exact-size heap buffer, or on the registered ring a part of `_REG_MEMORY` after the
     last one (inside the registered third, across its edges or outside it; never overlapping
     another entry's)."""
@@ -1293,7 +1293,7 @@ def fuzz_slot_ring(data: bytes) -> None:
         kind = fdp.ConsumeIntInRange(0, 7)
         size = fdp.ConsumeIntInRange(0, 5000)
         off = _hostile_int(fdp) if fdp.ConsumeBool() else fdp.ConsumeIntInRange(0, _RING_FILE + 9)
-        buf = _buffer(fdp, size, cursor)
+        buf = _ring_buffer(fdp, size, cursor)
         if kind == 0:
             entries.append((rfd, off, buf, False))
         elif kind == 1:
@@ -1312,7 +1312,7 @@ def fuzz_slot_ring(data: bytes) -> None:
             size = len(payload)
             src: Any = payload
             if kind == 7:  # on the registered ring, perhaps from registered memory
-                src = _buffer(fdp, size, cursor)
+                src = _ring_buffer(fdp, size, cursor)
                 src[:] = payload
             buf = memoryview(payload)
             entries.append((sfd, off, src, True))
