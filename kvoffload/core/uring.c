@@ -56,9 +56,10 @@
 #define RING_MAX_BUFS 1024         /* 1 TiB of registered memory */
 #define RING_BUF_SHIFT 30          /* registered memory in 1 GiB pieces (the kernel's cap) */
 
-#ifndef IORING_REGISTER_CLONE_BUFFERS /* Linux 6.12; the system headers may be older */
-#define IORING_REGISTER_CLONE_BUFFERS 30
-struct io_uring_clone_buffers {
+/* IORING_REGISTER_CLONE_BUFFERS (Linux 6.12) under names of our own: older headers lack it,
+ * and newer ones declare the struct while the opcode is an enum member #ifndef cannot see. */
+#define KVO_REGISTER_CLONE_BUFFERS 30
+struct kvo_clone_buffers {
     __u32 src_fd;
     __u32 flags;
     __u32 src_off;
@@ -66,7 +67,6 @@ struct io_uring_clone_buffers {
     __u32 nr;
     __u32 pad[3];
 };
-#endif
 
 typedef struct {
     PyObject_HEAD
@@ -233,7 +233,9 @@ static int ring_run(SlotRing *r, Entry *e, long long *res, unsigned n, double de
             if (r->nbufs) {
                 uintptr_t base = (uintptr_t)r->memory.buf, at = (uintptr_t)e[next].view.buf;
                 size_t len = (size_t)e[next].view.len;
-                if (len && at >= base && at - base <= (size_t)r->memory.len - len &&
+                /* len first: memory.len - len must not wrap for an entry larger than it */
+                if (len && len <= (size_t)r->memory.len && at >= base &&
+                    at - base <= (size_t)r->memory.len - len &&
                     (at - base) >> RING_BUF_SHIFT == (at - base + len - 1) >> RING_BUF_SHIFT) {
                     sqe->opcode = e[next].write ? IORING_OP_WRITE_FIXED : IORING_OP_READ_FIXED;
                     sqe->buf_index = (__u16)((at - base) >> RING_BUF_SHIFT);
@@ -584,14 +586,14 @@ static PyObject *ring_clone_memory(SlotRing *self, PyObject *arg) {
         PyErr_SetString(PyExc_ValueError, "clone_memory: the source's memory moved");
         return NULL;
     }
-    struct io_uring_clone_buffers clone;
+    struct kvo_clone_buffers clone;
     memset(&clone, 0, sizeof clone);
     clone.src_fd = (__u32)src->fd;
     int rc, err = 0;
     /* Only this ring's lock: the source's table is not changed, and the kernel locks both. */
     Py_BEGIN_ALLOW_THREADS
     PyThread_acquire_lock(self->lock, WAIT_LOCK);
-    rc = sys_register(self->fd, IORING_REGISTER_CLONE_BUFFERS, &clone, 1);
+    rc = sys_register(self->fd, KVO_REGISTER_CLONE_BUFFERS, &clone, 1);
     err = errno;
     PyThread_release_lock(self->lock);
     Py_END_ALLOW_THREADS

@@ -337,6 +337,7 @@ class RingPages:
         self._source: Any = None  # the ring that pinned the arena; the others clone its table
         self._arena: memoryview | None = None  # what `register_memory` was given
         self._refused = {"files": 0, "memory": 0}  # registrations the kernel refused
+        self._clone_unsupported = False  # a kernel before 6.12: only the pinning ring has it
         self.pinned = threading.Event()  # the arena's pin was tried (tests wait on it)
 
     def register_memory(self, view: memoryview) -> None:
@@ -393,12 +394,23 @@ class RingPages:
     def _clone(self, lease: _Lease) -> None:
         """Share the pinned arena with a ring that has not tried yet (once the pin is done)."""
         source = self._source
-        if source is None or lease.cloned:
+        if source is None or lease.cloned or self._clone_unsupported:
             return
         lease.cloned = True
         try:
             lease.ring.clone_memory(source)  # the arena's pages stay pinned once
-        except (OSError, ValueError) as exc:  # EINVAL before Linux 6.12
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                self._refuse("memory", "the DRAM arena", exc)
+                return
+            # Before Linux 6.12: no cloning. Only the pinning ring uses fixed buffers; pinning
+            # the arena once per ring would multiply what memlock must allow.
+            with self._lock:
+                first, self._clone_unsupported = not self._clone_unsupported, True
+            if first:
+                log.info("io_uring: this kernel cannot share registered buffers between rings "
+                         "(Linux 6.12+); one ring uses the registered DRAM arena")  # fmt: skip
+        except ValueError as exc:
             self._refuse("memory", "the DRAM arena", exc)
 
     def _refuse(self, what: str, name: str, exc: Exception) -> None:
@@ -421,6 +433,7 @@ class RingPages:
             "rings_with_memory": sum(r.registered[1] > 0 for r in rings),
             "files_refused": refused["files"],
             "memory_refused": refused["memory"],
+            "clone_unsupported": int(self._clone_unsupported),
             "fixed_file_entries": sum(r.fixed[0] for r in rings),
             "fixed_memory_entries": sum(r.fixed[1] for r in rings),
         }

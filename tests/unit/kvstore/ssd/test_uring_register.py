@@ -8,7 +8,9 @@ RLIMIT_MEMLOCK) run unregistered, counted."""
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import mmap
 import os
 import shutil
@@ -24,7 +26,7 @@ import kvoffload.core as core
 from kvoffload.errors import ConfigError
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
 from kvoffload.kvstore.config import PAGE
-from kvoffload.kvstore.ssd.slotio import AlignedBuffer, RingPages
+from kvoffload.kvstore.ssd.slotio import AlignedBuffer, RingPages, SlotFile
 
 BLOCK = 200_000
 RING = core.slot_ring_type()
@@ -101,6 +103,61 @@ def test_fixed_entries_move_the_same_bytes_as_plain_ones(slot_fd: int) -> None:
     plain.close()
 
 
+def test_an_entry_larger_than_the_registered_memory_goes_plain(slot_fd: int) -> None:
+    # Its start inside the registered page, its end past it: not a fixed entry (once it was,
+    # for a length past the registered one wrapped the bound), a plain read of the same bytes.
+    assert RING is not None
+    arena = mmap.mmap(-1, 3 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = memoryview(arena)
+    ring = RING(4)
+    ring.register_memory(view[:PAGE])
+    assert ring.submit([(slot_fd, 6 * PAGE, view[: 2 * PAGE], False)]) == [2 * PAGE]
+    assert ring.fixed == (0, 0)
+    assert bytes(view[: 2 * PAGE]) == bytes([6]) * PAGE + bytes([7]) * PAGE
+    assert ring.close() is True
+    view.release()
+    arena.close()
+
+
+class _Pre612Ring:
+    """A real ring whose `clone_memory` answers as a kernel before Linux 6.12 does."""
+
+    def __init__(self, depth: int) -> None:
+        assert RING is not None
+        self._ring = RING(depth)
+
+    def clone_memory(self, source: object) -> None:
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._ring, name)
+
+
+def test_a_kernel_that_cannot_clone_leaves_one_ring_with_the_arena(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Not a refusal (the pin holds): the other rings run on plain addresses, said once, at
+    # info, and no ring tries to clone again.
+    slots = SlotFile(str(tmp_path / "slots"), 16 * PAGE)
+    pages = RingPages(slots, _Pre612Ring, 2)
+    arena = AlignedBuffer(4 * PAGE)
+    caplog.set_level(logging.INFO, logger="kvoffload")
+    pages.register_memory(arena.view)
+    assert pages.pinned.wait(30)  # a hang guard: the pin runs on its thread
+    with pages.lease() as a, pages.lease() as b, pages.lease() as c:
+        assert [x.ring.registered[1] for x in (a, b, c)].count(1) == 1
+    pages.transfer(True, 0, [arena.view[:PAGE]])
+    reg = pages.registration()
+    assert reg["rings"] == 3 and reg["rings_with_memory"] == 1
+    assert reg["clone_unsupported"] == 1 and reg["memory_refused"] == 0
+    notes = [r for r in caplog.records if "share registered buffers" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].levelno == logging.INFO
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    pages.close()
+    arena.close()
+    slots.close()
+
+
 def test_registration_is_checked(slot_fd: int) -> None:
     assert RING is not None
     ring = RING(4)
@@ -149,7 +206,10 @@ def test_an_engines_rings_register_the_slot_file_and_the_arena(tmp_path: Path) -
             # Every ring: the slot file and the arena (pinned by one, cloned by the others);
             # slot writes from DRAM and reads into it went as fixed buffers, every entry on
             # the fixed file.
-            assert reg["rings_with_file"] == reg["rings_with_memory"] == reg["rings"]
+            # (Before Linux 6.12 no ring can clone: only the pinning one has the arena.)
+            with_memory = 1 if reg["clone_unsupported"] else reg["rings"]
+            assert reg["rings_with_file"] == reg["rings"]
+            assert reg["rings_with_memory"] == with_memory
             assert reg["fixed_file_entries"] > reg["fixed_memory_entries"] > 0
         else:
             assert reg["rings_with_file"] == reg["rings_with_memory"] == 0
