@@ -6,8 +6,6 @@ writer keeps working. A real engine over a tmp dir, on io_uring and on the threa
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +14,8 @@ import pytest
 import kvoffload.core as core
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
 from kvoffload.kvstore.extents import slot_bytes
+from tests.unit.kvstore.test_engine_demote_batch import idle, wait_until
 
-WAIT_S = 30  # a hang guard, never a timing assertion
 BLOCK = 200_000
 DRAM = 4 << 20
 # Puts that leave less than `demote_low` (5%) of DRAM free: the last one wakes the writer.
@@ -46,22 +44,6 @@ def config(path: Path, io_engine: str) -> EngineConfig:
                   io_engine=io_engine, flush_on_close=False),
         data_dir=str(path / "store"),
     )  # fmt: skip
-
-
-def wait_until(done: Callable[[], object]) -> None:
-    """Poll `done()` (a wait on the writer's progress, with a hang guard, not a clock)."""
-    event = threading.Event()
-    for _ in range(WAIT_S * 1000):
-        if done():
-            return
-        event.wait(0.001)
-    raise AssertionError("the demotion writer made no progress")
-
-
-def idle(engine: Engine) -> bool:
-    """The writer's pass is over: nothing pinned, free DRAM at the high watermark."""
-    with engine._lock:
-        return not engine._dram.pinned and engine._dram.free_bytes >= engine._m._high
 
 
 def settled(engine: Engine) -> None:
