@@ -23,6 +23,7 @@ from kvoffload.client_sdk.transports import open_transport
 from kvoffload.client_sdk.transports.base import Repairing
 from kvoffload.client_sdk.transports.cluster import ClusterTransport
 from kvoffload.client_sdk.url import parse_url
+from kvoffload.connectors.store_url import block_store_url
 from kvoffload.errors import TransportError
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(180)]
@@ -275,10 +276,14 @@ def test_a_put_during_a_nodes_fault_is_acknowledged_when_its_keys_name_their_con
     ids = {n.node_id for n in nodes}
     victim = nodes[0]
     keys = _keys(120, seed=91)
+    # The URLs as the KV connectors make them (`block_store_url`): a cluster URL gets
+    # immutable=1, an explicit immutable=0 is kept.
     with (
-        Client.connect(_url(cluster_etcd)) as client,
-        Client.connect(_url(cluster_etcd) + "&immutable=1") as content,
+        Client.connect(block_store_url(_url(cluster_etcd) + "&immutable=0")) as client,
+        Client.connect(block_store_url(_url(cluster_etcd))) as content,
     ):
+        assert not _cluster(client).immutable_puts
+        assert _cluster(content).immutable_puts
         assert _until(lambda: _members(client, ids) and _members(content, ids))
         for c in (client, content):
             c.get_many(keys)  # every node's transport open before the fault
