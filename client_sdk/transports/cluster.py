@@ -118,6 +118,9 @@ class ClusterTransport:
         immutable_puts: every key put names its content, so no node can hold an older value
             of it: a put is acknowledged once each block is on one node, and clears no next
             rank (`strict_puts` then applies to deletes only).
+        node_route: how this client reaches a member (its node URL); the clients of a process
+            that reach a node by the same route share its breaker (`cluster.target`). None:
+            each target keeps a breaker of its own.
     """
 
     def __init__(
@@ -129,8 +132,10 @@ class ClusterTransport:
         durable_puts: bool = True,
         strict_puts: bool = False,
         immutable_puts: bool = False,
+        node_route: Callable[[Member], str] | None = None,
     ) -> None:
         self.replicas = replicas
+        self._node_route = node_route
         self.immutable_puts = immutable_puts
         self._durable_puts = durable_puts
         self._strict_puts = strict_puts
@@ -180,7 +185,9 @@ class ClusterTransport:
                     ident = (member.node_id, tuple(sorted(member.fronts.items())))
                     target = self._targets.get(ident)
                     if target is None:
-                        target = Target(member, partial(self._open_node, member), self._deadline_s)
+                        route = self._node_route(member) if self._node_route else None
+                        opener = partial(self._open_node, member)
+                        target = Target(member, opener, self._deadline_s, route)
                         self._targets[ident] = target
                     elif target.member != member:
                         target.member = member  # a new weight or nonce, the same address
@@ -816,6 +823,10 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
     # addresses, not node ids).
     pin = spec.source == "etcd" and "token" in node_params
 
+    def node_url(member: Member) -> str:
+        pinned = f"&{urlencode({'node': member.node_id})}" if pin else ""
+        return f"{scheme}://{member.fronts.get(front, '')}?{query}{pinned}"
+
     def open_node(member: Member) -> Transport:
         address = member.fronts.get(front)
         if address is None:
@@ -829,8 +840,7 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
             # A node without TLS is skipped like a down one by a tls=1 client (a cluster
             # moving to TLS node by node keeps serving from the TLS ones).
             raise TransportError(f"node {member.node_id} has no {front} front")
-        pinned = f"&{urlencode({'node': member.node_id})}" if pin else ""
-        return open_transport(parse_url(f"{scheme}://{address}?{query}{pinned}"))
+        return open_transport(parse_url(node_url(member)))
 
     membership = open_membership(spec, timeout_s=deadline)
     return ClusterTransport(
@@ -841,6 +851,7 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
         durable_puts=front == "native",
         strict_puts=spec.source == "etcd",
         immutable_puts=immutable == "1",
+        node_route=node_url,
     )
 
 

@@ -535,3 +535,38 @@ def test_a_silent_node_costs_a_lookup_and_a_read_one_deadline_not_one_per_rank(
             assert client.stats().store["nodes"][node_id]["failures"] == 1  # type: ignore[index]
         finally:
             silent.proc.send_signal(signal.SIGCONT)  # type: ignore[attr-defined]
+
+
+def test_clients_of_one_process_share_a_nodes_breaker_until_the_last_one_closes(
+    three: list[object],
+) -> None:
+    # Issue 32: each client kept its own breakers, so N clients in one process each paid a dead
+    # node's deadline (or refused connection) once. Now the first client's failed call opens the
+    # node's breaker for every client that reaches it by the same route; counters stay per
+    # client; a client that reaches it another way (here another deadline) keeps its own; and
+    # the breaker goes with the last client that held it.
+    keys = _keys(60, seed=31)
+    dead = f"127.0.0.1-{three[0].port}"  # type: ignore[attr-defined]
+    url = _cluster(three, replicas="2", timeout="1")
+
+    def node(client: Client) -> dict[str, object]:
+        return client.stats().store["nodes"][dead]  # type: ignore[index, no-any-return]
+
+    with Client.connect(url) as first, Client.connect(url) as second:
+        first.put_many([(k, _value(k)) for k in keys])
+        assert second.get_many(keys) == [_value(k) for k in keys]  # its transports are open
+        sent = node(second)["requests"]
+        three[0].proc.kill()  # type: ignore[attr-defined]
+        three[0].proc.wait()  # type: ignore[attr-defined]
+        assert first.get_many(keys) == [_value(k) for k in keys]
+        assert node(first)["failures"] == 1 and node(first)["up"] is False
+        assert second.get_many(keys) == [_value(k) for k in keys]
+        mine = node(second)
+        assert mine["up"] is False and mine["failures"] == 0 and mine["requests"] == sent
+        assert mine["skipped"] >= 1
+        with Client.connect(_cluster(three, replicas="2", timeout="2")) as other:
+            assert other.get_many(keys) == [_value(k) for k in keys]
+            assert node(other)["failures"] == 1  # another route: its own breaker
+    with Client.connect(url) as later:  # the breaker went with the last client holding it
+        assert later.get_many(keys) == [_value(k) for k in keys]
+        assert node(later)["failures"] == 1
