@@ -17,7 +17,9 @@ lease lapses, and drops its blocks when it rejoins (the daemon), so it cannot se
 value. A client whose keys name their content (`immutable=1`: chained block keys, DESIGN §3)
 has no older value to fear: its puts are acknowledged once each block is on one node (a lost
 owner's share goes to the next live node in the key's order, where reads look), and they
-clear no next rank; its deletes still need every member.
+clear no next rank; its deletes still need every member. A put that is not acknowledged
+removes the copies it left beyond a key's R + 1 best members (two failures in one put): reads
+find them while one of those members is skipped, and no later put or delete reaches them.
 
 Read repair only copies forward: the node stores a copy only where the key is absent and was
 not deleted lately (`Repair`, protocol 5), with the source's parent and metadata.
@@ -159,6 +161,8 @@ class ClusterTransport:
                 "puts_short",
                 "puts_lost",
                 "puts_misplaced",
+                "strays_removed",
+                "strays_left",
                 "clears_failed",
                 "repairs",
                 "repairs_skipped",
@@ -422,35 +426,39 @@ class ClusterTransport:
                 break
             if not attempt:
                 self._count("puts_rerouted", len(pending))
-        self._settle_puts(stored, durable, full=0 < refusals == errors)
+        unacknowledged: TransportError | None = None
         if self.immutable_puts:
-            self._acknowledge_where_read(keys, owners_of, members)
+            unacknowledged = self._acknowledge_where_read(keys, owners_of, members)
         elif self._strict_puts:
-            self._acknowledge(keys, owners_of, cleared_on, members)
+            unacknowledged = self._acknowledge(keys, owners_of, cleared_on, members)
+        self._settle_puts(stored, durable, full=0 < refusals == errors)
+        if unacknowledged is not None:
+            raise unacknowledged
 
     def _acknowledge_where_read(
         self, keys: Sequence[bytes], owners_of: list[set[Target]], members: tuple[Target, ...]
-    ) -> None:
-        """Raise unless each block is on one of its key's R + 1 best members: once two of
-        them failed, a rerouted copy can land further down, where reads stop looking when they
-        answer again, and deletes never look.
-
-        Raises:
-            TransportError: some block is stored only outside its key's R + 1 best members.
-        """
+    ) -> TransportError | None:
+        """The error to raise unless each block is on one of its key's R + 1 best members:
+        once two of them failed, a rerouted copy can land further down, where reads stop
+        looking when they answer again, and deletes never look. Such copies are removed."""
         if not members or not keys:
-            return
+            return None
         ranks = self._placement(members).rank_many(keys, self.replicas + 1)
-        short = sum(
-            1 for i, row in enumerate(ranks) if not any(members[r] in owners_of[i] for r in row)
+        # A block on no node at all is `puts_lost` (`_settle_puts` raises for it).
+        short = [
+            i
+            for i, row in enumerate(ranks)
+            if owners_of[i] and not any(members[r] in owners_of[i] for r in row)
+        ]
+        if not short:
+            return None
+        self._count("puts_misplaced", len(short))
+        self._remove_strays(keys, owners_of, members, ranks, short)
+        return TransportError(
+            f"put not acknowledged for {len(short)} of {len(keys)} block(s): stored only on "
+            f"nodes beyond each key's {self.replicas + 1} best, where reads stop looking "
+            "once those answer again (those copies removed); retry"
         )
-        if short:
-            self._count("puts_misplaced", short)
-            raise TransportError(
-                f"put not acknowledged for {short} of {len(keys)} block(s): stored only on "
-                f"nodes beyond each key's {self.replicas + 1} best, where reads stop looking "
-                "once those answer again; retry"
-            )
 
     def _acknowledge(
         self,
@@ -458,30 +466,60 @@ class ClusterTransport:
         owners_of: list[set[Target]],
         cleared_on: list[set[Target]],
         members: tuple[Target, ...],
-    ) -> None:
-        """Raise unless every key's R + 1 best members (down or not) hold the new value or no
-        copy: one that missed the put may serve the older value once it answers again.
-
-        Raises:
-            TransportError: some key's member did not answer (the put is stored elsewhere).
-        """
+    ) -> TransportError | None:
+        """The error to raise unless every key's R + 1 best members (down or not) hold the new
+        value or no copy: one that missed the put may serve the older value once it answers
+        again. A copy that landed beyond them (two failures in the put) is removed."""
         if not members or not keys:
-            return
+            return None
         ranks = self._placement(members).rank_many(keys, self.replicas + 1)
         missed: set[str] = set()
-        short = 0
+        short: list[int] = []
         for i, row in enumerate(ranks):
             done = owners_of[i] | cleared_on[i]
             absent = [members[r].node_id for r in row if members[r] not in done]
             if absent:
-                short += 1
+                short.append(i)
                 missed.update(absent)
-        if short:
-            raise TransportError(
-                f"put not acknowledged for {short} of {len(keys)} block(s): node(s) "
-                f"{', '.join(sorted(missed))} did not answer (stored on the others; a member "
-                "that misses an overwrite could serve the older value); retry"
-            )
+        if not short:
+            return None
+        self._remove_strays(keys, owners_of, members, ranks, short)
+        return TransportError(
+            f"put not acknowledged for {len(short)} of {len(keys)} block(s): node(s) "
+            f"{', '.join(sorted(missed))} did not answer (stored on the others; a member "
+            "that misses an overwrite could serve the older value); retry"
+        )
+
+    def _remove_strays(
+        self,
+        keys: Sequence[bytes],
+        owners_of: list[set[Target]],
+        members: tuple[Target, ...],
+        ranks: npt.NDArray[np.intp],
+        short: list[int],
+    ) -> None:
+        """Delete the copies an unacknowledged put left beyond its key's R + 1 best members
+        (best effort; `strays_removed`, or `strays_left` where the node did not answer).
+
+        Such a copy is read while one of those members is skipped (breaker open, or its record
+        gone), yet no later put clears it (puts clear rank R only) and no delete reaches it: an
+        overwrite acknowledged afterwards could lose to it, and a deleted block come back."""
+        strays: dict[Target, list[int]] = {}
+        for i in short:
+            best = {members[r] for r in ranks[i]}
+            for target in owners_of[i] - best:
+                strays.setdefault(target, []).append(i)
+        if not strays:
+            return
+        answers = self._fanout(
+            strays, lambda t, at: self._clear(t, [keys[i] for i in at]), raise_caller=False
+        )
+        for _, at, _, exc in answers:
+            self._count("strays_left" if exc is not None else "strays_removed", len(at))
+            if exc is not None:
+                log.warning(
+                    "cluster: %d stray cop(ies) of an unacknowledged put left (%s)", len(at), exc
+                )
 
     @staticmethod
     def _clear(target: Target, keys: list[bytes]) -> None:
