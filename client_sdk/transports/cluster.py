@@ -427,67 +427,59 @@ class ClusterTransport:
             if not attempt:
                 self._count("puts_rerouted", len(pending))
         unacknowledged: TransportError | None = None
-        if self.immutable_puts:
-            unacknowledged = self._acknowledge_where_read(keys, owners_of, members)
-        elif self._strict_puts:
-            unacknowledged = self._acknowledge(keys, owners_of, cleared_on, members)
+        if self.immutable_puts or self._strict_puts:
+            unacknowledged = self._acknowledgement(keys, owners_of, cleared_on, members)
         self._settle_puts(stored, durable, full=0 < refusals == errors)
         if unacknowledged is not None:
             raise unacknowledged
 
-    def _acknowledge_where_read(
-        self, keys: Sequence[bytes], owners_of: list[set[Target]], members: tuple[Target, ...]
-    ) -> TransportError | None:
-        """The error to raise unless each block is on one of its key's R + 1 best members:
-        once two of them failed, a rerouted copy can land further down, where reads stop
-        looking when they answer again, and deletes never look. Such copies are removed."""
-        if not members or not keys:
-            return None
-        ranks = self._placement(members).rank_many(keys, self.replicas + 1)
-        # A block on no node at all is `puts_lost` (`_settle_puts` raises for it).
-        short = [
-            i
-            for i, row in enumerate(ranks)
-            if owners_of[i] and not any(members[r] in owners_of[i] for r in row)
-        ]
-        if not short:
-            return None
-        self._count("puts_misplaced", len(short))
-        self._remove_strays(keys, owners_of, members, ranks, short)
-        return TransportError(
-            f"put not acknowledged for {len(short)} of {len(keys)} block(s): stored only on "
-            f"nodes beyond each key's {self.replicas + 1} best, where reads stop looking "
-            "once those answer again (those copies removed); retry"
-        )
-
-    def _acknowledge(
+    def _acknowledgement(
         self,
         keys: Sequence[bytes],
         owners_of: list[set[Target]],
         cleared_on: list[set[Target]],
         members: tuple[Target, ...],
     ) -> TransportError | None:
-        """The error to raise unless every key's R + 1 best members (down or not) hold the new
-        value or no copy: one that missed the put may serve the older value once it answers
-        again. A copy that landed beyond them (two failures in the put) is removed."""
+        """The error to raise unless the put is acknowledged; a copy it left beyond a key's
+        R + 1 best members (two failures in the put) is removed first.
+
+        `immutable=1`: each block must be on one of its key's R + 1 best members: once two of
+        them failed, a rerouted copy can land further down, where reads stop looking when
+        they answer again, and deletes never look. Otherwise (strict): every one of those
+        members (down or not) must hold the new value or no copy: one that missed the put may
+        serve the older value once it answers again."""
         if not members or not keys:
             return None
         ranks = self._placement(members).rank_many(keys, self.replicas + 1)
         missed: set[str] = set()
         short: list[int] = []
         for i, row in enumerate(ranks):
-            done = owners_of[i] | cleared_on[i]
-            absent = [members[r].node_id for r in row if members[r] not in done]
+            best = [members[r] for r in row]
+            if self.immutable_puts:
+                # A block on no node at all is `puts_lost` (`_settle_puts` raises for it).
+                if owners_of[i] and not any(t in owners_of[i] for t in best):
+                    short.append(i)
+                continue
+            absent = [t.node_id for t in best if t not in owners_of[i] | cleared_on[i]]
             if absent:
                 short.append(i)
                 missed.update(absent)
         if not short:
             return None
         self._remove_strays(keys, owners_of, members, ranks, short)
+        if self.immutable_puts:
+            self._count("puts_misplaced", len(short))
+            why = (
+                f"stored only on nodes beyond each key's {self.replicas + 1} best, where reads "
+                "stop looking once those answer again (those copies removed)"
+            )
+        else:
+            why = (
+                f"node(s) {', '.join(sorted(missed))} did not answer (stored on the others; a "
+                "member that misses an overwrite could serve the older value)"
+            )
         return TransportError(
-            f"put not acknowledged for {len(short)} of {len(keys)} block(s): node(s) "
-            f"{', '.join(sorted(missed))} did not answer (stored on the others; a member "
-            "that misses an overwrite could serve the older value); retry"
+            f"put not acknowledged for {len(short)} of {len(keys)} block(s): {why}; retry"
         )
 
     def _remove_strays(
