@@ -28,6 +28,7 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvoffload.client_sdk import BlockHash, Client, Namespace, engine_hashes
 from kvoffload.client_sdk.keys import DTYPE_BYTES
+from kvoffload.connectors.store_url import block_store_url
 from kvoffload.errors import ConfigError, KVOffloadError
 
 __all__ = ["KVOffloadRemoteConnector"]
@@ -122,7 +123,7 @@ class KVOffloadRemoteConnector(RemoteConnector):
             self.meta_fmt,
             str(settings.get("salt", "")),
         )
-        self.client = Client.connect(settings["url"], namespace=self.namespace)
+        self.client = Client.connect(block_store_url(settings["url"]), namespace=self.namespace)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvoffload-lmcache")
 
     def _hashes(self, keys: Sequence[Any]) -> list[BlockHash]:

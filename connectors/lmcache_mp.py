@@ -45,6 +45,7 @@ from kvoffload.client_sdk import AsyncClient, BlockHash, Client, Namespace, engi
 from kvoffload.client_sdk.transports import open_transport
 from kvoffload.client_sdk.transports.base import ThreadedAsyncTransport
 from kvoffload.client_sdk.url import parse_url
+from kvoffload.connectors.store_url import block_store_url
 from kvoffload.errors import ConfigError, InvalidArgumentError, KVOffloadError
 
 __all__ = ["KVOffloadL2Adapter", "object_name"]
@@ -167,7 +168,7 @@ class KVOffloadL2Adapter(L2AdapterInterface):
         # Built on the loop that will use it: asyncio transports bind to their loop.
         url = parse_url(self.settings.url)
         if url.scheme != "local":
-            return AsyncClient.connect(self.settings.url, namespace=self.namespace)
+            return AsyncClient.connect(block_store_url(self.settings.url), namespace=self.namespace)
         # The engine runs in this process, and a task's CPU work (checksums, copies) would
         # run on this one loop thread: stores and loads go through a sync client on worker
         # threads instead, several tasks at once (the rest shares its transport).

@@ -5,6 +5,9 @@ so later calls skip the node instead of paying its timeout; after a back-off (do
 cap) a background thread probes the node with one small request, and a success closes the
 breaker again. The probe is not a caller's request: a node that is cut off (no reset, every
 request waits out its deadline) costs callers one deadline when it fails, not one per back-off.
+A breaker (and its probe) is one per node per process (`BREAKERS`), shared by every cluster
+client that reaches the node the same way: N clients pay a dead node's deadline once, not N
+times. Counters stay per client.
 
 Only a failure of the node opens the breaker (`node_failed`): it is down, cut off, past its
 deadline, broke the protocol or failed inside. A caller's error (`CALLER_ERRORS`: a buffer too
@@ -30,7 +33,16 @@ from kvoffload.errors import (
 )
 from kvoffload.wire.membership import Member
 
-__all__ = ["CALLER_ERRORS", "COUNTERS", "REFUSALS", "Target", "node_failed"]
+__all__ = [
+    "BREAKERS",
+    "CALLER_ERRORS",
+    "COUNTERS",
+    "REFUSALS",
+    "Breaker",
+    "Breakers",
+    "Target",
+    "node_failed",
+]
 
 log = logging.getLogger("kvoffload.cluster")
 
@@ -63,19 +75,121 @@ def node_failed(exc: BaseException) -> bool:
 _PROBE_KEY = bytes(16)
 
 
-class Target:
-    """A member's transport (opened on first use), breaker state and counters."""
+class Breaker:
+    """One node's circuit breaker, shared by every cluster client of the process that reaches
+    the node the same way (`Breakers`): once one client's call found the node failing, the
+    others skip it too instead of each paying its deadline once."""
 
-    def __init__(self, member: Member, open_transport: Callable[[], Transport], deadline_s: float):
-        self.member = member
-        self._open = open_transport
-        self._deadline_s = deadline_s
-        self._transport: Transport | None = None
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
         self._lock = threading.Lock()
         self._failing = False
         self._open_until = 0.0
         self._backoff = BACKOFF_FIRST_S
         self._probing = False
+        self.users = 0  # targets holding it (changed under `Breakers`' lock only)
+
+    @property
+    def up(self) -> bool:
+        """False while the breaker is open."""
+        return not self._failing
+
+    def admit(self) -> tuple[bool, bool]:
+        """(whether a call may use the node now, whether this caller starts the probe): one
+        probe at a time per node in the process, once the back-off has passed."""
+        with self._lock:
+            if not self._failing:
+                return True, False
+            if self._probing or time.monotonic() < self._open_until:
+                return False, False
+            self._probing = True
+            return False, True
+
+    def probed(self) -> None:
+        with self._lock:
+            self._probing = False
+
+    def succeeded(self) -> None:
+        with self._lock:
+            if self._failing:
+                log.warning("cluster: node %s answers again", self.node_id)
+                self._failing = False
+                self._backoff = BACKOFF_FIRST_S
+
+    def failed(self, exc: BaseException) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if not self._failing:
+                log.warning("cluster: node %s failed (%s); skipping it for now", self.node_id, exc)
+            elif now >= self._open_until:
+                # Failed again after its back-off: wait longer. Calls already in flight when
+                # it opened (several clients, several threads) fail too but say nothing new.
+                self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
+            self._failing = True
+            self._open_until = max(self._open_until, now + self._backoff)
+
+
+class Breakers:
+    """The process's breakers by node identity: a node id and the route a client reaches it
+    by (front, address, credentials, deadline; clients that reach it differently may see it
+    differently: a wrong token fails only its own client). A breaker lives while some
+    client's target holds it, so a node's state goes when the last client closes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_node: dict[tuple[str, str], Breaker] = {}
+
+    def take(self, node_id: str, route: str) -> Breaker:
+        with self._lock:
+            breaker = self._by_node.get((node_id, route))
+            if breaker is None:
+                breaker = self._by_node[node_id, route] = Breaker(node_id)
+            breaker.users += 1
+            return breaker
+
+    def give_back(self, node_id: str, route: str, breaker: Breaker) -> None:
+        with self._lock:
+            breaker.users -= 1
+            if breaker.users == 0 and self._by_node.get((node_id, route)) is breaker:
+                del self._by_node[node_id, route]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_node)
+
+
+# Process-wide on purpose: the connectors and applications open their clients independently,
+# and a dead node should cost the process one deadline, not one per client.
+BREAKERS = Breakers()
+
+
+class Target:
+    """A member's transport (opened on first use), its breaker and this client's counters.
+
+    Args:
+        member: the node's record.
+        open_transport: opens this client's transport to the node.
+        deadline_s: the node transport's deadline.
+        route: how this client reaches the node (its node URL); targets of one process with
+            the same node id and route share one breaker. None: a breaker of its own.
+    """
+
+    def __init__(
+        self,
+        member: Member,
+        open_transport: Callable[[], Transport],
+        deadline_s: float,
+        route: str | None = None,
+    ):
+        self.member = member
+        self._open = open_transport
+        self._deadline_s = deadline_s
+        self._transport: Transport | None = None
+        self._lock = threading.Lock()
+        self._route = route
+        self._breaker = (
+            BREAKERS.take(member.node_id, route) if route is not None else Breaker(member.node_id)
+        )
         self._closed = False
         self.counters = dict.fromkeys(COUNTERS, 0)
 
@@ -96,33 +210,37 @@ class Target:
     @property
     def up(self) -> bool:
         """False while the breaker is open."""
-        return not self._failing
+        return self._breaker.up
 
     def admit(self) -> bool:
         """Whether a call may use this node now: not while the breaker is open. Once its
-        back-off has passed, the first caller starts a background probe (and still skips the
-        node); the probe's answer closes the breaker or opens it for a longer back-off."""
-        with self._lock:
-            if not self._failing:
-                return True
-            self.counters["skipped"] += 1
-            if self._probing or self._closed or time.monotonic() < self._open_until:
-                return False
-            self._probing = True
-        threading.Thread(target=self._probe, name="kvoffload-cluster-probe", daemon=True).start()
+        back-off has passed, the first caller in the process starts a background probe over
+        its own transport (and still skips the node); the probe's answer closes the breaker or
+        opens it for a longer back-off."""
+        admitted, probe = self._breaker.admit()
+        if admitted:
+            return True
+        self.count("skipped")
+        if probe:
+            if self._closed:
+                self._breaker.probed()
+            else:
+                threading.Thread(
+                    target=self._probe, name="kvoffload-cluster-probe", daemon=True
+                ).start()
         return False
 
     def _probe(self) -> None:
         try:
             self.transport.exists(_PROBE_KEY)
         except (KVOffloadError, OSError) as exc:  # a thread boundary: the failure is the result
-            self.failed(exc, counted=False)
+            if not self._closed:  # the client closed under it: that says nothing of the node
+                self.failed(exc, counted=False)
         else:
             self.succeeded(counted=False)
         finally:
-            with self._lock:
-                self._probing = False
-                self.counters["probes"] += 1
+            self._breaker.probed()
+            self.count("probes")
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -132,10 +250,7 @@ class Target:
         """The node answered (`counted`: a data request, not a stats or limits query)."""
         with self._lock:
             self.counters["requests"] += counted
-            if self._failing:
-                log.warning("cluster: node %s answers again", self.node_id)
-                self._failing = False
-                self._backoff = BACKOFF_FIRST_S
+        self._breaker.succeeded()
 
     def answered(self, exc: BaseException, counted: bool = True) -> None:
         """A call ended in `exc`: a node failure opens the breaker (`failed`); a caller's error
@@ -143,27 +258,25 @@ class Target:
         if node_failed(exc):
             self.failed(exc, counted)
         else:
-            with self._lock:
-                self.counters["requests"] += counted
+            self.count("requests", counted)
 
     def failed(self, exc: BaseException, counted: bool = True) -> None:
         with self._lock:
             self.counters["requests"] += counted
             self.counters["failures"] += counted
-            if not self._failing:
-                log.warning("cluster: node %s failed (%s); skipping it for now", self.node_id, exc)
-            else:
-                self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
-            self._failing = True
-            self._open_until = time.monotonic() + self._backoff
+        self._breaker.failed(exc)
 
     def snapshot(self) -> dict[str, object]:
         with self._lock:
-            return {**self.counters, "up": not self._failing}
+            return {**self.counters, "up": self._breaker.up}
 
     def close(self) -> None:
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
             transport, self._transport = self._transport, None
+        if self._route is not None:
+            BREAKERS.give_back(self.node_id, self._route, self._breaker)
         if transport is not None:
             transport.close()

@@ -17,7 +17,9 @@ lease lapses, and drops its blocks when it rejoins (the daemon), so it cannot se
 value. A client whose keys name their content (`immutable=1`: chained block keys, DESIGN §3)
 has no older value to fear: its puts are acknowledged once each block is on one node (a lost
 owner's share goes to the next live node in the key's order, where reads look), and they
-clear no next rank; its deletes still need every member.
+clear no next rank; its deletes still need every member. A put that is not acknowledged
+removes the copies it left beyond a key's R + 1 best members (two failures in one put): reads
+find them while one of those members is skipped, and no later put or delete reaches them.
 
 Read repair only copies forward: the node stores a copy only where the key is absent and was
 not deleted lately (`Repair`, protocol 5), with the source's parent and metadata.
@@ -118,6 +120,9 @@ class ClusterTransport:
         immutable_puts: every key put names its content, so no node can hold an older value
             of it: a put is acknowledged once each block is on one node, and clears no next
             rank (`strict_puts` then applies to deletes only).
+        node_route: how this client reaches a member (its node URL); the clients of a process
+            that reach a node by the same route share its breaker (`cluster.target`). None:
+            each target keeps a breaker of its own.
     """
 
     def __init__(
@@ -129,8 +134,10 @@ class ClusterTransport:
         durable_puts: bool = True,
         strict_puts: bool = False,
         immutable_puts: bool = False,
+        node_route: Callable[[Member], str] | None = None,
     ) -> None:
         self.replicas = replicas
+        self._node_route = node_route
         self.immutable_puts = immutable_puts
         self._durable_puts = durable_puts
         self._strict_puts = strict_puts
@@ -154,6 +161,8 @@ class ClusterTransport:
                 "puts_short",
                 "puts_lost",
                 "puts_misplaced",
+                "strays_removed",
+                "strays_left",
                 "clears_failed",
                 "repairs",
                 "repairs_skipped",
@@ -180,7 +189,9 @@ class ClusterTransport:
                     ident = (member.node_id, tuple(sorted(member.fronts.items())))
                     target = self._targets.get(ident)
                     if target is None:
-                        target = Target(member, partial(self._open_node, member), self._deadline_s)
+                        route = self._node_route(member) if self._node_route else None
+                        opener = partial(self._open_node, member)
+                        target = Target(member, opener, self._deadline_s, route)
                         self._targets[ident] = target
                     elif target.member != member:
                         target.member = member  # a new weight or nonce, the same address
@@ -415,66 +426,92 @@ class ClusterTransport:
                 break
             if not attempt:
                 self._count("puts_rerouted", len(pending))
+        unacknowledged: TransportError | None = None
+        if self.immutable_puts or self._strict_puts:
+            unacknowledged = self._acknowledgement(keys, owners_of, cleared_on, members)
         self._settle_puts(stored, durable, full=0 < refusals == errors)
-        if self.immutable_puts:
-            self._acknowledge_where_read(keys, owners_of, members)
-        elif self._strict_puts:
-            self._acknowledge(keys, owners_of, cleared_on, members)
+        if unacknowledged is not None:
+            raise unacknowledged
 
-    def _acknowledge_where_read(
-        self, keys: Sequence[bytes], owners_of: list[set[Target]], members: tuple[Target, ...]
-    ) -> None:
-        """Raise unless each block is on one of its key's R + 1 best members: once two of
-        them failed, a rerouted copy can land further down, where reads stop looking when they
-        answer again, and deletes never look.
-
-        Raises:
-            TransportError: some block is stored only outside its key's R + 1 best members.
-        """
-        if not members or not keys:
-            return
-        ranks = self._placement(members).rank_many(keys, self.replicas + 1)
-        short = sum(
-            1 for i, row in enumerate(ranks) if not any(members[r] in owners_of[i] for r in row)
-        )
-        if short:
-            self._count("puts_misplaced", short)
-            raise TransportError(
-                f"put not acknowledged for {short} of {len(keys)} block(s): stored only on "
-                f"nodes beyond each key's {self.replicas + 1} best, where reads stop looking "
-                "once those answer again; retry"
-            )
-
-    def _acknowledge(
+    def _acknowledgement(
         self,
         keys: Sequence[bytes],
         owners_of: list[set[Target]],
         cleared_on: list[set[Target]],
         members: tuple[Target, ...],
-    ) -> None:
-        """Raise unless every key's R + 1 best members (down or not) hold the new value or no
-        copy: one that missed the put may serve the older value once it answers again.
+    ) -> TransportError | None:
+        """The error to raise unless the put is acknowledged; a copy it left beyond a key's
+        R + 1 best members (two failures in the put) is removed first.
 
-        Raises:
-            TransportError: some key's member did not answer (the put is stored elsewhere).
-        """
+        `immutable=1`: each block must be on one of its key's R + 1 best members: once two of
+        them failed, a rerouted copy can land further down, where reads stop looking when
+        they answer again, and deletes never look. Otherwise (strict): every one of those
+        members (down or not) must hold the new value or no copy: one that missed the put may
+        serve the older value once it answers again."""
         if not members or not keys:
-            return
+            return None
         ranks = self._placement(members).rank_many(keys, self.replicas + 1)
         missed: set[str] = set()
-        short = 0
+        short: list[int] = []
         for i, row in enumerate(ranks):
-            done = owners_of[i] | cleared_on[i]
-            absent = [members[r].node_id for r in row if members[r] not in done]
+            best = [members[r] for r in row]
+            if self.immutable_puts:
+                # A block on no node at all is `puts_lost` (`_settle_puts` raises for it).
+                if owners_of[i] and not any(t in owners_of[i] for t in best):
+                    short.append(i)
+                continue
+            absent = [t.node_id for t in best if t not in owners_of[i] | cleared_on[i]]
             if absent:
-                short += 1
+                short.append(i)
                 missed.update(absent)
-        if short:
-            raise TransportError(
-                f"put not acknowledged for {short} of {len(keys)} block(s): node(s) "
-                f"{', '.join(sorted(missed))} did not answer (stored on the others; a member "
-                "that misses an overwrite could serve the older value); retry"
+        if not short:
+            return None
+        self._remove_strays(keys, owners_of, members, ranks, short)
+        if self.immutable_puts:
+            self._count("puts_misplaced", len(short))
+            why = (
+                f"stored only on nodes beyond each key's {self.replicas + 1} best, where reads "
+                "stop looking once those answer again (those copies removed)"
             )
+        else:
+            why = (
+                f"node(s) {', '.join(sorted(missed))} did not answer (stored on the others; a "
+                "member that misses an overwrite could serve the older value)"
+            )
+        return TransportError(
+            f"put not acknowledged for {len(short)} of {len(keys)} block(s): {why}; retry"
+        )
+
+    def _remove_strays(
+        self,
+        keys: Sequence[bytes],
+        owners_of: list[set[Target]],
+        members: tuple[Target, ...],
+        ranks: npt.NDArray[np.intp],
+        short: list[int],
+    ) -> None:
+        """Delete the copies an unacknowledged put left beyond its key's R + 1 best members
+        (best effort; `strays_removed`, or `strays_left` where the node did not answer).
+
+        Such a copy is read while one of those members is skipped (breaker open, or its record
+        gone), yet no later put clears it (puts clear rank R only) and no delete reaches it: an
+        overwrite acknowledged afterwards could lose to it, and a deleted block come back."""
+        strays: dict[Target, list[int]] = {}
+        for i in short:
+            best = {members[r] for r in ranks[i]}
+            for target in owners_of[i] - best:
+                strays.setdefault(target, []).append(i)
+        if not strays:
+            return
+        answers = self._fanout(
+            strays, lambda t, at: self._clear(t, [keys[i] for i in at]), raise_caller=False
+        )
+        for _, at, _, exc in answers:
+            self._count("strays_left" if exc is not None else "strays_removed", len(at))
+            if exc is not None:
+                log.warning(
+                    "cluster: %d stray cop(ies) of an unacknowledged put left (%s)", len(at), exc
+                )
 
     @staticmethod
     def _clear(target: Target, keys: list[bytes]) -> None:
@@ -816,6 +853,10 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
     # addresses, not node ids).
     pin = spec.source == "etcd" and "token" in node_params
 
+    def node_url(member: Member) -> str:
+        pinned = f"&{urlencode({'node': member.node_id})}" if pin else ""
+        return f"{scheme}://{member.fronts.get(front, '')}?{query}{pinned}"
+
     def open_node(member: Member) -> Transport:
         address = member.fronts.get(front)
         if address is None:
@@ -829,8 +870,7 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
             # A node without TLS is skipped like a down one by a tls=1 client (a cluster
             # moving to TLS node by node keeps serving from the TLS ones).
             raise TransportError(f"node {member.node_id} has no {front} front")
-        pinned = f"&{urlencode({'node': member.node_id})}" if pin else ""
-        return open_transport(parse_url(f"{scheme}://{address}?{query}{pinned}"))
+        return open_transport(parse_url(node_url(member)))
 
     membership = open_membership(spec, timeout_s=deadline)
     return ClusterTransport(
@@ -841,6 +881,7 @@ def open_cluster(url: StoreURL) -> ClusterTransport:
         durable_puts=front == "native",
         strict_puts=spec.source == "etcd",
         immutable_puts=immutable == "1",
+        node_route=node_url,
     )
 
 

@@ -37,6 +37,7 @@ from kvoffload.connectors.sglang.settings import (
     page_namespace,
     pool_namespace,
 )
+from kvoffload.connectors.store_url import block_store_url
 from kvoffload.errors import ConfigError, KVOffloadError
 
 __all__ = ["KVOffloadHiCacheStorage"]
@@ -74,7 +75,7 @@ class KVOffloadHiCacheStorage(HiCacheStorage):
     def _transport(self) -> Transport:
         """One connection to the store, shared by the clients of every pool."""
         if self._conn is None:
-            self._conn = open_transport(parse_url(self.settings.url))
+            self._conn = open_transport(parse_url(block_store_url(self.settings.url)))
         return self._conn
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from kvoffload.client_sdk import Client, Namespace
 from kvoffload.connectors.paged_kv import CANONICAL_LAYOUT
+from kvoffload.connectors.store_url import block_store_url
 from kvoffload.connectors.vllm import _compat
 from kvoffload.connectors.vllm.claim import KVOffloadStats
 from kvoffload.connectors.vllm.groups import GroupLookup, group_layout
@@ -100,7 +101,7 @@ class KVOffloadConnector(_compat.KVConnectorBase_V1, _compat.SupportsHMA):
             _compat.set_load_failure_policy(vllm_config, self._settings.load_failure_policy)
             namespaces = [[namespace(rank, part=p) for p in range(parts)]
                           for rank in range(geometry.tp_size)]  # fmt: skip
-            client = Client.connect(self._settings.url, namespace=namespaces[0][0])
+            client = Client.connect(block_store_url(self._settings.url), namespace=namespaces[0][0])
             lookup = None
             if len(groups) > 1 or groups[0].sliding_window is not None:
                 per_rank = [[namespace(rank, g) for g in range(len(groups))]
@@ -115,7 +116,7 @@ class KVOffloadConnector(_compat.KVConnectorBase_V1, _compat.SupportsHMA):
         else:
             rank = _compat.tensor_parallel_rank()
             self.namespace = namespace(rank)
-            client = Client.connect(self._settings.url, namespace=self.namespace)
+            client = Client.connect(block_store_url(self._settings.url), namespace=self.namespace)
             for g, group in enumerate(groups):
                 if group.is_state:
                     check_state_codec(client, f"KV cache group {g} ({group.layer_names[0]}, ...)")

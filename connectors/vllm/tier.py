@@ -38,6 +38,7 @@ import blake3
 
 from kvoffload.client_sdk import BlockHash, Client, Namespace, engine_hashes
 from kvoffload.client_sdk.keys import DTYPE_BYTES
+from kvoffload.connectors.store_url import block_store_url
 from kvoffload.connectors.vllm import _compat
 from kvoffload.errors import ConfigError, KVOffloadError
 
@@ -251,7 +252,7 @@ class KVOffloadTier(_compat.SecondaryTierManager):
             for g in self.groups
         }
         self._by_id = {g.group_id: g for g in self.groups}
-        self.client = Client.connect(url, namespace=self.namespace)
+        self.client = Client.connect(block_store_url(url), namespace=self.namespace)
         self._chunks = primary_kv_view.cast("B")
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvoffload-tier")
         self._lock = threading.Lock()

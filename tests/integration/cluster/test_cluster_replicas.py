@@ -23,6 +23,7 @@ from kvoffload.client_sdk.transports import open_transport
 from kvoffload.client_sdk.transports.base import Repairing
 from kvoffload.client_sdk.transports.cluster import ClusterTransport
 from kvoffload.client_sdk.url import parse_url
+from kvoffload.connectors.store_url import block_store_url
 from kvoffload.errors import TransportError
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(180)]
@@ -270,22 +271,30 @@ def test_a_put_during_a_nodes_fault_is_acknowledged_when_its_keys_name_their_con
       node is still a member, and an older value it holds could be served again;
     - from an `immutable=1` client (content-named keys, no older value) it is acknowledged,
       two live copies each (the lost owner's share on the next node in the key's order),
-      and every read finds them; its deletes still need every member."""
+      and every read finds them; its deletes still need every member;
+    - both clients live in one process: the first one's failed put opened the node's breaker,
+      and the second skips the node without sending it anything."""
     nodes = [start_node(env=_LONG_LEASE) for _ in range(3)]
     ids = {n.node_id for n in nodes}
     victim = nodes[0]
     keys = _keys(120, seed=91)
+    # The URLs as the KV connectors make them (`block_store_url`): a cluster URL gets
+    # immutable=1, an explicit immutable=0 is kept.
     with (
-        Client.connect(_url(cluster_etcd)) as client,
-        Client.connect(_url(cluster_etcd) + "&immutable=1") as content,
+        Client.connect(block_store_url(_url(cluster_etcd) + "&immutable=0")) as client,
+        Client.connect(block_store_url(_url(cluster_etcd))) as content,
     ):
+        assert not _cluster(client).immutable_puts
+        assert _cluster(content).immutable_puts
         assert _until(lambda: _members(client, ids) and _members(content, ids))
         for c in (client, content):
             c.get_many(keys)  # every node's transport open before the fault
+            assert _cluster(c).max_value_bytes > 0  # asked of a node once, before the fault too
         ranked = _ranked(client, keys)
         hit = [k for k, owners in zip(keys, ranked, strict=True) if victim.node_id in owners]
         assert len(hit) >= 20
         overwritten, named = hit[: len(hit) // 2], hit[len(hit) // 2 :]
+        sent = _nodes(content)[victim.node_id]["requests"]
         if fault == "kill":
             victim.kill()
         else:
@@ -294,6 +303,11 @@ def test_a_put_during_a_nodes_fault_is_acknowledged_when_its_keys_name_their_con
             with pytest.raises(TransportError, match="put not acknowledged"):
                 client.put_many([(k, _value(k)) for k in overwritten])
             content.put_many([(k, _value(k)) for k in named])  # acknowledged
+            # One breaker per node per process: `client`'s failed put opened it, so `content`
+            # skipped the node without paying its deadline (stop) or a refusal (kill) again.
+            mine = _nodes(content)[victim.node_id]
+            assert mine["failures"] == 0 and mine["requests"] == sent
+            assert mine["skipped"] >= 1 and mine["up"] is False
             assert victim.node_id in _nodes(content)  # its record still lives
             assert _cluster(content).counters["puts_short"] == 0
             with pytest.raises(TransportError, match="delete not acknowledged"):

@@ -200,27 +200,49 @@ def test_content_named_puts_leave_a_stand_ins_copy_and_others_clear_it(
         assert (node in _holders(three, key)) is (i < half)
 
 
-def test_a_content_named_put_that_lands_past_its_keys_best_nodes_is_not_acknowledged(
-    three: list[object],
+@pytest.mark.parametrize("immutable", [True, False])
+def test_a_put_that_lands_past_its_keys_best_nodes_is_not_acknowledged_and_leaves_no_copy(
+    three: list[object], immutable: bool
 ) -> None:
     # replicas=1: a key's reads and deletes look at its 2 best members. With the best one's
     # breaker open and the second failing during the put, the block lands on the third: it
-    # would be unreadable once those two answer again, so the put must not be acknowledged.
+    # would be unreadable once those two answer again, so the put must not be acknowledged,
+    # and (issue 32) the copy there is removed: it would be read while one of the two is
+    # skipped, and no later put clears it (an older value then, for an overwriting client)
+    # nor any delete (a deleted block back). Both an immutable=1 client and one that may
+    # overwrite (strict acknowledgement, as over etcd membership).
     placement = Placement(_members(three))
     index = {f"127.0.0.1-{d.port}": i for i, d in enumerate(three)}  # type: ignore[attr-defined]
     order = {k: [index[m.node_id] for m in placement.owners(k, 3)] for k in _keys(200, seed=21)}
     key = next(k for k, o in order.items() if o == [0, 1, 2])
     opener = next(k for k, o in order.items() if o[0] == 0 and o[1] == 2)
-    with Client.connect(_cluster(three, immutable="1")) as client:
+    members = StaticMembership(tuple(_members(three)))
+    cluster = ClusterTransport(
+        members, 1, _open_kv, strict_puts=not immutable, immutable_puts=immutable
+    )
+    with Client(cluster) as client:
         three[0].proc.kill()  # type: ignore[attr-defined]
         three[0].proc.wait()  # type: ignore[attr-defined]
-        client.put(opener, _value(opener))  # node 0 fails: its breaker opens; node 2 holds it
+        # Node 0 fails: its breaker opens. The opener lands on node 2, its second best:
+        # acknowledged with immutable=1; an overwriting put needs node 0 too.
+        if immutable:
+            client.put(opener, _value(opener))
+        else:
+            with pytest.raises(TransportError, match="not acknowledged"):
+                client.put(opener, _value(opener))
         three[1].proc.kill()  # type: ignore[attr-defined]
         three[1].proc.wait()  # type: ignore[attr-defined]
         with pytest.raises(TransportError, match="not acknowledged"):
             client.put(key, _value(key))
-        assert client.stats().store["cluster"]["puts_misplaced"] == 1  # type: ignore[index]
-        assert client.get(opener) == _value(opener)
+        counters = client.stats().store["cluster"]
+        assert counters["puts_misplaced"] == (1 if immutable else 0)  # type: ignore[index]
+        assert counters["strays_removed"] == 1  # type: ignore[index]
+        assert counters["strays_left"] == 0  # type: ignore[index]
+        assert client.get(key) is None  # node 2 is the only one answering: no copy left
+        assert client.get(opener) == _value(opener)  # within its best two: kept
+    with Client.connect(three[2].url()) as direct:  # type: ignore[attr-defined]
+        assert not direct.exists(key)
+        assert direct.get(opener) == _value(opener)
 
 
 def _requests(client: Client) -> dict[str, int]:
@@ -535,3 +557,38 @@ def test_a_silent_node_costs_a_lookup_and_a_read_one_deadline_not_one_per_rank(
             assert client.stats().store["nodes"][node_id]["failures"] == 1  # type: ignore[index]
         finally:
             silent.proc.send_signal(signal.SIGCONT)  # type: ignore[attr-defined]
+
+
+def test_clients_of_one_process_share_a_nodes_breaker_until_the_last_one_closes(
+    three: list[object],
+) -> None:
+    # Issue 32: each client kept its own breakers, so N clients in one process each paid a dead
+    # node's deadline (or refused connection) once. Now the first client's failed call opens the
+    # node's breaker for every client that reaches it by the same route; counters stay per
+    # client; a client that reaches it another way (here another deadline) keeps its own; and
+    # the breaker goes with the last client that held it.
+    keys = _keys(60, seed=31)
+    dead = f"127.0.0.1-{three[0].port}"  # type: ignore[attr-defined]
+    url = _cluster(three, replicas="2", timeout="1")
+
+    def node(client: Client) -> dict[str, object]:
+        return client.stats().store["nodes"][dead]  # type: ignore[index, no-any-return]
+
+    with Client.connect(url) as first, Client.connect(url) as second:
+        first.put_many([(k, _value(k)) for k in keys])
+        assert second.get_many(keys) == [_value(k) for k in keys]  # its transports are open
+        sent = node(second)["requests"]
+        three[0].proc.kill()  # type: ignore[attr-defined]
+        three[0].proc.wait()  # type: ignore[attr-defined]
+        assert first.get_many(keys) == [_value(k) for k in keys]
+        assert node(first)["failures"] == 1 and node(first)["up"] is False
+        assert second.get_many(keys) == [_value(k) for k in keys]
+        mine = node(second)
+        assert mine["up"] is False and mine["failures"] == 0 and mine["requests"] == sent
+        assert mine["skipped"] >= 1
+        with Client.connect(_cluster(three, replicas="2", timeout="2")) as other:
+            assert other.get_many(keys) == [_value(k) for k in keys]
+            assert node(other)["failures"] == 1  # another route: its own breaker
+    with Client.connect(url) as later:  # the breaker went with the last client holding it
+        assert later.get_many(keys) == [_value(k) for k in keys]
+        assert node(later)["failures"] == 1
