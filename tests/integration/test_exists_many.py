@@ -12,8 +12,10 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+from test_daemon import _self_signed
 
 from kvoffload.bench.common import free_port
 from kvoffload.client_sdk import AsyncClient, Client
@@ -93,6 +95,20 @@ def test_a_daemon_answers_each_key_over_kv(
         expected[present] = False
         assert client.exists_many(keys) == expected
     assert _async_answer(daemon.url(), keys) == expected
+
+
+def test_a_daemon_answers_each_key_over_tls(
+    start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    # An SSL socket has no sendmsg: a step's frames go out joined, in one sendall.
+    cert, key = _self_signed(tmp_path)
+    daemon = start_daemon("--tls-cert", str(cert), "--tls-key", str(key))
+    url = daemon.url(tls="1", ca=str(cert), server_name="localhost")
+    keys = _keys()
+    with Client.connect(url) as client:
+        expected = _fill(client, keys)
+        assert client.exists_many(keys) == expected
+    assert _async_answer(url, keys) == expected
 
 
 def test_a_daemon_answers_each_key_over_nvme(start_daemon: Callable[..., Daemon]) -> None:
