@@ -222,6 +222,23 @@ class Client:
             self._requests.unreachable("exists", exc)
             return False
 
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether the store holds each of `keys`, in as few round trips as the transport
+        allows (``kv://``: runs of pipelined Exists requests, one write each, on each worker
+        side by side; ``cluster://``: one batch per node and replica rank). Unlike `lookup`,
+        every key answers for itself, so a missing key does not hide the ones after it. All
+        False when the store cannot be reached (as `exists`).
+
+        Raises:
+            InvalidArgumentError: a malformed key (nothing was asked).
+        """
+        block_keys = to_keys(keys)
+        try:
+            return self._transport.exists_many(block_keys)
+        except (TransportError, DeadlineExceededError) as exc:
+            self._requests.unreachable("exists_many", exc)
+            return [False] * len(block_keys)
+
     @overload
     def lookup(self, keys: Sequence[bytes], *, tiers: Literal[False] = False) -> int: ...
 
@@ -416,6 +433,14 @@ class AsyncClient:
         except (TransportError, DeadlineExceededError) as exc:
             self._requests.unreachable("exists", exc)
             return False
+
+    async def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        block_keys = to_keys(keys)
+        try:
+            return await self._transport.exists_many(block_keys)
+        except (TransportError, DeadlineExceededError) as exc:
+            self._requests.unreachable("exists_many", exc)
+            return [False] * len(block_keys)
 
     @overload
     async def lookup(self, keys: Sequence[bytes], *, tiers: Literal[False] = False) -> int: ...

@@ -178,6 +178,10 @@ class Transport(Protocol):
 
     def exists(self, key: bytes) -> bool: ...
 
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """`exists` for each key, in as few round trips as the transport allows."""
+        ...
+
     def lookup(self, keys: Sequence[bytes]) -> int: ...
 
     def lookup_tiers(self, keys: Sequence[bytes]) -> TierRun:
@@ -248,6 +252,8 @@ class AsyncTransport(Protocol):
     ) -> list[HeldBlock | Received | None]: ...
 
     async def exists(self, key: bytes) -> bool: ...
+
+    async def exists_many(self, keys: Sequence[bytes]) -> list[bool]: ...
 
     async def lookup(self, keys: Sequence[bytes]) -> int: ...
 
@@ -325,6 +331,9 @@ class ThreadedAsyncTransport:
 
     async def exists(self, key: bytes) -> bool:
         return self._inner.exists(key)
+
+    async def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return self._inner.exists_many(keys)
 
     async def lookup(self, keys: Sequence[bytes]) -> int:
         return self._inner.lookup(keys)

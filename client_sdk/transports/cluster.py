@@ -685,6 +685,25 @@ class ClusterTransport:
                 return True
         return False
 
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """`exists` for each key: rank by rank, each rank's nodes asked (one batch per node,
+        side by side) only about the keys no better node had; a node that fails is passed
+        over, as `exists` does."""
+        live, ranks = self._plan(keys, self.replicas + 1)
+        present = np.zeros(len(keys), dtype=bool)
+        for rank in range(ranks.shape[1]):
+            unknown = np.flatnonzero(~present)
+            if not len(unknown):
+                break
+            groups, _ = self._skip_open(self._group(live, ranks, rank, unknown))
+            answers = self._fanout(
+                groups, lambda t, at: t.transport.exists_many([keys[i] for i in at])
+            )
+            for _, at, found, _ in answers:
+                if found is not None:
+                    present[[i for i, one in zip(at, found, strict=True) if one]] = True
+        return [bool(one) for one in present]
+
     def lookup(self, keys: Sequence[bytes]) -> int:
         """The chain's leading run; a key counts as present if any of its R + 1 best nodes has
         it. Rank by rank, each rank asked only about the keys not yet known present past the
@@ -783,6 +802,9 @@ class _ThreadedCluster(ThreadedAsyncTransport):
 
     async def exists(self, key: bytes) -> bool:
         return await asyncio.to_thread(self._cluster.exists, key)
+
+    async def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return await asyncio.to_thread(self._cluster.exists_many, keys)
 
     async def lookup(self, keys: Sequence[bytes]) -> int:
         return await asyncio.to_thread(self._cluster.lookup, keys)

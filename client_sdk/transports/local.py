@@ -113,6 +113,10 @@ class LocalTransport:
     def exists(self, key: bytes) -> bool:
         return self.engine.contains(key)
 
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        contains = self.engine.contains
+        return [contains(key) for key in keys]
+
     def lookup(self, keys: Sequence[bytes]) -> int:
         return self.engine.lookup(keys)
 

@@ -256,6 +256,10 @@ class ShardRouter:
     def exists(self, key: bytes) -> bool:
         return self._again(lambda: self._of(key).exists(key))
 
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        groups, found = self._split(keys, lambda s, at: s.exists_many(pick(keys, at)))
+        return [bool(one) for one in gather(len(keys), groups, found)]
+
     def lookup(self, keys: Sequence[bytes]) -> int:
         groups, runs = self._split(keys, lambda s, at: s.lookup(pick(keys, at)))
         return leading_run(len(keys), groups, runs)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+    OffloadingConnectorScheduler,
+)
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -82,9 +86,12 @@ __all__ = [
     "geometry",
     "get_offload_group_idx",
     "hash_algo",
+    "key_position",
+    "offloading_engine_configs",
     "request_hashes",
     "scheduled_block_ids",
     "set_load_failure_policy",
+    "state_layout",
     "tensor_parallel_rank",
     "tier_hash_algo",
 ]
@@ -297,6 +304,59 @@ def tier_hash_algo(default: str) -> str:
 
     config = get_current_vllm_config_or_none()
     return hash_algo(config) if config is not None else default
+
+
+def offloading_engine_configs() -> tuple[Any, Any] | None:
+    """The `VllmConfig` and `KVCacheConfig` of the engine whose offloading connector is
+    building a secondary tier right now, or None.
+
+    vLLM hands a tier only the `OffloadingConfig` its spec was made from
+    (`OffloadingSpec.__init__(config)`; `build_offloading_config` keeps each group's index,
+    block size, layers and window, not its `KVCacheSpec`), and the engine core sets no current
+    vLLM config around the scheduler. Both configs are arguments of the one frame that builds
+    the tiers, `OffloadingConnectorScheduler.__init__(spec, vllm_config, kv_cache_config)`,
+    which calls `spec.get_manager()` on the same thread: found on the stack by its code
+    object. None when the tier is built some other way (a manager made without vLLM's
+    connector scheduler)."""
+    code = OffloadingConnectorScheduler.__init__.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            found = frame.f_locals
+            vllm_config, kv_cache_config = found.get("vllm_config"), found.get("kv_cache_config")
+            if vllm_config is None or kv_cache_config is None:
+                return None
+            return vllm_config, kv_cache_config
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def state_layout(kv_cache_config: Any, group_id: int) -> str:
+    """What decides the bytes of a Mamba / linear-attention group's state page, as a string for
+    its namespace: the cache mode, the state's kind, each state's shape and dtype, the padded
+    page size and the block size (of each distinct layer spec); "" for a group that holds no
+    recurrent state."""
+    spec = kv_cache_config.kv_cache_groups[group_id].kv_cache_spec
+    specs = spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+    return "|".join(sorted({_mamba_layout(s) for s in specs if isinstance(s, MambaSpec)}))
+
+
+def _mamba_layout(spec: Any) -> str:
+    shapes = ",".join("x".join(str(int(d)) for d in shape) for shape in spec.shapes)
+    dtypes = ",".join(_dtype_name(d) for d in spec.dtypes)
+    mamba_type = getattr(spec.mamba_type, "name", spec.mamba_type)
+    return (
+        f"mamba:{spec.mamba_cache_mode}:{mamba_type}:shapes={shapes}:dtypes={dtypes}"
+        f":page={spec.page_size_bytes}:block={spec.block_size}"
+    )
+
+
+def key_position(req_context: Any, key: bytes) -> int | None:
+    """The token position vLLM's offloading scheduler recorded for an offload key of this
+    request (where the key's block ends), or None if it recorded none."""
+    get = getattr(req_context, "get_offload_key_position", None)
+    position = None if get is None else get(key)
+    return None if position is None else int(position)
 
 
 def request_hashes(request: Any, hash_ratio: int) -> list[bytes]:

@@ -20,8 +20,10 @@ tier stores every chunk as a part of its own, under a namespace naming its group
 lookup for that part alone, and verifies each part when it reads it; vLLM claims a hit only
 where every group's parts answered. What vLLM tells a tier of a group is its
 `OffloadingGroupConfig` (index, block size, layer names, and in 0.33 the window in chunks):
-not its kind, so a Mamba group and a sliding-window group look alike (both bounded windows),
-and a state's shapes and dtypes are not known here (see `TierGroup`).
+not its kind, so a Mamba group and a sliding-window group look alike (both bounded windows).
+A state's layout (shapes, dtypes, cache mode) the tier reads from the KV cache config of the
+vLLM frame that builds it (`_compat.offloading_engine_configs`), into the state group's
+namespace (see `TierGroup`).
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ class TierGroup:
     `window` is vLLM 0.33's ``sliding_window_size_in_chunks``: None for full attention, the
     chunks a request keeps for a sliding-window or chunked-local group, and 1 for a Mamba /
     linear-attention state group. vLLM 0.32 has no such field (`known` False): every group's
-    kind is then unknown.
+    kind is then unknown. `state` is how the group's recurrent state is laid out
+    (`_compat.state_layout`: Mamba cache mode, state shapes and dtypes, page and block size),
+    read from vLLM's KV cache config when the tier could see it, else "" (as for attention).
     """
 
     group_id: int
@@ -62,6 +66,7 @@ class TierGroup:
     layer_names: tuple[str, ...]
     window: int | None
     known: bool = True
+    state: str = ""
 
     @property
     def kind(self) -> str:
@@ -81,8 +86,9 @@ class TierGroup:
         return f"KV cache group {self.group_id} ({self.kind}; layers {names}{more})"
 
 
-def tier_groups(spec: Any) -> tuple[TierGroup, ...]:
-    """The groups of vLLM's offload config, in its order."""
+def tier_groups(spec: Any, kv_cache_config: Any = None) -> tuple[TierGroup, ...]:
+    """The groups of vLLM's offload config, in its order; with the engine's `KVCacheConfig`,
+    each state group's state layout too."""
     return tuple(
         TierGroup(
             group_id=int(g.group_id),
@@ -90,6 +96,11 @@ def tier_groups(spec: Any) -> tuple[TierGroup, ...]:
             layer_names=tuple(g.layer_names),
             window=getattr(g, "sliding_window_size_in_chunks", None),
             known=hasattr(g, "sliding_window_size_in_chunks"),
+            state=(
+                _compat.state_layout(kv_cache_config, int(g.group_id))
+                if kv_cache_config is not None
+                else ""
+            ),
         )
         for g in spec.config.groups
     )
@@ -128,12 +139,16 @@ def group_namespace(
 ) -> Namespace:
     """The namespace of one group's parts: `base` itself for a model of one full-attention
     group (its chunks keep the keys they had before hybrid models), else tagged with the
-    group's index, kind and layers, so no group's part answers for another's."""
-    if groups == 1 and group.kind in ("full", "unknown"):
+    group's index, kind and layers, so no group's part answers for another's, and a state
+    group's with its state layout, so engines whose states differ (another Mamba state dtype,
+    same chunk size) share no keys."""
+    if groups == 1 and group.kind in ("full", "unknown") and not group.state:
         return base
     names = blake3.blake3("\0".join(group.layer_names).encode()).hexdigest()[:16]
     layout = (f"{base.layout};tier-group={group.group_id}/{groups};kind={group.kind}"
               f";layers={len(group.layer_names)}:{names}")  # fmt: skip
+    if group.state:
+        layout += f";state={group.state}"
     return Namespace(
         model=base.model,
         # A state part's bytes are not of the KV dtype (vLLM pads state pages as raw bytes).
@@ -193,19 +208,28 @@ class _Lookups(_compat.AsyncLookupManager):
             by_group.setdefault(tier.group_of(key).group_id, []).append(i)
         for group_id, positions in by_group.items():
             hashes = tier.hashes([keys[i] for i in positions])
+            alone = positions
             if tier.chained(group_id):
-                # A full group is asked in chain order and stops at the first miss, so a
-                # prefix count answers it; a chunk after a gap reads as a miss (never a false
-                # hit), and vLLM could not use it anyway.
-                hit = tier.client.lookup(hashes)
-                for n, i in enumerate(positions):
-                    found[i] = n < hit
-            else:
-                # A windowed or state group is asked from the end backwards and its parts are
-                # sparse (a state only where vLLM cached one): each part answers for itself,
-                # so a missing part ends the hit there, not at every part behind it.
-                for i, one in zip(positions, hashes, strict=True):
-                    found[i] = tier.client.lookup([one]) == 1
+                # A full group's chunks are asked in chain order and stop at the first miss,
+                # so a prefix count answers them; a chunk after a gap reads as a miss (never a
+                # false hit), and vLLM could not use it anyway. Its partial tails (keyed at a
+                # hash boundary inside a block, asked largest first) are no chain: each
+                # answers for itself below, so a smaller stored boundary still hits.
+                tails = {n for n, i in enumerate(positions)
+                         if tier.partial_tail(keys[i], req_context)}  # fmt: skip
+                chain = [n for n in range(len(positions)) if n not in tails]
+                hit = tier.client.lookup([hashes[n] for n in chain]) if chain else 0
+                for rank, n in enumerate(chain):
+                    found[positions[n]] = rank < hit
+                alone = [positions[n] for n in sorted(tails)]
+                hashes = [hashes[n] for n in sorted(tails)]
+            # A windowed or state group is asked from the end backwards and its parts are
+            # sparse (a state only where vLLM cached one): each part answers for itself, so a
+            # missing part ends the hit there, not at every part behind it. One batched call
+            # (over kv:// a pipelined run of Exists requests), not a round trip per part.
+            if alone:
+                for i, one in zip(alone, tier.client.exists_many(hashes), strict=True):
+                    found[i] = one
         return found
 
 
@@ -243,10 +267,18 @@ class KVOffloadTier(_compat.SecondaryTierManager):
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         algo = _compat.tier_hash_algo(hash_algo)
-        self.groups = tier_groups(offloading_spec)
+        engine = _compat.offloading_engine_configs()
+        self.groups = tier_groups(offloading_spec, engine[1] if engine is not None else None)
+        if engine is None and any(g.may_hold_state for g in self.groups):
+            log.warning(
+                "KVOffloadTier: built outside vLLM's offloading connector scheduler, the tier "
+                "cannot see vLLM's KV cache config: its state groups' keys do not name their "
+                "state dtypes, so engines that differ only in those must use different salts"
+            )
         self.namespace = tier_namespace(offloading_spec, self.block_size_bytes, algo, salt, codec)
         check_tier_codec(self.namespace, self.groups)
         chunk_blocks = int(offloading_spec.config.cache.blocks_per_chunk)
+        self._chunk_tokens = {g.group_id: g.tokens_per_block * chunk_blocks for g in self.groups}
         self.namespaces = {
             g.group_id: group_namespace(self.namespace, g, len(self.groups), chunk_blocks)
             for g in self.groups
@@ -283,6 +315,13 @@ class KVOffloadTier(_compat.SecondaryTierManager):
         group under vLLM 0.32, which names no kinds, is taken as full attention, as before."""
         group = self._by_id[group_id]
         return not group.may_hold_state or (len(self.groups) == 1 and group.kind == "unknown")
+
+    def partial_tail(self, key: bytes, req_context: Any) -> bool:
+        """Whether vLLM made `key` a partial tail: a boundary inside a block (its recorded
+        token position is not a whole number of the group's chunks), not a chunk of a chain."""
+        position = _compat.key_position(req_context, bytes(key))
+        chunk = self._chunk_tokens[self.group_of(key).group_id]
+        return position is not None and position % chunk != 0
 
     def hashes(self, keys: Sequence[bytes]) -> list[BlockHash]:
         """Store hashes of vLLM offload keys (block hash + group index), each under its
@@ -372,12 +411,15 @@ class KVOffloadTier(_compat.SecondaryTierManager):
         hashes = self.hashes(keys)
         chunks = [self._chunk(int(c)) for c in job.chunk_ids]
         # A chunk's parent is the one before it in its own group's chain; sparse groups'
-        # parts (windows, states) have none.
+        # parts (windows, states) and partial tails have none.
         parents: list[bytes | None] = []
         last: dict[int, bytes] = {}
         for key, one in zip(keys, hashes, strict=True):
             group_id = self.group_of(key).group_id
-            parents.append(last.get(group_id) if self.chained(group_id) else None)
+            if not self.chained(group_id) or self.partial_tail(key, job.req_context):
+                parents.append(None)  # a window's, a state's or a partial tail's part
+                continue
+            parents.append(last.get(group_id))
             last[group_id] = one
         self.client.put_many(zip(hashes, chunks, strict=True), parents=parents)
         return _compat.JobResult(

@@ -125,11 +125,21 @@ class _AsyncConnection(AsyncRunner[Req, Call]):
         assert protocol is not None and protocol.transport is not None
         calls: list[Call] = []
         try:
-            for req in reqs:
+            if len(reqs) > 1 and all(r.small for r in reqs):
+                # A step of small key-only requests (`Req.small`): one write of them all.
                 await asyncio.wait_for(protocol.writable(), left(deadline))
-                call, parts = self.session.start(req)
-                calls.append(call)
-                protocol.transport.writelines(parts)
+                frames: list[bytes | memoryview] = []
+                for req in reqs:
+                    call, parts = self.session.start(req)
+                    calls.append(call)
+                    frames += parts
+                protocol.transport.writelines(frames)
+            else:
+                for req in reqs:
+                    await asyncio.wait_for(protocol.writable(), left(deadline))
+                    call, parts = self.session.start(req)
+                    calls.append(call)
+                    protocol.transport.writelines(parts)
             while not all(c.done for c in calls):
                 self._progress.clear()
                 await asyncio.wait_for(self._progress.wait(), left(deadline))
@@ -273,6 +283,9 @@ class AsyncNativeTransport:
 
     async def exists(self, key: bytes) -> bool:
         return await self._run(lambda: plans.exists(key))
+
+    async def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return await self._run(lambda: plans.exists_many(keys))
 
     async def lookup(self, keys: Sequence[bytes]) -> int:
         return await self._run(lambda: plans.lookup(keys))

@@ -56,6 +56,7 @@ __all__ = [
     "delete_many",
     "describe",
     "exists",
+    "exists_many",
     "get",
     "get_into",
     "get_into_request",
@@ -78,6 +79,10 @@ __all__ = [
 T = TypeVar("T")
 # Keys per batch frame; keeps a frame's header well under the daemon's limit.
 _BATCH_KEYS = 4096
+# Exists frames per step of `exists_many`: a step's frames (some 50 bytes each) go out in one
+# write and its answers come back before the next step, so both directions stay far within the
+# sockets' buffers, and within the daemon's `native.max_pending` (default 256) per connection.
+EXISTS_RUN = 128
 _CLIENT = f"kvoffload-sdk/{__version__} python"
 
 
@@ -407,6 +412,17 @@ def _split(lengths: Sequence[int | None], payload: memoryview | None) -> list[He
 def exists(key: bytes) -> Plan[bool]:
     answer = yield from _ask(Req(partial(_key_event, Exists, key)))
     return cast(ExistsResult, answer).found
+
+
+def exists_many(keys: Sequence[bytes]) -> Plan[list[bool]]:
+    """`exists` for each key, pipelined: no new frame, `EXISTS_RUN` Exists requests a step
+    (the daemon's C hot path answers a run of them in one pass)."""
+    out: list[bool] = []
+    for i in range(0, len(keys), EXISTS_RUN):
+        step = keys[i : i + EXISTS_RUN]
+        calls = yield [Req(partial(_key_event, Exists, k), small=True) for k in step]
+        out += [cast(ExistsResult, call.result()).found for call in calls]
+    return out
 
 
 def delete(key: bytes) -> Plan[bool]:

@@ -285,6 +285,10 @@ class AsyncShardedTransport:
     async def exists(self, key: bytes) -> bool:
         return await self._keyed(key, lambda t: t.exists(key))
 
+    async def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        groups, found = await self._split(keys, lambda s, at: s.exists_many(pick(keys, at)))
+        return [bool(one) for one in gather(len(keys), groups, found)]
+
     async def lookup(self, keys: Sequence[bytes]) -> int:
         groups, runs = await self._split(keys, lambda s, at: s.lookup(pick(keys, at)))
         return leading_run(len(keys), groups, runs)

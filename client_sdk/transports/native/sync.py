@@ -118,6 +118,29 @@ class _SyncConnection(SyncRunner[Req, Call]):
             self._timeout = remaining + self._slack
             self.sock.settimeout(self._timeout)
 
+    def exchange(self, requests: Sequence[Req], deadline: float) -> list[Call]:
+        """A step of small key-only requests (`Req.small`, a plan bounds how many) in one
+        write, then their answers; any other step with the runner's window."""
+        if len(requests) < 2 or not all(r.small for r in requests):
+            return super().exchange(requests, deadline)
+        calls: list[Call] = []
+        parts: list[bytes | memoryview] = []
+        for request in requests:
+            call, frame = self.session.start(request)
+            calls.append(call)
+            parts += frame
+        try:
+            self._arm(deadline)
+            if self.tls:  # an SSL socket has no sendmsg
+                self.sock.sendall(b"".join(parts))
+            else:
+                send_all(self.sock, parts)
+        except OSError as exc:
+            raise self._lost(exc) from None
+        while not all(c.done for c in calls):
+            self.pump(deadline)
+        return calls
+
     def start(self, request: Req, deadline: float, event: Event | None = None) -> Call:
         call, parts = self.session.start(request, event)
         try:
@@ -488,6 +511,9 @@ class NativeTransport:
 
     def exists(self, key: bytes) -> bool:
         return self._run(lambda: plans.exists(key))
+
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return self._run(lambda: plans.exists_many(keys)) if keys else []
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         return self._run(lambda: plans.lookup(keys))

@@ -20,6 +20,7 @@ __all__ = [
     "count",
     "delete",
     "exists",
+    "exists_many",
     "get",
     "get_into",
     "get_many",
@@ -184,6 +185,20 @@ def lookup(nsid: int, keys: Sequence[bytes], window: int) -> Plan[int]:
             call.ok("KV Exist")
             total += 1
     return total
+
+
+def exists_many(nsid: int, keys: Sequence[bytes], window: int) -> Plan[list[bool]]:
+    """Each key's presence: Exist commands pipelined a window at a time (a miss is False)."""
+    out: list[bool] = []
+    for i in range(0, len(keys), window):
+        chunk = keys[i : i + window]
+        calls = yield [Cmd(partial(keyed, fn=nc.kv_exist, nsid=nsid, key=k)) for k in chunk]
+        for call in calls:
+            found = not miss(call)
+            if found:
+                call.ok("KV Exist")
+            out.append(found)
+    return out
 
 
 def count(nsid: int, keys: Sequence[bytes]) -> Plan[int]:

@@ -112,6 +112,9 @@ class NvmeTransport:
     def exists(self, key: bytes) -> bool:
         return self._run(lambda h: plans.exists(h.nsid, key))
 
+    def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        return self._run(lambda h: plans.exists_many(h.nsid, keys, 4 * h.options.depth))
+
     def lookup(self, keys: Sequence[bytes]) -> int:
         return self._run(lambda h: plans.lookup(h.nsid, keys, 4 * h.options.depth))
 

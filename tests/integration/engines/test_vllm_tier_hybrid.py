@@ -37,6 +37,9 @@ from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (  # noqa: E402
     build_offloading_config,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (  # noqa: E402
+    OffloadingConnectorScheduler,
+)
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
@@ -63,7 +66,7 @@ from vllm_harness import (  # noqa: E402
 )
 
 from kvoffload.client_sdk import Client, engine_hashes  # noqa: E402
-from kvoffload.connectors.vllm import KVOffloadTier  # noqa: E402
+from kvoffload.connectors.vllm import KVOffloadTier, _compat  # noqa: E402
 from kvoffload.errors import ConfigError  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -77,6 +80,7 @@ PROMPT = list(range(3000, 3096)) + [5, 6, 7, 8]  # 6 full blocks and a tail
 BLOCKS = 6
 STATE_CHUNKS = (1, 3, 5)  # chunks whose boundary (blocks 2, 4, 6) has a cached state
 PRIMARY_CHUNKS = 64
+TAIL_HASH = 4  # tokens per block hash in the partial-tail test (vLLM's prefix_match_unit)
 # vLLM 0.33 tells a tier each group's window in chunks (a Mamba group's is 1); 0.32 does not.
 KINDS = (
     ("window=1", "full")
@@ -90,7 +94,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-tier-mamba"))
 
 
-def _configs(model: Path, url: str, primary_bytes: int, **tier: Any) -> tuple[Any, Any]:
+def _configs(
+    model: Path,
+    url: str,
+    primary_bytes: int,
+    state_dtypes: Any = DTYPES,
+    hash_tokens: int = BLOCK,
+    **tier: Any,
+) -> tuple[Any, Any]:
     transfer = KVTransferConfig(
         kv_connector="OffloadingConnector",
         kv_role="kv_both",
@@ -106,9 +117,11 @@ def _configs(model: Path, url: str, primary_bytes: int, **tier: Any) -> tuple[An
     )  # fmt: skip
     config, _, full = make_configs(model, "LBNHC", transfer)
     config.cache_config.mamba_cache_mode = "align"
+    if hash_tokens != BLOCK:  # block hashes finer than blocks: vLLM's partial tails
+        config.cache_config.prefix_match_unit = hash_tokens
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
     page = full.page_size_bytes
-    mamba = MambaSpec(block_size=BLOCK, shapes=SHAPES, dtypes=DTYPES,
+    mamba = MambaSpec(block_size=BLOCK, shapes=SHAPES, dtypes=state_dtypes,
                       page_size_padded=page, mamba_cache_mode="align")  # fmt: skip
     # One tensor per group over the same bytes: layer i of each group shares memory.
     tensors = [KVCacheTensor(size=page * NUM_BLOCKS * 2, layers=layers,
@@ -122,26 +135,29 @@ def _configs(model: Path, url: str, primary_bytes: int, **tier: Any) -> tuple[An
     return config, kv_config
 
 
-def _hybrid(model: Path, url: str, **tier: Any) -> tuple[Any, Any]:
+def _hybrid(
+    model: Path, url: str, state_dtypes: Any = DTYPES, hash_tokens: int = BLOCK, **tier: Any
+) -> tuple[Any, Any]:
     """vLLM's config of the hybrid model with the tier, its primary tier sized to hold
-    PRIMARY_CHUNKS chunks."""
-    config, kv_config = _configs(model, url, 1 << 30, **tier)
+    PRIMARY_CHUNKS chunks; `state_dtypes`: the Mamba states' dtypes (conv, SSM);
+    `hash_tokens`: tokens per block hash."""
+    config, kv_config = _configs(model, url, 1 << 30, state_dtypes, hash_tokens, **tier)
     chunk = TieringOffloadingSpec(build_offloading_config(config, kv_config)).kv_bytes_per_chunk
-    return _configs(model, url, PRIMARY_CHUNKS * chunk, **tier)
+    return _configs(model, url, PRIMARY_CHUNKS * chunk, state_dtypes, hash_tokens, **tier)
 
 
-def _block_hashes(prompt: list[int]) -> list[bytes]:
+def _block_hashes(prompt: list[int], hash_tokens: int = BLOCK) -> list[bytes]:
     init_none_hash(sha256)
-    return list(_request("hashes", prompt).block_hashes)
+    return list(_request("hashes", prompt, hash_tokens).block_hashes)
 
 
-def _request(req_id: str, prompt: list[int]) -> Request:
+def _request(req_id: str, prompt: list[int], hash_tokens: int = BLOCK) -> Request:
     params = SamplingParams(max_tokens=1)
     params.update_from_generation_config({}, 2)
     return Request(
         request_id=req_id, prompt_token_ids=prompt, sampling_params=params,
         pooling_params=None, mm_features=None,
-        block_hasher=get_request_block_hasher(BLOCK, sha256),
+        block_hasher=get_request_block_hasher(hash_tokens, sha256),
     )  # fmt: skip
 
 
@@ -167,14 +183,24 @@ def _settle(manager: Any) -> None:
     raise AssertionError("tier transfers did not finish")
 
 
-def _save(model: Path, url: str, inspect: Any = None, **tier: Any) -> dict[bytes, bytes]:
-    """Engine A: offload the prompt's chunks of both groups into its CPU tier, as vLLM's
-    worker would, and let them cascade to the store; returns each key's bytes. `inspect` is
-    called with the manager before it shuts down."""
-    config, kv_config = _hybrid(model, url, **tier)
-    manager = TieringOffloadingSpec(build_offloading_config(config, kv_config)).get_manager()
+def _save(
+    model: Path,
+    url: str,
+    inspect: Any = None,
+    keys: list[bytes] | None = None,
+    hash_tokens: int = BLOCK,
+    **tier: Any,
+) -> dict[bytes, bytes]:
+    """Engine A: offload the prompt's chunks of both groups (or `keys`) into its CPU tier, as
+    vLLM's worker would, and let them cascade to the store; returns each key's bytes.
+    `inspect` is called with the manager before it shuts down."""
+    config, kv_config = _hybrid(model, url, hash_tokens=hash_tokens, **tier)
+    spec = TieringOffloadingSpec(build_offloading_config(config, kv_config))
+    # Built by vLLM's connector scheduler, as in a server: the tier reads the KV cache config
+    # from it (each state group's layout).
+    manager = OffloadingConnectorScheduler(spec, config, kv_config).manager
     try:
-        keys = list(_keys().values())
+        keys = keys or list(_keys().values())
         ctx = ReqContext(req_id="save")
         manager.on_new_request(ctx)
         with _locked(manager):
@@ -204,9 +230,9 @@ def fresh(tiny_model: Path) -> Iterator[Any]:
     """Make engine B: a real scheduler with vLLM's OffloadingConnector and an empty CPU tier."""
     made: list[Any] = []
 
-    def make(url: str, **tier: Any) -> Any:
-        config, kv_config = _hybrid(tiny_model, url, **tier)
-        scheduler = make_scheduler(config, kv_config)
+    def make(url: str, state_dtypes: Any = DTYPES, hash_tokens: int = BLOCK, **tier: Any) -> Any:
+        config, kv_config = _hybrid(tiny_model, url, state_dtypes, hash_tokens, **tier)
+        scheduler = make_scheduler(config, kv_config, hash_tokens)
         made.append(scheduler)
         return scheduler
 
@@ -221,10 +247,10 @@ def _tier(scheduler: Any) -> KVOffloadTier:
     return tiers[0]  # type: ignore[no-any-return]
 
 
-def _claimed(scheduler: Any, req_id: str = "b") -> int:
+def _claimed(scheduler: Any, req_id: str = "b", hash_tokens: int = BLOCK) -> int:
     """Schedule the prompt step after step until vLLM decides: the tokens it loads from the
     offload tiers (0 when it computes from the start)."""
-    request = _request(req_id, PROMPT)
+    request = _request(req_id, PROMPT, hash_tokens)
     scheduler.add_request(request)
     for _ in range(3000):
         out = scheduler.schedule()
@@ -375,3 +401,87 @@ def test_a_chunk_of_an_unknown_group_fails_its_job_by_name(
     assert "KV cache group 7, which its offload config does not list (groups [0, 1])" in (
         caplog.text
     )
+
+
+def _hot(url: str) -> tuple[int, int]:
+    """The daemon's Lookup and Exists requests so far (all answered by its C hot path)."""
+    with Client.connect(url) as client:
+        server = client.stats().store["server"]
+    assert isinstance(server, dict)
+    return int(server["hot_lookups"]), int(server["hot_exists"])
+
+
+def test_a_lookup_asks_the_store_once_per_group(
+    tiny_model: Path, start_daemon: Any, fresh: Any
+) -> None:
+    """vLLM asks every chunk of both groups of the prompt (the attention chain in order, every
+    state chunk from the end back): one step's batch reaches the store as one Lookup for the
+    attention group and one pipelined run of Exists requests for the state group (one
+    exists_many call), not a Lookup per state chunk; the answers are each part's own."""
+    daemon = start_daemon()
+    _save(tiny_model, daemon.url())
+    tier = _tier(fresh(daemon.url()))
+    hashes = _block_hashes(PROMPT)
+    asked = [make_offload_key(hashes[i], ATTN) for i in range(BLOCKS)]
+    asked += [make_offload_key(hashes[i], STATE) for i in reversed(range(BLOCKS))]
+    ctx = ReqContext(req_id="count")
+    tier.on_new_request(ctx)
+    before = _hot(daemon.url())
+    assert {tier.lookup(key, ctx) for key in asked} == {_compat.LookupResult.RETRY}
+    end = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+    for _ in range(3000):  # the batch goes to vLLM's lookup thread; its answers come back
+        tier.on_schedule_end(end)
+        answers = [tier.lookup(key, ctx) for key in asked]
+        if _compat.LookupResult.RETRY not in answers:
+            break
+        time.sleep(0.01)
+    hit, miss = _compat.LookupResult.HIT, _compat.LookupResult.MISS
+    states = [hit if i in STATE_CHUNKS else miss for i in reversed(range(BLOCKS))]
+    assert answers == [hit] * BLOCKS + states
+    lookups, exists = (a - b for a, b in zip(_hot(daemon.url()), before, strict=True))
+    assert (lookups, exists) == (1, BLOCKS)
+
+
+def test_engines_whose_state_dtypes_differ_share_no_state_part(
+    tiny_model: Path, start_daemon: Any, fresh: Any
+) -> None:
+    """The state dtypes (vLLM's --mamba-cache-dtype / --mamba-ssm-cache-dtype) change a state
+    page's bytes but not its padded size: the tier reads them from vLLM's KV cache config into
+    the state group's namespace, so an engine with other state dtypes misses every state part
+    (and claims nothing), while the attention parts keep their keys and the same dtypes hit."""
+    daemon = start_daemon()
+    _save(tiny_model, daemon.url())  # states float16 (conv) and float32 (SSM)
+    same = fresh(daemon.url())
+    other = fresh(daemon.url(), state_dtypes=(torch.float16, torch.float16))
+    assert _claimed(other) == 0
+    assert _claimed(same) == BLOCKS * BLOCK
+    mine, theirs = _tier(same), _tier(other)
+    assert theirs.namespaces[ATTN] == mine.namespaces[ATTN]
+    assert theirs.namespaces[STATE] != mine.namespaces[STATE]
+    assert "dtypes=float16,float32" in mine.groups[STATE].state
+    assert "dtypes=float16,float16" in theirs.groups[STATE].state
+    assert mine.groups[ATTN].state == theirs.groups[ATTN].state == ""
+
+
+@pytest.mark.parametrize(
+    ("stored", "hit_tokens"),
+    [((STATE, ATTN), 2 * TAIL_HASH), ((STATE,), 0)],  # a state alone is no hit
+    ids=["both-groups", "state-only"],
+)
+def test_a_partial_tail_answers_for_itself(
+    tiny_model: Path, start_daemon: Any, fresh: Any, stored: tuple[int, ...], hit_tokens: int
+) -> None:
+    """With block hashes finer than blocks (4 tokens, blocks of 16), vLLM may load a hit that
+    ends inside a block (a partial tail: the attention block and the state at that hash
+    boundary, `supports_partial_tail`). It asks a full group's partial tails after its chain,
+    the largest boundary first; the tier answers each alone (it reads their positions from
+    vLLM's request context), so with the tails at 8 tokens stored and the ones at 12 not,
+    vLLM loads 8 tokens, where a prefix count over the full group's keys lost that hit."""
+    daemon = start_daemon()
+    hashes = _block_hashes(PROMPT, TAIL_HASH)
+    # The parts at the boundary of 8 tokens (the second hash), nothing else.
+    _save(tiny_model, daemon.url(), keys=[make_offload_key(hashes[1], g) for g in stored],
+          hash_tokens=TAIL_HASH)  # fmt: skip
+    scheduler = fresh(daemon.url(), hash_tokens=TAIL_HASH)
+    assert scheduler.connector.connector_scheduler.config.supports_partial_tail
+    assert _claimed(scheduler, hash_tokens=TAIL_HASH) == hit_tokens

@@ -151,7 +151,10 @@ def make_configs(
     return config, kv_config, spec
 
 
-def make_scheduler(config: VllmConfig, kv_config: KVCacheConfig) -> Scheduler:
+def make_scheduler(
+    config: VllmConfig, kv_config: KVCacheConfig, hash_tokens: int = BLOCK
+) -> Scheduler:
+    """vLLM's scheduler over `kv_config`; `hash_tokens`: tokens per block hash."""
     init_none_hash(sha256)
     return Scheduler(
         vllm_config=config,
@@ -159,6 +162,7 @@ def make_scheduler(config: VllmConfig, kv_config: KVCacheConfig) -> Scheduler:
         log_stats=True,
         structured_output_manager=StructuredOutputManager(config),
         block_size=BLOCK,
+        hash_block_size=hash_tokens,
     )
 
 
