@@ -23,7 +23,8 @@ import kvoffload.core as core
 from kvoffload.errors import ConfigError, KVOffloadError, StorageIOError
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
 from kvoffload.kvstore.config import PAGE
-from kvoffload.kvstore.ssd.slotio import AlignedBuffer, BlockIO, RingPages, SlotFile
+from kvoffload.kvstore.ssd.ringpages import RingPages
+from kvoffload.kvstore.ssd.slotio import AlignedBuffer, BlockIO, SlotFile
 
 WAIT_S = 30  # a hang guard, never a timing assertion
 BLOCK = 200_000

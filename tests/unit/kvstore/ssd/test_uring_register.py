@@ -26,7 +26,8 @@ import kvoffload.core as core
 from kvoffload.errors import ConfigError
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
 from kvoffload.kvstore.config import PAGE
-from kvoffload.kvstore.ssd.slotio import AlignedBuffer, RingPages, SlotFile
+from kvoffload.kvstore.ssd.ringpages import RingPages
+from kvoffload.kvstore.ssd.slotio import AlignedBuffer, SlotFile
 
 BLOCK = 200_000
 RING = core.slot_ring_type()
