@@ -306,6 +306,16 @@ class BlockIO:
         """Memory most transfers use (the DRAM arena), for pages that register memory."""
         self.pages.register_memory(view)
 
+    def ring_stats(self) -> dict[str, int]:
+        """The io_uring ring pool's registration counters (`RingPages.registration`) with its
+        submissions and entries; empty on any other pages."""
+        pages = self.pages
+        if not isinstance(pages, RingPages):
+            return {}
+        out = pages.registration()
+        out["submissions"], out["entries"] = pages.counts()
+        return out
+
     def close(self) -> None:
         """Stop what the pages' backend runs."""
         self.pages.close()

@@ -218,6 +218,34 @@ def test_an_engines_rings_register_the_slot_file_and_the_arena(tmp_path: Path) -
     assert answers[True] == answers[False] == [True] * 40
 
 
+def test_the_rings_registrations_reach_the_engines_stats(tmp_path: Path) -> None:
+    with Engine(config(tmp_path)) as engine:
+        ssd = engine._ssd
+        assert ssd is not None and isinstance(ssd.io.pages, RingPages)
+        assert ssd.io.pages.pinned.wait(30)  # a hang guard: the pin runs on its thread
+        for i in range(40):  # DRAM holds ~20: the others are demoted through the rings
+            engine.put(key(i), value(i))
+        got = engine.get_many_into([key(i) for i in range(8)],
+                                   [bytearray(BLOCK) for _ in range(8)])  # fmt: skip
+        assert got == [BLOCK] * 8
+        stats = engine.stats()
+        reg = ssd.io.pages.registration()
+        submissions, entries = ssd.io.pages.counts()
+    (tier,) = [t for t in stats.tiers if t.name == "ssd"]
+    assert tier.io_engine == "io_uring"
+    assert tier.io_rings == reg["rings"] >= 1
+    assert tier.io_rings_with_file == tier.io_rings
+    assert tier.io_rings_with_memory == (1 if reg["clone_unsupported"] else tier.io_rings)
+    assert tier.io_clone_unsupported == reg["clone_unsupported"]
+    assert tier.io_files_refused == tier.io_memory_refused == 0
+    assert tier.io_fixed_file_entries == reg["fixed_file_entries"] > 0
+    assert tier.io_fixed_memory_entries == reg["fixed_memory_entries"] > 0
+    assert (tier.io_submissions, tier.io_entries) == (submissions, entries)
+    assert 0 < tier.io_submissions < tier.io_entries
+    # The DRAM tier has no rings; its counters stay 0.
+    assert [t.io_rings for t in stats.tiers if t.name == "dram"] == [0]
+
+
 _REFUSED = """
 import json, sys
 from pathlib import Path
