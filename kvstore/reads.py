@@ -250,7 +250,8 @@ class Reads:
         batch. The books of the lot take the lock once (twice with side buffers) and wake
         the caller once: a block's own lock round and hand-off cost more than its books."""
         m = self._m
-        spent, error = 0, None
+        spent = 0
+        error: BaseException | None = None
         kept: list[tuple[bytes, DramEntry]] = []
         try:
             with self._lock:
