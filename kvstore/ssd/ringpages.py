@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import kvoffload.kvstore.faults as faults
@@ -19,9 +20,19 @@ from kvoffload.errors import StorageIOError
 from kvoffload.kvstore.arena import AlignedBuffer
 from kvoffload.kvstore.config import PAGE
 
-__all__ = ["RingFile", "RingPages"]
+__all__ = ["RingFile", "RingPages", "thread_header_page"]
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def thread_header_page(pages: threading.local) -> Iterator[memoryview]:
+    """A page-aligned header page of the calling thread's own (kept in `pages`, made on its
+    first use), for pages that move one slot at a time on the caller's thread."""
+    buf: AlignedBuffer | None = getattr(pages, "buf", None)
+    if buf is None:
+        buf = pages.buf = AlignedBuffer(PAGE)
+    yield buf.view
 
 
 class RingFile(Protocol):
@@ -225,12 +236,8 @@ class RingPages:
             if repin:  # no ring holds the table any more: pin the arena again, off this thread
                 self._start_pin()
 
-    @contextlib.contextmanager
-    def header_page(self) -> Iterator[memoryview]:
-        buf: AlignedBuffer | None = getattr(self._pages, "buf", None)
-        if buf is None:
-            buf = self._pages.buf = AlignedBuffer(PAGE)
-        yield buf.view
+    def header_page(self) -> AbstractContextManager[memoryview]:
+        return thread_header_page(self._pages)
 
     def submit(self, lease: _Lease, write: bool, entries: Sequence[tuple[int, memoryview]]
                ) -> list[int]:  # fmt: skip

@@ -31,7 +31,7 @@ import os
 import stat
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -42,7 +42,7 @@ import kvoffload.kvstore.faults as faults
 from kvoffload.errors import ConfigError, StorageIOError
 from kvoffload.kvstore.arena import AlignedBuffer
 from kvoffload.kvstore.config import PAGE, format_size
-from kvoffload.kvstore.ssd.ringpages import RingPages
+from kvoffload.kvstore.ssd.ringpages import RingPages, thread_header_page
 
 if TYPE_CHECKING:
     from kvoffload.kvstore.ssd.catalog import WritePlan
@@ -274,12 +274,8 @@ class ThreadPages:
     def close(self) -> None:
         """Nothing runs here: the calling threads do the I/O."""
 
-    @contextlib.contextmanager
-    def header_page(self) -> Iterator[memoryview]:
-        buf: AlignedBuffer | None = getattr(self._pages, "buf", None)
-        if buf is None:
-            buf = self._pages.buf = AlignedBuffer(PAGE)
-        yield buf.view
+    def header_page(self) -> AbstractContextManager[memoryview]:
+        return thread_header_page(self._pages)
 
     def transfer(self, write: bool, offset: int, buffers: Sequence[memoryview]) -> None:
         if write:
