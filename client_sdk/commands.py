@@ -39,6 +39,14 @@ def _stats(args: argparse.Namespace) -> int:
             f"hits {tier['hits']:,}, misses {tier['misses']:,}, evictions {tier['evictions']:,}"
             + (f", slot I/O {tier['io_engine']}" if tier.get("io_engine") else "")
         )
+        if tier.get("io_rings"):  # the io_uring pool: what the kernel let it register
+            console.print(
+                "    io_uring: {io_rings} ring(s), {io_rings_with_file} with the slot file, "
+                "{io_rings_with_memory} with the arena; refused: files {io_files_refused}, "
+                "memory {io_memory_refused}; fixed entries: file {io_fixed_file_entries:,}, "
+                "memory {io_fixed_memory_entries:,} of {io_entries:,} in {io_submissions:,} "
+                "submissions".format_map(tier)
+            )
     for name, value in store.items():
         console.print(f"  {name}: {value}")
     return 0

@@ -38,13 +38,20 @@ class Arena:
         self.view = memoryview(self._map)
 
     def close(self) -> None:
-        """Unmap, unless a caller still holds a buffer exported from it (then GC unmaps later)."""
+        """Unmap, unless a caller still holds a buffer exported from it (then `unmap` or, at
+        the latest, GC unmaps later)."""
         self.view.release()
-        del self.array
+        self.__dict__.pop("array", None)
+        self.unmap()
+
+    def unmap(self) -> bool:
+        """Unmap now if nothing holds a buffer exported from the mapping any more (after
+        `close`); whether it is unmapped."""
         # A numpy array or memoryview made from a released BlockView may still point here;
         # unmapping now would leave it dangling, so then the GC unmaps later.
         with contextlib.suppress(BufferError):
             self._map.close()
+        return bool(self._map.closed)
 
 
 class AlignedBuffer:

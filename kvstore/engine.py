@@ -653,6 +653,11 @@ class Engine:
                 lower = m.retire(bool(hung))
             for tier in lower:
                 tier.close()
+            if not hung:
+                # The io_uring rings held the arena exported (registered buffers) until their
+                # tier closed just now: unmap it here, not in whichever later call's thread a
+                # GC pass happens to free it (256 MiB of unmapping in a stranger's time).
+                m.dram.arena.unmap()
         if hung:
             names = ", ".join(key.hex() for key in hung)
             log.error("close: SSD reads of blocks %s still hung after %.1f s; their memory stays "

@@ -34,6 +34,7 @@ __all__ = [
     "Mover",
     "ReadPlan",
     "ReadPool",
+    "ReadsDone",
     "WriteBack",
     "WriteThrough",
     "WriterHost",
@@ -54,6 +55,11 @@ class ReadPlan:
     entry: DramEntry
     dst: memoryview
     event: threading.Event
+
+
+# How a batch's reads are reported from the read pool: (plans, whether each verified; None:
+# its I/O failed), every plan exactly once.
+ReadsDone = Callable[[Sequence[ReadPlan], Sequence["bool | None"]], None]
 
 
 @dataclass(eq=False, slots=True)
@@ -282,13 +288,12 @@ class Mover:
         slot."""
         return _read_or_miss(plan.tier.read_into, plan)
 
-    def submit_reads(
-        self, plans: Sequence[ReadPlan], done: Callable[[ReadPlan, bool | None], None]
-    ) -> int:
-        """Start a batch of reads on the read pool (called without the lock); each completes
-        there through `done(plan, ok)`. Returns how many were started, in order: fewer than
-        all once the pool has shut down (the engine is closing); those not started are not
-        reported."""
+    def submit_reads(self, plans: Sequence[ReadPlan], done: ReadsDone) -> int:
+        """Start a batch of reads on the read pool (called without the lock); they complete
+        there through `done(plans, oks)`: a part's reads together on io_uring (its books
+        then cost one lock and one hand-off, not one a block), else each read on its own.
+        Returns how many were started, in order: fewer than all once the pool has shut down
+        (the engine is closing); those not started are not reported."""
         reads = self.reads
         assert reads is not None
         if len(plans) > 1 and plans[0].tier.batches:
@@ -370,11 +375,9 @@ def _read_or_miss(
         return None
 
 
-def _read_batch_and_report(
-    plans: Sequence[ReadPlan], done: Callable[[ReadPlan, bool | None], None]
-) -> None:
-    """A batch's slot reads in one submission on a pool thread, then each one's completion
-    there. Every plan is reported, whatever fails."""
+def _read_batch_and_report(plans: Sequence[ReadPlan], done: ReadsDone) -> None:
+    """A batch's slot reads in one submission on a pool thread, then their completion there,
+    all together. Every plan is reported, whatever fails."""
     results: list[bool | None] = [None] * len(plans)
     try:
         # One SSD tier below DRAM: every plan of a batch reads from it.
@@ -385,15 +388,14 @@ def _read_batch_and_report(
     finally:
         if len(results) != len(plans):  # never leave a plan unreported: its batch would wait
             results = [None] * len(plans)
-        for plan, ok in zip(plans, results, strict=True):
-            done(plan, _verified(plan, ok))
+        done(plans, [_verified(plan, ok) for plan, ok in zip(plans, results, strict=True)])
 
 
-def _read_and_report(plan: ReadPlan, done: Callable[[ReadPlan, bool | None], None]) -> None:
+def _read_and_report(plan: ReadPlan, done: ReadsDone) -> None:
     """A batch's slot read on a pool thread, then its completion there (a Future per read
     and a hand-off of each to the caller cost more than the read's own Python)."""
     ok = None
     try:
         ok = _read_or_miss(plan.tier.read_unlocked, plan)
     finally:
-        done(plan, ok)
+        done([plan], [ok])

@@ -43,8 +43,8 @@ class _Batch:
     out: dict[bytes, DramEntry]
     ready: Callable[[bytes, DramEntry], bool] | None
     ended: set[bytes] = field(default_factory=set)  # reads whose I/O is over and accounted
-    # (read, whether its side buffer went back, what finishing it raised)
-    done_q: SimpleQueue[tuple[ReadPlan, bool, BaseException | None]] = field(
+    # (reads completed together, how many side buffers went back, what finishing them raised)
+    done_q: SimpleQueue[tuple[Sequence[ReadPlan], int, BaseException | None]] = field(
         default_factory=SimpleQueue
     )
 
@@ -196,8 +196,8 @@ class Reads:
         batch = _Batch(out, ready)
         running: set[bytes] = set()  # keys of reads submitted, not reported back yet
 
-        def done(plan: ReadPlan, ok: bool | None) -> None:
-            self._complete(batch, plan, ok)
+        def done(plans: Sequence[ReadPlan], oks: Sequence[bool | None]) -> None:
+            self._complete(batch, plans, oks)
 
         def submit(plans: Sequence[ReadPlan]) -> None:
             started = mover.submit_reads(plans, done)
@@ -210,8 +210,8 @@ class Reads:
         try:
             submit(todo)
             while running:
-                plan, spent, error = batch.done_q.get()  # each read, as the pool finished it
-                running.discard(plan.key)
+                plans, spent, error = batch.done_q.get()  # reads, as the pool finished them
+                running.difference_update(plan.key for plan in plans)
                 if error is not None:
                     raise error
                 held -= spent
@@ -227,7 +227,7 @@ class Reads:
             # once its I/O, if started, is over, so that no key stays in flight, and the pins
             # kept for the caller, who will not get `out`, are dropped.
             while running:
-                running.discard(batch.done_q.get()[0].key)
+                running.difference_update(plan.key for plan in batch.done_q.get()[0])
             self._lock.acquire()
             for plan in todo:
                 if plan.key not in batch.ended:
@@ -241,28 +241,53 @@ class Reads:
                     m.unpin_locked(entry)
         return out
 
-    def _complete(self, batch: _Batch, plan: ReadPlan, ok: bool | None) -> None:
-        """Complete a batch's read on the pool thread that did it (not the batch's caller, so
-        reads finish, and are copied out, side by side): publish it, hand it to `ready`, give
-        back its side buffer once copied, and report to the batch."""
+    def _complete(
+        self, batch: _Batch, plans: Sequence[ReadPlan], oks: Sequence[bool | None]
+    ) -> None:
+        """Complete reads of a batch that finished together on the pool thread that did them
+        (not the batch's caller, so parts finish, and are copied out, side by side): publish
+        them, hand each to `ready`, give back the side buffers copied out, and report to the
+        batch. The books of the lot take the lock once (twice with side buffers) and wake
+        the caller once: a block's own lock round and hand-off cost more than its books."""
         m = self._m
-        spent, error = False, None
+        spent = 0
+        error: BaseException | None = None
+        kept: list[tuple[bytes, DramEntry]] = []
         try:
             with self._lock:
-                m.read_done(plan)
-                batch.ended.add(plan.key)
-                m.check_not_closed(plan)
-                m.keep_read(plan, ok, batch.out)
-                kept = batch.out.get(plan.key)
+                for plan in plans:
+                    m.read_done(plan)
+                    batch.ended.add(plan.key)
+                if m.closed:  # hung past close(): each serves nothing (check_not_closed)
+                    for plan in plans:
+                        m.unpin_locked(plan.entry)
+                    raise KVOffloadError("the engine closed while this SSD read hung")
+                for plan, ok in zip(plans, oks, strict=True):
+                    try:
+                        m.keep_read(plan, ok, batch.out)
+                    except Exception as exc:  # one read's books failing leaves the others'
+                        error = error or exc
+                        continue
+                    entry = batch.out.get(plan.key)
+                    if entry is not None:
+                        kept.append((plan.key, entry))
             ready = batch.ready
-            copied = ready is not None and kept is not None and ready(plan.key, kept)
-            if copied and kept is not None and kept.staging is not None:
+            copied = []
+            if ready is not None:
+                for key, entry in kept:
+                    try:
+                        if ready(key, entry) and entry.staging is not None:
+                            copied.append(entry)
+                    except BaseException as exc:  # the others are still copied out
+                        error = error or exc
+            if copied:
                 with self._lock:
-                    self._dram.spend(kept)  # copied out: its side buffer goes
-                spent = True
+                    for entry in copied:
+                        self._dram.spend(entry)  # copied out: its side buffer goes
+                spent = len(copied)
         except BaseException as exc:  # the batch's caller raises it
             error = exc
-        batch.done_q.put((plan, spent, error))
+        batch.done_q.put((plans, spent, error))
 
     def _prepare_some(
         self, later: deque[bytes], todo: list[ReadPlan], held: int, limit: int, idle: bool

@@ -37,6 +37,20 @@ class TierStats:
     corrupt_blocks: int = 0  # blocks that failed their checksum here (served as misses)
     io_errors: int = 0  # device or journal failures
     io_engine: str = ""  # what moves the tier's blocks ("io_uring", "threads", ..; DRAM: "")
+    # The io_uring ring pool's (`kvstore.ssd.ringpages`; 0 on every other engine): rings made,
+    # those with the slot file and with the DRAM arena registered, registrations the kernel
+    # refused, 1 if this kernel cannot share the arena's table between rings (before 6.12),
+    # entries sent on the registered file and as fixed buffers, submissions and entries.
+    io_rings: int = 0
+    io_rings_with_file: int = 0
+    io_rings_with_memory: int = 0
+    io_files_refused: int = 0
+    io_memory_refused: int = 0
+    io_clone_unsupported: int = 0
+    io_fixed_file_entries: int = 0
+    io_fixed_memory_entries: int = 0
+    io_submissions: int = 0
+    io_entries: int = 0
 
 
 class Tier(Protocol):

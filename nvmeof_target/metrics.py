@@ -31,6 +31,12 @@ _TIER_COUNTERS = {
     "promotions",
     "prefetches",
     "io_errors",
+    "io_files_refused",
+    "io_memory_refused",
+    "io_fixed_file_entries",
+    "io_fixed_memory_entries",
+    "io_submissions",
+    "io_entries",
 }
 _ENGINE_COUNTERS = {"puts", "gets", "hits", "misses", "deletes", "evictions", "neighbour_evictions",
                     "demotions_background", "demotions_inline", "room_waits",

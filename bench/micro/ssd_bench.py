@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import importlib.util
 import json
 import mmap
@@ -215,6 +216,19 @@ def _drop_cache(path: Path) -> None:
         os.close(fd)
 
 
+def _settle(engine: Engine) -> None:
+    """Let a freshly opened engine's one-time work finish before a timed round, which then
+    measures the reads of a running store, not its start: the io_uring pool's pin of the DRAM
+    arena (on a thread of its own, ~85 ms a GiB), and the garbage collection the open's
+    allocations make due (a full pass over the heap, which otherwise falls in the first
+    batches: up to ~300 us a block over a 64-block round at 2 MiB)."""
+    pages = engine._ssd.io.pages if engine._ssd is not None else None
+    pinned = getattr(pages, "pinned", None)
+    if isinstance(pinned, threading.Event) and not pinned.wait(120):
+        raise RuntimeError("the io_uring ring did not pin the arena within 120 s")
+    gc.collect()
+
+
 def _io_stats(engine: Engine) -> tuple[int, int, int]:
     """(requests, transfers, completion checks) of a NIXL slot I/O backend; zeros otherwise."""
     files = getattr(engine._ssd.io.pages, "files", None) if engine._ssd is not None else None
@@ -370,6 +384,7 @@ def _batch_rows(directory: Path, total: int, rounds: int, result: BenchResult,
                     raise RuntimeError(f"read_batch arm {arm} ran on {ran}")
                 if not timed:
                     return 0.0, 0.0
+                _settle(engine)
                 t0, c0 = time.perf_counter(), time.process_time()
                 for first in range(0, n, BATCH):
                     got = engine.get_many_into(keys[first : first + BATCH], bufs)
@@ -417,7 +432,8 @@ def _batch_rows(directory: Path, total: int, rounds: int, result: BenchResult,
     note = (f"{rounds} alternating rounds (median; GB/s per round: {spread}), {n} blocks, "
             f"get_many_into of {BATCH} per call on one thread, read_depth 8; serial = "
             f"read_depth 1 on threads; odirect = {THREADS} threads of raw preadv, odirect_crc "
-            "the same plus one CRC32C pass a block")  # fmt: skip
+            "the same plus one CRC32C pass a block; an engine round is timed once the "
+            "arena is pinned and a GC pass has run (_settle)")  # fmt: skip
     note += "".join(f"; skipped {s}" for s in skipped)
     cpu_note = "process CPU time per block (all threads), same rounds"
     cpu_med = {arm: statistics.median(v) for arm, v in cpu.items()}

@@ -46,10 +46,10 @@ import kvoffload.kvstore.faults as faults
 from kvoffload.core import io_uring_unavailable, slot_ring_type
 from kvoffload.errors import ConfigError, StorageIOError
 from kvoffload.kvstore.config import PAGE, SsdConfig
+from kvoffload.kvstore.ssd.ringpages import RingPages
 from kvoffload.kvstore.ssd.slotio import (
     AlignedBuffer,
     BlockIO,
-    RingPages,
     SlotFile,
     select_slot_file,
 )

@@ -443,6 +443,7 @@ class SsdTier:
 
 def _tier_stats(tier: SsdTier, n: Mapping[str, int]) -> TierStats:
     c = tier.counters
+    ring = tier.io.ring_stats()
     return TierStats(
         name="ssd",
         capacity_bytes=tier.capacity,
@@ -461,4 +462,14 @@ def _tier_stats(tier: SsdTier, n: Mapping[str, int]) -> TierStats:
         corrupt_blocks=c.corrupt,
         io_errors=c.io_errors,
         io_engine=tier.io.engine,
+        io_rings=ring.get("rings", 0),
+        io_rings_with_file=ring.get("rings_with_file", 0),
+        io_rings_with_memory=ring.get("rings_with_memory", 0),
+        io_files_refused=ring.get("files_refused", 0),
+        io_memory_refused=ring.get("memory_refused", 0),
+        io_clone_unsupported=ring.get("clone_unsupported", 0),
+        io_fixed_file_entries=ring.get("fixed_file_entries", 0),
+        io_fixed_memory_entries=ring.get("fixed_memory_entries", 0),
+        io_submissions=ring.get("submissions", 0),
+        io_entries=ring.get("entries", 0),
     )

@@ -24,6 +24,7 @@ import zmq
 from probes import pinned, settled
 
 from kvoffload.client_sdk import AsyncClient, Client, Namespace, block_keys
+from kvoffload.core import io_uring_unavailable
 from kvoffload.errors import (
     AuthError,
     DeadlineExceededError,
@@ -36,6 +37,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 NS = Namespace("org/model", block_tokens=4, num_layers=2, num_kv_heads=2, head_size=8)
 Start = Callable[..., Any]  # the `start_daemon` fixture (conftest.py) -> Daemon
+UNAVAILABLE = io_uring_unavailable()
 
 
 def _blocks(n: int, size: int, seed: int = 0) -> list[np.ndarray]:
@@ -346,6 +348,28 @@ def test_metrics_are_scraped(start_daemon: Start) -> None:
     sent_in = _sample(text, 'kvoffload_payload_bytes_in_total{front="native"}')
     sent_out = _sample(text, 'kvoffload_payload_bytes_out_total{front="native"}')
     assert sent_in == sent_out >= 5000
+
+
+@pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no io_uring: {UNAVAILABLE}")
+def test_the_io_uring_rings_registrations_are_scraped(start_daemon: Start) -> None:
+    daemon = start_daemon("--ssd", "64MiB")
+    with Client.connect(daemon.url()) as client:
+        for i in range(4):  # a durable put writes its slot through a ring
+            client.put(i.to_bytes(16, "big"), bytes(200_000), durable=True)
+        text = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
+    assert _sample(text, 'kvoffload_tier_io_rings{tier="ssd"}') >= 1
+    assert _sample(text, 'kvoffload_tier_io_rings_with_file{tier="ssd"}') >= 1
+    assert _sample(text, 'kvoffload_tier_io_fixed_file_entries_total{tier="ssd"}') >= 8
+    assert _sample(text, 'kvoffload_tier_io_submissions_total{tier="ssd"}') >= 4
+    assert _sample(text, 'kvoffload_tier_io_entries_total{tier="ssd"}') >= 8
+    for name in ("io_rings_with_memory", "io_clone_unsupported"):
+        assert _sample(text, f'kvoffload_tier_{name}{{tier="ssd"}}') >= 0
+    for name in ("io_files_refused", "io_memory_refused", "io_fixed_memory_entries"):
+        assert _sample(text, f'kvoffload_tier_{name}_total{{tier="ssd"}}') >= 0
+    proc = subprocess.run([sys.executable, "-m", "kvoffload.cli", "stats", daemon.url()],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "io_uring: " in proc.stdout and "with the slot file" in proc.stdout
 
 
 def _sample(text: str, name: str) -> float:

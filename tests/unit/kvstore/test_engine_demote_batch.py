@@ -21,7 +21,7 @@ from kvoffload.errors import StorageIOError
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig, faults
 from kvoffload.kvstore.extents import slot_bytes
 from kvoffload.kvstore.ssd.fsck import fsck
-from kvoffload.kvstore.ssd.slotio import RingPages
+from kvoffload.kvstore.ssd.ringpages import RingPages
 
 UNAVAILABLE = core.io_uring_unavailable()
 pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"no io_uring: {UNAVAILABLE}")

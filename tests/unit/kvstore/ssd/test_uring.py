@@ -13,6 +13,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,7 +24,9 @@ import kvoffload.core as core
 from kvoffload.errors import ConfigError, KVOffloadError, StorageIOError
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
 from kvoffload.kvstore.config import PAGE
-from kvoffload.kvstore.ssd.slotio import AlignedBuffer, BlockIO, RingPages, SlotFile
+from kvoffload.kvstore.reads import Reads
+from kvoffload.kvstore.ssd.ringpages import RingPages
+from kvoffload.kvstore.ssd.slotio import AlignedBuffer, BlockIO, SlotFile
 
 WAIT_S = 30  # a hang guard, never a timing assertion
 BLOCK = 200_000
@@ -256,6 +259,30 @@ def test_a_batch_of_cold_reads_is_one_submission(tmp_path: Path) -> None:
         dram, ssd = engine.stats().tiers
         assert ssd.io_engine == "io_uring" and ssd.io_errors == ssd.corrupt_blocks == 0
         assert ssd.hits == dram.promotions == 10 and dram.pinned == 0
+
+
+@needs_ring
+def test_a_parts_reads_are_completed_together(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each read-pool thread's part of a batch is published, copied out and reported to the
+    # caller in one go (one lock round and one wake-up a part, not one a block).
+    cold_store(tmp_path, 10)
+    parts: list[int] = []
+    complete = Reads._complete
+
+    def counted(self: Reads, batch: Any, plans: Any, oks: Any) -> None:
+        parts.append(len(plans) if isinstance(plans, (list, tuple)) else 1)  # 1: a plan alone
+        complete(self, batch, plans, oks)
+
+    monkeypatch.setattr(Reads, "_complete", counted)
+    with Engine(config(tmp_path)) as engine:
+        bufs = [bytearray(BLOCK) for _ in range(10)]
+        assert engine.get_many_into([key(i) for i in range(10)], bufs) == [BLOCK] * 10
+        assert [bytes(b) for b in bufs] == [value(i) for i in range(10)]
+        ssd = engine.stats().tiers[1]
+        assert ssd.io_submissions == 4 and ssd.hits == 10 and engine.stats().tiers[0].pinned == 0
+    assert sorted(parts) == [1, 3, 3, 3]  # read_depth 4: parts of 3, 3, 3 and 1 slots
 
 
 class Plan:

@@ -9,6 +9,7 @@ RLIMIT_MEMLOCK) run unregistered, counted."""
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import logging
 import mmap
@@ -26,7 +27,9 @@ import kvoffload.core as core
 from kvoffload.errors import ConfigError
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
 from kvoffload.kvstore.config import PAGE
-from kvoffload.kvstore.ssd.slotio import AlignedBuffer, RingPages, SlotFile
+from kvoffload.kvstore.engine import arena_of
+from kvoffload.kvstore.ssd.ringpages import RingPages
+from kvoffload.kvstore.ssd.slotio import AlignedBuffer, SlotFile
 
 BLOCK = 200_000
 RING = core.slot_ring_type()
@@ -215,6 +218,62 @@ def test_an_engines_rings_register_the_slot_file_and_the_arena(tmp_path: Path) -
             assert reg["rings_with_file"] == reg["rings_with_memory"] == 0
             assert reg["fixed_file_entries"] == reg["fixed_memory_entries"] == 0
     assert answers[True] == answers[False] == [True] * 40
+
+
+def test_the_rings_registrations_reach_the_engines_stats(tmp_path: Path) -> None:
+    with Engine(config(tmp_path)) as engine:
+        ssd = engine._ssd
+        assert ssd is not None and isinstance(ssd.io.pages, RingPages)
+        assert ssd.io.pages.pinned.wait(30)  # a hang guard: the pin runs on its thread
+        for i in range(40):  # DRAM holds ~20: the others are demoted through the rings
+            engine.put(key(i), value(i))
+        got = engine.get_many_into([key(i) for i in range(8)],
+                                   [bytearray(BLOCK) for _ in range(8)])  # fmt: skip
+        assert got == [BLOCK] * 8
+        stats = engine.stats()
+        reg = ssd.io.pages.registration()
+        submissions, entries = ssd.io.pages.counts()
+    (tier,) = [t for t in stats.tiers if t.name == "ssd"]
+    assert tier.io_engine == "io_uring"
+    assert tier.io_rings == reg["rings"] >= 1
+    assert tier.io_rings_with_file == tier.io_rings
+    assert tier.io_rings_with_memory == (1 if reg["clone_unsupported"] else tier.io_rings)
+    assert tier.io_clone_unsupported == reg["clone_unsupported"]
+    assert tier.io_files_refused == tier.io_memory_refused == 0
+    assert tier.io_fixed_file_entries == reg["fixed_file_entries"] > 0
+    assert tier.io_fixed_memory_entries == reg["fixed_memory_entries"] > 0
+    assert (tier.io_submissions, tier.io_entries) == (submissions, entries)
+    assert 0 < tier.io_submissions < tier.io_entries
+    # The DRAM tier has no rings; its counters stay 0.
+    assert [t.io_rings for t in stats.tiers if t.name == "dram"] == [0]
+
+
+def _mapped(address: int) -> bool:
+    """Whether a mapping of this process starts at `address` (/proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        return any(int(line.split("-", 1)[0], 16) == address for line in maps)
+
+
+def test_close_unmaps_the_arena_the_rings_held_registered(tmp_path: Path) -> None:
+    # The rings hold the arena exported while it is in their buffer tables; close unmaps it
+    # once they are closed, not some later GC pass on whatever thread runs then.
+    gc.disable()  # a GC pass must not do the unmapping this test is about
+    try:
+        engine = Engine(config(tmp_path))
+        ssd = engine._ssd
+        assert ssd is not None and isinstance(ssd.io.pages, RingPages)
+        assert ssd.io.pages.pinned.wait(30)
+        for i in range(40):
+            engine.put(key(i), value(i))
+        got = engine.get_many_into([key(i) for i in range(4)], [bytearray(BLOCK)] * 4)
+        assert got == [BLOCK] * 4
+        assert engine.stats().tiers[1].io_rings_with_memory >= 1
+        address = np.frombuffer(arena_of(engine), dtype=np.uint8).ctypes.data
+        assert _mapped(address)
+        engine.close()
+        assert not _mapped(address)
+    finally:
+        gc.enable()
 
 
 _REFUSED = """

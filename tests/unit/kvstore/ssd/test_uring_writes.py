@@ -23,7 +23,8 @@ from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
 from kvoffload.kvstore.config import PAGE
 from kvoffload.kvstore.faults import enter_errno, ring
 from kvoffload.kvstore.ssd.fsck import fsck
-from kvoffload.kvstore.ssd.slotio import AlignedBuffer, RingPages, SlotFile
+from kvoffload.kvstore.ssd.ringpages import RingPages
+from kvoffload.kvstore.ssd.slotio import AlignedBuffer, SlotFile
 
 WAIT_S = 30  # a hang guard, never a timing assertion
 BLOCK = 200_000
