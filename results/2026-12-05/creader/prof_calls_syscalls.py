@@ -4,7 +4,6 @@ per get (strace -c -f -p over 5,000 gets), for one tree: prof.py TREE OUT.json""
 import json
 import os
 import pstats
-import re
 import signal
 import subprocess
 import sys
@@ -12,9 +11,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from daemon import start
+
 tree, out = sys.argv[1], sys.argv[2]
 py = os.path.join(tree, ".venv/bin/python")
-LISTEN = re.compile(r"kvoffload: (\w+) listening on (\S+):(\d+)")
 CLIENT = r"""
 import sys
 from kvoffload.client_sdk import Client
@@ -37,36 +37,7 @@ env = {k: v for k, v in os.environ.items() if not k.startswith("KVOFFLOAD_")}
 
 
 def daemon(tmp, profile=None):
-    args = (
-        [py]
-        + (["-m", "cProfile", "-o", profile] if profile else [])
-        + [
-            "-m",
-            "kvoffload.cli",
-            "serve",
-            "--port",
-            "0",
-            "--nvme-port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--dram",
-            "1GiB",
-            "--ssd",
-            "0",
-            "--data-dir",
-            tmp,
-        ]
-    )
-    d = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env, cwd=tmp)
-    port = None
-    for line in d.stdout:
-        m = LISTEN.match(line.strip())
-        if m and m.group(1) == "native":
-            port = int(m.group(3))
-        if line.strip() == "kvoffload: ready":
-            break
-    return d, port
+    return start(py, tmp, env, "1GiB", profile)
 
 
 def client(port, n):

@@ -2,14 +2,14 @@
 
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-LISTEN = re.compile(r"kvoffload: (\w+) listening on (\S+):(\d+)")
+from daemon import start
+
 CLIENT = r"""
 import os, sys
 from kvoffload.client_sdk import Client
@@ -39,36 +39,7 @@ for r in range(3):
     ):
         py = tree + "/.venv/bin/python"
         with tempfile.TemporaryDirectory() as tmp:
-            d = subprocess.Popen(
-                [
-                    py,
-                    "-m",
-                    "kvoffload.cli",
-                    "serve",
-                    "--port",
-                    "0",
-                    "--nvme-port",
-                    "0",
-                    "--metrics-port",
-                    "0",
-                    "--dram",
-                    "256MiB",
-                    "--ssd",
-                    "0",
-                    "--data-dir",
-                    tmp,
-                ],
-                stdout=subprocess.PIPE,
-                text=True,
-                env=env,
-                cwd=tmp,
-            )
-            for line in d.stdout:
-                m = LISTEN.match(line.strip())
-                if m and m.group(1) == "native":
-                    port = int(m.group(3))
-                if line.strip() == "kvoffload: ready":
-                    break
+            d, port = start(py, tmp, env, "256MiB")
             out = subprocess.run(
                 [py, "-c", CLIENT, str(d.pid), str(port), "20000"],
                 capture_output=True,
