@@ -145,6 +145,10 @@ class NativeSession(Session):
         self._created = self._last_rx = time.monotonic()
         self._frame_since: float | None = None
         self._hot: Any = None  # the C Get path (`start_hot`), once it may serve
+        # Whether the last request was answered in C: only then does the next read go to the C
+        # reader (`_read_in_c`). A connection that puts would hand back at every request, and
+        # arming and handing back cost a put more than the Python read does.
+        self._hot_last = False
 
     # ------------------------------------------------------------------ the loop
 
@@ -191,6 +195,7 @@ class NativeSession(Session):
             ):
                 served = self._serve_hot(max(1, self._turn_left()))
                 if served:
+                    self._hot_last = True
                     await self._next_step(served)  # each counts: a pipeliner still yields
                     reader = conn._reader
                     if (
@@ -211,6 +216,7 @@ class NativeSession(Session):
                 waiting = self._handlers[SinkFull](self, event)
             else:
                 assert isinstance(event, Event)
+                self._hot_last = False
                 waiting = self._dispatch(event)
             if waiting is not None:
                 await waiting  # engine work on the I/O threads that later requests must follow
@@ -261,13 +267,15 @@ class NativeSession(Session):
     async def _read_in_c(self) -> bool:
         """Wait for the next requests with `HotGets` as the loop's reader of the socket (the C
         reader callback, hot.c) when the connection is idle at a frame boundary with nothing
-        outstanding; False (nothing done) otherwise. C receives into the codec's buffer and
-        answers the hot frames itself, request after request, and hands back once with what
-        it must not answer: the buffer is then as `recv_into` would have left it, and the step
-        is counted as after a read. The same as the Python read loop in everything but cost."""
+        outstanding and its last request was answered in C; False (nothing done) otherwise.
+        C receives into the codec's buffer and answers the hot frames itself, request after
+        request, and hands back once with what it must not answer: the buffer is then as
+        `recv_into` would have left it, and the step is counted as after a read. The same as
+        the Python read loop in everything but cost."""
         conn, channel, hot = self.conn, self.channel, self._hot
         if (
-            conn.pending
+            not self._hot_last
+            or conn.pending
             or self._tasks
             or self._inflight_bytes
             or self.puts

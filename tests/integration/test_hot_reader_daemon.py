@@ -215,8 +215,9 @@ def test_the_daemon_stops_with_clients_idle_in_the_c_reader(start_daemon: Start,
     clients = [Client.connect(daemon.url(retries="0")) for _ in range(3)]
     try:
         clients[0].put(KEYS[0], b"v" * 100)
-        for client in clients:
-            assert client.get(KEYS[0]) == b"v" * 100  # then each waits for its next request
+        for client in clients:  # the first get read in Python, the second in C
+            assert client.get(KEYS[0]) == client.get(KEYS[0]) == b"v" * 100
+        # then each waits for its next request (in C on the C core)
         hot = _server(daemon)["hot_reader_requests"]
         assert (hot >= 2) == (path == "c")
         assert daemon.stop() == 0  # SIGTERM: every session stops, the daemon exits cleanly
@@ -237,10 +238,27 @@ def test_answers_a_full_socket_leaves_stay_pinned_until_the_reader_goes(
         for key in KEYS:
             client.put(key, bytes([key[-1]]) * MIB)
         raw = Raw(daemon.port, small_window(daemon.port, 4096))
-        raw.sock.sendall(b"".join(raw.conn.send(Get(2 + i, KEYS[i % 8])) for i in range(24)))
+        raw.sock.sendall(raw.conn.send(Get(2, KEYS[0])))  # answered in C: the next read is C's
+        raw.read(1)
+        raw.sock.sendall(b"".join(raw.conn.send(Get(3 + i, KEYS[i % 8])) for i in range(24)))
         assert eventually(lambda: pinned(client) > 0)
         if path == "c":
             assert _server(daemon)["hot_reader_requests"] >= 1
         raw.sock.close()
         assert eventually(lambda: pinned(client) == 0)
         assert client.get(KEYS[0]) == bytes([KEYS[0][-1]]) * MIB
+
+
+def test_a_connection_that_puts_stays_in_the_python_read_loop(start_daemon: Start) -> None:
+    """The C reader is armed only after a request C answered: a run of puts does not arm and
+    hand back at every put (which costs a put more CPU than the Python read does)."""
+    daemon = start_daemon(env=PATHS["c"])
+    with Client.connect(daemon.url()) as client:
+        client.put(KEYS[0], b"v" * 1000)
+        assert client.get(KEYS[0]) == client.get(KEYS[0])  # the second read in C
+        before = client.stats().store["server"]["hot_reader_handbacks"]  # type: ignore[index]
+        for i in range(20):
+            client.put(KEYS[i % 8], b"p" * 1000)
+        server = client.stats().store["server"]
+    # the stats request handed back (counted in `before`); from there on Python reads
+    assert server["hot_reader_handbacks"] == before, server  # type: ignore[index]
