@@ -111,7 +111,7 @@ class Channel:
 
     def unwatch(self) -> None:
         """The channel's own reader again, registered with nobody waiting (as after a read):
-        the handler is swapped in place, with no epoll call."""
+        the loop swaps the callback of the fd it already watches."""
         if not self.closed:
             self._reading = True
             self._loop.add_reader(self._fd, self._on_readable)
