@@ -15,7 +15,8 @@
  * first frame it does not take whole (any other request, a non-canonical or bad frame, an
  * engine closing), which the Python session then reads and answers as always: the answers
  * leave in request order. `release(views, entries, taken)` unpins once the kernel took the
- * bytes and gives `taken` back to the pin budget.
+ * bytes and gives `taken` back to the pin budget. `arm` and calling the object make it the
+ * connection's reader callback on the event loop (receive, `serve`, hand back; see below).
  */
 #include "core.h" /* Python.h first: it sets the POSIX feature macros (clock_gettime) */
 
