@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import os
 import socket
 import ssl
 import time
@@ -101,6 +102,23 @@ class Channel:
             # until the next read finds the socket empty.
             self._reading = False
             self._loop.remove_reader(self._fd)
+
+    def watch(self, callback: Callable[[], object]) -> None:
+        """Let `callback` be the loop's reader of the socket, in place of the channel's own,
+        until `unwatch` (a reader callback in C: `NativeSession._read_in_c`)."""
+        self._reading = False  # the registration is the callback's now
+        self._loop.add_reader(self._fd, callback)
+
+    def unwatch(self) -> None:
+        """The channel's own reader again, registered with nobody waiting (as after a read):
+        the loop swaps the callback of the fd it already watches."""
+        if not self.closed:
+            self._reading = True
+            self._loop.add_reader(self._fd, self._on_readable)
+
+    def broken(self, errno: int) -> TransportError:
+        """A receive done outside `recv_into` failed with `errno`: as `recv_into` fails."""
+        return self._fail(OSError(errno, os.strerror(errno)))
 
     # ------------------------------------------------------------------ writing
 

@@ -101,6 +101,10 @@ class Services:
     hot_lookups: int = 0  # and lookups
     hot_get_manys: int = 0  # and batch gets
     hot_put_answers: int = 0  # puts whose answer C sent and counted (`HotGets.put_done`)
+    # Of the hot requests, those the C reader callback received and answered with no Python
+    # session code between (`NativeSession._read_in_c`), and how often it handed back.
+    hot_reader_requests: int = 0
+    hot_reader_handbacks: int = 0
     shard: ShardRole | None = None
     # This process's NIXL agent, made when a client first asks for the NIXL data path.
     nixl: NixlAgent | None = None
@@ -124,6 +128,8 @@ class Services:
             "hot_lookups": self.hot_lookups,
             "hot_get_manys": self.hot_get_manys,
             "hot_put_answers": self.hot_put_answers,
+            "hot_reader_requests": self.hot_reader_requests,
+            "hot_reader_handbacks": self.hot_reader_handbacks,
         }
 
 

@@ -47,8 +47,10 @@ def _load() -> ModuleType | None:
 
         # A build older than this code (an editable install keeps the .so it built before a
         # `git pull`): a clear ImportError, not an AttributeError at first use.
-        if getattr(_core, "HOT_OPS", 0) != HOT_OPS or not hasattr(
-            getattr(_core, "SlotRing", None), "submit"
+        if (
+            getattr(_core, "HOT_OPS", 0) != HOT_OPS
+            or not hasattr(getattr(_core, "SlotRing", None), "submit")
+            or not hasattr(getattr(_core, "HotGets", None), "arm")
         ):
             raise ImportError(
                 f"{_core.__file__} is older than its Python code: rebuild it with "

@@ -1,6 +1,6 @@
 # Stubs of the C core (_core.c, index.c, hot.c, uring.c); kvoffload.kvstore.dram.DramIndex
 # documents the index, kvoffload/core/uring.c the ring.
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 class DramIndex:
     pinned: set[bytes]
@@ -58,6 +58,21 @@ class HotGets:
     def release(
         self, views: list[memoryview], entries: list[object], taken: int = 0, /
     ) -> None: ...
+    # The reader callback: the loop calls the object while it is armed (see hot.c).
+    armed: int
+    last_rx: float
+    def arm(
+        self,
+        reader: object,
+        fd: int,
+        most: int,
+        max_inflight: int,
+        handback: Callable[[int, object, object], object],
+        services: object,
+        /,
+    ) -> None: ...
+    def disarm(self) -> None: ...
+    def __call__(self) -> None: ...
 
 class SlotRing:
     depth: int

@@ -15,11 +15,15 @@
  * first frame it does not take whole (any other request, a non-canonical or bad frame, an
  * engine closing), which the Python session then reads and answers as always: the answers
  * leave in request order. `release(views, entries, taken)` unpins once the kernel took the
- * bytes and gives `taken` back to the pin budget.
+ * bytes and gives `taken` back to the pin budget. `arm` and calling the object make it the
+ * connection's reader callback on the event loop (receive, `serve`, hand back; see below).
  */
 #include "core.h" /* Python.h first: it sets the POSIX feature macros (clock_gettime) */
 
+#include <errno.h>
+#include <stddef.h>
 #include <string.h>
+#include <structmember.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -61,12 +65,18 @@ typedef struct {
     long long m_counts[NOPS], m_bytes_out, m_bytes_in;
     long long m_buckets[NOPS][MAX_BOUNDS + 1]; /* not cumulative; the last is +Inf */
     double m_sums[NOPS];
+    /* The reader callback (`arm`, then the loop calls the object on readable): what it
+     * reads into and hands back to, while armed. */
+    int armed, r_fd;
+    long long r_most, r_max_inflight;
+    PyObject *r_reader, *r_handback, *r_services;
+    double last_rx; /* when the callback last received (CLOCK_MONOTONIC, as time.monotonic) */
 } HotGets;
 
 static PyObject *s_acquire, *s_release, *s_closing, *s_closed, *s_buf, *s_start, *s_end,
     *s_state, *s_head, *s_gets, *s_hits, *s_misses, *s_bytes_out, *s_copy, *s_update, *s_digest,
     *s_length_name, *s_found_name, *s_count_name, *s_limits, *s_max_header, *s_take,
-    *s_give_back;
+    *s_give_back, *s_hot_names[5];
 
 static int intern_all(void) {
     struct { PyObject **at; const char *name; } names[] = {
@@ -80,6 +90,12 @@ static int intern_all(void) {
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if ((*names[i].at = PyUnicode_InternFromString(names[i].name)) == NULL) return -1;
+    /* Services' counters of what C answered, in serve's order (gets, exists, lookups, many),
+     * then of what the reader callback answered */
+    static const char *hot[5] = {"hot_gets", "hot_exists", "hot_lookups", "hot_get_manys",
+                                 "hot_reader_requests"};
+    for (int i = 0; i < 5; i++)
+        if ((s_hot_names[i] = PyUnicode_InternFromString(hot[i])) == NULL) return -1;
     return 0;
 }
 
@@ -1006,6 +1022,188 @@ static PyObject *hot_take_metrics(HotGets *self, PyObject *Py_UNUSED(ignored)) {
     return out;
 }
 
+/* ------------------------------------------------------------------ the reader callback
+ *
+ * `arm(reader, fd, most, max_inflight, handback, services)` makes the object the event loop's
+ * reader of `fd` (the session registers it with `loop.add_reader(fd, hot)`) while the
+ * connection is idle at a frame boundary with nothing outstanding. Each time the socket is
+ * readable it receives once, straight into the codec's buffer (`FrameReader._buf`, as
+ * `get_buffer` offers it with everything parsed), and answers what `serve` would, at most
+ * `most` frames (the connection's turn), counting in `services` what the session counts
+ * after `serve`. It stays armed while that leaves nothing behind; otherwise it disarms and
+ * calls `handback(code, extra, got)` once, with the buffer as the Python read loop would see
+ * it after `recv_into`: code BACK_DATA (extra: frames served this turn; bytes may be left,
+ * and `got` is serve's answer whose unsent rest the session must queue, or None), BACK_EOF,
+ * BACK_OSERROR (extra: errno) or BACK_RAISED (extra: the exception). */
+enum { BACK_DATA = 0, BACK_EOF = 1, BACK_OSERROR = 2, BACK_RAISED = 3 };
+
+/* Disarm, then call the handback once; steals `extra` and `got` (NULL: none). */
+static PyObject *hand_back(HotGets *self, int code, PyObject *extra, PyObject *got) {
+    PyObject *handback = self->r_handback;
+    self->r_handback = NULL;
+    self->armed = 0;
+    Py_CLEAR(self->r_reader);
+    Py_CLEAR(self->r_services);
+    PyObject *r = NULL;
+    if (extra == NULL) { /* out of memory: the handback is called all the same, or the
+                          * session would wait for it forever */
+        PyErr_Clear();
+        extra = Py_NewRef(Py_None);
+    }
+    if (handback != NULL) {
+        PyObject *c = PyLong_FromLong(code);
+        if (c != NULL)
+            r = PyObject_CallFunctionObjArgs(handback, c, extra, got ? got : Py_None, NULL);
+        Py_XDECREF(c);
+    }
+    Py_XDECREF(extra);
+    Py_XDECREF(got);
+    Py_XDECREF(handback);
+    return r; /* NULL: the loop's exception handler reports it, as any callback's error */
+}
+
+/* The exception set now as the handback's `extra` (a BACK_RAISED hand-back). */
+static PyObject *back_raised(HotGets *self, PyObject *got) {
+    PyObject *et, *ev, *etb;
+    PyErr_Fetch(&et, &ev, &etb);
+    PyErr_NormalizeException(&et, &ev, &etb);
+    if (ev != NULL && etb != NULL) PyException_SetTraceback(ev, etb);
+    Py_XDECREF(et);
+    Py_XDECREF(etb);
+    return hand_back(self, BACK_RAISED, ev, got);
+}
+
+static int set_long(PyObject *obj, PyObject *name, long long value) {
+    PyObject *v = PyLong_FromLongLong(value);
+    int rc = v ? PyObject_SetAttr(obj, name, v) : -1;
+    Py_XDECREF(v);
+    return rc;
+}
+
+/* One readable event of an armed connection (see above); the reader is held by the caller. */
+static PyObject *reader_turn(HotGets *self, PyObject *reader) {
+    PyObject *got = NULL;
+    PyObject *state = PyObject_GetAttr(reader, s_state);
+    if (state == NULL) return back_raised(self, NULL);
+    Py_DECREF(state);
+    long long start = long_attr(reader, s_start), end = long_attr(reader, s_end);
+    if (PyErr_Occurred()) return back_raised(self, NULL);
+    if (state != self->head_state || start != end) /* not as armed: the session reads it */
+        return hand_back(self, BACK_DATA, PyLong_FromLong(0), NULL);
+    if (start != 0 && (set_long(reader, s_start, 0) < 0 || set_long(reader, s_end, 0) < 0))
+        return back_raised(self, NULL); /* all parsed: start over at the front, as get_buffer */
+    PyObject *buf = PyObject_GetAttr(reader, s_buf);
+    if (buf == NULL) return back_raised(self, NULL);
+    if (!PyByteArray_Check(buf)) {
+        Py_DECREF(buf);
+        PyErr_SetString(PyExc_TypeError, "the reader's buffer is not a bytearray");
+        return back_raised(self, NULL);
+    }
+    /* the buffer's own size bounds the read; nothing resizes it meanwhile (the GIL is held) */
+    Py_ssize_t room = PyByteArray_GET_SIZE(buf);
+    ssize_t n = -1;
+    errno = EINVAL;
+    if (room > 0) do
+            n = recv(self->r_fd, PyByteArray_AS_STRING(buf), (size_t)room, MSG_DONTWAIT);
+        while (n < 0 && errno == EINTR);
+    int err = errno;
+    Py_DECREF(buf);
+    if (n < 0) {
+        if (err == EAGAIN || err == EWOULDBLOCK) Py_RETURN_NONE; /* woken for nothing: armed */
+        return hand_back(self, BACK_OSERROR, PyLong_FromLong(err), NULL);
+    }
+    self->last_rx = now_s();
+    if (n == 0) return hand_back(self, BACK_EOF, PyLong_FromLong(0), NULL);
+    if (set_long(reader, s_end, (long long)n) < 0) return back_raised(self, NULL);
+    PyObject *args = Py_BuildValue("(OLLLi)", reader, 0LL, self->r_max_inflight, self->r_most,
+                                   self->r_fd);
+    got = args ? hot_serve(self, args) : NULL;
+    Py_XDECREF(args);
+    if (got == NULL) return back_raised(self, NULL);
+    long long served = 0;
+    if (got != Py_None) {
+        PyObject *counts = PyTuple_GET_ITEM(got, 3);
+        for (int i = 0; i < 5; i++) { /* the four ops, then all of them (reader_requests) */
+            long long c = i < 4 ? PyLong_AsLongLong(PyTuple_GET_ITEM(counts, i)) : served;
+            if (c == -1 && PyErr_Occurred()) return back_raised(self, got);
+            if (i < 4) served += c;
+            if (c && self->r_services != Py_None) {
+                long long was = long_attr(self->r_services, s_hot_names[i]);
+                if ((was == -1 && PyErr_Occurred()) ||
+                    set_long(self->r_services, s_hot_names[i], was + c) < 0)
+                    return back_raised(self, got);
+            }
+        }
+        if (PyList_GET_SIZE(PyTuple_GET_ITEM(got, 0)) == 0) Py_CLEAR(got); /* all sent */
+    } else {
+        Py_CLEAR(got);
+    }
+    start = long_attr(reader, s_start);
+    end = long_attr(reader, s_end);
+    if (PyErr_Occurred()) return back_raised(self, got);
+    if (start != end || got != NULL)
+        return hand_back(self, BACK_DATA, PyLong_FromLongLong(served), got);
+    Py_RETURN_NONE;
+}
+
+static PyObject *hot_call(HotGets *self, PyObject *args, PyObject *kwds) {
+    if (PyTuple_GET_SIZE(args) != 0 || (kwds != NULL && PyDict_GET_SIZE(kwds) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "HotGets() takes no arguments");
+        return NULL;
+    }
+    if (!self->armed) Py_RETURN_NONE; /* disarmed since the loop saw the fd readable */
+    PyObject *reader = Py_NewRef(self->r_reader);
+    PyObject *out = reader_turn(self, reader);
+    Py_DECREF(reader);
+    return out;
+}
+
+static PyObject *hot_arm(HotGets *self, PyObject *args) {
+    PyObject *reader, *handback, *services;
+    int fd;
+    long long most, max_inflight;
+    if (!PyArg_ParseTuple(args, "OiLLOO:arm", &reader, &fd, &most, &max_inflight, &handback,
+                          &services))
+        return NULL;
+    if (self->nbounds == 0 || fd < 0 || most < 1 || max_inflight < 0) {
+        PyErr_SetString(PyExc_ValueError, "arm needs HotGets(..., buckets=...), an fd, most >= 1 "
+                                          "and max_inflight >= 0");
+        return NULL;
+    }
+    if (!PyCallable_Check(handback)) {
+        PyErr_SetString(PyExc_TypeError, "arm: handback must be callable");
+        return NULL;
+    }
+    if (self->armed) {
+        PyErr_SetString(PyExc_ValueError, "arm: already armed");
+        return NULL;
+    }
+    self->r_reader = Py_NewRef(reader);
+    self->r_handback = Py_NewRef(handback);
+    self->r_services = Py_NewRef(services);
+    self->r_fd = fd;
+    self->r_most = most;
+    self->r_max_inflight = max_inflight;
+    self->armed = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *hot_disarm(HotGets *self, PyObject *Py_UNUSED(ignored)) {
+    self->armed = 0;
+    Py_CLEAR(self->r_reader);
+    Py_CLEAR(self->r_handback);
+    Py_CLEAR(self->r_services);
+    Py_RETURN_NONE;
+}
+
+static PyMemberDef hot_members[] = {
+    {"armed", T_INT, offsetof(HotGets, armed), READONLY,
+     "whether the object is the connection's reader now (arm, until it hands back)"},
+    {"last_rx", T_DOUBLE, offsetof(HotGets, last_rx), READONLY,
+     "time.monotonic() of the reader callback's last receive (0.0: none yet)"},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyObject *hot_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *names[] = {"lock", "index", "counters", "manager", "apply_touches", "free",
                             "arena", "prefix", "frame_head", "head_state", "touch_ring",
@@ -1070,6 +1268,9 @@ static int hot_traverse(HotGets *self, visitproc visit, void *arg) {
     Py_VISIT(self->frame_head);
     Py_VISIT(self->head_state);
     Py_VISIT(self->pins);
+    Py_VISIT(self->r_reader);
+    Py_VISIT(self->r_handback);
+    Py_VISIT(self->r_services);
     return 0;
 }
 
@@ -1085,6 +1286,10 @@ static int hot_clear(HotGets *self) {
     Py_CLEAR(self->frame_head);
     Py_CLEAR(self->head_state);
     Py_CLEAR(self->pins);
+    self->armed = 0;
+    Py_CLEAR(self->r_reader);
+    Py_CLEAR(self->r_handback);
+    Py_CLEAR(self->r_services);
     return 0;
 }
 
@@ -1110,6 +1315,12 @@ static PyMethodDef hot_methods[] = {
      "put_done(parts, fd, t0, nbytes) -> rest: send a put's answer (the codec's bytes) on fd "
      "(nothing queued on it) and count it (a put, ok, latency from t0, nbytes in); rest is "
      "what the kernel did not take, for the session's Channel."},
+    {"arm", (PyCFunction)hot_arm, METH_VARARGS,
+     "arm(reader, fd, most, max_inflight, handback, services): be the connection's reader "
+     "callback (the loop calls the object when fd is readable) until it calls "
+     "handback(code, extra, got) once; see hot.c."},
+    {"disarm", (PyCFunction)hot_disarm, METH_NOARGS,
+     "disarm(): stop being the reader without a hand-back (the session was stopped)."},
     {"release", (PyCFunction)hot_release, METH_VARARGS,
      "release(views, entries, taken=0): unpin what served answers held and give `taken` back "
      "to the pin budget (idempotent)."},
@@ -1127,6 +1338,8 @@ PyTypeObject HotGetsType = {
     .tp_traverse = (traverseproc)hot_traverse,
     .tp_clear = (inquiry)hot_clear,
     .tp_methods = hot_methods,
+    .tp_members = hot_members,
+    .tp_call = (ternaryfunc)hot_call,
 };
 
 int core_hot_init(void) { return intern_all(); }

@@ -9,6 +9,7 @@ table its front hands it (`Host.handlers`), so neither side imports the other ba
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -26,7 +27,7 @@ from kvoffload.nvmeof_target.config import NativeConfig
 from kvoffload.nvmeof_target.metrics import LATENCY_BUCKETS
 from kvoffload.nvmeof_target.native.agent import NixlPeer
 from kvoffload.nvmeof_target.services import Services
-from kvoffload.nvmeof_target.session import OPS, Instruments, Session
+from kvoffload.nvmeof_target.session import OPS, TURN_STEPS, Instruments, Session
 from kvoffload.nvmeof_target.tenants import HelloChallenge, Tenant
 from kvoffload.wire import fast
 from kvoffload.wire.native.connection import (
@@ -66,6 +67,9 @@ _OP_NAMES: dict[type[Event], str] = {}
 _KEYED: frozenset[type[Event]] = frozenset(
     {Get, Exists, Delete, GetMany, Lookup, Prefetch, NixlGet, Describe, DeleteMany}
 )
+# How the C reader callback hands back (`HotGets.arm`, hot.c): bytes left for the Python
+# codec (or none, after answers the kernel did not take whole), EOF, a receive error, a raise.
+_BACK_DATA, _BACK_EOF, _BACK_OSERROR, _BACK_RAISED = 0, 1, 2, 3
 
 
 @dataclass
@@ -141,6 +145,10 @@ class NativeSession(Session):
         self._created = self._last_rx = time.monotonic()
         self._frame_since: float | None = None
         self._hot: Any = None  # the C Get path (`start_hot`), once it may serve
+        # Whether the last request was answered in C: only then does the next read go to the C
+        # reader (`_read_in_c`). A connection that puts would hand back at every request, and
+        # arming and handing back cost a put more than the Python read does.
+        self._hot_last = False
 
     # ------------------------------------------------------------------ the loop
 
@@ -153,6 +161,8 @@ class NativeSession(Session):
             self._frame_since = (
                 None if self.conn.at_frame_boundary else self._frame_since or time.monotonic()
             )
+            if self._hot is not None and await self._read_in_c():
+                continue
             buffer = self.conn.get_buffer()
             most = self.conn.read_size()
             n = await self.channel.recv_into(buffer[:most] if most else buffer)
@@ -185,6 +195,7 @@ class NativeSession(Session):
             ):
                 served = self._serve_hot(max(1, self._turn_left()))
                 if served:
+                    self._hot_last = True
                     await self._next_step(served)  # each counts: a pipeliner still yields
                     reader = conn._reader
                     if (
@@ -205,6 +216,7 @@ class NativeSession(Session):
                 waiting = self._handlers[SinkFull](self, event)
             else:
                 assert isinstance(event, Event)
+                self._hot_last = False
                 waiting = self._dispatch(event)
             if waiting is not None:
                 await waiting  # engine work on the I/O threads that later requests must follow
@@ -252,6 +264,74 @@ class NativeSession(Session):
             self._instruments.hot.discard(self._hot)
         self.front.forget(self)
 
+    async def _read_in_c(self) -> bool:
+        """Wait for the next requests with `HotGets` as the loop's reader of the socket (the C
+        reader callback, hot.c) when the connection is idle at a frame boundary with nothing
+        outstanding and its last request was answered in C; False (nothing done) otherwise.
+        C receives into the codec's buffer and answers the hot frames itself, request after
+        request, and hands back once with what it must not answer: the buffer is then as
+        `recv_into` would have left it, and the step is counted as after a read. The same as
+        the Python read loop in everything but cost."""
+        conn, channel, hot = self.conn, self.channel, self._hot
+        if (
+            not self._hot_last
+            or conn.pending
+            or self._tasks
+            or self._inflight_bytes
+            or self.puts
+            or conn.read_size()  # after a large payload: only a header is read (its sink)
+            or not conn.idle_between_frames
+        ):
+            return False
+        fd = channel.direct_fd()
+        if fd < 0:
+            return False
+        conn.get_buffer()  # all parsed: the buffer starts over at its usual size, as for a read
+        back: asyncio.Future[tuple[int, Any, Any]] = asyncio.get_running_loop().create_future()
+
+        def handed_back(code: int, extra: object, got: Any) -> None:
+            channel.unwatch()
+            self.services.hot_reader_handbacks += 1
+            if not back.done():
+                back.set_result((code, extra, got))
+            elif got is not None:  # the reader was cancelled meanwhile: nobody sends these
+                hot.release(got[1], got[2], got[6])
+
+        hot.arm(conn._reader, fd, max(1, TURN_STEPS - 1), self.config.max_inflight_bytes,
+                handed_back, self.services)  # fmt: skip
+        channel.watch(hot)
+        try:
+            code, extra, got = await back
+        finally:
+            if hot.armed:  # stopped or cut off while waiting: no callback runs after this
+                hot.disarm()
+                channel.unwatch()
+        self._last_rx = max(self._last_rx, hot.last_rx)
+        if got is not None:  # answers the kernel did not take all of
+            self._queue_rest(got)
+        if code == _BACK_EOF:
+            conn.receive_eof()
+        elif code == _BACK_OSERROR:
+            raise channel.broken(int(extra))
+        elif code == _BACK_RAISED:
+            raise extra
+        self._steps = 0  # the loop went round while C read; what it served counts this turn
+        await self._next_step(1 + ((extra or 0) if code == _BACK_DATA else 0))
+        return True
+
+    def _queue_rest(self, got: Any) -> None:
+        """What `HotGets.serve(..., fd)` could not send: queued, pinned and counted in flight
+        until the kernel has it."""
+        hot, parts, views, entries, size, taken = self._hot, got[0], got[1], got[2], got[5], got[6]
+        self._inflight_bytes += size
+
+        def sent() -> None:
+            self._inflight_bytes -= size
+            hot.release(views, entries, taken)
+            self._wake()
+
+        self.channel.write(parts, sent)
+
     def _serve_hot(self, most: int) -> int:
         """Answer up to `most` whole Get, GetMany, Exists and Lookup frames at the front of the
         buffer in C; how many it answered. With nothing queued on the socket C also sends the
@@ -270,14 +350,7 @@ class NativeSession(Session):
         self.services.hot_get_manys += many
         if fd >= 0:
             if parts:  # a full socket: the rest waits in the Channel, pinned until sent
-                self._inflight_bytes += size
-
-                def sent() -> None:
-                    self._inflight_bytes -= size
-                    hot.release(views, entries, taken)
-                    self._wake()
-
-                self.channel.write(parts, sent)
+                self._queue_rest(got)
             return int(gets + exists + lookups + many)
         self._inflight_bytes += size
         self.bytes_out.inc(out_bytes)
@@ -318,7 +391,8 @@ class NativeSession(Session):
         if self.tenant is None and now - self._created > self.config.hello_timeout_s:
             return "hello timeout"
         busy = self.conn.pending or self._tasks or self._inflight_bytes
-        if not busy and now - self._last_rx > self.config.idle_timeout_s:
+        last_rx = self._last_rx if self._hot is None else max(self._last_rx, self._hot.last_rx)
+        if not busy and now - last_rx > self.config.idle_timeout_s:
             return "idle timeout"
         return ""
 

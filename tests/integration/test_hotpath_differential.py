@@ -168,6 +168,9 @@ def test_random_sequences_answer_the_same_on_both_paths(start_daemon: Start, ten
         assert (server["hot_lookups"] > 0) == (core == "c"), server  # type: ignore[operator]
         assert (server["hot_get_manys"] > 0) == (core == "c"), server  # type: ignore[operator]
         assert (server["hot_put_answers"] > 0) == (core == "c"), server  # type: ignore[operator]
+        # and the C reader callback read requests itself, with hand-backs to Python between
+        assert (server["hot_reader_requests"] > 0) == (core == "c"), server  # type: ignore[operator]
+        assert (server["hot_reader_handbacks"] > 0) == (core == "c"), server  # type: ignore[operator]
     assert finals[0][0] == finals[1][0]
     assert finals[0][1] == finals[1][1]
     assert finals[0][2] == finals[1][2] and finals[0][2]

@@ -45,7 +45,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import atheris
@@ -1185,6 +1185,117 @@ def _drain(sock: socket.socket) -> bytes:
     return got
 
 
+_READER_SOCKETS: list[tuple[socket.socket, socket.socket]] = []  # one pair for the whole run
+
+
+@atheris.instrument_func  # coverage of the choices: GCC gives none of the C
+def fuzz_hot_reader(data: bytes) -> None:
+    """The reader callback (`HotGets.arm`, then the object called as the event loop calls a
+    reader) on a socket pair, a hostile stream sent in fuzzed chunks, Python reading what it
+    hands back as the session does: each call receives once into the codec's buffer and either
+    stays armed with all of it answered or hands back once with what it did not answer left as
+    the stream's next bytes; what it answered on the socket (and in what it could not send) is
+    what the Python path answers to the frames it took; no pin is left once released."""
+    fdp = atheris.FuzzedDataProvider(data)
+    if not _READER_SOCKETS:
+        near, far = socket.socketpair()  # near: the daemon's side
+        for sock in (near, far):
+            sock.setblocking(False)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)  # full sockets happen
+        _READER_SOCKETS.append((near, far))
+    near, far = _READER_SOCKETS[0]
+    _drain(near), _drain(far)  # what an earlier input left
+    engine, tenant = _engine(), _TENANTS[fdp.ConsumeIntInRange(0, 2)]
+    limits = Limits(max_header_bytes=int(fdp.PickValueInList([64, 200, 4096, 4 << 20])),
+                    max_payload_bytes=int(fdp.PickValueInList([0, 3, 1 << 20])))  # fmt: skip
+    chunk = int(fdp.PickValueInList([1, 7, 24, 47, 100, 4096, 1 << 30]))
+    stream = b"".join(_hot_frame(fdp) for _ in range(fdp.ConsumeIntInRange(0, 12)))
+    chunk = max(chunk, len(stream) >> 6)
+    handles = engine.hot_handles()
+    hot_type = core.hot_gets_type()
+    assert handles is not None and hot_type is not None
+    limit = int(fdp.PickValueInList([0, 5000, 1 << 30]))
+    budget = _Budget(PinBudget(limit), int(fdp.PickValueInList([1, 70_001, 1 << 20])),
+                     int(fdp.PickValueInList([1, 3, 64])))  # fmt: skip
+    hot = hot_type(handles.lock, handles.index, handles.counters, handles.manager,
+                   handles.apply_touches, handles.free, handles.arena,
+                   tenant.hasher if tenant else None, fast.frame_head, _State.HEAD,
+                   handles.touch_ring, buckets=(1e-3, 1.0), pins=budget.pins,
+                   max_payload=budget.max_payload, step=budget.step)  # fmt: skip
+    most = fdp.ConsumeIntInRange(1, 9)
+    max_inflight = int(fdp.PickValueInList([1, 100, 5000, 1 << 30]))
+    reader, ref = FrameReader(limits), NativeConnection(Role.SERVER, limits)
+    ref.receive_data(NativeConnection(Role.CLIENT).send(Hello(HOT_HELLO)))
+    ref.next_event()
+    ref.send_parts(Welcome(HOT_HELLO, 1, "", 1 << 20, 1 << 20))
+    services = SimpleNamespace(hot_gets=0, hot_exists=0, hot_lookups=0, hot_get_manys=0,
+                               hot_reader_requests=0)  # fmt: skip
+    backs: list[tuple[int, object, Any]] = []
+    held: list[tuple[list[object], list[object], int]] = []
+    sent = received = 0
+    try:
+        while True:
+            with contextlib.suppress(BlockingIOError):
+                if sent < len(stream):
+                    sent += far.send(stream[sent : sent + chunk])
+            if reader.at_boundary:  # where the session arms it
+                reader.get_buffer()
+                at, held_before = received, budget.pins.held
+                hot.arm(reader, near.fileno(), most, max_inflight,
+                        lambda *back: backs.append(back), services)  # fmt: skip
+                hot()
+                received += reader._end  # it received at the buffer's front
+                if hot.armed:
+                    hot.disarm()
+                    if reader._start != reader._end:
+                        raise AssertionError("armed still, with bytes it did not answer")
+                    if at == received and sent == len(stream):
+                        return  # all sent, all read
+                elif len(backs) != 1 or backs[0][0] != 0:
+                    raise AssertionError(f"handed back {backs}")
+                if (
+                    bytes(reader._buf[reader._start : reader._end])
+                    != stream[at + reader._start : received]
+                ):
+                    raise AssertionError("the reader left other bytes than the stream's")
+                got = backs.pop()[2] if backs else None
+                answer = _drain(far)
+                if got is not None:
+                    held.append((got[1], got[2], got[6]))
+                    answer += b"".join(bytes(p) for p in got[0])
+                took = stream[at : at + reader._start]
+                want = (_python_answers(ref, engine, tenant, took, budget, held_before)
+                        if took else _HotReference([], [0] * 4, 0, 0, 0, 0, 0))  # fmt: skip
+                if answer != b"".join(want.answers):
+                    raise AssertionError(f"C answered {answer[:200]!r}, Python "
+                                         f"{b''.join(want.answers)[:200]!r}")  # fmt: skip
+                if services.hot_reader_requests != sum(
+                    (services.hot_gets, services.hot_exists, services.hot_lookups,
+                     services.hot_get_manys)):  # fmt: skip
+                    raise AssertionError(f"counted {services}")
+                if reader._start == reader._end:
+                    continue
+            else:  # inside a frame: the Python read loop's own read
+                try:
+                    more = near.recv(1 << 16)
+                except BlockingIOError:
+                    if sent == len(stream):
+                        return  # a partial frame at the end: nothing more comes
+                    continue
+                reader.receive_data(more)
+                received += len(more)
+            if not _serve_all(fdp, hot, reader, ref, engine, tenant, stream, received, held,
+                              budget):  # fmt: skip
+                return
+    finally:
+        hot.disarm()
+        for views, entries, taken in held:
+            hot.release(views, entries, taken)
+        left = [e for e in handles.index.values() if e.pins]
+        if left or len(handles.index.pinned) or budget.pins.held:
+            raise AssertionError(f"pins left after release: {left}, budget {budget.pins.held}")
+
+
 @atheris.instrument_func  # coverage of the choices: GCC gives none of the C
 def fuzz_dram_index(data: bytes) -> None:
     """The same operation sequence through the C index and the Python one: every answer, error
@@ -1422,6 +1533,7 @@ TARGETS: dict[str, Target] = {
     "hot-gets": Target(fuzz_hot_gets, _core_seeds, CORE, 0.25),
     "dram-index": Target(fuzz_dram_index, _core_seeds, CORE, 0.1),
     "hot-put-done": Target(fuzz_hot_put_done, _core_seeds, CORE, 0.1),
+    "hot-reader": Target(fuzz_hot_reader, _core_seeds, CORE, 0.2),
     "slot-ring": Target(fuzz_slot_ring, _core_seeds, CORE, 0.1),
 }
 
