@@ -277,12 +277,12 @@ class KVOffloadL2Adapter(L2AdapterInterface):
         try:
             hashes = self._hashes(keys)
             for chain in chains(keys):
-                # One request for the stored prefix, then only the keys after its first gap
-                # are asked one by one (pipelined); lookup and exists answer misses when the
-                # store is unreachable.
+                # One request for the stored prefix, then one batch for the keys after its
+                # first gap (each answers for itself); both answer misses when the store is
+                # unreachable.
                 n = await self.client.lookup([hashes[i] for i in chain])
                 rest = chain[n + 1 :]
-                there = await asyncio.gather(*(self.client.exists(hashes[i]) for i in rest))
+                there = await self.client.exists_many([hashes[i] for i in rest]) if rest else []
                 for i in chain[:n] + [i for i, ok in zip(rest, there, strict=True) if ok]:
                     found.set(i)
         except KVOffloadError as exc:

@@ -307,6 +307,51 @@ def test_the_contract_lmcache_relies_on(tmp_path: Path) -> None:
     adapter.close()  # idempotent
 
 
+class _CountingClient:
+    """The adapter's real client, with its existence questions counted (every call reaches
+    the store)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.exists_calls = 0
+        self.exists_many_keys: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    async def exists(self, key: bytes) -> bool:
+        self.exists_calls += 1
+        return bool(await self._client.exists(key))
+
+    async def exists_many(self, keys: list[bytes]) -> list[bool]:
+        self.exists_many_keys.append(len(keys))
+        return list(await self._client.exists_many(keys))
+
+
+@pytest.mark.parametrize("kind", ["local", "kv"])
+def test_a_lookup_past_a_gap_asks_the_rest_in_one_batch(kind: str, start_daemon: Any) -> None:
+    url = "local://?dram=64MiB&max_value=4MiB" if kind == "local" else start_daemon().url()
+    adapter = KVOffloadL2Adapter({"url": url, "prefetch": False})
+    try:
+        keys = _keys(6)
+        stored = [k for i, k in enumerate(keys) if i != 2]  # a gap at chunk 2
+        objs = make_memory_objects(make_aligned_tensor(5 * 8192, 4096), 5, 8192, 0)
+        assert _store_direct(adapter, stored, objs)
+        counting = _CountingClient(adapter.client)
+        adapter.client = counting  # type: ignore[assignment]
+
+        # Every stored key answers for itself, the ones after the gap too.
+        assert _lookup(adapter, keys) == [1, 1, 0, 1, 1, 1]
+        # One batch for the three keys after the gap, not a request per key.
+        assert counting.exists_many_keys == [3]
+        assert counting.exists_calls == 0
+        # A chain stored whole is one lookup and nothing more.
+        assert _lookup(adapter, keys[:2]) == [1, 1]
+        assert counting.exists_many_keys == [3]
+    finally:
+        adapter.close()
+
+
 @pytest.mark.parametrize(
     ("params", "match"),
     [
