@@ -309,6 +309,8 @@ class NixlFileIO:
         header pages stay alive for the life of the process, since the kernel may still
         write into them, and close returns (the engine reports the hung reads)."""
         deadline = time.monotonic() + self._close_wait_s
+        queued: list[_Request] | None = None  # set when close gives up
+        busy = 0
         with self._cond:
             if self._closing:
                 return
@@ -318,13 +320,24 @@ class NixlFileIO:
             while self._driving or self._pending or self._inflight:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    busy = len(self._pending) + sum(len(b.requests) for b in self._inflight)
+                    # Queued, never posted: failed now, or a driver would post them later on
+                    # a slot file the store has closed by then.
+                    queued = list(self._pending)
+                    self._pending.clear()
+                    busy = sum(len(b.requests) for b in self._inflight)
                     _LEAKED.append((self._agent, self._headers))
-                    log.error("NIXL I/O on %s: %d requests still unfinished after %.1f s at "
-                              "close; its agent and buffers are leaked", self.path, busy,
-                              self._close_wait_s)  # fmt: skip
-                    return
+                    break
                 self._cond.wait(left)
+        if queued is not None:
+            log.error("NIXL I/O on %s: %d requests still in flight after %.1f s at close; "
+                      "its agent and buffers are leaked", self.path, busy,
+                      self._close_wait_s)  # fmt: skip
+            for request in queued:
+                self._finish(request, f"{self._verb(request)}: NIXL I/O closed while a "
+                                      "transfer before it hung")  # fmt: skip
+            with self._cond:
+                self._cond.notify_all()  # their callers wait on the condition, not the event
+            return
         with self._agent_lock:
             self._agent.close()
         # A caller's traceback may still hold a header page; then the GC unmaps the pool later.
