@@ -110,6 +110,7 @@ def test_close_gives_up_on_a_nixl_read_that_never_completes(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kvoffload.kvstore.ssd import nixl_io
+    from tests.unit.kvstore.ssd.test_ssd_nixl import HeldReads
 
     engine = Engine(EngineConfig(
         DramConfig(capacity_bytes=4 << 20, max_value_bytes=256 << 10, prefault=False),
@@ -120,17 +121,7 @@ def test_close_gives_up_on_a_nixl_read_that_never_completes(
     for i in range(30):  # 6 MB into 4 MiB of DRAM: the first blocks are on the SSD only
         engine.put(key(i), bytes([i]) * BLOCK)
     assert engine.stats().tiers[0].entries < 30 and engine.lookup([key(0)]) == 1
-    # The read's transfer is posted; its completion is not seen until `go` (a hung device).
-    poll = nixl_io.NixlFileIO._poll
-    started, go = threading.Event(), threading.Event()
-
-    def hung_poll(self: nixl_io.NixlFileIO, batch: nixl_io._Batch) -> bool:
-        if batch.write or go.is_set():
-            return poll(self, batch)
-        started.set()
-        return False
-
-    monkeypatch.setattr(nixl_io.NixlFileIO, "_poll", hung_poll)
+    held = HeldReads(monkeypatch)  # the read's transfer is posted, its completion held back
     leaked = len(nixl_io._LEAKED)
     errors: list[BaseException] = []
 
@@ -144,7 +135,7 @@ def test_close_gives_up_on_a_nixl_read_that_never_completes(
     reader.start()
     closer = threading.Thread(target=lambda: errors.append(_close(engine)))  # type: ignore[arg-type]
     try:
-        assert started.wait(60)
+        assert held.started.wait(60)
         with caplog.at_level(logging.ERROR):
             closer.start()
             closer.join(30)
@@ -154,7 +145,7 @@ def test_close_gives_up_on_a_nixl_read_that_never_completes(
         assert "NIXL" in caplog.text and "leaked" in caplog.text
         assert len(nixl_io._LEAKED) == leaked + 1  # the agent and its buffers outlive close
     finally:
-        go.set()  # the device answers at last: the read finishes into leaked memory
+        held.release()  # the device answers at last: the read finishes into leaked memory
         reader.join(60)
         closer.join(60)
     assert not reader.is_alive()

@@ -52,6 +52,28 @@ def filled(pages: int, seed: int) -> AlignedBuffer:
     return buf
 
 
+class HeldReads:
+    """NIXL read completions held back until `release()` (a hung device): the transfer is
+    posted to the kernel, its checks answer "in progress". Writes complete as usual."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from kvoffload.kvstore.ssd import nixl_io
+
+        poll = nixl_io.NixlFileIO._poll
+        self.started, self._go = threading.Event(), threading.Event()
+
+        def held(io: nixl_io.NixlFileIO, batch: nixl_io._Batch) -> bool:
+            if batch.write or self._go.is_set():
+                return poll(io, batch)
+            self.started.set()
+            return False
+
+        monkeypatch.setattr(nixl_io.NixlFileIO, "_poll", held)
+
+    def release(self) -> None:
+        self._go.set()
+
+
 def process_cpu_ticks() -> int:
     """utime + stime of this process and its threads, in clock ticks (Linux /proc)."""
     fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
@@ -270,16 +292,7 @@ def test_close_gives_up_on_a_hung_transfer_and_fails_what_was_queued_behind_it(
     # read at once: never posted later on a slot file the store has closed by then.
     from kvoffload.kvstore.ssd import nixl_io
 
-    poll = nixl_io.NixlFileIO._poll
-    started, go = threading.Event(), threading.Event()
-
-    def hung_poll(self: nixl_io.NixlFileIO, batch: nixl_io._Batch) -> bool:
-        if batch.write or go.is_set():
-            return poll(self, batch)
-        started.set()
-        return False
-
-    monkeypatch.setattr(nixl_io.NixlFileIO, "_poll", hung_poll)
+    held = HeldReads(monkeypatch)
     io = nixl_io.NixlFileIO(slots, "nixl-posix", close_wait_s=0.2)
     big, small = AlignedBuffer(128 * PAGE), AlignedBuffer(PAGE)
     errors: dict[str, BaseException | None] = {}
@@ -297,7 +310,7 @@ def test_close_gives_up_on_a_hung_transfer_and_fails_what_was_queued_behind_it(
     leaked = len(nixl_io._LEAKED)
     hung.start()
     try:
-        assert started.wait(30)
+        assert held.started.wait(30)
         queued.start()
         for _ in range(30_000):  # until it is queued (a hang guard, bounded)
             if io._pending:
@@ -313,7 +326,7 @@ def test_close_gives_up_on_a_hung_transfer_and_fails_what_was_queued_behind_it(
         assert "hung" in str(errors["queued"]) and hung.is_alive()
         assert len(nixl_io._LEAKED) == leaked + 1
     finally:
-        go.set()  # the device answers: the hung read ends into memory still registered
+        held.release()  # the device answers: the hung read ends into memory still registered
         hung.join(30)
         queued.join(30)
     assert not hung.is_alive() and errors["hung"] is None
