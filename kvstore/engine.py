@@ -29,7 +29,6 @@ import numpy as np
 
 from kvoffload.buffers import Bytes, as_readable, as_writable
 from kvoffload.errors import ConfigError, InvalidArgumentError, KVOffloadError, StorageIOError
-from kvoffload.kvstore.arena import Arena
 from kvoffload.kvstore.config import DramConfig, EngineConfig
 from kvoffload.kvstore.described import DescribedBlock, DescribedTable, Listing, take_listing
 from kvoffload.kvstore.dram import DramEntry, DramTier
@@ -71,14 +70,14 @@ class PutReservation:
 
     __slots__ = ("_durable", "_entry", "_manager", "array", "buffer")
 
-    def __init__(self, manager: Manager, arena: Arena, entry: DramEntry, durable: bool) -> None:
+    def __init__(self, manager: Manager, entry: DramEntry, durable: bool, array: Bytes,
+                 buffer: memoryview) -> None:  # fmt: skip
         self._manager: Manager | None = manager
         self._entry = entry
         self._durable = durable
-        end = entry.offset + entry.length
-        # Writable views of exactly the value's bytes (the slot may be larger).
-        self.array: Bytes = arena.array[entry.offset : end]
-        self.buffer: memoryview = arena.view[entry.offset : end]
+        # Writable views of exactly the value's bytes (`Manager.reserve` takes them).
+        self.array = array
+        self.buffer = buffer
 
     def __len__(self) -> int:
         return self._entry.length
@@ -501,8 +500,8 @@ class Engine:
                 "a durable put needs the SSD tier; open the store with an SSD capacity"
             )
         _check_length(length, self.max_value_bytes)
-        entry = self._m.reserve(key, length, parent, tenant, meta)
-        return PutReservation(self._m, self._arena, entry, durable)
+        entry, array, buffer = self._m.reserve(key, length, parent, tenant, meta)
+        return PutReservation(self._m, entry, durable, array, buffer)
 
     def put_many(
         self,

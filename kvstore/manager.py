@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
+from kvoffload.buffers import Bytes
 from kvoffload.errors import CapacityError, InvalidArgumentError, KVOffloadError, StorageIOError
 from kvoffload.kvstore.arena import AlignedBuffer
 from kvoffload.kvstore.config import EngineConfig
@@ -247,8 +248,9 @@ class Manager:
 
     def reserve(
         self, key: bytes, length: int, parent: bytes | None, tenant: str, meta: bytes | None
-    ) -> DramEntry:
-        """`claim` a slot for a put within the tenant's quota (called without the lock)."""
+    ) -> tuple[DramEntry, Bytes, memoryview]:
+        """`claim` a slot for a put within the tenant's quota (called without the lock): the
+        entry and writable views of exactly the value's bytes (the slot may be larger)."""
         with self.lock:
             self.check_open()
             size = slot_bytes(length)
@@ -257,7 +259,11 @@ class Manager:
             entry.meta = meta
             if self.sketch is not None:
                 self.sketch.add(key)
-        return entry
+            # Sliced under the lock: a close right after it unmaps the arena (`retire`), and
+            # these exports keep the mapping alive until the reservation ends (its commit
+            # then raises KVOffloadError).
+            arena, end = self.dram.arena, entry.offset + entry.length
+            return entry, arena.array[entry.offset : end], arena.view[entry.offset : end]
 
     def commit(self, entry: DramEntry, durable: bool, if_stored: bool | None = None) -> bool:
         """Publish a filled reservation (called without the lock); durable ones are written

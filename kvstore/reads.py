@@ -2,10 +2,11 @@
 batch's reads in flight together, and prefetches on the background pool.
 
 `Reads` drives the manager's read plans (`Manager.prepare_read` .. `complete_read`) through
-the mover: one at a time on the caller's thread, or a batch on the read pool with each read
-completed on the pool thread that did it. Reads already in flight are never repeated. The
-same locking rules as the manager's: the engine's lock held on entry and on return unless a
-method says otherwise, released while the bytes move.
+the mover: one at a time on the caller's thread, or a batch on the read pool cut into parts,
+the reads of each part completed together on the pool thread that did it once the part ends.
+Reads already in flight are never repeated. The same locking rules as the manager's: the
+engine's lock held on entry and on return unless a method says otherwise, released while the
+bytes move.
 """
 
 from __future__ import annotations
@@ -168,13 +169,14 @@ class Reads:
         self, keys: Sequence[bytes], ready: Callable[[bytes, DramEntry], bool] | None = None
     ) -> dict[bytes, DramEntry]:
         """Read the blocks of `keys` that only a tier below holds into DRAM with up to
-        `ssd.read_depth` reads in flight, each completed as it finishes (the lock is released
-        while they run). Returns the entries read, each pinned once for the caller
+        `ssd.read_depth` reads in flight, completed part by part: the reads of one pool thread's
+        part are published together once that part has finished (the lock is released while
+        they run). Returns the entries read, each pinned once for the caller
         (`acquire(fetched=...)`). Keys another caller is reading already are left to
         `Manager.promote`, which waits for them: no block is read twice. `ready(key, entry)`
-        is called without the lock as each overlapped read is published (its entry pinned),
-        so the caller can copy it out while the others are still being read; True says it
-        did, so a side buffer (DRAM pinned full) can go at once: with `ready`, at most
+        is called without the lock for each read of a part once the part is published (its
+        entry pinned), so the caller can copy it out while other parts are still being read;
+        True says it did, so a side buffer (DRAM pinned full) can go at once: with `ready`, at most
         `side_buffers` of them are held, a read that needs one more waiting until an earlier
         one is copied out."""
         m, mover = self._m, self._mover

@@ -10,7 +10,11 @@ from collections.abc import Mapping, Sequence
 
 import crc32c
 
-__all__ = ["merge_stats", "shard_of"]
+__all__ = ["FLAGS", "merge_stats", "shard_of"]
+
+# Numbers that are yes/no flags of the machine, not counts: every worker sees the same kernel,
+# so the node's flag is any worker's (max), not the number of workers that saw it.
+FLAGS = frozenset({"io_clone_unsupported", "clone_unsupported"})
 
 
 def shard_of(key: bytes, count: int) -> int:
@@ -22,8 +26,9 @@ def shard_of(key: bytes, count: int) -> int:
 
 def merge_stats(parts: Sequence[Mapping[str, object]]) -> dict[str, object]:
     """One node's stats from its shards': numbers add up (durations, named ``*_s``, take the
-    longest: the shards ran side by side), maps of numbers add per key, tiers add per tier
-    name; other values (names, versions) are the first shard's."""
+    longest: the shards ran side by side; flags, named in `FLAGS`, are set if any shard's is),
+    maps of numbers add per key, tiers add per tier name; other values (names, versions) are
+    the first shard's."""
     merged: dict[str, object] = {}
     for part in parts:
         for name, value in part.items():
@@ -41,7 +46,7 @@ def _copy(value: object) -> object:
 
 def _add(into: object, value: object, name: str = "") -> object:
     if _number(into) and _number(value):
-        if name.endswith("_s"):
+        if name.endswith("_s") or name in FLAGS:
             return max(into, value)  # type: ignore[call-overload]
         return into + value  # type: ignore[operator]
     if isinstance(into, dict) and isinstance(value, Mapping):

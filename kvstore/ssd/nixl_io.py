@@ -71,6 +71,9 @@ _INFLIGHT_DESCS = 128  # below the POSIX plugin's kernel queue (256 entries)
 _HEADER_PAGES = 64  # header pages of requests queued or in flight; more callers wait
 _POLL_FIRST, _POLL_MAX = 20e-6, 2e-4  # seconds between completion checks
 _names = itertools.count()
+# What a close that gave up on a hung transfer left behind (agent, header pages): the kernel
+# may still write into them, so they live as long as the process.
+_LEAKED: list[object] = []
 
 
 def _load_api() -> ModuleType:
@@ -204,11 +207,12 @@ class NixlFileIO:
     callers themselves (see the module's docstring).
 
     `start=False` holds every request queued until `start()` (a test queues several first, to
-    see them share a transfer).
+    see them share a transfer). `close_wait_s` bounds how long `close` waits for what is in
+    flight (`ssd.close_wait_s`).
     """
 
     def __init__(self, slots: SlotFile, io_backend: str, nixl_queue: str = "aio", *,
-                 start: bool = True) -> None:  # fmt: skip
+                 start: bool = True, close_wait_s: float = 10.0) -> None:  # fmt: skip
         if io_backend not in BACKENDS:
             raise ConfigError(f"not a NIXL io_backend: {io_backend!r}; one of {sorted(BACKENDS)}")
         self.path = slots.path
@@ -233,6 +237,7 @@ class NixlFileIO:
         self._inflight: list[_Batch] = []  # touched by the driver alone
         self._driving = False  # a caller is driving the agent now
         self._started = start
+        self._close_wait_s = close_wait_s
         self._closing = False
         self._dead = ""  # why NIXL I/O stopped, if a driver hit a bug
         self._broken = False  # a transfer failed: rebuild the agent once none is in flight
@@ -299,7 +304,13 @@ class NixlFileIO:
 
     def close(self) -> None:
         """Wait for what is queued or in flight, then release the agent. Idempotent; a
-        transfer after it raises StorageIOError."""
+        transfer after it raises StorageIOError. A transfer still unfinished after
+        `close_wait_s` (a hung device) is given up on: the agent, its registrations and the
+        header pages stay alive for the life of the process, since the kernel may still
+        write into them, and close returns (the engine reports the hung reads)."""
+        deadline = time.monotonic() + self._close_wait_s
+        queued: list[_Request] | None = None  # set when close gives up
+        busy = 0
         with self._cond:
             if self._closing:
                 return
@@ -307,7 +318,26 @@ class NixlFileIO:
             self._started = True
             self._cond.notify_all()
             while self._driving or self._pending or self._inflight:
-                self._cond.wait()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    # Queued, never posted: failed now, or a driver would post them later on
+                    # a slot file the store has closed by then.
+                    queued = list(self._pending)
+                    self._pending.clear()
+                    busy = sum(len(b.requests) for b in self._inflight)
+                    _LEAKED.append((self._agent, self._headers))
+                    break
+                self._cond.wait(left)
+        if queued is not None:
+            log.error("NIXL I/O on %s: %d requests still in flight after %.1f s at close; "
+                      "its agent and buffers are leaked", self.path, busy,
+                      self._close_wait_s)  # fmt: skip
+            for request in queued:
+                self._finish(request, f"{self._verb(request)}: NIXL I/O closed while a "
+                                      "transfer before it hung")  # fmt: skip
+            with self._cond:
+                self._cond.notify_all()  # their callers wait on the condition, not the event
+            return
         with self._agent_lock:
             self._agent.close()
         # A caller's traceback may still hold a header page; then the GC unmaps the pool later.
@@ -473,10 +503,11 @@ class NixlPages:
     and error contract as the calling threads' path; header pages come from the registered
     pool."""
 
-    def __init__(self, slots: SlotFile, io_backend: str, nixl_queue: str = "aio") -> None:
+    def __init__(self, slots: SlotFile, io_backend: str, nixl_queue: str = "aio", *,
+                 close_wait_s: float = 10.0) -> None:  # fmt: skip
         self.slots = slots
         self.engine = io_backend  # what stats report
-        self.files = NixlFileIO(slots, io_backend, nixl_queue)
+        self.files = NixlFileIO(slots, io_backend, nixl_queue, close_wait_s=close_wait_s)
 
     def register_memory(self, view: memoryview) -> None:
         self.files.register_memory(view)
@@ -527,7 +558,8 @@ class SlotBackend:
         """
         config = self.config
         if config.io_backend in BACKENDS:
-            pages = NixlPages(slots, config.io_backend, config.nixl_queue)
+            pages = NixlPages(slots, config.io_backend, config.nixl_queue,
+                              close_wait_s=config.close_wait_s)  # fmt: skip
             log.info("SSD slot I/O through NIXL's %s backend", pages.files.plugin)
             return BlockIO(slots, pages)
         engine = config.io_engine

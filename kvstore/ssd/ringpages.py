@@ -87,7 +87,10 @@ class RingPages:
         self.depth = depth  # entries in flight per ring (a slot read is two)
         self._lock = threading.Lock()
         self._free: list[_Lease] = []
-        self._all: list[_Lease] = []
+        self._all: list[_Lease] = []  # the live rings: a closed one leaves (`_retire`)
+        # Counters of the rings closed so far (fixed-file and fixed-memory entries,
+        # submissions, entries): closing a ring zeroes its own, and the pool's never go down.
+        self._gone = [0, 0, 0, 0]
         self._closed = False
         self._pages = threading.local()  # each thread's header page for `transfer`
         self._register = register
@@ -179,21 +182,32 @@ class RingPages:
                         name, exc, "descriptors" if what == "files" else "addresses")  # fmt: skip
 
     def registration(self) -> dict[str, int]:
-        """Rings, those with the slot file and with the arena registered, registrations the
-        kernel refused, and entries sent on a registered file and on registered memory."""
+        """Live rings, those with the slot file and with the arena registered (gauges);
+        registrations the kernel refused, entries sent on a registered file and on registered
+        memory, submissions and entries, of every ring so far (counters: they never go down).
+        One snapshot under the pool's lock (a ring in use may still add to its own counts)."""
         with self._lock:
             rings = [lease.ring for lease in self._all]
-            refused = dict(self._refused)
-        return {
-            "rings": len(rings),
-            "rings_with_file": sum(r.registered[0] > 0 for r in rings),
-            "rings_with_memory": sum(r.registered[1] > 0 for r in rings),
-            "files_refused": refused["files"],
-            "memory_refused": refused["memory"],
-            "clone_unsupported": int(self._clone_unsupported),
-            "fixed_file_entries": sum(r.fixed[0] for r in rings),
-            "fixed_memory_entries": sum(r.fixed[1] for r in rings),
-        }
+            out = {
+                "rings": len(rings),
+                "rings_with_file": sum(r.registered[0] > 0 for r in rings),
+                "rings_with_memory": sum(r.registered[1] > 0 for r in rings),
+                "files_refused": self._refused["files"],
+                "memory_refused": self._refused["memory"],
+                "clone_unsupported": int(self._clone_unsupported),
+            }
+            names = ("fixed_file_entries", "fixed_memory_entries", "submissions", "entries")
+            for i, name in enumerate(names):
+                out[name] = self._gone[i] + sum((*r.fixed, *r.counts)[i] for r in rings)
+        return out
+
+    def _retire(self, lease: _Lease) -> None:
+        """Fold a ring's counters into the pool's and drop it from the live rings, before it
+        is closed (lock held)."""
+        ring = lease.ring
+        for i, n in enumerate((*ring.fixed, *ring.counts)):
+            self._gone[i] += n
+        self._all.remove(lease)
 
     @contextlib.contextmanager
     def lease(self) -> Iterator[_Lease]:
@@ -225,6 +239,7 @@ class RingPages:
                 if self._closed or lease.ring.broken:
                     # Reaped by now: unmapped here. A broken ring (its io_uring_enter failed)
                     # never runs again; the next caller makes a fresh one.
+                    self._retire(lease)
                     lease.ring.close()
                     if lease.ring is self._source:  # new rings clone another's table
                         self._source = next((other.ring for other in self._all
@@ -307,11 +322,10 @@ class RingPages:
         return None
 
     def counts(self) -> tuple[int, int]:
-        """(submissions, entries) of every ring so far: a batch of n slot reads is one
-        submission of 2n entries."""
-        with self._lock:
-            rings = [lease.ring.counts for lease in self._all]
-        return sum(c[0] for c in rings), sum(c[1] for c in rings)
+        """(submissions, entries) of every ring so far, closed ones too: a batch of n slot
+        reads is one submission of 2n entries."""
+        out = self.registration()
+        return out["submissions"], out["entries"]
 
     def close(self) -> None:
         """Close every ring; one with a batch in flight closes when its caller is done."""
@@ -319,5 +333,7 @@ class RingPages:
             self._closed = True
             self._source = self._arena = None
             free, self._free = self._free, []
+            for lease in free:
+                self._retire(lease)
         for lease in free:
             lease.ring.close()

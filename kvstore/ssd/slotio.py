@@ -303,14 +303,10 @@ class BlockIO:
         self.pages.register_memory(view)
 
     def ring_stats(self) -> dict[str, int]:
-        """The io_uring ring pool's registration counters (`RingPages.registration`) with its
-        submissions and entries; empty on any other pages."""
+        """The io_uring ring pool's gauges and counters, submissions and entries included
+        (`RingPages.registration`: one snapshot); empty on any other pages."""
         pages = self.pages
-        if not isinstance(pages, RingPages):
-            return {}
-        out = pages.registration()
-        out["submissions"], out["entries"] = pages.counts()
-        return out
+        return pages.registration() if isinstance(pages, RingPages) else {}
 
     def close(self) -> None:
         """Stop what the pages' backend runs."""

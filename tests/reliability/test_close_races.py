@@ -147,3 +147,41 @@ def test_a_second_close_returns_once_the_first_has_flushed(tmp_path: Path) -> No
     first.join()
     with Engine(cfg) as reopened:
         assert reopened.recovery.blocks == 60
+
+
+@pytest.mark.parametrize("ssd", [False, True])
+def test_a_close_right_after_a_slot_is_claimed_fails_the_put_with_kvoffload_error(
+    tmp_path: Path, ssd: bool
+) -> None:
+    # close() lands between the claim (Manager.reserve, which drops the lock) and the
+    # reservation's views: once an AttributeError from the unmapped arena, now the put's
+    # KVOffloadError, and what was stored before is kept.
+    from kvoffload.kvstore import SsdConfig
+
+    cfg = EngineConfig(
+        DramConfig(capacity_bytes=1 << 20, prefault=False),
+        SsdConfig(capacity_bytes=16 << 20 if ssd else 0, admission_min_uses=1),
+        data_dir=str(tmp_path) if ssd else "",
+    )
+    kept = (1).to_bytes(16, "big")
+    for call in ("put", "reserve"):
+        engine = Engine(cfg)
+        engine.put(kept, b"kept" * 100)
+        claim = engine._m.reserve
+
+        def claim_then_close(*args: Any, engine: Engine = engine, claim: Any = claim) -> Any:
+            claimed = claim(*args)
+            engine.close()  # deterministic: exactly inside the window
+            return claimed
+
+        engine._m.reserve = claim_then_close  # type: ignore[method-assign]
+        with pytest.raises(KVOffloadError, match="closed"):
+            if call == "put":
+                engine.put(bytes(16), b"x" * 5000)
+            else:
+                with engine.reserve(bytes(16), 5000) as reservation:
+                    reservation.array[:] = 7  # still mapped: the views hold it
+                    reservation.commit()
+        if ssd:
+            with Engine(cfg) as reopened:
+                assert reopened.get(kept) is not None and reopened.get(bytes(16)) is None

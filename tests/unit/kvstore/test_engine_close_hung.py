@@ -1,9 +1,11 @@
 """close() with an SSD read that never finishes: bounded by `ssd.close_wait_s`, and the memory
 the hung read writes into stays mapped. The read is held in the slot file's preadv seam (the
-one the fault tests use), so the engine's own read path runs up to the device."""
+one the fault tests use), so the engine's own read path runs up to the device; on NIXL's
+POSIX backend the transfer is posted to the kernel and its completion is held back instead."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import threading
@@ -16,6 +18,10 @@ from kvoffload.errors import KVOffloadError, StorageIOError
 from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
 
 BLOCK = 200_000
+needs_nixl = pytest.mark.skipif(
+    importlib.util.find_spec("nixl") is None and not os.environ.get("KVOFFLOAD_REQUIRE_NIXL"),
+    reason="NIXL not installed (pip install --no-deps nixl-cu12==1.5.1 nixl==1.5.1)",
+)
 
 
 def key(i: int) -> bytes:
@@ -97,6 +103,54 @@ def test_close_gives_up_on_a_hung_read_and_leaves_its_memory_mapped(
     with reopened:
         buf = bytearray(BLOCK)
         assert reopened.get_into(key(0), buf) == BLOCK and buf == bytes([0]) * BLOCK
+
+
+@needs_nixl
+def test_close_gives_up_on_a_nixl_read_that_never_completes(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvoffload.kvstore.ssd import nixl_io
+    from tests.unit.kvstore.ssd.test_ssd_nixl import HeldReads
+
+    engine = Engine(EngineConfig(
+        DramConfig(capacity_bytes=4 << 20, max_value_bytes=256 << 10, prefault=False),
+        SsdConfig(capacity_bytes=64 << 20, close_wait_s=0.2, read_depth=4,
+                  io_backend="nixl-posix"),
+        data_dir=str(tmp_path),
+    ))  # fmt: skip
+    for i in range(30):  # 6 MB into 4 MiB of DRAM: the first blocks are on the SSD only
+        engine.put(key(i), bytes([i]) * BLOCK)
+    assert engine.stats().tiers[0].entries < 30 and engine.lookup([key(0)]) == 1
+    held = HeldReads(monkeypatch)  # the read's transfer is posted, its completion held back
+    leaked = len(nixl_io._LEAKED)
+    errors: list[BaseException] = []
+
+    def get() -> None:
+        try:
+            engine.get_into(key(0), bytearray(BLOCK))
+        except BaseException as exc:
+            errors.append(exc)
+
+    reader = threading.Thread(target=get)
+    reader.start()
+    closer = threading.Thread(target=lambda: errors.append(_close(engine)))  # type: ignore[arg-type]
+    try:
+        assert held.started.wait(60)
+        with caplog.at_level(logging.ERROR):
+            closer.start()
+            closer.join(30)
+            assert not closer.is_alive()  # waited on the NIXL transfer for ever before
+        (closed,) = [e for e in errors if isinstance(e, StorageIOError)]
+        assert "close_wait_s" in str(closed) and key(0).hex() in str(closed)
+        assert "NIXL" in caplog.text and "leaked" in caplog.text
+        assert len(nixl_io._LEAKED) == leaked + 1  # the agent and its buffers outlive close
+    finally:
+        held.release()  # the device answers at last: the read finishes into leaked memory
+        reader.join(60)
+        closer.join(60)
+    assert not reader.is_alive()
+    (late,) = [e for e in errors if e is not None and not isinstance(e, StorageIOError)]
+    assert isinstance(late, KVOffloadError) and "closed" in str(late)
 
 
 def _close(engine: Engine) -> BaseException | None:

@@ -78,6 +78,21 @@ def test_stats_add_up_per_tier_and_tenant() -> None:
     assert a["tiers"] == [{"name": "dram", "entries": 2, "hits": 1}]  # inputs untouched
 
 
+def test_merge_stats_takes_a_flag_from_any_shard_not_the_count_of_shards() -> None:
+    # Three workers on one kernel that cannot share the arena's table: the node's flag is 1,
+    # the rings and their counters add up.
+    def worker(flag: int) -> dict[str, object]:
+        ssd = {"name": "ssd", "io_rings": 2, "io_submissions": 5, "io_clone_unsupported": flag}
+        return {"tiers": [ssd]}
+
+    merged = merge_stats([worker(1), worker(1), worker(1)])
+    assert merged["tiers"] == [
+        {"name": "ssd", "io_rings": 6, "io_submissions": 15, "io_clone_unsupported": 1}
+    ]
+    (ssd,) = merge_stats([worker(0), worker(1)])["tiers"]  # type: ignore[misc]
+    assert ssd["io_clone_unsupported"] == 1
+
+
 def test_nvme_urls_name_a_multi_worker_daemons_subsystems() -> None:
     import pytest
 

@@ -52,6 +52,28 @@ def filled(pages: int, seed: int) -> AlignedBuffer:
     return buf
 
 
+class HeldReads:
+    """NIXL read completions held back until `release()` (a hung device): the transfer is
+    posted to the kernel, its checks answer "in progress". Writes complete as usual."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from kvoffload.kvstore.ssd import nixl_io
+
+        poll = nixl_io.NixlFileIO._poll
+        self.started, self._go = threading.Event(), threading.Event()
+
+        def held(io: nixl_io.NixlFileIO, batch: nixl_io._Batch) -> bool:
+            if batch.write or self._go.is_set():
+                return poll(io, batch)
+            self.started.set()
+            return False
+
+        monkeypatch.setattr(nixl_io.NixlFileIO, "_poll", held)
+
+    def release(self) -> None:
+        self._go.set()
+
+
 def process_cpu_ticks() -> int:
     """utime + stime of this process and its threads, in clock ticks (Linux /proc)."""
     fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
@@ -259,3 +281,52 @@ def test_bench_ssd_nixl_rows(tmp_path: Path) -> None:
             assert cpu["unit"] == "us" and cpu["ratio"] == round(cpu["ref_value"] / cpu["value"], 3)
             assert "O_DIRECT" in rate["note"]
     assert not list(tmp_path.glob("kvoffload-bench-ssd-*"))  # cleaned up
+
+
+@needs_nixl
+def test_close_gives_up_on_a_hung_transfer_and_fails_what_was_queued_behind_it(
+    slots: SlotFile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A read whose completion never comes fills the in-flight room (128 descriptors); a second
+    # read queues behind it. close() waits close_wait_s, leaks the agent, and fails the queued
+    # read at once: never posted later on a slot file the store has closed by then.
+    from kvoffload.kvstore.ssd import nixl_io
+
+    held = HeldReads(monkeypatch)
+    io = nixl_io.NixlFileIO(slots, "nixl-posix", close_wait_s=0.2)
+    big, small = AlignedBuffer(128 * PAGE), AlignedBuffer(PAGE)
+    errors: dict[str, BaseException | None] = {}
+
+    def read(name: str, pieces: list[tuple[memoryview, int]]) -> None:
+        try:
+            io.transfer(False, pieces)
+            errors[name] = None
+        except BaseException as exc:
+            errors[name] = exc
+
+    hung = threading.Thread(target=read, args=("hung", [
+        (big.view[i * PAGE : (i + 1) * PAGE], i * PAGE) for i in range(128)]))  # fmt: skip
+    queued = threading.Thread(target=read, args=("queued", [(small.view, 0)]))
+    leaked = len(nixl_io._LEAKED)
+    hung.start()
+    try:
+        assert held.started.wait(30)
+        queued.start()
+        for _ in range(30_000):  # until it is queued (a hang guard, bounded)
+            if io._pending:
+                break
+            time.sleep(0.001)
+        assert io._pending
+        closer = threading.Thread(target=io.close)
+        closer.start()
+        closer.join(30)
+        assert not closer.is_alive()
+        queued.join(30)
+        assert isinstance(errors.get("queued"), StorageIOError)
+        assert "hung" in str(errors["queued"]) and hung.is_alive()
+        assert len(nixl_io._LEAKED) == leaked + 1
+    finally:
+        held.release()  # the device answers: the hung read ends into memory still registered
+        hung.join(30)
+        queued.join(30)
+    assert not hung.is_alive() and errors["hung"] is None

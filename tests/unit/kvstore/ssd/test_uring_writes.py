@@ -364,6 +364,45 @@ def test_a_failed_enter_fails_the_write_cleanly_and_the_next_one_gets_a_fresh_ri
     assert fsck(str(store)).clean
 
 
+def test_broken_rings_leave_the_gauges_and_keep_their_counts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found in review: a broken ring stayed in the pool's list, closed, so the rings gauges
+    # counted dead rings and closing it zeroed its counters (submissions went down).
+    plan = Plan(tmp_path / "faults.json", monkeypatch)
+    with Engine(config(tmp_path / "d")) as engine:
+        pages = ring_pages(engine)
+        assert pages.pinned.wait(WAIT_S)
+        seen = [pages.registration()]
+        for i in range(3):
+            engine.put(key(i), value(i), durable=True)  # through the ring
+            seen.append(pages.registration())
+            plan.set({"ring.enter": "ENXIO"})
+            with pytest.raises(StorageIOError, match="io_uring"):
+                engine.put(key(10 + i), value(10 + i), durable=True)  # breaks its ring
+            plan.set({})
+            seen.append(pages.registration())
+            assert pages.pinned.wait(WAIT_S)  # the broken ring held the pin: pinned again
+        engine.put(key(3), value(3), durable=True)
+        seen.append(pages.registration())
+        live = [lease.ring for lease in pages._all if not lease.ring.closed]
+        last = seen[-1]
+        assert last["rings"] == len(live) == len(pages._all)
+        assert last["rings_with_file"] == sum(r.registered[0] > 0 for r in live)
+        assert last["rings_with_memory"] == sum(r.registered[1] > 0 for r in live)
+        (tier,) = [t for t in engine.stats().tiers if t.name == "ssd"]
+        assert tier.io_rings == len(live)
+        counters = ("fixed_file_entries", "fixed_memory_entries", "submissions", "entries")
+        for name in counters:
+            got = [snap[name] for snap in seen]
+            assert got == sorted(got), (name, got)  # never down
+        assert last["submissions"] > seen[0]["submissions"]
+    # Closed: no ring is live, and the counters keep what every ring did.
+    after = pages.registration()
+    assert after["rings"] == after["rings_with_file"] == after["rings_with_memory"] == 0
+    assert all(after[name] >= last[name] for name in counters) and not pages._all
+
+
 def test_the_enter_fault_is_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     plan = Plan(tmp_path / "faults.json", monkeypatch)
     assert enter_errno() == 0
