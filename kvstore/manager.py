@@ -35,7 +35,7 @@ from kvoffload.kvstore.config import EngineConfig
 from kvoffload.kvstore.dram import DramEntry, DramTier
 from kvoffload.kvstore.eviction import Rank
 from kvoffload.kvstore.extents import slot_bytes
-from kvoffload.kvstore.mover import Mover, ReadPlan, WriteBack, WriteThrough
+from kvoffload.kvstore.mover import Fuse, Mover, ReadPlan, WriteBack, WriteThrough, check_fused
 from kvoffload.kvstore.ssd.admission import FrequencySketch
 from kvoffload.kvstore.ssd.index import SsdIndex
 from kvoffload.kvstore.ssd.tier import SsdTier
@@ -571,10 +571,13 @@ class Manager:
 
     # ------------------------------------------------------------------ reads back up
 
-    def promote(self, key: bytes, *, prefetch: bool = False) -> DramEntry | None:
+    def promote(
+        self, key: bytes, *, prefetch: bool = False, fuse: Fuse | None = None
+    ) -> DramEntry | None:
         """Read a block only a tier below holds into DRAM; the published entry, or None if it
-        is gone or fails verification. Releases the lock for the read; a read of the key in
-        flight already is waited for, not repeated."""
+        is gone or fails verification (with `fuse`, checked as it is copied out, before it is
+        published). Releases the lock for the read; a read of the key in flight already is
+        waited for, not repeated."""
         while key in self.inflight:
             event = self.inflight[key]
             self.lock.release()
@@ -589,8 +592,15 @@ class Manager:
         plan = self.prepare_read(key, prefetch)
         if plan is None:
             return None
+        plan.fused = fuse is not None
         try:
             ok = self.mover.read(plan)
+            if plan.fused and ok:
+                self.lock.release()  # the key stays in flight: its readers wait
+                try:
+                    ok = check_fused(plan, fuse)
+                finally:
+                    self.lock.acquire()
         finally:
             self.read_done(plan)
         self.check_not_closed(plan)
