@@ -104,6 +104,23 @@ def test_a_damaged_block_read_by_a_single_get_into_is_a_counted_miss(
 
 
 @pytest.mark.parametrize("io_engine", ENGINES)
+def test_a_batch_with_one_cold_block_reads_it_on_the_callers_thread_fused(
+    tmp_path: Path, io_engine: str
+) -> None:
+    # One SSD-only block among DRAM hits: nothing to overlap, read on the calling thread.
+    with cold(tmp_path, io_engine, 3, damaged=(2,)) as engine:
+        assert engine.get_into(key(0), buffers(1)[0]) == BLOCK  # key 0 now in DRAM
+        bufs = buffers(2)
+        assert engine.get_many_into([key(0), key(1)], bufs) == [BLOCK, BLOCK]
+        assert [bytes(b[:BLOCK]) for b in bufs] == [value(0), value(1)]
+        bufs = buffers(2)
+        assert engine.get_many_into([key(0), key(2)], bufs) == [BLOCK, None]
+        assert bytes(bufs[0][:BLOCK]) == value(0)
+        assert_damaged_miss(engine, bufs[1], 2)
+        assert engine.stats().tiers[0].promotions == 2
+
+
+@pytest.mark.parametrize("io_engine", ENGINES)
 def test_a_good_block_is_copied_published_once_then_served_from_dram(
     tmp_path: Path, io_engine: str
 ) -> None:
