@@ -594,13 +594,7 @@ class Manager:
             return None
         plan.fused = fuse is not None
         try:
-            ok = self.mover.read(plan)
-            if plan.fused and ok:
-                self.lock.release()  # the key stays in flight: its readers wait
-                try:
-                    ok = check_fused(plan, fuse)
-                finally:
-                    self.lock.acquire()
+            ok = self.fused_check(plan, self.mover.read(plan), fuse)
         finally:
             self.read_done(plan)
         self.check_not_closed(plan)
@@ -608,6 +602,18 @@ class Manager:
         if entry is not None and entry.staging is not None:
             entry.pins -= 1  # the caller's `acquire` pins it
         return entry
+
+    def fused_check(self, plan: ReadPlan, ok: bool | None, fuse: Fuse | None) -> bool | None:
+        """A read's `ok` once a fused read's value is checked as `fuse` copies it out (lock
+        held on entry and return, released for the copy: the key stays in flight, so its
+        other readers wait for the checked answer)."""
+        if not (plan.fused and ok):
+            return ok
+        self.lock.release()
+        try:
+            return check_fused(plan, fuse)
+        finally:
+            self.lock.acquire()
 
     def prepare_read(self, key: bytes, prefetch: bool) -> ReadPlan | None:
         """Plan a read of `key` back into DRAM: the block pinned below, a reserved DRAM slot

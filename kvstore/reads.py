@@ -200,13 +200,7 @@ class Reads:
         if len(todo) < 2 and not later:  # nothing to overlap: on this thread, as a get does
             for plan in todo:
                 try:
-                    ok = mover.read_or_miss(plan)
-                    if plan.fused and ok:
-                        self._lock.release()  # the key stays in flight: its readers wait
-                        try:
-                            ok = check_fused(plan, fuse)
-                        finally:
-                            self._lock.acquire()
+                    ok = m.fused_check(plan, mover.read_or_miss(plan), fuse)
                 finally:
                     m.read_done(plan)
                 m.check_not_closed(plan)
