@@ -284,3 +284,26 @@ def test_pure_python_environment_runs_the_fused_read(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.parametrize("io_engine", ENGINES)
+def test_fused_reads_into_side_buffers_while_pinned_views_hold_dram(
+    tmp_path: Path, io_engine: str
+) -> None:
+    # DRAM all pinned: the batch's reads land in side buffers of their own, still checked as
+    # they are copied out, and the side buffers all go back.
+    with cold(tmp_path, io_engine, 24, damaged=(20,)) as engine:
+        held = [engine.get(key(i)) for i in range(16)]  # ~3.3 MB of the 4 MiB arena pinned
+        bufs = buffers(8)
+        got = engine.get_many_into([key(i) for i in range(16, 24)], bufs)
+        assert got == [BLOCK] * 4 + [None] + [BLOCK] * 3
+        assert [bytes(bufs[i][:BLOCK]) for i in (0, 1, 2, 3, 5, 6, 7)] == [
+            value(16 + i) for i in (0, 1, 2, 3, 5, 6, 7)
+        ]
+        assert_damaged_miss(engine, bufs[4], 20)
+        stats = engine.stats()
+        assert stats.staged_gets > 0 and stats.tiers[1].corrupt_blocks == 1
+        for view in held:
+            assert view is not None
+            view.release()
+        assert engine.stats().tiers[0].pinned == 0
