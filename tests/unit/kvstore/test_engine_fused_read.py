@@ -6,6 +6,7 @@ value's length (the documented promise), on the ring, the thread path and the Py
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ import pytest
 import kvoffload.core as core
 import kvoffload.kvstore.engine as engine_module
 import kvoffload.kvstore.ssd.slotio as slotio
-from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
+from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig, faults
 from kvoffload.kvstore.config import PAGE
 
 BLOCK = 200_000
@@ -47,8 +48,11 @@ def config(path: Path, io_engine: str) -> EngineConfig:
 
 
 @contextlib.contextmanager
-def cold(path: Path, io_engine: str, n: int, damaged: tuple[int, ...] = ()) -> Iterator[Engine]:
-    """An engine over `n` blocks on the SSD only, the payloads of `damaged` flipped on disk."""
+def cold(
+    path: Path, io_engine: str, n: int, damaged: tuple[int, ...] = (), at: int = PAGE + 1000
+) -> Iterator[Engine]:
+    """An engine over `n` blocks on the SSD only, a byte of the slots of `damaged` flipped on
+    disk `at` bytes into the slot (its header page first: the default is in the payload)."""
     if io_engine == "io_uring" and core.io_uring_unavailable() is not None:
         pytest.skip(f"io_uring cannot run here: {core.io_uring_unavailable()}")
     with Engine(config(path, io_engine)) as engine:
@@ -58,9 +62,9 @@ def cold(path: Path, io_engine: str, n: int, damaged: tuple[int, ...] = ()) -> I
         pages = {i: int(engine._ssd.index.rows["page"][engine._ssd.find(key(i))]) for i in damaged}
     with open(path / "ssd.slots", "r+b") as fh:
         for page in pages.values():
-            fh.seek((page + 1) * PAGE + 1000)
+            fh.seek(page * PAGE + at)
             byte = fh.read(1)
-            fh.seek((page + 1) * PAGE + 1000)
+            fh.seek(page * PAGE + at)
             fh.write(bytes([byte[0] ^ 0xFF]))
     with Engine(config(path, io_engine)) as engine:
         yield engine
@@ -307,3 +311,32 @@ def test_fused_reads_into_side_buffers_while_pinned_views_hold_dram(
             assert view is not None
             view.release()
         assert engine.stats().tiers[0].pinned == 0
+
+
+@pytest.mark.parametrize("io_engine", ENGINES)
+def test_a_wrong_slot_header_is_a_counted_miss_before_any_byte_is_copied(
+    tmp_path: Path, io_engine: str
+) -> None:
+    # The header is checked with the read, before the fused copy: the buffer stays as it was.
+    with cold(tmp_path, io_engine, 3, damaged=(1,), at=40) as engine:
+        bufs = buffers(3)
+        assert engine.get_many_into([key(i) for i in range(3)], bufs) == [BLOCK, None, BLOCK]
+        assert bytes(bufs[1]) == b"\xab" * (BLOCK + SPARE)
+        assert engine.stats().tiers[1].corrupt_blocks == 1 and not engine.contains(key(1))
+        assert [bytes(bufs[i][:BLOCK]) for i in (0, 2)] == [value(0), value(2)]
+
+
+def test_an_io_error_is_a_counted_miss_that_keeps_the_block_and_the_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plan = tmp_path / "faults.json"
+    monkeypatch.setenv(faults.ENV, str(plan))
+    with cold(tmp_path, "threads", 2) as engine:
+        plan.write_text(json.dumps({"slot.read": "EIO"}))
+        buf = buffers(1)[0]
+        assert engine.get_into(key(0), buf) is None
+        assert bytes(buf) == b"\xab" * (BLOCK + SPARE)
+        ssd = engine.stats().tiers[1]
+        assert ssd.io_errors == 1 and ssd.corrupt_blocks == 0
+        plan.unlink()
+        assert engine.get_into(key(0), buf) == BLOCK and bytes(buf[:BLOCK]) == value(0)
