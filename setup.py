@@ -49,8 +49,10 @@ CORE = Extension(
         "kvoffload/core/index.c",
         "kvoffload/core/hot.c",
         "kvoffload/core/uring.c",
+        # The CRC32C kernels again, for `copy_crc32c` (kvstore may not import kvoffload.wire).
+        "kvoffload/wire/_speedups_crc.c",
     ],
-    depends=["kvoffload/core/core.h"],
+    depends=["kvoffload/core/core.h", "kvoffload/wire/_speedups.h"],
     extra_compile_args=["-O2", "-std=c11"],
     optional=True,
 )

@@ -28,6 +28,7 @@ from types import TracebackType
 import numpy as np
 
 from kvoffload.buffers import Bytes, as_readable, as_writable
+from kvoffload.core import copy_crc32c
 from kvoffload.errors import ConfigError, InvalidArgumentError, KVOffloadError, StorageIOError
 from kvoffload.kvstore.config import DramConfig, EngineConfig
 from kvoffload.kvstore.described import DescribedBlock, DescribedTable, Listing, take_listing
@@ -351,7 +352,11 @@ class Engine:
         """Copy the value into `buffer` (bytearray, numpy array, CPU tensor, writable view).
 
         Returns:
-            The number of bytes written, or None on a miss (the buffer is then untouched).
+            The number of bytes written, or None on a miss. A miss leaves the buffer
+            untouched, except for a block read back from the SSD that fails its checksum
+            there: its value is checked as it is copied into the buffer (one pass over the
+            bytes), so then the value's length of the buffer is zeroed (never a byte of the
+            damaged block); the block is dropped and counted (`ssd.corrupt`).
 
         Raises:
             InvalidArgumentError: the buffer is read-only, not contiguous or too small.
@@ -360,7 +365,10 @@ class Engine:
 
     def get_many_into(self, keys: Sequence[bytes], buffers: Sequence[object]) -> list[int | None]:
         """`get_into` for each (key, buffer) pair; SSD-only blocks are read as for `get_many`,
-        each copied out as soon as its read is verified, while the others are still read.
+        each copied out as soon as it is read, while the others are still read, and checked
+        against its slot's CRC32C in the same pass, before it is published in DRAM. A miss
+        leaves its buffer untouched, or zeroed over the value's length where a damaged SSD
+        block was copied (see `get_into`).
 
         Raises:
             InvalidArgumentError: not one buffer per key, or a buffer read-only, not contiguous
@@ -375,13 +383,28 @@ class Engine:
         for i, key in enumerate(keys):
             where.setdefault(key, []).append(i)
         copied: dict[int, DramEntry] = {}  # what a buffer holds already
+        fused: dict[int, DramEntry] = {}  # what a read copied while summing (not published yet)
 
         def copy(i: int, entry: DramEntry) -> None:
             dsts[i][: entry.length] = np.frombuffer(self._dram.value(entry), dtype=np.uint8)
             copied[i] = entry
 
+        def fuse(key: bytes, entry: DramEntry, crc: int) -> bool | None:
+            first = where[key][0]
+            dst = dsts[first]
+            if entry.length > dst.size:
+                return None  # the caller raises for it; the block is checked where it landed
+            fused[first] = entry
+            if copy_crc32c(dst.data, self._dram.value(entry)) == crc:
+                return True
+            dst[: entry.length] = 0  # no byte of a damaged block stays in the buffer
+            return False
+
         def ready(key: bytes, entry: DramEntry) -> bool:
             first = where[key][0]  # the one `acquire_many` hands this entry to
+            if fused.get(first) is entry:
+                copied[first] = entry
+                return True
             if entry.length > dsts[first].size:
                 return False
             copy(first, entry)
@@ -389,7 +412,10 @@ class Engine:
 
         with self._lock:
             m, reads = self._m, self._reads
-            entries = reads.acquire_many(keys, ready) if len(keys) > 1 else [reads.acquire(keys[0])]
+            if len(keys) > 1:
+                entries = reads.acquire_many(keys, ready, fuse)
+            else:
+                entries = [reads.acquire(keys[0], fuse=fuse)]
         try:
             for entry, dst in zip(entries, dsts, strict=True):
                 if entry is not None and entry.length > dst.size:
@@ -398,7 +424,11 @@ class Engine:
                     )
             for i, entry in enumerate(entries):
                 if entry is not None and copied.get(i) is not entry:
-                    copy(i, entry)
+                    if fused.get(i) is not entry:
+                        copy(i, entry)
+                elif entry is None and i in fused:
+                    # Copied and checked, then deleted before it was published: a miss.
+                    dsts[i][: fused[i].length] = 0
         finally:
             with self._lock:
                 for entry in entries:

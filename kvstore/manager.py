@@ -36,7 +36,7 @@ from kvoffload.kvstore.config import EngineConfig
 from kvoffload.kvstore.dram import DramEntry, DramTier
 from kvoffload.kvstore.eviction import Rank
 from kvoffload.kvstore.extents import slot_bytes
-from kvoffload.kvstore.mover import Mover, ReadPlan, WriteBack, WriteThrough
+from kvoffload.kvstore.mover import Fuse, Mover, ReadPlan, WriteBack, WriteThrough, check_fused
 from kvoffload.kvstore.ssd.admission import FrequencySketch
 from kvoffload.kvstore.ssd.index import SsdIndex
 from kvoffload.kvstore.ssd.tier import SsdTier
@@ -577,10 +577,13 @@ class Manager:
 
     # ------------------------------------------------------------------ reads back up
 
-    def promote(self, key: bytes, *, prefetch: bool = False) -> DramEntry | None:
+    def promote(
+        self, key: bytes, *, prefetch: bool = False, fuse: Fuse | None = None
+    ) -> DramEntry | None:
         """Read a block only a tier below holds into DRAM; the published entry, or None if it
-        is gone or fails verification. Releases the lock for the read; a read of the key in
-        flight already is waited for, not repeated."""
+        is gone or fails verification (with `fuse`, checked as it is copied out, before it is
+        published). Releases the lock for the read; a read of the key in flight already is
+        waited for, not repeated."""
         while key in self.inflight:
             event = self.inflight[key]
             self.lock.release()
@@ -595,8 +598,9 @@ class Manager:
         plan = self.prepare_read(key, prefetch)
         if plan is None:
             return None
+        plan.fused = fuse is not None
         try:
-            ok = self.mover.read(plan)
+            ok = self.fused_check(plan, self.mover.read(plan), fuse)
         finally:
             self.read_done(plan)
         self.check_not_closed(plan)
@@ -604,6 +608,18 @@ class Manager:
         if entry is not None and entry.staging is not None:
             entry.pins -= 1  # the caller's `acquire` pins it
         return entry
+
+    def fused_check(self, plan: ReadPlan, ok: bool | None, fuse: Fuse | None) -> bool | None:
+        """A read's `ok` once a fused read's value is checked as `fuse` copies it out (lock
+        held on entry and return, released for the copy: the key stays in flight, so its
+        other readers wait for the checked answer)."""
+        if not (plan.fused and ok):
+            return ok
+        self.lock.release()
+        try:
+            return check_fused(plan, fuse)
+        finally:
+            self.lock.acquire()
 
     def prepare_read(self, key: bytes, prefetch: bool) -> ReadPlan | None:
         """Plan a read of `key` back into DRAM: the block pinned below, a reserved DRAM slot

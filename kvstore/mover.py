@@ -25,11 +25,14 @@ from dataclasses import dataclass
 from queue import SimpleQueue
 from typing import Any, Protocol
 
+import crc32c
+
 from kvoffload.kvstore.dram import DramEntry
 from kvoffload.kvstore.ssd.catalog import WritePlan
 from kvoffload.kvstore.ssd.tier import SsdRead, SsdTier, SsdWipe
 
 __all__ = [
+    "Fuse",
     "Demoter",
     "Mover",
     "ReadPlan",
@@ -47,7 +50,9 @@ log = logging.getLogger(__name__)
 class ReadPlan:
     """A block to read back into DRAM (prepared to completed): the SSD block (pinned), the
     DRAM entry it lands in (pinned, unpublished), where its bytes go, and the event other
-    readers of the key wait on."""
+    readers of the key wait on. `fused`: the read checks the slot header only, and the
+    value's CRC32C is summed as the value is copied into the get's buffer (`Reads`), before
+    the block is published."""
 
     key: bytes
     tier: SsdTier
@@ -55,7 +60,15 @@ class ReadPlan:
     entry: DramEntry
     dst: memoryview
     event: threading.Event
+    fused: bool = False
 
+
+# How a get takes an SSD block's value into its buffer while summing it (one pass over
+# the bytes instead of a check where they landed, then a copy): `fuse(key, entry, crc)`
+# copies the value of `entry` (read, not published yet) into the key's buffer and says
+# whether its CRC32C is `crc`, having zeroed what it copied if not; None: it copied nothing
+# (no buffer fits), and the value is checked where it landed.
+Fuse = Callable[[bytes, DramEntry, int], "bool | None"]
 
 # How a batch's reads are reported from the read pool: (plans, whether each verified; None:
 # its I/O failed), every plan exactly once.
@@ -280,7 +293,7 @@ class Mover:
     def read(self, plan: ReadPlan) -> bool | None:
         """Read a planned block (lock held, released for the read): whether it verified, or
         None if the device failed."""
-        return _verified(plan, plan.tier.read_into(plan.block, plan.dst))
+        return _verified(plan, plan.tier.read_into(plan.block, plan.dst, not plan.fused))
 
     def read_or_miss(self, plan: ReadPlan) -> bool | None:
         """`read`, where an I/O path failing in a way of its own (not a `StorageIOError`,
@@ -359,17 +372,18 @@ class Mover:
 
 def _verified(plan: ReadPlan, ok: bool | None) -> bool | None:
     """`ok`; a block that verified keeps the value CRC it was checked against (`DramEntry.crc`:
-    the one pass over its bytes a local reader needs)."""
-    if ok:
+    the one pass over its bytes a local reader needs). A fused read's value is not checked
+    yet: `Reads` sets it once the copy out has summed the value."""
+    if ok and not plan.fused:
         plan.entry.crc = plan.block.snap[4]
     return ok
 
 
 def _read_or_miss(
-    read_into: Callable[[SsdRead, memoryview], bool | None], plan: ReadPlan
+    read_into: Callable[[SsdRead, memoryview, bool], bool | None], plan: ReadPlan
 ) -> bool | None:
     try:
-        return _verified(plan, read_into(plan.block, plan.dst))
+        return _verified(plan, read_into(plan.block, plan.dst, not plan.fused))
     except Exception:
         log.exception("kvoffload: reading block %s from the SSD failed", plan.key.hex())
         return None
@@ -381,8 +395,10 @@ def _read_batch_and_report(plans: Sequence[ReadPlan], done: ReadsDone) -> None:
     results: list[bool | None] = [None] * len(plans)
     try:
         # One SSD tier below DRAM: every plan of a batch reads from it.
+        # A batch's plans are all fused or none (one `fetch_many` makes them).
         results = plans[0].tier.read_batch_unlocked([p.block for p in plans],
-                                                    [p.dst for p in plans])  # fmt: skip
+                                                    [p.dst for p in plans],
+                                                    not plans[0].fused)  # fmt: skip
     except Exception:
         log.exception("kvoffload: reading %d blocks from the SSD failed", len(plans))
     finally:
@@ -399,3 +415,23 @@ def _read_and_report(plan: ReadPlan, done: ReadsDone) -> None:
         ok = _read_or_miss(plan.tier.read_unlocked, plan)
     finally:
         done([plan], [ok])
+
+
+def check_fused(plan: ReadPlan, fuse: Fuse | None) -> bool:
+    """Whether a fused read's value matches its slot's CRC32C, summed as `fuse` copies it
+    into the get's buffer (or where it landed, if `fuse` copied nothing); a match is the
+    entry's `crc`, as for a read checked in place. Called without the lock: the key is still
+    in flight, so nothing publishes, evicts or frees its entry meanwhile."""
+    crc = plan.block.snap[4]
+    try:
+        ok = fuse(plan.key, plan.entry, crc) if fuse is not None else None
+    except Exception:
+        # A buffer that fails mid-copy: still the block's one check, where it landed (the
+        # batch's caller meets the same buffer again in its own copy and raises there).
+        log.exception("kvoffload: copying block %s out failed", plan.key.hex())
+        ok = None
+    if ok is None:
+        ok = crc32c.crc32c(plan.dst[: plan.entry.length]) == crc
+    if ok:
+        plan.entry.crc = crc
+    return ok

@@ -22,7 +22,7 @@ from kvoffload.core import dram_index_type
 from kvoffload.errors import KVOffloadError
 from kvoffload.kvstore.dram import TOUCH_RING, DramEntry
 from kvoffload.kvstore.manager import Manager
-from kvoffload.kvstore.mover import Mover, ReadPlan
+from kvoffload.kvstore.mover import Fuse, Mover, ReadPlan, check_fused
 
 __all__ = ["HotHandles", "Reads", "side_buffers"]
 
@@ -43,6 +43,7 @@ class _Batch:
 
     out: dict[bytes, DramEntry]
     ready: Callable[[bytes, DramEntry], bool] | None
+    fuse: Fuse | None
     ended: set[bytes] = field(default_factory=set)  # reads whose I/O is over and accounted
     # (reads completed together, how many side buffers went back, what finishing them raised)
     done_q: SimpleQueue[tuple[Sequence[ReadPlan], int, BaseException | None]] = field(
@@ -92,10 +93,13 @@ class Reads:
         return HotHandles(self._lock, self._index, self._n, m, dram.apply_touches, dram.free,
                           dram.arena.view, TOUCH_RING)  # fmt: skip
 
-    def acquire(self, key: bytes, fetched: DramEntry | None = None) -> DramEntry | None:
+    def acquire(
+        self, key: bytes, fetched: DramEntry | None = None, fuse: Fuse | None = None
+    ) -> DramEntry | None:
         """Pin and return the DRAM entry of `key`, reading it back up from a tier below if
-        need be, or `fetched`, the block `fetch_many` read just now (pinned by it), served
-        even if the key was deleted or written since (the get began first)."""
+        need be (its value checked as `fuse` copies it out, if given), or `fetched`, the
+        block `fetch_many` read just now (pinned by it), served even if the key was deleted
+        or written since (the get began first)."""
         m = self._m
         if m.closing or m.closed:
             raise KVOffloadError("the engine is closed")
@@ -107,7 +111,7 @@ class Reads:
         elif entry is not None:
             n["hits"] += 1
         else:
-            entry = m.promote(key)  # from a tier below, if one holds it
+            entry = m.promote(key, fuse=fuse)  # from a tier below, if one holds it
             n["ssd_hits"] += entry is not None
         if entry is None:
             n["misses"] += 1
@@ -135,11 +139,14 @@ class Reads:
             return len(keys)
 
     def acquire_many(
-        self, keys: Sequence[bytes], ready: Callable[[bytes, DramEntry], bool] | None = None
+        self,
+        keys: Sequence[bytes],
+        ready: Callable[[bytes, DramEntry], bool] | None = None,
+        fuse: Fuse | None = None,
     ) -> list[DramEntry | None]:
         """`acquire` each key (lock held), the ones only a tier below holds read with their
-        reads in flight together (`fetch_many`, which calls `ready`). The batch's DRAM hits
-        are pinned first, so the room its other reads take cannot evict them."""
+        reads in flight together (`fetch_many`, which calls `ready` and `fuse`). The batch's
+        DRAM hits are pinned first, so the room its other reads take cannot evict them."""
         m = self._m
         m.check_open()
         got: dict[int, DramEntry | None] = {}
@@ -148,7 +155,7 @@ class Reads:
                 if key in self._index:
                     got[i] = self.acquire(key)
             rest = [key for i, key in enumerate(keys) if i not in got]
-            fetched = self.fetch_many(rest, ready) if rest else {}
+            fetched = self.fetch_many(rest, ready, fuse) if rest else {}
             ours = list(fetched.values())
             try:
                 # A repeated key counts as an SSD hit once, as successive gets would.
@@ -166,7 +173,10 @@ class Reads:
             raise
 
     def fetch_many(
-        self, keys: Sequence[bytes], ready: Callable[[bytes, DramEntry], bool] | None = None
+        self,
+        keys: Sequence[bytes],
+        ready: Callable[[bytes, DramEntry], bool] | None = None,
+        fuse: Fuse | None = None,
     ) -> dict[bytes, DramEntry]:
         """Read the blocks of `keys` that only a tier below holds into DRAM with up to
         `ssd.read_depth` reads in flight, completed part by part: the reads of one pool thread's
@@ -178,24 +188,27 @@ class Reads:
         entry pinned), so the caller can copy it out while other parts are still being read;
         True says it did, so a side buffer (DRAM pinned full) can go at once: with `ready`, at most
         `side_buffers` of them are held, a read that needs one more waiting until an earlier
-        one is copied out."""
+        one is copied out. With `fuse`, each read checks its slot header only, and its value
+        is summed as `fuse` copies it out, before it is published (a block that fails is a
+        corrupt miss, never published; readers of the key wait until then)."""
         m, mover = self._m, self._mover
         later = deque(k for k in dict.fromkeys(keys)
                       if k not in self._index and k not in m.inflight)  # fmt: skip
         limit = side_buffers(m.config.ssd.read_depth) if ready is not None else 1 << 62
         todo: list[ReadPlan] = []
-        held = self._prepare_some(later, todo, 0, limit, idle=True)
+        fused = fuse is not None
+        held = self._prepare_some(later, todo, 0, limit, True, fused)
         out: dict[bytes, DramEntry] = {}
         if len(todo) < 2 and not later:  # nothing to overlap: on this thread, as a get does
             for plan in todo:
                 try:
-                    ok = mover.read_or_miss(plan)
+                    ok = m.fused_check(plan, mover.read_or_miss(plan), fuse)
                 finally:
                     m.read_done(plan)
                 m.check_not_closed(plan)
                 m.keep_read(plan, ok, out)
             return out
-        batch = _Batch(out, ready)
+        batch = _Batch(out, ready, fuse)
         running: set[bytes] = set()  # keys of reads submitted, not reported back yet
 
         def done(plans: Sequence[ReadPlan], oks: Sequence[bool | None]) -> None:
@@ -221,7 +234,7 @@ class Reads:
                     with self._lock:
                         m.check_open()  # close() waits for reads begun before it only
                         first = len(todo)
-                        held = self._prepare_some(later, todo, held, limit, idle=not running)
+                        held = self._prepare_some(later, todo, held, limit, not running, fused)
                     submit(todo[first:])
             finished = True
         finally:
@@ -256,6 +269,9 @@ class Reads:
         error: BaseException | None = None
         kept: list[tuple[bytes, DramEntry]] = []
         try:
+            if batch.fuse is not None:  # before the books: a block is published only once checked
+                oks = [check_fused(plan, batch.fuse) if plan.fused and ok else ok
+                       for plan, ok in zip(plans, oks, strict=True)]  # fmt: skip
             with self._lock:
                 for plan in plans:
                     m.read_done(plan)
@@ -292,11 +308,17 @@ class Reads:
         batch.done_q.put((plans, spent, error))
 
     def _prepare_some(
-        self, later: deque[bytes], todo: list[ReadPlan], held: int, limit: int, idle: bool
+        self,
+        later: deque[bytes],
+        todo: list[ReadPlan],
+        held: int,
+        limit: int,
+        idle: bool,
+        fused: bool,
     ) -> int:
         """Plan reads of `later`'s keys into `todo` (lock held) while this batch holds fewer
-        than `limit` side buffers (one more when nothing else runs: progress). Returns how
-        many it holds then."""
+        than `limit` side buffers (one more when nothing else runs: progress); `fused`: their
+        values are checked as they are copied out (`Fuse`). Returns how many it holds then."""
         m = self._m
         started = False
         while later and (held < limit or (idle and not started)):
@@ -305,6 +327,7 @@ class Reads:
                 continue  # read by another caller meanwhile: `acquire` finds or waits for it
             plan = m.prepare_read(key, False)
             if plan is not None:
+                plan.fused = fused
                 todo.append(plan)
                 started = True
                 held += plan.entry.staging is not None

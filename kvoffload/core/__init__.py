@@ -4,8 +4,9 @@
 `kvoffload.kvstore.dram.DramIndex`, and `HotGets`, a connection's DRAM Get hits answered
 without the Python session (`kvoffload/core/hot.c`), and `SlotRing`, a minimal io_uring for the
 SSD tier's slot I/O (`kvoffload/core/uring.c`; `io_uring_unavailable` says whether the kernel
-lets it run). The Python forms stay the reference: tests run both (the ring's reference is the
-SSD tier's thread path).
+lets it run), and `copy_crc32c`, a copy that sums what it copies (a cold SSD block on its way
+into a get's buffer). The Python forms stay the reference: tests run both (the ring's
+reference is the SSD tier's thread path).
 `KVOFFLOAD_PURE_PYTHON=1` forces Python; `KVOFFLOAD_REQUIRE_EXT=1` makes a missing extension an
 ImportError (CI sets it to prove the extension built). `use()` switches at run time (tests);
 what it picks applies to objects made afterwards.
@@ -17,12 +18,15 @@ import os
 import warnings
 from types import ModuleType
 
+import crc32c as _crc32c
+
 from kvoffload.errors import KVOffloadError
 
 __all__ = [
     "IMPLEMENTATION",
     "ExtensionMissingError",
     "available",
+    "copy_crc32c",
     "dram_index_type",
     "hot_gets_type",
     "io_uring_unavailable",
@@ -51,6 +55,7 @@ def _load() -> ModuleType | None:
             getattr(_core, "HOT_OPS", 0) != HOT_OPS
             or not hasattr(getattr(_core, "SlotRing", None), "submit")
             or not hasattr(getattr(_core, "HotGets", None), "arm")
+            or not hasattr(_core, "copy_crc32c")
         ):
             raise ImportError(
                 f"{_core.__file__} is older than its Python code: rebuild it with "
@@ -83,6 +88,22 @@ def use(name: str) -> str:
         raise ValueError(f"implementation {name!r} is not available here ({available()})")
     previous, IMPLEMENTATION = IMPLEMENTATION, name
     return previous
+
+
+def copy_crc32c(dst: memoryview, src: memoryview) -> int:
+    """Copy `src` to the start of `dst` and return its CRC32C (the `crc32c` package's): in C
+    one pass over the bytes; the Python reference copies, then sums what it copied.
+
+    Raises:
+        ValueError: `dst` is shorter than `src` (or, in C, they overlap).
+    """
+    if IMPLEMENTATION == "c" and _EXT is not None:
+        crc: int = _EXT.copy_crc32c(dst, src)
+        return crc
+    if len(dst) < len(src):
+        raise ValueError(f"destination of {len(dst)} bytes for {len(src)} bytes")
+    dst[: len(src)] = src
+    return int(_crc32c.crc32c(dst[: len(src)]))
 
 
 def dram_index_type() -> type | None:

@@ -4,17 +4,60 @@
  * - DramIndex (index.c): the C twin of kvstore.dram.DramIndex.
  * - HotGets (hot.c): a connection's DRAM Get hits served without the Python session.
  * - SlotRing (uring.c): a minimal io_uring for the SSD tier's slot I/O (issue 30).
+ * - copy_crc32c: a cold SSD block copied into a get's buffer and summed in the same pass
+ *   (issue 30), with the wire extension's CRC32C kernels (kvoffload/wire/_speedups_crc.c,
+ *   compiled into this module too: kvstore may not import kvoffload.wire).
  */
 #include "core.h"
+#include "../wire/_speedups.h"
+
+/* Below this the GIL hand-off costs more than the pass (as in kvoffload.wire._speedups). */
+#define COPY_RELEASE_GIL_AT (64 << 10)
+
+static PyObject *core_copy_crc32c(PyObject *self, PyObject *args) {
+    Py_buffer dst, src;
+    if (!PyArg_ParseTuple(args, "w*y*:copy_crc32c", &dst, &src)) return NULL;
+    PyObject *result = NULL;
+    const uint8_t *s = src.buf, *d = dst.buf;
+    if (!PyBuffer_IsContiguous(&dst, 'C') || !PyBuffer_IsContiguous(&src, 'C')) {
+        PyErr_SetString(PyExc_ValueError, "copy_crc32c needs contiguous buffers");
+    } else if (dst.len < src.len) {
+        PyErr_Format(PyExc_ValueError, "destination of %zd bytes for %zd bytes", dst.len,
+                     src.len);
+    } else if (src.len && d < s + src.len && s < d + src.len) {
+        /* Overlap would make the sum depend on the order of the loads and stores. */
+        PyErr_SetString(PyExc_ValueError, "copy_crc32c buffers overlap");
+    } else {
+        uint32_t reg = 0xFFFFFFFFu;
+        if (src.len < COPY_RELEASE_GIL_AT) {
+            reg = crc_update(reg, dst.buf, s, (size_t)src.len);
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            reg = crc_update(reg, dst.buf, s, (size_t)src.len);
+            Py_END_ALLOW_THREADS
+        }
+        result = PyLong_FromUnsignedLong(~reg);
+    }
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return result;
+}
+
+static PyMethodDef core_methods[] = {
+    {"copy_crc32c", core_copy_crc32c, METH_VARARGS,
+     "copy_crc32c(dst, src) -> int: copy src to the start of dst; the CRC32C of src, read "
+     "once."},
+    {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_core", NULL, -1, NULL, NULL, NULL, NULL, NULL};
+    PyModuleDef_HEAD_INIT, "_core", NULL, -1, core_methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__core(void) {
     if (core_index_init_strings() < 0 || core_hot_init() < 0 ||
         PyType_Ready(&DramIndexType) < 0 || PyType_Ready(&HotGetsType) < 0 ||
         PyType_Ready(&SlotRingType) < 0)
         return NULL;
+    crc_init(3); /* the fastest CRC32C kernel this CPU has */
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     Py_INCREF(&DramIndexType);

@@ -2,6 +2,8 @@
 # documents the index, kvoffload/core/uring.c the ring.
 from collections.abc import Callable, Iterator, Sequence
 
+def copy_crc32c(dst: memoryview, src: memoryview, /) -> int: ...
+
 class DramIndex:
     pinned: set[bytes]
     tick: int

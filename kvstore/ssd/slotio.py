@@ -377,10 +377,13 @@ class BlockIO:
             at += len(mine)
         return out
 
-    def read(self, row_snapshot: tuple[bytes, int, int, int, int], dst: memoryview) -> bool:
+    def read(
+        self, row_snapshot: tuple[bytes, int, int, int, int], dst: memoryview, value: bool = True
+    ) -> bool:
         """Read a block into `dst` (page-aligned, whole pages); False if it fails verification.
 
-        `row_snapshot` is (key, page, length, seq, crc) taken under the lock.
+        `row_snapshot` is (key, page, length, seq, crc) taken under the lock. `value` False
+        checks the slot header only: the caller sums the value as it copies it out.
 
         Raises:
             StorageIOError: the device failed.
@@ -388,7 +391,7 @@ class BlockIO:
         pages = self.pages
         with pages.header_page() as page:
             pages.transfer(False, row_snapshot[1] * PAGE, [page, dst])
-            return _verify(row_snapshot, page, dst)
+            return _verify(row_snapshot, page, dst, value)
 
     @property
     def batches(self) -> bool:
@@ -396,10 +399,13 @@ class BlockIO:
         return isinstance(self.pages, RingPages)
 
     def read_batch(
-        self, reads: Sequence[tuple[tuple[bytes, int, int, int, int], memoryview]]
+        self,
+        reads: Sequence[tuple[tuple[bytes, int, int, int, int], memoryview]],
+        value: bool = True,
     ) -> list[bool | None]:
         """`read` of each (row snapshot, dst), in one submission on the io_uring path: per
-        block whether it verified, or None if its I/O failed or came back short (logged).
+        block whether it verified (`value` as for `read`), or None if its I/O failed or came
+        back short (logged).
 
         Raises:
             StorageIOError: the ring itself failed (every block's I/O is over by then).
@@ -409,7 +415,7 @@ class BlockIO:
             out: list[bool | None] = []
             for snap, dst in reads:
                 try:
-                    out.append(self.read(snap, dst))
+                    out.append(self.read(snap, dst, value))
                 except StorageIOError as exc:
                     log.error("reading block %s from the SSD failed: %s", snap[0].hex(), exc)
                     out.append(None)
@@ -430,7 +436,7 @@ class BlockIO:
                     log.error("reading block %s from the SSD failed: %s", snap[0].hex(), why)
                     out.append(None)
                 else:
-                    out.append(_verify(snap, headers[i * PAGE : (i + 1) * PAGE], dst))
+                    out.append(_verify(snap, headers[i * PAGE : (i + 1) * PAGE], dst, value))
             return out
 
     def wipe(self, offset: int) -> None:
@@ -446,8 +452,11 @@ class BlockIO:
             pages.transfer(True, offset, [page])
 
 
-def _verify(snap: tuple[bytes, int, int, int, int], page: memoryview, dst: memoryview) -> bool:
-    """Whether a slot read into (`page`, `dst`) is the block `snap` names, intact."""
+def _verify(
+    snap: tuple[bytes, int, int, int, int], page: memoryview, dst: memoryview, value: bool = True
+) -> bool:
+    """Whether a slot read into (`page`, `dst`) is the block `snap` names, intact (with
+    `value` False, its header only: the value's CRC32C is then the caller's to check)."""
     key, _, length, seq, crc = snap
     fields = _HEADER.unpack(page[:SLOT_HEADER])
     # (crc, magic, version, flags, tenant, _, seq, key, parent, length, value crc, name):
@@ -458,7 +467,7 @@ def _verify(snap: tuple[bytes, int, int, int, int], page: memoryview, dst: memor
         return False
     if fields[9] != length or fields[10] != crc:
         return False
-    return crc32c.crc32c(dst[:length]) == crc
+    return not value or crc32c.crc32c(dst[:length]) == crc
 
 
 # GPUDirect Storage: slot I/O through kvikio (cuFile) when it is installed and a CUDA device is

@@ -347,20 +347,21 @@ class SsdTier:
         if left:
             self.pinned[read.row] = left
 
-    def read_into(self, read: SsdRead, dst: memoryview) -> bool | None:
-        """Read a pinned block into `dst` (page-aligned, whole pages): whether it verified, or
-        None if the device failed. Releases the lock for the read."""
+    def read_into(self, read: SsdRead, dst: memoryview, value: bool = True) -> bool | None:
+        """Read a pinned block into `dst` (page-aligned, whole pages): whether it verified
+        (`value` False: its slot header only, the caller sums the value), or None if the
+        device failed. Releases the lock for the read."""
         try:
             with self._unlocked():
-                return self.io.read(read.snap, dst)
+                return self.io.read(read.snap, dst, value)
         except StorageIOError as exc:
             log.error("reading block %s from the SSD failed: %s", read.snap[0].hex(), exc)
             return None
 
-    def read_unlocked(self, read: SsdRead, dst: memoryview) -> bool | None:
+    def read_unlocked(self, read: SsdRead, dst: memoryview, value: bool = True) -> bool | None:
         """`read_into` for a caller that does not hold the lock (a batch's read threads)."""
         try:
-            return self.io.read(read.snap, dst)
+            return self.io.read(read.snap, dst, value)
         except StorageIOError as exc:
             log.error("reading block %s from the SSD failed: %s", read.snap[0].hex(), exc)
             return None
@@ -371,13 +372,13 @@ class SsdTier:
         return self.io.batches
 
     def read_batch_unlocked(
-        self, reads: Sequence[SsdRead], dsts: Sequence[memoryview]
+        self, reads: Sequence[SsdRead], dsts: Sequence[memoryview], value: bool = True
     ) -> list[bool | None]:
         """`read_unlocked` of each read into its dst, in one submission on the io_uring path;
         a block whose I/O failed or came back short is None (`finish_read` counts it)."""
         try:
             return self.io.read_batch(
-                [(read.snap, dst) for read, dst in zip(reads, dsts, strict=True)]
+                [(read.snap, dst) for read, dst in zip(reads, dsts, strict=True)], value
             )
         except StorageIOError as exc:
             log.error("reading %d blocks from the SSD failed: %s", len(reads), exc)

@@ -1,5 +1,5 @@
 """Batched gets of SSD-only blocks: reads in flight together (bounded), each block read once,
-damaged blocks are misses that leave the caller's buffer alone."""
+damaged blocks are misses that leave no byte of theirs in the caller's buffer."""
 
 from __future__ import annotations
 
@@ -147,9 +147,11 @@ def test_a_block_another_caller_is_reading_is_not_read_again(tmp_path: Path) -> 
         assert len(reads.offsets) == 3 and len(set(reads.offsets)) == 3
 
 
-def test_a_damaged_block_in_a_batch_is_a_miss_and_its_buffer_is_untouched(
+def test_a_damaged_block_in_a_batch_is_a_miss_and_its_buffer_is_zeroed(
     tmp_path: Path,
 ) -> None:
+    # Its value is checked as it is copied in (one pass): the buffer holds zeros, never a
+    # byte of the damaged block (Engine.get_into's promise).
     cold_store(tmp_path, 4)
     with Engine(config(tmp_path)) as engine:  # find where block 1's payload lies
         assert engine._ssd is not None
@@ -163,7 +165,7 @@ def test_a_damaged_block_in_a_batch_is_a_miss_and_its_buffer_is_untouched(
         bufs = [bytearray(b"\xab" * BLOCK) for _ in range(4)]
         got = engine.get_many_into([key(i) for i in range(4)], bufs)
         assert got == [BLOCK, None, BLOCK, BLOCK]
-        assert bytes(bufs[1]) == b"\xab" * BLOCK
+        assert bytes(bufs[1]) == bytes(BLOCK)
         assert [bytes(bufs[i]) for i in (0, 2, 3)] == [value(i) for i in (0, 2, 3)]
         ssd = engine.stats().tiers[1]
         assert ssd.corrupt_blocks == 1 and not engine.contains(key(1))
