@@ -17,9 +17,11 @@ lease lapses, and drops its blocks when it rejoins (the daemon), so it cannot se
 value. A client whose keys name their content (`immutable=1`: chained block keys, DESIGN §3)
 has no older value to fear: its puts are acknowledged once each block is on one node (a lost
 owner's share goes to the next live node in the key's order, where reads look), and they
-clear no next rank; its deletes still need every member. A put that is not acknowledged
-removes the copies it left beyond a key's R + 1 best members (two failures in one put): reads
-find them while one of those members is skipped, and no later put or delete reaches them.
+clear no next rank; its deletes still need every member. A strict put that is not
+acknowledged removes the copies it left beyond a key's R + 1 best members (two failures in one
+put): reads find them while one of those members is skipped, and no later put or delete reaches
+them. An `immutable=1` put leaves them (the same block; a removal by key could take another
+client's acknowledged copy).
 
 Read repair only copies forward: the node stores a copy only where the key is absent and was
 not deleted lately (`Repair`, protocol 5), with the source's parent and metadata.
@@ -466,14 +468,19 @@ class ClusterTransport:
                 missed.update(absent)
         if not short:
             return None
-        self._remove_strays(keys, owners_of, members, ranks, short)
         if self.immutable_puts:
+            # No stray removal: a delete goes by key, and another client whose membership
+            # differs (etcd records lapsing at different times, other static lists) may count
+            # that node among the key's best and have had its own put acknowledged there. A
+            # content-named copy is the same block: left, it can at worst bring a deleted
+            # block back, which a content-named key may serve.
             self._count("puts_misplaced", len(short))
             why = (
                 f"stored only on nodes beyond each key's {self.replicas + 1} best, where reads "
-                "stop looking once those answer again (those copies removed)"
+                "stop looking once those answer again (those copies left in place)"
             )
         else:
+            self._remove_strays(keys, owners_of, members, ranks, short)
             why = (
                 f"node(s) {', '.join(sorted(missed))} did not answer (stored on the others; a "
                 "member that misses an overwrite could serve the older value)"
@@ -490,8 +497,11 @@ class ClusterTransport:
         ranks: npt.NDArray[np.intp],
         short: list[int],
     ) -> None:
-        """Delete the copies an unacknowledged put left beyond its key's R + 1 best members
-        (best effort; `strays_removed`, or `strays_left` where the node did not answer).
+        """Delete the copies an unacknowledged strict put left beyond its key's R + 1 best
+        members (best effort; `strays_removed`, or `strays_left` where the node did not
+        answer). The delete goes by key: a client whose membership view differs may hold its
+        own acknowledged copy there, and loses it (a miss; docs/guides/cluster.md), which is
+        still better than an older value served later.
 
         Such a copy is read while one of those members is skipped (breaker open, or its record
         gone), yet no later put clears it (puts clear rank R only) and no delete reaches it: an
