@@ -261,7 +261,13 @@ class ClusterTransport:
             return result
 
         items = list(groups.items())
-        futures: list[Future[T]] = [self._pool.submit(one, t, at) for t, at in items[:-1]]
+        futures: list[Future[T]] = []
+        try:
+            for t, at in items[:-1]:
+                futures.append(self._pool.submit(one, t, at))
+        except RuntimeError:  # the pool shut down: close() ran while this call was under way
+            wait(futures)
+            raise TransportError("the client is closed") from None
         out: list[tuple[Target, list[int], T | None, BaseException | None]] = []
         if items:
             target, at = items[-1]
@@ -676,8 +682,12 @@ class ClusterTransport:
             finally:
                 self._repairs.release()
 
+        try:
+            self._repair_pool.submit(copy)
+        except RuntimeError:  # closed since the read: no copy (a later read finds it below)
+            self._repairs.release()
+            return
         self._count("repairs")
-        self._repair_pool.submit(copy)
 
     def exists(self, key: bytes) -> bool:
         live, ranks = self._plan([key], self.replicas + 1)

@@ -4,6 +4,7 @@ misses, the breaker, previous owners after a membership change."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 import threading
@@ -641,3 +642,104 @@ def test_clients_of_one_process_share_a_nodes_breaker_until_the_last_one_closes(
     with Client.connect(url) as later:  # the breaker went with the last client holding it
         assert later.get_many(keys) == [_value(k) for k in keys]
         assert node(later)["failures"] == 1
+
+
+def test_a_forked_child_starts_with_no_breaker_state(start_daemon: Start) -> None:
+    # The parent's breaker for a node is mid-probe (its back-off passed, a probe started) when
+    # the process forks: the child has no probe thread, so an inherited breaker would skip the
+    # node for good. A child's new client must start afresh and use the node.
+    node = start_daemon()
+    route = f"kv://127.0.0.1:{node.port}"  # type: ignore[attr-defined]
+    key = _keys(1, seed=51)[0]
+    with Client.connect(node.url()) as direct:  # type: ignore[attr-defined]
+        direct.put(key, _value(key))
+    parent = ClusterTransport(
+        StaticMembership(tuple(_members([node]))), 1, _open_kv, node_route=lambda m: route
+    )
+    try:
+        (target,) = parent._current()
+        breaker = target._breaker
+        breaker.failed(TransportError("down for the test"))
+        breaker._open_until = 0.0  # its back-off has passed: the next caller probes
+        assert breaker.admit() == (False, True)  # a probe in flight (none runs: the test's)
+        pid = os.fork()
+        if pid == 0:  # the child: only os._exit leaves it (no pytest teardown here)
+            code = 1
+            try:
+                child = ClusterTransport(
+                    StaticMembership(tuple(_members([node]))),
+                    1,
+                    _open_kv,
+                    node_route=lambda m: route,
+                )
+                with Client(child) as client:
+                    code = 0 if client.get(key) == _value(key) else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        breaker.probed()
+        parent.close()
+
+
+class _Held:
+    """A real node's transport whose exists_many, in the thread named "caller", waits until
+    the test has closed the client: a call in flight while another thread closes it."""
+
+    def __init__(self, inner: Transport, closed: threading.Event, entered: threading.Event):
+        self._inner, self._closed, self._entered = inner, closed, entered
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+    def exists_many(self, keys: list[bytes]) -> list[bool]:
+        if threading.current_thread().name == "caller" and not self._entered.is_set():
+            self._entered.set()
+            assert self._closed.wait(30)
+        return self._inner.exists_many(keys)  # type: ignore[attr-defined, no-any-return]
+
+
+def test_closing_a_client_under_a_call_opens_no_shared_breaker(three: list[object]) -> None:
+    # Thread "caller" is inside client A's exists_many when the main thread closes A: its
+    # remaining calls fail because of the close (a closed socket, "the client is closed", a
+    # shut-down pool). That is no failure of the nodes, whose breakers client B shares: B
+    # must find every node up, and the caller gets a TransportError, not a RuntimeError.
+    members = StaticMembership(tuple(_members(three)))
+    closed, entered = threading.Event(), threading.Event()
+
+    def route(member: Member) -> str:
+        return f"kv://{member.fronts['native']}"
+
+    def held(member: Member) -> Transport:
+        return _Held(_open_kv(member), closed, entered)  # type: ignore[return-value]
+
+    a = ClusterTransport(members, 1, held, node_route=route)
+    b = ClusterTransport(members, 1, _open_kv, node_route=route)
+    keys = _keys(60, seed=61)  # stored nowhere: every rank is asked
+    outcome: list[object] = []
+
+    def call() -> None:
+        try:
+            outcome.append(a.exists_many(keys))
+        except Exception as exc:  # the thread's result, checked below
+            outcome.append(exc)
+
+    try:
+        assert b.exists_many(keys) == [False] * len(keys)
+        caller = threading.Thread(target=call, name="caller")
+        caller.start()
+        assert entered.wait(30)
+        a.close()
+        closed.set()
+        caller.join(30)
+        assert len(outcome) == 1
+        assert isinstance(outcome[0], TransportError), outcome
+        assert "closed" in str(outcome[0])
+        assert all(t.up for t in b._current())
+        assert b.exists_many(keys) == [False] * len(keys)
+        assert all(n["failures"] == 0 for n in b.stats()["nodes"].values())  # type: ignore[attr-defined]
+    finally:
+        closed.set()
+        a.close()
+        b.close()
