@@ -813,30 +813,14 @@ class ClusterTransport:
 
 
 class _ThreadedCluster(ThreadedAsyncTransport):
-    """The async API over a cluster: index calls may wait on the network (a node's deadline),
-    so they run in a worker thread too, never on the event loop."""
+    """The async API over a cluster: every call may wait on the network (a node's deadline),
+    so each runs in a worker thread (`ThreadedAsyncTransport` does so for index calls of a
+    transport that is not `index_inline`), never on the event loop; so does close, which
+    waits for the calls under way."""
 
     def __init__(self, inner: ClusterTransport) -> None:
         super().__init__(inner)
         self._cluster = inner
-
-    async def exists(self, key: bytes) -> bool:
-        return await asyncio.to_thread(self._cluster.exists, key)
-
-    async def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
-        return await asyncio.to_thread(self._cluster.exists_many, keys)
-
-    async def lookup(self, keys: Sequence[bytes]) -> int:
-        return await asyncio.to_thread(self._cluster.lookup, keys)
-
-    async def lookup_tiers(self, keys: Sequence[bytes]) -> TierRun:
-        return await asyncio.to_thread(self._cluster.lookup_tiers, keys)
-
-    async def delete(self, key: bytes) -> bool:
-        return await asyncio.to_thread(self._cluster.delete, key)
-
-    async def stats(self) -> dict[str, object]:
-        return await asyncio.to_thread(self._cluster.stats)
 
     async def close(self) -> None:
         await asyncio.to_thread(self._cluster.close)
