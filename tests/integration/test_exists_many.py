@@ -21,9 +21,11 @@ from test_daemon import _self_signed
 
 from kvoffload.bench.common import free_port
 from kvoffload.client_sdk import AsyncClient, Client
+from kvoffload.client_sdk.transports import open_async_transport, open_transport
 from kvoffload.client_sdk.transports.native import aio, session, sync
 from kvoffload.client_sdk.transports.native.plans import EXISTS_RUN
-from kvoffload.errors import InvalidArgumentError
+from kvoffload.client_sdk.url import parse_url
+from kvoffload.errors import InvalidArgumentError, LocalProtocolError
 from tests.conftest import Daemon
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -215,3 +217,44 @@ def test_concurrent_async_calls_past_the_pending_limit_wait_their_turn(
 
     answers, _ = asyncio.run(main())
     assert answers == [expected] * 6
+
+
+def test_a_malformed_key_in_the_middle_of_a_step_leaves_nothing_outstanding(
+    start_daemon: Callable[..., Daemon],
+) -> None:
+    # Below the client's key check (a transport used directly), the codec refuses a malformed
+    # key while a step's requests are being started. Over asyncio the ones started before it
+    # were registered but never sent, and stayed outstanding on the shared connection (50
+    # calls here); now they go out and their answers are taken in. The blocking driver closes
+    # a connection that has calls outstanding instead of pooling it (checked here too).
+    daemon = start_daemon()
+    keys = _keys()
+    with Client.connect(daemon.url()) as client:
+        expected = _fill(client, keys)
+    bad = [*keys[:50], b"", *keys[50:]]
+
+    def outstanding(kind: type) -> list[int]:
+        conns = [o for o in gc.get_objects() if isinstance(o, kind)]
+        assert conns
+        return [len(c.session.calls) + c.session.conn.pending for c in conns]
+
+    transport = open_transport(parse_url(daemon.url()))
+    try:
+        with pytest.raises(LocalProtocolError):
+            transport.exists_many(bad)
+        assert transport.exists_many(keys) == expected
+        assert not any(outstanding(sync._SyncConnection))
+    finally:
+        transport.close()
+
+    async def main() -> None:
+        threaded = open_async_transport(parse_url(daemon.url()))
+        try:
+            with pytest.raises(LocalProtocolError):
+                await threaded.exists_many(bad)
+            assert await threaded.exists_many(keys) == expected
+            assert not any(outstanding(aio._AsyncConnection))
+        finally:
+            await threaded.close()
+
+    asyncio.run(main())
