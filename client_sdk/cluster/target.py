@@ -19,6 +19,7 @@ works: the put goes to another node, and the breaker stays as it is.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -157,10 +158,19 @@ class Breakers:
         with self._lock:
             return len(self._by_node)
 
+    def forget(self) -> None:
+        """Start empty with a new lock (a forked child: its parent's probe threads did not
+        come along, so a breaker inherited mid-probe would skip its node forever, and a lock
+        held at the fork would never be released)."""
+        self._lock = threading.Lock()
+        self._by_node = {}
+
 
 # Process-wide on purpose: the connectors and applications open their clients independently,
 # and a dead node should cost the process one deadline, not one per client.
 BREAKERS = Breakers()
+# A forked child's clients start from no breaker state (targets it inherited keep theirs).
+os.register_at_fork(after_in_child=BREAKERS.forget)
 
 
 class Target:
@@ -234,8 +244,7 @@ class Target:
         try:
             self.transport.exists(_PROBE_KEY)
         except (KVOffloadError, OSError) as exc:  # a thread boundary: the failure is the result
-            if not self._closed:  # the client closed under it: that says nothing of the node
-                self.failed(exc, counted=False)
+            self.failed(exc, counted=False)  # ignored if the client closed under it
         else:
             self.succeeded(counted=False)
         finally:
@@ -248,6 +257,8 @@ class Target:
 
     def succeeded(self, counted: bool = True) -> None:
         """The node answered (`counted`: a data request, not a stats or limits query)."""
+        if self._closed:
+            return
         with self._lock:
             self.counters["requests"] += counted
         self._breaker.succeeded()
@@ -255,12 +266,19 @@ class Target:
     def answered(self, exc: BaseException, counted: bool = True) -> None:
         """A call ended in `exc`: a node failure opens the breaker (`failed`); a caller's error
         or a refusal only counts the request and leaves the breaker as it is."""
+        if self._closed:
+            return
         if node_failed(exc):
             self.failed(exc, counted)
         else:
             self.count("requests", counted)
 
     def failed(self, exc: BaseException, counted: bool = True) -> None:
+        """The node failed: its breaker opens. Not once this client closed: a call in flight
+        then fails because of the close ("the client is closed", a closed socket), which says
+        nothing of the node, and the breaker is shared with other clients."""
+        if self._closed:
+            return
         with self._lock:
             self.counters["requests"] += counted
             self.counters["failures"] += counted

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 from kvoffload.wire.tiers import TierRun
+
+T = TypeVar("T")
 
 __all__ = [
     "AsyncTransport",
@@ -284,11 +286,20 @@ def windows(n: int, window: int) -> list[slice]:
 
 class ThreadedAsyncTransport:
     """Serves the async API from a sync transport: calls that move value bytes run in a worker
-    thread (copies release the GIL), index-only calls run inline because they take microseconds.
+    thread (copies release the GIL); index-only calls run inline only where the inner transport
+    answers them in memory (`index_inline`, local://), else they wait on the network (nvme+tcp,
+    kv:// with data=nixl) and run in a worker thread too, never on the event loop.
     """
 
     def __init__(self, inner: Transport) -> None:
         self._inner = inner
+        self._inline = getattr(inner, "index_inline", False) is True
+
+    async def _index(self, call: Callable[..., T], *args: object) -> T:
+        """An index call: inline where it takes microseconds, else in a worker thread."""
+        if self._inline:
+            return call(*args)
+        return await asyncio.to_thread(call, *args)
 
     async def open(self) -> None:
         pass
@@ -330,25 +341,25 @@ class ThreadedAsyncTransport:
         return await asyncio.to_thread(self._inner.get_many, keys)
 
     async def exists(self, key: bytes) -> bool:
-        return self._inner.exists(key)
+        return await self._index(self._inner.exists, key)
 
     async def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
-        return self._inner.exists_many(keys)
+        return await self._index(self._inner.exists_many, keys)
 
     async def lookup(self, keys: Sequence[bytes]) -> int:
-        return self._inner.lookup(keys)
+        return await self._index(self._inner.lookup, keys)
 
     async def lookup_tiers(self, keys: Sequence[bytes]) -> TierRun:
-        return self._inner.lookup_tiers(keys)
+        return await self._index(self._inner.lookup_tiers, keys)
 
     async def prefetch(self, keys: Sequence[bytes]) -> int:
         return await asyncio.to_thread(self._inner.prefetch, keys)
 
     async def delete(self, key: bytes) -> bool:
-        return self._inner.delete(key)
+        return await self._index(self._inner.delete, key)
 
     async def stats(self) -> dict[str, object]:
-        return self._inner.stats()
+        return await self._index(self._inner.stats)
 
     async def close(self) -> None:
         self._inner.close()

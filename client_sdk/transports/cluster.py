@@ -17,9 +17,11 @@ lease lapses, and drops its blocks when it rejoins (the daemon), so it cannot se
 value. A client whose keys name their content (`immutable=1`: chained block keys, DESIGN §3)
 has no older value to fear: its puts are acknowledged once each block is on one node (a lost
 owner's share goes to the next live node in the key's order, where reads look), and they
-clear no next rank; its deletes still need every member. A put that is not acknowledged
-removes the copies it left beyond a key's R + 1 best members (two failures in one put): reads
-find them while one of those members is skipped, and no later put or delete reaches them.
+clear no next rank; its deletes still need every member. A strict put that is not
+acknowledged removes the copies it left beyond a key's R + 1 best members (two failures in one
+put): reads find them while one of those members is skipped, and no later put or delete reaches
+them. An `immutable=1` put leaves them (the same block; a removal by key could take another
+client's acknowledged copy).
 
 Read repair only copies forward: the node stores a copy only where the key is absent and was
 not deleted lately (`Repair`, protocol 5), with the source's parent and metadata.
@@ -259,7 +261,13 @@ class ClusterTransport:
             return result
 
         items = list(groups.items())
-        futures: list[Future[T]] = [self._pool.submit(one, t, at) for t, at in items[:-1]]
+        futures: list[Future[T]] = []
+        try:
+            for t, at in items[:-1]:
+                futures.append(self._pool.submit(one, t, at))
+        except RuntimeError:  # the pool shut down: close() ran while this call was under way
+            wait(futures)
+            raise TransportError("the client is closed") from None
         out: list[tuple[Target, list[int], T | None, BaseException | None]] = []
         if items:
             target, at = items[-1]
@@ -466,14 +474,19 @@ class ClusterTransport:
                 missed.update(absent)
         if not short:
             return None
-        self._remove_strays(keys, owners_of, members, ranks, short)
         if self.immutable_puts:
+            # No stray removal: a delete goes by key, and another client whose membership
+            # differs (etcd records lapsing at different times, other static lists) may count
+            # that node among the key's best and have had its own put acknowledged there. A
+            # content-named copy is the same block: left, it can at worst bring a deleted
+            # block back, which a content-named key may serve.
             self._count("puts_misplaced", len(short))
             why = (
                 f"stored only on nodes beyond each key's {self.replicas + 1} best, where reads "
-                "stop looking once those answer again (those copies removed)"
+                "stop looking once those answer again (those copies left in place)"
             )
         else:
+            self._remove_strays(keys, owners_of, members, ranks, short)
             why = (
                 f"node(s) {', '.join(sorted(missed))} did not answer (stored on the others; a "
                 "member that misses an overwrite could serve the older value)"
@@ -490,8 +503,11 @@ class ClusterTransport:
         ranks: npt.NDArray[np.intp],
         short: list[int],
     ) -> None:
-        """Delete the copies an unacknowledged put left beyond its key's R + 1 best members
-        (best effort; `strays_removed`, or `strays_left` where the node did not answer).
+        """Delete the copies an unacknowledged strict put left beyond its key's R + 1 best
+        members (best effort; `strays_removed`, or `strays_left` where the node did not
+        answer). The delete goes by key: a client whose membership view differs may hold its
+        own acknowledged copy there, and loses it (a miss; docs/guides/cluster.md), which is
+        still better than an older value served later.
 
         Such a copy is read while one of those members is skipped (breaker open, or its record
         gone), yet no later put clears it (puts clear rank R only) and no delete reaches it: an
@@ -666,8 +682,12 @@ class ClusterTransport:
             finally:
                 self._repairs.release()
 
+        try:
+            self._repair_pool.submit(copy)
+        except RuntimeError:  # closed since the read: no copy (a later read finds it below)
+            self._repairs.release()
+            return
         self._count("repairs")
-        self._repair_pool.submit(copy)
 
     def exists(self, key: bytes) -> bool:
         live, ranks = self._plan([key], self.replicas + 1)
@@ -793,30 +813,14 @@ class ClusterTransport:
 
 
 class _ThreadedCluster(ThreadedAsyncTransport):
-    """The async API over a cluster: index calls may wait on the network (a node's deadline),
-    so they run in a worker thread too, never on the event loop."""
+    """The async API over a cluster: every call may wait on the network (a node's deadline),
+    so each runs in a worker thread (`ThreadedAsyncTransport` does so for index calls of a
+    transport that is not `index_inline`), never on the event loop; so does close, which
+    waits for the calls under way."""
 
     def __init__(self, inner: ClusterTransport) -> None:
         super().__init__(inner)
         self._cluster = inner
-
-    async def exists(self, key: bytes) -> bool:
-        return await asyncio.to_thread(self._cluster.exists, key)
-
-    async def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
-        return await asyncio.to_thread(self._cluster.exists_many, keys)
-
-    async def lookup(self, keys: Sequence[bytes]) -> int:
-        return await asyncio.to_thread(self._cluster.lookup, keys)
-
-    async def lookup_tiers(self, keys: Sequence[bytes]) -> TierRun:
-        return await asyncio.to_thread(self._cluster.lookup_tiers, keys)
-
-    async def delete(self, key: bytes) -> bool:
-        return await asyncio.to_thread(self._cluster.delete, key)
-
-    async def stats(self) -> dict[str, object]:
-        return await asyncio.to_thread(self._cluster.stats)
 
     async def close(self) -> None:
         await asyncio.to_thread(self._cluster.close)

@@ -261,3 +261,40 @@ def test_a_protocol_2_daemon_gets_puts_without_metadata() -> None:
                 for e in seen if isinstance(e, (Put, PutMany))]  # fmt: skip
         assert len(sent) == 4
         assert sent == ([meta.encode()] * 4 if carried else [None] * 4)
+
+
+def test_an_error_answer_in_the_middle_of_an_exists_run_is_raised_and_the_connection_goes_on() -> (
+    None
+):
+    """`exists_many` sends its Exists requests in runs; one answered with an error in the
+    middle of a run is raised (the store's error, not a lost connection), every other answer of
+    the run is read, so the next call gets its own answers (not the leftovers)."""
+    keys = [os.urandom(16) for _ in range(300)]
+    failing = keys[140]  # in the middle of the second run
+
+    def answer(conn: NativeConnection, event: Event) -> tuple[bytes, bool]:
+        assert isinstance(event, Exists)
+        if event.key == failing:
+            reply: Event = ErrorReply(event.request_id, Status.STORAGE_IO, "a read failed")
+        else:
+            reply = ExistsResult(event.request_id, event.key[0] % 2 == 0)
+        return _joined(conn.send_parts(reply)), False
+
+    good = [k for k in keys if k != failing]
+    expected = [k[0] % 2 == 0 for k in good]
+    with peer(answer) as port:
+        url = f"kv://127.0.0.1:{port}?retries=0&timeout=10"
+        with Client.connect(url) as client:
+            with pytest.raises(KVOffloadError, match="a read failed") as raised:
+                client.exists_many(keys)
+            assert not isinstance(raised.value, TransportError)
+            assert client.exists_many(good) == expected
+
+        async def main() -> None:
+            async with AsyncClient.connect(url) as client:
+                with pytest.raises(KVOffloadError, match="a read failed") as raised:
+                    await client.exists_many(keys)
+                assert not isinstance(raised.value, TransportError)
+                assert await client.exists_many(good) == expected
+
+        asyncio.run(main())

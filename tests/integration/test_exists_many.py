@@ -9,6 +9,8 @@ daemon's counters show one Exists per key, answered by its C hot path, and no Lo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import gc
 import logging
 import os
 from collections.abc import Callable
@@ -19,8 +21,11 @@ from test_daemon import _self_signed
 
 from kvoffload.bench.common import free_port
 from kvoffload.client_sdk import AsyncClient, Client
+from kvoffload.client_sdk.transports import open_async_transport, open_transport
+from kvoffload.client_sdk.transports.native import aio, session, sync
 from kvoffload.client_sdk.transports.native.plans import EXISTS_RUN
-from kvoffload.errors import InvalidArgumentError
+from kvoffload.client_sdk.url import parse_url
+from kvoffload.errors import InvalidArgumentError, LocalProtocolError
 from tests.conftest import Daemon
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -153,3 +158,103 @@ def test_an_unreachable_store_answers_all_false_and_says_so(
             assert client.exists_many(keys) == [False, False, False]
         assert _async_answer(url, keys) == [False, False, False]
     assert caplog.text.count("exists_many: store unreachable") == 2
+
+
+class _CountingSocket:
+    """The client's real socket, its sendmsg calls counted (a socket's methods cannot be
+    replaced on the object itself)."""
+
+    def __init__(self, sock: object, counts: list[int]) -> None:
+        self._sock, self._counts = sock, counts
+
+    def sendmsg(self, buffers: object) -> int:
+        self._counts.append(1)
+        return self._sock.sendmsg(buffers)  # type: ignore[attr-defined, no-any-return]
+
+
+def test_exists_many_over_kv_is_one_write_a_step(
+    start_daemon: Callable[..., Daemon], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Pipelined, not one round trip per key: each step of EXISTS_RUN Exists requests leaves
+    # in one sendmsg, before any answer is read (N keys: 3 steps, 3 writes, not N).
+    daemon = start_daemon()
+    keys = _keys()
+    writes: list[int] = []
+    real = sync.send_all
+
+    def counted(sock: object, parts: object) -> None:
+        real(_CountingSocket(sock, writes), parts)  # type: ignore[arg-type]
+
+    with Client.connect(daemon.url()) as client:
+        expected = _fill(client, keys)
+        assert client.exists(keys[0]) == expected[0]  # connected before counting
+        monkeypatch.setattr(sync, "send_all", counted)
+        assert client.exists_many(keys) == expected
+    assert len(writes) == -(-N // EXISTS_RUN)
+
+
+def test_concurrent_async_calls_past_the_pending_limit_wait_their_turn(
+    start_daemon: Callable[..., Daemon], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A connection holds at most max_pending outstanding requests (the codec refuses more).
+    # With a limit far below one step (EXISTS_RUN) and several calls at once, each step waits
+    # for room instead of registering requests it never sends (they stayed outstanding
+    # forever) and raising a raw LocalProtocolError.
+    monkeypatch.setattr(session, "_LIMITS", dataclasses.replace(session._LIMITS, max_pending=8))
+    daemon = start_daemon()
+    keys = _keys()
+    with Client.connect(daemon.url()) as client:
+        expected = _fill(client, keys)
+
+    async def main() -> tuple[list[list[bool]], list[aio._AsyncConnection]]:
+        async with AsyncClient.connect(daemon.url()) as client:
+            answers = await asyncio.gather(*(client.exists_many(keys) for _ in range(6)))
+            conns = [o for o in gc.get_objects() if isinstance(o, aio._AsyncConnection)]
+            leaked = [c for c in conns if c.session.calls or c.session.conn.pending]
+            assert not leaked, [len(c.session.calls) for c in leaked]
+            assert any(c.session.conn.limits.max_pending == 8 for c in conns)
+            return list(answers), conns
+
+    answers, _ = asyncio.run(main())
+    assert answers == [expected] * 6
+
+
+def test_a_malformed_key_in_the_middle_of_a_step_leaves_nothing_outstanding(
+    start_daemon: Callable[..., Daemon],
+) -> None:
+    # Below the client's key check (a transport used directly), the codec refuses a malformed
+    # key while a step's requests are being started. Over asyncio the ones started before it
+    # were registered but never sent, and stayed outstanding on the shared connection (50
+    # calls here); now they go out and their answers are taken in. The blocking driver closes
+    # a connection that has calls outstanding instead of pooling it (checked here too).
+    daemon = start_daemon()
+    keys = _keys()
+    with Client.connect(daemon.url()) as client:
+        expected = _fill(client, keys)
+    bad = [*keys[:50], b"", *keys[50:]]
+
+    def outstanding(kind: type) -> list[int]:
+        conns = [o for o in gc.get_objects() if isinstance(o, kind)]
+        assert conns
+        return [len(c.session.calls) + c.session.conn.pending for c in conns]
+
+    transport = open_transport(parse_url(daemon.url()))
+    try:
+        with pytest.raises(LocalProtocolError):
+            transport.exists_many(bad)
+        assert transport.exists_many(keys) == expected
+        assert not any(outstanding(sync._SyncConnection))
+    finally:
+        transport.close()
+
+    async def main() -> None:
+        threaded = open_async_transport(parse_url(daemon.url()))
+        try:
+            with pytest.raises(LocalProtocolError):
+                await threaded.exists_many(bad)
+            assert await threaded.exists_many(keys) == expected
+            assert not any(outstanding(aio._AsyncConnection))
+        finally:
+            await threaded.close()
+
+    asyncio.run(main())

@@ -83,10 +83,22 @@ class _AsyncConnection(AsyncRunner[Req, Call]):
         self.protocol: _Protocol | None = None
         self.welcome: Welcome | None = None
         self.version = PROTOCOL_VERSION  # the Hello's (the transport lowers it for old daemons)
-        self._progress = asyncio.Event()
+        # Who waits for the next answer: every one is woken (an Event cleared by one waiter
+        # could swallow the wake-up another had not started waiting for yet).
+        self._waiters: list[asyncio.Future[None]] = []
 
     def _notify(self) -> None:
-        self._progress.set()
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _progress(self, deadline: float) -> None:
+        """Until the connection moves (an answer, its end): registered before it yields, so
+        no wake-up is lost."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        await asyncio.wait_for(waiter, left(deadline))
 
     async def open(self, context: ssl.SSLContext | None, deadline: float) -> None:
         loop = asyncio.get_running_loop()
@@ -126,23 +138,33 @@ class _AsyncConnection(AsyncRunner[Req, Call]):
         calls: list[Call] = []
         try:
             if len(reqs) > 1 and all(r.small for r in reqs):
-                # A step of small key-only requests (`Req.small`): one write of them all.
+                # A step of small key-only requests (`Req.small`): one write of them all, or
+                # of as many as the connection's pending limit leaves room for.
                 await asyncio.wait_for(protocol.writable(), left(deadline))
                 frames: list[bytes | memoryview] = []
-                for req in reqs:
-                    call, parts = self.session.start(req)
-                    calls.append(call)
-                    frames += parts
-                protocol.transport.writelines(frames)
+                try:
+                    for req in reqs:
+                        if not self._room():
+                            protocol.transport.writelines(frames)
+                            frames = []
+                            await self._wait_room(deadline)
+                        call, parts = self.session.start(req)
+                        calls.append(call)
+                        frames += parts
+                finally:
+                    # Every call started is sent, even when a later one failed: a call
+                    # registered but never sent would stay outstanding forever.
+                    if frames and not protocol.transport.is_closing():
+                        protocol.transport.writelines(frames)
             else:
                 for req in reqs:
                     await asyncio.wait_for(protocol.writable(), left(deadline))
+                    await self._wait_room(deadline)
                     call, parts = self.session.start(req)
                     calls.append(call)
                     protocol.transport.writelines(parts)
             while not all(c.done for c in calls):
-                self._progress.clear()
-                await asyncio.wait_for(self._progress.wait(), left(deadline))
+                await self._progress(deadline)
         except (asyncio.TimeoutError, DeadlineExceededError):
             self._abandon(calls)
             raise DeadlineExceededError(f"{self.options.url} did not answer in time") from None
@@ -150,6 +172,18 @@ class _AsyncConnection(AsyncRunner[Req, Call]):
             self._abandon(calls)
             raise
         return calls
+
+    def _room(self) -> bool:
+        """Whether one more request may be outstanding (the codec refuses it past the limit)."""
+        conn = self.session.conn
+        return conn.pending < conn.limits.max_pending or self.session.broken is not None
+
+    async def _wait_room(self, deadline: float) -> None:
+        """Until an answer makes room for one more request: many coroutines' calls in flight
+        on one connection wait their turn instead of failing (a broken session lets `start`
+        raise its error)."""
+        while not self._room():
+            await self._progress(deadline)
 
     def _abandon(self, calls: list[Call]) -> None:
         """Forget calls nobody waits for; a payload still flowing into a caller's buffer must

@@ -4,6 +4,7 @@ misses, the breaker, previous owners after a membership change."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 import threading
@@ -206,11 +207,11 @@ def test_a_put_that_lands_past_its_keys_best_nodes_is_not_acknowledged_and_leave
 ) -> None:
     # replicas=1: a key's reads and deletes look at its 2 best members. With the best one's
     # breaker open and the second failing during the put, the block lands on the third: it
-    # would be unreadable once those two answer again, so the put must not be acknowledged,
-    # and (issue 32) the copy there is removed: it would be read while one of the two is
-    # skipped, and no later put clears it (an older value then, for an overwriting client)
-    # nor any delete (a deleted block back). Both an immutable=1 client and one that may
-    # overwrite (strict acknowledgement, as over etcd membership).
+    # would be unreadable once those two answer again, so the put must not be acknowledged.
+    # An overwriting client (strict acknowledgement, as over etcd membership) removes the copy
+    # there (issue 32): it would be read while one of the two is skipped, and no later put
+    # clears it (an older value then). An immutable=1 client leaves it: the same block, and a
+    # removal by key could take another client's acknowledged copy (the next test).
     placement = Placement(_members(three))
     index = {f"127.0.0.1-{d.port}": i for i, d in enumerate(three)}  # type: ignore[attr-defined]
     order = {k: [index[m.node_id] for m in placement.owners(k, 3)] for k in _keys(200, seed=21)}
@@ -236,13 +237,62 @@ def test_a_put_that_lands_past_its_keys_best_nodes_is_not_acknowledged_and_leave
             client.put(key, _value(key))
         counters = client.stats().store["cluster"]
         assert counters["puts_misplaced"] == (1 if immutable else 0)  # type: ignore[index]
-        assert counters["strays_removed"] == 1  # type: ignore[index]
+        assert counters["strays_removed"] == (0 if immutable else 1)  # type: ignore[index]
         assert counters["strays_left"] == 0  # type: ignore[index]
-        assert client.get(key) is None  # node 2 is the only one answering: no copy left
+        # Node 2 is the only one answering: the copy is there only if it was left.
+        assert client.get(key) == (_value(key) if immutable else None)
         assert client.get(opener) == _value(opener)  # within its best two: kept
     with Client.connect(three[2].url()) as direct:  # type: ignore[attr-defined]
-        assert not direct.exists(key)
+        assert direct.exists(key) is immutable
         assert direct.get(opener) == _value(opener)
+
+
+def _refusing() -> tuple[socket.socket, Member]:
+    """A member whose address refuses connections (a bound socket that never listens)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    return sock, Member(f"gone-{port}", {"native": f"127.0.0.1:{port}"})
+
+
+def test_an_immutable_put_past_its_best_nodes_leaves_another_clients_copy(
+    start_daemon: Start,
+) -> None:
+    # Two immutable=1 clients whose membership views differ (records of lost nodes lapsing at
+    # different times; here two static lists). B sees nodes x and y only; A also sees two
+    # nodes that are gone, ranked before x for the key. B's put lands on x, acknowledged. A's
+    # put of the same block, with both gone nodes' breakers open, lands on x too, beyond its
+    # own view's 2 best: not acknowledged. Removing that "stray" by key deleted B's
+    # acknowledged copy (B then reads a miss); the copy is the same block and must stay.
+    x, y = start_daemon(), start_daemon()
+    real = _members([x, y])
+    (sock_a, gone_a), (sock_b, gone_b) = _refusing(), _refusing()
+    try:
+        wide = [gone_a, gone_b, *real]
+        placement = Placement(wide)
+        key = next(
+            k
+            for k in _keys(2000, seed=41)
+            if [m.node_id for m in placement.owners(k, 3)]
+            == [gone_a.node_id, gone_b.node_id, real[0].node_id]
+            or [m.node_id for m in placement.owners(k, 3)]
+            == [gone_b.node_id, gone_a.node_id, real[0].node_id]
+        )
+        a = ClusterTransport(StaticMembership(tuple(wide)), 1, _open_kv, immutable_puts=True)
+        b = ClusterTransport(StaticMembership(tuple(real)), 1, _open_kv, immutable_puts=True)
+        with Client(a) as client_a, Client(b) as client_b:
+            client_b.put(key, _value(key))  # x is its best node: acknowledged
+            # A reads its key's 2 best, both gone: a miss, and both breakers open.
+            assert client_a.get(key) is None
+            with pytest.raises(TransportError, match="not acknowledged"):
+                client_a.put(key, _value(key))
+            assert client_a.stats().store["cluster"]["strays_removed"] == 0  # type: ignore[index]
+            assert client_b.get(key) == _value(key)
+        with Client.connect(x.url()) as direct:  # type: ignore[attr-defined]
+            assert direct.get(key) == _value(key)
+    finally:
+        sock_a.close()
+        sock_b.close()
 
 
 def _requests(client: Client) -> dict[str, int]:
@@ -592,3 +642,104 @@ def test_clients_of_one_process_share_a_nodes_breaker_until_the_last_one_closes(
     with Client.connect(url) as later:  # the breaker went with the last client holding it
         assert later.get_many(keys) == [_value(k) for k in keys]
         assert node(later)["failures"] == 1
+
+
+def test_a_forked_child_starts_with_no_breaker_state(start_daemon: Start) -> None:
+    # The parent's breaker for a node is mid-probe (its back-off passed, a probe started) when
+    # the process forks: the child has no probe thread, so an inherited breaker would skip the
+    # node for good. A child's new client must start afresh and use the node.
+    node = start_daemon()
+    route = f"kv://127.0.0.1:{node.port}"  # type: ignore[attr-defined]
+    key = _keys(1, seed=51)[0]
+    with Client.connect(node.url()) as direct:  # type: ignore[attr-defined]
+        direct.put(key, _value(key))
+    parent = ClusterTransport(
+        StaticMembership(tuple(_members([node]))), 1, _open_kv, node_route=lambda m: route
+    )
+    try:
+        (target,) = parent._current()
+        breaker = target._breaker
+        breaker.failed(TransportError("down for the test"))
+        breaker._open_until = 0.0  # its back-off has passed: the next caller probes
+        assert breaker.admit() == (False, True)  # a probe in flight (none runs: the test's)
+        pid = os.fork()
+        if pid == 0:  # the child: only os._exit leaves it (no pytest teardown here)
+            code = 1
+            try:
+                child = ClusterTransport(
+                    StaticMembership(tuple(_members([node]))),
+                    1,
+                    _open_kv,
+                    node_route=lambda m: route,
+                )
+                with Client(child) as client:
+                    code = 0 if client.get(key) == _value(key) else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        breaker.probed()
+        parent.close()
+
+
+class _Held:
+    """A real node's transport whose exists_many, in the thread named "caller", waits until
+    the test has closed the client: a call in flight while another thread closes it."""
+
+    def __init__(self, inner: Transport, closed: threading.Event, entered: threading.Event):
+        self._inner, self._closed, self._entered = inner, closed, entered
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+    def exists_many(self, keys: list[bytes]) -> list[bool]:
+        if threading.current_thread().name == "caller" and not self._entered.is_set():
+            self._entered.set()
+            assert self._closed.wait(30)
+        return self._inner.exists_many(keys)  # type: ignore[attr-defined, no-any-return]
+
+
+def test_closing_a_client_under_a_call_opens_no_shared_breaker(three: list[object]) -> None:
+    # Thread "caller" is inside client A's exists_many when the main thread closes A: its
+    # remaining calls fail because of the close (a closed socket, "the client is closed", a
+    # shut-down pool). That is no failure of the nodes, whose breakers client B shares: B
+    # must find every node up, and the caller gets a TransportError, not a RuntimeError.
+    members = StaticMembership(tuple(_members(three)))
+    closed, entered = threading.Event(), threading.Event()
+
+    def route(member: Member) -> str:
+        return f"kv://{member.fronts['native']}"
+
+    def held(member: Member) -> Transport:
+        return _Held(_open_kv(member), closed, entered)  # type: ignore[return-value]
+
+    a = ClusterTransport(members, 1, held, node_route=route)
+    b = ClusterTransport(members, 1, _open_kv, node_route=route)
+    keys = _keys(60, seed=61)  # stored nowhere: every rank is asked
+    outcome: list[object] = []
+
+    def call() -> None:
+        try:
+            outcome.append(a.exists_many(keys))
+        except Exception as exc:  # the thread's result, checked below
+            outcome.append(exc)
+
+    try:
+        assert b.exists_many(keys) == [False] * len(keys)
+        caller = threading.Thread(target=call, name="caller")
+        caller.start()
+        assert entered.wait(30)
+        a.close()
+        closed.set()
+        caller.join(30)
+        assert len(outcome) == 1
+        assert isinstance(outcome[0], TransportError), outcome
+        assert "closed" in str(outcome[0])
+        assert all(t.up for t in b._current())
+        assert b.exists_many(keys) == [False] * len(keys)
+        assert all(n["failures"] == 0 for n in b.stats()["nodes"].values())  # type: ignore[attr-defined]
+    finally:
+        closed.set()
+        a.close()
+        b.close()
