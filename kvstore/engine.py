@@ -356,7 +356,9 @@ class Engine:
             untouched, except for a block read back from the SSD that fails its checksum
             there: its value is checked as it is copied into the buffer (one pass over the
             bytes), so then the value's length of the buffer is zeroed (never a byte of the
-            damaged block); the block is dropped and counted (`ssd.corrupt`).
+            damaged block); the block is dropped and counted (`ssd.corrupt`). The same zeroing
+            happens to a good block deleted in the instant between its check and its
+            publication (a miss then too).
 
         Raises:
             InvalidArgumentError: the buffer is read-only, not contiguous or too small.
@@ -394,8 +396,11 @@ class Engine:
             dst = dsts[first]
             if entry.length > dst.size:
                 return None  # the caller raises for it; the block is checked where it landed
+            # Marked copied only once the copy returned: a copy that raises leaves the block
+            # to the plain copy below (or its error), never reported with an unwritten buffer.
+            same = copy_crc32c(dst.data, self._dram.value(entry)) == crc
             fused[first] = entry
-            if copy_crc32c(dst.data, self._dram.value(entry)) == crc:
+            if same:
                 return True
             dst[: entry.length] = 0  # no byte of a damaged block stays in the buffer
             return False

@@ -92,7 +92,7 @@ def use(name: str) -> str:
 
 def copy_crc32c(dst: memoryview, src: memoryview) -> int:
     """Copy `src` to the start of `dst` and return its CRC32C (the `crc32c` package's): in C
-    one pass over the bytes; the Python reference copies, then sums what it copied.
+    one pass over the bytes; the Python reference sums `src`, then copies it.
 
     Raises:
         ValueError: `dst` is shorter than `src` (or, in C, they overlap).
@@ -102,8 +102,11 @@ def copy_crc32c(dst: memoryview, src: memoryview) -> int:
         return crc
     if len(dst) < len(src):
         raise ValueError(f"destination of {len(dst)} bytes for {len(src)} bytes")
+    # Summed from `src` (the engine's pinned copy), not from `dst`: the caller's buffer may
+    # change under us (another thread, aliased buffers), and a sum of it could fail a good block.
+    crc = int(_crc32c.crc32c(src))
     dst[: len(src)] = src
-    return int(_crc32c.crc32c(dst[: len(src)]))
+    return crc
 
 
 def dram_index_type() -> type | None:

@@ -211,6 +211,8 @@ def test_another_reader_of_a_block_in_a_fused_read_gets_the_checked_answer(
         assert key(0) in engine._m.inflight  # not published while it is being checked
         second = threading.Thread(target=get)
         second.start()
+        second.join(0.2)
+        assert second.is_alive()  # it waits for the check, not served around it
         go.set()
         reader.join(WAIT_S)
         second.join(WAIT_S)
@@ -240,6 +242,51 @@ def test_copy_crc32c_c_and_python_agree() -> None:
         assert out["c"] == out["python"] == (crc32c.crc32c(src), src + bytes(7))
     with pytest.raises(ValueError, match="destination"):
         core.copy_crc32c(memoryview(bytearray(3)), memoryview(b"four"))
+
+
+@pytest.mark.parametrize("many", [False, True])
+def test_a_copy_that_raises_never_reports_a_hit_with_the_buffer_unwritten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, many: bool
+) -> None:
+    # Whatever the fused copy raises, a get that answers with a length has the value's bytes
+    # in its buffer (it was reported as a hit with the buffer's old bytes before).
+    def broken(dst: memoryview, src: memoryview) -> int:
+        raise ValueError("copy_crc32c buffers overlap")
+
+    with cold(tmp_path, "threads", 2) as engine:
+        monkeypatch.setattr(engine_module, "copy_crc32c", broken)
+        bufs = buffers(2)
+        if many:
+            got = engine.get_many_into([key(0), key(1)], bufs)
+        else:
+            got = [engine.get_into(key(0), bufs[0])]
+        assert got == [BLOCK] * len(got)
+        for i in range(len(got)):
+            assert bytes(bufs[i][:BLOCK]) == value(i)
+
+
+def test_the_python_copy_sums_the_source_not_the_callers_buffer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The caller's buffer may change while it is summed (another thread, aliased buffers of
+    # one batch); a sum of it could fail a good block, which is then dropped from the SSD.
+    src = bytes(range(256)) * 64
+    dst = bytearray(len(src))
+    real = core._crc32c.crc32c
+    expected = real(src)
+
+    def scribbling(data: object) -> int:
+        dst[:] = b"x" * len(dst)  # what a writer of the caller's buffer could do meanwhile
+        return int(real(data))
+
+    previous = core.use("python")
+    try:
+        monkeypatch.setattr(core._crc32c, "crc32c", scribbling)
+        got = core.copy_crc32c(memoryview(dst), memoryview(src))
+    finally:
+        core.use(previous)
+    assert got == expected
+    assert bytes(dst) == src
 
 
 def test_the_fused_read_answers_alike_in_c_and_python(tmp_path: Path) -> None:
