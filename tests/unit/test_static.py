@@ -15,7 +15,9 @@ PACKAGES = ["kvstore", "client_sdk", "nvmeof_target", "connectors", "compression
 
 
 def test_ruff_is_clean() -> None:
-    ruff = shutil.which("ruff")
+    # Next to this Python too: a venv's tools are there even when it is not activated.
+    beside = Path(sys.executable).with_name("ruff")
+    ruff = shutil.which("ruff") or (str(beside) if beside.exists() else None)
     assert ruff, "ruff is part of the test extra"
     proc = subprocess.run(
         [ruff, "check", "--output-format", "concise", str(ROOT)], capture_output=True, text=True
