@@ -77,6 +77,9 @@ static PyObject *s_acquire, *s_release, *s_closing, *s_closed, *s_buf, *s_start,
     *s_state, *s_head, *s_gets, *s_hits, *s_misses, *s_bytes_out, *s_copy, *s_update, *s_digest,
     *s_length_name, *s_found_name, *s_count_name, *s_limits, *s_max_header, *s_take,
     *s_give_back, *s_hot_names[5];
+/* The handback's codes, made at import: handing back allocates no code object and so cannot
+ * fail to call the handback (the session would wait for it until the idle timeout). */
+static PyObject *s_back_codes[4];
 
 static int intern_all(void) {
     struct { PyObject **at; const char *name; } names[] = {
@@ -96,6 +99,8 @@ static int intern_all(void) {
                                  "hot_reader_requests"};
     for (int i = 0; i < 5; i++)
         if ((s_hot_names[i] = PyUnicode_InternFromString(hot[i])) == NULL) return -1;
+    for (int i = 0; i < 4; i++)
+        if ((s_back_codes[i] = PyLong_FromLong(i)) == NULL) return -1;
     return 0;
 }
 
@@ -1050,12 +1055,9 @@ static PyObject *hand_back(HotGets *self, int code, PyObject *extra, PyObject *g
         PyErr_Clear();
         extra = Py_NewRef(Py_None);
     }
-    if (handback != NULL) {
-        PyObject *c = PyLong_FromLong(code);
-        if (c != NULL)
-            r = PyObject_CallFunctionObjArgs(handback, c, extra, got ? got : Py_None, NULL);
-        Py_XDECREF(c);
-    }
+    if (handback != NULL)
+        r = PyObject_CallFunctionObjArgs(handback, s_back_codes[code], extra,
+                                         got ? got : Py_None, NULL);
     Py_XDECREF(extra);
     Py_XDECREF(got);
     Py_XDECREF(handback);
@@ -1080,8 +1082,10 @@ static int set_long(PyObject *obj, PyObject *name, long long value) {
     return rc;
 }
 
-/* One readable event of an armed connection (see above); the reader is held by the caller. */
-static PyObject *reader_turn(HotGets *self, PyObject *reader) {
+/* One readable event of an armed connection (see above); the reader and services are held by
+ * the caller: serve runs Python code (the policy's touches), which may disarm and so drop the
+ * object's own references. */
+static PyObject *reader_turn(HotGets *self, PyObject *reader, PyObject *services) {
     PyObject *got = NULL;
     PyObject *state = PyObject_GetAttr(reader, s_state);
     if (state == NULL) return back_raised(self, NULL);
@@ -1127,10 +1131,10 @@ static PyObject *reader_turn(HotGets *self, PyObject *reader) {
             long long c = i < 4 ? PyLong_AsLongLong(PyTuple_GET_ITEM(counts, i)) : served;
             if (c == -1 && PyErr_Occurred()) return back_raised(self, got);
             if (i < 4) served += c;
-            if (c && self->r_services != Py_None) {
-                long long was = long_attr(self->r_services, s_hot_names[i]);
+            if (c && services != Py_None) {
+                long long was = long_attr(services, s_hot_names[i]);
                 if ((was == -1 && PyErr_Occurred()) ||
-                    set_long(self->r_services, s_hot_names[i], was + c) < 0)
+                    set_long(services, s_hot_names[i], was + c) < 0)
                     return back_raised(self, got);
             }
         }
@@ -1152,8 +1156,9 @@ static PyObject *hot_call(HotGets *self, PyObject *args, PyObject *kwds) {
         return NULL;
     }
     if (!self->armed) Py_RETURN_NONE; /* disarmed since the loop saw the fd readable */
-    PyObject *reader = Py_NewRef(self->r_reader);
-    PyObject *out = reader_turn(self, reader);
+    PyObject *reader = Py_NewRef(self->r_reader), *services = Py_NewRef(self->r_services);
+    PyObject *out = reader_turn(self, reader, services);
+    Py_DECREF(services);
     Py_DECREF(reader);
     return out;
 }

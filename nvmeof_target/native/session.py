@@ -287,28 +287,27 @@ class NativeSession(Session):
         if fd < 0:
             return False
         conn.get_buffer()  # all parsed: the buffer starts over at its usual size, as for a read
-        back: asyncio.Future[tuple[int, Any, Any]] = asyncio.get_running_loop().create_future()
+        back: asyncio.Future[tuple[int, Any]] = asyncio.get_running_loop().create_future()
 
         def handed_back(code: int, extra: object, got: Any) -> None:
             channel.unwatch()
             self.services.hot_reader_handbacks += 1
+            # The unsent rest of C's answers is queued now, not when the task resumes: a
+            # cancellation between the two must not drop pinned bytes the client is reading.
+            # (After an abort the channel is closed: the write unpins them at once.)
+            if got is not None:
+                self._queue_rest(got)
             if not back.done():
-                back.set_result((code, extra, got))
-            elif got is not None:  # the reader was cancelled meanwhile: nobody sends these
-                hot.release(got[1], got[2], got[6])
+                back.set_result((code, extra))
 
-        hot.arm(conn._reader, fd, max(1, TURN_STEPS - 1), self.config.max_inflight_bytes,
-                handed_back, self.services)  # fmt: skip
-        channel.watch(hot)
         try:
-            code, extra, got = await back
+            hot.arm(conn._reader, fd, max(1, TURN_STEPS - 1), self.config.max_inflight_bytes,
+                    handed_back, self.services)  # fmt: skip
+            channel.watch(hot)
+            code, extra = await back
         finally:
-            if hot.armed:  # stopped or cut off while waiting: no callback runs after this
-                hot.disarm()
-                channel.unwatch()
+            self._stop_c_reader()  # stopped or cut off while waiting (or arming failed)
         self._last_rx = max(self._last_rx, hot.last_rx)
-        if got is not None:  # answers the kernel did not take all of
-            self._queue_rest(got)
         if code == _BACK_EOF:
             conn.receive_eof()
         elif code == _BACK_OSERROR:
@@ -318,6 +317,23 @@ class NativeSession(Session):
         self._steps = 0  # the loop went round while C read; what it served counts this turn
         await self._next_step(1 + ((extra or 0) if code == _BACK_DATA else 0))
         return True
+
+    def _stop_c_reader(self) -> None:
+        """No C reader callback runs after this (none runs the handback)."""
+        hot = self._hot
+        if hot is not None and hot.armed:
+            hot.disarm()
+            self.channel.unwatch()
+
+    def stop_reading(self) -> None:
+        # At once, not when the cancelled task next runs: the loop may already have the socket
+        # readable in this iteration, and the Python read loop reads nothing after a stop.
+        self._stop_c_reader()
+        super().stop_reading()
+
+    def abort(self) -> None:
+        self._stop_c_reader()
+        super().abort()
 
     def _queue_rest(self, got: Any) -> None:
         """What `HotGets.serve(..., fd)` could not send: queued, pinned and counted in flight

@@ -5,6 +5,8 @@ what one readable event receives and answers, when it stays armed, and how it ha
 
 from __future__ import annotations
 
+import errno
+import os
 import socket
 import types
 from collections.abc import Iterator
@@ -153,12 +155,16 @@ def test_eof_and_errors_hand_back(engine: Engine, pair: Any) -> None:
     assert armed.backs == [(EOF, 0, None)] and armed.hot.last_rx > 0
     bad = Armed(engine, near)
     bad.hot.disarm()
-    closed = socket.socket()
-    fd = closed.fileno()
-    closed.close()  # fd no longer open: recv fails with EBADF
-    bad.hot.arm(bad.reader, fd, 7, 1 << 30, bad._back, bad.services)
-    bad.hot()
-    assert len(bad.backs) == 1 and bad.backs[0][0] == OSERROR and not bad.hot.armed
+    # A pipe, not a socket: recv fails with ENOTSOCK (a just-closed socket's number could be
+    # reused meanwhile by another thread's open)
+    rfd, wfd = os.pipe()
+    try:
+        bad.hot.arm(bad.reader, rfd, 7, 1 << 30, bad._back, bad.services)
+        bad.hot()
+    finally:
+        os.close(rfd)
+        os.close(wfd)
+    assert bad.backs == [(OSERROR, errno.ENOTSOCK, None)] and not bad.hot.armed
 
 
 def test_arm_refuses_bad_arguments(engine: Engine, pair: Any) -> None:
