@@ -5,7 +5,7 @@ demoted to the SSD tier all the time) serves 4 worker processes x 16 client thre
 durable and fast overwrites, deletes and gets of 32 hot keys (and of one key of each thread's
 own), values of 64 KiB - 1.94 MiB (the 32 MiB DRAM tier takes blocks up to 2 MiB). Every read
 must be legal for a register (`history.check`), the daemon must log no traceback, and clients
-see no errors but documented ones. Short form for CI (20 s soak, 4 SIGKILL rounds);
+see no errors but documented ones. Short form for CI (20 s soak, 6 SIGKILL rounds);
 KVOFFLOAD_RELIABILITY=long runs 60 s and 100 rounds.
 """
 
@@ -33,7 +33,7 @@ from kvoffload.client_sdk import Client
 LONG = os.environ.get("KVOFFLOAD_RELIABILITY") == "long"
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1500 if LONG else 300)]
 SOAK_SECONDS = 60.0 if LONG else 20.0
-ROUNDS = 100 if LONG else 4
+ROUNDS = 100 if LONG else 6
 ROUND_SECONDS = 6.0  # of load; the SIGKILL comes after 30-80% of it
 PROCESSES, THREADS = 4, 16
 # The SSD holds every key's largest value many times over, so nothing durable is ever evicted
