@@ -6,6 +6,8 @@ Each daemon has its own registry; nothing is registered globally.
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -151,6 +153,12 @@ class _Endpoint:
 
     def close(self) -> None:
         if self._server is not None:
+            # The serving thread polls its stop flag every 0.5 s; a listening socket shut down
+            # wakes its select now, so a daemon stops without that wait (accept then fails,
+            # which socketserver ignores, until the flag set just below is seen).
+            # (If that fails, the flag alone still stops the thread, at its next poll.)
+            with contextlib.suppress(OSError):
+                self._server.socket.shutdown(socket.SHUT_RDWR)
             self._server.shutdown()
             self._server.server_close()
             self._server = None

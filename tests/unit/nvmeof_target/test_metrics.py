@@ -1,5 +1,11 @@
 from __future__ import annotations
 
+import socket
+import socketserver
+import threading
+import urllib.request
+
+import pytest
 from prometheus_client import generate_latest
 
 from kvoffload.nvmeof_target.metrics import Metrics
@@ -95,3 +101,24 @@ def test_the_event_feeds_backlog_is_exported() -> None:
     assert "kvoffload_events_queued 3.0" in text
     assert "kvoffload_events_lag_seconds 1.5" in text
     assert "kvoffload_events_published_total 42.0" in text
+
+
+def test_close_wakes_the_serving_thread_instead_of_waiting_for_its_poll(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # serve_forever sees a stop request only when its select returns: with an hour between
+    # polls, close() ends in time only if it wakes that select (every daemon stop once waited
+    # out the default 0.5 s here).
+    forever = socketserver.BaseServer.serve_forever
+    monkeypatch.setattr(socketserver.BaseServer, "serve_forever",
+                        lambda self, poll_interval=0.5: forever(self, 3600))  # fmt: skip
+    metrics = Metrics(lambda: {"puts": 1})
+    host, port = metrics.serve("127.0.0.1", 0)
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=30) as answer:
+        assert b"kvoffload_engine_puts_total 1.0" in answer.read()
+    closer = threading.Thread(target=metrics.close, daemon=True)
+    closer.start()
+    closer.join(60)
+    assert not closer.is_alive(), "close() waited for the serving thread's next poll"
+    with pytest.raises(OSError):
+        socket.create_connection((host, port), timeout=5).close()

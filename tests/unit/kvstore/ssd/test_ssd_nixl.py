@@ -270,8 +270,9 @@ def test_bench_ssd_nixl_rows(tmp_path: Path) -> None:
     from kvoffload.cli import main
 
     out = tmp_path / "ssd.json"
-    argv = ["bench", "ssd", "--dir", str(tmp_path), "--size", "32", "--nixl", "only"]
-    assert main([*argv, "--rounds", "2", "--json", str(out)]) == 0
+    # One round of 16 blocks (the least the rows use) per arm: shape, not numbers.
+    argv = ["bench", "ssd", "--dir", str(tmp_path), "--size", "8", "--nixl", "only"]
+    assert main([*argv, "--rounds", "1", "--json", str(out)]) == 0
     rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
     for op in ("read", "write"):
         for arm in ("nixl", "nixl_uring"):
