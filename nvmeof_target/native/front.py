@@ -26,7 +26,7 @@ from dataclasses import replace
 
 from kvoffload.nvmeof_target.channel import Channel, TlsChannel
 from kvoffload.nvmeof_target.config import Config, NativeConfig
-from kvoffload.nvmeof_target.native.puts import payload_end, payload_part
+from kvoffload.nvmeof_target.native.puts import c_put_begin, c_put_commit, payload_end, payload_part
 from kvoffload.nvmeof_target.native.requests import HANDLERS
 from kvoffload.nvmeof_target.native.session import FRONT, Handler, NativeSession
 from kvoffload.nvmeof_target.services import Services
@@ -66,6 +66,8 @@ class NativeFront:
             PayloadEnd: payload_end,
             SinkFull: payload_part,
         }
+        # Puts the C reader callback takes (`NativeSession.start_hot` decides where it runs)
+        self.c_puts: tuple[Handler, Handler] | None = (c_put_begin, c_put_commit)
         self._listeners: list[socket.socket] = []
         self._accept_tasks: list[asyncio.Task[None]] = []
         self._watchdog: asyncio.Task[None] | None = None
