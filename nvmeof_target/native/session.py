@@ -441,7 +441,10 @@ class NativeSession(Session):
 
     def overdue(self, now: float) -> str:
         """Why the watchdog should close this connection ("" if it should not)."""
-        if self._frame_since is not None and now - self._frame_since > self.config.frame_timeout_s:
+        since = self._frame_since
+        if since is None and self._hot is not None and self._hot.put_arriving:
+            since = self._hot.put_started  # inside a put's payload, in C
+        if since is not None and now - since > self.config.frame_timeout_s:
             return "frame timeout"
         if self.send_stalled(now):
             return "send timeout"

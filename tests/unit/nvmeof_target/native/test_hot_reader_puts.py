@@ -80,9 +80,10 @@ def _session(engine: Engine, near: socket.socket, tenant: Tenant) -> Any:
     fields = dict(
         conn=conn, channel=Channel(near, asyncio.get_running_loop()), _hot=hot,
         _hot_last=True, _tasks=set(), _inflight_bytes=0, puts={}, services=services,
-        config=types.SimpleNamespace(max_inflight_bytes=1 << 30), _last_rx=0.0, _steps=0,
+        config=types.SimpleNamespace(max_inflight_bytes=1 << 30, frame_timeout_s=5.0,
+                                     idle_timeout_s=60.0), _last_rx=0.0, _steps=0,
         _reading=True, _reader=None, _room=asyncio.Event(), client=client, engine=engine,
-        _waits=0, nixl=None,
+        _waits=0, nixl=None, _frame_since=None, _created=time.monotonic(),
         tenant=tenant, _started={}, front=types.SimpleNamespace(c_puts=(1, 2)),
     )  # fmt: skip
     for name, value in fields.items():
@@ -181,6 +182,9 @@ def test_a_put_half_received_gives_its_slot_back(engine: Engine, pair: Any, stop
         frame = s.client.send(Put(5, KEY, len(value)), [value])
         far.sendall(frame[: len(frame) // 2])
         await _until(lambda: _dram(engine)["used_bytes"] > before["used_bytes"])  # reserved
+        # a payload stalled in C is inside a frame: the frame timeout applies, as in Python
+        assert s.overdue(time.monotonic()) == ""
+        assert s.overdue(time.monotonic() + 6) == "frame timeout"
         if stop == "eof":
             far.shutdown(socket.SHUT_WR)
             assert await task  # EOF handed back: the Python loop goes on from here
