@@ -21,7 +21,7 @@ import logging
 import socket
 import ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from kvoffload.nvmeof_target.channel import Channel, TlsChannel
@@ -67,7 +67,10 @@ class NativeFront:
             SinkFull: payload_part,
         }
         # Puts the C reader callback takes (`NativeSession.start_hot` decides where it runs)
-        self.c_puts: tuple[Handler, Handler] | None = (c_put_begin, c_put_commit)
+        self.c_puts: tuple[Callable[..., object], Callable[..., object]] | None = (
+            c_put_begin,
+            c_put_commit,
+        )
         self._listeners: list[socket.socket] = []
         self._accept_tasks: list[asyncio.Task[None]] = []
         self._watchdog: asyncio.Task[None] | None = None
