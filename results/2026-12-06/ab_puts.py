@@ -1,7 +1,8 @@
 """Old tree against new tree, alternating: daemon CPU per put (64 KiB, 2 MiB) and Python
 calls per 64 KiB put in the daemon (cProfile, 3,000 minus 1,000 puts).
 
-Usage: python ab_puts.py OLD_TREE NEW_TREE ROUNDS OUT.json
+Usage: python ab_puts.py OLD_TREE NEW_TREE ROUNDS OUT.json (env: AB_N64, AB_N2M puts per
+size; AB_SIZES="1024:10000" other sizes; AB_CALLS=0 no cProfile runs)
 Each round starts each tree's own `kvoffload serve` (DRAM only, its own venv; started by
 results/2026-12-05/creader/daemon.py) and drives it with that tree's client in a subprocess:
 `put` loops over 16 keys (overwrites) while reading the daemon's CPU (utime+stime of all its
@@ -71,6 +72,8 @@ def main():
     old, new, rounds, path = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     cases = [(64 << 10, int(os.environ.get("AB_N64", 5000))),
              (2 << 20, int(os.environ.get("AB_N2M", 500)))]  # fmt: skip
+    if os.environ.get("AB_SIZES"):  # e.g. "1024:10000": other sizes, counts
+        cases = [tuple(map(int, c.split(":"))) for c in os.environ["AB_SIZES"].split(",")]
     rows = []
     for r in range(rounds):
         order = [("old", old), ("new", new)] if r % 2 == 0 else [("new", new), ("old", old)]
@@ -82,7 +85,7 @@ def main():
                              "loadavg": os.getloadavg()[0]})  # fmt: skip
                 print(rows[-1], flush=True)
     calls = {}
-    for name, tree in (("old", old), ("new", new)):
+    for name, tree in (("old", old), ("new", new)) if os.environ.get("AB_CALLS") != "0" else ():
         small, big = one(tree, 64 << 10, 1000, True)[2], one(tree, 64 << 10, 3000, True)[2]
         calls[name] = round((big - small) / 2000, 1)
     summary = {"python_calls_per_64KiB_put": calls}
