@@ -105,6 +105,7 @@ class Services:
     # session code between (`NativeSession._read_in_c`), and how often it handed back.
     hot_reader_requests: int = 0
     hot_reader_handbacks: int = 0
+    hot_reader_puts: int = 0  # puts whose payload the C reader received into the slot
     shard: ShardRole | None = None
     # This process's NIXL agent, made when a client first asks for the NIXL data path.
     nixl: NixlAgent | None = None
@@ -130,6 +131,7 @@ class Services:
             "hot_put_answers": self.hot_put_answers,
             "hot_reader_requests": self.hot_reader_requests,
             "hot_reader_handbacks": self.hot_reader_handbacks,
+            "hot_reader_puts": self.hot_reader_puts,
         }
 
 

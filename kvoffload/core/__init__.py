@@ -55,6 +55,7 @@ def _load() -> ModuleType | None:
             getattr(_core, "HOT_OPS", 0) != HOT_OPS
             or not hasattr(getattr(_core, "SlotRing", None), "submit")
             or not hasattr(getattr(_core, "HotGets", None), "arm")
+            or not hasattr(getattr(_core, "HotGets", None), "take_puts")
             or not hasattr(_core, "copy_crc32c")
         ):
             raise ImportError(

@@ -38,6 +38,9 @@
 #define PUT_OP 4          /* put_done's row of the counts */
 #define MAX_BOUNDS 32 /* latency buckets counted in C (metrics._BUCKETS has 15) */
 #define IOV_BATCH 512 /* buffers per sendmsg: Linux refuses more than IOV_MAX (1024) */
+#define OP_PUT 2
+#define LARGE_PAYLOAD (32 << 10) /* frames.LARGE_PAYLOAD */
+#define SMALL_READ 512         /* frames.HEAD_READ */
 
 typedef struct {
     PyObject_HEAD
@@ -71,6 +74,13 @@ typedef struct {
     long long r_most, r_max_inflight;
     PyObject *r_reader, *r_handback, *r_services;
     double last_rx; /* when the callback last received (CLOCK_MONOTONIC, as time.monotonic) */
+    /* Puts taken by the reader callback (`take_puts`; see "puts in the reader callback"):
+     * the session's reserve and commit, and the put whose payload is arriving into its slot. */
+    PyObject *p_begin, *p_commit, *p_slot, *p_token;
+    int p_active, small_read;
+    uint32_t p_rid;
+    long long p_len, p_got;
+    double p_t0;
 } HotGets;
 
 static PyObject *s_acquire, *s_release, *s_closing, *s_closed, *s_buf, *s_start, *s_end,
@@ -1082,6 +1092,10 @@ static int set_long(PyObject *obj, PyObject *name, long long value) {
     return rc;
 }
 
+static PyObject *put_take(HotGets *self, PyObject *reader, PyObject *services, long long served,
+                          long long start, long long end);
+static PyObject *put_receive(HotGets *self, PyObject *services);
+
 /* One readable event of an armed connection (see above); the reader and services are held by
  * the caller: serve runs Python code (the policy's touches), which may disarm and so drop the
  * object's own references. */
@@ -1105,6 +1119,7 @@ static PyObject *reader_turn(HotGets *self, PyObject *reader, PyObject *services
     }
     /* the buffer's own size bounds the read; nothing resizes it meanwhile (the GIL is held) */
     Py_ssize_t room = PyByteArray_GET_SIZE(buf);
+    if (self->small_read && room > SMALL_READ) room = SMALL_READ; /* a put's payload: its slot */
     ssize_t n = -1;
     errno = EINVAL;
     if (room > 0) do
@@ -1119,6 +1134,7 @@ static PyObject *reader_turn(HotGets *self, PyObject *reader, PyObject *services
     self->last_rx = now_s();
     if (n == 0) return hand_back(self, BACK_EOF, PyLong_FromLong(0), NULL);
     if (set_long(reader, s_end, (long long)n) < 0) return back_raised(self, NULL);
+    self->small_read = 0; /* read; a large put taken from these bytes sets it again */
     PyObject *args = Py_BuildValue("(OLLLi)", reader, 0LL, self->r_max_inflight, self->r_most,
                                    self->r_fd);
     got = args ? hot_serve(self, args) : NULL;
@@ -1145,9 +1161,263 @@ static PyObject *reader_turn(HotGets *self, PyObject *reader, PyObject *services
     start = long_attr(reader, s_start);
     end = long_attr(reader, s_end);
     if (PyErr_Occurred()) return back_raised(self, got);
+    if (start != end && got == NULL && self->p_begin != NULL)
+        return put_take(self, reader, services, served, start, end);
     if (start != end || got != NULL)
         return hand_back(self, BACK_DATA, PyLong_FromLongLong(served), got);
     Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ puts in the reader callback
+ *
+ * With `take_puts(begin, commit)` the armed callback also takes a whole canonical Put header at
+ * the front of the buffer (the map the SDK sends: key, length of 1 byte up to the frame limit,
+ * parent nil or a key, durable false; anything else is the Python codec's). It calls
+ * `begin(request_id, key, length, parent)`, which reserves the value's slot exactly as the
+ * Python path does and returns (slot, token), or None after it has handed the frame to the
+ * Python codec itself (a refused reservation: the Python path answers it). C copies the payload
+ * bytes already buffered into the slot and receives the rest straight into it, one `recv` per
+ * readable event, never more than the slot's size. Once the value is whole, `commit(token)`
+ * commits it as the Python path does and returns True (C answers as `put_done`) or False (it
+ * answered in Python: hand back). A put whose payload is still arriving when C hands back (EOF,
+ * a receive error) or is stopped stays held here until the session takes it (`take_put`) and
+ * gives it to the Python codec, which then goes on (or abandons it) as for its own put. */
+
+static uint64_t le64(const unsigned char *p) {
+    return (uint64_t)le32(p) | (uint64_t)le32(p + 4) << 32;
+}
+
+/* Whether p (n bytes) starts with a whole canonical Put header (frame head and map) whose
+ * length is 1..max_payload; its fields out (key and parent point into p; parent NULL: nil). */
+static int canonical_put(const unsigned char *p, Py_ssize_t n, long long max_header,
+                         long long max_payload, uint32_t *rid, uint32_t *hlen, long long *length,
+                         const unsigned char **key, const unsigned char **parent) {
+    static const unsigned char k[] = {0x84, 0xa3, 'k', 'e', 'y', 0xc4, 16};
+    static const unsigned char l[] = {0xa6, 'l', 'e', 'n', 'g', 't', 'h'};
+    static const unsigned char pa[] = {0xa6, 'p', 'a', 'r', 'e', 'n', 't'};
+    static const unsigned char d[] = {0xa7, 'd', 'u', 'r', 'a', 'b', 'l', 'e', 0xc2};
+    if (n < HEAD || memcmp(p, "KVNP", 4) != 0 || p[4] != 1 || p[5] != OP_PUT) return 0;
+    if (p[6] != 0 || p[7] != 0) return 0;
+    *rid = le32(p + 8);
+    *hlen = le32(p + 12);
+    /* the longest canonical map is 73 bytes: anything longer is not one */
+    if (*rid == 0 || *hlen > 80 || (long long)*hlen > max_header || n - HEAD < (Py_ssize_t)*hlen)
+        return 0;
+    const unsigned char *m = p + HEAD, *stop = m + *hlen;
+    if (stop - m < (ptrdiff_t)sizeof k + 16 || memcmp(m, k, sizeof k) != 0) return 0;
+    *key = m + sizeof k;
+    m += sizeof k + 16;
+    if (stop - m < (ptrdiff_t)sizeof l + 1 || memcmp(m, l, sizeof l) != 0) return 0;
+    m += sizeof l;
+    uint64_t v = 0;
+    int width = *m == 0xcc ? 1 : *m == 0xcd ? 2 : *m == 0xce ? 4 : *m == 0xcf ? 8 : 0;
+    if (width == 0 && *m >= 0x80) return 0;
+    if (width == 0) v = *m++;
+    else if (stop - ++m < width) return 0;
+    for (int i = 0; i < width; i++) v = v << 8 | *m++;
+    if (stop - m < (ptrdiff_t)sizeof pa + 1 || memcmp(m, pa, sizeof pa) != 0) return 0;
+    m += sizeof pa;
+    if (*m == 0xc0) {
+        *parent = NULL;
+        m++;
+    } else if (stop - m >= 18 && m[0] == 0xc4 && m[1] == 16) {
+        *parent = m + 2;
+        m += 18;
+    } else {
+        return 0;
+    }
+    if (stop - m != (ptrdiff_t)sizeof d || memcmp(m, d, sizeof d) != 0) return 0;
+    if (v != le64(p + 16) || v < 1 || max_payload < 1 || v > (uint64_t)max_payload) return 0;
+    *length = (long long)v;
+    return 1;
+}
+
+static PyObject *s_max_payload, *s_put_names[3];
+
+/* The value is whole: commit it, answer it as put_done does, then stay armed (or hand back
+ * `more` buffered bytes, or an answer a full socket did not take). */
+static PyObject *put_finish(HotGets *self, PyObject *services, long long served, int more) {
+    PyObject *token = self->p_token;
+    self->p_token = NULL;
+    Py_CLEAR(self->p_slot);
+    self->p_active = 0;
+    self->small_read = self->p_len >= LARGE_PAYLOAD; /* as FrameReader.after_large_payload */
+    PyObject *ok = PyObject_CallOneArg(self->p_commit, token);
+    Py_DECREF(token);
+    if (ok == NULL) return back_raised(self, NULL);
+    int committed = PyObject_IsTrue(ok);
+    Py_DECREF(ok);
+    if (committed < 0) return back_raised(self, NULL);
+    if (!committed) { /* answered in Python (a failed commit): its Channel has the answer */
+        self->small_read = 0;
+        return hand_back(self, BACK_DATA, PyLong_FromLongLong(served), NULL);
+    }
+    PyObject *head = PyObject_CallFunction(self->frame_head, "(ikOOi)", OP_PUT,
+                                           (unsigned long)self->p_rid, Py_None, Py_None, 0);
+    PyObject *parts = head ? PyList_New(1) : NULL;
+    if (parts == NULL) {
+        Py_XDECREF(head);
+        return back_raised(self, NULL);
+    }
+    PyList_SET_ITEM(parts, 0, head);
+    PyObject *args = Py_BuildValue("(OidL)", parts, self->r_fd, self->p_t0, self->p_len);
+    Py_DECREF(parts);
+    PyObject *rest = args ? hot_put_done(self, args) : NULL;
+    Py_XDECREF(args);
+    if (rest == NULL) return back_raised(self, NULL);
+    for (int i = 0; i < 3 && services != Py_None; i++) { /* what _serve_hot-like callers count */
+        long long was = long_attr(services, s_put_names[i]);
+        if ((was == -1 && PyErr_Occurred()) || set_long(services, s_put_names[i], was + 1) < 0) {
+            Py_DECREF(rest);
+            return back_raised(self, NULL);
+        }
+    }
+    if (PyList_GET_SIZE(rest)) { /* a full socket: the session queues the rest, in flight */
+        long long size = 0;
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(rest); i++)
+            size += PyObject_Length(PyList_GET_ITEM(rest, i));
+        PyObject *got = Py_BuildValue("(N[][](iiii)iLi)", rest, 0, 0, 0, 0, 0, size, 0);
+        return hand_back(self, BACK_DATA, PyLong_FromLongLong(served + 1), got);
+    }
+    Py_DECREF(rest);
+    if (more) return hand_back(self, BACK_DATA, PyLong_FromLongLong(served + 1), NULL);
+    Py_RETURN_NONE;
+}
+
+/* The front of the buffer holds what serve did not take: a canonical Put header starts a put
+ * in C (see above); anything else goes back to the Python codec. */
+static PyObject *put_take(HotGets *self, PyObject *reader, PyObject *services, long long served,
+                          long long start, long long end) {
+    PyObject *limits = PyObject_GetAttr(reader, s_limits);
+    long long max_header = limits ? long_attr(limits, s_max_header) : -1;
+    long long max_payload = limits && !PyErr_Occurred() ? long_attr(limits, s_max_payload) : -1;
+    Py_XDECREF(limits);
+    if (PyErr_Occurred()) return back_raised(self, NULL);
+    PyObject *buf = PyObject_GetAttr(reader, s_buf);
+    if (buf == NULL) return back_raised(self, NULL);
+    uint32_t rid = 0, hlen = 0;
+    long long length = 0;
+    const unsigned char *keyp = NULL, *parentp = NULL;
+    if (!PyByteArray_Check(buf) || start < 0 || start > end || end > PyByteArray_GET_SIZE(buf) ||
+        !canonical_put((const unsigned char *)PyByteArray_AS_STRING(buf) + start, end - start,
+                       max_header, max_payload, &rid, &hlen, &length, &keyp, &parentp)) {
+        Py_DECREF(buf);
+        return hand_back(self, BACK_DATA, PyLong_FromLongLong(served), NULL);
+    }
+    /* copied out before begin runs Python code */
+    PyObject *key = PyBytes_FromStringAndSize((const char *)keyp, 16);
+    PyObject *parent = parentp ? PyBytes_FromStringAndSize((const char *)parentp, 16)
+                               : Py_NewRef(Py_None);
+    double t0 = now_s();
+    PyObject *r = key && parent ? PyObject_CallFunction(self->p_begin, "(kOLO)",
+                                                        (unsigned long)rid, key, length, parent)
+                                : NULL;
+    Py_XDECREF(key);
+    Py_XDECREF(parent);
+    if (r == NULL) {
+        Py_DECREF(buf);
+        return back_raised(self, NULL);
+    }
+    if (r == Py_None) { /* refused: the Python codec has the frame now */
+        Py_DECREF(r);
+        Py_DECREF(buf);
+        return hand_back(self, BACK_DATA, PyLong_FromLongLong(served), NULL);
+    }
+    if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 2) {
+        Py_DECREF(r);
+        Py_DECREF(buf);
+        PyErr_SetString(PyExc_TypeError, "take_puts: begin must return (slot, token) or None");
+        return back_raised(self, NULL);
+    }
+    /* held from here: a hand-back or a stop gives it to the session (take_put) */
+    self->p_slot = Py_NewRef(PyTuple_GET_ITEM(r, 0));
+    self->p_token = Py_NewRef(PyTuple_GET_ITEM(r, 1));
+    Py_DECREF(r);
+    self->p_active = 1;
+    self->p_rid = rid;
+    self->p_len = length;
+    self->p_got = 0;
+    self->p_t0 = t0;
+    Py_buffer slot;
+    if (PyObject_GetBuffer(self->p_slot, &slot, PyBUF_WRITABLE) < 0) {
+        Py_DECREF(buf);
+        return back_raised(self, NULL);
+    }
+    int fits = slot.len == length && end <= PyByteArray_GET_SIZE(buf);
+    long long at = start + HEAD + hlen, avail = end - at < length ? end - at : length;
+    if (fits && avail > 0)
+        memcpy(slot.buf, PyByteArray_AS_STRING(buf) + at, (size_t)avail);
+    PyBuffer_Release(&slot);
+    Py_DECREF(buf);
+    if (!fits) {
+        PyErr_SetString(PyExc_ValueError, "take_puts: the slot is not the value's size");
+        return back_raised(self, NULL);
+    }
+    self->p_got = avail;
+    at += avail;
+    if (at == end ? set_long(reader, s_start, 0) < 0 || set_long(reader, s_end, 0) < 0
+                  : set_long(reader, s_start, at) < 0)
+        return back_raised(self, NULL);
+    if (self->p_got < length) Py_RETURN_NONE; /* the rest comes straight into the slot */
+    return put_finish(self, services, served, at != end);
+}
+
+/* A readable event while a put's payload is arriving: one recv into the rest of its slot. */
+static PyObject *put_receive(HotGets *self, PyObject *services) {
+    Py_buffer slot;
+    if (PyObject_GetBuffer(self->p_slot, &slot, PyBUF_WRITABLE) < 0)
+        return back_raised(self, NULL);
+    ssize_t n = -1;
+    errno = EINVAL;
+    if (slot.len == self->p_len && self->p_got < self->p_len) do
+            n = recv(self->r_fd, (char *)slot.buf + self->p_got,
+                     (size_t)(self->p_len - self->p_got), MSG_DONTWAIT);
+        while (n < 0 && errno == EINTR);
+    int err = errno;
+    PyBuffer_Release(&slot);
+    if (n < 0) {
+        if (err == EAGAIN || err == EWOULDBLOCK) Py_RETURN_NONE;
+        return hand_back(self, BACK_OSERROR, PyLong_FromLong(err), NULL);
+    }
+    self->last_rx = now_s();
+    if (n == 0) return hand_back(self, BACK_EOF, PyLong_FromLong(0), NULL);
+    self->p_got += n;
+    if (self->p_got < self->p_len) Py_RETURN_NONE;
+    return put_finish(self, services, 0, 0);
+}
+
+static PyObject *hot_take_puts(HotGets *self, PyObject *args) {
+    PyObject *begin, *commit;
+    if (!PyArg_ParseTuple(args, "OO:take_puts", &begin, &commit)) return NULL;
+    if (begin != Py_None && (!PyCallable_Check(begin) || !PyCallable_Check(commit))) {
+        PyErr_SetString(PyExc_TypeError, "take_puts: begin and commit must be callable");
+        return NULL;
+    }
+    if (self->p_active) {
+        PyErr_SetString(PyExc_ValueError, "take_puts: a put is arriving");
+        return NULL;
+    }
+    if (s_max_payload == NULL) {
+        static const char *names[3] = {"hot_put_answers", "hot_reader_requests",
+                                       "hot_reader_puts"};
+        if ((s_max_payload = PyUnicode_InternFromString("max_payload_bytes")) == NULL)
+            return NULL;
+        for (int i = 0; i < 3; i++)
+            if ((s_put_names[i] = PyUnicode_InternFromString(names[i])) == NULL) return NULL;
+    }
+    Py_XSETREF(self->p_begin, begin == Py_None ? NULL : Py_NewRef(begin));
+    Py_XSETREF(self->p_commit, begin == Py_None ? NULL : Py_NewRef(commit));
+    Py_RETURN_NONE;
+}
+
+static PyObject *hot_take_put(HotGets *self, PyObject *Py_UNUSED(ignored)) {
+    if (!self->p_active) Py_RETURN_NONE;
+    PyObject *out = Py_BuildValue("(OL)", self->p_token, self->p_got);
+    if (out == NULL) return NULL;
+    self->p_active = 0;
+    Py_CLEAR(self->p_token);
+    Py_CLEAR(self->p_slot);
+    return out;
 }
 
 static PyObject *hot_call(HotGets *self, PyObject *args, PyObject *kwds) {
@@ -1157,7 +1427,8 @@ static PyObject *hot_call(HotGets *self, PyObject *args, PyObject *kwds) {
     }
     if (!self->armed) Py_RETURN_NONE; /* disarmed since the loop saw the fd readable */
     PyObject *reader = Py_NewRef(self->r_reader), *services = Py_NewRef(self->r_services);
-    PyObject *out = reader_turn(self, reader, services);
+    PyObject *out = self->p_active ? put_receive(self, services)
+                                   : reader_turn(self, reader, services);
     Py_DECREF(services);
     Py_DECREF(reader);
     return out;
@@ -1206,6 +1477,12 @@ static PyMemberDef hot_members[] = {
      "whether the object is the connection's reader now (arm, until it hands back)"},
     {"last_rx", T_DOUBLE, offsetof(HotGets, last_rx), READONLY,
      "time.monotonic() of the reader callback's last receive (0.0: none yet)"},
+    {"put_arriving", T_INT, offsetof(HotGets, p_active), READONLY,
+     "whether a put's payload is arriving into its slot (take_puts)"},
+    {"put_started", T_DOUBLE, offsetof(HotGets, p_t0), READONLY,
+     "when C took that put's header (CLOCK_MONOTONIC, as time.monotonic)"},
+    {"small_read", T_INT, offsetof(HotGets, small_read), 0,
+     "whether the callback's next receive takes only a header's worth (after a large put)"},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -1276,6 +1553,10 @@ static int hot_traverse(HotGets *self, visitproc visit, void *arg) {
     Py_VISIT(self->r_reader);
     Py_VISIT(self->r_handback);
     Py_VISIT(self->r_services);
+    Py_VISIT(self->p_begin);
+    Py_VISIT(self->p_commit);
+    Py_VISIT(self->p_slot);
+    Py_VISIT(self->p_token);
     return 0;
 }
 
@@ -1295,6 +1576,11 @@ static int hot_clear(HotGets *self) {
     Py_CLEAR(self->r_reader);
     Py_CLEAR(self->r_handback);
     Py_CLEAR(self->r_services);
+    self->p_active = 0;
+    Py_CLEAR(self->p_begin);
+    Py_CLEAR(self->p_commit);
+    Py_CLEAR(self->p_slot);
+    Py_CLEAR(self->p_token);
     return 0;
 }
 
@@ -1326,6 +1612,13 @@ static PyMethodDef hot_methods[] = {
      "handback(code, extra, got) once; see hot.c."},
     {"disarm", (PyCFunction)hot_disarm, METH_NOARGS,
      "disarm(): stop being the reader without a hand-back (the session was stopped)."},
+    {"take_puts", (PyCFunction)hot_take_puts, METH_VARARGS,
+     "take_puts(begin, commit): the reader callback also takes canonical Puts (None, None: "
+     "no more); begin(request_id, key, length, parent) -> (slot, token) or None, "
+     "commit(token) -> bool; see hot.c."},
+    {"take_put", (PyCFunction)hot_take_put, METH_NOARGS,
+     "take_put() -> (token, got) or None: the put whose payload C was receiving (got bytes "
+     "in its slot), now the caller's."},
     {"release", (PyCFunction)hot_release, METH_VARARGS,
      "release(views, entries, taken=0): unpin what served answers held and give `taken` back "
      "to the pin budget (idempotent)."},

@@ -21,12 +21,12 @@ import logging
 import socket
 import ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from kvoffload.nvmeof_target.channel import Channel, TlsChannel
 from kvoffload.nvmeof_target.config import Config, NativeConfig
-from kvoffload.nvmeof_target.native.puts import payload_end, payload_part
+from kvoffload.nvmeof_target.native.puts import c_put_begin, c_put_commit, payload_end, payload_part
 from kvoffload.nvmeof_target.native.requests import HANDLERS
 from kvoffload.nvmeof_target.native.session import FRONT, Handler, NativeSession
 from kvoffload.nvmeof_target.services import Services
@@ -66,6 +66,11 @@ class NativeFront:
             PayloadEnd: payload_end,
             SinkFull: payload_part,
         }
+        # Puts the C reader callback takes (`NativeSession.start_hot` decides where it runs)
+        self.c_puts: tuple[Callable[..., object], Callable[..., object]] | None = (
+            c_put_begin,
+            c_put_commit,
+        )
         self._listeners: list[socket.socket] = []
         self._accept_tasks: list[asyncio.Task[None]] = []
         self._watchdog: asyncio.Task[None] | None = None

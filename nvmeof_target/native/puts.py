@@ -8,12 +8,13 @@ reserving (which may evict) runs on the I/O threads and the session's reader wai
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 
 from kvoffload.errors import CapacityError, KVOffloadError
 from kvoffload.nvmeof_target.events.publisher import stored_meta
-from kvoffload.nvmeof_target.native.session import NativeSession, PendingPut
+from kvoffload.nvmeof_target.native.session import CPut, NativeSession, PendingPut
 from kvoffload.wire.blockmeta import BlockMeta
 from kvoffload.wire.native.connection import (
     Event,
@@ -28,7 +29,15 @@ from kvoffload.wire.native.connection import (
 )
 from kvoffload.wire.shards import shard_of
 
-__all__ = ["on_put", "on_put_many", "on_repair", "payload_end", "payload_part"]
+__all__ = [
+    "c_put_begin",
+    "c_put_commit",
+    "on_put",
+    "on_put_many",
+    "on_repair",
+    "payload_end",
+    "payload_part",
+]
 
 
 def on_put(s: NativeSession, event: Put) -> Awaitable[object] | None:
@@ -116,6 +125,55 @@ def _commit_put(s: NativeSession, pending: PendingPut) -> None:
     if not s.reply_put_done_hot(rid, request.length):
         s.bytes_in.inc(request.length)
         s.reply_put_done(rid)
+
+
+def c_put_begin(
+    s: NativeSession, request_id: int, key: bytes, length: int, parent: bytes | None
+) -> tuple[memoryview, CPut] | None:
+    """The C reader found a whole canonical Put header (non-durable, 1 byte or more) on a
+    DRAM-only engine (`HotGets.take_puts`): reserve its slot as `on_put` and `_reserve` do;
+    (the slot, what `c_put_commit` and `NativeSession.resume_c_put` need), or None once a
+    refused reservation has been handed to the codec, which answers it as `on_put` would."""
+    me, events = s.me, s.services.events
+    t0 = time.perf_counter()
+    meta = stored_meta(key, parent, None) if events is not None else None
+    try:
+        reservation = s.engine.reserve(
+            me.key(key), length, parent=me.opt_key(parent), tenant=me.name, meta=meta
+        )
+    except KVOffloadError as exc:
+        # `on_put` after a failed `_reserve`: the frame is the codec's, its payload dropped,
+        # and the error answered at its end. Not reserved again: a second try could evict.
+        event = s.conn.next_event()
+        assert isinstance(event, Put) and event.request_id == request_id
+        s.started_put(request_id, t0)
+        pending = PendingPut(event, [(key, length, parent, None)], at=0, error=exc)
+        s.puts[request_id] = pending
+        s.conn.discard_payload()
+        return None
+    return reservation.buffer, (request_id, key, length, parent, meta, reservation, t0)
+
+
+def c_put_commit(s: NativeSession, put: CPut) -> bool:
+    """The C reader received the whole value of `put`: `_commit_put`'s commit. True: C
+    answers it; False: it failed and was answered here (the codec first learns of the put)."""
+    request_id, key, _, parent, meta, reservation, t0 = put
+    events, me = s.services.events, s.me
+    engine_key = me.key(key)
+    if events is not None:
+        events.expect(engine_key, key, parent, me.name,
+                      None if meta is None else BlockMeta.decode(meta))  # fmt: skip
+    try:
+        reservation.commit()
+    except KVOffloadError as exc:
+        s.admit_c_put(put)
+        s.fail(request_id, exc)
+        return False
+    finally:
+        reservation.abort()  # a no-op once committed
+        if events is not None:
+            events.settle(engine_key)
+    return True
 
 
 def _reserve_then(

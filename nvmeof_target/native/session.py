@@ -56,7 +56,7 @@ from kvoffload.wire.native.connection import (
 from kvoffload.wire.native.frames import _State
 from kvoffload.wire.status import Status, status_of
 
-__all__ = ["FRONT", "Handler", "Host", "NativeSession", "PendingPut"]
+__all__ = ["FRONT", "CPut", "Handler", "Host", "NativeSession", "PendingPut"]
 
 log = logging.getLogger("kvoffload.native")
 FRONT = "native"
@@ -104,6 +104,9 @@ class PendingPut:
 
 
 Handler = Callable[..., Awaitable[object] | None]
+# A put the C reader callback took (`puts.c_put_begin`): request id, client key, length, client
+# parent, stored block metadata, its reservation, its start (time.perf_counter).
+CPut = tuple[int, bytes, int, bytes | None, bytes | None, PutReservation, float]
 
 
 class Host(Protocol):
@@ -117,6 +120,9 @@ class Host(Protocol):
     tls_binding: bytes  # `hello_auth.tls_binding` of the front's certificate (b"": no TLS)
     # request type (and PayloadEnd, SinkFull) -> its handler
     handlers: Mapping[type[object], Handler]
+    # The C reader callback's put (`HotGets.take_puts`): begin and commit (`puts.c_put_*`),
+    # called with the session first; None: puts stay on the Python path.
+    c_puts: tuple[Callable[..., object], Callable[..., object]] | None
 
     @property
     def connection_count(self) -> int: ...
@@ -257,9 +263,13 @@ class NativeSession(Session):
                              max_payload=self.config.max_payload_bytes,
                              step=self.engine.config.ssd.read_depth)  # fmt: skip
         self._instruments.hot.add(self._hot)
+        c_puts = self.front.c_puts
+        if c_puts is not None:  # the reader callback takes canonical Puts too
+            self._hot.take_puts(partial(c_puts[0], self), partial(c_puts[1], self))
 
     def _forget(self) -> None:
         if self._hot is not None:  # its last counts, then no more scrapes of it
+            self._hot.take_puts(None, None)  # (they hold the session: no cycle left)
             self._instruments.fold(self._hot)
             self._instruments.hot.discard(self._hot)
         self.front.forget(self)
@@ -279,18 +289,22 @@ class NativeSession(Session):
             or self._tasks
             or self._inflight_bytes
             or self.puts
-            or conn.read_size()  # after a large payload: only a header is read (its sink)
+            # after a large payload only a header is read, so that the payload lands in its
+            # slot: C does the same (`small_read`) only when it takes puts itself
+            or (conn.read_size() and self.front.c_puts is None)
             or not conn.idle_between_frames
         ):
             return False
         fd = channel.direct_fd()
         if fd < 0:
             return False
+        hot.small_read = bool(conn.read_size())
         conn.get_buffer()  # all parsed: the buffer starts over at its usual size, as for a read
         back: asyncio.Future[tuple[int, Any]] = asyncio.get_running_loop().create_future()
 
         def handed_back(code: int, extra: object, got: Any) -> None:
             channel.unwatch()
+            self._take_c_put()
             self.services.hot_reader_handbacks += 1
             # The unsent rest of C's answers is queued now, not when the task resumes: a
             # cancellation between the two must not drop pinned bytes the client is reading.
@@ -324,6 +338,33 @@ class NativeSession(Session):
         if hot is not None and hot.armed:
             hot.disarm()
             self.channel.unwatch()
+        self._take_c_put()
+
+    def _take_c_put(self) -> None:
+        """A put whose payload C was receiving becomes the Python codec's (then finished,
+        or abandoned on a stop or a closed connection, as the Python path's own)."""
+        held = self._hot.take_put() if self._hot is not None else None
+        if held is not None:
+            put, got = held
+            event = self.admit_c_put(put)
+            rid, key, length, parent, meta, reservation, _ = put
+            pending = PendingPut(event, [(key, length, parent, meta)], at=0)
+            pending.reserved[0] = reservation
+            self.puts[rid] = pending
+            self.conn.resume_payload(Put.OP, rid, length, got)
+            self.conn.set_payload_sink([reservation.buffer[got:]])
+
+    def admit_c_put(self, put: CPut) -> Put:
+        """The codec learns of a put C took (as if it had parsed it), and its start counts."""
+        rid, key, length, parent, _, _, t0 = put
+        event = Put(rid, key, length, parent)
+        self.conn.admit(event)
+        self.started_put(rid, t0)
+        return event
+
+    def started_put(self, request_id: int, t0: float) -> None:
+        """`_started_now` for a put that started at `t0` (time.perf_counter)."""
+        self._started[request_id] = ("put", t0)
 
     def stop_reading(self) -> None:
         # At once, not when the cancelled task next runs: the loop may already have the socket
@@ -400,7 +441,10 @@ class NativeSession(Session):
 
     def overdue(self, now: float) -> str:
         """Why the watchdog should close this connection ("" if it should not)."""
-        if self._frame_since is not None and now - self._frame_since > self.config.frame_timeout_s:
+        since = self._frame_since
+        if since is None and self._hot is not None and self._hot.put_arriving:
+            since = self._hot.put_started  # inside a put's payload, in C
+        if since is not None and now - since > self.config.frame_timeout_s:
             return "frame timeout"
         if self.send_stalled(now):
             return "send timeout"
@@ -489,6 +533,8 @@ class NativeSession(Session):
         _, t0 = self._started.pop(request_id, ("put", time.perf_counter()))
         rest = hot.put_done(parts, fd, t0, length)
         self.services.hot_put_answers += 1
+        if self.front.c_puts is not None:
+            self._hot_last = True  # the next put may come in C (`_read_in_c`)
         if rest:  # a full socket: the rest waits in the Channel, counted in flight until sent
             size = sum(map(len, rest))
             self._inflight_bytes += size

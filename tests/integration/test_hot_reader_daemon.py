@@ -249,16 +249,21 @@ def test_answers_a_full_socket_leaves_stay_pinned_until_the_reader_goes(
         assert client.get(KEYS[0]) == bytes([KEYS[0][-1]]) * MIB
 
 
-def test_a_connection_that_puts_stays_in_the_python_read_loop(start_daemon: Start) -> None:
-    """The C reader is armed only after a request C answered: a run of puts does not arm and
-    hand back at every put (which costs a put more CPU than the Python read does)."""
+def test_a_run_of_puts_stays_in_the_c_reader(start_daemon: Start) -> None:
+    """The C reader takes canonical puts too (`HotGets.take_puts`) and stays armed after the
+    puts it answers: a run of puts (1 KiB, and 64 KiB ones read a header at a time) neither
+    hands back at every put nor leaves the C reader."""
     daemon = start_daemon(env=PATHS["c"])
     with Client.connect(daemon.url()) as client:
         client.put(KEYS[0], b"v" * 1000)
         assert client.get(KEYS[0]) == client.get(KEYS[0])  # the second read in C
-        before = client.stats().store["server"]["hot_reader_handbacks"]  # type: ignore[index]
+        before = client.stats().store["server"]
         for i in range(20):
-            client.put(KEYS[i % 8], b"p" * 1000)
+            client.put(KEYS[i % 8], bytes([i]) * (1000 if i < 10 else 65536))
         server = client.stats().store["server"]
-    # the stats request handed back (counted in `before`); from there on Python reads
-    assert server["hot_reader_handbacks"] == before, server  # type: ignore[index]
+        for i in range(12, 20):
+            assert client.get(KEYS[i % 8]) == bytes([i]) * 65536
+    # the first put after the stats request (answered in Python) is Python's; it arms the C
+    # reader, which takes the other 19 and hands back only the last stats request
+    assert server["hot_reader_handbacks"] == before["hot_reader_handbacks"] + 1, server  # type: ignore[index, operator]
+    assert server["hot_reader_puts"] - before["hot_reader_puts"] == 19, server  # type: ignore[index, operator]

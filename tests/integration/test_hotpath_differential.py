@@ -20,6 +20,7 @@ from importlib.util import find_spec
 from typing import Any
 
 import pytest
+from probes import eventually
 
 from kvoffload.client_sdk import Client
 from kvoffload.wire.native.connection import (
@@ -28,10 +29,12 @@ from kvoffload.wire.native.connection import (
     Exists,
     Get,
     GetMany,
+    GetResult,
     Hello,
     Lookup,
     NativeConnection,
     Put,
+    PutDone,
     Role,
 )
 from kvoffload.wire.native.frames import FRAME, MAGIC
@@ -268,3 +271,79 @@ def test_concurrent_clients_answer_the_same(start_daemon: Start) -> None:
             results[daemon.port] = (answers, _store(client))
         assert results[daemon.port][1]["evictions"] == 0
     assert results[c.port] == results[py.port]
+
+
+def _put_run(seed: int) -> list[tuple[str, Any]]:
+    """A get (so the C reader is armed), then mostly puts: 0 B, 1 B, 64 KiB, 1.2 MB, 2 MiB
+    (past max_value_bytes: refused) on a few keys (overwrites), a get now and then."""
+    rng = random.Random(seed)
+    ops: list[tuple[str, Any]] = [("get", KEYS[0])]
+    for _ in range(60):
+        key = rng.choice(KEYS[:6])
+        if rng.random() < 0.2:
+            ops.append(("get", key))
+        else:
+            size = rng.choice((0, 1, 65536, 65536, 1_200_000, 2 << 20))
+            ops.append(("put", (key, rng.randbytes(size))))
+    return ops
+
+
+def _cut_off(port: int) -> None:
+    """A put answered (the C reader armed after it), then a 200 kB put cut off half-way by
+    the client closing: nothing of it may stay reserved or become visible."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        conn = NativeConnection(Role.CLIENT)
+        sock.sendall(conn.send(Hello(1)))
+        sock.sendall(conn.send(Put(2, KEYS[7], 5), [b"12345"]))
+        answers: list[object] = []
+        while len(answers) < 2:  # the Welcome and the PutDone
+            conn.receive_data(sock.recv(1 << 16))
+            while (event := conn.next_event()) is not NEED_DATA:
+                assert not isinstance(event, ConnectionClosed), answers
+                answers.append(event)
+        assert isinstance(answers[-1], PutDone), answers
+        frame = conn.send(Put(3, KEYS[7], 200_000), [bytes(200_000)])
+        sock.sendall(frame[: len(frame) // 2])
+
+
+def _raw_length(port: int, key: bytes) -> int | None:
+    """The length a raw Get of `key` answers (the client would verify a block header)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        conn = NativeConnection(Role.CLIENT)
+        sock.sendall(conn.send(Hello(1)) + conn.send(Get(2, key)))
+        events: list[object] = []
+        while not any(isinstance(e, GetResult) for e in events):
+            conn.receive_data(sock.recv(1 << 16))
+            while (event := conn.next_event()) is not NEED_DATA:
+                assert not isinstance(event, ConnectionClosed), events
+                events.append(event)
+        return next(e.length for e in events if isinstance(e, GetResult))
+
+
+@pytest.mark.parametrize("tenants", [False, True], ids=["open", "tenants"])
+def test_runs_of_puts_in_the_c_reader_answer_the_same(start_daemon: Start, tenants: bool) -> None:
+    """Puts the C reader takes (`HotGets.take_puts`): the same answers (refusals: too large,
+    over a tenant's quota), engine counters and request metrics as the Python daemon, and a
+    client that closes mid-payload leaves nothing reserved."""
+    c, py = _pair(start_daemon, TENANTS if tenants else "")
+    token = "alice-secret" if tenants else ""
+    finals = []
+    for daemon, core in ((c, "c"), (py, "python")):
+        params = {"token": token} if tenants else {}
+        with Client.connect(daemon.url(**params)) as client:
+            answers = [_run(client, _put_run(seed)) for seed in (5, 6)]
+        if not tenants:  # (a raw tenant's Hello needs the challenge-response)
+            _cut_off(daemon.port)
+            # the cut-off put never became visible (once its connection is gone)
+            assert eventually(lambda d=daemon: _raw_length(d.port, KEYS[7]) == 5)
+        with Client.connect(daemon.url(**params)) as client:
+            server = _server(client)
+            store = _store(client)
+            finals.append((answers, store, _counted(daemon)))
+        assert store["dram.pinned"] == 0
+        assert (server["hot_reader_puts"] > 0) == (core == "c"), server  # type: ignore[operator]
+    assert finals[0][0] == finals[1][0]
+    assert finals[0][1] == finals[1][1]
+    assert finals[0][2] == finals[1][2]
+    refusals = [a for run in finals[0][0] for a in run if isinstance(a, tuple)]
+    assert refusals, "the runs were meant to include refused puts"

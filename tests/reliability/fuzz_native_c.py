@@ -110,6 +110,7 @@ from kvoffload.wire.native.connection import (  # noqa: E402
     Lookup,
     LookupResult,
     NativeConnection,
+    Put,
     Role,
     Welcome,
 )
@@ -1311,6 +1312,163 @@ def fuzz_hot_reader(data: bytes) -> None:
             raise AssertionError(f"pins left after release: {left}, budget {budget.pins.held}")
 
 
+_put_engines: list[Engine] = []  # the C reader's engine and the reference, for the whole run
+
+
+def _put_frame(fdp: atheris.FuzzedDataProvider, rid: int) -> tuple[bytes, bytes | None]:
+    """One frame of a put stream and, for a canonical Put (what C takes), its value; the near
+    misses (durable, empty, block metadata, a map that says another length, flags) go back."""
+    key = _HOT_KEYS[fdp.ConsumeIntInRange(0, 7)]
+    value = bytes([rid & 0xFF]) * int(fdp.PickValueInList([1, 3, 100, 4096, 65_536, 70_001]))
+    parent = _HOT_KEYS[fdp.ConsumeIntInRange(0, 7)] if fdp.ConsumeBool() else None
+    meta: dict[str, object] = {"key": key, "length": len(value), "parent": parent,
+                               "durable": False}  # fmt: skip
+    kind = fdp.ConsumeIntInRange(0, 15)
+    if kind >= 5:
+        return b"".join(encode_frame(Put.OP, 0, rid, meta, [value])), value
+    if kind == 0:  # a response's flag: not a request at all
+        return b"".join(encode_frame(Put.OP, 1, rid, meta, [value])), None
+    if kind == 1:
+        meta["durable"] = True
+    elif kind == 2:
+        meta["length"], value = 0, b""
+    elif kind == 3:
+        meta["block_meta"] = b"m" * 24
+    else:  # the map's length is not the frame's payload length: Python's protocol error
+        meta["length"] = len(value) + 1
+    return b"".join(encode_frame(Put.OP, 0, rid, meta, [value])), None
+
+
+@atheris.instrument_func  # coverage of the choices: GCC gives none of the C
+def fuzz_hot_reader_puts(data: bytes) -> None:
+    """The reader callback taking puts (`HotGets.take_puts`) on a socket pair: a stream of
+    canonical Puts and near misses sent in fuzzed chunks (payloads split across readable
+    events). C calls begin only for a canonical Put at the front, copies the buffered bytes
+    and receives the rest into the slot (never past it), commits and answers PutDone, and
+    hands back at the first frame it does not take with exactly the stream's bytes from there
+    left; a put held at a disarm (a stop) comes back through take_put with what it received.
+    The engine then holds what a reference engine given the same puts holds, no pin left."""
+    fdp = atheris.FuzzedDataProvider(data)
+    if not _READER_SOCKETS:
+        near, far = socket.socketpair()
+        for sock in (near, far):
+            sock.setblocking(False)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+        _READER_SOCKETS.append((near, far))
+    near, far = _READER_SOCKETS[0]
+    _drain(near), _drain(far)
+    if not _put_engines:
+        _put_engines.extend(
+            Engine(EngineConfig(dram=DramConfig(capacity_bytes=1 << 20, prefault=False)))
+            for _ in range(2)
+        )
+    engine, ref = _put_engines
+    tenant = _TENANTS[fdp.ConsumeIntInRange(0, 1)]
+    me = tenant or Tenant("")
+    frames = [_put_frame(fdp, rid) for rid in range(1, fdp.ConsumeIntInRange(1, 8) + 1)]
+    stream = b"".join(f for f, _ in frames)
+    chunk = max(int(fdp.PickValueInList([1, 24, 77, 1000, 65_536, 1 << 30])), len(stream) >> 6)
+    handles = engine.hot_handles()
+    hot_type = core.hot_gets_type()
+    assert handles is not None and hot_type is not None
+    hot = hot_type(handles.lock, handles.index, handles.counters, handles.manager,
+                   handles.apply_touches, handles.free, handles.arena, me.hasher,
+                   fast.frame_head, _State.HEAD, handles.touch_ring,
+                   buckets=(1e-3, 1.0))  # fmt: skip
+    begun: list[tuple[int, bytes, int, bytes | None]] = []
+    done: list[int] = []
+    refused: list[int] = []
+    refuse = fdp.ConsumeIntInRange(0, 3) == 0  # a commit refused: answered in Python
+
+    def begin(rid: int, key: bytes, length: int, parent: bytes | None) -> object:
+        begun.append((rid, key, length, parent))
+        try:
+            r = engine.reserve(me.key(key), length, parent=me.opt_key(parent), tenant=me.name)
+        except KVOffloadError:
+            refused.append(rid)  # the frame stays in the buffer: C hands back at it
+            return None
+        return r.buffer, (rid, key, r)
+
+    def commit(token: tuple[int, bytes, Any]) -> bool:
+        rid, key, r = token
+        if refuse and len(done) == 1:
+            r.abort()
+            return False
+        r.commit()
+        done.append(rid)
+        return True
+
+    hot.take_puts(begin, commit)
+    limits = Limits(max_payload_bytes=int(fdp.PickValueInList([2, 4096, 1 << 20])))
+    reader = FrameReader(limits)
+    services = SimpleNamespace(hot_gets=0, hot_exists=0, hot_lookups=0, hot_get_manys=0,
+                               hot_reader_requests=0, hot_put_answers=0,
+                               hot_reader_puts=0)  # fmt: skip
+    backs: list[tuple[int, object, Any]] = []
+    sent = 0
+    reader.get_buffer()
+    hot.arm(reader, near.fileno(), 8, 1 << 30, lambda *back: backs.append(back), services)
+    held = None
+    try:
+        for _ in range(4 * len(stream) + 100):  # bounded: every turn sends or receives
+            with contextlib.suppress(BlockingIOError):
+                if sent < len(stream):
+                    sent += far.send(stream[sent : sent + chunk])
+            if fdp.ConsumeIntInRange(0, 31) == 0:  # a stop, perhaps mid-payload
+                hot.disarm()
+                held = hot.take_put()
+                break
+            hot()
+            if not hot.armed:
+                held = hot.take_put()
+                break
+            if sent == len(stream) and not hot.small_read and reader._end == 0:
+                with contextlib.suppress(BlockingIOError):
+                    if not near.recv(1, socket.MSG_PEEK):
+                        break
+                    continue
+                break  # all sent, all read, nothing held
+        # The answers: PutDone for each put C committed, in order (a refused commit answers
+        # in Python, which this harness does not run)
+        answer = _drain(far)
+        want = b"".join(fast.frame_head(Put.OP, rid, None, None, 0) for rid in done)
+        if answer != want:
+            raise AssertionError(f"C answered {answer[:200]!r}, want {want[:200]!r}")
+        # begin only for the canonical Puts at the front, in order, with their fields
+        rids = [b[0] for b in begun]
+        if rids != list(range(1, len(rids) + 1)) or any(
+            frames[rid - 1][1] is None or length != len(frames[rid - 1][1] or b"")
+            for rid, _, length, _ in begun
+        ):
+            raise AssertionError(f"begin called for {begun} of {[v is None for _, v in frames]}")
+        for rid in done:
+            value = frames[rid - 1][1] or b""
+            ref.put(me.key(begun[rid - 1][1]), value, parent=me.opt_key(begun[rid - 1][3]))
+        if held is not None:
+            (rid, _, r), got = held
+            if not 0 <= got < len(frames[rid - 1][1] or b""):
+                raise AssertionError(f"held put {rid} received {got} bytes")
+            r.abort()
+            held = None
+        elif backs and backs[0][0] == 0 and reader._start != reader._end:
+            # what is left starts at the first frame C did not take (a refused one included)
+            first = len(begun) - (1 if refused else 0)
+            at = sum(len(f) for f, _ in frames[:first])
+            left = bytes(reader._buf[reader._start : reader._end])
+            if left != stream[at : at + len(left)]:
+                raise AssertionError("the reader left other bytes than the stream's")
+    finally:
+        hot.disarm()
+        if held is not None:
+            held[0][2].abort()
+        hot.take_puts(None, None)
+    a, b = engine.stats().as_dict()["tiers"][0], ref.stats().as_dict()["tiers"][0]
+    if a["pinned"]:
+        raise AssertionError(f"pins left: {a['pinned']}")
+    if a["entries"] != b["entries"] or a["used_bytes"] != b["used_bytes"]:
+        raise AssertionError(f"engine {a} != reference {b}")
+
+
 @atheris.instrument_func  # coverage of the choices: GCC gives none of the C
 def fuzz_dram_index(data: bytes) -> None:
     """The same operation sequence through the C index and the Python one: every answer, error
@@ -1549,6 +1707,7 @@ TARGETS: dict[str, Target] = {
     "dram-index": Target(fuzz_dram_index, _core_seeds, CORE, 0.1),
     "hot-put-done": Target(fuzz_hot_put_done, _core_seeds, CORE, 0.1),
     "hot-reader": Target(fuzz_hot_reader, _core_seeds, CORE, 0.2),
+    "hot-reader-puts": Target(fuzz_hot_reader_puts, _core_seeds, CORE, 0.15),
     "slot-ring": Target(fuzz_slot_ring, _core_seeds, CORE, 0.1),
 }
 

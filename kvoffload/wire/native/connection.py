@@ -269,6 +269,23 @@ class NativeConnection:
             self._error = RemoteProtocolError(str(exc))
             raise self._error from None
 
+    def admit(self, event: Event) -> None:
+        """Record a request whose frame someone else parsed (the daemon's C reader takes
+        canonical Puts), as `next_event` records what it parses.
+
+        Raises:
+            LocalProtocolError: as `next_event` would (the request is not allowed now).
+        """
+        self._admit(event)
+
+    def resume_payload(self, op: int, request_id: int, length: int, got: int) -> None:
+        """The frame of request `request_id` (`op`, `length` payload bytes) was parsed by
+        someone else, who took `got` of its payload bytes: the rest comes next, and a sink or
+        a discard is chosen for it as after `next_event` returned it."""
+        if not 0 <= got < length:
+            raise LocalProtocolError(f"{got} of a {length}-byte payload taken: none left")
+        self._reader.resume_payload(op, request_id, length, got)
+
     def _admit(self, event: Event) -> None:
         """Check a received event against the connection state and record it."""
         if (self.role is Role.SERVER) == event.RESPONSE:

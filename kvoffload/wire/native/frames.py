@@ -240,6 +240,15 @@ class FrameReader(ReceiveBuffer):
             self._expect(self._head[4])
         return event
 
+    def resume_payload(self, op: int, request_id: int, length: int, got: int) -> None:
+        """Between frames, a frame (`op`, `length` payload bytes) was parsed elsewhere and
+        `got` of its payload taken: the remaining bytes are next (see `take_parsed`)."""
+        if not self.at_boundary:
+            raise LocalProtocolError("a payload resumed inside another frame")
+        self._head = (op, 0, request_id, 0, length)
+        self._state = _State.PAYLOAD
+        self._expect(length - got)
+
     # ------------------------------------------------------------------ internals
 
     def _parse_head(self) -> None:
