@@ -282,8 +282,12 @@ class NodeMetrics(_Endpoint):
         # into its files as it answers (`Metrics.fold_pending`), so the files read next count
         # every request answered before the scrape. The engine collector reports those stats.
         latest: list[Mapping[str, Any]] = [{}]
+
+        def ask() -> None:
+            latest[0] = engine_stats()
+
         before = _BeforeCollect()
-        before.hooks.append(lambda: latest.__setitem__(0, engine_stats()))
+        before.hooks.append(ask)
         self.registry.register(before)
         MultiProcessCollector(self.registry, path=path)  # type: ignore[no-untyped-call]
         self.registry.register(_EngineCollector(lambda: latest[0], tenant_labels))

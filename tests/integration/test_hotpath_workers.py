@@ -63,7 +63,8 @@ Start = Callable[..., Any]
 
 # Each worker gets half (2.5 MiB: values up to 1.2 MB evict).
 FLAGS = ("--dram", "5MiB", "--workers", "2")
-HOT = ("hot_gets", "hot_exists", "hot_lookups", "hot_get_manys", "hot_reader_requests")
+HOT = ("hot_gets", "hot_exists", "hot_lookups", "hot_get_manys", "hot_put_answers",
+       "hot_reader_requests")  # fmt: skip
 _SHARD_LINE = re.compile(r"native shard (\d+) listening on [^:]+:(\d+)$")
 
 
