@@ -226,7 +226,7 @@ class Metrics(_Endpoint):
         (error answers, protocol errors, refused authentications), and the data requests'
         latency histogram as cumulative counts per finite upper bound (`latency_buckets`, keyed
         by the bound in seconds as text: a map, so a node's shards' answers add up per key)."""
-        self._before.collect()  # fold in what the C hot path counted
+        self.fold_pending()
         requests = errors = 0.0
         for sample in _samples(self.requests):
             if sample.labels["op"] in _CONTROL_OPS:
@@ -260,6 +260,12 @@ class Metrics(_Endpoint):
         """Run `hook` (on the scraping thread) before every collection of the registry."""
         self._before.hooks.append(hook)
 
+    def fold_pending(self) -> None:
+        """Fold in what was counted outside prometheus (the C hot path) now, as a scrape does
+        first: a worker of a multi-worker daemon, whose metrics the supervisor reads from the
+        multiprocess files, does this when the supervisor asks for its stats."""
+        self._before.collect()
+
 
 def _samples(metric: Counter | Histogram, suffix: str = "_total") -> Iterator[Any]:
     """The samples of one of this process's metrics whose name ends with `suffix`."""
@@ -280,5 +286,16 @@ class NodeMetrics(_Endpoint):
         from prometheus_client.multiprocess import MultiProcessCollector
 
         self.registry = CollectorRegistry()
+        # The workers' stats are asked for first: a worker folds what its C hot path counted
+        # into its files as it answers (`Metrics.fold_pending`), so the files read next count
+        # every request answered before the scrape. The engine collector reports those stats.
+        latest: list[Mapping[str, Any]] = [{}]
+
+        def ask() -> None:
+            latest[0] = engine_stats()
+
+        before = _BeforeCollect()
+        before.hooks.append(ask)
+        self.registry.register(before)
         MultiProcessCollector(self.registry, path=path)  # type: ignore[no-untyped-call]
-        self.registry.register(_EngineCollector(engine_stats, tenant_labels))
+        self.registry.register(_EngineCollector(lambda: latest[0], tenant_labels))

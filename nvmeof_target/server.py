@@ -193,6 +193,10 @@ class Daemon:
     def events(self) -> KVEvents | None:
         return self._services.events if self._services else None
 
+    @property
+    def metrics(self) -> Metrics | None:
+        return self._services.metrics if self._services else None
+
     def request_stop(self) -> None:
         self._stop.set()
 

@@ -386,7 +386,8 @@ async def _serve_worker(
 def _control(
     conn: multiprocessing.connection.Connection, daemon: Any, loop: asyncio.AbstractEventLoop
 ) -> None:
-    """Answer the supervisor: stats when it scrapes, a replay request (its part goes to the
+    """Answer the supervisor: stats when it scrapes (with the C hot path's counts folded
+    into the metrics files first), a replay request (its part goes to the
     relay), stop when told (or when it is gone)."""
     while True:
         try:
@@ -394,7 +395,9 @@ def _control(
         except (EOFError, OSError):
             what = "stop"
         if what == "stats":
-            engine = daemon.engine
+            engine, metrics = daemon.engine, daemon.metrics
+            if metrics is not None:  # the node reads this worker's metrics files next
+                metrics.fold_pending()
             try:
                 conn.send(("stats", (number, engine.stats().as_dict() if engine else {})))
             except OSError:

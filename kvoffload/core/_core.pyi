@@ -60,6 +60,7 @@ class HotGets:
     def release(
         self, views: list[memoryview], entries: list[object], taken: int = 0, /
     ) -> None: ...
+    def set_shard(self, index: int, count: int, /) -> None: ...
     # The reader callback: the loop calls the object while it is armed (see hot.c).
     armed: int
     last_rx: float

@@ -19,6 +19,7 @@
  * connection's reader callback on the event loop (receive, `serve`, hand back; see below).
  */
 #include "core.h" /* Python.h first: it sets the POSIX feature macros (clock_gettime) */
+#include "../wire/_speedups.h" /* crc_update: the CRC32C of a key's shard */
 
 #include <errno.h>
 #include <stddef.h>
@@ -60,6 +61,10 @@ typedef struct {
     PyObject *pins;
     long long max_payload;
     Py_ssize_t step;
+    /* A worker of a multi-worker daemon (`set_shard`): only frames whose client keys are all
+     * of shard `shard_index` of `shard_count` are served; any other is left to Python, which
+     * answers it WRONG_SHARD. shard_count 0 or 1: no check (one worker). */
+    uint32_t shard_index, shard_count;
     /* With `buckets` given, serve(..., fd) sends and counts in C: requests, bytes out and
      * latencies by op (get, exists, lookup, get_many; put from put_done) and the put
      * payload bytes in, taken by `take_metrics` before every scrape. */
@@ -204,6 +209,17 @@ static int canonical_keys(const unsigned char *p, Py_ssize_t n, long long max_he
         if (k[18 * i] != 0xc4 || k[18 * i + 1] != 16) return 0;
     *keys = k + 2;
     *count = (uint32_t)c;
+    return 1;
+}
+
+/* Whether every one of `n` 16-byte client keys, `stride` bytes apart at `keys`, is this
+ * worker's: CRC32C of the key modulo the shard count, as kvoffload.wire.shards.shard_of. */
+static int own_keys(const HotGets *self, const unsigned char *keys, uint32_t n, size_t stride) {
+    if (self->shard_count <= 1) return 1;
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t crc = ~crc_update(0xFFFFFFFFu, NULL, keys + stride * i, 16);
+        if (crc % self->shard_count != self->shard_index) return 0;
+    }
     return 1;
 }
 
@@ -838,7 +854,8 @@ static PyObject *hot_serve(HotGets *self, PyObject *args) {
         if (start > end || end > PyByteArray_GET_SIZE(buf)) break;
         const unsigned char *p = (const unsigned char *)PyByteArray_AS_STRING(buf) + start;
         Py_ssize_t n = (Py_ssize_t)(end - start);
-        if (canonical_get(p, n, &rid, &op)) {
+        /* a key of another shard stops here: Python answers it (WRONG_SHARD), as always */
+        if (canonical_get(p, n, &rid, &op) && own_keys(self, p + HEAD + 7, 1, 16)) {
             unsigned char frame[HEAD + GET_MAP];
             memcpy(frame, p, sizeof frame); /* calls below run other code: work on a copy */
             hlen = GET_MAP;
@@ -847,7 +864,8 @@ static PyObject *hot_serve(HotGets *self, PyObject *args) {
             else
                 rc = serve_one(self, frame, rid, parts, views, entries, &out_bytes, &answer);
         } else if (canonical_keys(p, n, max_header, many, &op, &rid, &hlen, &keys, &nkeys,
-                                  &tiers)) {
+                                  &tiers) &&
+                   own_keys(self, keys, nkeys, 18)) {
             /* both copy the keys out before they call anything */
             if (op == OP_LOOKUP)
                 rc = serve_lookup(self, keys, nkeys, rid, tiers, parts, &answer);
@@ -1300,7 +1318,8 @@ static PyObject *put_take(HotGets *self, PyObject *reader, PyObject *services, l
     const unsigned char *keyp = NULL, *parentp = NULL;
     if (!PyByteArray_Check(buf) || start < 0 || start > end || end > PyByteArray_GET_SIZE(buf) ||
         !canonical_put((const unsigned char *)PyByteArray_AS_STRING(buf) + start, end - start,
-                       max_header, max_payload, &rid, &hlen, &length, &keyp, &parentp)) {
+                       max_header, max_payload, &rid, &hlen, &length, &keyp, &parentp) ||
+        !own_keys(self, keyp, 1, 16)) { /* another shard's key: Python answers WRONG_SHARD */
         Py_DECREF(buf);
         return hand_back(self, BACK_DATA, PyLong_FromLongLong(served), NULL);
     }
@@ -1472,6 +1491,19 @@ static PyObject *hot_disarm(HotGets *self, PyObject *Py_UNUSED(ignored)) {
     Py_RETURN_NONE;
 }
 
+static PyObject *hot_set_shard(HotGets *self, PyObject *args) {
+    long long index, count;
+    if (!PyArg_ParseTuple(args, "LL:set_shard", &index, &count)) return NULL;
+    if (count < 1 || count > 65536 || index < 0 || index >= count) {
+        PyErr_SetString(PyExc_ValueError,
+                        "set_shard needs 1 <= count <= 65536 and 0 <= index < count");
+        return NULL;
+    }
+    self->shard_index = (uint32_t)index;
+    self->shard_count = (uint32_t)count;
+    Py_RETURN_NONE;
+}
+
 static PyMemberDef hot_members[] = {
     {"armed", T_INT, offsetof(HotGets, armed), READONLY,
      "whether the object is the connection's reader now (arm, until it hands back)"},
@@ -1619,6 +1651,9 @@ static PyMethodDef hot_methods[] = {
     {"take_put", (PyCFunction)hot_take_put, METH_NOARGS,
      "take_put() -> (token, got) or None: the put whose payload C was receiving (got bytes "
      "in its slot), now the caller's."},
+    {"set_shard", (PyCFunction)hot_set_shard, METH_VARARGS,
+     "set_shard(index, count): serve only frames whose keys are all of shard `index` of "
+     "`count` (shard_of: CRC32C mod count); any other frame is left to Python."},
     {"release", (PyCFunction)hot_release, METH_VARARGS,
      "release(views, entries, taken=0): unpin what served answers held and give `taken` back "
      "to the pin budget (idempotent)."},

@@ -245,12 +245,13 @@ class NativeSession(Session):
     def start_hot(self) -> None:
         """Hello accepted: serve this connection's reads of DRAM blocks in C from now on when
         that does exactly what the Python path does: the C core loaded, plain TCP (TLS
-        decrypts in Python), a DRAM-only engine (a miss reads nothing back), one worker (no
-        shard check)."""
+        decrypts in Python), a DRAM-only engine (a miss reads nothing back). On a worker of a
+        multi-worker daemon C serves only frames whose keys are all this shard's (the same
+        `shard_of`); a frame with another shard's key goes to `_dispatch`, which refuses it."""
         hot_type = hot_gets_type()
         if hot_type is None or isinstance(self.channel, TlsChannel):
             return
-        if self.services.blocking_engine or self.shard is not None:
+        if self.services.blocking_engine:
             return
         handles = self.engine.hot_handles()
         if handles is None:
@@ -262,6 +263,8 @@ class NativeSession(Session):
                              pins=self.services.answer_pins,
                              max_payload=self.config.max_payload_bytes,
                              step=self.engine.config.ssd.read_depth)  # fmt: skip
+        if self.shard is not None:
+            self._hot.set_shard(self.shard.index, self.shard.count)
         self._instruments.hot.add(self._hot)
         c_puts = self.front.c_puts
         if c_puts is not None:  # the reader callback takes canonical Puts too

@@ -123,6 +123,7 @@ from kvoffload.wire.native.frames import (  # noqa: E402
     _State,
     encode_frame,  # noqa: E402
 )
+from kvoffload.wire.shards import shard_of  # noqa: E402
 from kvoffload.wire.status import Status  # noqa: E402
 from kvoffload.wire.tiers import wire_pairs  # noqa: E402
 
@@ -842,6 +843,9 @@ class _Budget:
     pins: PinBudget
     max_payload: int
     step: int
+    # A worker's (index, count) (`HotGets.set_shard`): C must take no frame naming a key of
+    # another shard (`shard_of`); those are the Python session's to refuse WRONG_SHARD.
+    shard: tuple[int, int] = (0, 1)
 
 
 @dataclass
@@ -901,7 +905,11 @@ def _python_answers(ref: NativeConnection, engine: Engine, tenant: Tenant | None
     pins = PinBudget(budget.pins.limit)
     pins.held = held_before
     derive = tenant.key if tenant is not None else (lambda k: k)
+    index, count = budget.shard
     while (event := ref.next_event()) is not NEED_DATA:
+        keys = event.keys if isinstance(event, (Lookup, GetMany)) else (getattr(event, "key", b""),)
+        if count > 1 and any(shard_of(k, count) != index for k in keys):
+            raise AssertionError(f"C took {event!r}, which names a key of another shard")
         if isinstance(event, Get):
             view = engine.get(derive(event.key))
             length = None if view is None else len(view)
@@ -960,6 +968,10 @@ def fuzz_hot_gets(data: bytes) -> None:
                    tenant.hasher if tenant else None, fast.frame_head, _State.HEAD,
                    handles.touch_ring, pins=budget.pins, max_payload=budget.max_payload,
                    step=budget.step)  # fmt: skip
+    count = int(fdp.PickValueInList([1, 1, 2, 3]))  # a worker of 2 or 3 (issue 29), or none
+    if count > 1:
+        budget.shard = (fdp.ConsumeIntInRange(0, count - 1), count)
+        hot.set_shard(*budget.shard)
     reader, ref = FrameReader(limits), NativeConnection(Role.SERVER, limits)
     ref.receive_data(NativeConnection(Role.CLIENT).send(Hello(HOT_HELLO)))
     ref.next_event()  # answered, as the session does before it serves in C
