@@ -93,6 +93,9 @@ class _Worker:
         self.lock = threading.Lock()  # the pipe is shared by the scrape thread and the main one
         self.addresses: list[tuple[str, str, int]] = []
         self._asked = 0  # stats requests sent: an answer to an older one is stale
+        # The last stats it answered: a scrape that finds it silent (hung, stopping) exports
+        # these, so the node's counters never go backwards (Prometheus reads a drop as a reset).
+        self.last: dict[str, object] | None = None
 
     def expect(self, kind: str, deadline: float, stop: threading.Event) -> Any:
         while True:
@@ -126,6 +129,9 @@ class _Worker:
                 while self.conn.poll(max(0.0, deadline - time.monotonic())):
                     what, (number, value) = self.conn.recv()
                     if what == "stats" and number == self._asked:
+                        if value is None:  # its stats failed (logged there): as silent
+                            return None
+                        self.last = dict(value)
                         return dict(value)
             except (EOFError, OSError):
                 pass
@@ -286,10 +292,22 @@ def _ask_replay(workers: list[_Worker], number: int, tenant: str, wanted: bytes)
 
 
 def _node_stats(workers: list[_Worker]) -> dict[str, object]:
-    parts = [s for s in (w.stats() for w in workers) if s is not None]
-    stats = merge_stats(parts)
+    """Every worker asked at once (one silent worker costs a scrape its timeout once, not
+    once per worker); one that does not answer counts with the last stats it gave."""
+    fresh: list[dict[str, object] | None] = [None] * len(workers)
+
+    def ask(i: int) -> None:
+        fresh[i] = workers[i].stats()
+
+    askers = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(len(workers))]
+    for t in askers:
+        t.start()
+    for t in askers:
+        t.join()
+    parts = [f if f is not None else w.last for f, w in zip(fresh, workers, strict=True)]
+    stats = merge_stats([p for p in parts if p is not None])
     stats["workers"] = len(workers)
-    stats["workers_answering"] = len(parts)
+    stats["workers_answering"] = sum(f is not None for f in fresh)
     return stats
 
 
@@ -396,10 +414,15 @@ def _control(
             what = "stop"
         if what == "stats":
             engine, metrics = daemon.engine, daemon.metrics
-            if metrics is not None:  # the node reads this worker's metrics files next
-                metrics.fold_pending()
             try:
-                conn.send(("stats", (number, engine.stats().as_dict() if engine else {})))
+                if metrics is not None:  # the node reads this worker's metrics files next
+                    metrics.fold_pending()
+                stats = engine.stats().as_dict() if engine else {}
+            except Exception:  # a failed fold or stats must not end this thread: answer anyway
+                log.exception("worker stats failed")
+                stats = None  # the node counts it as silent (its last stats)
+            try:
+                conn.send(("stats", (number, stats)))
             except OSError:
                 what = "stop"
         if what == "replay" and daemon.events is not None:

@@ -137,9 +137,14 @@ def c_put_begin(
     me, events = s.me, s.services.events
     t0 = time.perf_counter()
     meta = stored_meta(key, parent, None) if events is not None else None
+    shard = s.services.shard
+    # As `_reserve`: a parent another worker holds is unknown here, not an orphan's parent.
+    engine_parent = parent
+    if shard and parent is not None and shard_of(parent, shard.count) != shard.index:
+        engine_parent = None
     try:
         reservation = s.engine.reserve(
-            me.key(key), length, parent=me.opt_key(parent), tenant=me.name, meta=meta
+            me.key(key), length, parent=me.opt_key(engine_parent), tenant=me.name, meta=meta
         )
     except KVOffloadError as exc:
         # `on_put` after a failed `_reserve`: the frame is the codec's, its payload dropped,

@@ -210,3 +210,43 @@ def test_keys_of_the_other_shard_answer_the_same(start_daemon: Start) -> None:
     server = _worker_servers(c)[0]
     assert server["hot_reader_requests"] > 0 and server["hot_reader_handbacks"] > 0, server
     assert 'status="wrong_shard"' in "".join(counted)
+
+
+_PARENTS = """
+[dram]
+max_value_bytes = "1536KiB"
+policy = "reuse"
+
+[native]
+answer_pin_share = 1.0
+"""
+
+
+def _evicted_with_a_foreign_parent(daemon: Any) -> list[bool]:
+    """Five 600 kB puts on shard 0's 2.5 MiB, one of them (taken by the C reader) with a parent
+    that shard 1 holds: which one is evicted says whether the engine took it for an orphan."""
+    mine = [k for k in KEYS if shard_of(k, 2) == 0]
+    parent = next(k for k in KEYS if shard_of(k, 2) == 1)
+    y1, x, y2, y3, y4 = mine[:5]
+    value = bytes(600_000)
+    with Client.connect(daemon.url()) as client:
+        client.get(y1)  # a request C answers: the C reader takes the puts after it
+        client.put(y1, value)
+        client.put(x, value, parent=parent)
+        for key in (y2, y3, y4):
+            client.put(key, value)
+        return [client.get(k) is not None for k in (y1, x, y2, y3, y4)]
+
+
+def test_a_parent_of_another_shard_is_not_an_orphan_s_on_either_path(
+    start_daemon: Start,
+) -> None:
+    """A worker knows nothing of a parent another worker holds: both paths reserve the put
+    without it (as `_reserve`), so `reuse` does not rank the block an orphan, evicted first
+    (review of the workers change: the C reader's put kept the parent)."""
+    got = [
+        _evicted_with_a_foreign_parent(start_daemon(*FLAGS, config=_PARENTS, env=env))
+        for env in (C_ENV, PY_ENV)
+    ]
+    assert got[0] == got[1]
+    assert got[0].count(False) == 1, got  # exactly one block had to go

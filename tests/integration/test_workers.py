@@ -420,3 +420,42 @@ def test_a_worker_refuses_keys_it_does_not_hold(start_daemon: Callable[..., Daem
         direct.close()
     with Client.connect(daemon.url()) as client:  # the refused put stored nothing anywhere
         assert not client.exists(theirs)
+
+
+def test_a_silent_worker_counts_with_its_last_stats(start_daemon: Callable[..., Daemon]) -> None:
+    """A worker that does not answer a scrape (stopped here: hung, or busy stopping) counts
+    with the stats it last gave, so the node's engine counters never go backwards (Prometheus
+    would read a drop as a reset and count that worker's share again); the scrape says how
+    many answered."""
+    daemon = start_daemon(*WORKERS)
+    keys = [i.to_bytes(2, "big") * 8 for i in range(1, 13)]
+    assert {shard_of(k, 2) for k in keys} == {0, 1}
+    with Client.connect(daemon.url()) as client:
+        for k in keys:
+            client.put(k, b"v" * 100)
+
+    def scrape() -> str:
+        with urllib.request.urlopen(daemon.metrics_url, timeout=30) as answer:
+            return str(answer.read().decode())
+
+    def puts(text: str) -> float:
+        found = re.search(r"^kvoffload_engine_puts_total (\S+)$", text, re.M)
+        assert found, text
+        return float(found.group(1))
+
+    assert puts(scrape()) == len(keys)  # both answer: each one's last stats recorded
+    children = subprocess.run(
+        ["pgrep", "-P", str(daemon.proc.pid)], capture_output=True, text=True, check=False
+    ).stdout.split()
+    workers = [
+        int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    assert len(workers) == 2
+    os.kill(workers[0], signal.SIGSTOP)
+    try:
+        text = scrape()  # waits out one stats timeout
+    finally:
+        os.kill(workers[0], signal.SIGCONT)
+    assert puts(text) == len(keys)
+    assert re.search(r"^kvoffload_engine_workers_answering 1\.0$", text, re.M)
+    assert re.search(r"^kvoffload_engine_workers_answering 2\.0$", scrape(), re.M)
