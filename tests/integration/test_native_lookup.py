@@ -25,6 +25,7 @@ from kvoffload.wire.native.connection import (
 from kvoffload.wire.status import Status
 from tests.conftest import Daemon
 from tests.integration.test_client_bad_answers import peer
+from tests.integration.test_native_one_call import outcome
 
 pytestmark = [
     pytest.mark.integration,
@@ -52,13 +53,6 @@ def implementation(name: str) -> Iterator[list[int]]:
         yield calls
     finally:
         fast.use(previous)
-
-
-def outcome(call: Callable[[], object]) -> object:
-    try:
-        return ("ok", call())
-    except Exception as exc:  # the answer to compare, whatever it is
-        return ("raised", type(exc).__name__, str(exc))
 
 
 def chain(tag: int, n: int) -> list[bytes]:
