@@ -150,7 +150,7 @@ def py_frame_head(
 
 
 def py_all_keys(seq: object, size: int) -> bool:
-    if not isinstance(seq, (list, tuple)):
+    if not isinstance(seq, (list, tuple)) or type(seq) not in (list, tuple):  # exactly, as C
         return False
     # two passes that run in C, no Python step per key
     return set(map(type, seq)) <= {bytes} and set(map(len, seq)) <= {size}

@@ -172,5 +172,5 @@ def test_all_keys_agrees_with_the_python_check(seed: int) -> None:
             items[rng.randrange(n)] = rng.choice(pool)  # type: ignore[call-overload]
         for seq in (items, tuple(items)):
             assert _speedups.all_keys(seq, 16) == fast.py_all_keys(seq, 16)
-    assert _speedups.all_keys(iter([b"k" * 16]), 16) is False
-    assert fast.py_all_keys(iter([b"k" * 16]), 16) is False
+    for other in (iter([b"k" * 16]), type("Keys", (list,), {})([b"k" * 16]), b"k" * 16):
+        assert _speedups.all_keys(other, 16) is fast.py_all_keys(other, 16) is False
