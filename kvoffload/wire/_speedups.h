@@ -12,10 +12,12 @@ extern const char speedups_register_doc[];
 extern const char speedups_frame_head_doc[];
 PyObject *speedups_net_get_into(PyObject *self, PyObject *args);
 PyObject *speedups_net_put(PyObject *self, PyObject *args);
+PyObject *speedups_net_lookup(PyObject *self, PyObject *args);
 PyObject *speedups_net_get_many_into(PyObject *self, PyObject *args);
 extern const char speedups_net_get_many_into_doc[];
 extern const char speedups_net_get_into_doc[];
 extern const char speedups_net_put_doc[];
+extern const char speedups_net_lookup_doc[];
 
 #include <stddef.h>
 #include <stdint.h>

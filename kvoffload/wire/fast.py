@@ -7,14 +7,17 @@ an ImportError (CI sets it to prove the extension built). `use()` switches at ru
 - `crc32c(data, crc=0)`: the `crc32c` package's checksum.
 - `crc32c_copy(dst, src, crc=0)`: copy `src` to the start of `dst` and return its CRC32C,
   reading it once (a verified get into a caller's buffer).
+- `all_keys(seq, size)`: whether `seq` is a list or tuple of `bytes` (exactly, no subclass)
+  of `size` bytes each: the client's check of a key list, one pass in C.
 - `parse_frame(buf, start, end, max_header, max_payload)`: the event of a whole, canonical Get,
   Exists, Put, GetResult, PutDone or ExistsResult frame at `buf[start:end]` with the offset
   after its map and its head tuple; None for anything else (the Python codec then parses it
   and raises its usual errors). The Python form is always None: the general path.
 - `frame_head(op, request_id, name, value, payload_length)`: an answer's frame header and its
   map of one entry (`name` None: empty), as `frames.encode_frame` builds them.
-- `net_get_into`, `net_get_many_into`, `net_put`: the sync `kv://` client's get_into,
-  get_many_into (up to `NET_MAX_KEYS` keys), put and put_many (one frame) as one call each
+- `net_get_into`, `net_get_many_into`, `net_put`, `net_lookup`: the sync `kv://` client's
+  get_into, get_many_into (up to `NET_MAX_KEYS` keys), put and put_many (one frame) and
+  lookup (up to `NET_LOOKUP_MAX_KEYS` keys, its frame built in C) as one call each
   (send, receive, sum the payload as it lands; `_speedups_net.c`). C only: None under Python,
   whose codec is the reference the client then runs (the C calls hand it anything unexpected).
 """
@@ -36,12 +39,14 @@ from kvoffload.wire.native.frames import FLAG_RESPONSE, FRAME, MAGIC, VERSION, P
 __all__ = [
     "IMPLEMENTATION",
     "KINDS",
+    "all_keys",
     "available",
     "crc32c",
     "crc32c_copy",
     "frame_head",
     "net_get_into",
     "net_get_many_into",
+    "net_lookup",
     "net_put",
     "parse_frame",
     "use",
@@ -99,7 +104,9 @@ _NAMES = (
     "net_get_into",
     "net_put",
     "net_get_many_into",
+    "net_lookup",
     "register",
+    "all_keys",
 )
 _EXT = _load()
 
@@ -142,6 +149,14 @@ def py_frame_head(
     )
 
 
+def py_all_keys(seq: object, size: int) -> bool:
+    if not isinstance(seq, (list, tuple)) or type(seq) not in (list, tuple):  # exactly, as C
+        return False
+    # two passes that run in C, no Python step per key
+    return set(map(type, seq)) <= {bytes} and set(map(len, seq)) <= {size}
+
+
+all_keys: Callable[[object, int], bool] = py_all_keys
 crc32c: Callable[..., int] = py_crc32c
 crc32c_copy: Callable[..., int] = py_crc32c_copy
 frame_head: Callable[[int, int, str | None, object, int], bytes] = py_frame_head
@@ -155,6 +170,10 @@ NET_MAX_PARTS = 1024
 net_get_many_into: Callable[[int, object, int, list[object], list[object], float], NetMany] | None
 net_get_many_into = None
 NET_MAX_KEYS = 256
+# (fd, keys, request_id, timeout) -> (status, count, eof, bytes read): a Lookup of 1 to
+# NET_LOOKUP_MAX_KEYS keys framed in C, one sendmsg, its {"count": n} answer read in C
+net_lookup: Callable[[int, object, int, float], tuple[int, int, int, bytes]] | None = None
+NET_LOOKUP_MAX_KEYS = 4096
 NET_DONE, NET_FALLBACK, NET_CUT = 0, 1, 2
 IMPLEMENTATION = "python"
 
@@ -166,19 +185,20 @@ def available() -> tuple[str, ...]:
 
 def use(name: str) -> str:
     """Switch every function here to `name` ("c" or "python"); returns the previous one."""
-    global crc32c, crc32c_copy, frame_head, parse_frame, IMPLEMENTATION
-    global net_get_into, net_get_many_into, net_put
+    global all_keys, crc32c, crc32c_copy, frame_head, parse_frame, IMPLEMENTATION
+    global net_get_into, net_get_many_into, net_put, net_lookup
     if name not in available():
         raise ValueError(f"implementation {name!r} is not available here ({available()})")
     previous = IMPLEMENTATION
     if name == "c":
         assert _EXT is not None
-        crc32c, crc32c_copy = _EXT.crc32c, _EXT.crc32c_copy
+        crc32c, crc32c_copy, all_keys = _EXT.crc32c, _EXT.crc32c_copy, _EXT.all_keys
         frame_head, parse_frame = _EXT.frame_head, _EXT.parse_frame
         net_get_into, net_put = _EXT.net_get_into, _EXT.net_put
-        net_get_many_into = _EXT.net_get_many_into
+        net_get_many_into, net_lookup = _EXT.net_get_many_into, _EXT.net_lookup
     else:
-        net_get_into = net_get_many_into = net_put = None
+        net_get_into = net_get_many_into = net_put = net_lookup = None
+        all_keys = py_all_keys
         crc32c, crc32c_copy, frame_head, parse_frame = (
             py_crc32c,
             py_crc32c_copy,

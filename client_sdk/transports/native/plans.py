@@ -460,6 +460,21 @@ def stats() -> Plan[dict[str, object]]:
     return cast(StatsResult, answer).stats
 
 
+def lookup_request(keys: Sequence[bytes]) -> tuple[Req, Callable[[Call], int]]:
+    """The one Lookup of up to _BATCH_KEYS keys (a driver may send it without running the
+    plan; `Req.lookup` lets the C exchange frame it), and how its answered call becomes the
+    count."""
+    chunk = tuple(keys)
+
+    def finish(call: Call) -> int:
+        answer = cast(LookupResult, call.result())
+        if not 0 <= answer.count <= len(chunk):
+            raise RemoteProtocolError(f"lookup of {len(chunk)} keys answered {answer.count}")
+        return answer.count
+
+    return Req(partial(_keys_event, Lookup, chunk), lookup=chunk), finish
+
+
 def lookup(keys: Sequence[bytes]) -> Plan[int]:
     total = 0
     for i in range(0, len(keys), _BATCH_KEYS):

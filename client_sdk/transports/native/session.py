@@ -48,6 +48,8 @@ class Req:
     sink: Sink | None = None
     # The one key of a Get, which the C exchange frames itself (no event built unless needed).
     key: bytes | None = None
+    # The keys of a Lookup, which the C exchange frames itself (no event unless needed).
+    lookup: tuple[bytes, ...] | None = None
     # A key-only request with an answer of a few bytes (an Exists): a plan's step of them goes
     # out in one write, its answers read after (`sync._SyncConnection.exchange`).
     small: bool = False

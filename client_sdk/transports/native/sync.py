@@ -166,6 +166,8 @@ class _SyncConnection(SyncRunner[Req, Call]):
         if self.tls or not session.ready or len(req.payload) >= _fast.NET_MAX_PARTS:
             return self._through_codec(req, deadline), None
         rid = session.number()
+        if req.lookup is not None and _fast.net_lookup is not None:
+            return self._lookup_one(req, req.lookup, rid, deadline)
         # A get_into's frame is built by C from its key; the event only if Python takes over.
         event = None if isinstance(into, IntoBuffer) and req.key else req.make(rid)
         parts = [req.key] if event is None else session.frame(event, req.payload)
@@ -223,6 +225,28 @@ class _SyncConnection(SyncRunner[Req, Call]):
                 buffer.region(0, n)
                 got.append(Received(memoryview(head), n, crc))  # type: ignore[arg-type]
         return None, got if isinstance(into, list) else got[0]
+
+    def _lookup_one(
+        self, req: Req, keys: tuple[bytes, ...], rid: int, deadline: float
+    ) -> tuple[Call | None, object]:
+        """A Lookup framed, sent and answered in one C call (no per-key Python work); an
+        answer other than a plain count goes to the codec, as in `exchange_one`."""
+        session, net_lookup = self.session, _fast.net_lookup
+        assert net_lookup is not None
+        self._arm(deadline)
+        try:
+            status, count, eof, data = net_lookup(
+                self.sock.fileno(), keys, rid, left(deadline) + self._slack
+            )
+        except (TypeError, ValueError):  # keys C cannot frame: nothing was sent
+            return self._through_codec(req, deadline, req.make(rid)), None
+        except OSError as exc:
+            raise self._lost(exc) from None
+        if status == _fast.NET_FALLBACK:
+            return session.adopt(req, req.make(rid), data, bool(eof)), None
+        if count > len(keys):  # as plans.lookup checks the codec's answer
+            raise RemoteProtocolError(f"lookup of {len(keys)} keys answered {count}")
+        return None, count
 
     def _through_codec(self, req: Req, deadline: float, event: Event | None = None) -> Call:
         """`req` sent and its answer's first bytes read the Python way (`event`: its event,
@@ -516,7 +540,12 @@ class NativeTransport:
         return self._run(lambda: plans.exists_many(keys)) if keys else []
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        return self._run(lambda: plans.lookup(keys))
+        """Up to `NET_LOOKUP_MAX_KEYS` keys in one C call on a plain socket (`_lookup_one`);
+        more, or without the extension, the plan's way."""
+        if not keys or len(keys) > _fast.NET_LOOKUP_MAX_KEYS or _fast.net_lookup is None:
+            return self._run(lambda: plans.lookup(keys))
+        req, finish = plans.lookup_request(keys)
+        return self._single(req, finish, lambda: plans.lookup(keys))
 
     def lookup_tiers(self, keys: Sequence[bytes]) -> TierRun:
         version = self._version_now()
