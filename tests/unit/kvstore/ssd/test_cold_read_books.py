@@ -1,20 +1,24 @@
 """The per-block books of a cold read, cut for small blocks (issue 30): the SSD index's key
-hash in C against its Python reference, and `SsdTier.finish_read`'s "still the key's block"
-check (no second index probe) against the probe it replaced, over random deletes, rewrites
-and reused rows."""
+hash in C against its Python reference, the read latch against the `threading.Event` it
+replaced, and `SsdTier.finish_read`'s "still the key's block" check (no second index probe)
+against the probe it replaced, over random deletes, rewrites and reused rows."""
 
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import kvoffload.core as core
-from kvoffload.kvstore import DramConfig, Engine, EngineConfig, SsdConfig
+from kvoffload.kvstore import BlockView, DramConfig, Engine, EngineConfig, SsdConfig
+from kvoffload.kvstore.mover import ReadLatch
 from kvoffload.kvstore.ssd import keyhash
 from kvoffload.kvstore.ssd.tier import SsdRead
+
+WAIT_S = 30  # a hang guard, never a timing assertion
 
 
 def test_the_c_key_hash_is_the_python_one() -> None:
@@ -86,3 +90,54 @@ def test_finish_read_says_what_a_second_probe_said(tmp_path: Path) -> None:
                         and tier.index.key_of(read.row) != read.snap[0]
                     )
     assert seen[True] > 100 and seen[False] > 100 and reused > 10  # every case was exercised
+
+
+@pytest.mark.parametrize("make", [ReadLatch, threading.Event], ids=["latch", "event"])
+def test_a_read_latch_does_what_an_event_did(make: type[ReadLatch] | type[threading.Event]) -> None:
+    # The same script against threading.Event (what Manager.inflight held) and ReadLatch.
+    latch = make()
+    assert not latch.is_set()
+    assert latch.wait(0) is False and latch.wait(0.01) is False  # not set: no wait succeeds
+    woke: list[bool] = []
+    waiters = [threading.Thread(target=lambda: woke.append(latch.wait())) for _ in range(8)]
+    timed = [threading.Thread(target=lambda: woke.append(latch.wait(WAIT_S))) for _ in range(4)]
+    for t in waiters + timed:
+        t.start()
+    latch.set()
+    for t in waiters + timed:
+        t.join(WAIT_S)  # a hang guard, not a timing assertion
+        assert not t.is_alive()
+    assert woke == [True] * 12  # every waiter woke, once
+    latch.set()  # a second set changes nothing
+    assert latch.is_set() and latch.wait() and latch.wait(0) and latch.wait(0.01)
+
+
+def test_a_get_waits_on_the_latch_of_a_read_in_flight(tmp_path: Path) -> None:
+    # A key in flight is waited for, not read twice: its latch, set by read_done, wakes the get.
+    config = EngineConfig(
+        DramConfig(capacity_bytes=4 << 20, max_value_bytes=64 << 10, prefault=False),
+        SsdConfig(capacity_bytes=32 << 20, admission_min_uses=1, flush_on_close=False),
+        data_dir=str(tmp_path),
+    )
+    with Engine(config) as engine:
+        engine.put(key(1), b"v" * 5000, durable=True)
+    with Engine(config) as engine:
+        m = engine._m
+        with m.lock:
+            plan = m.prepare_read(key(1), False)
+            assert plan is not None and isinstance(m.inflight[key(1)], ReadLatch)
+        got: list[object] = []
+        getter = threading.Thread(target=lambda: got.append(engine.get(key(1))))
+        getter.start()
+        ok = engine._ssd.read_unlocked(plan.block, plan.dst)  # type: ignore[union-attr]
+        with m.lock:
+            m.read_done(plan)
+            m.keep_read(plan, ok, out := {})
+            m.unpin_locked(out[key(1)])
+        getter.join(WAIT_S)
+        assert not getter.is_alive()
+        view = got[0]
+        assert isinstance(view, BlockView) and bytes(view.data) == b"v" * 5000
+        view.release()
+        stats = engine.stats().tiers[1]
+        assert stats.bytes_read == 5000 and stats.promotions == 1  # read once, by the plan
