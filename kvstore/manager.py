@@ -36,7 +36,15 @@ from kvoffload.kvstore.config import EngineConfig
 from kvoffload.kvstore.dram import DramEntry, DramTier
 from kvoffload.kvstore.eviction import Rank
 from kvoffload.kvstore.extents import slot_bytes
-from kvoffload.kvstore.mover import Fuse, Mover, ReadPlan, WriteBack, WriteThrough, check_fused
+from kvoffload.kvstore.mover import (
+    Fuse,
+    Mover,
+    ReadLatch,
+    ReadPlan,
+    WriteBack,
+    WriteThrough,
+    check_fused,
+)
 from kvoffload.kvstore.ssd.admission import FrequencySketch
 from kvoffload.kvstore.ssd.index import SsdIndex
 from kvoffload.kvstore.ssd.tier import SsdTier
@@ -119,7 +127,7 @@ class Manager:
              "demotions_inline", "room_waits", "room_wait_ns", "listener_errors"),
             0,
         )  # fmt: skip
-        self.inflight: dict[bytes, threading.Event] = {}  # reads back into DRAM, by key
+        self.inflight: dict[bytes, ReadLatch] = {}  # reads back into DRAM, by key
         self.sketch: FrequencySketch | None = None  # admission to the tiers below DRAM
         self.listener: TierListener | None = None
         self._evict_cb = self._evict_for_room  # bound once: `claim` runs on every put
@@ -635,7 +643,7 @@ class Manager:
         if length > self.config.dram.effective_max_value_bytes:
             return None  # written under a larger DRAM limit; cannot be staged in DRAM
         tier.pin(block)
-        event = threading.Event()
+        event = ReadLatch()
         self.inflight[key] = event
         try:
             size = slot_bytes(length)

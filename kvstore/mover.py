@@ -35,6 +35,7 @@ __all__ = [
     "Fuse",
     "Demoter",
     "Mover",
+    "ReadLatch",
     "ReadPlan",
     "ReadPool",
     "ReadsDone",
@@ -44,6 +45,41 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+class ReadLatch:
+    """What other readers of a key wait on while its block is read back (`Manager.inflight`):
+    `threading.Event`'s `set`/`wait` on one lock, held from creation until `set`. An Event is
+    a Condition, its lock and a waiter list, made and notified in Python for every cold block
+    although a waiter is rare (issue 30, small blocks)."""
+
+    __slots__ = ("_done", "_lock")
+
+    def __init__(self) -> None:
+        self._done = False
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        """Wake every waiter, now and later (called with the engine's lock held: once)."""
+        if not self._done:  # a second set is a no-op, as an Event's
+            self._done = True
+            self._lock.release()
+
+    def is_set(self) -> bool:
+        return self._done
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether it was set within `timeout` seconds (None: wait until it is)."""
+        if timeout is None:
+            got = self._lock.acquire()
+        elif timeout <= 0:
+            got = self._lock.acquire(False)
+        else:
+            got = self._lock.acquire(True, timeout)
+        if got:  # pass it on: the next waiter, or the next wait, takes it at once
+            self._lock.release()
+        return got
 
 
 @dataclass(eq=False, slots=True)
@@ -59,7 +95,7 @@ class ReadPlan:
     block: SsdRead
     entry: DramEntry
     dst: memoryview
-    event: threading.Event
+    event: ReadLatch
     fused: bool = False
 
 

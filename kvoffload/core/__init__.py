@@ -4,9 +4,9 @@
 `kvoffload.kvstore.dram.DramIndex`, and `HotGets`, a connection's DRAM Get hits answered
 without the Python session (`kvoffload/core/hot.c`), and `SlotRing`, a minimal io_uring for the
 SSD tier's slot I/O (`kvoffload/core/uring.c`; `io_uring_unavailable` says whether the kernel
-lets it run), and `copy_crc32c`, a copy that sums what it copies (a cold SSD block on its way
-into a get's buffer). The Python forms stay the reference: tests run both (the ring's
-reference is the SSD tier's thread path).
+lets it run), `copy_crc32c`, a copy that sums what it copies (a cold SSD block on its way
+into a get's buffer), and `hash_key`, the SSD index's key hash (`hash_key_c`). The Python
+forms stay the reference: tests run both (the ring's reference is the SSD tier's thread path).
 `KVOFFLOAD_PURE_PYTHON=1` forces Python; `KVOFFLOAD_REQUIRE_EXT=1` makes a missing extension an
 ImportError (CI sets it to prove the extension built). `use()` switches at run time (tests);
 what it picks applies to objects made afterwards.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from types import ModuleType
 
 import crc32c as _crc32c
@@ -28,6 +29,7 @@ __all__ = [
     "available",
     "copy_crc32c",
     "dram_index_type",
+    "hash_key_c",
     "hot_gets_type",
     "io_uring_unavailable",
     "slot_ring_type",
@@ -57,6 +59,7 @@ def _load() -> ModuleType | None:
             or not hasattr(getattr(_core, "HotGets", None), "arm")
             or not hasattr(getattr(_core, "HotGets", None), "take_puts")
             or not hasattr(_core, "copy_crc32c")
+            or not hasattr(_core, "hash_key")
         ):
             raise ImportError(
                 f"{_core.__file__} is older than its Python code: rebuild it with "
@@ -108,6 +111,16 @@ def copy_crc32c(dst: memoryview, src: memoryview) -> int:
     crc = int(_crc32c.crc32c(src))
     dst[: len(src)] = src
     return crc
+
+
+def hash_key_c() -> Callable[[bytes], int] | None:
+    """The C twin of `kvstore.ssd.keyhash.hash_key` when the C core is in use; None: use the
+    Python reference. Bound once, at import of keyhash (a pure function: `use()` need not
+    reach it)."""
+    if IMPLEMENTATION != "c" or _EXT is None:
+        return None
+    fn: Callable[[bytes], int] = _EXT.hash_key
+    return fn
 
 
 def dram_index_type() -> type | None:

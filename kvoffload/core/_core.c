@@ -7,6 +7,8 @@
  * - copy_crc32c: a cold SSD block copied into a get's buffer and summed in the same pass
  *   (issue 30), with the wire extension's CRC32C kernels (kvoffload/wire/_speedups_crc.c,
  *   compiled into this module too: kvstore may not import kvoffload.wire).
+ * - hash_key: the SSD index's key hash (kvstore.ssd.keyhash.hash_key, its reference), four
+ *   calls a cold block read, each a dozen Python big-int operations there (issue 30).
  */
 #include "core.h"
 #include "../wire/_speedups.h"
@@ -43,7 +45,37 @@ static PyObject *core_copy_crc32c(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* Up to 8 bytes little-endian, as int.from_bytes(b[:8], "little") reads a short slice. */
+static uint64_t le_prefix(const uint8_t *b, Py_ssize_t n) {
+    uint64_t v = 0;
+    for (Py_ssize_t i = n < 8 ? n : 8; i-- > 0;) v = (v << 8) | b[i];
+    return v;
+}
+
+static PyObject *core_hash_key(PyObject *self, PyObject *key) {
+    uint64_t lo, hi;
+    if (PyBytes_CheckExact(key)) { /* the engine's keys: no buffer export */
+        const uint8_t *k = (const uint8_t *)PyBytes_AS_STRING(key);
+        Py_ssize_t n = PyBytes_GET_SIZE(key);
+        lo = le_prefix(k, n);
+        hi = n > 8 ? le_prefix(k + 8, n - 8) : 0;
+    } else { /* any other bytes-like object, as the reference's slicing takes it */
+        Py_buffer view;
+        if (PyObject_GetBuffer(key, &view, PyBUF_SIMPLE) < 0) return NULL;
+        const uint8_t *k = view.buf;
+        lo = le_prefix(k, view.len);
+        hi = view.len > 8 ? le_prefix(k + 8, view.len - 8) : 0;
+        PyBuffer_Release(&view);
+    }
+    uint64_t h = lo ^ (hi * 0x9E3779B97F4A7C15ull); /* wraps as the reference's & _MASK64 */
+    h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9ull;
+    h = (h ^ (h >> 27)) * 0x94D049BB133111EBull;
+    return PyLong_FromUnsignedLongLong(h ^ (h >> 31));
+}
+
 static PyMethodDef core_methods[] = {
+    {"hash_key", core_hash_key, METH_O,
+     "hash_key(key: bytes) -> int: splitmix64 of the key's two 8-byte halves (little-endian)."},
     {"copy_crc32c", core_copy_crc32c, METH_VARARGS,
      "copy_crc32c(dst, src) -> int: copy src to the start of dst; the CRC32C of src, read "
      "once."},

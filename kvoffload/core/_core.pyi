@@ -3,6 +3,7 @@
 from collections.abc import Callable, Iterator, Sequence
 
 def copy_crc32c(dst: memoryview, src: memoryview, /) -> int: ...
+def hash_key(key: bytes, /) -> int: ...
 
 class DramIndex:
     pinned: set[bytes]

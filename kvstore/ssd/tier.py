@@ -389,8 +389,10 @@ class SsdTier:
         the read failed, else whether the block is still the key's indexed copy. A block that
         failed verification while still indexed as read is corrupt and is dropped; one that
         was deleted or replaced meanwhile may hold another block by now: a miss, not damage."""
-        current = self.index.find(read.snap[0])
-        same = current == read.row and self.cat.snapshot(current) == read.snap
+        # Keys are unique among live rows, so the read's row live and still holding its
+        # snapshot (key included) is exactly "find(key) is that row": no second probe.
+        row = read.row
+        same = bool(self.index.live[row]) and self.cat.snapshot(row) == read.snap
         if not ok:
             if ok is None:
                 self.counters.io_errors += 1
