@@ -137,7 +137,7 @@ def c_put_begin(
     me, events = s.me, s.services.events
     t0 = time.perf_counter()
     meta = stored_meta(key, parent, None) if events is not None else None
-    shard = s.services.shard
+    shard = s.shard
     # As `_reserve`: a parent another worker holds is unknown here, not an orphan's parent.
     engine_parent = parent
     if shard and parent is not None and shard_of(parent, shard.count) != shard.index:

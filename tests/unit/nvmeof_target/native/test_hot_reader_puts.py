@@ -84,7 +84,7 @@ def _session(engine: Engine, near: socket.socket, tenant: Tenant) -> Any:
                                      idle_timeout_s=60.0), _last_rx=0.0, _steps=0,
         _reading=True, _reader=None, _room=asyncio.Event(), client=client, engine=engine,
         _waits=0, nixl=None, _frame_since=None, _created=time.monotonic(),
-        tenant=tenant, _started={}, front=types.SimpleNamespace(c_puts=(1, 2)),
+        tenant=tenant, _started={}, front=types.SimpleNamespace(c_puts=(1, 2)), shard=None,
     )  # fmt: skip
     for name, value in fields.items():
         setattr(s, name, value)
