@@ -28,6 +28,7 @@ from kvoffload.nvmeof_target.tenants import Tenant
 from kvoffload.wire import fast
 from kvoffload.wire.native.connection import (
     NEED_DATA,
+    ErrorReply,
     Get,
     Hello,
     NativeConnection,
@@ -38,6 +39,7 @@ from kvoffload.wire.native.connection import (
 )
 from kvoffload.wire.native.events import Welcome
 from kvoffload.wire.native.frames import _State
+from kvoffload.wire.status import Status
 
 pytestmark = pytest.mark.skipif(
     core.hot_gets_type() is None, reason="the C core is not built (KVOFFLOAD_PURE_PYTHON run)"
@@ -356,3 +358,39 @@ def test_a_refused_reservation_leaves_the_next_read_to_python(pair: Any) -> None
         asyncio.run(main())
     finally:
         small.close()
+
+
+def test_a_commit_refused_by_a_closing_engine_is_answered_in_python(pair: Any) -> None:
+    """The engine begins to close while C receives a put's payload: `c_put_commit`'s commit
+    fails, the put is answered in Python with the engine's error (counted as a put with that
+    status), its slot given back, C hands back and the next read is Python's."""
+    near, far = pair
+    engine = Engine(EngineConfig(dram=DramConfig(capacity_bytes=8 << 20, prefault=False)))
+    value = b"c" * 200_000
+    counted: list[tuple[str, str]] = []
+
+    async def main() -> None:
+        s = _session(engine, near, Tenant(""))
+        s._instruments = lambda op, status: (
+            types.SimpleNamespace(inc=lambda: counted.append((op, status))),
+            types.SimpleNamespace(observe=lambda seconds: None),
+        )
+        task = await _armed(s)
+        frame = s.client.send(Put(5, KEY, len(value)), [value])
+        far.sendall(frame[:50_000])
+        await _until(lambda: s._hot.put_arriving)
+        with engine._lock:  # what `Engine.close` does first: later calls fail
+            engine._m.begin_close()
+        far.sendall(frame[50_000:])
+        (answer,) = await _answers(s, far, 1)
+        assert isinstance(answer, ErrorReply) and answer.request_id == 5, answer
+        assert "clos" in answer.message and counted == [("put", Status(answer.status).name.lower())]
+        assert await asyncio.wait_for(task, 10) and not s._hot.armed
+        assert not s._hot_last and not s.puts and s.services.hot_put_answers == 0
+        assert _dram(engine)["used_bytes"] == 0 and _dram(engine)["pinned"] == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine._close(False)  # the rest of `Engine.close` after its first step
+        engine._m.closed_event.set()
