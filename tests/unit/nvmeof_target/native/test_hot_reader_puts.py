@@ -287,17 +287,25 @@ def test_a_slot_of_the_wrong_size_raises_and_gives_it_back(engine: Engine, pair:
     asyncio.run(main())
 
 
+async def _quarter_put(
+    engine: Engine, near: socket.socket, far: socket.socket
+) -> tuple[Any, asyncio.Task[bool]]:
+    """A session with C armed, receiving the payload of a 200 kB put 5 of which the first
+    50 kB were sent."""
+    s = _session(engine, near, Tenant(""))
+    task = await _armed(s)
+    far.sendall(s.client.send(Put(5, KEY, 200_000), [b"q" * 200_000])[:50_000])
+    await _until(lambda: s._hot.put_arriving)
+    return s, task
+
+
 def test_a_hand_back_that_raises_still_resolves_and_aborts(engine: Engine, pair: Any) -> None:
     """EOF mid-payload, and the codec refuses the put C held (a fault in `admit`): the session
     gets the error instead of awaiting forever, and `_abandon` gives the slot back."""
     near, far = pair
-    value = b"x" * 200_000
 
     async def main() -> None:
-        s = _session(engine, near, Tenant(""))
-        task = await _armed(s)
-        far.sendall(s.client.send(Put(5, KEY, len(value)), [value])[:50_000])
-        await _until(lambda: s._hot.put_arriving)
+        s, task = await _quarter_put(engine, near, far)
 
         def broken_admit(event: object) -> None:
             raise RuntimeError("admit fault")
@@ -317,13 +325,9 @@ def test_forgetting_a_session_with_a_put_held_is_loud_and_aborts_it(
     engine: Engine, pair: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     near, far = pair
-    value = b"y" * 200_000
 
     async def main() -> None:
-        s = _session(engine, near, Tenant(""))
-        task = await _armed(s)
-        far.sendall(s.client.send(Put(5, KEY, len(value)), [value])[:50_000])
-        await _until(lambda: s._hot.put_arriving)
+        s, task = await _quarter_put(engine, near, far)
         s._hot.disarm()  # a bug's shape: disarmed without `_stop_c_reader` taking the put
         s.channel.unwatch()
         task.cancel()
