@@ -1302,6 +1302,16 @@ static PyObject *put_finish(HotGets *self, PyObject *services, long long served,
     Py_RETURN_NONE;
 }
 
+/* A failure after `begin` and before the header was consumed (the frame is still the
+ * codec's): not a put arriving; `take_put` gives the token back with got -1 so that the
+ * session aborts the reservation, and the error is raised through the hand-back. */
+static PyObject *put_undo(HotGets *self) {
+    self->p_active = 0;
+    self->p_got = -1;
+    Py_CLEAR(self->p_slot);
+    return back_raised(self, NULL);
+}
+
 /* The front of the buffer holds what serve did not take: a canonical Put header starts a put
  * in C (see above); anything else goes back to the Python codec. */
 static PyObject *put_take(HotGets *self, PyObject *reader, PyObject *services, long long served,
@@ -1360,7 +1370,7 @@ static PyObject *put_take(HotGets *self, PyObject *reader, PyObject *services, l
     Py_buffer slot;
     if (PyObject_GetBuffer(self->p_slot, &slot, PyBUF_WRITABLE) < 0) {
         Py_DECREF(buf);
-        return back_raised(self, NULL);
+        return put_undo(self);
     }
     int fits = slot.len == length && end <= PyByteArray_GET_SIZE(buf);
     long long at = start + HEAD + hlen, avail = end - at < length ? end - at : length;
@@ -1370,13 +1380,21 @@ static PyObject *put_take(HotGets *self, PyObject *reader, PyObject *services, l
     Py_DECREF(buf);
     if (!fits) {
         PyErr_SetString(PyExc_ValueError, "take_puts: the slot is not the value's size");
-        return back_raised(self, NULL);
+        return put_undo(self);
     }
+    long long header_at = start;
     self->p_got = avail;
     at += avail;
     if (at == end ? set_long(reader, s_start, 0) < 0 || set_long(reader, s_end, 0) < 0
-                  : set_long(reader, s_start, at) < 0)
-        return back_raised(self, NULL);
+                  : set_long(reader, s_start, at) < 0) {
+        /* the header stays the codec's: the reader as it was, before anything was consumed */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (set_long(reader, s_start, header_at) < 0 || set_long(reader, s_end, end) < 0)
+            PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+        return put_undo(self);
+    }
     if (self->p_got < length) Py_RETURN_NONE; /* the rest comes straight into the slot */
     return put_finish(self, services, served, at != end);
 }
@@ -1412,7 +1430,7 @@ static PyObject *hot_take_puts(HotGets *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "take_puts: begin and commit must be callable");
         return NULL;
     }
-    if (self->p_active) {
+    if (self->p_token != NULL) {
         PyErr_SetString(PyExc_ValueError, "take_puts: a put is arriving");
         return NULL;
     }
@@ -1430,7 +1448,7 @@ static PyObject *hot_take_puts(HotGets *self, PyObject *args) {
 }
 
 static PyObject *hot_take_put(HotGets *self, PyObject *Py_UNUSED(ignored)) {
-    if (!self->p_active) Py_RETURN_NONE;
+    if (self->p_token == NULL) Py_RETURN_NONE; /* (got -1 after `put_undo`) */
     PyObject *out = Py_BuildValue("(OL)", self->p_token, self->p_got);
     if (out == NULL) return NULL;
     self->p_active = 0;
@@ -1612,6 +1630,8 @@ static int hot_clear(HotGets *self) {
     Py_CLEAR(self->p_begin);
     Py_CLEAR(self->p_commit);
     Py_CLEAR(self->p_slot);
+    /* A token still held here is a session bug (`_forget` takes it and says so): its
+     * reservation is not aborted from C, which cannot run the engine's Python here. */
     Py_CLEAR(self->p_token);
     return 0;
 }

@@ -155,6 +155,7 @@ def c_put_begin(
         pending = PendingPut(event, [(key, length, parent, None)], at=0, error=exc)
         s.puts[request_id] = pending
         s.conn.discard_payload()
+        s.answered_in_python()
         return None
     return reservation.buffer, (request_id, key, length, parent, meta, reservation, t0)
 
@@ -173,6 +174,7 @@ def c_put_commit(s: NativeSession, put: CPut) -> bool:
     except KVOffloadError as exc:
         s.admit_c_put(put)
         s.fail(request_id, exc)
+        s.answered_in_python()
         return False
     finally:
         reservation.abort()  # a no-op once committed

@@ -272,6 +272,11 @@ class NativeSession(Session):
 
     def _forget(self) -> None:
         if self._hot is not None:  # its last counts, then no more scrapes of it
+            held = self._hot.take_put()
+            if held is not None:  # a bug: every stop and hand-back takes it (`_stop_c_reader`)
+                log.error("session %s forgotten with a put C held (request %d)",
+                          self.peer, held[0][0])  # fmt: skip
+                held[0][5].abort()
             self._hot.take_puts(None, None)  # (they hold the session: no cycle left)
             self._instruments.fold(self._hot)
             self._instruments.hot.discard(self._hot)
@@ -306,16 +311,21 @@ class NativeSession(Session):
         back: asyncio.Future[tuple[int, Any]] = asyncio.get_running_loop().create_future()
 
         def handed_back(code: int, extra: object, got: Any) -> None:
-            channel.unwatch()
-            self._take_c_put()
-            self.services.hot_reader_handbacks += 1
-            # The unsent rest of C's answers is queued now, not when the task resumes: a
-            # cancellation between the two must not drop pinned bytes the client is reading.
-            # (After an abort the channel is closed: the write unpins them at once.)
-            if got is not None:
-                self._queue_rest(got)
-            if not back.done():
-                back.set_result((code, extra))
+            try:
+                channel.unwatch()
+                self._take_c_put()
+            except Exception as exc:  # a bug: raised in the session, which logs and closes
+                if code != _BACK_RAISED:  # (C's own error, if any, is the first cause)
+                    code, extra = _BACK_RAISED, exc
+            finally:
+                self.services.hot_reader_handbacks += 1
+                # The unsent rest of C's answers is queued now, not when the task resumes: a
+                # cancellation between the two must not drop pinned bytes the client is
+                # reading. (After an abort the channel is closed: the write unpins them.)
+                if got is not None:
+                    self._queue_rest(got)
+                if not back.done():  # always: the session must not await it forever
+                    back.set_result((code, extra))
 
         try:
             hot.arm(conn._reader, fd, max(1, TURN_STEPS - 1), self.config.max_inflight_bytes,
@@ -347,23 +357,34 @@ class NativeSession(Session):
         """A put whose payload C was receiving becomes the Python codec's (then finished,
         or abandoned on a stop or a closed connection, as the Python path's own)."""
         held = self._hot.take_put() if self._hot is not None else None
-        if held is not None:
-            put, got = held
-            event = self.admit_c_put(put)
-            rid, key, length, parent, meta, reservation, _ = put
-            pending = PendingPut(event, [(key, length, parent, meta)], at=0)
-            pending.reserved[0] = reservation
-            self.puts[rid] = pending
-            self.conn.resume_payload(Put.OP, rid, length, got)
-            self.conn.set_payload_sink([reservation.buffer[got:]])
+        if held is None:
+            return
+        put, got = held
+        rid, key, length, parent, meta, reservation, _ = put
+        if got < 0:  # C failed before it consumed the header: the frame is still the codec's
+            reservation.abort()
+            return
+        event = Put(rid, key, length, parent)
+        pending = PendingPut(event, [(key, length, parent, meta)], at=0)
+        pending.reserved[0] = reservation
+        self.puts[rid] = pending  # filed first: if what follows raises, `_abandon` aborts it
+        self.admit_c_put(put, event)
+        self.conn.resume_payload(Put.OP, rid, length, got)
+        self.conn.set_payload_sink([reservation.buffer[got:]])
 
-    def admit_c_put(self, put: CPut) -> Put:
+    def admit_c_put(self, put: CPut, event: Put | None = None) -> Put:
         """The codec learns of a put C took (as if it had parsed it), and its start counts."""
         rid, key, length, parent, _, _, t0 = put
-        event = Put(rid, key, length, parent)
+        if event is None:
+            event = Put(rid, key, length, parent)
         self.conn.admit(event)
         self.started_put(rid, t0)
         return event
+
+    def answered_in_python(self) -> None:
+        """A frame C took is answered in Python after all (a refused reservation): the next
+        read is Python's, as after any request `_dispatch` handled (`_hot_last`)."""
+        self._hot_last = False
 
     def started_put(self, request_id: int, t0: float) -> None:
         """`_started_now` for a put that started at `t0` (time.perf_counter)."""
@@ -453,7 +474,13 @@ class NativeSession(Session):
             return "send timeout"
         if self.tenant is None and now - self._created > self.config.hello_timeout_s:
             return "hello timeout"
-        busy = self.conn.pending or self._tasks or self._inflight_bytes
+        # A put whose payload C receives is not in the codec yet: busy, as the Python path's
+        busy = (
+            self.conn.pending
+            or self._tasks
+            or self._inflight_bytes
+            or (self._hot is not None and self._hot.put_arriving)
+        )
         last_rx = self._last_rx if self._hot is None else max(self._last_rx, self._hot.last_rx)
         if not busy and now - last_rx > self.config.idle_timeout_s:
             return "idle timeout"

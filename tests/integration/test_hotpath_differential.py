@@ -26,6 +26,7 @@ from kvoffload.client_sdk import Client
 from kvoffload.wire.native.connection import (
     NEED_DATA,
     ConnectionClosed,
+    ErrorReply,
     Exists,
     Get,
     GetMany,
@@ -320,10 +321,37 @@ def _raw_length(port: int, key: bytes) -> int | None:
         return next(e.length for e in events if isinstance(e, GetResult))
 
 
+def _raw_oversize(port: int) -> list[object]:
+    """A put answered (the C reader armed after it), then a raw Put past max_value_bytes but
+    within the frame limit (the SDK refuses such a value before sending it, so only a raw
+    frame reaches the daemon's refusal: C takes the header, the reservation is refused), then
+    a put on the same connection; the answers after the Welcome."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        conn = NativeConnection(Role.CLIENT)
+        sock.sendall(conn.send(Hello(1)))
+        sock.sendall(conn.send(Put(2, KEYS[8], 5), [b"12345"]))
+        answers: list[object] = []
+
+        def until(n: int) -> None:
+            while len(answers) < n:
+                conn.receive_data(sock.recv(1 << 16))
+                while (event := conn.next_event()) is not NEED_DATA:
+                    assert not isinstance(event, ConnectionClosed), answers
+                    answers.append(event)
+
+        until(2)  # the Welcome and the PutDone
+        big = 1600 << 10
+        sock.sendall(conn.send(Put(3, KEYS[8], big), [bytes(big)]))
+        sock.sendall(conn.send(Put(4, KEYS[8], 3), [b"abc"]))
+        until(4)
+        return answers[1:]
+
+
 @pytest.mark.parametrize("tenants", [False, True], ids=["open", "tenants"])
 def test_runs_of_puts_in_the_c_reader_answer_the_same(start_daemon: Start, tenants: bool) -> None:
-    """Puts the C reader takes (`HotGets.take_puts`): the same answers (refusals: too large,
-    over a tenant's quota), engine counters and request metrics as the Python daemon, and a
+    """Puts the C reader takes (`HotGets.take_puts`): the same answers (refusals: over a
+    tenant's quota; too large only in the raw frame of `_raw_oversize`, as the SDK refuses an
+    oversize value itself), engine counters and request metrics as the Python daemon, and a
     client that closes mid-payload leaves nothing reserved."""
     c, py = _pair(start_daemon, TENANTS if tenants else "")
     token = "alice-secret" if tenants else ""
@@ -333,6 +361,9 @@ def test_runs_of_puts_in_the_c_reader_answer_the_same(start_daemon: Start, tenan
         with Client.connect(daemon.url(**params)) as client:
             answers = [_run(client, _put_run(seed)) for seed in (5, 6)]
         if not tenants:  # (a raw tenant's Hello needs the challenge-response)
+            raw = _raw_oversize(daemon.port)
+            assert isinstance(raw[1], ErrorReply) and raw[2] == PutDone(4), raw
+            answers.append(raw)
             _cut_off(daemon.port)
             # the cut-off put never became visible (once its connection is gone)
             assert eventually(lambda d=daemon: _raw_length(d.port, KEYS[7]) == 5)

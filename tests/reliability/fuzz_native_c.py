@@ -1327,9 +1327,10 @@ def fuzz_hot_reader(data: bytes) -> None:
 _put_engines: list[Engine] = []  # the C reader's engine and the reference, for the whole run
 
 
-def _put_frame(fdp: atheris.FuzzedDataProvider, rid: int) -> tuple[bytes, bytes | None]:
+def _put_frame(fdp: atheris.FuzzedDataProvider, rid: int) -> tuple[bytes, bytes | None, bytes]:
     """One frame of a put stream and, for a canonical Put (what C takes), its value; the near
-    misses (durable, empty, block metadata, a map that says another length, flags) go back."""
+    misses (durable, empty, block metadata, a map that says another length, flags) go back;
+    its key."""
     key = _HOT_KEYS[fdp.ConsumeIntInRange(0, 7)]
     value = bytes([rid & 0xFF]) * int(fdp.PickValueInList([1, 3, 100, 4096, 65_536, 70_001]))
     parent = _HOT_KEYS[fdp.ConsumeIntInRange(0, 7)] if fdp.ConsumeBool() else None
@@ -1337,9 +1338,9 @@ def _put_frame(fdp: atheris.FuzzedDataProvider, rid: int) -> tuple[bytes, bytes 
                                "durable": False}  # fmt: skip
     kind = fdp.ConsumeIntInRange(0, 15)
     if kind >= 5:
-        return b"".join(encode_frame(Put.OP, 0, rid, meta, [value])), value
+        return b"".join(encode_frame(Put.OP, 0, rid, meta, [value])), value, key
     if kind == 0:  # a response's flag: not a request at all
-        return b"".join(encode_frame(Put.OP, 1, rid, meta, [value])), None
+        return b"".join(encode_frame(Put.OP, 1, rid, meta, [value])), None, key
     if kind == 1:
         meta["durable"] = True
     elif kind == 2:
@@ -1348,7 +1349,7 @@ def _put_frame(fdp: atheris.FuzzedDataProvider, rid: int) -> tuple[bytes, bytes 
         meta["block_meta"] = b"m" * 24
     else:  # the map's length is not the frame's payload length: Python's protocol error
         meta["length"] = len(value) + 1
-    return b"".join(encode_frame(Put.OP, 0, rid, meta, [value])), None
+    return b"".join(encode_frame(Put.OP, 0, rid, meta, [value])), None, key
 
 
 @atheris.instrument_func  # coverage of the choices: GCC gives none of the C
@@ -1359,7 +1360,9 @@ def fuzz_hot_reader_puts(data: bytes) -> None:
     and receives the rest into the slot (never past it), commits and answers PutDone, and
     hands back at the first frame it does not take with exactly the stream's bytes from there
     left; a put held at a disarm (a stop) comes back through take_put with what it received.
-    The engine then holds what a reference engine given the same puts holds, no pin left."""
+    The engine then holds what a reference engine given the same puts holds (each key's value
+    bytes, entries, used bytes), no pin left. In part of the inputs C serves a worker's shard
+    (`set_shard`): a Put naming another shard's key is handed back, never begun."""
     fdp = atheris.FuzzedDataProvider(data)
     if not _READER_SOCKETS:
         near, far = socket.socketpair()
@@ -1377,8 +1380,11 @@ def fuzz_hot_reader_puts(data: bytes) -> None:
     engine, ref = _put_engines
     tenant = _TENANTS[fdp.ConsumeIntInRange(0, 1)]
     me = tenant or Tenant("")
+    # before the frames take the input's bytes: a worker of 2 or 3 (issue 29), or none
+    count = int(fdp.PickValueInList([1, 2, 3, 1]))
+    index = fdp.ConsumeIntInRange(0, count - 1)
     frames = [_put_frame(fdp, rid) for rid in range(1, fdp.ConsumeIntInRange(1, 8) + 1)]
-    stream = b"".join(f for f, _ in frames)
+    stream = b"".join(f for f, _, _ in frames)
     chunk = max(int(fdp.PickValueInList([1, 24, 77, 1000, 65_536, 1 << 30])), len(stream) >> 6)
     handles = engine.hot_handles()
     hot_type = core.hot_gets_type()
@@ -1387,6 +1393,8 @@ def fuzz_hot_reader_puts(data: bytes) -> None:
                    handles.apply_touches, handles.free, handles.arena, me.hasher,
                    fast.frame_head, _State.HEAD, handles.touch_ring,
                    buckets=(1e-3, 1.0))  # fmt: skip
+    if count > 1:
+        hot.set_shard(index, count)
     begun: list[tuple[int, bytes, int, bytes | None]] = []
     done: list[int] = []
     refused: list[int] = []
@@ -1447,15 +1455,31 @@ def fuzz_hot_reader_puts(data: bytes) -> None:
         if answer != want:
             raise AssertionError(f"C answered {answer[:200]!r}, want {want[:200]!r}")
         # begin only for the canonical Puts at the front, in order, with their fields
+        # (and only for this shard's keys: another's is the Python session's to refuse)
         rids = [b[0] for b in begun]
         if rids != list(range(1, len(rids) + 1)) or any(
-            frames[rid - 1][1] is None or length != len(frames[rid - 1][1] or b"")
-            for rid, _, length, _ in begun
+            frames[rid - 1][1] is None
+            or length != len(frames[rid - 1][1] or b"")
+            or shard_of(key, count) != index
+            for rid, key, length, _ in begun
         ):
-            raise AssertionError(f"begin called for {begun} of {[v is None for _, v in frames]}")
+            raise AssertionError(f"begin called for {begun} of {[v is None for _, v, _ in frames]}")
         for rid in done:
             value = frames[rid - 1][1] or b""
             ref.put(me.key(begun[rid - 1][1]), value, parent=me.opt_key(begun[rid - 1][3]))
+        for key in {k for _, _, k in frames}:  # each key's value: the reference's bytes
+            got_view, want_view = engine.get(me.key(key)), ref.get(me.key(key))
+            try:
+                if (got_view is None) != (want_view is None) or (
+                    got_view is not None
+                    and want_view is not None
+                    and bytes(got_view.data) != bytes(want_view.data)
+                ):
+                    raise AssertionError(f"key {key.hex()}: engine and reference differ")
+            finally:
+                for view in (got_view, want_view):
+                    if view is not None:
+                        view.release()
         if held is not None:
             (rid, _, r), got = held
             if not 0 <= got < len(frames[rid - 1][1] or b""):
@@ -1465,7 +1489,7 @@ def fuzz_hot_reader_puts(data: bytes) -> None:
         elif backs and backs[0][0] == 0 and reader._start != reader._end:
             # what is left starts at the first frame C did not take (a refused one included)
             first = len(begun) - (1 if refused else 0)
-            at = sum(len(f) for f, _ in frames[:first])
+            at = sum(len(f) for f, _, _ in frames[:first])
             left = bytes(reader._buf[reader._start : reader._end])
             if left != stream[at : at + len(left)]:
                 raise AssertionError("the reader left other bytes than the stream's")

@@ -28,6 +28,7 @@ from kvoffload.nvmeof_target.tenants import Tenant
 from kvoffload.wire import fast
 from kvoffload.wire.native.connection import (
     NEED_DATA,
+    ErrorReply,
     Get,
     Hello,
     NativeConnection,
@@ -38,6 +39,7 @@ from kvoffload.wire.native.connection import (
 )
 from kvoffload.wire.native.events import Welcome
 from kvoffload.wire.native.frames import _State
+from kvoffload.wire.status import Status
 
 pytestmark = pytest.mark.skipif(
     core.hot_gets_type() is None, reason="the C core is not built (KVOFFLOAD_PURE_PYTHON run)"
@@ -75,7 +77,8 @@ def _session(engine: Engine, near: socket.socket, tenant: Tenant) -> Any:
     conn.send_parts(Welcome(1 << 30, 1, "", 1 << 20, 1 << 20))
     services = types.SimpleNamespace(hot_gets=0, hot_exists=0, hot_lookups=0, hot_get_manys=0,
                                      hot_reader_requests=0, hot_reader_handbacks=0,
-                                     hot_put_answers=0, hot_reader_puts=0, events=None)  # fmt: skip
+                                     hot_put_answers=0, hot_reader_puts=0, events=None,
+                                     shard=None)  # fmt: skip
     s = NativeSession.__new__(NativeSession)  # the real class, no daemon or front behind it
     fields = dict(
         conn=conn, channel=Channel(near, asyncio.get_running_loop()), _hot=hot,
@@ -230,3 +233,168 @@ def test_a_put_c_held_goes_on_in_the_python_codec(engine: Engine, pair: Any) -> 
         view.release()
 
     asyncio.run(main())
+
+
+def test_a_put_c_receives_is_busy_for_the_idle_timeout(engine: Engine, pair: Any) -> None:
+    """Idle 1 s, frame 5 s, half a payload: only the frame timeout applies, in C as in the
+    Python codec (where the put is pending). `overdue` is driven with explicit times."""
+    near, far = pair
+    value = b"v" * 200_000
+
+    async def main() -> None:
+        s = _session(engine, near, Tenant(""))
+        s.config.idle_timeout_s = 1.0
+        task = await _armed(s)
+        frame = s.client.send(Put(5, KEY, len(value)), [value])
+        far.sendall(frame[: len(frame) // 2])
+        await _until(lambda: s._hot.put_arriving)
+        t = max(s._last_rx, s._hot.last_rx)
+        in_c = [s.overdue(t + 2), s.overdue(t + 6)]
+        s._stop_c_reader()  # the same put, now the Python codec's
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        s._frame_since = s._hot.put_started  # as the read loop sets it inside a frame
+        in_python = [s.overdue(t + 2), s.overdue(t + 6)]
+        assert in_c == in_python == ["", "frame timeout"]
+        s._abandon()
+
+    asyncio.run(main())
+
+
+def test_a_slot_of_the_wrong_size_raises_and_gives_it_back(engine: Engine, pair: Any) -> None:
+    """A fault after `begin` (a slot one byte short): the error reaches the session (no hang),
+    the reservation is aborted, and the frame is still the codec's, whole."""
+    near, far = pair
+    value = b"w" * 3000
+
+    async def main() -> None:
+        s = _session(engine, near, Tenant(""))
+
+        def short_begin(*args: Any) -> Any:
+            slot, token = c_put_begin(s, *args)  # type: ignore[misc]
+            return slot[:-1], token
+
+        s._hot.take_puts(short_begin, lambda put: c_put_commit(s, put))
+        task = await _armed(s)
+        far.sendall(s.client.send(Put(5, KEY, len(value)), [value]))
+        with pytest.raises(ValueError, match="not the value's size"):
+            await asyncio.wait_for(task, 10)
+        assert not s._hot.armed and s._hot.take_put() is None and not s.puts
+        assert _dram(engine)["used_bytes"] == 0 and _dram(engine)["pinned"] == 0
+        assert s.conn.next_event() == Put(5, KEY, len(value))  # the header not consumed
+
+    asyncio.run(main())
+
+
+async def _quarter_put(
+    engine: Engine, near: socket.socket, far: socket.socket
+) -> tuple[Any, asyncio.Task[bool]]:
+    """A session with C armed, receiving the payload of a 200 kB put 5 of which the first
+    50 kB were sent."""
+    s = _session(engine, near, Tenant(""))
+    task = await _armed(s)
+    far.sendall(s.client.send(Put(5, KEY, 200_000), [b"q" * 200_000])[:50_000])
+    await _until(lambda: s._hot.put_arriving)
+    return s, task
+
+
+def test_a_hand_back_that_raises_still_resolves_and_aborts(engine: Engine, pair: Any) -> None:
+    """EOF mid-payload, and the codec refuses the put C held (a fault in `admit`): the session
+    gets the error instead of awaiting forever, and `_abandon` gives the slot back."""
+    near, far = pair
+
+    async def main() -> None:
+        s, task = await _quarter_put(engine, near, far)
+
+        def broken_admit(event: object) -> None:
+            raise RuntimeError("admit fault")
+
+        s.conn.admit = broken_admit
+        far.shutdown(socket.SHUT_WR)
+        with pytest.raises(RuntimeError, match="admit fault"):
+            await asyncio.wait_for(task, 10)
+        assert list(s.puts) == [5]
+        s._abandon()
+        assert _dram(engine)["used_bytes"] == 0 and _dram(engine)["pinned"] == 0
+
+    asyncio.run(main())
+
+
+def test_forgetting_a_session_with_a_put_held_is_loud_and_aborts_it(
+    engine: Engine, pair: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    near, far = pair
+
+    async def main() -> None:
+        s, task = await _quarter_put(engine, near, far)
+        s._hot.disarm()  # a bug's shape: disarmed without `_stop_c_reader` taking the put
+        s.channel.unwatch()
+        task.cancel()
+        forgotten: list[object] = []
+        s._instruments = types.SimpleNamespace(fold=lambda hot: None, hot=set())
+        s.front = types.SimpleNamespace(forget=forgotten.append)
+        s.peer = "test"
+        s._forget()
+        assert forgotten == [s] and "forgotten with a put C held" in caplog.text
+        assert _dram(engine)["used_bytes"] == 0 and _dram(engine)["pinned"] == 0
+
+    asyncio.run(main())
+
+
+def test_a_refused_reservation_leaves_the_next_read_to_python(pair: Any) -> None:
+    """C took the header but the engine refused the slot: answered in Python, so the next
+    read is Python's (`_hot_last`), as after any request Python answered."""
+    near, far = pair
+    small = Engine(EngineConfig(dram=DramConfig(capacity_bytes=1 << 20, prefault=False)))
+    value = b"z" * (2 << 20)  # larger than the whole tier: refused
+
+    async def main() -> None:
+        s = _session(small, near, Tenant(""))
+        task = await _armed(s)
+        far.sendall(s.client.send(Put(5, KEY, len(value)), [value])[:1000])
+        assert await asyncio.wait_for(task, 10)
+        assert 5 in s.puts and s.puts[5].error is not None
+        assert not s._hot_last
+        s._abandon()
+
+    try:
+        asyncio.run(main())
+    finally:
+        small.close()
+
+
+def test_a_commit_refused_by_a_closing_engine_is_answered_in_python(pair: Any) -> None:
+    """The engine begins to close while C receives a put's payload: `c_put_commit`'s commit
+    fails, the put is answered in Python with the engine's error (counted as a put with that
+    status), its slot given back, C hands back and the next read is Python's."""
+    near, far = pair
+    engine = Engine(EngineConfig(dram=DramConfig(capacity_bytes=8 << 20, prefault=False)))
+    value = b"c" * 200_000
+    counted: list[tuple[str, str]] = []
+
+    async def main() -> None:
+        s = _session(engine, near, Tenant(""))
+        s._instruments = lambda op, status: (
+            types.SimpleNamespace(inc=lambda: counted.append((op, status))),
+            types.SimpleNamespace(observe=lambda seconds: None),
+        )
+        task = await _armed(s)
+        frame = s.client.send(Put(5, KEY, len(value)), [value])
+        far.sendall(frame[:50_000])
+        await _until(lambda: s._hot.put_arriving)
+        with engine._lock:  # what `Engine.close` does first: later calls fail
+            engine._m.begin_close()
+        far.sendall(frame[50_000:])
+        (answer,) = await _answers(s, far, 1)
+        assert isinstance(answer, ErrorReply) and answer.request_id == 5, answer
+        assert "clos" in answer.message and counted == [("put", Status(answer.status).name.lower())]
+        assert await asyncio.wait_for(task, 10) and not s._hot.armed
+        assert not s._hot_last and not s.puts and s.services.hot_put_answers == 0
+        assert _dram(engine)["used_bytes"] == 0 and _dram(engine)["pinned"] == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine._close(False)  # the rest of `Engine.close` after its first step
+        engine._m.closed_event.set()
