@@ -7,6 +7,8 @@ applies."""
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -141,3 +143,62 @@ def test_bad_answers_end_alike_on_both_paths(answer: Any, n: int) -> None:
         _closed: 0,  # unreachable: an engine recomputes
     }[answer]
     assert answers["c"][1] == expected  # type: ignore[index]
+
+
+@pytest.mark.parametrize("raised", [ValueError, TypeError])
+def test_a_signal_during_a_c_lookup_is_raised_not_resent(raised: type[Exception]) -> None:
+    """A signal handler that raises ValueError or TypeError (net_lookup's own refusals of
+    keys) while net_lookup waits for the answer: its exception comes out and the frame, sent
+    already, is not sent again through the codec; the connection, whose answer is still on
+    its way, serves nothing else: the next lookup gets its own count, not the stale one."""
+    got_first = threading.Event()
+    release = threading.Event()
+    seen: list[int] = []
+
+    def answer(conn: NativeConnection, event: Event) -> tuple[bytes, bool]:
+        assert isinstance(event, Lookup)
+        seen.append(len(event.keys))
+        if len(seen) == 1:
+            got_first.set()
+            release.wait(10)  # the first answer comes only after the interrupt
+        return _joined(conn, LookupResult(event.request_id, len(event.keys))), False
+
+    fired: list[bool] = []
+
+    def handler(signum: int, frame: object) -> None:
+        if not fired:
+            fired.append(True)
+            raise raised("interrupted")
+
+    finished = threading.Event()
+    main = threading.get_ident()
+
+    def interrupt() -> None:
+        # Again until the lookup ends: one sent before C polls would not wake it.
+        if got_first.wait(10):
+            for _ in range(200):
+                if finished.is_set():
+                    return
+                signal.pthread_kill(main, signal.SIGUSR1)
+                finished.wait(0.05)
+
+    previous = signal.signal(signal.SIGUSR1, handler)
+    try:
+        with peer(answer) as port, implementation("c") as calls:
+            url = f"kv://127.0.0.1:{port}?retries=0&timeout=5"
+            with Client.connect(url) as client:
+                kicker = threading.Thread(target=interrupt)
+                kicker.start()
+                try:
+                    with pytest.raises(raised, match="interrupted"):
+                        client.lookup(chain(3, 7))
+                finally:
+                    finished.set()
+                    kicker.join()
+                release.set()
+                assert client.lookup(chain(4, 5)) == 5
+            assert seen == [7, 5]  # the first frame was sent once
+            assert calls[0] == 7
+    finally:
+        release.set()
+        signal.signal(signal.SIGUSR1, previous)

@@ -36,6 +36,7 @@ import importlib.machinery
 import importlib.util
 import math
 import os
+import select
 import socket
 import struct
 import sys
@@ -678,11 +679,104 @@ def fuzz_net_put(data: bytes) -> None:
         raise AssertionError(f"{got!r} where the codec says {ref}")
 
 
+_LOOKUP_KEYS = [i.to_bytes(16, "little") for i in range(1, 4098)]
+
+
+def _lookup_keys(inp: _NetInput) -> Any:
+    """The keys a lookup passes: `inp.count` of them, or 15 or 16 (mask bits 5-6 set: the
+    array's two encodings), or 4096 or 4097 (bits 0-1 set); duplicates when bit 2 is set, and
+    (bit 3) one that C must refuse before sending: 15 bytes, a bytearray, or the whole list a
+    list subclass; a list, not a tuple, when bit 4 is set."""
+    count = inp.count
+    if inp.mask & 0x60 == 0x60:
+        count = 15 + (inp.size & 1)
+    if inp.mask & 3 == 3:
+        count = 4096 + (inp.size & 1)
+    keys: list[object] = list(_LOOKUP_KEYS[:count])
+    if inp.mask & 4:
+        keys = [_LOOKUP_KEYS[i % 3] for i in range(count)]
+    if inp.mask & 8:
+        at, how = (inp.size >> 1) % count, (inp.size >> 8) % 3
+        if how == 2:
+            return type("Keys", (list,), {})(keys)
+        keys[at] = bytes(15) if how == 0 else bytearray(_LOOKUP_KEYS[0])
+    return keys if inp.mask & 16 else tuple(keys)
+
+
+def fuzz_net_lookup(data: bytes) -> None:
+    """`net_lookup` against a hostile daemon: the Lookup frame exactly as `encode_frame` writes
+    it (1 to 4096 keys; more, or a key not 16 `bytes`, refused before sending), then the count
+    the Python codec reads from the same bytes (a done answer consumed no byte past its
+    frame), or a hand-back of a prefix of the stream."""
+    inp = _net_input(data)
+    keys = _lookup_keys(inp)
+    good = type(keys) in (tuple, list) and 1 <= len(keys) <= 4096
+    good = good and all(type(k) is bytes and len(k) == 16 for k in keys)
+    ok_rid = 0 < inp.rid < 1 << 32
+    net = _ext(SPEEDUPS).net_lookup
+    left = [b""]
+
+    def call(fd: int, timeout: float) -> Any:
+        got = net(fd, keys, inp.rid, timeout)
+        left[0] = _drain_near(fd, 0.0 if inp.stall else _HANG)
+        return got
+
+    got, sent = _exchange(inp, call)
+    if _refused(got, sent, not (good and ok_rid) or inp.nan):
+        return
+    request = nw.Lookup(inp.rid, tuple(keys))
+    if sent != b"".join(encode_frame(nw.Lookup.OP, 0, inp.rid, request.meta())):
+        raise AssertionError(f"sent {len(sent)} bytes, not the Lookup frame of {len(keys)} keys")
+    if isinstance(got, TimeoutError):
+        return
+    if not isinstance(got, tuple) or len(got) != 4:
+        raise AssertionError(f"net_lookup returned {got!r}")
+    status, count, eof, rest = got
+    if status == fast.NET_FALLBACK:
+        _check_handed_back((status, count, 0, eof, rest), inp)
+        if count != 0:
+            raise AssertionError(f"a hand-back with count {count}")
+        # what C read and what it left unread are the whole stream, in order, for the codec
+        if not inp.stall and rest + left[0] != inp.stream:
+            raise AssertionError("a hand-back lost or reordered bytes of the stream")
+        return
+    ref = _reference(request, [], inp)
+    if (status, eof, rest) != (fast.NET_DONE, 0, b"") or ref.kind != "answer":
+        raise AssertionError(f"{got!r} where the codec says {ref}")
+    if ref.event != nw.LookupResult(inp.rid, count) or not 0 <= count <= 4096:
+        raise AssertionError(f"count {count} where the codec says {ref.event}")
+    # Nothing past the answer's frame was consumed: the rest of the stream (up to EOF, or
+    # what had come when the daemon stalls) is still there to read, whole and in order.
+    end = 24 + int.from_bytes(inp.stream[12:16], "little")
+    rest_ok = left[0] == inp.stream[end:] if not inp.stall else inp.stream[end:].startswith(left[0])
+    if not rest_ok:
+        raise AssertionError("net_lookup consumed bytes past its answer")
+
+
+def _drain_near(fd: int, wait: float) -> bytes:
+    """What the near end still has to read: until EOF, waiting up to `wait` for each chunk the
+    daemon sends once the one before was read (0: what is there now)."""
+    out = b""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    while poller.poll(int(wait * 1000)):
+        try:
+            got = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            continue
+        if not got:
+            break
+        out += got
+    return out
+
+
 def _seed_request(kind: str, inp: _NetInput, rid: int) -> tuple[nw.Event, list[bytes]]:
     if kind == "get":
         return nw.Get(rid, _NET_KEYS[inp.count - 1]), []
     if kind == "many":
         return nw.GetMany(rid, tuple(_NET_KEYS[: inp.count])), []
+    if kind == "lookup":
+        return nw.Lookup(rid, tuple(_LOOKUP_KEYS[: inp.count])), []
     return _put_request(inp, rid)
 
 
@@ -693,7 +787,13 @@ def _net_seeds(kind: str) -> list[bytes]:
     request id plus 2**64."""
     rid, block = 7, bytes(range(256)) * 2
     cases: list[tuple[bytes, nw.Event, list[bytes]]] = []  # (params, answer, its payload)
-    for count, mask in {"get": [(3, 1)], "many": [(3, 1), (256, 0)], "put": [(3, 0), (3, 1)]}[kind]:
+    counts = {
+        "get": [(3, 1)],
+        "many": [(3, 1), (256, 0)],
+        "put": [(3, 0), (3, 1)],
+        "lookup": [(3, 0), (256, 0)],
+    }
+    for count, mask in counts[kind]:
         params = _net_params(rid, count=count, mask=mask)
         nils: tuple[None, ...] = (None,) * (count - 1)
         by_kind: dict[str, list[tuple[nw.Event, list[bytes]]]] = {
@@ -703,6 +803,12 @@ def _net_seeds(kind: str) -> list[bytes]:
                 (nw.GetManyResult(rid, (None, *nils)), []),
             ],
             "put": [(nw.PutManyDone(rid) if mask else nw.PutDone(rid), [])],
+            # every count width, one past the keys asked, and an answer with tiers
+            "lookup": [
+                (nw.LookupResult(rid, n), [])
+                for n in sorted({0, 2, count, count + 1, 4097, 2**16, 2**32})
+            ]
+            + [(nw.LookupResult(rid, 2, (1, 2)), [])],
         }
         if kind == "many" and count == 3:
             by_kind["many"].append(
@@ -735,6 +841,16 @@ def _net_seeds(kind: str) -> list[bytes]:
         seeds.append(params[:1] + bytes(4) + params[5:] + stream[:8] + bytes(4) + stream[12:])
         seeds.append(params[:7] + bytes([params[7] | 0x80]) + params[8:] + stream)
         seeds.append(params[:11] + bytes([params[11] | 0x80]) + stream)  # the id + 2**64
+    if kind == "lookup":
+        # The first answer for the other key lists (_lookup_keys): 15 and 16 keys, 4096 and
+        # 4097, duplicates, a list, a short key, a bytearray, a list subclass.
+        first = seeds[0]
+        for mask, size in [(0x60, 0), (0x60, 1), (3, 0), (3, 1), (4, 0), (0x10, 0)] + [
+            (8, 0),
+            (8, 0x100),
+            (8, 0x200),
+        ]:
+            seeds.append(first[:5] + size.to_bytes(2, "little") + bytes([mask]) + first[8:])
     return seeds
 
 
@@ -1738,6 +1854,7 @@ TARGETS: dict[str, Target] = {
     "net-get-into": Target(fuzz_net_get_into, lambda: _net_seeds("get"), SPEEDUPS, 0.1),
     "net-get-many-into": Target(fuzz_net_get_many_into, lambda: _net_seeds("many"), SPEEDUPS, 0.1),
     "net-put": Target(fuzz_net_put, lambda: _net_seeds("put"), SPEEDUPS, 0.05),
+    "net-lookup": Target(fuzz_net_lookup, lambda: _net_seeds("lookup"), SPEEDUPS, 0.02),
     # The C core (kvoffload/core): the daemon's hot path and the index it reads.
     "hot-gets": Target(fuzz_hot_gets, _core_seeds, CORE, 0.25),
     "dram-index": Target(fuzz_dram_index, _core_seeds, CORE, 0.1),

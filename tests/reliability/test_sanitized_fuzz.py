@@ -2,9 +2,9 @@
 
 One sanitized build per run (`KVOFFLOAD_SANITIZE=1 setup.py build_ext` into a temp folder),
 then every target of fuzz_native_c.py's table for a bounded number of inputs: CI runs 20,000
-per stage times each target's share (the shares add up to 1.9; about two minutes on the shared
-2-vCPU VM, of which the three `net-*` targets, the client's one-call exchanges against a hostile
-daemon over a socketpair, take ~45 s), KVOFFLOAD_RELIABILITY=long 400,000. Without gcc's
+per stage times each target's share (the shares add up to 1.92; about two minutes on the shared
+2-vCPU VM, of which the four `net-*` targets, the client's one-call exchanges against a hostile
+daemon over a socketpair, take ~60 s), KVOFFLOAD_RELIABILITY=long 400,000. Without gcc's
 libasan the tests skip, except as root or under CI, where that is a failure.
 """
 

@@ -49,6 +49,7 @@ from kvoffload.wire.native.connection import (
     Event,
     Welcome,
 )
+from kvoffload.wire.native.fields import KEY_BYTES
 from kvoffload.wire.native.frames import HEAD_READ
 from kvoffload.wire.tiers import TierRun
 
@@ -233,13 +234,15 @@ class _SyncConnection(SyncRunner[Req, Call]):
         answer other than a plain count goes to the codec, as in `exchange_one`."""
         session, net_lookup = self.session, _fast.net_lookup
         assert net_lookup is not None
+        # Keys C cannot frame go the codec's way, checked here: a TypeError or ValueError out
+        # of net_lookup may be a signal handler's, raised after the frame went out.
+        if not _fast.all_keys(keys, KEY_BYTES):
+            return self._through_codec(req, deadline, req.make(rid)), None
         self._arm(deadline)
         try:
             status, count, eof, data = net_lookup(
                 self.sock.fileno(), keys, rid, left(deadline) + self._slack
             )
-        except (TypeError, ValueError):  # keys C cannot frame: nothing was sent
-            return self._through_codec(req, deadline, req.make(rid)), None
         except OSError as exc:
             raise self._lost(exc) from None
         if status == _fast.NET_FALLBACK:
