@@ -100,6 +100,11 @@ class Services:
     hot_exists: int = 0  # and exists requests
     hot_lookups: int = 0  # and lookups
     hot_get_manys: int = 0  # and batch gets
+    # Python-path GetMany answers, those cut short by `answer_pins` or max_payload_bytes (the
+    # client asks again for the rest), and the hits they had read but dropped unsent.
+    get_many_answers: int = 0
+    get_many_cut: int = 0
+    get_many_dropped: int = 0
     hot_put_answers: int = 0  # puts whose answer C sent and counted (`HotGets.put_done`)
     # Of the hot requests, those the C reader callback received and answered with no Python
     # session code between (`NativeSession._read_in_c`), and how often it handed back.
@@ -128,6 +133,9 @@ class Services:
             "hot_exists": self.hot_exists,
             "hot_lookups": self.hot_lookups,
             "hot_get_manys": self.hot_get_manys,
+            "get_many_answers": self.get_many_answers,
+            "get_many_cut": self.get_many_cut,
+            "get_many_dropped": self.get_many_dropped,
             "hot_put_answers": self.hot_put_answers,
             "hot_reader_requests": self.hot_reader_requests,
             "hot_reader_handbacks": self.hot_reader_handbacks,

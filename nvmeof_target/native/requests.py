@@ -169,9 +169,13 @@ def on_get_many(s: NativeSession, event: GetMany) -> None:
                         (views and taken + size > budget) or not pins.take(size, taken == 0)
                     ):
                         # Answer a prefix; the client asks again for the rest.
+                        dropped = 0
                         for rest in chunk[i:]:
                             if rest is not None:
                                 rest.release()
+                                dropped += 1
+                        s.services.get_many_cut += 1
+                        s.services.get_many_dropped += dropped
                         return views
                     taken += size
                     views.append(view)
@@ -186,6 +190,7 @@ def on_get_many(s: NativeSession, event: GetMany) -> None:
         return views
 
     def send(views: list[BlockView | None]) -> None:
+        s.services.get_many_answers += 1
         hits = [v for v in views if v is not None]
         lengths = tuple(None if v is None else len(v) for v in views)
         s.bytes_out.inc(sum(len(v) for v in hits))

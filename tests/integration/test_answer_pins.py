@@ -42,3 +42,23 @@ def test_a_get_many_that_is_never_read_leaves_room_for_puts(start_daemon: Start)
             # MiB fit beside it. Before, it pinned all 40 old MiB, and the puts evicted each
             # other down to the 23 that fit in what was left.
             assert sum(writer.get(key) is not None for key in new) == len(new)
+
+
+def test_stats_count_get_many_answers_cut_short_by_the_pin_budget(start_daemon: Start) -> None:
+    # An SSD tier puts GetMany on the Python path, where the counters are kept (issue 30:
+    # how often `bench lmcache-mp`'s loads are cut short).
+    daemon = start_daemon("--dram", "64MiB", "--ssd", "128MiB")
+    keys = [i.to_bytes(16, "big") for i in range(12)]
+    with Client.connect(daemon.url()) as client:
+        for key in keys:
+            client.put(key, bytes([key[-1]]) * (2 * MIB))
+        # 24 MiB in one batch, the budget a quarter of 64 MiB: one answer cut short, then the
+        # rest; every block still comes back whole.
+        got = client.get_many(keys)
+        assert [g is not None and bytes(g) == bytes([k[-1]]) * (2 * MIB) for g, k in
+                zip(got, keys, strict=True)] == [True] * len(keys)  # fmt: skip
+        server = client.stats().store["server"]
+    assert server["get_many_answers"] == 2, server
+    assert server["get_many_cut"] == 1, server
+    # The one read block that did not fit was read, then dropped unsent.
+    assert server["get_many_dropped"] >= 1, server
