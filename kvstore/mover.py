@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -70,16 +71,19 @@ class ReadLatch:
         return self._done
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Whether it was set within `timeout` seconds (None: wait until it is)."""
-        if timeout is None:
-            got = self._lock.acquire()
-        elif timeout <= 0:
-            got = self._lock.acquire(False)
-        else:
-            got = self._lock.acquire(True, timeout)
-        if got:  # pass it on: the next waiter, or the next wait, takes it at once
-            self._lock.release()
-        return got
+        """Whether it was set within `timeout` seconds (None: wait until it is). Once set it
+        answers True without the lock, as an Event does (a waiter passing the lock on must not
+        make another's short wait fail), and a blocking wait re-checks the flag every 50 ms, so
+        a waiter interrupted while it held the lock cannot strand the others."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._done:
+            left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
+            if left <= 0:
+                return self._done
+            if self._lock.acquire(True, left):  # pass it on: the next waiter takes it at once
+                self._lock.release()
+                return True
+        return True
 
 
 @dataclass(eq=False, slots=True)

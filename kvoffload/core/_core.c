@@ -59,7 +59,8 @@ static PyObject *core_hash_key(PyObject *self, PyObject *key) {
         Py_ssize_t n = PyBytes_GET_SIZE(key);
         lo = le_prefix(k, n);
         hi = n > 8 ? le_prefix(k + 8, n - 8) : 0;
-    } else { /* any other bytes-like object, as the reference's slicing takes it */
+    } else { /* a contiguous buffer of bytes (bytearray, memoryview of bytes): the engine
+              * passes only bytes; wider items would be hashed by their bytes, not items */
         Py_buffer view;
         if (PyObject_GetBuffer(key, &view, PyBUF_SIMPLE) < 0) return NULL;
         const uint8_t *k = view.buf;

@@ -112,6 +112,31 @@ def test_a_read_latch_does_what_an_event_did(make: type[ReadLatch] | type[thread
     assert latch.is_set() and latch.wait() and latch.wait(0) and latch.wait(0.01)
 
 
+def test_a_set_latch_answers_true_while_another_waiter_holds_its_lock() -> None:
+    # After set, an Event's wait is True at once; the latch's waiters pass its lock on, and one
+    # holding it for that moment (or interrupted while it did) must not fail another's wait
+    # (review of the ssdsmall merge: wait(0) was False here).
+    latch = ReadLatch()
+    latch.set()
+    assert latch._lock.acquire(False)  # a waiter mid-pass
+    try:
+        assert latch.wait(0) is True and latch.wait(0.01) is True and latch.wait() is True
+    finally:
+        latch._lock.release()
+
+
+def test_a_blocking_wait_is_not_stranded_by_a_lock_left_held() -> None:
+    # A waiter interrupted between its acquire and release leaves the lock held for good: a
+    # blocking wait on the set latch still returns (it re-checks the flag).
+    latch = ReadLatch()
+    woke: list[bool] = []
+    t = threading.Thread(target=lambda: woke.append(latch.wait()))
+    t.start()
+    latch._done = True  # set, with the lock never released (the stranded case)
+    t.join(WAIT_S)  # a hang guard, not a timing assertion
+    assert not t.is_alive() and woke == [True]
+
+
 def test_a_get_waits_on_the_latch_of_a_read_in_flight(tmp_path: Path) -> None:
     # A key in flight is waited for, not read twice: its latch, set by read_done, wakes the get.
     config = EngineConfig(
