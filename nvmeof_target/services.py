@@ -56,6 +56,12 @@ class ShardRole:
         for key in keys:
             self.check(key)
 
+    def own_parent(self, parent: bytes | None) -> bytes | None:
+        """`parent` if this shard holds it, else None: a parent another worker holds is
+        unknown to this engine, and the block starts a chain here rather than look like an
+        orphan (the first to be evicted)."""
+        return parent if parent is None or shard_of(parent, self.count) == self.index else None
+
 
 class PinBudget:
     """Bytes of the arena that answers still being sent hold pinned, across connections.

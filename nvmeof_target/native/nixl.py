@@ -50,7 +50,6 @@ from kvoffload.wire.native.connection import (
     NixlPut,
     NixlPutDone,
 )
-from kvoffload.wire.shards import shard_of
 
 __all__ = ["on_nixl_get", "on_nixl_memory", "on_nixl_put"]
 
@@ -316,8 +315,7 @@ def on_nixl_put(s: NativeSession, event: NixlPut) -> Awaitable[None]:
                 ):
                     if shard is not None:
                         shard.check(key)
-                        if parent is not None and shard_of(parent, shard.count) != shard.index:
-                            parent = None  # held by another worker: unknown to this engine
+                        parent = shard.own_parent(parent)
                     out.append(
                         s.engine.reserve(
                             me.key(key),

@@ -27,7 +27,6 @@ from kvoffload.wire.native.connection import (
     RepairDone,
     SinkFull,
 )
-from kvoffload.wire.shards import shard_of
 
 __all__ = [
     "c_put_begin",
@@ -137,11 +136,7 @@ def c_put_begin(
     me, events = s.me, s.services.events
     t0 = time.perf_counter()
     meta = stored_meta(key, parent, None) if events is not None else None
-    shard = s.shard
-    # As `_reserve`: a parent another worker holds is unknown here, not an orphan's parent.
-    engine_parent = parent
-    if shard and parent is not None and shard_of(parent, shard.count) != shard.index:
-        engine_parent = None
+    engine_parent = parent if s.shard is None else s.shard.own_parent(parent)  # as `_reserve`
     try:
         reservation = s.engine.reserve(
             me.key(key), length, parent=me.opt_key(engine_parent), tenant=me.name, meta=meta
@@ -223,10 +218,7 @@ def _reserve(s: NativeSession, pending: PendingPut, items: list[int]) -> Pending
                 pending.items[i] = (key, length, parent, meta)
             if shard:
                 shard.check(key)
-                # A parent another worker holds is unknown to this engine: the block starts
-                # a chain here, rather than look like an orphan (first to be evicted).
-                if parent is not None and shard_of(parent, shard.count) != shard.index:
-                    parent = None
+                parent = shard.own_parent(parent)
             reserve = partial(
                 s.engine.reserve,
                 me.key(key),
